@@ -1,0 +1,20 @@
+# The two commands of the README. Each sets up .venv first (idempotent).
+VENV ?= .venv
+
+.PHONY: replay test lint setup
+
+setup:
+	@scripts/bootstrap.sh
+
+# Main job: replay the bundled seed corpus on unfixed and fixed vLLM.
+# kvfuzz exits 1 when it reports findings (expected here: `unfixed` has the
+# bug); only bad input or usage (exit 2) fails this target.
+replay: setup
+	@$(VENV)/bin/kvfuzz replay corpora/seeds || test $$? -eq 1
+
+# Tests (unit, oracle, real-vLLM integration) and lint.
+test: setup
+	@$(VENV)/bin/ruff check differential fuzz tests benchmarks
+	@$(VENV)/bin/python -m pytest || { rc=$$?; \
+	    if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): nothing to fail"; \
+	    else exit $$rc; fi; }

@@ -1,0 +1,138 @@
+"""The ``kvfuzz`` command line.
+
+Exit codes: 0 when the variants under test are clean, 1 when anything is
+found, 2 for bad input or usage (the message names the field or option and
+what is allowed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from differential.errors import ScenarioError, VariantError
+from differential.findings import Policy
+from differential.variants import DEFAULT_VARIANTS, known_variants, parse_variants
+
+__all__ = ["main"]
+
+EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=(
+            "comma-separated variants to run side by side "
+            f"(known: {', '.join(known_variants())}; default: %(default)s)"
+        ),
+    )
+    parser.add_argument(
+        "--policy",
+        choices=[p.value for p in Policy],
+        default=Policy.VLLM.value,
+        help="checkpoint policy the oracle judges with (default: %(default)s)",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvfuzz",
+        description=(
+            "Differential testing of vLLM's prefix-cache managers: run scenarios "
+            "on vLLM's real KVCacheManager, unfixed and fixed side by side, and "
+            "report hits that fall back to an earlier checkpoint or reuse KV they must not."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    replay = sub.add_parser(
+        "replay",
+        help="run scenario files or folders and print per-sibling verdicts",
+        description="Run every scenario in PATH... on each variant and judge every sibling.",
+    )
+    replay.add_argument("paths", nargs="+", metavar="PATH", help="scenario JSON files or folders")
+    _add_common(replay)
+    replay.add_argument(
+        "--json", action="store_true", help="print the report as JSON instead of a table"
+    )
+    replay.add_argument(
+        "--report",
+        type=Path,
+        metavar="FILE",
+        help="also write the JSON report to FILE (atomically)",
+    )
+    replay.add_argument(
+        "--no-dense-check",
+        action="store_true",
+        help="skip the dense-retention cross-check runs (about halves the run time)",
+    )
+    return parser
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from differential.corpus import iter_scenario_files, load_entry, write_atomic
+
+    variants = parse_variants(args.variants)
+    policy = Policy(args.policy)
+    # Validate every input before running anything.
+    entries = [load_entry(path) for path in iter_scenario_files(args.paths)]
+
+    started = time.perf_counter()
+    from differential.compare import compare_variants
+    from differential.driver import VLLM_VERSION, fix_status
+    from differential.report import render_json, render_text
+
+    notices: list[str] = []
+    if any(v.carries_fix for v in variants):
+        status = fix_status()
+        if status.complete:
+            notices.append(
+                f"the installed vLLM {VLLM_VERSION} already contains the seed fix; "
+                "variants that add it would compare vLLM with itself and are skipped"
+            )
+            variants = tuple(v for v in variants if not v.carries_fix)
+        elif status.gemma4_no_drop or status.widened_tails:
+            part = "no Gemma-4 MTP drop" if status.gemma4_no_drop else "widened SWA tails"
+            notices.append(
+                f"the installed vLLM {VLLM_VERSION} already has part of the seed fix ({part})"
+            )
+    results = [
+        compare_variants(
+            entry.scenario,
+            variants,
+            policy=policy,
+            source=str(entry.path),
+            dense_cross_check=not args.no_dense_check,
+        )
+        for entry in entries
+    ]
+    report = render_json(results, VLLM_VERSION, policy, notices)
+    if args.report is not None:
+        write_atomic(args.report, json.dumps(report, indent=2) + "\n")
+    if args.json:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        sys.stdout.write(render_text(results, VLLM_VERSION, notices))
+        sys.stdout.write(f"({time.perf_counter() - started:.1f} s after importing vLLM)\n")
+    return EXIT_FOUND if any(r.findings for r in results) else EXIT_CLEAN
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvfuzz`` console script; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "replay":
+            return _replay(args)
+    except (ScenarioError, VariantError) as exc:
+        print(f"kvfuzz: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Scenario files and folders: loading, expectations, atomic writing.
+
+A corpus file is a scenario's JSON form, optionally with an ``expect`` block
+recording what a replay must observe::
+
+    "expect": {
+      "hits": {"unfixed": [0, 8192, 16352, 16352], "fixed": [0, 16352, 16352, 16352]},
+      "findings": {"unfixed": ["fallback@1"], "fixed": []}
+    }
+
+``findings`` lists ``kind@request`` (``kind@run`` for whole-run findings) per
+variant under the ``vllm`` policy; a variant listed there must report exactly
+those findings. ``notes`` is free text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from differential.errors import ScenarioError
+from differential.findings import Finding
+from differential.scenario import Scenario
+
+__all__ = [
+    "CorpusEntry",
+    "Expectation",
+    "finding_tag",
+    "iter_scenario_files",
+    "load_entry",
+    "write_atomic",
+]
+
+
+def finding_tag(finding: Finding) -> str:
+    """``kind@request`` (``kind@run`` for whole-run findings)."""
+    where = "run" if finding.request is None else str(finding.request)
+    return f"{finding.kind.value}@{where}"
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What replaying a corpus entry must observe.
+
+    Attributes:
+        hits: variant name -> hit tokens per request.
+        findings: variant name -> sorted ``kind@request`` tags.
+        notes: free text.
+    """
+
+    hits: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    findings: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class CorpusEntry:
+    """A scenario file and its expectation."""
+
+    path: Path
+    scenario: Scenario
+    expect: Expectation
+
+
+def _expectation(raw: object, source: str) -> Expectation:
+    if raw is None:
+        return Expectation()
+    if not isinstance(raw, dict) or set(raw) - {"hits", "findings"}:
+        raise ScenarioError(
+            "expect", raw, "an object with keys 'hits' and/or 'findings'", source=source
+        )
+    hits: dict[str, tuple[int, ...]] = {}
+    for variant, values in (raw.get("hits") or {}).items():
+        if not isinstance(values, list) or not all(isinstance(v, int) for v in values):
+            raise ScenarioError(
+                f"expect.hits.{variant}", values, "a list of integers", source=source
+            )
+        hits[variant] = tuple(values)
+    findings: dict[str, tuple[str, ...]] = {}
+    for variant, tags in (raw.get("findings") or {}).items():
+        if not isinstance(tags, list) or not all(isinstance(t, str) and "@" in t for t in tags):
+            raise ScenarioError(
+                f"expect.findings.{variant}",
+                tags,
+                "a list of 'kind@request' strings",
+                source=source,
+            )
+        findings[variant] = tuple(sorted(tags))
+    return Expectation(hits=hits, findings=findings)
+
+
+def load_entry(path: Path) -> CorpusEntry:
+    """Load one scenario file.
+
+    Raises:
+        ScenarioError: unreadable file, malformed JSON or an invalid scenario;
+            the message names the file and the field.
+    """
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ScenarioError("<file>", source, f"a readable file ({exc.strerror})") from None
+    scenario = Scenario.from_json(text, source=source)
+    data: dict[str, Any] = json.loads(text)
+    expect = _expectation(data.get("expect"), source)
+    notes = data.get("notes", "")
+    if not isinstance(notes, str):
+        raise ScenarioError("notes", notes, "a string", source=source)
+    return CorpusEntry(path, scenario, Expectation(expect.hits, expect.findings, notes))
+
+
+def iter_scenario_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Expand files and folders (recursively, ``*.json``) into sorted files.
+
+    Raises:
+        ScenarioError: a path that does not exist, or a folder with no JSON.
+    """
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*.json") if p.is_file())
+            if not found:
+                raise ScenarioError("PATH", str(path), "a folder containing *.json scenario files")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ScenarioError("PATH", str(path), "an existing scenario file or folder")
+    return files
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

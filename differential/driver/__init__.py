@@ -1,0 +1,46 @@
+"""The vLLM driver: the only part of kvfuzz that imports vLLM.
+
+Importing this package imports vLLM (about 4.5 s); import it once per process
+and reuse it across scenarios.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+from differential.driver.fixes import FixStatus, fix_status
+from differential.driver.runner import VLLM_VERSION, run_scenario
+from differential.observation import RunObservation
+from differential.scenario import Scenario
+from differential.variants import Variant
+
+__all__ = ["VLLM_VERSION", "FixStatus", "fix_status", "run_variant"]
+
+_DENSE = None
+
+
+def _patch_factory(variant: Variant) -> Callable[[], AbstractContextManager[None]]:
+    if not variant.patch:
+        return nullcontext
+    module, _, function = variant.patch.partition(":")
+    factory: Callable[[], AbstractContextManager[None]] = getattr(
+        importlib.import_module(module), function
+    )
+    return factory
+
+
+def run_variant(scenario: Scenario, variant: Variant, *, dense: bool = False) -> RunObservation:
+    """Run ``scenario`` on ``variant`` with its patches installed only for the run.
+
+    Args:
+        scenario: the scenario.
+        variant: the variant to run.
+        dense: run with retention ``None`` instead of the scenario's own
+            retention interval (the oracle's dense cross-check).
+    """
+    with _patch_factory(variant)():
+        if dense:
+            return run_scenario(scenario, variant.name, retention_interval_tokens=_DENSE)
+        return run_scenario(scenario, variant.name)

@@ -1,0 +1,187 @@
+"""The seed PR's two changes, as thin wrappers around vLLM's own functions.
+
+The ``fixed`` variant runs the installed vLLM with these wrappers in place:
+
+1. ``SpeculativeConfig.needs_eagle_block_drop`` returns ``False`` for the
+   Gemma-4 MTP drafter, which writes no draft KV (``use_gemma4_mtp()``), as it
+   already does for DFlash and DSpark.
+2. ``SlidingWindowManager.reachable_block_mask`` keeps each *periodic* SWA tail
+   ``alignment_tokens // block_size`` blocks wider when the EAGLE drop is on
+   and retention is sparse (a positive retention interval other than the hit
+   alignment). Dense retention, retention 0 and runs without the drop are
+   unchanged, and so are the replay-boundary and junction tails.
+
+Both wrappers call the original vLLM function and only post-process its
+answer. The widening is the union of vLLM's own mask with vLLM's own periodic
+mask for a window ``alignment_tokens`` tokens wider: a tail of
+``ceil((window - 1) / block) + 1`` blocks becomes one of
+``ceil((window + A - 1) / block) + 1 = previous + A / block`` blocks, ending on
+the same peek block.
+
+Patching is process-global, so :func:`patched` serialises variants with a lock
+and restores the originals on exit: no patch leaks into another variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from vllm.config import SpeculativeConfig
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
+
+__all__ = ["FixStatus", "fix_status", "patched", "seed_pr_fix"]
+
+_LOCK = threading.RLock()
+
+_original_needs_drop: Callable[[SpeculativeConfig], bool] = SpeculativeConfig.needs_eagle_block_drop
+_original_mask: Callable[..., list[bool] | None] = (
+    SlidingWindowManager.reachable_block_mask.__func__
+)  # type: ignore[attr-defined]
+
+
+def _needs_eagle_block_drop(self: SpeculativeConfig) -> bool:
+    return _original_needs_drop(self) and not self.use_gemma4_mtp()
+
+
+def _widened_mask(
+    cls: type[SlidingWindowManager],
+    start_block: int,
+    end_block: int,
+    alignment_tokens: int | None,
+    kv_cache_spec: KVCacheSpec,
+    use_eagle: bool,
+    retention_interval: int | None = None,
+    reachable_boundaries: Sequence[int] = (),
+    dcp_world_size: int = 1,
+    final_segment_end_block: int | None = None,
+) -> list[bool] | None:
+    current = _original_mask(
+        cls,
+        start_block,
+        end_block,
+        alignment_tokens,
+        kv_cache_spec,
+        use_eagle,
+        retention_interval,
+        reachable_boundaries,
+        dcp_world_size,
+        final_segment_end_block,
+    )
+    sparse = bool(retention_interval) and retention_interval != alignment_tokens
+    if current is None or not use_eagle or not sparse or alignment_tokens is None:
+        return current
+    assert isinstance(kv_cache_spec, SlidingWindowSpec)
+    wider_spec = dataclasses.replace(
+        kv_cache_spec, sliding_window=kv_cache_spec.sliding_window + alignment_tokens
+    )
+    wider = _original_mask(
+        cls,
+        start_block,
+        end_block,
+        alignment_tokens,
+        wider_spec,
+        use_eagle,
+        retention_interval,
+        (),  # periodic tails only
+        dcp_world_size,
+        final_segment_end_block,
+    )
+    if wider is None:
+        return None
+    return [a or b for a, b in zip(current, wider, strict=True)]
+
+
+# (owner, attribute, replacement) triples of the seed PR's fix.
+_SEED_PR_PATCHES: tuple[tuple[type, str, Any], ...] = (
+    (SpeculativeConfig, "needs_eagle_block_drop", _needs_eagle_block_drop),
+    (SlidingWindowManager, "reachable_block_mask", classmethod(_widened_mask)),
+)
+
+
+@contextmanager
+def patched(patches: Sequence[tuple[type, str, Any]]) -> Iterator[None]:
+    """Install ``patches`` for the duration of the block, then restore.
+
+    Holds a process-wide lock so two variants never run interleaved.
+    """
+    with _LOCK:
+        saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+        try:
+            for owner, name, replacement in patches:
+                setattr(owner, name, replacement)
+            yield
+        finally:
+            for owner, name, original in saved:
+                setattr(owner, name, original)
+
+
+@contextmanager
+def seed_pr_fix() -> Iterator[None]:
+    """Context manager: the installed vLLM plus the seed PR's two changes."""
+    with patched(_SEED_PR_PATCHES):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class FixStatus:
+    """Whether the installed vLLM already contains each part of the seed fix.
+
+    Attributes:
+        gemma4_no_drop: ``needs_eagle_block_drop()`` is already ``False`` for
+            Gemma-4 MTP.
+        widened_tails: ``reachable_block_mask`` already keeps the wider
+            periodic tails.
+    """
+
+    gemma4_no_drop: bool
+    widened_tails: bool
+
+    @property
+    def complete(self) -> bool:
+        """Both parts are already in the installed vLLM."""
+        return self.gemma4_no_drop and self.widened_tails
+
+
+def fix_status() -> FixStatus:
+    """Probe the installed, unpatched vLLM for the seed fix, by behaviour.
+
+    * Gemma-4 MTP: does ``resolve_drafter`` still turn the EAGLE drop on?
+    * Widened tails: a toy hybrid (full block 8, SWA block 4, window 8,
+      retention 32, MTP with the drop) caches a 68-token writer, then a sibling
+      diverging at token 33, right after the checkpoint at 32. With the wider
+      periodic tail it hits at 24 (``32 - A``); stock 0.33.0 falls back to 0.
+    """
+    from differential.driver.runner import run_scenario
+    from differential.driver.settings import resolve_drafter
+    from differential.scenario import (
+        Drafter,
+        DrafterKind,
+        GroupKind,
+        KVCacheGroup,
+        RequestSpec,
+        Scenario,
+    )
+
+    def probe(kind: DrafterKind) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(
+                KVCacheGroup(GroupKind.FULL_ATTENTION, 8),
+                KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8),
+            ),
+            requests=(RequestSpec(64, 4), RequestSpec(33, 4)),
+            shared_prefix_tokens=64,
+            retention_interval_tokens=32,
+            drafter=Drafter(kind, 1),
+            disable_lookahead_block_hashes=True,
+            prefill_chunk_tokens=16,
+        )
+
+    with _LOCK:
+        gemma4_no_drop = not resolve_drafter(probe(DrafterKind.GEMMA4_MTP)).use_eagle_block_drop
+        sibling = run_scenario(probe(DrafterKind.MTP), "probe").hits[-1:]
+        return FixStatus(gemma4_no_drop=gemma4_no_drop, widened_tails=sibling == (24,))

@@ -1,0 +1,286 @@
+"""Drive vLLM's real ``KVCacheManager`` through a scenario, as the scheduler does.
+
+Per request, in order (vLLM ``vllm/v1/core/sched/scheduler.py``
+``Scheduler.schedule`` for a waiting then running request):
+
+1. ``get_computed_blocks`` -> hit tokens and ``shared_prefix_boundary``, which
+   is stored on the request as the scheduler stores it;
+2. prefill in chunks of ``prefill_chunk_tokens``, each chunk trimmed by
+   ``Scheduler._reserve_prefill_lookahead`` (called, not copied), with
+   ``allocate_slots(..., num_lookahead_tokens=...)``; the first chunk adopts
+   the hit blocks; ``num_computed_tokens`` advances after each step;
+3. ``decode_steps`` decode steps of one sampled token each;
+4. ``free``.
+
+The pool is sized so that no cached block is ever evicted; evictions are still
+counted (cached block keys that disappear) and reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from types import SimpleNamespace
+
+import torch
+import vllm
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import (
+    get_group_id,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request, RequestStatus
+
+from differential.driver.settings import ResolvedDrafter, resolve_drafter
+from differential.errors import InternalError
+from differential.observation import ManagerSettings, RequestObservation, RunObservation
+from differential.scenario import GroupKind, Scenario
+
+__all__ = ["VLLM_VERSION", "run_scenario"]
+
+VLLM_VERSION: str = vllm.__version__
+
+init_none_hash(sha256)
+
+_UNSET = object()
+
+
+def _spec(block_size: int, kind: GroupKind, window: int | None) -> KVCacheSpec:
+    common = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
+    if kind is GroupKind.SLIDING_WINDOW:
+        assert window is not None
+        return SlidingWindowSpec(sliding_window=window, **common)
+    return FullAttentionSpec(**common)
+
+
+def _pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
+    """Blocks enough for every request to take fresh blocks: nothing evicts."""
+    total = 1  # the null block
+    extra = scenario.decode_steps + resolved.num_lookahead_tokens + 1
+    for request in scenario.requests:
+        for group in scenario.kv_cache_groups:
+            total += math.ceil((request.prompt_tokens + extra) / group.block_size_tokens)
+    return total + 8
+
+
+def _kv_cache_config(scenario: Scenario, num_blocks: int, retention: int | None) -> KVCacheConfig:
+    groups = [
+        KVCacheGroupSpec(
+            layer_names=[f"{g.kind.value}.{i}"],
+            kv_cache_spec=_spec(g.block_size_tokens, g.kind, g.sliding_window_tokens),
+        )
+        for i, g in enumerate(scenario.kv_cache_groups)
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=retention,
+    )
+
+
+def _cached_keys(manager: KVCacheManager) -> Counter[bytes]:
+    """Cached block keys (hash + group id) -> number of cached blocks."""
+    cache = manager.block_pool.cached_block_hash_to_block._cache
+    return Counter({key: (len(v) if isinstance(v, dict) else 1) for key, v in cache.items()})
+
+
+def _blocks_per_group(keys: Counter[bytes], num_groups: int) -> list[int]:
+    counts = [0] * num_groups
+    for key, n in keys.items():
+        counts[get_group_id(key)] += n
+    return counts
+
+
+def run_scenario(
+    scenario: Scenario,
+    variant: str,
+    *,
+    retention_interval_tokens: int | object | None = _UNSET,
+) -> RunObservation:
+    """Run ``scenario`` on the vLLM importable in this process.
+
+    The caller applies the variant's patches around this call (see
+    :func:`differential.driver.variants.run_variant`); ``variant`` only labels
+    the observation.
+
+    Args:
+        scenario: the scenario to drive.
+        variant: the variant name recorded in the observation.
+        retention_interval_tokens: overrides the scenario's retention interval
+            (``None`` for the dense cross-check run); defaults to the
+            scenario's own.
+
+    Returns:
+        The observation. If vLLM raised, ``error`` names the phase and the
+        exception and ``requests`` holds the requests completed before it.
+    """
+    retention = (
+        scenario.retention_interval_tokens
+        if retention_interval_tokens is _UNSET
+        else retention_interval_tokens
+    )
+    assert retention is None or isinstance(retention, int)
+    phase = ["resolve drafter settings"]
+    observed: list[RequestObservation] = []
+    settings: ManagerSettings | None = None
+    evicted = 0
+    try:
+        resolved = resolve_drafter(scenario)
+        phase[0] = "build KVCacheManager"
+        num_groups = len(scenario.kv_cache_groups)
+        longest = max(r.prompt_tokens for r in scenario.requests)
+        max_model_len = longest + scenario.decode_steps + resolved.num_lookahead_tokens + 1
+        manager = KVCacheManager(
+            kv_cache_config=_kv_cache_config(scenario, _pool_blocks(scenario, resolved), retention),
+            max_model_len=max_model_len,
+            scheduler_block_size=scenario.scheduler_block_size_tokens,
+            hash_block_size=scenario.effective_hash_block_size_tokens,
+            enable_caching=True,
+            use_eagle=resolved.use_eagle_block_drop,
+            num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
+            num_prefill_lookahead=resolved.num_prefill_lookahead_tokens,
+        )
+        coordinator = manager.coordinator
+        alignment = getattr(
+            coordinator, "_cache_hit_alignment_tokens", scenario.scheduler_block_size_tokens
+        )
+        settings = ManagerSettings(
+            use_eagle_block_drop=resolved.use_eagle_block_drop,
+            num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
+            num_lookahead_tokens=resolved.num_lookahead_tokens,
+            num_prefill_lookahead_tokens=resolved.num_prefill_lookahead_tokens,
+            hit_alignment_tokens=alignment,
+        )
+        hasher = get_request_block_hasher(
+            scenario.effective_hash_block_size_tokens,
+            sha256,
+            resolved.num_hash_lookahead_tokens,
+        )
+        # Scheduler._reserve_prefill_lookahead reads only this attribute.
+        scheduler_view = SimpleNamespace(
+            num_prefill_lookahead=resolved.num_prefill_lookahead_tokens
+        )
+        seen: Counter[bytes] = Counter()
+        for index, (spec, prompt) in enumerate(
+            zip(scenario.requests, scenario.prompts, strict=True)
+        ):
+            phase[0] = f"request {index}: lookup"
+            request = Request(
+                request_id=f"req-{index}",
+                prompt_token_ids=list(prompt),
+                sampling_params=SamplingParams(max_tokens=scenario.decode_steps + 1),
+                pooling_params=None,
+                block_hasher=hasher,
+            )
+            before = _cached_keys(manager)
+            if hasattr(coordinator, "find_longest_cache_hit_per_group"):
+                _, per_group = coordinator.find_longest_cache_hit_per_group(
+                    request.block_hashes, request.num_tokens - 1
+                )
+            else:
+                per_group = ()
+            blocks, hit, junction = manager.get_computed_blocks(request)
+            request.shared_prefix_boundary = junction
+            if not per_group:
+                per_group = (hit,) * num_groups
+
+            computed = hit
+            first = True
+            while computed < spec.prompt_tokens:
+                phase[0] = f"request {index}: prefill allocate_slots at {computed} tokens"
+                num_new = min(scenario.prefill_chunk_tokens, spec.prompt_tokens - computed)
+                num_new = Scheduler._reserve_prefill_lookahead(
+                    scheduler_view,  # type: ignore[arg-type]
+                    request,
+                    computed,
+                    num_new,
+                )
+                if num_new == 0:
+                    raise InternalError(
+                        f"prefill stalled at {computed} tokens: chunk "
+                        f"{scenario.prefill_chunk_tokens} cannot leave the prefill "
+                        f"lookahead of {resolved.num_prefill_lookahead_tokens} tokens"
+                    )
+                if first:
+                    allocated = manager.allocate_slots(
+                        request,
+                        num_new,
+                        num_new_computed_tokens=hit,
+                        new_computed_blocks=blocks,
+                        num_lookahead_tokens=resolved.num_lookahead_tokens,
+                    )
+                    request.status = RequestStatus.RUNNING
+                    first = False
+                else:
+                    allocated = manager.allocate_slots(
+                        request, num_new, num_lookahead_tokens=resolved.num_lookahead_tokens
+                    )
+                if allocated is None:
+                    raise InternalError(f"the block pool ran out at {computed} tokens")
+                computed += num_new
+                request.num_computed_tokens = computed
+            for step in range(scenario.decode_steps):
+                phase[0] = f"request {index}: decode step {step}"
+                request.append_output_token_ids(scenario.output_token(index, step))
+                allocated = manager.allocate_slots(
+                    request, 1, num_lookahead_tokens=resolved.num_lookahead_tokens
+                )
+                if allocated is None:
+                    raise InternalError(f"the block pool ran out at decode step {step}")
+                computed += 1
+                request.num_computed_tokens = computed
+            phase[0] = f"request {index}: free"
+            manager.free(request)
+            after = _cached_keys(manager)
+            evicted += sum((seen - after).values())
+            seen = after
+            added = [
+                a - b
+                for a, b in zip(
+                    _blocks_per_group(after, num_groups),
+                    _blocks_per_group(before, num_groups),
+                    strict=True,
+                )
+            ]
+            observed.append(
+                RequestObservation(
+                    index=index,
+                    prompt_tokens=spec.prompt_tokens,
+                    hit_tokens=hit,
+                    shared_prefix_boundary_tokens=junction,
+                    per_group_hit_tokens=tuple(per_group),
+                    retained_blocks_per_group=tuple(added),
+                )
+            )
+    except InternalError:
+        raise
+    except Exception as exc:  # vLLM raised: a finding, not our failure.
+        return RunObservation(
+            variant=variant,
+            vllm_version=VLLM_VERSION,
+            settings=settings,
+            requests=tuple(observed),
+            evicted_blocks=evicted,
+            error=f"{phase[0]}: {type(exc).__name__}: {exc}",
+            retention_interval_tokens=retention,
+        )
+    return RunObservation(
+        variant=variant,
+        vllm_version=VLLM_VERSION,
+        settings=settings,
+        requests=tuple(observed),
+        evicted_blocks=evicted,
+        retention_interval_tokens=retention,
+    )

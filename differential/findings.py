@@ -1,0 +1,128 @@
+"""Findings: what the oracle and the comparison report, as data.
+
+A :class:`Finding` is never raised; it is a value with everything needed to
+read it (the request, its divergence point, the expected checkpoint, the hit
+and the checkpoint it fell back to) and a :meth:`Finding.signature` for
+deduplication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+__all__ = ["SEVERITY", "Finding", "FindingKind", "Policy"]
+
+
+class Policy(StrEnum):
+    """Which promise a retention setting makes to a later request.
+
+    * ``vllm`` (the default): what vLLM 0.33.0 promises: periodic checkpoints
+      every retention interval, the writer's replay boundaries as
+      ``kv_cache_coordinator.replay_boundaries`` defines them, pinned
+      shared-prefix junctions, and, under the EAGLE drop, ``c - A`` below each
+      periodic checkpoint ``c`` (the seed PR's promise). A finding under this
+      policy is a bug by vLLM's own standard.
+    * ``ideal``: every request is owed its dense-reference hit whenever the
+      writer's retained data could serve it. Shortfalls that ``vllm`` accepts
+      are reported as ``design-gap``, not as ``fallback``.
+    """
+
+    VLLM = "vllm"
+    IDEAL = "ideal"
+
+
+class FindingKind(StrEnum):
+    """Kinds of finding, most severe first (see :data:`SEVERITY`)."""
+
+    OVER_HIT = "over-hit"
+    """A hit past the dense reference or reusing KV that depends on a token
+    past the divergence point: silently wrong outputs."""
+    CRASH = "crash"
+    """vLLM raised while serving the scenario."""
+    MISALIGNED = "misaligned"
+    """A hit that is not a multiple of the hit alignment."""
+    FALLBACK = "fallback"
+    """A hit below the highest checkpoint the policy promises."""
+    VARIANT_REGRESSION = "variant-regression"
+    """A variant carrying the fix hits less than one without it."""
+    VARIANT_DRIFT = "variant-drift"
+    """Two variants differ outside the fix's domain, or the fix keeps more
+    blocks than it claims."""
+    NEEDLESS_DROP = "needless-drop"
+    """The manager drops the last matched block for a drafter whose KV does
+    not depend on the next token."""
+    DENSE_MISMATCH = "dense-mismatch"
+    """vLLM's dense-retention run disagrees with the oracle's dense reference."""
+    DESIGN_GAP = "design-gap"
+    """(``ideal`` policy only) a hit below the dense reference that ``vllm``
+    accepts."""
+    EVICTION = "eviction"
+    """Cached blocks were evicted, so the run cannot be judged."""
+
+
+SEVERITY: dict[FindingKind, int] = {kind: rank for rank, kind in enumerate(FindingKind)}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing the oracle or the comparison found.
+
+    Attributes:
+        kind: the finding kind.
+        variant: the variant it was found on (``"a vs b"`` for comparisons).
+        request: request index, or ``None`` for a whole-run finding.
+        divergence_tokens: the request's divergence point ``D`` (longest common
+            prefix with any earlier request), in tokens.
+        expected_tokens: the checkpoint (or reference hit) that was due, in tokens.
+        hit_tokens: the hit observed, in tokens.
+        fallback_checkpoint_tokens: the highest promised checkpoint at or below
+            the hit, in tokens (fallbacks only).
+        policy: the policy that judged it.
+        detail: one readable sentence.
+    """
+
+    kind: FindingKind
+    variant: str
+    request: int | None
+    detail: str
+    divergence_tokens: int | None = None
+    expected_tokens: int | None = None
+    hit_tokens: int | None = None
+    fallback_checkpoint_tokens: int | None = None
+    policy: Policy = Policy.VLLM
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "kind": self.kind.value,
+            "variant": self.variant,
+            "request": self.request,
+            "divergence_tokens": self.divergence_tokens,
+            "expected_tokens": self.expected_tokens,
+            "hit_tokens": self.hit_tokens,
+            "fallback_checkpoint_tokens": self.fallback_checkpoint_tokens,
+            "policy": self.policy.value,
+            "detail": self.detail,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            kind=FindingKind(data["kind"]),
+            variant=data["variant"],
+            request=data["request"],
+            detail=data["detail"],
+            divergence_tokens=data.get("divergence_tokens"),
+            expected_tokens=data.get("expected_tokens"),
+            hit_tokens=data.get("hit_tokens"),
+            fallback_checkpoint_tokens=data.get("fallback_checkpoint_tokens"),
+            policy=Policy(data.get("policy", Policy.VLLM.value)),
+        )
+
+    def summary(self) -> str:
+        """One line: kind, variant, request and detail."""
+        where = "run" if self.request is None else f"request {self.request}"
+        return f"{self.kind.value} on {self.variant}, {where}: {self.detail}"

@@ -1,0 +1,127 @@
+"""What a run of vLLM's KV cache manager reported, as plain values.
+
+The driver (:mod:`differential.driver`) fills these in; the oracle and the
+comparison read them. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ManagerSettings", "RequestObservation", "RunObservation"]
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """The drafter-dependent settings vLLM's config code resolved for a scenario.
+
+    Attributes:
+        use_eagle_block_drop: the ``use_eagle`` flag handed to ``KVCacheManager``
+            (``SpeculativeConfig.use_eagle_block_drop()``, cleared when lookahead
+            hashes are on, as ``Scheduler.__init__`` does).
+        num_hash_lookahead_tokens: ``VllmConfig.num_hash_lookahead_tokens``, in
+            tokens.
+        num_lookahead_tokens: ``VllmConfig.num_lookahead_tokens``: slots, in
+            tokens, reserved past the scheduled tokens at every allocation.
+        num_prefill_lookahead_tokens: ``VllmConfig.num_prefill_lookahead_tokens``,
+            in tokens.
+        hit_alignment_tokens: the coordinator's hit alignment ``A``, in tokens.
+    """
+
+    use_eagle_block_drop: bool
+    num_hash_lookahead_tokens: int
+    num_lookahead_tokens: int
+    num_prefill_lookahead_tokens: int
+    hit_alignment_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "use_eagle_block_drop": self.use_eagle_block_drop,
+            "num_hash_lookahead_tokens": self.num_hash_lookahead_tokens,
+            "num_lookahead_tokens": self.num_lookahead_tokens,
+            "num_prefill_lookahead_tokens": self.num_prefill_lookahead_tokens,
+            "hit_alignment_tokens": self.hit_alignment_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class RequestObservation:
+    """One request as the real manager served it.
+
+    Attributes:
+        index: position of the request in the scenario.
+        prompt_tokens: prompt length, in tokens.
+        hit_tokens: cached tokens ``get_computed_blocks`` returned, in tokens.
+        shared_prefix_boundary_tokens: the junction the request pinned
+            (``shared_prefix_boundary``), in tokens; 0 if none.
+        per_group_hit_tokens: each KV cache group's own hit, in tokens, from
+            ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``
+            (equal to ``hit_tokens`` for a single-group model).
+        retained_blocks_per_group: blocks, per group, that this request added
+            to the prefix cache (cached block count after it was freed minus
+            before it started), in blocks.
+    """
+
+    index: int
+    prompt_tokens: int
+    hit_tokens: int
+    shared_prefix_boundary_tokens: int
+    per_group_hit_tokens: tuple[int, ...]
+    retained_blocks_per_group: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "index": self.index,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": self.hit_tokens,
+            "shared_prefix_boundary_tokens": self.shared_prefix_boundary_tokens,
+            "per_group_hit_tokens": list(self.per_group_hit_tokens),
+            "retained_blocks_per_group": list(self.retained_blocks_per_group),
+        }
+
+
+@dataclass(frozen=True)
+class RunObservation:
+    """A whole scenario run on one variant.
+
+    Attributes:
+        variant: the variant's name.
+        vllm_version: ``vllm.__version__`` of the code that ran.
+        settings: the manager settings vLLM resolved (``None`` if resolving
+            them raised).
+        requests: one observation per request that completed, in order.
+        evicted_blocks: cached blocks evicted during the run (the pool is sized
+            so this is 0; a non-zero value makes the run unjudgeable).
+        error: ``"<phase>: <ExceptionType>: <message>"`` if vLLM raised, else
+            ``None``; ``requests`` then holds the requests before the failure.
+        retention_interval_tokens: the retention interval the run used (the
+            scenario's, or ``None`` for the dense cross-check run).
+    """
+
+    variant: str
+    vllm_version: str
+    settings: ManagerSettings | None
+    requests: tuple[RequestObservation, ...]
+    evicted_blocks: int = 0
+    error: str | None = None
+    retention_interval_tokens: int | None = None
+
+    @property
+    def hits(self) -> tuple[int, ...]:
+        """Hit tokens per completed request."""
+        return tuple(r.hit_tokens for r in self.requests)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "variant": self.variant,
+            "vllm_version": self.vllm_version,
+            "settings": None if self.settings is None else self.settings.to_dict(),
+            "retention_interval_tokens": self.retention_interval_tokens,
+            "evicted_blocks": self.evicted_blocks,
+            "error": self.error,
+            "requests": [r.to_dict() for r in self.requests],
+        }

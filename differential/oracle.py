@@ -1,0 +1,405 @@
+"""The oracle: what each sibling is owed, from first principles, and the verdicts.
+
+Nothing here imports vLLM or calls into it. The invariants are those of the
+design note (``semantics.md``, "Invariants"):
+
+1. **Dense reference** ``h_dense``: the hit a cache keeping every block gives,
+   computed token by token (:func:`dense_hit`), cross-checked against vLLM's
+   own run with retention ``None`` (:func:`cross_check_dense`).
+2. **Intended checkpoints** per writer (:func:`checkpoints`): ``k*R``; under
+   the EAGLE drop also ``k*R - A``; the writer's replay boundaries; the
+   junction it pinned. Dense retention makes every multiple of ``A`` one.
+3. **No fallback**: the hit reaches the highest intended checkpoint at or
+   below ``h_dense``.
+4. **No over-hit**: ``hit <= h_dense`` and ``hit <= D - dependency``.
+5. **Alignment**: every hit is a multiple of ``A``.
+
+How a drafter's KV depends on later tokens is stated here, independently of
+vLLM's config code (:func:`drafter_model`): EAGLE, EAGLE3 and single-module
+MTP read the next token; multi-module MTP reads ``num_speculative_tokens``
+ahead; Gemma-4 MTP writes no draft KV; DFlash and DSpark build draft KV from
+the target's hidden states alone; draft models and n-gram need nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from differential.findings import Finding, FindingKind, Policy
+from differential.observation import ManagerSettings, RunObservation
+from differential.scenario import DrafterKind, Scenario
+
+__all__ = [
+    "DrafterModel",
+    "SiblingReference",
+    "checkpoints",
+    "common_prefix_tokens",
+    "cross_check_dense",
+    "dense_hit",
+    "drafter_model",
+    "judge_run",
+    "model_from_settings",
+    "references",
+]
+
+# Tokens past a position that the drafter's KV at that position reads.
+_READS_NEXT = frozenset({DrafterKind.EAGLE, DrafterKind.EAGLE3, DrafterKind.MTP})
+
+
+@dataclass(frozen=True)
+class DrafterModel:
+    """How the cache must protect a drafter, in the oracle's own terms.
+
+    Attributes:
+        drop: a hit must prove one extra block per group past it (the EAGLE
+            block drop).
+        hash_lookahead_tokens: each block hash also covers this many later
+            tokens, in tokens (lookahead block hashes).
+        reprefillable_tokens: the writer's last tokens whose draft KV is not
+            final and so is not cached, in tokens.
+        dependency_tokens: tokens past a position that its draft KV reads when
+            the cache protects it (0 if it needs no protection or the user
+            turned the drop off); bounds every hit below the divergence point.
+    """
+
+    drop: bool
+    hash_lookahead_tokens: int
+    reprefillable_tokens: int
+    dependency_tokens: int
+
+
+def drafter_model(scenario: Scenario) -> DrafterModel:
+    """The protection the scenario's drafter needs, from first principles.
+
+    Lookahead hashes protect when the drafter reads ahead, they are not
+    disabled and no KV connector is configured; otherwise the EAGLE drop
+    protects, unless ``disable_eagle_block_drop`` opts out.
+    """
+    drafter = scenario.drafter
+    if drafter.kind in _READS_NEXT:
+        reads_ahead = 1
+    elif drafter.kind is DrafterKind.MULTI_MODULE_MTP:
+        reads_ahead = drafter.num_speculative_tokens
+    else:
+        reads_ahead = 0
+    reprefillable = max(0, reads_ahead - 1)
+    if reads_ahead == 0:
+        return DrafterModel(False, 0, 0, 0)
+    if not scenario.disable_lookahead_block_hashes and not scenario.kv_connector:
+        return DrafterModel(False, reads_ahead, reprefillable, reads_ahead)
+    if scenario.disable_eagle_block_drop:
+        return DrafterModel(False, 0, reprefillable, 0)
+    return DrafterModel(True, 0, reprefillable, reads_ahead)
+
+
+def model_from_settings(settings: ManagerSettings) -> DrafterModel:
+    """The protection a run actually used, read off vLLM's resolved settings."""
+    return DrafterModel(
+        drop=settings.use_eagle_block_drop,
+        hash_lookahead_tokens=settings.num_hash_lookahead_tokens,
+        reprefillable_tokens=max(0, settings.num_prefill_lookahead_tokens - 1),
+        dependency_tokens=0,
+    )
+
+
+def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length, in tokens, of the longest common prefix of two token sequences."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # binary search on slice equality (compared in C)
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _writer_extent(scenario: Scenario, model: DrafterModel, writer: int) -> tuple[int, int]:
+    """(cached tokens, total tokens) the writer left behind when freed."""
+    total = scenario.requests[writer].prompt_tokens + scenario.decode_steps
+    return total - model.reprefillable_tokens, total
+
+
+def dense_hit(
+    scenario: Scenario,
+    model: DrafterModel,
+    sibling: int,
+    writer: int,
+    shared_tokens: int,
+) -> int:
+    """Hit, in tokens, that a cache keeping every block of ``writer`` gives ``sibling``.
+
+    The largest multiple of ``A`` that is at most ``L - 1`` (the last prompt
+    token is always recomputed) such that, in every KV cache group of block
+    size ``B``, the blocks up to the hit (plus one more under the drop) are
+    full blocks the writer cached and whose hashes, including any lookahead
+    tokens, match.
+    """
+    alignment = scenario.effective_hit_alignment_tokens
+    cached, total = _writer_extent(scenario, model, writer)
+    lookahead = model.hash_lookahead_tokens
+    limit = scenario.requests[sibling].prompt_tokens - 1
+    for group in scenario.kv_cache_groups:
+        block = group.block_size_tokens
+        proven = min(shared_tokens - lookahead, cached, total - lookahead)
+        proven = max(0, proven) // block * block
+        limit = min(limit, proven - (block if model.drop else 0))
+    return max(0, limit) // alignment * alignment
+
+
+def replay_boundaries(scenario: Scenario, model: DrafterModel, writer: int) -> tuple[int, ...]:
+    """Positions, in tokens, a resend or extension of ``writer`` resumes at.
+
+    As ``vllm/v1/core/kv_cache_coordinator.py`` ``replay_boundaries`` defines
+    them (the ``vllm`` policy's promise): without the drop, ``L - 1`` rounded
+    down to ``A``; with it, one unit below both the resend's and the
+    extension's aligned length.
+    """
+    alignment = scenario.effective_hit_alignment_tokens
+    length = scenario.requests[writer].prompt_tokens
+    resend = (length - 1) // alignment * alignment
+    if not model.drop:
+        return (resend,)
+    extension = length // alignment * alignment
+    return tuple(sorted({max(resend - alignment, 0), max(extension - alignment, 0)}))
+
+
+def checkpoints(
+    scenario: Scenario,
+    model: DrafterModel,
+    writer: int,
+    junction_tokens: int,
+    up_to_tokens: int,
+) -> tuple[int, ...]:
+    """Intended checkpoints of ``writer`` at or below ``up_to_tokens``, in tokens.
+
+    ``junction_tokens`` is the junction the writer pinned (0 for none).
+    Returns sorted positions; 0 is always included.
+    """
+    alignment = scenario.effective_hit_alignment_tokens
+    retention = scenario.retention_interval_tokens
+    points: set[int] = {0}
+    if retention is None or retention == alignment:
+        points.update(range(0, up_to_tokens + 1, alignment))
+        return tuple(sorted(points))
+    if retention > 0:
+        for c in range(retention, up_to_tokens + alignment + 1, retention):
+            points.add(c)
+            if model.drop:
+                points.add(c - alignment)
+    points.update(replay_boundaries(scenario, model, writer))
+    if junction_tokens:
+        points.add(junction_tokens)
+        if model.drop:
+            points.add(junction_tokens - alignment)
+    return tuple(sorted(p for p in points if p <= up_to_tokens))
+
+
+@dataclass(frozen=True)
+class SiblingReference:
+    """What one request is owed.
+
+    Attributes:
+        index: the request index.
+        divergence_tokens: ``D``, the longest common prefix with any earlier
+            request, in tokens (0 for the first request).
+        dense_tokens: ``h_dense``, the dense-reference hit, in tokens.
+        expected_tokens: the highest checkpoint the policy promises at or
+            below ``h_dense``, in tokens.
+        writer: the earlier request that gives ``expected_tokens`` (``None``
+            when nothing is owed).
+        checkpoints: the promised checkpoints at or below ``h_dense`` across
+            all writers, in tokens, sorted.
+    """
+
+    index: int
+    divergence_tokens: int
+    dense_tokens: int
+    expected_tokens: int
+    writer: int | None
+    checkpoints: tuple[int, ...]
+
+
+def references(
+    scenario: Scenario,
+    model: DrafterModel,
+    observed_hits: Sequence[int],
+    policy: Policy = Policy.VLLM,
+) -> tuple[SiblingReference, ...]:
+    """Reference values for every request whose hit was observed.
+
+    ``observed_hits`` decides which writers pinned a junction: a request pins
+    its dense hit as a junction when its own hit fell short of it (vLLM
+    ``KVCacheManager.get_computed_blocks``).
+    """
+    prompts = scenario.prompts
+    dense_by_request: list[int] = []
+    out: list[SiblingReference] = []
+    for j in range(len(observed_hits)):
+        best_dense, best_expected, best_writer = 0, 0, None
+        divergence = 0
+        points: set[int] = {0}
+        for i in range(j):
+            shared = common_prefix_tokens(prompts[i], prompts[j])
+            divergence = max(divergence, shared)
+            h = dense_hit(scenario, model, j, i, shared)
+            best_dense = max(best_dense, h)
+            junction = dense_by_request[i] if observed_hits[i] < dense_by_request[i] else 0
+            writer_points = checkpoints(scenario, model, i, junction, h)
+            points.update(writer_points)
+            owed = h if policy is Policy.IDEAL else writer_points[-1]
+            if owed > best_expected or best_writer is None:
+                best_expected, best_writer = owed, i
+        dense_by_request.append(best_dense)
+        out.append(
+            SiblingReference(
+                index=j,
+                divergence_tokens=divergence,
+                dense_tokens=best_dense,
+                expected_tokens=best_expected,
+                writer=best_writer,
+                checkpoints=tuple(sorted(points)),
+            )
+        )
+    return tuple(out)
+
+
+def judge_run(
+    scenario: Scenario,
+    run: RunObservation,
+    policy: Policy = Policy.VLLM,
+) -> tuple[tuple[SiblingReference, ...], tuple[Finding, ...]]:
+    """Judge one run of one variant against the invariants.
+
+    Returns:
+        The references for the requests the run completed, and the findings
+        (empty when the run is clean).
+    """
+    findings: list[Finding] = []
+    name = run.variant
+    if run.error is not None:
+        findings.append(
+            Finding(FindingKind.CRASH, name, len(run.requests), run.error, policy=policy)
+        )
+    if run.evicted_blocks:
+        findings.append(
+            Finding(
+                FindingKind.EVICTION,
+                name,
+                None,
+                f"{run.evicted_blocks} cached blocks were evicted; hits are not judged",
+                policy=policy,
+            )
+        )
+        return (), tuple(findings)
+    model = drafter_model(scenario)
+    if run.settings is not None and run.settings.use_eagle_block_drop and not model.drop:
+        findings.append(
+            Finding(
+                FindingKind.NEEDLESS_DROP,
+                name,
+                None,
+                f"the manager drops the last matched block for drafter "
+                f"{scenario.drafter.kind.value!r}, whose draft KV does not depend "
+                f"on the next token under these settings",
+                policy=policy,
+            )
+        )
+    hits = run.hits
+    alignment = scenario.effective_hit_alignment_tokens
+    refs = references(scenario, model, hits, policy)
+    vllm_refs = refs if policy is Policy.VLLM else references(scenario, model, hits)
+    for ref, vref, hit in zip(refs, vllm_refs, hits, strict=True):
+        common = {"divergence_tokens": ref.divergence_tokens, "hit_tokens": hit, "policy": policy}
+        ceiling = min(ref.dense_tokens, max(0, ref.divergence_tokens - model.dependency_tokens))
+        if ref.index == 0:
+            ceiling = 0
+        if hit > ceiling:
+            findings.append(
+                Finding(
+                    FindingKind.OVER_HIT,
+                    name,
+                    ref.index,
+                    f"hit {hit} exceeds what may be reused: dense reference "
+                    f"{ref.dense_tokens}, divergence point {ref.divergence_tokens}"
+                    + (
+                        f" minus {model.dependency_tokens} drafter-dependent token(s)"
+                        if model.dependency_tokens
+                        else ""
+                    ),
+                    expected_tokens=ceiling,
+                    **common,
+                )
+            )
+        if hit % alignment:
+            findings.append(
+                Finding(
+                    FindingKind.MISALIGNED,
+                    name,
+                    ref.index,
+                    f"hit {hit} is not a multiple of the hit alignment {alignment}",
+                    expected_tokens=hit // alignment * alignment,
+                    **common,
+                )
+            )
+        if hit < vref.expected_tokens:
+            landed = max(p for p in vref.checkpoints if p <= hit)
+            findings.append(
+                Finding(
+                    FindingKind.FALLBACK,
+                    name,
+                    ref.index,
+                    f"expected checkpoint {vref.expected_tokens}, hit {hit}: "
+                    + (
+                        f"fell back to checkpoint {landed}"
+                        if landed == hit
+                        else f"not a promised checkpoint (the highest below it is {landed})"
+                    ),
+                    expected_tokens=vref.expected_tokens,
+                    fallback_checkpoint_tokens=landed,
+                    **common,
+                )
+            )
+        elif policy is Policy.IDEAL and hit < ref.expected_tokens:
+            findings.append(
+                Finding(
+                    FindingKind.DESIGN_GAP,
+                    name,
+                    ref.index,
+                    f"dense reference {ref.expected_tokens}, hit {hit}: the writer's "
+                    f"data could serve it but vLLM's policy promises only {vref.expected_tokens}",
+                    expected_tokens=ref.expected_tokens,
+                    **common,
+                )
+            )
+    return refs, tuple(findings)
+
+
+def cross_check_dense(scenario: Scenario, dense_run: RunObservation) -> tuple[Finding, ...]:
+    """Compare vLLM's dense-retention run with the oracle's dense reference.
+
+    The reference is computed with the protection the run actually used
+    (:func:`model_from_settings`), so this checks the oracle's arithmetic and
+    vLLM's dense path, not the drafter policy. A mismatch is a finding.
+    """
+    if dense_run.error is not None or dense_run.settings is None or dense_run.evicted_blocks:
+        return ()
+    model = model_from_settings(dense_run.settings)
+    refs = references(scenario, model, dense_run.hits)
+    findings = []
+    for ref, hit in zip(refs, dense_run.hits, strict=True):
+        if hit != ref.dense_tokens:
+            findings.append(
+                Finding(
+                    FindingKind.DENSE_MISMATCH,
+                    dense_run.variant,
+                    ref.index,
+                    f"vLLM's dense-retention run hit {hit}, the oracle's dense "
+                    f"reference is {ref.dense_tokens}",
+                    divergence_tokens=ref.divergence_tokens,
+                    expected_tokens=ref.dense_tokens,
+                    hit_tokens=hit,
+                )
+            )
+    return tuple(findings)

@@ -1,0 +1,607 @@
+"""The scenario model: one reproducible prefix-caching experiment.
+
+A :class:`Scenario` is a frozen value describing a hybrid model's KV cache
+groups, the prefix-cache settings, the drafter and a sequence of requests that
+share prefixes. Its JSON form is versioned and round-trips exactly
+(``Scenario.from_dict(s.to_dict()) == s``). Token ids are never stored: they
+are generated deterministically from the request shapes, so a scenario file
+stays small and readable.
+
+Units: every length ending in ``_tokens`` is in tokens; block counts say
+``blocks``.
+
+This module does not import vLLM. Where a rule mirrors vLLM's own validation
+the vLLM function is named in the docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cached_property
+from typing import Any, TypeVar
+
+from differential.errors import ScenarioError
+
+__all__ = [
+    "SCENARIO_FORMAT",
+    "SCENARIO_VERSION",
+    "Drafter",
+    "DrafterKind",
+    "GroupKind",
+    "KVCacheGroup",
+    "RequestSpec",
+    "Scenario",
+]
+
+SCENARIO_FORMAT = "kvfuzz.scenario"
+SCENARIO_VERSION = 1
+
+# Token id ranges: prefix tokens and each request's own tokens never collide,
+# so two requests share exactly the tokens the scenario says they share.
+_PREFIX_TOKEN_MODULUS = 50_000
+_OWN_TOKEN_BASE = 1_000_000
+_OWN_TOKEN_STRIDE = 1_000_000
+
+_E = TypeVar("_E", bound=StrEnum)
+
+
+class GroupKind(StrEnum):
+    """Attention type of a KV cache group (vLLM ``kv_cache_interface.py``)."""
+
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+
+
+class DrafterKind(StrEnum):
+    """Speculative-decoding drafter, as ``SpeculativeConfig.method`` plus model type.
+
+    ``MULTI_MODULE_MTP`` is ``method="mtp"`` with one MTP module per speculative
+    token (``num_nextn_predict_layers``); ``GEMMA4_MTP`` is ``method="mtp"``
+    with a ``gemma4_mtp`` draft model (vLLM ``config/speculative.py``).
+    """
+
+    NONE = "none"
+    EAGLE = "eagle"
+    EAGLE3 = "eagle3"
+    MTP = "mtp"
+    MULTI_MODULE_MTP = "multi_module_mtp"
+    GEMMA4_MTP = "gemma4_mtp"
+    DFLASH = "dflash"
+    DSPARK = "dspark"
+    DRAFT_MODEL = "draft_model"
+    NGRAM = "ngram"
+
+
+def _allowed_enum(enum: type[StrEnum]) -> str:
+    return "one of " + ", ".join(repr(m.value) for m in enum)
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """One KV cache group: layers sharing a spec (vLLM ``KVCacheGroupSpec``).
+
+    Attributes:
+        kind: full attention or sliding window.
+        block_size_tokens: the group's block size, in tokens.
+        sliding_window_tokens: the attention window in tokens (sliding-window
+            groups only; ``None`` for full attention).
+    """
+
+    kind: GroupKind
+    block_size_tokens: int
+    sliding_window_tokens: int | None = None
+
+    def validate(self, where: str) -> None:
+        """Raise :class:`ScenarioError` naming ``where`` if the group is invalid."""
+        _require_int(self.block_size_tokens, f"{where}.block_size_tokens", minimum=1)
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            _require_int(self.sliding_window_tokens, f"{where}.sliding_window_tokens", minimum=1)
+        elif self.sliding_window_tokens is not None:
+            raise ScenarioError(
+                f"{where}.sliding_window_tokens",
+                self.sliding_window_tokens,
+                "null for a full_attention group",
+            )
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """The speculative-decoding drafter.
+
+    Attributes:
+        kind: which drafter (``DrafterKind.NONE`` for plain decoding).
+        num_speculative_tokens: tokens drafted per step; 0 exactly when
+            ``kind`` is ``none``.
+    """
+
+    kind: DrafterKind = DrafterKind.NONE
+    num_speculative_tokens: int = 0
+
+    def validate(self) -> None:
+        """Raise :class:`ScenarioError` if kind and token count disagree."""
+        if self.kind is DrafterKind.NONE:
+            if self.num_speculative_tokens != 0:
+                raise ScenarioError(
+                    "drafter.num_speculative_tokens",
+                    self.num_speculative_tokens,
+                    "0 when drafter.kind is 'none'",
+                )
+            return
+        # vLLM SpeculativeConfig._verify_args: num_speculative_tokens > 0.
+        _require_int(self.num_speculative_tokens, "drafter.num_speculative_tokens", minimum=1)
+        if self.kind is DrafterKind.MULTI_MODULE_MTP and self.num_speculative_tokens < 2:
+            raise ScenarioError(
+                "drafter.num_speculative_tokens",
+                self.num_speculative_tokens,
+                "at least 2 for multi_module_mtp (one MTP module per token)",
+            )
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a scenario.
+
+    The request's prompt is the first ``divergence_tokens`` tokens of its
+    source (the scenario's shared prefix, or the prompt of the earlier request
+    ``shares_with``) followed by ``suffix_tokens`` tokens of its own, which no
+    other request contains.
+
+    Attributes:
+        divergence_tokens: tokens copied from the source, i.e. the divergence
+            point ``D`` in tokens.
+        suffix_tokens: the request's own tokens after ``D``.
+        shares_with: index of an earlier request to copy from, or ``None`` for
+            the shared prefix.
+        name: optional label used in reports.
+    """
+
+    divergence_tokens: int
+    suffix_tokens: int
+    shares_with: int | None = None
+    name: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length ``L`` in tokens."""
+        return self.divergence_tokens + self.suffix_tokens
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A complete, reproducible prefix-caching experiment.
+
+    Attributes:
+        kv_cache_groups: one full-attention group and zero or more
+            sliding-window groups.
+        requests: the requests, run in order; each is prefilled, decoded for
+            ``decode_steps`` tokens and freed before the next starts.
+        shared_prefix_tokens: length of the common prefix requests copy from.
+        retention_interval_tokens: vLLM's ``prefix_cache_retention_interval``:
+            ``None`` (dense), ``0`` (replay boundaries and junctions only) or a
+            positive multiple of the scheduler block size.
+        hash_block_size_tokens: tokens per block hash; ``None`` derives it as
+            vLLM does (GCD of the group block sizes, see
+            ``resolve_kv_cache_block_sizes``).
+        hit_alignment_tokens: the hit alignment ``A``; ``None`` derives it as
+            vLLM does (``HybridKVCacheCoordinator._cache_hit_alignment_tokens``:
+            the scheduler block size for attention-only models). A given value
+            must equal the derived one.
+        drafter: the speculative-decoding drafter.
+        kv_connector: whether a KV connector is configured (turns lookahead
+            block hashes off, vLLM ``VllmConfig.num_hash_lookahead_tokens``).
+        disable_lookahead_block_hashes: ``SpeculativeConfig`` switch of that name.
+        disable_eagle_block_drop: ``SpeculativeConfig`` switch of that name.
+        prefill_chunk_tokens: tokens scheduled per prefill step.
+        decode_steps: decode steps (one sampled token each) after prefill.
+        name: short identifier, used in reports.
+        description: free text saying what the scenario shows.
+    """
+
+    kv_cache_groups: tuple[KVCacheGroup, ...]
+    requests: tuple[RequestSpec, ...]
+    shared_prefix_tokens: int
+    retention_interval_tokens: int | None = None
+    hash_block_size_tokens: int | None = None
+    hit_alignment_tokens: int | None = None
+    drafter: Drafter = field(default_factory=Drafter)
+    kv_connector: bool = False
+    disable_lookahead_block_hashes: bool = False
+    disable_eagle_block_drop: bool = False
+    prefill_chunk_tokens: int = 2048
+    decode_steps: int = 0
+    name: str = ""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ----------------------------------------------------------------- derived
+
+    @cached_property
+    def scheduler_block_size_tokens(self) -> int:
+        """LCM of all group block sizes, in tokens (vLLM
+        ``resolve_kv_cache_block_sizes``)."""
+        return math.lcm(*(g.block_size_tokens for g in self.kv_cache_groups))
+
+    @cached_property
+    def effective_hash_block_size_tokens(self) -> int:
+        """Hash block size in tokens: the given one, else the GCD of the group
+        block sizes (vLLM ``resolve_kv_cache_block_sizes``)."""
+        if self.hash_block_size_tokens is not None:
+            return self.hash_block_size_tokens
+        if len(self.kv_cache_groups) == 1:
+            return self.kv_cache_groups[0].block_size_tokens
+        return math.gcd(*(g.block_size_tokens for g in self.kv_cache_groups))
+
+    @cached_property
+    def effective_hit_alignment_tokens(self) -> int:
+        """Hit alignment ``A`` in tokens (the scheduler block size)."""
+        return self.scheduler_block_size_tokens
+
+    @property
+    def full_attention_group(self) -> KVCacheGroup:
+        """The single full-attention group."""
+        return next(g for g in self.kv_cache_groups if g.kind is GroupKind.FULL_ATTENTION)
+
+    @property
+    def sliding_window_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The sliding-window groups, in order."""
+        return tuple(g for g in self.kv_cache_groups if g.kind is GroupKind.SLIDING_WINDOW)
+
+    @cached_property
+    def prompts(self) -> tuple[tuple[int, ...], ...]:
+        """Every request's prompt token ids, generated deterministically."""
+        prefix = tuple(1 + p % _PREFIX_TOKEN_MODULUS for p in range(self.shared_prefix_tokens))
+        prompts: list[tuple[int, ...]] = []
+        for index, request in enumerate(self.requests):
+            source = prefix if request.shares_with is None else prompts[request.shares_with]
+            own_base = _OWN_TOKEN_BASE + index * _OWN_TOKEN_STRIDE
+            own = tuple(own_base + k for k in range(request.suffix_tokens))
+            prompts.append(source[: request.divergence_tokens] + own)
+        return tuple(prompts)
+
+    def output_token(self, request_index: int, step: int) -> int:
+        """Token id sampled by ``request_index`` at decode ``step`` (unique)."""
+        return _OWN_TOKEN_BASE + request_index * _OWN_TOKEN_STRIDE + _OWN_TOKEN_STRIDE // 2 + step
+
+    @property
+    def label(self) -> str:
+        """A name for reports: ``name`` if set, else a short geometry summary."""
+        if self.name:
+            return self.name
+        groups = "/".join(str(g.block_size_tokens) for g in self.kv_cache_groups)
+        return f"blocks {groups}, R={self.retention_interval_tokens}, {self.drafter.kind.value}"
+
+    # -------------------------------------------------------------- validation
+
+    def _validate(self) -> None:
+        if not isinstance(self.kv_cache_groups, tuple) or not self.kv_cache_groups:
+            raise ScenarioError(
+                "kv_cache_groups", self.kv_cache_groups, "a non-empty list of groups"
+            )
+        for i, group in enumerate(self.kv_cache_groups):
+            group.validate(f"kv_cache_groups[{i}]")
+        n_full = sum(g.kind is GroupKind.FULL_ATTENTION for g in self.kv_cache_groups)
+        if n_full != 1:
+            raise ScenarioError(
+                "kv_cache_groups",
+                [g.kind.value for g in self.kv_cache_groups],
+                "exactly one full_attention group plus any number of sliding_window groups",
+            )
+        sbs = self.scheduler_block_size_tokens
+        if self.hash_block_size_tokens is not None:
+            _require_int(self.hash_block_size_tokens, "hash_block_size_tokens", minimum=1)
+            bad = [
+                g.block_size_tokens
+                for g in self.kv_cache_groups
+                if g.block_size_tokens % self.hash_block_size_tokens
+            ]
+            if bad or (
+                len(self.kv_cache_groups) == 1
+                and self.hash_block_size_tokens != self.kv_cache_groups[0].block_size_tokens
+            ):
+                # vLLM HybridKVCacheCoordinator.__init__ asserts divisibility;
+                # resolve_kv_cache_block_sizes rejects any other value for a
+                # single group.
+                raise ScenarioError(
+                    "hash_block_size_tokens",
+                    self.hash_block_size_tokens,
+                    "null or a divisor of every group block size "
+                    f"({[g.block_size_tokens for g in self.kv_cache_groups]}); "
+                    "with a single group, its block size",
+                )
+        if self.hit_alignment_tokens is not None and self.hit_alignment_tokens != sbs:
+            raise ScenarioError(
+                "hit_alignment_tokens",
+                self.hit_alignment_tokens,
+                f"null or {sbs} (vLLM derives it as the scheduler block size, "
+                "the LCM of the group block sizes)",
+            )
+        r = self.retention_interval_tokens
+        if r is not None:
+            # vLLM kv_cache_coordinator._validate_prefix_cache_retention_interval.
+            if not isinstance(r, int) or isinstance(r, bool) or r < 0 or r % sbs:
+                raise ScenarioError(
+                    "retention_interval_tokens",
+                    r,
+                    f"null, 0, or a positive multiple of the scheduler block size {sbs}",
+                )
+            if r > 0 and not self.sliding_window_groups:
+                raise ScenarioError(
+                    "retention_interval_tokens",
+                    r,
+                    "null or 0 for a model without sliding_window groups "
+                    "(retention only applies to sliding-window attention)",
+                )
+        self.drafter.validate()
+        if (
+            self.drafter.kind is DrafterKind.MULTI_MODULE_MTP
+            and sbs < self.drafter.num_speculative_tokens
+        ):
+            # vLLM KVCacheCoordinator.__init__.
+            raise ScenarioError(
+                "drafter.num_speculative_tokens",
+                self.drafter.num_speculative_tokens,
+                f"at most the scheduler block size {sbs} for multi_module_mtp with prefix caching",
+            )
+        if (
+            self.drafter.kind is DrafterKind.MULTI_MODULE_MTP
+            and self.prefill_chunk_tokens < self.drafter.num_speculative_tokens
+        ):
+            # Scheduler._reserve_prefill_lookahead would never schedule the
+            # last chunk: a chunk must cover the prefill lookahead.
+            raise ScenarioError(
+                "prefill_chunk_tokens",
+                self.prefill_chunk_tokens,
+                f"at least drafter.num_speculative_tokens "
+                f"({self.drafter.num_speculative_tokens}) for multi_module_mtp",
+            )
+        for name in ("kv_connector", "disable_lookahead_block_hashes", "disable_eagle_block_drop"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ScenarioError(name, value, "true or false")
+        _require_int(self.prefill_chunk_tokens, "prefill_chunk_tokens", minimum=1)
+        _require_int(self.decode_steps, "decode_steps", minimum=0)
+        _require_int(self.shared_prefix_tokens, "shared_prefix_tokens", minimum=0)
+        if not isinstance(self.requests, tuple) or not self.requests:
+            raise ScenarioError("requests", self.requests, "a non-empty list of requests")
+        lengths: list[int] = []
+        for i, request in enumerate(self.requests):
+            where = f"requests[{i}]"
+            if request.shares_with is None:
+                source_len = self.shared_prefix_tokens
+                source = "shared_prefix_tokens"
+            else:
+                _require_int(request.shares_with, f"{where}.shares_with", minimum=0)
+                if request.shares_with >= i:
+                    raise ScenarioError(
+                        f"{where}.shares_with",
+                        request.shares_with,
+                        f"null or the index of an earlier request (0..{i - 1})",
+                    )
+                source_len = lengths[request.shares_with]
+                source = f"requests[{request.shares_with}] prompt length"
+            _require_int(request.divergence_tokens, f"{where}.divergence_tokens", minimum=0)
+            if request.divergence_tokens > source_len:
+                raise ScenarioError(
+                    f"{where}.divergence_tokens",
+                    request.divergence_tokens,
+                    f"0..{source_len} ({source})",
+                )
+            _require_int(request.suffix_tokens, f"{where}.suffix_tokens", minimum=0)
+            if request.prompt_tokens < 1:
+                raise ScenarioError(
+                    f"{where}.suffix_tokens",
+                    request.suffix_tokens,
+                    "at least 1 when divergence_tokens is 0 (a prompt needs a token)",
+                )
+            if request.name is not None and not isinstance(request.name, str):
+                raise ScenarioError(f"{where}.name", request.name, "a string or null")
+            lengths.append(request.prompt_tokens)
+
+    # -------------------------------------------------------------------- JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical, versioned JSON-ready form (every field present)."""
+        return {
+            "format": SCENARIO_FORMAT,
+            "version": SCENARIO_VERSION,
+            "name": self.name,
+            "description": self.description,
+            "kv_cache_groups": [
+                {
+                    "kind": g.kind.value,
+                    "block_size_tokens": g.block_size_tokens,
+                    "sliding_window_tokens": g.sliding_window_tokens,
+                }
+                for g in self.kv_cache_groups
+            ],
+            "hash_block_size_tokens": self.hash_block_size_tokens,
+            "hit_alignment_tokens": self.hit_alignment_tokens,
+            "retention_interval_tokens": self.retention_interval_tokens,
+            "drafter": {
+                "kind": self.drafter.kind.value,
+                "num_speculative_tokens": self.drafter.num_speculative_tokens,
+            },
+            "kv_connector": self.kv_connector,
+            "disable_lookahead_block_hashes": self.disable_lookahead_block_hashes,
+            "disable_eagle_block_drop": self.disable_eagle_block_drop,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "decode_steps": self.decode_steps,
+            "shared_prefix_tokens": self.shared_prefix_tokens,
+            "requests": [
+                {
+                    "name": r.name,
+                    "shares_with": r.shares_with,
+                    "divergence_tokens": r.divergence_tokens,
+                    "suffix_tokens": r.suffix_tokens,
+                }
+                for r in self.requests
+            ],
+        }
+
+    def to_json(self) -> str:
+        """Canonical JSON text (2-space indent, trailing newline)."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: object) -> Scenario:
+        """Build a scenario from its JSON form.
+
+        Raises:
+            ScenarioError: on a wrong format or version, an unknown or missing
+                key, a value of the wrong type, or an invalid combination.
+        """
+        obj = _expect_mapping(data, "scenario")
+        _reject_unknown(obj, _TOP_KEYS, "")
+        fmt = obj.get("format", SCENARIO_FORMAT)
+        if fmt != SCENARIO_FORMAT:
+            raise ScenarioError("format", fmt, repr(SCENARIO_FORMAT))
+        version = obj.get("version", SCENARIO_VERSION)
+        if version != SCENARIO_VERSION:
+            raise ScenarioError("version", version, str(SCENARIO_VERSION))
+        groups_raw = _expect_list(_required(obj, "kv_cache_groups", ""), "kv_cache_groups")
+        groups = tuple(_group_from(g, f"kv_cache_groups[{i}]") for i, g in enumerate(groups_raw))
+        drafter_raw = _expect_mapping(obj.get("drafter", {"kind": "none"}), "drafter")
+        _reject_unknown(drafter_raw, {"kind", "num_speculative_tokens"}, "drafter.")
+        drafter = Drafter(
+            kind=_enum(DrafterKind, drafter_raw.get("kind", "none"), "drafter.kind"),
+            num_speculative_tokens=drafter_raw.get("num_speculative_tokens", 0),
+        )
+        requests_raw = _expect_list(_required(obj, "requests", ""), "requests")
+        requests = tuple(_request_from(r, f"requests[{i}]") for i, r in enumerate(requests_raw))
+        return cls(
+            kv_cache_groups=groups,
+            requests=requests,
+            shared_prefix_tokens=_required(obj, "shared_prefix_tokens", ""),
+            retention_interval_tokens=obj.get("retention_interval_tokens"),
+            hash_block_size_tokens=obj.get("hash_block_size_tokens"),
+            hit_alignment_tokens=obj.get("hit_alignment_tokens"),
+            drafter=drafter,
+            kv_connector=obj.get("kv_connector", False),
+            disable_lookahead_block_hashes=obj.get("disable_lookahead_block_hashes", False),
+            disable_eagle_block_drop=obj.get("disable_eagle_block_drop", False),
+            prefill_chunk_tokens=obj.get("prefill_chunk_tokens", 2048),
+            decode_steps=obj.get("decode_steps", 0),
+            name=_string(obj.get("name", ""), "name"),
+            description=_string(obj.get("description", ""), "description"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str | None = None) -> Scenario:
+        """Parse JSON text; ``source`` (a file name) is added to error messages.
+
+        Raises:
+            ScenarioError: malformed JSON (field ``<json>``) or any
+                :meth:`from_dict` error.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ScenarioError(
+                "<json>",
+                f"line {exc.lineno} column {exc.colno}",
+                f"valid JSON ({exc.msg})",
+                source=source,
+            ) from None
+        try:
+            return cls.from_dict(data)
+        except ScenarioError as exc:
+            raise exc.with_source(source) if source else exc from None
+
+
+_TOP_KEYS = frozenset(
+    {
+        "format",
+        "version",
+        "name",
+        "description",
+        "kv_cache_groups",
+        "hash_block_size_tokens",
+        "hit_alignment_tokens",
+        "retention_interval_tokens",
+        "drafter",
+        "kv_connector",
+        "disable_lookahead_block_hashes",
+        "disable_eagle_block_drop",
+        "prefill_chunk_tokens",
+        "decode_steps",
+        "shared_prefix_tokens",
+        "requests",
+        # Documents that embed a scenario (findings, corpus entries) may carry
+        # these; they are not part of the scenario value.
+        "expect",
+        "notes",
+    }
+)
+
+
+def _require_int(value: object, where: str, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ScenarioError(where, value, f"an integer >= {minimum}")
+
+
+def _expect_mapping(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ScenarioError(where, value, "a JSON object")
+    return value
+
+
+def _expect_list(value: object, where: str) -> Sequence[Any]:
+    if not isinstance(value, list):
+        raise ScenarioError(where, value, "a JSON list")
+    return value
+
+
+def _required(obj: Mapping[str, Any], key: str, prefix: str) -> Any:
+    if key not in obj:
+        raise ScenarioError(f"{prefix}{key}", None, "a value (the field is required)")
+    return obj[key]
+
+
+def _reject_unknown(obj: Mapping[str, Any], known: frozenset[str] | set[str], prefix: str) -> None:
+    for key in obj:
+        if key not in known:
+            raise ScenarioError(
+                f"{prefix}{key}",
+                obj[key],
+                f"no such field; known fields: {', '.join(sorted(known))}",
+            )
+
+
+def _enum(enum: type[_E], value: object, where: str) -> _E:
+    try:
+        return enum(value)
+    except ValueError:
+        raise ScenarioError(where, value, _allowed_enum(enum)) from None
+
+
+def _string(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ScenarioError(where, value, "a string")
+    return value
+
+
+def _group_from(raw: object, where: str) -> KVCacheGroup:
+    obj = _expect_mapping(raw, where)
+    _reject_unknown(obj, {"kind", "block_size_tokens", "sliding_window_tokens"}, f"{where}.")
+    return KVCacheGroup(
+        kind=_enum(GroupKind, _required(obj, "kind", f"{where}."), f"{where}.kind"),
+        block_size_tokens=_required(obj, "block_size_tokens", f"{where}."),
+        sliding_window_tokens=obj.get("sliding_window_tokens"),
+    )
+
+
+def _request_from(raw: object, where: str) -> RequestSpec:
+    obj = _expect_mapping(raw, where)
+    _reject_unknown(obj, {"name", "shares_with", "divergence_tokens", "suffix_tokens"}, f"{where}.")
+    return RequestSpec(
+        divergence_tokens=_required(obj, "divergence_tokens", f"{where}."),
+        suffix_tokens=_required(obj, "suffix_tokens", f"{where}."),
+        shares_with=obj.get("shares_with"),
+        name=obj.get("name"),
+    )

