@@ -20,7 +20,13 @@ from differential.oracle import SiblingReference, cross_check_dense, judge_run
 from differential.scenario import DrafterKind, GroupKind, Scenario
 from differential.variants import Variant
 
-__all__ = ["ScenarioResult", "VariantResult", "compare_variants", "in_fix_domain"]
+__all__ = [
+    "ScenarioResult",
+    "VariantResult",
+    "compare_pair",
+    "compare_variants",
+    "in_fix_domain",
+]
 
 
 @dataclass(frozen=True)
@@ -92,24 +98,32 @@ def _periodic_checkpoints(scenario: Scenario, request: int) -> int:
     return extent // retention
 
 
-def _compare_pair(scenario: Scenario, base: VariantResult, fixed: VariantResult) -> list[Finding]:
-    pair = f"{fixed.variant.name} vs {base.variant.name}"
+def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation) -> list[Finding]:
+    """Compare a run of a variant carrying the fix with a run of one without it.
+
+    Returns ``variant-regression`` findings where ``fixed`` hits less than
+    ``base``, and ``variant-drift`` findings where, outside the fix's domain
+    (:func:`in_fix_domain`), hits or retained blocks differ, or where, inside
+    it, ``fixed`` keeps more than ``A / B_swa`` extra SWA blocks per periodic
+    checkpoint.
+    """
+    pair = f"{fixed.variant} vs {base.variant}"
     findings: list[Finding] = []
-    domain = in_fix_domain(scenario, base.run)
+    domain = in_fix_domain(scenario, base)
     alignment = scenario.effective_hit_alignment_tokens
     swa = [
         (gi, g.block_size_tokens)
         for gi, g in enumerate(scenario.kv_cache_groups)
         if g.kind is GroupKind.SLIDING_WINDOW
     ]
-    for b, f in zip(base.run.requests, fixed.run.requests, strict=False):
+    for b, f in zip(base.requests, fixed.requests, strict=False):
         if f.hit_tokens < b.hit_tokens:
             findings.append(
                 Finding(
                     FindingKind.VARIANT_REGRESSION,
                     pair,
                     b.index,
-                    f"{fixed.variant.name} hit {f.hit_tokens} < {base.variant.name} "
+                    f"{fixed.variant} hit {f.hit_tokens} < {base.variant} "
                     f"hit {b.hit_tokens}",
                     expected_tokens=b.hit_tokens,
                     hit_tokens=f.hit_tokens,
@@ -192,7 +206,7 @@ def compare_variants(
             continue
         for base in results:
             if not base.variant.carries_fix:
-                comparison += _compare_pair(scenario, base, fixed)
+                comparison += compare_pair(scenario, base.run, fixed.run)
     return ScenarioResult(
         scenario=scenario,
         source=source,

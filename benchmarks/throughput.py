@@ -1,0 +1,87 @@
+"""Scenario executions per second, and the share of time inside vLLM.
+
+Run: ``.venv/bin/python benchmarks/throughput.py [--seconds S]``
+
+Prints, for a toy-scale scenario (block 4 / 8, window 16, retention 64,
+256-token prefix) and the Triton seed (block 16 / 32, window 1024, retention
+8192, 16384-token prefix):
+
+* executions per second of one variant run (``run_variant``), and of a full
+  judged comparison (unfixed + fixed, each with its dense cross-check run);
+* the share of the run's time spent in vLLM's own code, from a cProfile of
+  the same loop (self time of functions defined in the ``vllm`` package).
+
+These are figures to read, not assertions: nothing here fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rate(fn: Callable[[], object], seconds: float) -> tuple[float, int]:
+    fn()  # warm up
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        count += 1
+    return count / (time.perf_counter() - start), count
+
+
+def _vllm_share(fn: Callable[[], object], repeats: int) -> float:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    total = inside = 0.0
+    for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        total += tottime
+        if "/vllm/" in filename:
+            inside += tottime
+    return inside / total if total else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    from differential.compare import compare_variants
+    from differential.corpus import load_entry
+    from differential.driver import VLLM_VERSION, run_variant
+    from differential.variants import parse_variants
+
+    print(f"vLLM {VLLM_VERSION} imported in {time.perf_counter() - started:.1f} s")
+    unfixed, fixed = parse_variants("unfixed,fixed")
+    seeds = ROOT / "corpora" / "seeds"
+    for label, name in (
+        ("toy scale", "toy-mtp1-swa4-fa8-r64"),
+        ("seed scale", "triton-mtp3-swa16-fa32-r8192"),
+    ):
+        scenario = load_entry(seeds / f"{name}.json").scenario
+        tokens = sum(r.prompt_tokens for r in scenario.requests)
+        run_rate, _ = _rate(lambda s=scenario: run_variant(s, unfixed), args.seconds)
+        judged_rate, _ = _rate(
+            lambda s=scenario: compare_variants(s, (unfixed, fixed)), args.seconds
+        )
+        share = _vllm_share(lambda s=scenario: run_variant(s, unfixed), max(3, int(run_rate)))
+        print(
+            f"{label:<11} {name}: {tokens} prompt tokens in {len(scenario.requests)} requests\n"
+            f"  one variant run:           {run_rate:8.1f} executions/s\n"
+            f"  judged unfixed+fixed pair: {judged_rate:8.1f} scenarios/s (4 runs each)\n"
+            f"  time inside vLLM's code:   {share:8.0%} (cProfile self time)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""``kvfuzz replay`` end to end, as a subprocess, on real vLLM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.factories import CORPORA, ROOT
+
+pytestmark = pytest.mark.vllm
+
+SEEDS = CORPORA / "seeds"
+
+
+def kvfuzz(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "differential.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_replay_triton_prints_the_fallback() -> None:
+    proc = kvfuzz("replay", str(SEEDS / "triton-mtp3-swa16-fa32-r8192.json"))
+    assert proc.returncode == 1, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("  unfixed")]
+    assert rows[1] == ["unfixed", "1", "16384", "16352", "8192", "16352", "fallback"]
+    assert "expected checkpoint 16352, hit 8192: fell back to checkpoint 8192" in proc.stdout
+
+
+def test_replay_json_and_report_file(tmp_path: Path) -> None:
+    report = tmp_path / "out" / "report.json"
+    proc = kvfuzz(
+        "replay",
+        str(SEEDS / "triton-mtp3-swa16-fa32-r8192.json"),
+        "--json",
+        "--report",
+        str(report),
+    )
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert json.loads(report.read_text()) == data
+    assert data["format"] == "kvfuzz.replay" and data["vllm_version"] == "0.33.0"
+    (scenario,) = data["scenarios"]
+    unfixed, fixed = scenario["variants"]
+    assert unfixed["hits"] == [0, 8192, 16352, 16352]
+    assert fixed["hits"] == [0, 16352, 16352, 16352]
+    assert unfixed["siblings"][1]["verdict"] == ["fallback"]
+    assert [s["verdict"] for s in fixed["siblings"]] == [["ok"]] * 4
+    assert data["summary"]["findings_by_kind"] == {"fallback": 1}
+
+
+def test_clean_variants_exit_zero() -> None:
+    proc = kvfuzz("replay", str(SEEDS / "dense-retention-mtp3-swa16-fa32.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no findings" in proc.stdout
+    fixed_only = kvfuzz("replay", str(SEEDS), "--variants", "fixed")
+    assert fixed_only.returncode == 0, fixed_only.stdout
+
+
+def test_ideal_policy_reports_the_lookahead_gap() -> None:
+    proc = kvfuzz(
+        "replay",
+        str(SEEDS / "lookahead-hashes-mtp3-swa16-fa32-r8192.json"),
+        "--policy",
+        "ideal",
+        "--variants",
+        "fixed",
+    )
+    assert proc.returncode == 1
+    assert "design-gap on fixed, request 1" in proc.stdout

@@ -1,0 +1,122 @@
+"""The driver against vLLM's own config code, and variant isolation."""
+
+from __future__ import annotations
+
+import pytest
+
+from differential.scenario import DrafterKind
+from differential.variants import parse_variants
+from tests.factories import triton
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.mark.parametrize(
+    ("kind", "use_drop", "lookahead_slots", "prefill_lookahead"),
+    [
+        (DrafterKind.EAGLE, True, 3, 1),
+        (DrafterKind.EAGLE3, True, 3, 1),
+        (DrafterKind.MTP, True, 3, 1),
+        (DrafterKind.MULTI_MODULE_MTP, True, 3, 3),
+        (DrafterKind.GEMMA4_MTP, True, 3, 1),  # stock 0.33.0 still drops for it
+        (DrafterKind.DFLASH, False, 4, 1),  # fill-in drafting: k + 1 slots
+        (DrafterKind.DSPARK, False, 3, 1),
+        (DrafterKind.DRAFT_MODEL, False, 3, 0),
+        (DrafterKind.NGRAM, False, 0, 0),
+        (DrafterKind.NONE, False, 0, 0),
+    ],
+)
+def test_settings_come_from_vllm_config(
+    kind: DrafterKind, use_drop: bool, lookahead_slots: int, prefill_lookahead: int
+) -> None:
+    from differential.driver.settings import resolve_drafter
+
+    resolved = resolve_drafter(triton(kind))
+    assert resolved.use_eagle_block_drop is use_drop
+    assert resolved.num_lookahead_tokens == lookahead_slots
+    assert resolved.num_prefill_lookahead_tokens == prefill_lookahead
+    assert resolved.num_hash_lookahead_tokens == 0  # lookahead hashes disabled
+
+
+def test_lookahead_hashes_clear_the_drop_unless_a_connector_is_set() -> None:
+    from differential.driver.settings import resolve_drafter
+
+    on = resolve_drafter(triton(disable_lookahead_block_hashes=False))
+    assert (on.use_eagle_block_drop, on.num_hash_lookahead_tokens) == (False, 1)
+    multi = resolve_drafter(
+        triton(DrafterKind.MULTI_MODULE_MTP, disable_lookahead_block_hashes=False)
+    )
+    assert (multi.use_eagle_block_drop, multi.num_hash_lookahead_tokens) == (False, 3)
+    connector = resolve_drafter(triton(disable_lookahead_block_hashes=False, kv_connector=True))
+    assert (connector.use_eagle_block_drop, connector.num_hash_lookahead_tokens) == (True, 0)
+    opted_out = resolve_drafter(triton(disable_eagle_block_drop=True))
+    assert opted_out.use_eagle_block_drop is False
+
+
+def test_fixed_variant_changes_gemma4_only_inside_its_context() -> None:
+    from differential.driver.fixes import seed_pr_fix
+    from differential.driver.settings import resolve_drafter
+
+    gemma = triton(DrafterKind.GEMMA4_MTP)
+    assert resolve_drafter(gemma).use_eagle_block_drop is True
+    with seed_pr_fix():
+        assert resolve_drafter(gemma).use_eagle_block_drop is False
+        assert resolve_drafter(triton()).use_eagle_block_drop is True  # plain MTP keeps it
+    assert resolve_drafter(gemma).use_eagle_block_drop is True
+
+
+def test_no_patch_leaks_between_variants() -> None:
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    from differential.driver import run_variant
+
+    originals = (
+        SpeculativeConfig.__dict__["needs_eagle_block_drop"],
+        SlidingWindowManager.__dict__["reachable_block_mask"],
+    )
+    unfixed, fixed = parse_variants("unfixed,fixed")
+    scenario = triton()
+    first = run_variant(scenario, unfixed).hits
+    assert run_variant(scenario, fixed).hits == (0, 16352, 16352, 16352)
+    assert run_variant(scenario, unfixed).hits == first == (0, 8192, 16352, 16352)
+    assert (
+        SpeculativeConfig.__dict__["needs_eagle_block_drop"],
+        SlidingWindowManager.__dict__["reachable_block_mask"],
+    ) == originals
+
+
+def test_fix_status_of_stock_vllm() -> None:
+    from differential.driver import fix_status
+    from differential.driver.fixes import seed_pr_fix
+
+    stock = fix_status()
+    assert (stock.gemma4_no_drop, stock.widened_tails) == (False, False)
+    with seed_pr_fix():
+        assert fix_status().complete
+
+
+def test_observation_details_triton() -> None:
+    from differential.driver import run_variant
+
+    unfixed, fixed = parse_variants("unfixed,fixed")
+    base = run_variant(triton(), unfixed)
+    assert base.settings is not None and base.settings.hit_alignment_tokens == 32
+    assert base.evicted_blocks == 0 and base.error is None
+    # Request 1 fell back, so it pins the full-attention hit as a junction.
+    assert [r.shared_prefix_boundary_tokens for r in base.requests] == [0, 16352, 0, 0]
+    assert base.requests[1].per_group_hit_tokens == (16352, 8192)
+    # The writer keeps 2 SWA tails (8192, 16384) of 65 blocks plus replay
+    # blocks: 132; the fix widens each periodic tail by A / B = 2 blocks.
+    widened = run_variant(triton(), fixed)
+    assert base.requests[0].retained_blocks_per_group == (514, 132)
+    assert widened.requests[0].retained_blocks_per_group == (514, 136)
+
+
+def test_dense_cross_check_run_uses_no_retention() -> None:
+    from differential.driver import run_variant
+
+    (unfixed,) = parse_variants("unfixed")
+    dense = run_variant(triton(), unfixed, dense=True)
+    assert dense.retention_interval_tokens is None
+    assert dense.hits == (0, 16352, 16352, 16352)

@@ -1,0 +1,86 @@
+"""Bad input to the CLI: exit 2, a message naming the field, vLLM not imported."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from differential.cli import main
+from tests.factories import triton
+
+
+def _write(tmp_path: Path, name: str, data: object) -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def _replay(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(["replay", *args])
+    return code, capsys.readouterr().err
+
+
+def test_malformed_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "broken.json", '{"kv_cache_groups": [}')
+    code, err = _replay(capsys, str(path))
+    assert code == 2
+    assert "broken.json" in err and "<json>" in err and "line 1" in err
+
+
+def test_unknown_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = triton().to_dict()
+    data["drafter"]["kind"] = "medusa"
+    code, err = _replay(capsys, str(_write(tmp_path, "d.json", data)))
+    assert code == 2
+    assert "drafter.kind = 'medusa'" in err and "'multi_module_mtp'" in err
+
+
+def test_retention_not_a_multiple(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = triton().to_dict()
+    data["retention_interval_tokens"] = 8200
+    code, err = _replay(capsys, str(_write(tmp_path, "r.json", data)))
+    assert code == 2
+    assert "retention_interval_tokens = 8200" in err
+    assert "multiple of the scheduler block size 32" in err
+
+
+def test_bad_file_among_good_ones_runs_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write(tmp_path, "a-good.json", triton().to_dict())
+    _write(tmp_path, "b-bad.json", {"requests": []})
+    code, err = _replay(capsys, str(tmp_path))
+    assert code == 2 and "b-bad.json" in err and "kv_cache_groups" in err
+    assert capsys.readouterr().out == ""
+
+
+def test_missing_path_and_unknown_variant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _replay(capsys, str(tmp_path / "nope.json"))
+    assert code == 2 and "nope.json" in err
+    good = _write(tmp_path, "g.json", triton().to_dict())
+    code, err = _replay(capsys, str(good), "--variants", "unfixed,patched")
+    assert code == 2 and "'patched'" in err and "unfixed, fixed" in err
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["replay"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "x.json", "--policy", "lenient"])
+    assert info.value.code == 2
+    assert "--policy" in capsys.readouterr().err
+
+
+def test_input_errors_do_not_import_vllm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if "vllm" in sys.modules:
+        pytest.skip("vLLM was already imported by another test in this process")
+    _replay(capsys, str(_write(tmp_path, "x.json", "{")))
+    assert "vllm" not in sys.modules

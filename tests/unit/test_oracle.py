@@ -1,0 +1,233 @@
+"""The oracle on hand-worked cases, at least one per finding kind (no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from differential.compare import compare_pair
+from differential.corpus import finding_tag
+from differential.findings import Finding, FindingKind, Policy
+from differential.observation import ManagerSettings, RequestObservation, RunObservation
+from differential.oracle import (
+    common_prefix_tokens,
+    cross_check_dense,
+    dense_hit,
+    drafter_model,
+    judge_run,
+    references,
+    replay_boundaries,
+)
+from differential.scenario import DrafterKind, RequestSpec
+from tests.factories import hybrid, triton
+
+DROP = ManagerSettings(True, 0, 3, 1, 32)
+NO_DROP = ManagerSettings(False, 0, 3, 1, 32)
+
+
+def run(
+    hits: list[int], *, settings: ManagerSettings = DROP, retained=None, **kw
+) -> RunObservation:
+    retained = retained or [(0, 0)] * len(hits)
+    return RunObservation(
+        variant=kw.pop("variant", "v"),
+        vllm_version="test",
+        settings=settings,
+        requests=tuple(
+            RequestObservation(i, 16448, h, 0, (h, h), tuple(r))
+            for i, (h, r) in enumerate(zip(hits, retained, strict=True))
+        ),
+        **kw,
+    )
+
+
+def tags(findings: tuple[Finding, ...] | list[Finding]) -> list[str]:
+    return sorted(finding_tag(f) for f in findings)
+
+
+def test_dense_reference_triton_by_hand() -> None:
+    # A = 32, drop on. Writer cached all 16448 tokens; sibling shares c = 16384.
+    # Full attention (B = 32): proven 16384, minus the peek block -> 16352.
+    # SWA (B = 16): proven 16384, minus its peek block -> 16368.
+    # min(16352, 16368, L - 1 = 16447) aligned down to 32 -> 16352.
+    scenario = triton()
+    model = drafter_model(scenario)
+    assert model.drop and model.dependency_tokens == 1
+    assert dense_hit(scenario, model, 1, 0, 16384) == 16352
+    # Without a drafter nothing is dropped: min(16384, 16447) -> 16384.
+    plain = triton(DrafterKind.NONE)
+    assert dense_hit(plain, drafter_model(plain), 1, 0, 16384) == 16384
+
+
+def test_fallback_triton_unfixed() -> None:
+    # Checkpoints under R = 8192 with the drop: 8192, 16384 and (the seed PR's
+    # promise) 8160, 16352; the writer's replay boundaries: 16384, 16416.
+    # The highest at or below h_dense = 16352 is 16352; the hit 8192 falls back.
+    refs, findings = judge_run(triton(), run([0, 8192, 16352, 16352]))
+    assert [r.dense_tokens for r in refs] == [0, 16352, 16352, 16352]
+    assert [r.expected_tokens for r in refs] == [0, 16352, 16352, 16352]
+    assert [r.divergence_tokens for r in refs] == [0, 16384, 16384, 16384]
+    assert tags(findings) == ["fallback@1"]
+    (f,) = findings
+    assert (f.expected_tokens, f.hit_tokens, f.fallback_checkpoint_tokens) == (16352, 8192, 8192)
+    assert f.divergence_tokens == 16384
+
+
+def test_fixed_hits_are_clean() -> None:
+    assert judge_run(triton(), run([0, 16352, 16352, 16352]))[1] == ()
+
+
+def test_junction_pinned_by_a_fallback_is_a_checkpoint() -> None:
+    # Request 1 fell back to 8192, so it pins its dense hit 16352 as a
+    # junction; request 2 is owed 16352 through it even without the c - A rule.
+    scenario = triton()
+    refs = references(scenario, drafter_model(scenario), [0, 8192, 16352])
+    assert 16352 in refs[2].checkpoints
+
+
+def test_over_hit_past_the_dense_reference() -> None:
+    findings = judge_run(triton(), run([0, 16384, 16352, 16352]))[1]
+    assert tags(findings) == ["over-hit@1"]
+    assert findings[0].expected_tokens == 16352
+
+
+def test_first_request_must_not_hit() -> None:
+    assert tags(judge_run(triton(), run([32, 8192, 16352, 16352]))[1]) == [
+        "fallback@1",
+        "over-hit@0",
+    ]
+
+
+def test_misaligned_hit() -> None:
+    findings = judge_run(triton(), run([0, 16336, 16352, 16352]))[1]
+    assert tags(findings) == ["fallback@1", "misaligned@1"]
+
+
+def test_crash_is_reported_with_the_phase() -> None:
+    crashed = run([0], error="request 1: lookup: AssertionError: boom")
+    findings = judge_run(triton(), crashed)[1]
+    assert tags(findings) == ["crash@1"]
+    assert "request 1: lookup" in findings[0].detail
+
+
+def test_eviction_makes_the_run_unjudged() -> None:
+    refs, findings = judge_run(triton(), run([0, 0, 0, 0], evicted_blocks=3))
+    assert refs == ()
+    assert tags(findings) == ["eviction@run"]
+
+
+def test_needless_drop_for_gemma4_mtp() -> None:
+    # Gemma-4 MTP writes no draft KV: no drop is needed, dense = 16384, and the
+    # periodic checkpoint 16384 is owed to every sibling.
+    scenario = triton(DrafterKind.GEMMA4_MTP)
+    refs, findings = judge_run(scenario, run([0, 8192, 16352, 16352]))
+    assert [r.expected_tokens for r in refs] == [0, 16384, 16384, 16384]
+    assert tags(findings) == ["fallback@1", "fallback@2", "fallback@3", "needless-drop@run"]
+    assert judge_run(scenario, run([0, 16384, 16384, 16384], settings=NO_DROP))[1] == ()
+
+
+def test_dense_mismatch_uses_the_runs_own_protection() -> None:
+    dense = run([0, 16384, 16352, 16352])  # settings say drop: reference is 16352
+    assert tags(cross_check_dense(triton(retention=None), dense)) == ["dense-mismatch@1"]
+    assert cross_check_dense(triton(retention=None), run([0, 16352, 16352, 16352])) == ()
+
+
+def test_variant_regression_and_cost() -> None:
+    scenario = triton()
+    base = run([0, 16352, 16352, 16352], variant="unfixed", retained=[(514, 132)] * 4)
+    worse = run([0, 8192, 16352, 16352], variant="fixed", retained=[(514, 132)] * 4)
+    assert tags(compare_pair(scenario, base, worse)) == ["variant-regression@1"]
+    # Inside the domain the fix may keep A / B = 2 extra SWA blocks per
+    # periodic checkpoint: 16448 tokens cross 2 checkpoints, so 4 blocks.
+    costly = run([0, 16352, 16352, 16352], variant="fixed", retained=[(514, 137)] * 4)
+    assert tags(compare_pair(scenario, base, costly)) == [f"variant-drift@{i}" for i in range(4)]
+    fine = run([0, 16352, 16352, 16352], variant="fixed", retained=[(514, 136)] * 4)
+    assert compare_pair(scenario, base, fine) == []
+
+
+def test_variant_drift_outside_the_domain() -> None:
+    scenario = triton(retention=None)
+    base = run([0, 16352, 16352, 16352], variant="unfixed", retained=[(514, 1028)] * 4)
+    other = run([0, 16352, 16352, 16352], variant="fixed", retained=[(514, 1030)] * 4)
+    findings = compare_pair(scenario, base, other)
+    assert tags(findings) == [f"variant-drift@{i}" for i in range(4)]
+    assert findings[0].variant == "fixed vs unfixed"
+
+
+def test_design_gap_only_under_the_ideal_policy() -> None:
+    # Lookahead hashes on: the block hash ending at 16384 covers token 16384,
+    # where the sibling diverges, so h_dense = 16352 = c - A. vLLM promises
+    # c - A only under the drop: the 8192 is no finding under `vllm`.
+    scenario = triton(disable_lookahead_block_hashes=False)
+    model = drafter_model(scenario)
+    assert (model.drop, model.hash_lookahead_tokens) == (False, 1)
+    lookahead = ManagerSettings(False, 1, 3, 1, 32)
+    observed = run([0, 8192, 16352, 16352], settings=lookahead)
+    assert judge_run(scenario, observed)[1] == ()
+    refs, findings = judge_run(scenario, observed, Policy.IDEAL)
+    assert tags(findings) == ["design-gap@1"]
+    assert findings[0].kind is FindingKind.DESIGN_GAP and refs[1].expected_tokens == 16352
+
+
+@pytest.mark.parametrize(
+    ("length", "drop", "expected"),
+    [
+        (16448, True, (16384, 16416)),
+        (16448, False, (16416,)),
+        (32, True, (16, 24)),  # block-aligned prompt: the resend and the extension differ
+        (31, True, (16,)),
+        (96, False, (88,)),
+    ],
+)
+def test_replay_boundaries_follow_vllm(length: int, drop: bool, expected: tuple[int, ...]) -> None:
+    alignment = 32 if length > 100 else 8
+    full = 32 if alignment == 32 else 8
+    scenario = hybrid(
+        full,
+        4 if alignment == 8 else 16,
+        16,
+        prefix=length,
+        requests=(RequestSpec(length, 0),),
+        retention=0,
+        drafter=DrafterKind.MTP if drop else DrafterKind.NONE,
+        spec_tokens=1,
+    )
+    assert replay_boundaries(scenario, drafter_model(scenario), 0) == expected
+
+
+@pytest.mark.parametrize(
+    ("kind", "drop", "lookahead", "reprefill"),
+    [
+        (DrafterKind.EAGLE, True, 0, 0),
+        (DrafterKind.EAGLE3, True, 0, 0),
+        (DrafterKind.MTP, True, 0, 0),
+        (DrafterKind.MULTI_MODULE_MTP, True, 0, 2),
+        (DrafterKind.GEMMA4_MTP, False, 0, 0),
+        (DrafterKind.DFLASH, False, 0, 0),
+        (DrafterKind.DSPARK, False, 0, 0),
+        (DrafterKind.DRAFT_MODEL, False, 0, 0),
+        (DrafterKind.NGRAM, False, 0, 0),
+        (DrafterKind.NONE, False, 0, 0),
+    ],
+)
+def test_drafter_model_table(kind: DrafterKind, drop: bool, lookahead: int, reprefill: int) -> None:
+    model = drafter_model(triton(kind))
+    assert (model.drop, model.hash_lookahead_tokens, model.reprefillable_tokens) == (
+        drop,
+        lookahead,
+        reprefill,
+    )
+
+
+def test_lookahead_hashes_cover_multi_module_reach() -> None:
+    scenario = triton(DrafterKind.MULTI_MODULE_MTP, disable_lookahead_block_hashes=False)
+    model = drafter_model(scenario)
+    assert (model.drop, model.hash_lookahead_tokens, model.dependency_tokens) == (False, 3, 3)
+    # c = 16384: hashes prove 16384 - 3 -> 16352 full-attention tokens.
+    assert dense_hit(scenario, model, 1, 0, 16384) == 16352
+
+
+def test_common_prefix_tokens() -> None:
+    assert common_prefix_tokens((1, 2, 3), (1, 2, 4)) == 2
+    assert common_prefix_tokens((1, 2, 3), (1, 2, 3, 4)) == 3
+    assert common_prefix_tokens((), (1,)) == 0
+    assert common_prefix_tokens((5,), (6,)) == 0

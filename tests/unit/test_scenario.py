@@ -1,0 +1,193 @@
+"""The scenario model: validation naming the field, exact JSON round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from differential.errors import ScenarioError
+from differential.oracle import common_prefix_tokens
+from differential.scenario import (
+    Drafter,
+    DrafterKind,
+    GroupKind,
+    KVCacheGroup,
+    RequestSpec,
+    Scenario,
+)
+from tests.factories import CORPORA, hybrid, triton
+
+
+def test_every_corpus_file_round_trips_exactly() -> None:
+    files = sorted(CORPORA.rglob("*.json"))
+    assert files, "the corpus is empty"
+    for path in files:
+        raw = json.loads(path.read_text())
+        scenario = Scenario.from_dict(raw)
+        assert Scenario.from_dict(scenario.to_dict()) == scenario
+        body = {k: v for k, v in raw.items() if k not in ("expect", "notes")}
+        assert scenario.to_dict() == body, path.name
+
+
+def test_json_text_round_trip_is_byte_exact() -> None:
+    scenario = triton()
+    text = scenario.to_json()
+    assert Scenario.from_json(text).to_json() == text
+
+
+def test_derived_sizes_follow_vllm() -> None:
+    scenario = triton()
+    assert scenario.scheduler_block_size_tokens == 32  # lcm(32, 16)
+    assert scenario.effective_hash_block_size_tokens == 16  # gcd(32, 16)
+    assert scenario.effective_hit_alignment_tokens == 32
+    odd = hybrid(12, 8, 64, prefix=48, requests=(RequestSpec(48, 1),), retention=None)
+    assert odd.scheduler_block_size_tokens == 24
+    assert odd.effective_hash_block_size_tokens == 4
+
+
+def test_prompts_share_exactly_the_declared_prefix() -> None:
+    scenario = hybrid(
+        8,
+        4,
+        16,
+        prefix=64,
+        requests=(
+            RequestSpec(64, 10),
+            RequestSpec(40, 5),
+            RequestSpec(70, 3, shares_with=0),
+            RequestSpec(64, 0),
+        ),
+        retention=None,
+    )
+    p = scenario.prompts
+    assert [len(x) for x in p] == [74, 45, 73, 64]
+    assert common_prefix_tokens(p[0], p[1]) == 40
+    assert common_prefix_tokens(p[0], p[2]) == 70  # copies 6 of request 0's own tokens
+    assert common_prefix_tokens(p[1], p[2]) == 40
+    assert common_prefix_tokens(p[0], p[3]) == 64
+    assert p[3] == p[0][:64]
+
+
+def _bad(field: str, **changes: object) -> None:
+    data = triton().to_dict()
+    for key, value in changes.items():
+        data[key] = value
+    with pytest.raises(ScenarioError) as info:
+        Scenario.from_dict(data)
+    assert info.value.field == field, str(info.value)
+    assert field in str(info.value)
+
+
+def test_retention_must_be_a_multiple_of_the_scheduler_block() -> None:
+    _bad("retention_interval_tokens", retention_interval_tokens=8200)
+    _bad("retention_interval_tokens", retention_interval_tokens=-32)
+
+
+def test_unknown_drafter_names_the_allowed_values() -> None:
+    data = triton().to_dict()
+    data["drafter"] = {"kind": "medusa", "num_speculative_tokens": 3}
+    with pytest.raises(ScenarioError) as info:
+        Scenario.from_dict(data)
+    assert info.value.field == "drafter.kind"
+    assert "'eagle3'" in info.value.allowed and "'gemma4_mtp'" in info.value.allowed
+
+
+@pytest.mark.parametrize(
+    ("field", "changes"),
+    [
+        ("hit_alignment_tokens", {"hit_alignment_tokens": 16}),
+        ("hash_block_size_tokens", {"hash_block_size_tokens": 3}),
+        ("prefill_chunk_tokens", {"prefill_chunk_tokens": 0}),
+        ("decode_steps", {"decode_steps": -1}),
+        ("format", {"format": "something.else"}),
+        ("version", {"version": 99}),
+        ("colour", {"colour": "blue"}),
+        (
+            "drafter.num_speculative_tokens",
+            {"drafter": {"kind": "mtp", "num_speculative_tokens": 0}},
+        ),
+        (
+            "drafter.num_speculative_tokens",
+            {"drafter": {"kind": "none", "num_speculative_tokens": 2}},
+        ),
+        ("kv_cache_groups", {"kv_cache_groups": []}),
+        ("requests", {"requests": []}),
+        (
+            "requests[0].divergence_tokens",
+            {"requests": [{"divergence_tokens": 20000, "suffix_tokens": 1}]},
+        ),
+        (
+            "requests[0].shares_with",
+            {"requests": [{"divergence_tokens": 1, "suffix_tokens": 1, "shares_with": 0}]},
+        ),
+        ("kv_connector", {"kv_connector": "yes"}),
+    ],
+)
+def test_invalid_fields_are_named(field: str, changes: dict[str, object]) -> None:
+    _bad(field, **changes)
+
+
+def test_group_rules() -> None:
+    with pytest.raises(ScenarioError, match=r"kv_cache_groups\[1\].sliding_window_tokens"):
+        Scenario(
+            kv_cache_groups=(
+                KVCacheGroup(GroupKind.FULL_ATTENTION, 16),
+                KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, None),
+            ),
+            requests=(RequestSpec(1, 1),),
+            shared_prefix_tokens=1,
+        )
+    with pytest.raises(ScenarioError, match="exactly one full_attention group"):
+        Scenario(
+            kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 64),),
+            requests=(RequestSpec(1, 1),),
+            shared_prefix_tokens=1,
+        )
+    with pytest.raises(ScenarioError, match="retention only applies"):
+        Scenario(
+            kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+            requests=(RequestSpec(1, 1),),
+            shared_prefix_tokens=1,
+            retention_interval_tokens=32,
+        )
+
+
+def test_multi_module_mtp_constraints_mirror_vllm() -> None:
+    with pytest.raises(ScenarioError, match="scheduler block size 8"):
+        hybrid(
+            8,
+            4,
+            16,
+            prefix=8,
+            requests=(RequestSpec(8, 1),),
+            retention=None,
+            drafter=DrafterKind.MULTI_MODULE_MTP,
+            spec_tokens=9,
+        )
+    with pytest.raises(ScenarioError) as info:
+        hybrid(
+            8,
+            4,
+            16,
+            prefix=8,
+            requests=(RequestSpec(8, 1),),
+            retention=None,
+            drafter=DrafterKind.MULTI_MODULE_MTP,
+            spec_tokens=4,
+            chunk=3,
+        )
+    assert info.value.field == "prefill_chunk_tokens"
+
+
+def test_malformed_json_names_the_position() -> None:
+    with pytest.raises(ScenarioError) as info:
+        Scenario.from_json('{"kv_cache_groups": [', source="x.json")
+    assert info.value.field == "<json>"
+    assert str(info.value).startswith("x.json: ")
+
+
+def test_drafter_default_is_none() -> None:
+    data = triton().to_dict()
+    del data["drafter"]
+    assert Scenario.from_dict(data).drafter == Drafter(DrafterKind.NONE, 0)
