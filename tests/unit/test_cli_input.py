@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,10 +78,14 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--policy" in capsys.readouterr().err
 
 
-def test_input_errors_do_not_import_vllm(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    if "vllm" in sys.modules:
-        pytest.skip("vLLM was already imported by another test in this process")
-    _replay(capsys, str(_write(tmp_path, "x.json", "{")))
-    assert "vllm" not in sys.modules
+def test_input_errors_do_not_import_vllm(tmp_path: Path) -> None:
+    bad = _write(tmp_path, "x.json", "{")
+    code = (
+        "import sys\n"
+        "from differential.cli import main\n"
+        f"assert main(['replay', {str(bad)!r}]) == 2\n"
+        "assert 'vllm' not in sys.modules, 'bad input imported vLLM'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "<json>" in proc.stderr

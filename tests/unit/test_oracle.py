@@ -231,3 +231,49 @@ def test_common_prefix_tokens() -> None:
     assert common_prefix_tokens((1, 2, 3), (1, 2, 3, 4)) == 3
     assert common_prefix_tokens((), (1,)) == 0
     assert common_prefix_tokens((5,), (6,)) == 0
+
+
+def test_swa_eagle_spiral_old_behaviour_is_flagged() -> None:
+    # Case swa-eagle-spiral: full 4 / SWA 4, window 8, dense retention, EAGLE.
+    # Resend of 100 tokens: h <= 99 and full attention proves 100 - 4 -> 96.
+    # Sibling sharing 70: proves 68, minus the peek block -> 64.
+    scenario = hybrid(
+        4,
+        4,
+        8,
+        prefix=100,
+        requests=(RequestSpec(100, 0), RequestSpec(100, 0), RequestSpec(70, 30)),
+        retention=None,
+        drafter=DrafterKind.EAGLE,
+        spec_tokens=1,
+        chunk=32,
+    )
+    settings = ManagerSettings(True, 0, 1, 1, 4)
+    refs, findings = judge_run(scenario, run([0, 96, 64], settings=settings))
+    assert [r.dense_tokens for r in refs] == [0, 96, 64] and findings == ()
+    spiral = judge_run(scenario, run([0, 0, 0], settings=settings))[1]
+    assert tags(spiral) == ["fallback@1", "fallback@2"]
+
+
+def test_window_below_alignment_retention_0_is_vllms_promise() -> None:
+    # Case swa-window-below-alignment-eagle, retention 0: the writer keeps
+    # only its replay boundaries {96, 112}; the sibling's dense hit is 80,
+    # below both, so 0 is what vLLM promises.
+    scenario = hybrid(
+        16,
+        4,
+        4,
+        prefix=128,
+        requests=(RequestSpec(128, 0), RequestSpec(128, 0), RequestSpec(100, 28)),
+        retention=0,
+        drafter=DrafterKind.EAGLE,
+        spec_tokens=1,
+        chunk=32,
+    )
+    settings = ManagerSettings(True, 0, 1, 1, 16)
+    observed = run([0, 112, 0], settings=settings)
+    refs, findings = judge_run(scenario, observed)
+    assert findings == ()
+    assert [r.dense_tokens for r in refs] == [0, 112, 80]
+    assert replay_boundaries(scenario, drafter_model(scenario), 0) == (96, 112)
+    assert tags(judge_run(scenario, observed, Policy.IDEAL)[1]) == ["design-gap@2"]
