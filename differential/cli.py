@@ -16,7 +16,12 @@ from pathlib import Path
 
 from differential.errors import ScenarioError, VariantError
 from differential.findings import Policy
-from differential.variants import DEFAULT_VARIANTS, known_variants, parse_variants
+from differential.variants import (
+    DEFAULT_VARIANTS,
+    VariantRole,
+    known_variants,
+    parse_variants,
+)
 
 __all__ = ["main"]
 
@@ -71,7 +76,34 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the dense-retention cross-check runs (about halves the run time)",
     )
+    calibrate = sub.add_parser(
+        "calibrate",
+        help="print which scenarios catch each calibration mutant",
+        description=(
+            "Run the fixed variant and each calibration mutant (fixed plus one "
+            "deliberate breakage) on PATH... and print the mutation table. Exit 0 "
+            "when every mutant is caught at least once, 1 otherwise."
+        ),
+    )
+    calibrate.add_argument(
+        "paths",
+        nargs="*",
+        default=["corpora"],
+        metavar="PATH",
+        help="scenario files or folders (default: corpora)",
+    )
     return parser
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from differential.corpus import iter_scenario_files, load_entry
+
+    entries = [load_entry(path) for path in iter_scenario_files(args.paths)]
+    from differential.calibrate import mutation_table, render_table
+
+    rows, noisy = mutation_table(entries)
+    sys.stdout.write(render_table(rows, noisy))
+    return EXIT_CLEAN if all(row.caught_by for row in rows) else EXIT_FOUND
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -88,14 +120,14 @@ def _replay(args: argparse.Namespace) -> int:
     from differential.report import render_json, render_text
 
     notices: list[str] = []
-    if any(v.carries_fix for v in variants):
+    if any(v.role is VariantRole.FIXED for v in variants):
         status = fix_status()
         if status.complete:
             notices.append(
                 f"the installed vLLM {VLLM_VERSION} already contains the seed fix; "
                 "variants that add it would compare vLLM with itself and are skipped"
             )
-            variants = tuple(v for v in variants if not v.carries_fix)
+            variants = tuple(v for v in variants if v.role is not VariantRole.FIXED)
         elif status.gemma4_no_drop or status.widened_tails:
             part = "no Gemma-4 MTP drop" if status.gemma4_no_drop else "widened SWA tails"
             notices.append(
@@ -128,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "replay":
             return _replay(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
     except (ScenarioError, VariantError) as exc:
         print(f"kvfuzz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

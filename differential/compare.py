@@ -18,7 +18,7 @@ from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RunObservation
 from differential.oracle import SiblingReference, cross_check_dense, judge_run
 from differential.scenario import DrafterKind, GroupKind, Scenario
-from differential.variants import Variant
+from differential.variants import Variant, VariantRole
 
 __all__ = [
     "ScenarioResult",
@@ -90,12 +90,23 @@ def in_fix_domain(scenario: Scenario, unfixed: RunObservation) -> bool:
     return sparse or scenario.drafter.kind is DrafterKind.GEMMA4_MTP
 
 
-def _periodic_checkpoints(scenario: Scenario, request: int) -> int:
+def _periodic_tails(scenario: Scenario, request: int, block: int, window: int) -> int:
+    """Periodic checkpoints whose widened SWA tail overlaps the request's tokens.
+
+    The tail for checkpoint ``c = k*R`` ends on the peek block past ``c`` and
+    spans ``ceil((window - 1) / block) + 1 + A / block`` blocks under the fix.
+    """
     retention = scenario.retention_interval_tokens or 0
     if retention <= 0:
         return 0
+    alignment = scenario.effective_hit_alignment_tokens
     extent = scenario.requests[request].prompt_tokens + scenario.decode_steps
-    return extent // retention
+    tail_blocks = -(-(window - 1) // block) + 1 + alignment // block
+    count, c = 0, retention
+    while c + block - tail_blocks * block < extent:
+        count += 1
+        c += retention
+    return count
 
 
 def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation) -> list[Finding]:
@@ -112,7 +123,7 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
     domain = in_fix_domain(scenario, base)
     alignment = scenario.effective_hit_alignment_tokens
     swa = [
-        (gi, g.block_size_tokens)
+        (gi, g.block_size_tokens, g.sliding_window_tokens or 0)
         for gi, g in enumerate(scenario.kv_cache_groups)
         if g.kind is GroupKind.SLIDING_WINDOW
     ]
@@ -123,8 +134,7 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
                     FindingKind.VARIANT_REGRESSION,
                     pair,
                     b.index,
-                    f"{fixed.variant} hit {f.hit_tokens} < {base.variant} "
-                    f"hit {b.hit_tokens}",
+                    f"{fixed.variant} hit {f.hit_tokens} < {base.variant} hit {b.hit_tokens}",
                     expected_tokens=b.hit_tokens,
                     hit_tokens=f.hit_tokens,
                 )
@@ -150,10 +160,10 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
             continue
         if scenario.drafter.kind is DrafterKind.GEMMA4_MTP or f.hit_tokens != b.hit_tokens:
             continue  # different computed ranges: no per-request cost bound
-        checkpoints = _periodic_checkpoints(scenario, b.index)
-        for gi, block in swa:
+        for gi, block, window in swa:
+            tails = _periodic_tails(scenario, b.index, block, window)
             extra = f.retained_blocks_per_group[gi] - b.retained_blocks_per_group[gi]
-            allowed = alignment // block * checkpoints
+            allowed = alignment // block * tails
             if extra > allowed:
                 findings.append(
                     Finding(
@@ -161,8 +171,8 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
                         pair,
                         b.index,
                         f"group {gi} keeps {extra} extra SWA blocks; the fix claims at "
-                        f"most {alignment // block} per periodic checkpoint x "
-                        f"{checkpoints} checkpoints = {allowed}",
+                        f"most {alignment // block} per periodic checkpoint tail x "
+                        f"{tails} tails = {allowed}",
                     )
                 )
     return findings
@@ -202,10 +212,10 @@ def compare_variants(
         results.append(VariantResult(variant, run, dense_run, refs, findings))
     comparison: list[Finding] = []
     for fixed in results:
-        if not fixed.variant.carries_fix:
+        if fixed.variant.role is not VariantRole.FIXED:
             continue
         for base in results:
-            if not base.variant.carries_fix:
+            if base.variant.role is VariantRole.BASELINE:
                 comparison += compare_pair(scenario, base.run, fixed.run)
     return ScenarioResult(
         scenario=scenario,

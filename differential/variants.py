@@ -6,6 +6,8 @@ says *how*. Built in:
 * ``unfixed`` -- the installed vLLM, as is.
 * ``fixed`` -- the installed vLLM plus the seed PR's two changes
   (:mod:`differential.driver.fixes`).
+* ``mutant-*`` -- ``fixed`` with one deliberate breakage, to prove the oracle
+  catches it (:mod:`differential.driver.mutations`).
 
 New kinds of variant register a :class:`Variant` with :func:`register`; the
 ``patch`` is a ``"module:function"`` path to a context manager factory, so
@@ -15,10 +17,24 @@ this module never imports vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from differential.errors import VariantError
 
-__all__ = ["DEFAULT_VARIANTS", "Variant", "known_variants", "parse_variants", "register"]
+__all__ = ["DEFAULT_VARIANTS", "MUTANTS", "Variant", "known_variants", "parse_variants", "register"]
+
+
+class VariantRole(StrEnum):
+    """How a variant takes part in comparisons.
+
+    ``fixed`` variants are compared against every ``baseline`` variant (they
+    must never hit less, and must agree outside the fix's domain); ``mutant``
+    variants are judged by the oracle only.
+    """
+
+    BASELINE = "baseline"
+    FIXED = "fixed"
+    MUTANT = "mutant"
 
 
 @dataclass(frozen=True)
@@ -28,15 +44,14 @@ class Variant:
     Attributes:
         name: the name used on the command line and in reports.
         description: one line for ``--help`` and reports.
-        carries_fix: whether the variant is expected to contain the seed fix
-            (the comparison then checks it never hits less than an unfixed one).
+        role: how the variant takes part in comparisons.
         patch: ``"module:function"`` of a zero-argument context manager factory
             that installs the variant around a run, or ``""`` for none.
     """
 
     name: str
     description: str
-    carries_fix: bool
+    role: VariantRole
     patch: str = ""
 
 
@@ -48,18 +63,33 @@ def register(variant: Variant) -> None:
     _REGISTRY[variant.name] = variant
 
 
-register(Variant("unfixed", "the installed vLLM, unchanged", carries_fix=False))
+register(Variant("unfixed", "the installed vLLM, unchanged", VariantRole.BASELINE))
 register(
     Variant(
         "fixed",
         "the installed vLLM plus the seed PR's fix (no Gemma-4 MTP drop, "
         "periodic SWA tails A / B_swa blocks wider)",
-        carries_fix=True,
+        VariantRole.FIXED,
         patch="differential.driver.fixes:seed_pr_fix",
     )
 )
 
+for _name, _what in (
+    ("no-peek", "SWA tails kept as if there were no EAGLE peek block"),
+    ("double-drop", "the SWA lookup applies the EAGLE drop twice"),
+    ("no-junction", "get_computed_blocks never reports a shared-prefix junction"),
+):
+    register(
+        Variant(
+            f"mutant-{_name}",
+            f"calibration mutant on top of fixed: {_what}",
+            VariantRole.MUTANT,
+            patch=f"differential.driver.mutations:mutant_{_name.replace('-', '_')}",
+        )
+    )
+
 DEFAULT_VARIANTS = ("unfixed", "fixed")
+MUTANTS = ("mutant-no-peek", "mutant-double-drop", "mutant-no-junction")
 
 
 def known_variants() -> tuple[str, ...]:

@@ -137,7 +137,8 @@ def test_variant_regression_and_cost() -> None:
     worse = run([0, 8192, 16352, 16352], variant="fixed", retained=[(514, 132)] * 4)
     assert tags(compare_pair(scenario, base, worse)) == ["variant-regression@1"]
     # Inside the domain the fix may keep A / B = 2 extra SWA blocks per
-    # periodic checkpoint: 16448 tokens cross 2 checkpoints, so 4 blocks.
+    # periodic checkpoint tail: 16448 tokens overlap the tails of 8192 and
+    # 16384 (the tail of 24576 starts at 24576 + 16 - 67 * 16 > 16448): 4 blocks.
     costly = run([0, 16352, 16352, 16352], variant="fixed", retained=[(514, 137)] * 4)
     assert tags(compare_pair(scenario, base, costly)) == [f"variant-drift@{i}" for i in range(4)]
     fine = run([0, 16352, 16352, 16352], variant="fixed", retained=[(514, 136)] * 4)

@@ -1,0 +1,81 @@
+"""Deliberate breakages of vLLM's behaviour, to prove the oracle has teeth.
+
+Each mutation is applied on top of the ``fixed`` variant (which is clean on
+the bundled corpus), so every finding a mutant produces is the mutation's.
+The wrappers wrap whatever is installed when they are entered, so they
+compose with the seed fix.
+
+* ``mutant-no-peek``: ``SlidingWindowManager.reachable_block_mask`` keeps the
+  tails as if there were no EAGLE drop (no peek block past the boundary).
+* ``mutant-double-drop``: ``SlidingWindowManager.find_longest_cache_hit``
+  applies the EAGLE drop twice.
+* ``mutant-no-junction``: ``KVCacheManager.get_computed_blocks`` never
+  reports a shared-prefix boundary, so no junction is pinned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+from differential.driver.fixes import patched, seed_pr_fix
+
+__all__ = ["mutant_double_drop", "mutant_no_junction", "mutant_no_peek"]
+
+
+def _classmethod_function(owner: type, name: str) -> Callable[..., Any]:
+    return owner.__dict__[name].__func__  # type: ignore[no-any-return]
+
+
+@contextmanager
+def mutant_no_peek() -> Iterator[None]:
+    """The fixed variant, with SWA tails kept as if the drop were off."""
+    with seed_pr_fix():
+        current = _classmethod_function(SlidingWindowManager, "reachable_block_mask")
+
+        def no_peek(cls: type, *args: Any, **kwargs: Any) -> list[bool] | None:
+            if "use_eagle" in kwargs:
+                kwargs["use_eagle"] = False
+            else:
+                args = (*args[:4], False, *args[5:])
+            return current(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+        with patched(((SlidingWindowManager, "reachable_block_mask", classmethod(no_peek)),)):
+            yield
+
+
+@contextmanager
+def mutant_double_drop() -> Iterator[None]:
+    """The fixed variant, with the SWA lookup dropping the last block twice."""
+    with seed_pr_fix():
+        current = _classmethod_function(SlidingWindowManager, "find_longest_cache_hit")
+
+        def double_drop(
+            cls: type, block_hashes: Any, max_length: int, *args: Any, **kwargs: Any
+        ) -> Any:
+            blocks, hit = current(cls, block_hashes, max_length, *args, **kwargs)
+            drop = kwargs.get("drop_eagle_block", args[3] if len(args) > 3 else False)
+            if drop and hit > 0:
+                blocks, hit = current(cls, block_hashes, hit, *args, **kwargs)
+            return blocks, hit
+
+        with patched(((SlidingWindowManager, "find_longest_cache_hit", classmethod(double_drop)),)):
+            yield
+
+
+@contextmanager
+def mutant_no_junction() -> Iterator[None]:
+    """The fixed variant, with no shared-prefix junction ever reported."""
+    with seed_pr_fix():
+        current = KVCacheManager.__dict__["get_computed_blocks"]
+
+        def no_junction(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+            blocks, hit, _junction = current(self, *args, **kwargs)
+            return blocks, hit, 0
+
+        with patched(((KVCacheManager, "get_computed_blocks", no_junction),)):
+            yield

@@ -1,0 +1,101 @@
+"""The oracle in both directions: by-design misses are never flagged under the
+``vllm`` policy, and each calibration mutant of vLLM is caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from differential.compare import compare_variants
+from differential.corpus import finding_tag, load_entry
+from differential.scenario import DrafterKind, RequestSpec
+from differential.variants import parse_variants
+from tests.factories import CORPORA, hybrid
+
+pytestmark = pytest.mark.vllm
+
+BOTH = parse_variants("unfixed,fixed")
+
+
+def _tags(scenario, variants) -> dict[str, list[str]]:
+    result = compare_variants(scenario, variants)
+    return {
+        vr.variant.name: sorted(
+            finding_tag(f) for f in result.findings if f.variant.split(" vs ")[0] == vr.variant.name
+        )
+        for vr in result.results
+    }
+
+
+@pytest.mark.parametrize("shared", [1, 7, 15])
+@pytest.mark.parametrize("retention", [None, 0, 64])
+def test_shared_prefix_shorter_than_one_alignment_unit(shared: int, retention: int | None) -> None:
+    # A = 16: a sibling sharing fewer than 16 tokens can never hit.
+    scenario = hybrid(
+        16,
+        8,
+        32,
+        prefix=128,
+        requests=(RequestSpec(128, 8), RequestSpec(shared, 40)),
+        retention=retention,
+        spec_tokens=1,
+        chunk=32,
+    )
+    result = compare_variants(scenario, BOTH)
+    assert [vr.run.hits for vr in result.results] == [(0, 0), (0, 0)]
+    assert result.findings == ()
+
+
+def test_one_unit_eagle_loss_is_by_design() -> None:
+    # Dense retention, drop on: siblings get 16352, one unit below the shared
+    # 16384, and that is no finding.
+    entry = load_entry(CORPORA / "seeds" / "dense-retention-mtp3-swa16-fa32.json")
+    assert _tags(entry.scenario, BOTH) == {"unfixed": [], "fixed": []}
+
+
+@pytest.mark.parametrize("divergence", [40, 64, 80, 95])
+def test_retention_0_sibling_before_the_replay_boundary(divergence: int) -> None:
+    # Retention 0 keeps the writer's replay boundaries only (88 and 96 for a
+    # 104-token prompt with A = 8, drop on): earlier divergence points are owed 0.
+    scenario = hybrid(
+        8,
+        4,
+        16,
+        prefix=104,
+        requests=(RequestSpec(104, 0), RequestSpec(divergence, 20)),
+        retention=0,
+        drafter=DrafterKind.EAGLE,
+        spec_tokens=1,
+        chunk=32,
+    )
+    result = compare_variants(scenario, BOTH)
+    assert all(vr.run.hits == (0, 0) for vr in result.results)
+    assert result.findings == ()
+
+
+@pytest.mark.parametrize(
+    ("mutant", "seed", "expected"),
+    [
+        ("mutant-no-peek", "seeds/triton-mtp3-swa16-fa32-r8192", ["fallback@1"]),
+        (
+            "mutant-double-drop",
+            "seeds/toy-mtp1-swa4-fa8-r64",
+            [
+                "dense-mismatch@1",
+                "dense-mismatch@2",
+                "dense-mismatch@3",
+                "fallback@1",
+                "fallback@2",
+                "fallback@3",
+            ],
+        ),
+        (
+            "mutant-no-junction",
+            "seeds/lookahead-hashes-mtp3-swa16-fa32-r8192",
+            ["fallback@2", "fallback@3"],
+        ),
+    ],
+)
+def test_mutants_are_caught(mutant: str, seed: str, expected: list[str]) -> None:
+    scenario = load_entry(CORPORA / f"{seed}.json").scenario
+    got = _tags(scenario, parse_variants(f"fixed,{mutant}"))
+    assert got == {"fixed": [], mutant: expected}
