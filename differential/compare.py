@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from differential.findings import Finding, FindingKind, Policy
+from differential.known import label_known
 from differential.observation import RunObservation
 from differential.oracle import SiblingReference, cross_check_dense, judge_run
 from differential.scenario import DrafterKind, GroupKind, Scenario
@@ -78,16 +79,18 @@ class ScenarioResult:
 def in_fix_domain(scenario: Scenario, unfixed: RunObservation) -> bool:
     """Whether the seed fix may change this scenario's behaviour.
 
-    True when the unfixed manager drops the last matched block and either
-    retention is sparse (positive and not equal to the hit alignment) or the
-    drafter is Gemma-4 MTP (which the fix stops dropping for).
+    True for the Gemma-4 MTP drafter (the fix stops its drop, which also
+    changes whether lookahead hashes are used), and when the unfixed manager
+    drops the last matched block with sparse retention (positive and not
+    equal to the hit alignment).
     """
+    if scenario.drafter.kind is DrafterKind.GEMMA4_MTP:
+        return True  # the fix changes its drop, hence also its lookahead hashes
     settings = unfixed.settings
     if settings is None or not settings.use_eagle_block_drop:
         return False
     retention = scenario.retention_interval_tokens
-    sparse = bool(retention) and retention != scenario.effective_hit_alignment_tokens
-    return sparse or scenario.drafter.kind is DrafterKind.GEMMA4_MTP
+    return bool(retention) and retention != scenario.effective_hit_alignment_tokens
 
 
 def _periodic_tails(scenario: Scenario, request: int, block: int, window: int) -> int:
@@ -209,6 +212,7 @@ def compare_variants(
             else:
                 dense_run = run_variant(scenario, variant, dense=True)
                 findings += cross_check_dense(scenario, dense_run)
+        findings = label_known(scenario, findings)
         results.append(VariantResult(variant, run, dense_run, refs, findings))
     comparison: list[Finding] = []
     for fixed in results:

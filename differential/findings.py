@@ -81,6 +81,8 @@ class Finding:
             the hit, in tokens (fallbacks only).
         policy: the policy that judged it.
         detail: one readable sentence.
+        known_issue: the name of the known vLLM issue that explains it
+            (:mod:`differential.known`), or ``None``.
     """
 
     kind: FindingKind
@@ -92,6 +94,7 @@ class Finding:
     hit_tokens: int | None = None
     fallback_checkpoint_tokens: int | None = None
     policy: Policy = Policy.VLLM
+    known_issue: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -105,6 +108,7 @@ class Finding:
             "fallback_checkpoint_tokens": self.fallback_checkpoint_tokens,
             "policy": self.policy.value,
             "detail": self.detail,
+            "known_issue": self.known_issue,
         }
 
     @classmethod
@@ -120,9 +124,11 @@ class Finding:
             hit_tokens=data.get("hit_tokens"),
             fallback_checkpoint_tokens=data.get("fallback_checkpoint_tokens"),
             policy=Policy(data.get("policy", Policy.VLLM.value)),
+            known_issue=data.get("known_issue"),
         )
 
     def summary(self) -> str:
         """One line: kind, variant, request and detail."""
         where = "run" if self.request is None else f"request {self.request}"
-        return f"{self.kind.value} on {self.variant}, {where}: {self.detail}"
+        known = f" [known vLLM issue: {self.known_issue}]" if self.known_issue else ""
+        return f"{self.kind.value} on {self.variant}, {where}: {self.detail}{known}"

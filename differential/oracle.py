@@ -72,9 +72,10 @@ class DrafterModel:
 def drafter_model(scenario: Scenario) -> DrafterModel:
     """The protection the scenario's drafter needs, from first principles.
 
-    Lookahead hashes protect when the drafter reads ahead, they are not
-    disabled and no KV connector is configured; otherwise the EAGLE drop
-    protects, unless ``disable_eagle_block_drop`` opts out.
+    ``disable_eagle_block_drop`` opts out of all protection. Otherwise
+    lookahead hashes protect when the drafter reads ahead, they are not
+    disabled and no KV connector is configured, and the EAGLE drop protects
+    when they do not.
     """
     drafter = scenario.drafter
     if drafter.kind in _READS_NEXT:
@@ -86,10 +87,12 @@ def drafter_model(scenario: Scenario) -> DrafterModel:
     reprefillable = max(0, reads_ahead - 1)
     if reads_ahead == 0:
         return DrafterModel(False, 0, 0, 0)
+    if scenario.disable_eagle_block_drop:
+        # The user opted out of protection: no drop, and no lookahead hashes
+        # either (they replace the drop, so they are only on where it is).
+        return DrafterModel(False, 0, reprefillable, 0)
     if not scenario.disable_lookahead_block_hashes and not scenario.kv_connector:
         return DrafterModel(False, reads_ahead, reprefillable, reads_ahead)
-    if scenario.disable_eagle_block_drop:
-        return DrafterModel(False, 0, reprefillable, 0)
     return DrafterModel(True, 0, reprefillable, reads_ahead)
 
 

@@ -186,8 +186,13 @@ def run_scenario(
             )
             before = _cached_keys(manager)
             if hasattr(coordinator, "find_longest_cache_hit_per_group"):
+                # Diagnostic only (the scheduler calls it just for connectors
+                # on Mamba hybrids): cap at the hashed tokens, which lookahead
+                # hashes make shorter than the prompt, as the combined lookup's
+                # full-attention bound does.
+                hashed = len(request.block_hashes) * scenario.effective_hash_block_size_tokens
                 _, per_group = coordinator.find_longest_cache_hit_per_group(
-                    request.block_hashes, request.num_tokens - 1
+                    request.block_hashes, min(request.num_tokens - 1, hashed)
                 )
             else:
                 per_group = ()

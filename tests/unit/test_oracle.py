@@ -278,3 +278,25 @@ def test_window_below_alignment_retention_0_is_vllms_promise() -> None:
     assert [r.dense_tokens for r in refs] == [0, 112, 80]
     assert replay_boundaries(scenario, drafter_model(scenario), 0) == (96, 112)
     assert tags(judge_run(scenario, observed, Policy.IDEAL)[1]) == ["design-gap@2"]
+
+
+def test_known_issue_labels() -> None:
+    from differential.known import label_known
+
+    scenario = hybrid(
+        32,
+        16,
+        512,
+        prefix=256,
+        requests=(RequestSpec(256, 1), RequestSpec(184, 40)),
+        retention=None,
+        spec_tokens=1,
+        chunk=64,
+    )
+    refs, findings = judge_run(scenario, run([0, 96], settings=ManagerSettings(True, 0, 1, 1, 32)))
+    assert refs[1].dense_tokens == 128
+    labelled = label_known(scenario, findings)
+    assert [f.known_issue for f in labelled] == ["swa-short-run-align-before-drop"]
+    # Losing two units is not explained by the issue.
+    worse = judge_run(scenario, run([0, 64], settings=ManagerSettings(True, 0, 1, 1, 32)))[1]
+    assert [f.known_issue for f in label_known(scenario, worse)] == [None]

@@ -1,0 +1,122 @@
+"""Known vLLM issues: findings kvfuzz has explained and reported already.
+
+A known issue is recognised from first principles (no vLLM), so a campaign can
+label its findings instead of rediscovering them, and property tests on the
+``fixed`` variant can tell "the seed fix is incomplete in a way we already
+documented" from a new problem. A known finding is still a finding: it is
+reported, with the issue's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from differential.findings import Finding, FindingKind
+from differential.oracle import drafter_model
+from differential.scenario import GroupKind, Scenario
+
+__all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
+
+
+def _short_swa_run_drop(scenario: Scenario, finding: Finding) -> bool:
+    """The SWA lookup aligns before the EAGLE drop when the run is shorter
+    than the window, losing exactly one alignment unit."""
+    if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
+        return False
+    if finding.expected_tokens is None or finding.hit_tokens is None:
+        return False
+    alignment = scenario.effective_hit_alignment_tokens
+    if finding.hit_tokens != finding.expected_tokens - alignment:
+        return False
+    if finding.kind is FindingKind.FALLBACK and not drafter_model(scenario).drop:
+        return False
+    for group in scenario.kv_cache_groups:
+        if group.kind is not GroupKind.SLIDING_WINDOW or group.sliding_window_tokens is None:
+            continue
+        block = group.block_size_tokens
+        if block >= alignment:
+            continue
+        need = -(-(group.sliding_window_tokens - 1) // block) + 1  # blocks incl. the peek
+        if finding.expected_tokens + block < need * block:
+            return True
+    return False
+
+
+def _window_one_spiral(scenario: Scenario, finding: Finding) -> bool:
+    """Three or more groups, one a 1-token sliding window, under the drop."""
+    if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
+        return False
+    windows = [g.sliding_window_tokens for g in scenario.sliding_window_groups]
+    return len(scenario.kv_cache_groups) >= 3 and 1 in windows
+
+
+@dataclass(frozen=True)
+class KnownIssue:
+    """A documented vLLM behaviour that kvfuzz reports as a finding.
+
+    Attributes:
+        name: short identifier, used in finding signatures and reports.
+        summary: one paragraph: what happens and why.
+        vllm_source: the vLLM file and function responsible.
+        example: a corpus file that reproduces it.
+        matches: predicate on a scenario and one of its findings.
+    """
+
+    name: str
+    summary: str
+    vllm_source: str
+    example: str
+    matches: Callable[[Scenario, Finding], bool]
+
+
+KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        name="swa-short-run-align-before-drop",
+        summary=(
+            "Under the EAGLE drop, when a sibling's shared prefix is shorter than "
+            "the sliding window needs (no full-window run exists), "
+            "SlidingWindowManager.find_longest_cache_hit rounds the run down to the "
+            "hit alignment *before* dropping the peek block, then drops a real "
+            "block and rounds down again: with SWA blocks smaller than the "
+            "alignment the sibling loses one extra alignment unit (96 instead of "
+            "128 for full block 32, SWA block 16, window 512). The seed PR does "
+            "not touch this path."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "SlidingWindowManager.find_longest_cache_hit (the `not match_found` branch)",
+        example="corpora/known/swa-short-run-align-before-drop.json",
+        matches=_short_swa_run_drop,
+    ),
+    KnownIssue(
+        name="window-one-multi-group-spiral",
+        summary=(
+            "With three or more KV cache groups, one of them a sliding window of "
+            "a single token, and the EAGLE drop on, the hybrid lookup's "
+            "fixed-point loop shrinks every sibling's hit to 0 (the window-1 "
+            "group needs only the peek block, drops it, and the other groups "
+            "follow it down). Degenerate geometry: no known model has a 1-token "
+            "window."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py "
+        "HybridKVCacheCoordinator.find_longest_cache_hit",
+        example="corpora/known/window-one-multi-group-spiral.json",
+        matches=_window_one_spiral,
+    ),
+)
+
+
+def label_known(
+    scenario: Scenario,
+    findings: Sequence[Finding],
+    issues: Sequence[KnownIssue] = KNOWN_ISSUES,
+) -> tuple[Finding, ...]:
+    """Return ``findings`` with ``known_issue`` set where a known issue explains it."""
+    out = []
+    for finding in findings:
+        issue = next((i for i in issues if i.matches(scenario, finding)), None)
+        out.append(
+            dataclasses.replace(finding, known_issue=issue.name) if issue is not None else finding
+        )
+    return tuple(out)
