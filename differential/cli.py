@@ -92,7 +92,82 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="scenario files or folders (default: corpora)",
     )
+    fuzz = sub.add_parser(
+        "fuzz",
+        help="run a fuzz campaign over the scenario space",
+        description=(
+            "Generate scenarios (Hypothesis strategies, driven by bytes from --seed), "
+            "run them on the variants and keep one file per distinct finding in "
+            "OUT/findings. The same seed and versions give the same findings. "
+            "Ctrl-C stops cleanly and keeps what was found."
+        ),
+    )
+    _add_common(fuzz)
+    fuzz.add_argument("--seed", type=int, default=0, help="campaign seed (default: %(default)s)")
+    fuzz.add_argument(
+        "--seconds",
+        type=float,
+        default=60.0,
+        help="wall-time budget in seconds, after vLLM is imported; 0 for none "
+        "(default: %(default)s)",
+    )
+    fuzz.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N scenarios (default: no limit)",
+    )
+    fuzz.add_argument(
+        "--out",
+        type=Path,
+        default=Path("kvfuzz-out"),
+        help="output folder for findings, the example database and summary.json "
+        "(default: %(default)s)",
+    )
+    fuzz.add_argument(
+        "--no-dense-check",
+        action="store_true",
+        help="skip the dense-retention cross-check runs (about twice as fast)",
+    )
+    fuzz.add_argument("--quiet", action="store_true", help="no progress display")
     return parser
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    variants = parse_variants(args.variants)
+    if args.seconds < 0:
+        raise VariantError(f"--seconds must be >= 0, got {args.seconds}")
+    if args.max_examples is not None and args.max_examples < 1:
+        raise VariantError(f"--max-examples must be >= 1, got {args.max_examples}")
+    if args.out.exists() and not args.out.is_dir():
+        raise VariantError(f"--out {args.out} exists and is not a folder")
+    from fuzz.campaign import CampaignConfig, run_campaign
+
+    summary = run_campaign(
+        CampaignConfig(
+            out=args.out,
+            variants=variants,
+            seed=args.seed,
+            seconds=args.seconds or None,
+            max_examples=args.max_examples,
+            policy=Policy(args.policy),
+            dense_cross_check=not args.no_dense_check,
+        ),
+        quiet=args.quiet,
+    )
+    first = summary["first_finding_s"]
+    print(
+        f"{summary['examples']} examples in {summary['elapsed_s']:.1f} s "
+        f"({summary['executions_per_s']:.1f} executions/s); "
+        f"{len(summary['distinct'])} distinct finding(s)"
+        + (f", first after {first:.2f} s" if first is not None else "")
+        + (" [interrupted]" if summary["interrupted"] else "")
+    )
+    for entry in summary["distinct"]:
+        print(f"  {entry['count']:>5} x {entry['signature']}\n          {entry['file']}")
+    print(f"summary: {args.out / 'summary.json'}")
+    return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -162,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "fuzz":
+            return _fuzz(args)
     except (ScenarioError, VariantError) as exc:
         print(f"kvfuzz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -15,33 +15,52 @@ from dataclasses import dataclass
 
 from differential.findings import Finding, FindingKind
 from differential.oracle import drafter_model
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
 
 
-def _short_swa_run_drop(scenario: Scenario, finding: Finding) -> bool:
-    """The SWA lookup aligns before the EAGLE drop when the run is shorter
-    than the window, losing exactly one alignment unit."""
+def _short_groups(scenario: Scenario, level_tokens: int) -> int:
+    """SWA groups (block < A) whose run up to ``level_tokens`` plus the peek
+    block is shorter than the window needs (the no-full-window path)."""
+    alignment = scenario.effective_hit_alignment_tokens
+    count = 0
+    for group in scenario.sliding_window_groups:
+        block = group.block_size_tokens
+        if block >= alignment or group.sliding_window_tokens is None:
+            continue
+        need = -(-(group.sliding_window_tokens - 1) // block) + 1  # blocks incl. the peek
+        if level_tokens + block < need * block:
+            count += 1
+    return count
+
+
+def _short_run_applies(scenario: Scenario, finding: Finding) -> bool:
     if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
         return False
     if finding.expected_tokens is None or finding.hit_tokens is None:
         return False
-    alignment = scenario.effective_hit_alignment_tokens
-    if finding.hit_tokens != finding.expected_tokens - alignment:
+    if finding.hit_tokens >= finding.expected_tokens:
         return False
     if finding.kind is FindingKind.FALLBACK and not drafter_model(scenario).drop:
         return False
-    for group in scenario.kv_cache_groups:
-        if group.kind is not GroupKind.SLIDING_WINDOW or group.sliding_window_tokens is None:
-            continue
-        block = group.block_size_tokens
-        if block >= alignment:
-            continue
-        need = -(-(group.sliding_window_tokens - 1) // block) + 1  # blocks incl. the peek
-        if finding.expected_tokens + block < need * block:
-            return True
-    return False
+    return _short_groups(scenario, finding.expected_tokens) > 0
+
+
+def _short_swa_run_drop(scenario: Scenario, finding: Finding) -> bool:
+    """The SWA lookup aligns before the EAGLE drop when the run is shorter
+    than the window, losing one alignment unit per such SWA group."""
+    if not _short_run_applies(scenario, finding):
+        return False
+    lost = (finding.expected_tokens or 0) - (finding.hit_tokens or 0)
+    alignment = scenario.effective_hit_alignment_tokens
+    return lost <= _short_groups(scenario, finding.hit_tokens or 0) * alignment
+
+
+def _short_run_spiral(scenario: Scenario, finding: Finding) -> bool:
+    """The same short run with two or more SWA groups: the fixed-point lookup
+    repeats the loss on every pass."""
+    return len(scenario.sliding_window_groups) >= 2 and _short_run_applies(scenario, finding)
 
 
 def _window_one_spiral(scenario: Scenario, finding: Finding) -> bool:
@@ -72,6 +91,22 @@ class KnownIssue:
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        name="short-swa-run-multi-group-spiral",
+        summary=(
+            "The swa-short-run-align-before-drop loss, with two or more sliding-"
+            "window groups: HybridKVCacheCoordinator.find_longest_cache_hit "
+            "re-runs every group whenever one shrinks the candidate, clears its "
+            "record of verified EAGLE drops, and the short-run group loses another "
+            "alignment unit on each pass, down to 0 (112 -> 0 for full block 16, "
+            "SWA blocks 8 with windows 128 and 64)."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py "
+        "HybridKVCacheCoordinator.find_longest_cache_hit with "
+        "SlidingWindowManager.find_longest_cache_hit",
+        example="corpora/known/short-swa-run-multi-group-spiral.json",
+        matches=_short_run_spiral,
+    ),
     KnownIssue(
         name="swa-short-run-align-before-drop",
         summary=(

@@ -23,6 +23,7 @@ the target's hidden states alone; draft models and n-gram need nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,12 +97,20 @@ def drafter_model(scenario: Scenario) -> DrafterModel:
     return DrafterModel(True, 0, reprefillable, reads_ahead)
 
 
-def model_from_settings(settings: ManagerSettings) -> DrafterModel:
-    """The protection a run actually used, read off vLLM's resolved settings."""
+def model_from_settings(settings: ManagerSettings, num_groups: int) -> DrafterModel:
+    """The protection a run actually used, read off vLLM's resolved settings.
+
+    The writer's re-prefillable tail (multi-module MTP) is left uncached by a
+    single-group coordinator always, by the hybrid one only for groups that
+    drop (``HybridKVCacheCoordinator.get_num_cacheable_tokens``).
+    """
+    reprefillable = max(0, settings.num_prefill_lookahead_tokens - 1)
+    if num_groups > 1 and not settings.use_eagle_block_drop:
+        reprefillable = 0
     return DrafterModel(
         drop=settings.use_eagle_block_drop,
         hash_lookahead_tokens=settings.num_hash_lookahead_tokens,
-        reprefillable_tokens=max(0, settings.num_prefill_lookahead_tokens - 1),
+        reprefillable_tokens=reprefillable,
         dependency_tokens=0,
     )
 
@@ -174,11 +183,16 @@ def checkpoints(
     writer: int,
     junction_tokens: int,
     up_to_tokens: int,
+    writer_hit_tokens: int = 0,
 ) -> tuple[int, ...]:
     """Intended checkpoints of ``writer`` at or below ``up_to_tokens``, in tokens.
 
-    ``junction_tokens`` is the junction the writer pinned (0 for none).
-    Returns sorted positions; 0 is always included.
+    Periodic checkpoints sit at absolute positions, so every writer of the same
+    prefix keeps them. Replay boundaries and the junction (``junction_tokens``,
+    0 for none) belong to the writer: it keeps their SWA tails only where it
+    computed blocks itself, i.e. at or above its own hit ``writer_hit_tokens``
+    (vLLM ``SingleTypeKVCacheManager.cache_blocks`` masks newly cached blocks
+    only). Returns sorted positions; 0 is always included.
     """
     alignment = scenario.effective_hit_alignment_tokens
     retention = scenario.retention_interval_tokens
@@ -191,11 +205,12 @@ def checkpoints(
             points.add(c)
             if model.drop:
                 points.add(c - alignment)
-    points.update(replay_boundaries(scenario, model, writer))
+    own = set(replay_boundaries(scenario, model, writer))
     if junction_tokens:
-        points.add(junction_tokens)
+        own.add(junction_tokens)
         if model.drop:
-            points.add(junction_tokens - alignment)
+            own.add(junction_tokens - alignment)
+    points.update(p for p in own if p >= writer_hit_tokens)
     return tuple(sorted(p for p in points if p <= up_to_tokens))
 
 
@@ -249,7 +264,7 @@ def references(
             h = dense_hit(scenario, model, j, i, shared)
             best_dense = max(best_dense, h)
             junction = dense_by_request[i] if observed_hits[i] < dense_by_request[i] else 0
-            writer_points = checkpoints(scenario, model, i, junction, h)
+            writer_points = checkpoints(scenario, model, i, junction, h, observed_hits[i])
             points.update(writer_points)
             owed = h if policy is Policy.IDEAL else writer_points[-1]
             if owed > best_expected or best_writer is None:
@@ -313,9 +328,19 @@ def judge_run(
     alignment = scenario.effective_hit_alignment_tokens
     refs = references(scenario, model, hits, policy)
     vllm_refs = refs if policy is Policy.VLLM else references(scenario, model, hits)
-    for ref, vref, hit in zip(refs, vllm_refs, hits, strict=True):
+    # Without protection (the user opted out of the drop) the writer's
+    # re-prefillable tail may be cached: forbid only what lies beyond it.
+    liberal = model
+    if model.dependency_tokens == 0 and model.reprefillable_tokens:
+        liberal = dataclasses.replace(model, reprefillable_tokens=0)
+    ceilings = (
+        [r.dense_tokens for r in refs]
+        if liberal is model
+        else [r.dense_tokens for r in references(scenario, liberal, hits)]
+    )
+    for ref, vref, hit, dense in zip(refs, vllm_refs, hits, ceilings, strict=True):
         common = {"divergence_tokens": ref.divergence_tokens, "hit_tokens": hit, "policy": policy}
-        ceiling = min(ref.dense_tokens, max(0, ref.divergence_tokens - model.dependency_tokens))
+        ceiling = min(dense, max(0, ref.divergence_tokens - model.dependency_tokens))
         if ref.index == 0:
             ceiling = 0
         if hit > ceiling:
@@ -325,7 +350,7 @@ def judge_run(
                     name,
                     ref.index,
                     f"hit {hit} exceeds what may be reused: dense reference "
-                    f"{ref.dense_tokens}, divergence point {ref.divergence_tokens}"
+                    f"{dense}, divergence point {ref.divergence_tokens}"
                     + (
                         f" minus {model.dependency_tokens} drafter-dependent token(s)"
                         if model.dependency_tokens
@@ -388,7 +413,7 @@ def cross_check_dense(scenario: Scenario, dense_run: RunObservation) -> tuple[Fi
     """
     if dense_run.error is not None or dense_run.settings is None or dense_run.evicted_blocks:
         return ()
-    model = model_from_settings(dense_run.settings)
+    model = model_from_settings(dense_run.settings, len(scenario.kv_cache_groups))
     refs = references(scenario, model, dense_run.hits)
     findings = []
     for ref, hit in zip(refs, dense_run.hits, strict=True):

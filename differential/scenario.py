@@ -532,10 +532,11 @@ _TOP_KEYS = frozenset(
         "decode_steps",
         "shared_prefix_tokens",
         "requests",
-        # Documents that embed a scenario (findings, corpus entries) may carry
-        # these; they are not part of the scenario value.
+        # Documents that embed a scenario (corpus entries, campaign findings)
+        # may carry these; they are not part of the scenario value.
         "expect",
         "notes",
+        "finding",
     }
 )
 

@@ -1,0 +1,112 @@
+"""Finding signatures: one identity per structural cause, for deduplication.
+
+A signature is the finding kind plus what caused it structurally: the
+variant, the drafter class, the retention class and where the divergence
+point sits relative to the checkpoint (and the known vLLM issue, if one
+explains it). Two findings with the same signature are duplicates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from differential.findings import Finding
+from differential.oracle import drafter_model
+from differential.scenario import DrafterKind, Scenario
+
+__all__ = ["Signature", "signature_of"]
+
+_DRAFTER_CLASS = {
+    DrafterKind.EAGLE: "eagle",
+    DrafterKind.EAGLE3: "eagle",
+    DrafterKind.MTP: "eagle",
+    DrafterKind.MULTI_MODULE_MTP: "multi-module-mtp",
+    DrafterKind.GEMMA4_MTP: "gemma4-mtp",
+    DrafterKind.DFLASH: "target-state-drafter",
+    DrafterKind.DSPARK: "target-state-drafter",
+    DrafterKind.DRAFT_MODEL: "draft-model",
+    DrafterKind.NGRAM: "ngram",
+    DrafterKind.NONE: "none",
+}
+
+
+@dataclass(frozen=True, order=True)
+class Signature:
+    """The deduplication identity of a finding.
+
+    Attributes:
+        kind: the finding kind.
+        variant: the variant (or ``"a vs b"`` pair).
+        drafter: drafter class and protection, e.g. ``"eagle/drop"``.
+        retention: ``dense``, ``zero``, ``alignment`` or ``sparse``.
+        position: where the divergence point sits relative to the nearest
+            checkpoint at or below it, e.g. ``"<=A after checkpoint"``.
+        known_issue: the known vLLM issue that explains it, or ``""``.
+    """
+
+    kind: str
+    variant: str
+    drafter: str
+    retention: str
+    position: str
+    known_issue: str = ""
+
+    @property
+    def text(self) -> str:
+        """The signature as one line."""
+        parts = [self.kind, self.variant, self.drafter, self.retention, self.position]
+        if self.known_issue:
+            parts.append(f"known:{self.known_issue}")
+        return " | ".join(parts)
+
+    @property
+    def slug(self) -> str:
+        """A file-name-safe, stable name: readable prefix plus a short hash."""
+        readable = re.sub(r"[^a-z0-9]+", "-", f"{self.kind} {self.variant}".lower()).strip("-")
+        digest = hashlib.sha256(self.text.encode()).hexdigest()[:10]
+        return f"{readable}-{digest}"
+
+
+def _retention_class(scenario: Scenario) -> str:
+    retention = scenario.retention_interval_tokens
+    if retention is None:
+        return "dense"
+    if retention == 0:
+        return "zero"
+    if retention == scenario.effective_hit_alignment_tokens:
+        return "alignment"
+    return "sparse"
+
+
+def _position(scenario: Scenario, divergence: int | None) -> str:
+    if divergence is None:
+        return "run"
+    alignment = scenario.effective_hit_alignment_tokens
+    retention = scenario.retention_interval_tokens
+    period = retention if retention else alignment
+    if divergence < period:
+        return "before first checkpoint"
+    offset = divergence % period
+    if offset == 0:
+        return "on checkpoint"
+    if offset <= alignment:
+        return "<=A after checkpoint"
+    if period - offset <= alignment:
+        return "<=A before checkpoint"
+    return "between checkpoints"
+
+
+def signature_of(scenario: Scenario, finding: Finding) -> Signature:
+    """The signature of ``finding``, found on ``scenario``."""
+    model = drafter_model(scenario)
+    protection = "drop" if model.drop else ("lookahead" if model.hash_lookahead_tokens else "none")
+    return Signature(
+        kind=finding.kind.value,
+        variant=finding.variant,
+        drafter=f"{_DRAFTER_CLASS[scenario.drafter.kind]}/{protection}",
+        retention=_retention_class(scenario),
+        position=_position(scenario, finding.divergence_tokens),
+        known_issue=finding.known_issue or "",
+    )
