@@ -56,11 +56,13 @@ init_none_hash(sha256)
 _UNSET = object()
 
 
-def _spec(block_size: int, kind: GroupKind, window: int | None) -> KVCacheSpec:
+def _spec(block_size: int, kind: GroupKind, window: int | None, extra_retained: int) -> KVCacheSpec:
     common = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
     if kind is GroupKind.SLIDING_WINDOW:
         assert window is not None
-        return SlidingWindowSpec(sliding_window=window, **common)
+        return SlidingWindowSpec(
+            sliding_window=window, extra_retained_tokens=extra_retained, **common
+        )
     return FullAttentionSpec(**common)
 
 
@@ -74,11 +76,24 @@ def _pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
     return total + 8
 
 
-def _kv_cache_config(scenario: Scenario, num_blocks: int, retention: int | None) -> KVCacheConfig:
+def _kv_cache_config(
+    scenario: Scenario, resolved: ResolvedDrafter, num_blocks: int, retention: int | None
+) -> KVCacheConfig:
+    """The groups as vLLM's planner leaves them.
+
+    Sliding-window specs get ``extra_retained_tokens = num_prefill_lookahead - 1``
+    as ``vllm/v1/core/kv_cache_planning.py`` tags them for multi-module MTP.
+    Drafter layers are not modelled separately, so no group is marked
+    ``is_eagle_group`` and the coordinator applies the EAGLE drop to every
+    group (``KVCacheCoordinator.__init__``'s conservative fallback).
+    """
+    extra_retained = max(0, resolved.num_prefill_lookahead_tokens - 1)
     groups = [
         KVCacheGroupSpec(
             layer_names=[f"{g.kind.value}.{i}"],
-            kv_cache_spec=_spec(g.block_size_tokens, g.kind, g.sliding_window_tokens),
+            kv_cache_spec=_spec(
+                g.block_size_tokens, g.kind, g.sliding_window_tokens, extra_retained
+            ),
         )
         for i, g in enumerate(scenario.kv_cache_groups)
     ]
@@ -143,7 +158,9 @@ def run_scenario(
         longest = max(r.prompt_tokens for r in scenario.requests)
         max_model_len = longest + scenario.decode_steps + resolved.num_lookahead_tokens + 1
         manager = KVCacheManager(
-            kv_cache_config=_kv_cache_config(scenario, _pool_blocks(scenario, resolved), retention),
+            kv_cache_config=_kv_cache_config(
+                scenario, resolved, _pool_blocks(scenario, resolved), retention
+            ),
             max_model_len=max_model_len,
             scheduler_block_size=scenario.scheduler_block_size_tokens,
             hash_block_size=scenario.effective_hash_block_size_tokens,
