@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from differential.findings import Finding, FindingKind, Policy
 from differential.known import label_known
 from differential.observation import RunObservation
-from differential.oracle import SiblingReference, cross_check_dense, judge_run
+from differential.oracle import (
+    SiblingReference,
+    cross_check_dense,
+    divergence_points,
+    judge_run,
+)
 from differential.scenario import DrafterKind, GroupKind, Scenario
 from differential.variants import Variant, VariantRole
 
@@ -130,14 +135,25 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
         for gi, g in enumerate(scenario.kv_cache_groups)
         if g.kind is GroupKind.SLIDING_WINDOW
     ]
+    divergence = divergence_points(scenario)
     for b, f in zip(base.requests, fixed.requests, strict=False):
         if f.hit_tokens < b.hit_tokens:
+            history = ""
+            pinned_b = [r.shared_prefix_boundary_tokens for r in base.requests[: b.index]]
+            pinned_f = [r.shared_prefix_boundary_tokens for r in fixed.requests[: b.index]]
+            if pinned_b != pinned_f:
+                history = (
+                    f"; the histories differ: earlier requests pinned junctions "
+                    f"{pinned_b} on {base.variant} and {pinned_f} on {fixed.variant}"
+                )
             findings.append(
                 Finding(
                     FindingKind.VARIANT_REGRESSION,
                     pair,
                     b.index,
-                    f"{fixed.variant} hit {f.hit_tokens} < {base.variant} hit {b.hit_tokens}",
+                    f"{fixed.variant} hit {f.hit_tokens} < {base.variant} "
+                    f"hit {b.hit_tokens}{history}",
+                    divergence_tokens=divergence[b.index],
                     expected_tokens=b.hit_tokens,
                     hit_tokens=f.hit_tokens,
                 )
@@ -156,6 +172,7 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
                         f"{f.hit_tokens} vs {b.hit_tokens}, retained blocks per group "
                         f"{list(f.retained_blocks_per_group)} vs "
                         f"{list(b.retained_blocks_per_group)}",
+                        divergence_tokens=divergence[b.index],
                         expected_tokens=b.hit_tokens,
                         hit_tokens=f.hit_tokens,
                     )
@@ -176,6 +193,7 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
                         f"group {gi} keeps {extra} extra SWA blocks; the fix claims at "
                         f"most {alignment // block} per periodic checkpoint tail x "
                         f"{tails} tails = {allowed}",
+                        divergence_tokens=divergence[b.index],
                     )
                 )
     return findings

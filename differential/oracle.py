@@ -38,6 +38,7 @@ __all__ = [
     "common_prefix_tokens",
     "cross_check_dense",
     "dense_hit",
+    "divergence_points",
     "drafter_model",
     "judge_run",
     "model_from_settings",
@@ -125,6 +126,15 @@ def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def divergence_points(scenario: Scenario) -> tuple[int, ...]:
+    """Per request, ``D``: the longest common prefix with any earlier request, in tokens."""
+    prompts = scenario.prompts
+    return tuple(
+        max((common_prefix_tokens(prompts[i], prompts[j]) for i in range(j)), default=0)
+        for j in range(len(prompts))
+    )
 
 
 def _writer_extent(scenario: Scenario, model: DrafterModel, writer: int) -> tuple[int, int]:
