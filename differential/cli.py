@@ -131,7 +131,67 @@ def _parser() -> argparse.ArgumentParser:
         help="skip the dense-retention cross-check runs (about twice as fast)",
     )
     fuzz.add_argument("--quiet", action="store_true", help="no progress display")
+    crash = sub.add_parser(
+        "import-crash",
+        help="turn atheris/libFuzzer crash files into scenario JSON",
+        description=(
+            "Decode each crash file through the same scenario strategy the fuzz "
+            "target uses, run it on the variants and write it as a replayable "
+            "scenario file (with its verdicts) to OUT."
+        ),
+    )
+    crash.add_argument("crashes", nargs="+", type=Path, metavar="CRASH")
+    _add_common(crash)
+    crash.add_argument(
+        "--out",
+        type=Path,
+        default=Path("kvfuzz-out/imported"),
+        help="folder for the scenario files (default: %(default)s)",
+    )
     return parser
+
+
+def _import_crash(args: argparse.Namespace) -> int:
+    variants = parse_variants(args.variants)
+    buffers = []
+    for path in args.crashes:
+        try:
+            buffers.append((path, path.read_bytes()))
+        except OSError as exc:
+            raise ScenarioError("CRASH", str(path), f"a readable file ({exc.strerror})") from None
+    from differential.compare import compare_variants
+    from differential.corpus import write_atomic
+    from differential.driver import VLLM_VERSION
+    from fuzz.campaign import finding_document
+    from fuzz.signature import signature_of
+    from fuzz.target import decode
+
+    found = False
+    for path, buffer in buffers:
+        scenario = decode(buffer)
+        if scenario is None:
+            print(f"{path}: decodes to no scenario (too short for the strategy)", file=sys.stderr)
+            continue
+        result = compare_variants(scenario, variants, policy=Policy(args.policy))
+        if result.findings:
+            found = True
+            first = result.findings[0]
+            signature = signature_of(scenario, first)
+            name = f"{signature.slug}.json"
+        else:
+            signature, name = None, f"{path.name}.json"
+        document = (
+            finding_document(
+                scenario, result, signature, seed=None, example=None, vllm_version=VLLM_VERSION
+            )
+            if signature is not None
+            else {**scenario.to_dict(), "notes": f"imported from {path.name}"}
+        )
+        out = args.out / name
+        write_atomic(out, json.dumps(document, indent=2) + "\n")
+        verdict = signature.text if signature is not None else "no finding"
+        print(f"{path} -> {out}: {verdict}")
+    return EXIT_FOUND if found else EXIT_CLEAN
 
 
 def _fuzz(args: argparse.Namespace) -> int:
@@ -239,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _calibrate(args)
         if args.command == "fuzz":
             return _fuzz(args)
+        if args.command == "import-crash":
+            return _import_crash(args)
     except (ScenarioError, VariantError) as exc:
         print(f"kvfuzz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

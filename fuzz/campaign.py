@@ -79,12 +79,14 @@ class FindingRecord:
         signature: the signature.
         path: its finding file.
         first_example: index of the example that first showed it.
+        first_seen_s: seconds from the campaign start to that example.
         count: how many findings had it, duplicates included.
     """
 
     signature: Signature
     path: Path
     first_example: int
+    first_seen_s: float
     count: int = 1
 
 
@@ -170,7 +172,9 @@ class Campaign:
                     vllm_version=self._vllm_version,
                 )
                 write_atomic(path, json.dumps(document, indent=2) + "\n")
-            self.records[signature] = FindingRecord(signature, path, self._example)
+            self.records[signature] = FindingRecord(
+                signature, path, self._example, self.stats.elapsed_s
+            )
             self.stats.distinct = len(self.records)
             if self._progress is not None:
                 self._progress.note(f"new finding [{self._example}]: {signature.text} -> {path}")
@@ -200,6 +204,7 @@ class Campaign:
                     "signature": r.signature.text,
                     "file": str(r.path),
                     "first_example": r.first_example,
+                    "first_seen_s": round(r.first_seen_s, 3),
                     "count": r.count,
                 }
                 for r in sorted(self.records.values(), key=lambda r: r.first_example)

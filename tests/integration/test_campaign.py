@@ -1,0 +1,153 @@
+"""``kvfuzz fuzz`` campaigns and the atheris harness, on real vLLM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from differential.variants import parse_variants
+from fuzz.campaign import CampaignConfig, run_campaign
+from tests.factories import CORPORA, ROOT
+
+pytestmark = pytest.mark.vllm
+
+
+def _campaign(out: Path, seed: int, examples: int, variants: str = "unfixed,fixed") -> dict:
+    return run_campaign(
+        CampaignConfig(
+            out=out,
+            variants=parse_variants(variants),
+            seed=seed,
+            seconds=None,
+            max_examples=examples,
+            dense_cross_check=False,
+        ),
+        quiet=True,
+    )
+
+
+def test_cold_start_finds_the_fallback_and_reproduces_byte_for_byte(tmp_path: Path) -> None:
+    first = _campaign(tmp_path / "a", seed=11, examples=40)
+    signatures = [d["signature"] for d in first["distinct"]]
+    assert any(s.startswith("fallback | unfixed | eagle/drop | sparse") for s in signatures)
+    second = _campaign(tmp_path / "b", seed=11, examples=40)
+    files_a = sorted((tmp_path / "a" / "findings").iterdir())
+    files_b = sorted((tmp_path / "b" / "findings").iterdir())
+    assert [f.name for f in files_a] == [f.name for f in files_b]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(files_a, files_b, strict=True))
+    assert [(d["signature"], d["count"]) for d in first["distinct"]] == [
+        (d["signature"], d["count"]) for d in second["distinct"]
+    ]
+
+
+def test_finding_files_replay_with_the_same_verdict(tmp_path: Path) -> None:
+    _campaign(tmp_path, seed=12, examples=30, variants="unfixed")
+    finding = next((tmp_path / "findings").glob("fallback-unfixed-*.json"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "differential.cli", "replay", str(finding), "--variants", "unfixed"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "fallback on unfixed" in proc.stdout
+    document = json.loads(finding.read_text())
+    assert document["finding"]["signature"].startswith("fallback | unfixed")
+    assert document["finding"]["seed"] == 12
+
+
+def test_rerun_replays_the_example_database_first(tmp_path: Path) -> None:
+    _campaign(tmp_path, seed=13, examples=30, variants="unfixed")
+    assert any((tmp_path / "hypothesis-db").rglob("*")), "no failure saved to the database"
+    again = _campaign(tmp_path, seed=99, examples=1, variants="unfixed")
+    # The one generated example cannot explain all findings: the replay did.
+    assert again["examples"] > 1 and again["distinct"]
+
+
+def _harness(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fuzz.atheris_harness", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=300,
+    )
+
+
+def test_atheris_harness_on_fixed_exits_cleanly(tmp_path: Path) -> None:
+    pytest.importorskip("atheris")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    proc = _harness(
+        "--variants",
+        "fixed",
+        "--no-dense-check",
+        str(corpus),
+        str(CORPORA / "seeds"),
+        "-runs=40",
+        "-seed=1",
+        f"-artifact_prefix={tmp_path}/",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not list(tmp_path.glob("crash-*"))
+
+
+def test_atheris_crash_on_unfixed_converts_to_a_fallback(tmp_path: Path) -> None:
+    pytest.importorskip("atheris")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    proc = _harness(
+        "--variants",
+        "unfixed",
+        "--no-dense-check",
+        str(corpus),
+        str(CORPORA),
+        "-runs=2000",
+        "-seed=1",
+        f"-artifact_prefix={tmp_path}/",
+    )
+    crashes = list(tmp_path.glob("crash-*"))
+    assert crashes, proc.stderr[-2000:]
+    out = tmp_path / "imported"
+    converted = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "differential.cli",
+            "import-crash",
+            str(crashes[0]),
+            "--variants",
+            "unfixed",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert converted.returncode == 1, converted.stderr
+    (scenario_file,) = out.glob("*.json")
+    replay = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "differential.cli",
+            "replay",
+            str(scenario_file),
+            "--variants",
+            "unfixed",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert replay.returncode == 1
+    assert "fallback on unfixed" in replay.stdout

@@ -1,0 +1,79 @@
+"""The scenario generator and finding signatures (no vLLM)."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, find, given, settings
+
+from differential.findings import Finding, FindingKind
+from differential.scenario import DrafterKind, Scenario
+from fuzz.signature import signature_of
+from fuzz.strategies import scenarios
+from tests.factories import triton
+
+
+@settings(max_examples=150, suppress_health_check=list(HealthCheck), deadline=None)
+@given(scenarios())
+def test_generated_scenarios_are_valid_and_round_trip(scenario: Scenario) -> None:
+    assert Scenario.from_json(scenario.to_json()) == scenario
+    assert scenario.requests[0].divergence_tokens == scenario.shared_prefix_tokens
+
+
+def _find(condition) -> Scenario:
+    return find(
+        scenarios(),
+        condition,
+        settings=settings(
+            max_examples=3000, suppress_health_check=list(HealthCheck), database=None
+        ),
+    )
+
+
+def test_generator_reaches_real_geometries() -> None:
+    real = _find(
+        lambda s: (
+            s.sliding_window_groups[0].block_size_tokens == 64
+            and s.sliding_window_groups[0].sliding_window_tokens == 1024
+            and s.shared_prefix_tokens >= 16384
+        )
+    )
+    assert real.shared_prefix_tokens >= 16384
+
+
+def test_generator_places_divergence_right_after_a_checkpoint() -> None:
+    def after_checkpoint(s: Scenario) -> bool:
+        r = s.retention_interval_tokens
+        a = s.effective_hit_alignment_tokens
+        return (
+            bool(r)
+            and r != a
+            and any(
+                0 < x.divergence_tokens % r <= a and x.divergence_tokens > r for x in s.requests[1:]
+            )
+        )
+
+    assert after_checkpoint(_find(after_checkpoint))
+
+
+def test_generator_covers_every_drafter() -> None:
+    for kind in DrafterKind:
+        assert _find(lambda s, k=kind: s.drafter.kind is k).drafter.kind is kind
+
+
+def test_signature_of_the_triton_fallback() -> None:
+    finding = Finding(
+        FindingKind.FALLBACK,
+        "unfixed",
+        1,
+        "x",
+        divergence_tokens=16384,
+        expected_tokens=16352,
+        hit_tokens=8192,
+    )
+    signature = signature_of(triton(), finding)
+    assert signature.text == "fallback | unfixed | eagle/drop | sparse | on checkpoint"
+    assert signature.slug.startswith("fallback-unfixed-") and len(signature.slug) == 27
+    after = Finding(FindingKind.FALLBACK, "unfixed", 1, "x", divergence_tokens=16385)
+    assert signature_of(triton(), after).position == "<=A after checkpoint"
+    lookahead = triton(disable_lookahead_block_hashes=False)
+    assert signature_of(lookahead, finding).drafter == "eagle/lookahead"
+    assert signature_of(triton(retention=None), finding).retention == "dense"
