@@ -148,7 +148,69 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("kvfuzz-out/imported"),
         help="folder for the scenario files (default: %(default)s)",
     )
+    explain = sub.add_parser(
+        "explain",
+        help="draw the blocks each variant kept around one sibling's divergence point",
+        description=(
+            "Run SCENARIO on the variants and show, for one sibling, which blocks of "
+            "each KV cache group were cached when it looked up, with the divergence "
+            "point, the expected checkpoint and each variant's hit; optionally as SVG."
+        ),
+    )
+    explain.add_argument("scenario", type=Path, metavar="SCENARIO")
+    _add_common(explain)
+    explain.add_argument(
+        "--request",
+        type=int,
+        default=None,
+        help="the sibling to explain (default: the first with a finding, else the last)",
+    )
+    explain.add_argument("--svg", type=Path, metavar="FILE", help="also write the picture as SVG")
     return parser
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from differential.corpus import load_entry, write_atomic
+
+    variants = parse_variants(args.variants)
+    entry = load_entry(args.scenario)
+    scenario = entry.scenario
+    if args.request is not None and not 0 <= args.request < len(scenario.requests):
+        raise ScenarioError(
+            "--request", args.request, f"0..{len(scenario.requests) - 1} (the scenario's requests)"
+        )
+    from differential.compare import compare_variants
+    from differential.driver import run_variant
+    from differential.explain import VariantRow, explanation, render_svg, render_text
+
+    result = compare_variants(scenario, variants, policy=Policy(args.policy))
+    request = args.request
+    if request is None:
+        flagged = sorted(
+            f.request for f in result.findings if f.request is not None and f.request > 0
+        )
+        request = flagged[0] if flagged else len(scenario.requests) - 1
+    rows = []
+    for vr in result.results:
+        run = run_variant(scenario, vr.variant, record_cache_map=True)
+        if request >= len(run.requests):
+            continue
+        verdicts = tuple(
+            dict.fromkeys(
+                f.kind.value
+                for f in result.findings
+                if f.request == request and f.variant.split(" vs ")[0] == vr.variant.name
+            )
+        )
+        obs = run.requests[request]
+        rows.append(VariantRow(vr.variant.name, obs.hit_tokens, obs.cache_map, verdicts))
+    reference = result.results[0].references[request]
+    exp = explanation(scenario, request, reference, rows)
+    sys.stdout.write(render_text(exp))
+    if args.svg is not None:
+        write_atomic(args.svg, render_svg(exp))
+        print(f"SVG: {args.svg}")
+    return EXIT_FOUND if result.findings else EXIT_CLEAN
 
 
 def _import_crash(args: argparse.Namespace) -> int:
@@ -301,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fuzz(args)
         if args.command == "import-crash":
             return _import_crash(args)
+        if args.command == "explain":
+            return _explain(args)
     except (ScenarioError, VariantError) as exc:
         print(f"kvfuzz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

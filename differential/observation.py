@@ -62,6 +62,9 @@ class RequestObservation:
         retained_blocks_per_group: blocks, per group, that this request added
             to the prefix cache (cached block count after it was freed minus
             before it started), in blocks.
+        cache_map: per group, one character per full block of the prompt,
+            ``"1"`` if that block was cached when the request looked up
+            (recorded only for ``kvfuzz explain``; empty otherwise).
     """
 
     index: int
@@ -70,6 +73,7 @@ class RequestObservation:
     shared_prefix_boundary_tokens: int
     per_group_hit_tokens: tuple[int, ...]
     retained_blocks_per_group: tuple[int, ...]
+    cache_map: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""

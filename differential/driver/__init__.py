@@ -31,7 +31,9 @@ def _patch_factory(variant: Variant) -> Callable[[], AbstractContextManager[None
     return factory
 
 
-def run_variant(scenario: Scenario, variant: Variant, *, dense: bool = False) -> RunObservation:
+def run_variant(
+    scenario: Scenario, variant: Variant, *, dense: bool = False, record_cache_map: bool = False
+) -> RunObservation:
     """Run ``scenario`` on ``variant`` with its patches installed only for the run.
 
     Args:
@@ -39,8 +41,15 @@ def run_variant(scenario: Scenario, variant: Variant, *, dense: bool = False) ->
         variant: the variant to run.
         dense: run with retention ``None`` instead of the scenario's own
             retention interval (the oracle's dense cross-check).
+        record_cache_map: record which prompt blocks were cached at each
+            lookup (see ``RequestObservation.cache_map``).
     """
     with _patch_factory(variant)():
         if dense:
-            return run_scenario(scenario, variant.name, retention_interval_tokens=_DENSE)
-        return run_scenario(scenario, variant.name)
+            return run_scenario(
+                scenario,
+                variant.name,
+                retention_interval_tokens=_DENSE,
+                record_cache_map=record_cache_map,
+            )
+        return run_scenario(scenario, variant.name, record_cache_map=record_cache_map)

@@ -111,6 +111,21 @@ def _cached_keys(manager: KVCacheManager) -> Counter[bytes]:
     return Counter({key: (len(v) if isinstance(v, dict) else 1) for key, v in cache.items()})
 
 
+def _cache_map(scenario: Scenario, manager: KVCacheManager, request: Request) -> tuple[str, ...]:
+    """Per group, one character per full prompt block: ``1`` if cached now."""
+    hash_block = scenario.effective_hash_block_size_tokens
+    hashes = request.block_hashes
+    maps = []
+    for gid, group in enumerate(scenario.kv_cache_groups):
+        step = group.block_size_tokens // hash_block
+        marks = []
+        for index in range(len(hashes) // step):
+            cached = manager.block_pool.get_cached_block(hashes[(index + 1) * step - 1], [gid])
+            marks.append("1" if cached else "0")
+        maps.append("".join(marks))
+    return tuple(maps)
+
+
 def _blocks_per_group(keys: Counter[bytes], num_groups: int) -> list[int]:
     counts = [0] * num_groups
     for key, n in keys.items():
@@ -123,6 +138,7 @@ def run_scenario(
     variant: str,
     *,
     retention_interval_tokens: int | object | None = _UNSET,
+    record_cache_map: bool = False,
 ) -> RunObservation:
     """Run ``scenario`` on the vLLM importable in this process.
 
@@ -136,6 +152,8 @@ def run_scenario(
         retention_interval_tokens: overrides the scenario's retention interval
             (``None`` for the dense cross-check run); defaults to the
             scenario's own.
+        record_cache_map: record, per request and group, which of its prompt
+            blocks were cached when it looked up (for ``kvfuzz explain``).
 
     Returns:
         The observation. If vLLM raised, ``error`` names the phase and the
@@ -202,6 +220,7 @@ def run_scenario(
                 block_hasher=hasher,
             )
             before = _cached_keys(manager)
+            cache_map = _cache_map(scenario, manager, request) if record_cache_map else ()
             if hasattr(coordinator, "find_longest_cache_hit_per_group"):
                 # Diagnostic only (the scheduler calls it just for connectors
                 # on Mamba hybrids): cap at the hashed tokens, which lookahead
@@ -284,6 +303,7 @@ def run_scenario(
                     shared_prefix_boundary_tokens=junction,
                     per_group_hit_tokens=tuple(per_group),
                     retained_blocks_per_group=tuple(added),
+                    cache_map=cache_map,
                 )
             )
     except InternalError:

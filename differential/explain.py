@@ -1,0 +1,226 @@
+"""``kvfuzz explain``: the blocks each variant kept around one sibling's divergence.
+
+For one sibling, renders which prompt blocks of each KV cache group were in
+the prefix cache when it looked up, per variant, over the stretch of tokens
+that decides its hit (from below the tail of the expected checkpoint to a few
+blocks past the divergence point), with the divergence point, the expected
+checkpoint, each variant's hit and the periodic checkpoints marked. Text for
+the terminal, SVG for a picture. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from html import escape
+
+from differential.oracle import SiblingReference
+from differential.scenario import GroupKind, Scenario
+
+__all__ = ["Explanation", "VariantRow", "explanation", "render_svg", "render_text"]
+
+
+@dataclass(frozen=True)
+class VariantRow:
+    """One variant's view of the sibling.
+
+    Attributes:
+        variant: the variant's name.
+        hit_tokens: its hit, in tokens.
+        cache_maps: per group, ``"1"``/``"0"`` per prompt block: cached at lookup.
+        verdicts: finding kinds reported for the sibling on this variant.
+    """
+
+    variant: str
+    hit_tokens: int
+    cache_maps: tuple[str, ...]
+    verdicts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Everything the renderers need.
+
+    Attributes:
+        scenario: the scenario.
+        request: the sibling's index.
+        reference: what the oracle says it is owed.
+        rows: one per variant.
+        start_tokens, end_tokens: the token range shown.
+    """
+
+    scenario: Scenario
+    request: int
+    reference: SiblingReference
+    rows: tuple[VariantRow, ...]
+    start_tokens: int
+    end_tokens: int
+
+    @property
+    def checkpoints(self) -> tuple[int, ...]:
+        """Periodic checkpoints ``k*R`` inside the shown range, in tokens."""
+        retention = self.scenario.retention_interval_tokens
+        if not retention:
+            return ()
+        first = -(-self.start_tokens // retention) * retention
+        return tuple(range(max(first, retention), self.end_tokens + 1, retention))
+
+
+def explanation(
+    scenario: Scenario,
+    request: int,
+    reference: SiblingReference,
+    rows: Sequence[VariantRow],
+) -> Explanation:
+    """Choose the token range to show for ``request`` and bundle the rows.
+
+    The range starts one widened SWA tail (window plus peek plus one alignment
+    unit, plus two blocks of margin) below the expected checkpoint and ends
+    four SWA blocks past the divergence point.
+    """
+    alignment = scenario.effective_hit_alignment_tokens
+    spans = [
+        (g.sliding_window_tokens or 0) + 3 * g.block_size_tokens + alignment
+        for g in scenario.sliding_window_groups
+    ] or [4 * alignment]
+    smallest = min(g.block_size_tokens for g in scenario.kv_cache_groups)
+    start = max(0, reference.expected_tokens - max(spans))
+    start -= start % alignment
+    length = scenario.requests[request].prompt_tokens
+    end = min(length, reference.divergence_tokens + 4 * smallest)
+    end = max(end, start + smallest)
+    return Explanation(scenario, request, reference, tuple(rows), start, end)
+
+
+def _mark_line(exp: Explanation, column_tokens: int, width: int) -> str:
+    marks = [" "] * width
+
+    def put(tokens: int, char: str) -> None:
+        col = (tokens - exp.start_tokens) // column_tokens
+        if 0 <= col < width:
+            marks[col] = char
+
+    for c in exp.checkpoints:
+        put(c, "|")
+    put(exp.reference.expected_tokens, "e")
+    put(exp.reference.divergence_tokens, "D")
+    return "".join(marks)
+
+
+def render_text(exp: Explanation) -> str:
+    """A compact block diagram, one line per variant and group."""
+    scenario = exp.scenario
+    ref = exp.reference
+    column = min(g.block_size_tokens for g in scenario.kv_cache_groups)
+    width = max(1, (exp.end_tokens - exp.start_tokens) // column)
+    label_width = max(len(r.variant) for r in exp.rows) + 12
+    lines = [
+        f"request {exp.request}: divergence point {ref.divergence_tokens}, expected checkpoint "
+        f"{ref.expected_tokens}, dense reference {ref.dense_tokens} "
+        f"(A = {scenario.effective_hit_alignment_tokens}, "
+        f"R = {scenario.retention_interval_tokens})",
+        f"tokens {exp.start_tokens}..{exp.end_tokens}, one column per {column} tokens",
+        " " * label_width + _mark_line(exp, column, width),
+    ]
+    for row in exp.rows:
+        for gid, group in enumerate(scenario.kv_cache_groups):
+            kind = "full" if group.kind is GroupKind.FULL_ATTENTION else "swa"
+            label = f"{row.variant} g{gid} {kind}{group.block_size_tokens}"
+            cells = []
+            cache_map = row.cache_maps[gid] if gid < len(row.cache_maps) else ""
+            for col in range(width):
+                block = (exp.start_tokens + col * column) // group.block_size_tokens
+                cells.append("█" if block < len(cache_map) and cache_map[block] == "1" else "·")
+            hit_col = (row.hit_tokens - exp.start_tokens) // column
+            where = (
+                f"hit {row.hit_tokens}"
+                if 0 <= hit_col <= width
+                else f"hit {row.hit_tokens} (left of the view)"
+            )
+            verdict = ", ".join(row.verdicts) or "ok"
+            suffix = f"  {where}; {verdict}" if gid == len(scenario.kv_cache_groups) - 1 else ""
+            lines.append(f"{label:<{label_width}}{''.join(cells)}{suffix}")
+    lines.append(
+        "█ cached at lookup  · not cached  | periodic checkpoint  e expected checkpoint  "
+        "D divergence point"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
+    """The same picture as SVG: one row per variant and group."""
+    scenario = exp.scenario
+    ref = exp.reference
+    column = min(g.block_size_tokens for g in scenario.kv_cache_groups)
+    width = max(1, (exp.end_tokens - exp.start_tokens) // column)
+    left, top = 190, 58
+    rows = [(row, gid, g) for row in exp.rows for gid, g in enumerate(scenario.kv_cache_groups)]
+    total_w = left + width * block_px + 230
+    total_h = top + len(rows) * row_px + 80
+
+    def x(tokens: int) -> float:
+        return left + (tokens - exp.start_tokens) / column * block_px
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" '
+        'font-family="monospace" font-size="12">',
+        f'<rect width="{total_w}" height="{total_h}" fill="white"/>',
+        f'<text x="8" y="18" font-size="13">{escape(scenario.label)}: request {exp.request}, '
+        f"divergence {ref.divergence_tokens}, expected {ref.expected_tokens}, "
+        f"dense {ref.dense_tokens}</text>",
+        f'<text x="8" y="36">tokens {exp.start_tokens}..{exp.end_tokens}; filled = SWA/full '
+        "block cached when the sibling looked up</text>",
+    ]
+    for index, (row, gid, group) in enumerate(rows):
+        y = top + index * row_px
+        kind = "full" if group.kind is GroupKind.FULL_ATTENTION else "swa"
+        parts.append(
+            f'<text x="8" y="{y + 14}">{escape(row.variant)} g{gid} {kind}{group.block_size_tokens}'
+            "</text>"
+        )
+        cache_map = row.cache_maps[gid] if gid < len(row.cache_maps) else ""
+        first = exp.start_tokens // group.block_size_tokens
+        last = -(-exp.end_tokens // group.block_size_tokens)
+        for block in range(first, last):
+            cached = block < len(cache_map) and cache_map[block] == "1"
+            bx = x(block * group.block_size_tokens)
+            bw = group.block_size_tokens / column * block_px - 1
+            parts.append(
+                f'<rect x="{bx:.1f}" y="{y + 3}" width="{max(bw, 1):.1f}" height="{row_px - 8}" '
+                f'fill="{"#2b6cb0" if cached else "#edf2f7"}" stroke="#a0aec0" stroke-width="0.5"/>'
+            )
+        hit = row.hit_tokens
+        if exp.start_tokens <= hit <= exp.end_tokens:
+            parts.append(
+                f'<polygon points="{x(hit) - 4:.1f},{y + row_px - 2} {x(hit) + 4:.1f},'
+                f'{y + row_px - 2} {x(hit):.1f},{y + row_px - 8}" fill="#d69e2e"/>'
+            )
+        if gid == len(scenario.kv_cache_groups) - 1:
+            verdict = ", ".join(row.verdicts) or "ok"
+            parts.append(
+                f'<text x="{left + width * block_px + 10}" y="{y + 14}">hit {hit}: '
+                f"{escape(verdict)}</text>"
+            )
+    bottom = top + len(rows) * row_px
+    for line, (tokens, color, label) in enumerate(
+        (
+            *((c, "#718096", f"c={c}") for c in exp.checkpoints),
+            (ref.expected_tokens, "#38a169", f"expected {ref.expected_tokens}"),
+            (ref.divergence_tokens, "#e53e3e", f"D={ref.divergence_tokens}"),
+        )
+    ):
+        if exp.start_tokens <= tokens <= exp.end_tokens:
+            parts.append(
+                f'<line x1="{x(tokens):.1f}" y1="{top - 6}" x2="{x(tokens):.1f}" y2="{bottom}" '
+                f'stroke="{color}" stroke-width="1.5" stroke-dasharray="4,2"/>'
+            )
+            parts.append(
+                f'<text x="{x(tokens) + 2:.1f}" y="{bottom + 14 * (line + 1)}" fill="{color}">'
+                f"{escape(label)}</text>"
+            )
+    parts.append(
+        f'<text x="8" y="{total_h - 8}">blue = cached, grey = not cached, '
+        "orange triangle = the variant's hit</text>"
+    )
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,45 @@
+"""``kvfuzz explain`` on the Triton seed: the two SWA blocks the fix keeps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tests.factories import CORPORA, ROOT
+
+pytestmark = pytest.mark.vllm
+
+
+def test_explain_shows_the_two_missing_swa_blocks(tmp_path: Path) -> None:
+    svg = tmp_path / "triton.svg"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "differential.cli",
+            "explain",
+            str(CORPORA / "seeds" / "triton-mtp3-swa16-fa32-r8192.json"),
+            "--svg",
+            str(svg),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("request 1: divergence point 16384, expected checkpoint 16352")
+    rows = {line.split()[0]: line.split()[3] for line in lines if " g1 swa16 " in line}
+    unfixed_gap = len(rows["unfixed"]) - len(rows["unfixed"].lstrip("·"))
+    fixed_gap = len(rows["fixed"]) - len(rows["fixed"].lstrip("·"))
+    assert unfixed_gap - fixed_gap == 2  # A / B_swa = 32 / 16 blocks
+    assert "hit 8192 (left of the view); fallback" in proc.stdout
+    assert "hit 16352; ok" in proc.stdout
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg")
+    assert sum(1 for e in root.iter() if e.tag.endswith("rect")) > 200
