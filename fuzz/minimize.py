@@ -1,0 +1,304 @@
+"""``kvfuzz shrink``: reduce a failing scenario while its finding signature holds.
+
+A structured delta-debugging pass over the scenario's fields, in a fixed
+order -- fewer requests first, then simpler switches, then smaller numbers --
+repeated until nothing more can be removed or the time budget is spent:
+
+1. drop requests (last first);
+2. simplify: no decode steps, one prefill chunk, no KV connector (disabled
+   lookahead hashes instead), one sliding-window group, one speculative token,
+   the plainest drafter of the same class;
+3. halve every token quantity at once (block sizes, window, retention,
+   prefix, divergence points, suffixes), keeping the geometry's shape;
+4. shrink the sliding window, then the retention interval (positions keep
+   their offset inside their retention period);
+5. cut the shared prefix to what requests use, shrink each suffix, and pull
+   each divergence point to the nearest alignment boundary.
+
+Every candidate is a valid :class:`~differential.scenario.Scenario`, run on the
+real manager; a step is kept only if a finding with the *same signature*
+(:mod:`fuzz.signature`) is still reported. Deterministic: the same input,
+variants and vLLM give the same result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from differential.compare import compare_variants
+from differential.errors import ScenarioError
+from differential.findings import FindingKind, Policy
+from differential.scenario import (
+    Drafter,
+    DrafterKind,
+    GroupKind,
+    KVCacheGroup,
+    Scenario,
+)
+from differential.variants import Variant
+from fuzz.signature import Signature, signature_of
+
+__all__ = ["ShrinkResult", "shrink"]
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ShrinkResult:
+    """The outcome of :func:`shrink`.
+
+    Attributes:
+        scenario: the smallest scenario found that still shows the signature.
+        signature: the preserved signature.
+        accepted: descriptions of the steps kept, in order.
+        checks: candidate scenarios run.
+        elapsed_s: wall time, in seconds.
+        timed_out: whether the time budget ended the search.
+    """
+
+    scenario: Scenario
+    signature: Signature
+    accepted: tuple[str, ...]
+    checks: int
+    elapsed_s: float
+    timed_out: bool
+
+
+def _replace(scenario: Scenario, **changes: object) -> Scenario | None:
+    try:
+        return dataclasses.replace(scenario, **changes)  # type: ignore[arg-type]
+    except ScenarioError:
+        return None
+
+
+def _drop_requests(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    for index in range(len(s.requests) - 1, -1, -1):
+        if len(s.requests) == 1 or any(r.shares_with == index for r in s.requests):
+            continue
+        kept = []
+        for j, r in enumerate(s.requests):
+            if j == index:
+                continue
+            shares = r.shares_with
+            if shares is not None and shares > index:
+                shares -= 1
+            kept.append(dataclasses.replace(r, shares_with=shares))
+        yield f"drop request {index}", _replace(s, requests=tuple(kept))
+
+
+_PLAIN = {
+    DrafterKind.EAGLE3: DrafterKind.EAGLE,
+    DrafterKind.MTP: DrafterKind.EAGLE,
+    DrafterKind.DSPARK: DrafterKind.DFLASH,
+}
+
+
+def _simplify(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    if s.decode_steps:
+        yield "no decode steps", _replace(s, decode_steps=0)
+    longest = max(r.prompt_tokens for r in s.requests)
+    if s.prefill_chunk_tokens < longest:
+        yield "one prefill chunk", _replace(s, prefill_chunk_tokens=longest)
+    if s.kv_connector:
+        yield (
+            "no KV connector (lookahead hashes disabled instead)",
+            _replace(s, kv_connector=False, disable_lookahead_block_hashes=True),
+        )
+    swa = s.sliding_window_groups
+    if len(swa) > 1:
+        groups = (s.full_attention_group, swa[0])
+        yield "one sliding-window group", _replace(s, kv_cache_groups=groups)
+    minimum = 2 if s.drafter.kind is DrafterKind.MULTI_MODULE_MTP else 1
+    if s.drafter.num_speculative_tokens > minimum:
+        yield (
+            f"{minimum} speculative token(s)",
+            _replace(s, drafter=Drafter(s.drafter.kind, minimum)),
+        )
+    plain = _PLAIN.get(s.drafter.kind)
+    if plain is not None:
+        yield (
+            f"drafter {plain.value}",
+            _replace(s, drafter=Drafter(plain, s.drafter.num_speculative_tokens)),
+        )
+
+
+def _scaled(s: Scenario, num: int, den: int) -> Scenario | None:
+    def f(tokens: int) -> int:
+        return tokens * num // den
+
+    groups = []
+    for g in s.kv_cache_groups:
+        if g.block_size_tokens * num % den:
+            return None
+        window = None if g.sliding_window_tokens is None else max(2, f(g.sliding_window_tokens))
+        groups.append(KVCacheGroup(g.kind, f(g.block_size_tokens), window))
+    requests = tuple(
+        dataclasses.replace(
+            r, divergence_tokens=f(r.divergence_tokens), suffix_tokens=f(r.suffix_tokens)
+        )
+        for r in s.requests
+    )
+    retention = s.retention_interval_tokens
+    return _replace(
+        s,
+        kv_cache_groups=tuple(groups),
+        requests=requests,
+        shared_prefix_tokens=f(s.shared_prefix_tokens),
+        retention_interval_tokens=None if retention is None else f(retention),
+        prefill_chunk_tokens=max(1, f(s.prefill_chunk_tokens)),
+        hash_block_size_tokens=None,
+    )
+
+
+def _scale_down(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    yield "halve every token quantity", _scaled(s, 1, 2)
+
+
+def _with_window(s: Scenario, index: int, window: int) -> Scenario | None:
+    groups = list(s.kv_cache_groups)
+    g = groups[index]
+    groups[index] = KVCacheGroup(g.kind, g.block_size_tokens, window)
+    return _replace(s, kv_cache_groups=tuple(groups))
+
+
+def _windows(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    for index, g in enumerate(s.kv_cache_groups):
+        if g.kind is not GroupKind.SLIDING_WINDOW or g.sliding_window_tokens is None:
+            continue
+        window, block = g.sliding_window_tokens, g.block_size_tokens
+        # Windows stay >= 2 tokens: a 1-token window is degenerate (and has a
+        # known issue of its own), not a reproducer a maintainer can use.
+        candidates = [block * k for k in (1, 2, 3, 4) if 2 <= block * k < window]
+        candidates += [window // 2] if window // 2 > block * 4 else []
+        for smaller in candidates:
+            yield f"group {index} window {smaller}", _with_window(s, index, smaller)
+
+
+def _remap(position: int, old: int, new: int) -> int | None:
+    offset = position % old
+    if offset >= new:
+        return None
+    return position // old * new + offset
+
+
+def _retention(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    old = s.retention_interval_tokens
+    alignment = s.effective_hit_alignment_tokens
+    if not old or old <= 2 * alignment:
+        return
+    for new in (alignment * k for k in (2, 3, 4, 8, 16)):
+        if new >= old:
+            break
+        positions = [s.shared_prefix_tokens] + [r.divergence_tokens for r in s.requests]
+        mapped = [_remap(p, old, new) for p in positions]
+        if any(m is None for m in mapped):
+            continue
+        requests = tuple(
+            dataclasses.replace(r, divergence_tokens=m)
+            for r, m in zip(s.requests, mapped[1:], strict=True)
+        )
+        yield (
+            f"retention {new}",
+            _replace(
+                s, retention_interval_tokens=new, shared_prefix_tokens=mapped[0], requests=requests
+            ),
+        )
+
+
+def _numbers(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    used = max((r.divergence_tokens for r in s.requests if r.shares_with is None), default=0)
+    if used < s.shared_prefix_tokens:
+        yield f"shared prefix {used}", _replace(s, shared_prefix_tokens=used)
+    alignment = s.effective_hit_alignment_tokens
+    for index, r in enumerate(s.requests):
+        for suffix in sorted({0, 1, r.suffix_tokens // 2, r.suffix_tokens - alignment}):
+            if 0 <= suffix < r.suffix_tokens:
+                requests = list(s.requests)
+                requests[index] = dataclasses.replace(r, suffix_tokens=suffix)
+                yield f"request {index} suffix {suffix}", _replace(s, requests=tuple(requests))
+    for index, r in enumerate(s.requests):
+        d = r.divergence_tokens
+        for target in (d - d % alignment, d - d % alignment + alignment):
+            if target != d and target >= 0:
+                requests = list(s.requests)
+                requests[index] = dataclasses.replace(r, divergence_tokens=target)
+                yield f"request {index} divergence {target}", _replace(s, requests=tuple(requests))
+
+
+_PASSES = (_drop_requests, _simplify, _scale_down, _windows, _retention, _numbers)
+
+
+def _size(s: Scenario) -> tuple[int, ...]:
+    """Smaller is simpler: fewer requests, then fewer tokens and blocks."""
+    return (
+        len(s.requests),
+        sum(r.prompt_tokens for r in s.requests) + s.shared_prefix_tokens,
+        sum((g.sliding_window_tokens or 0) for g in s.kv_cache_groups),
+        sum(g.block_size_tokens for g in s.kv_cache_groups),
+        s.retention_interval_tokens or 0,
+        s.decode_steps,
+        len(s.kv_cache_groups),
+        s.drafter.num_speculative_tokens,
+    )
+
+
+def shrink(
+    scenario: Scenario,
+    signature: Signature,
+    variants: Sequence[Variant],
+    *,
+    policy: Policy = Policy.VLLM,
+    seconds: float = 60.0,
+    progress: Progress | None = None,
+) -> ShrinkResult:
+    """Shrink ``scenario`` while a finding with ``signature`` is still reported.
+
+    Raises:
+        ValueError: if ``scenario`` itself does not show ``signature``.
+    """
+    dense = signature.kind == FindingKind.DENSE_MISMATCH.value
+    checks = 0
+    started = time.perf_counter()
+
+    def holds(candidate: Scenario) -> bool:
+        nonlocal checks
+        checks += 1
+        result = compare_variants(candidate, variants, policy=policy, dense_cross_check=dense)
+        return any(signature_of(candidate, f) == signature for f in result.findings)
+
+    if not holds(scenario):
+        raise ValueError(f"the scenario does not show the finding {signature.text!r}")
+    current = scenario
+    accepted: list[str] = []
+    timed_out = False
+    improved = True
+    while improved and not timed_out:
+        improved = False
+        for make in _PASSES:
+            for description, candidate in make(current):
+                if time.perf_counter() - started > seconds:
+                    timed_out = True
+                    break
+                if candidate is None or _size(candidate) >= _size(current):
+                    continue
+                if holds(candidate):
+                    current = candidate
+                    accepted.append(description)
+                    improved = True
+                    if progress is not None:
+                        elapsed = time.perf_counter() - started
+                        progress(f"[{checks} checks, {elapsed:.1f} s] {description}")
+                    break
+            if improved or timed_out:
+                break
+    return ShrinkResult(
+        scenario=current,
+        signature=signature,
+        accepted=tuple(accepted),
+        checks=checks,
+        elapsed_s=time.perf_counter() - started,
+        timed_out=timed_out,
+    )
