@@ -192,7 +192,62 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("corpora/regressions"),
         help="folder for the reproducer (default: %(default)s)",
     )
+    export = sub.add_parser(
+        "export-test",
+        help="print a standalone vLLM-style pytest reproducing a finding",
+        description=(
+            "Print a pytest function that imports only vLLM, builds the managers with "
+            "vLLM's public constructors, sends the scenario's requests and asserts the "
+            "hit kvfuzz's oracle expects. It fails on stock vLLM 0.33.0 and passes "
+            "with the fix (check with: pytest --kvfuzz-variant fixed FILE)."
+        ),
+    )
+    export.add_argument("finding", type=Path, metavar="FINDING")
+    _add_common(export)
     return parser
+
+
+def _export_test(args: argparse.Namespace) -> int:
+    from differential.corpus import load_entry
+
+    variants = parse_variants(args.variants)
+    entry = load_entry(args.finding)
+    from differential.compare import compare_variants
+    from differential.export import export_test
+    from differential.findings import FindingKind
+    from fuzz.signature import signature_of
+
+    scenario = entry.scenario
+    result = compare_variants(scenario, variants, policy=Policy(args.policy))
+    candidates = [
+        (vr, f)
+        for vr in result.results
+        for f in vr.findings
+        if f.request is not None and f.kind is not FindingKind.DENSE_MISMATCH
+    ]
+    if not candidates:
+        raise ScenarioError(
+            "FINDING", str(args.finding), "a scenario with a per-request finding to assert"
+        )
+    variant_result, finding = candidates[0]
+    fixed_hit = next(
+        (
+            vr.run.hits[finding.request]
+            for vr in result.results
+            if vr.variant.role is VariantRole.FIXED and finding.request < len(vr.run.hits)
+        ),
+        None,
+    )
+    source = export_test(
+        scenario,
+        finding,
+        variant_result.references[finding.request],
+        signature=signature_of(scenario, finding).text,
+        name=scenario.name or args.finding.stem,
+        fixed_hit_tokens=fixed_hit,
+    )
+    sys.stdout.write(source)
+    return EXIT_CLEAN
 
 
 def _shrink(args: argparse.Namespace) -> int:
@@ -458,6 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _explain(args)
         if args.command == "shrink":
             return _shrink(args)
+        if args.command == "export-test":
+            return _export_test(args)
     except (ScenarioError, VariantError) as exc:
         print(f"kvfuzz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -16,7 +16,7 @@ from differential.observation import RunObservation
 from differential.scenario import Scenario
 from differential.variants import Variant
 
-__all__ = ["VLLM_VERSION", "FixStatus", "fix_status", "run_variant"]
+__all__ = ["VLLM_VERSION", "FixStatus", "fix_status", "patch_context", "run_variant"]
 
 _DENSE = None
 
@@ -29,6 +29,11 @@ def _patch_factory(variant: Variant) -> Callable[[], AbstractContextManager[None
         importlib.import_module(module), function
     )
     return factory
+
+
+def patch_context(variant: Variant) -> AbstractContextManager[None]:
+    """A context manager that installs ``variant``'s patches (none for ``unfixed``)."""
+    return _patch_factory(variant)()
 
 
 def run_variant(

@@ -1,0 +1,309 @@
+"""``kvfuzz export-test``: a standalone pytest in the style of vLLM's own tests.
+
+The generated test imports only vLLM (no kvfuzz): it builds the KV cache
+config and ``KVCacheManager`` with vLLM's public constructors, resolves the
+drafter's ``use_eagle`` / lookahead settings with vLLM's own config classes,
+sends the scenario's requests as the scheduler does (lookup, pinned junction,
+chunked ``allocate_slots`` with lookahead slots, free) and asserts the hit the
+oracle expects for the failing request. Modelled on
+``tests/v1/core/test_prefix_caching.py`` in vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+
+from differential.findings import Finding, FindingKind
+from differential.oracle import SiblingReference
+from differential.scenario import DrafterKind, GroupKind, Scenario
+
+__all__ = ["export_test"]
+
+_METHOD = {
+    DrafterKind.EAGLE: ("eagle", "eagle", 1),
+    DrafterKind.EAGLE3: ("eagle3", "eagle", 1),
+    DrafterKind.MTP: ("mtp", "deepseek_mtp", 1),
+    DrafterKind.MULTI_MODULE_MTP: ("mtp", "deepseek_mtp", None),
+    DrafterKind.GEMMA4_MTP: ("mtp", "gemma4_mtp", 1),
+    DrafterKind.DFLASH: ("dflash", "dflash", 1),
+    DrafterKind.DSPARK: ("dspark", "dspark", 1),
+    DrafterKind.DRAFT_MODEL: ("draft_model", "llama", 1),
+    DrafterKind.NGRAM: ("ngram", None, 1),
+}
+
+_TEMPLATE = '''\
+# SPDX-License-Identifier: Apache-2.0
+"""{title}
+
+Exported by kvfuzz ({signature}).
+Geometry: {geometry}.
+Expected: {expectation}
+"""
+
+from types import SimpleNamespace
+
+import torch
+
+from vllm.config import CacheConfig, SpeculativeConfig, VllmConfig
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request, RequestStatus
+
+init_none_hash(sha256)
+
+
+def _drafter_settings():
+    """(use_eagle, num_hash_lookahead_tokens, num_lookahead_tokens,
+    num_prefill_lookahead) as vLLM's config code resolves them."""
+    spec = None
+    if {method!r} is not None:
+        spec = object.__new__(SpeculativeConfig)
+        draft = None
+        if {model_type!r} is not None:
+            draft = SimpleNamespace(
+                model="draft",
+                architectures=[],
+                hf_config=SimpleNamespace(
+                    model_type={model_type!r},
+                    num_nextn_predict_layers={modules},
+                    sample_from_anchor=True,
+                ),
+            )
+        for name, value in dict(
+            method={method!r},
+            num_speculative_tokens={num_spec},
+            num_speculative_tokens_per_batch_size=None,
+            disable_eagle_block_drop={disable_drop},
+            disable_lookahead_block_hashes={disable_lookahead},
+            parallel_drafting=False,
+            draft_model_config=draft,
+        ).items():
+            object.__setattr__(spec, name, value)
+    config = object.__new__(VllmConfig)
+    connector = (
+        KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+        if {kv_connector}
+        else None
+    )
+    for name, value in dict(
+        speculative_config=spec,
+        cache_config=CacheConfig(enable_prefix_caching=True),
+        kv_transfer_config=connector,
+        diffusion_config=None,
+    ).items():
+        object.__setattr__(config, name, value)
+    use_eagle = spec.use_eagle_block_drop() if spec is not None else False
+    num_hash_lookahead = config.num_hash_lookahead_tokens
+    if num_hash_lookahead:
+        use_eagle = False  # lookahead hashes prove the boundary token
+    return (
+        use_eagle,
+        num_hash_lookahead,
+        config.num_lookahead_tokens,
+        config.num_prefill_lookahead_tokens,
+    )
+
+
+def {name}():
+    use_eagle, num_hash_lookahead, num_lookahead, num_prefill_lookahead = _drafter_settings()
+    extra_retained = max(0, num_prefill_lookahead - 1)
+    groups = [
+{groups}
+    ]
+    manager = KVCacheManager(
+        KVCacheConfig(
+            num_blocks={num_blocks},
+            kv_cache_tensors=[],
+            kv_cache_groups=groups,
+            prefix_cache_retention_interval={retention},
+        ),
+        max_model_len={max_model_len},
+        scheduler_block_size={scheduler_block_size},
+        hash_block_size={hash_block_size},
+        enable_caching=True,
+        use_eagle=use_eagle,
+        num_hash_lookahead_tokens=num_hash_lookahead,
+        num_prefill_lookahead=num_prefill_lookahead,
+    )
+    hasher = get_request_block_hasher({hash_block_size}, sha256, num_hash_lookahead)
+
+    # Requests share a prefix, then diverge into tokens of their own:
+    # (source request or None for the shared prefix, divergence point, own tokens).
+    shapes = {shapes!r}
+    prefix = [1 + p % 50000 for p in range({prefix_tokens})]
+    prompts = []
+    for index, (source, divergence, own) in enumerate(shapes):
+        base = prefix if source is None else prompts[source]
+        own_base = 1_000_000 * (index + 1)
+        prompts.append(base[:divergence] + [own_base + k for k in range(own)])
+
+    hits = []
+    for index, prompt in enumerate(prompts):
+        request = Request(
+            request_id=str(index),
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens={max_tokens}),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        blocks, hit, junction = manager.get_computed_blocks(request)
+        request.shared_prefix_boundary = junction
+        hits.append(hit)
+        computed, first = hit, True
+        while computed < len(prompt):
+            # Prefill chunk, never ending within the prefill lookahead of the end.
+            num_new = min({chunk}, len(prompt) - computed)
+            remaining = len(prompt) - computed - num_new
+            if 0 < remaining < num_prefill_lookahead:
+                num_new -= num_prefill_lookahead - remaining
+            if first:
+                new_blocks = manager.allocate_slots(
+                    request,
+                    num_new,
+                    num_new_computed_tokens=hit,
+                    new_computed_blocks=blocks,
+                    num_lookahead_tokens=num_lookahead,
+                )
+                request.status = RequestStatus.RUNNING
+                first = False
+            else:
+                new_blocks = manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=num_lookahead
+                )
+            assert new_blocks is not None
+            computed += num_new
+            request.num_computed_tokens = computed
+        for step in range({decode_steps}):
+            request.append_output_token_ids(500_000_000 + 1_000 * index + step)
+            assert manager.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
+            computed += 1
+            request.num_computed_tokens = computed
+        manager.free(request)
+
+{assertion}
+'''
+
+
+def _groups(scenario: Scenario) -> str:
+    lines = []
+    for index, g in enumerate(scenario.kv_cache_groups):
+        common = (
+            f"block_size={g.block_size_tokens}, num_kv_heads=1, head_size=8, dtype=torch.float16"
+        )
+        if g.kind is GroupKind.SLIDING_WINDOW:
+            spec = (
+                f"SlidingWindowSpec({common}, sliding_window={g.sliding_window_tokens}, "
+                "extra_retained_tokens=extra_retained)"
+            )
+        else:
+            spec = f"FullAttentionSpec({common})"
+        lines.append(
+            f'        KVCacheGroupSpec(layer_names=["layer.{index}"], kv_cache_spec={spec}),'
+        )
+    return "\n".join(lines)
+
+
+def _test_name(text: str) -> str:
+    return "test_kvfuzz_" + re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+
+
+def export_test(
+    scenario: Scenario,
+    finding: Finding,
+    reference: SiblingReference,
+    *,
+    signature: str,
+    name: str,
+    fixed_hit_tokens: int | None,
+) -> str:
+    """The pytest source for ``finding`` on ``scenario``.
+
+    Args:
+        scenario: the (preferably shrunk) scenario.
+        finding: the finding to assert against (its request is checked).
+        reference: what the oracle says that request is owed.
+        signature: the finding's signature text, for the docstring.
+        name: a name for the test function.
+        fixed_hit_tokens: the request's hit on the fixed variant, if known:
+            the assertion is exact when it equals the expected checkpoint.
+    """
+    request = finding.request if finding.request is not None else len(scenario.requests) - 1
+    expected = reference.expected_tokens
+    if finding.kind is FindingKind.OVER_HIT:
+        ceiling = finding.expected_tokens if finding.expected_tokens is not None else expected
+        check = f"    assert hits[{request}] <= {ceiling}, hits"
+        expectation = (
+            f"request {request} must not reuse more than {ceiling} tokens "
+            f"(divergence point {reference.divergence_tokens})."
+        )
+    else:
+        operator = "==" if fixed_hit_tokens == expected else ">="
+        check = f"    assert hits[{request}] {operator} {expected}, hits"
+        expectation = (
+            f"request {request} diverges at token {reference.divergence_tokens} and must hit the "
+            f"checkpoint at {expected} tokens"
+            + (
+                f"; vLLM without the fix gives {finding.hit_tokens}."
+                if finding.hit_tokens is not None
+                else "."
+            )
+        )
+    method, model_type, modules = _METHOD.get(scenario.drafter.kind, (None, None, 1))
+    longest = max(r.prompt_tokens for r in scenario.requests)
+    num_blocks = 16 + sum(
+        (
+            r.prompt_tokens
+            + scenario.decode_steps
+            + 2 * max(1, scenario.drafter.num_speculative_tokens)
+        )
+        // g.block_size_tokens
+        + 2
+        for r in scenario.requests
+        for g in scenario.kv_cache_groups
+    )
+    groups = ", ".join(
+        f"{g.kind.value} block {g.block_size_tokens}"
+        + (f" window {g.sliding_window_tokens}" if g.sliding_window_tokens else "")
+        for g in scenario.kv_cache_groups
+    )
+    geometry = (
+        f"{groups}; hit alignment {scenario.effective_hit_alignment_tokens}; retention "
+        f"{scenario.retention_interval_tokens}; drafter {scenario.drafter.kind.value} "
+        f"x{scenario.drafter.num_speculative_tokens}"
+    )
+    shapes = [(r.shares_with, r.divergence_tokens, r.suffix_tokens) for r in scenario.requests]
+    return _TEMPLATE.format(
+        title=f"Prefix-cache regression: {finding.kind.value} on request {request}.",
+        signature=signature,
+        geometry=geometry,
+        expectation=expectation,
+        method=method,
+        model_type=model_type,
+        modules=scenario.drafter.num_speculative_tokens if modules is None else modules,
+        num_spec=scenario.drafter.num_speculative_tokens,
+        disable_drop=scenario.disable_eagle_block_drop,
+        disable_lookahead=scenario.disable_lookahead_block_hashes,
+        kv_connector=scenario.kv_connector,
+        name=_test_name(name),
+        groups=_groups(scenario),
+        num_blocks=num_blocks,
+        retention=scenario.retention_interval_tokens,
+        max_model_len=longest + scenario.decode_steps + scenario.drafter.num_speculative_tokens + 2,
+        scheduler_block_size=scenario.scheduler_block_size_tokens,
+        hash_block_size=scenario.effective_hash_block_size_tokens,
+        shapes=shapes,
+        prefix_tokens=scenario.shared_prefix_tokens,
+        max_tokens=scenario.decode_steps + 1,
+        chunk=scenario.prefill_chunk_tokens,
+        decode_steps=scenario.decode_steps,
+        assertion=check,
+    )
