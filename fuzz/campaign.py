@@ -144,6 +144,7 @@ class Campaign:
     _progress: Progress | None = None
     _example: int = 0
     _vllm_version: str = ""
+    _last_summary_s: float = 0.0
 
     @property
     def findings_dir(self) -> Path:
@@ -180,6 +181,9 @@ class Campaign:
                 self._progress.note(f"new finding [{self._example}]: {signature.text} -> {path}")
         if self._progress is not None:
             self._progress.tick()
+        if self.stats.elapsed_s - self._last_summary_s >= 10.0:
+            self._write_summary()  # a killed campaign still leaves its counts
+            self._last_summary_s = self.stats.elapsed_s
 
     def summary(self) -> dict[str, Any]:
         """The campaign summary (also written to ``OUT/summary.json``)."""

@@ -2,8 +2,9 @@
 
 A signature is the finding kind plus what caused it structurally: the
 variant, the drafter class, the retention class and where the divergence
-point sits relative to the checkpoint (and the known vLLM issue, if one
-explains it). Two findings with the same signature are duplicates.
+point sits relative to the checkpoint. A finding a known vLLM issue explains
+(:mod:`differential.known`) has one signature per issue, kind and variant.
+Two findings with the same signature are duplicates.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def _position(scenario: Scenario, divergence: int | None) -> str:
 
 def signature_of(scenario: Scenario, finding: Finding) -> Signature:
     """The signature of ``finding``, found on ``scenario``."""
+    if finding.known_issue:
+        # An explained finding: one identity per issue, kind and variant.
+        return Signature(finding.kind.value, finding.variant, "*", "*", "*", finding.known_issue)
     model = drafter_model(scenario)
     protection = "drop" if model.drop else ("lookahead" if model.hash_lookahead_tokens else "none")
     return Signature(

@@ -77,3 +77,17 @@ def test_signature_of_the_triton_fallback() -> None:
     lookahead = triton(disable_lookahead_block_hashes=False)
     assert signature_of(lookahead, finding).drafter == "eagle/lookahead"
     assert signature_of(triton(retention=None), finding).retention == "dense"
+
+
+def test_known_findings_share_one_signature_per_issue() -> None:
+    known = Finding(
+        FindingKind.FALLBACK,
+        "fixed",
+        2,
+        "x",
+        divergence_tokens=513,
+        known_issue="swa-short-run-align-before-drop",
+    )
+    signature = signature_of(triton(), known)
+    assert signature.text == "fallback | fixed | * | * | * | known:swa-short-run-align-before-drop"
+    assert signature_of(triton(retention=None), known) == signature
