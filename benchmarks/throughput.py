@@ -9,7 +9,10 @@ Prints, for a toy-scale scenario (block 4 / 8, window 16, retention 64,
 * executions per second of one variant run (``run_variant``), and of a full
   judged comparison (unfixed + fixed, each with its dense cross-check run);
 * the share of the run's time spent in vLLM's own code, from a cProfile of
-  the same loop (self time of functions defined in the ``vllm`` package).
+  the same loop (self time of functions defined in the ``vllm`` package);
+* a ``kvfuzz fuzz`` campaign's own executions per second (generated,
+  mostly toy-scale scenarios on unfixed + fixed with the dense cross-check),
+  to compare with the fixed-scenario figures above.
 
 These are figures to read, not assertions: nothing here fails.
 """
@@ -81,6 +84,22 @@ def main() -> None:
             f"  judged unfixed+fixed pair: {judged_rate:8.1f} scenarios/s (4 runs each)\n"
             f"  time inside vLLM's code:   {share:8.0%} (cProfile self time)"
         )
+
+    import tempfile
+
+    from fuzz.campaign import CampaignConfig, run_campaign
+
+    with tempfile.TemporaryDirectory() as out:
+        summary = run_campaign(
+            CampaignConfig(
+                out=Path(out), variants=(unfixed, fixed), seed=0, seconds=args.seconds * 3
+            ),
+            quiet=True,
+        )
+    print(
+        f"campaign    seed 0, {summary['examples']} generated scenarios: "
+        f"{summary['executions_per_s']:.1f} judged unfixed+fixed pairs/s"
+    )
 
 
 if __name__ == "__main__":

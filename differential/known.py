@@ -104,7 +104,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         vllm_source="vllm/v1/core/kv_cache_coordinator.py "
         "HybridKVCacheCoordinator.find_longest_cache_hit with "
         "SlidingWindowManager.find_longest_cache_hit",
-        example="corpora/known/short-swa-run-multi-group-spiral.json",
+        example="known-issues/short-swa-run-multi-group-spiral.json",
         matches=_short_run_spiral,
     ),
     KnownIssue(
@@ -121,7 +121,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         ),
         vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
         "SlidingWindowManager.find_longest_cache_hit (the `not match_found` branch)",
-        example="corpora/known/swa-short-run-align-before-drop.json",
+        example="known-issues/swa-short-run-align-before-drop.json",
         matches=_short_swa_run_drop,
     ),
     KnownIssue(
@@ -136,7 +136,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         ),
         vllm_source="vllm/v1/core/kv_cache_coordinator.py "
         "HybridKVCacheCoordinator.find_longest_cache_hit",
-        example="corpora/known/window-one-multi-group-spiral.json",
+        example="known-issues/window-one-multi-group-spiral.json",
         matches=_window_one_spiral,
     ),
 )

@@ -2,7 +2,8 @@
 
 libFuzzer's bytes go through Hypothesis's ``fuzz_one_input`` into the very
 same scenario strategy the campaign uses (:mod:`fuzz.target`); there is no
-second generator. vLLM's ``vllm/v1/core`` and kvfuzz's own modules are
+second generator. Findings that a known vLLM issue explains do not crash the
+target unless ``--include-known`` is given. vLLM's ``vllm/v1/core`` and kvfuzz's own modules are
 instrumented for coverage. A finding raises, so libFuzzer saves the input as
 ``crash-<sha1>`` and stops; ``kvfuzz import-crash`` turns it into a scenario
 file that ``kvfuzz replay`` reproduces.
@@ -33,6 +34,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--variants", default="unfixed,fixed")
     parser.add_argument("--policy", default="vllm", choices=("vllm", "ideal"))
     parser.add_argument("--no-dense-check", action="store_true")
+    parser.add_argument(
+        "--include-known",
+        action="store_true",
+        help="also crash on findings a known vLLM issue explains",
+    )
     args, libfuzzer_args = parser.parse_known_args(argv)
 
     try:
@@ -52,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             policy=Policy(args.policy),
             database=None,
             dense_cross_check=not args.no_dense_check,
+            raise_on_known=args.include_known,
         )
 
     fuzz_one_input = target.hypothesis.fuzz_one_input

@@ -56,6 +56,7 @@ def build_target(
     database: ExampleDatabase | None = None,
     dense_cross_check: bool = True,
     raise_on_finding: bool = True,
+    raise_on_known: bool = False,
     phases: Sequence[Phase] | None = None,
 ) -> Target:
     """A Hypothesis test over :func:`fuzz.strategies.scenarios`.
@@ -68,6 +69,8 @@ def build_target(
         dense_cross_check: also run the dense-retention cross-check.
         raise_on_finding: raise a per-signature :class:`FindingRaised` when
             the scenario has findings (the most severe one's signature).
+        raise_on_known: also raise for findings a known vLLM issue explains
+            (by default they are reported to ``on_result`` but do not fail).
         phases: Hypothesis phases when the test is called directly (``None``:
             Hypothesis's default); ``fuzz_one_input`` ignores them.
     """
@@ -87,8 +90,9 @@ def build_target(
         )
         if on_result is not None:
             on_result(scenario, result)
-        if raise_on_finding and result.findings:
-            first = min(result.findings, key=lambda f: list(type(f.kind)).index(f.kind))
+        failing = [f for f in result.findings if raise_on_known or f.known_issue is None]
+        if raise_on_finding and failing:
+            first = min(failing, key=lambda f: list(type(f.kind)).index(f.kind))
             signature = signature_of(scenario, first)
             raise _exception_for(signature)(f"{signature.text}: {first.summary()}")
 

@@ -25,7 +25,7 @@ def test_known_issue_example_reproduces_and_is_labelled(issue) -> None:
 
 def test_short_run_issue_is_the_lookup_not_retention() -> None:
     # Same sibling, window 64 (a full-window run exists): 128 as the oracle says.
-    entry = load_entry(ROOT / "corpora/known/swa-short-run-align-before-drop.json")
+    entry = load_entry(ROOT / "known-issues/swa-short-run-align-before-drop.json")
     data = entry.scenario.to_dict()
     data["kv_cache_groups"][1]["sliding_window_tokens"] = 64
     from differential.scenario import Scenario
