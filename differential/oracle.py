@@ -400,13 +400,22 @@ def judge_run(
                 )
             )
         elif policy is Policy.IDEAL and hit < ref.expected_tokens:
+            # Closing the gap means keeping one more SWA tail (the window plus
+            # the peek block under the drop) at the dense hit, per SWA group.
+            tails = [
+                -(-((g.sliding_window_tokens or 1) - 1) // g.block_size_tokens)
+                + (1 if model.drop else 0)
+                for g in scenario.sliding_window_groups
+            ]
+            cost = f"; closing it costs up to {tails} SWA blocks per group" if tails else ""
             findings.append(
                 Finding(
                     FindingKind.DESIGN_GAP,
                     name,
                     ref.index,
                     f"dense reference {ref.expected_tokens}, hit {hit}: the writer's "
-                    f"data could serve it but vLLM's policy promises only {vref.expected_tokens}",
+                    f"data could serve it but vLLM's policy promises only {vref.expected_tokens}"
+                    f"{cost}",
                     expected_tokens=ref.expected_tokens,
                     **common,
                 )
