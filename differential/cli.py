@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from differential.errors import ScenarioError, VariantError
-from differential.findings import Policy
+from differential.findings import SEVERITY, Policy
 from differential.variants import (
     DEFAULT_VARIANTS,
     VariantRole,
@@ -265,7 +265,8 @@ def _shrink(args: argparse.Namespace) -> int:
 
     policy = Policy(args.policy)
     result = compare_variants(entry.scenario, variants, policy=policy)
-    signatures = [signature_of(entry.scenario, f) for f in result.findings]
+    by_severity = sorted(result.findings, key=lambda f: SEVERITY[f.kind])
+    signatures = [signature_of(entry.scenario, f) for f in by_severity]
     if not signatures:
         raise ScenarioError("FINDING", str(args.finding), "a scenario that shows a finding")
     if wanted is None:

@@ -169,6 +169,7 @@ def run_scenario(
     observed: list[RequestObservation] = []
     settings: ManagerSettings | None = None
     evicted = 0
+    error: str | None = None
     try:
         resolved = resolve_drafter(scenario)
         phase[0] = "build KVCacheManager"
@@ -309,20 +310,13 @@ def run_scenario(
     except InternalError:
         raise
     except Exception as exc:  # vLLM raised: a finding, not our failure.
-        return RunObservation(
-            variant=variant,
-            vllm_version=VLLM_VERSION,
-            settings=settings,
-            requests=tuple(observed),
-            evicted_blocks=evicted,
-            error=f"{phase[0]}: {type(exc).__name__}: {exc}",
-            retention_interval_tokens=retention,
-        )
+        error = f"{phase[0]}: {type(exc).__name__}: {exc}"
     return RunObservation(
         variant=variant,
         vllm_version=VLLM_VERSION,
         settings=settings,
         requests=tuple(observed),
         evicted_blocks=evicted,
+        error=error,
         retention_interval_tokens=retention,
     )
