@@ -46,6 +46,33 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_ci_reports(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--junit-xml",
+        type=Path,
+        metavar="FILE",
+        help="write JUnit XML: a test case per scenario and variant, findings as failures",
+    )
+    parser.add_argument("--sarif", type=Path, metavar="FILE", help="write findings as SARIF 2.1.0")
+    parser.add_argument(
+        "--github-annotations",
+        action="store_true",
+        help="print a GitHub Actions ::error/::warning line per finding",
+    )
+
+
+def _write_ci_reports(args: argparse.Namespace, results: Sequence[object]) -> None:
+    from differential.ci_reports import dumps_sarif, github_annotations, junit_xml
+    from differential.corpus import write_atomic
+
+    if args.junit_xml is not None:
+        write_atomic(args.junit_xml, junit_xml(results))  # type: ignore[arg-type]
+    if args.sarif is not None:
+        write_atomic(args.sarif, dumps_sarif(results))  # type: ignore[arg-type]
+    if args.github_annotations:
+        sys.stdout.write(github_annotations(results))  # type: ignore[arg-type]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvfuzz",
@@ -72,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="also write the JSON report to FILE (atomically)",
     )
+    _add_ci_reports(replay)
     replay.add_argument(
         "--no-dense-check",
         action="store_true",
@@ -488,6 +516,7 @@ def _replay(args: argparse.Namespace) -> int:
         for entry in entries
     ]
     report = render_json(results, VLLM_VERSION, policy, notices)
+    _write_ci_reports(args, results)
     if args.report is not None:
         write_atomic(args.report, json.dumps(report, indent=2) + "\n")
     if args.json:

@@ -1,0 +1,149 @@
+"""Reports where CI users look: JUnit XML, SARIF and GitHub annotations.
+
+* JUnit XML (the Ant/Jenkins schema every CI system reads): one ``testsuite``
+  per scenario, one ``testcase`` per variant, each finding of that variant a
+  ``failure`` whose message names the request and the lost checkpoint.
+* SARIF 2.1.0 (GitHub code scanning): one result per finding, rule = kind,
+  located at the scenario file.
+* GitHub workflow commands: one ``::error`` line per finding.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from typing import Any
+
+from differential.compare import ScenarioResult
+from differential.findings import Finding, FindingKind
+
+__all__ = ["github_annotations", "junit_xml", "sarif"]
+
+
+def _owner(finding: Finding) -> str:
+    return finding.variant.split(" vs ")[0]
+
+
+def _name(result: ScenarioResult) -> str:
+    return result.source or result.scenario.label
+
+
+def junit_xml(results: Sequence[ScenarioResult], *, suite_name: str = "kvfuzz") -> str:
+    """JUnit XML text for ``results``."""
+    root = ET.Element("testsuites", name=suite_name)
+    total = failures = 0
+    for result in results:
+        suite = ET.SubElement(root, "testsuite", name=_name(result))
+        cases = failed = 0
+        for vr in result.results:
+            cases += 1
+            case = ET.SubElement(
+                suite,
+                "testcase",
+                classname=_name(result),
+                name=f"{vr.variant.name} (policy {result.policy.value})",
+                time="0",
+            )
+            mine = [f for f in result.findings if _owner(f) == vr.variant.name]
+            if mine:
+                failed += 1
+                failure = ET.SubElement(
+                    case,
+                    "failure",
+                    message="; ".join(f.summary() for f in mine)[:1000],
+                    type=",".join(dict.fromkeys(f.kind.value for f in mine)),
+                )
+                failure.text = "\n".join(f.summary() for f in mine)
+            out = ET.SubElement(case, "system-out")
+            out.text = f"hits {list(vr.run.hits)}"
+        suite.set("tests", str(cases))
+        suite.set("failures", str(failed))
+        suite.set("errors", "0")
+        suite.set("skipped", "0")
+        total += cases
+        failures += failed
+    root.set("tests", str(total))
+    root.set("failures", str(failures))
+    root.set("errors", "0")
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+_LEVEL = {
+    FindingKind.OVER_HIT: "error",
+    FindingKind.CRASH: "error",
+    FindingKind.MISALIGNED: "error",
+    FindingKind.FALLBACK: "error",
+    FindingKind.VARIANT_REGRESSION: "warning",
+    FindingKind.VARIANT_DRIFT: "warning",
+    FindingKind.NEEDLESS_DROP: "warning",
+    FindingKind.DENSE_MISMATCH: "warning",
+    FindingKind.DESIGN_GAP: "note",
+    FindingKind.EVICTION: "note",
+}
+
+
+def sarif(results: Sequence[ScenarioResult], *, tool_version: str = "0.1.0") -> dict[str, Any]:
+    """A SARIF 2.1.0 log with one result per finding."""
+    rules = [
+        {
+            "id": kind.value,
+            "name": kind.name.title().replace("_", ""),
+            "shortDescription": {"text": kind.value},
+        }
+        for kind in FindingKind
+    ]
+    sarif_results = []
+    for result in results:
+        for finding in result.findings:
+            sarif_results.append(
+                {
+                    "ruleId": finding.kind.value,
+                    "level": _LEVEL[finding.kind],
+                    "message": {"text": finding.summary()},
+                    "locations": [
+                        {
+                            "physicalLocation": {
+                                "artifactLocation": {"uri": _name(result)},
+                                "region": {"startLine": 1},
+                            }
+                        }
+                    ],
+                    "properties": finding.to_dict(),
+                }
+            )
+    return {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "kvfuzz",
+                        "version": tool_version,
+                        "rules": rules,
+                    }
+                },
+                "results": sarif_results,
+            }
+        ],
+    }
+
+
+def github_annotations(results: Sequence[ScenarioResult]) -> str:
+    """GitHub Actions ``::error``/``::warning`` lines, one per finding."""
+    lines = []
+    for result in results:
+        for finding in result.findings:
+            level = "error" if _LEVEL[finding.kind] == "error" else "warning"
+            message = finding.summary().replace("%", "%25").replace("\n", "%0A")
+            lines.append(
+                f"::{level} file={_name(result)},title=kvfuzz {finding.kind.value}::{message}"
+            )
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def dumps_sarif(results: Sequence[ScenarioResult]) -> str:
+    """:func:`sarif` as JSON text."""
+    return json.dumps(sarif(results), indent=2) + "\n"
