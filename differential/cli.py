@@ -160,6 +160,14 @@ def _parser() -> argparse.ArgumentParser:
         help="skip the dense-retention cross-check runs (about twice as fast)",
     )
     fuzz.add_argument("--quiet", action="store_true", help="no progress display")
+    fuzz.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes, each importing vLLM once (default: %(default)s)",
+    )
+    _add_ci_reports(fuzz)
     crash = sub.add_parser(
         "import-crash",
         help="turn atheris/libFuzzer crash files into scenario JSON",
@@ -439,9 +447,12 @@ def _fuzz(args: argparse.Namespace) -> int:
         raise VariantError(f"--max-examples must be >= 1, got {args.max_examples}")
     if args.out.exists() and not args.out.is_dir():
         raise VariantError(f"--out {args.out} exists and is not a folder")
-    from fuzz.campaign import CampaignConfig, run_campaign
+    if args.jobs < 1:
+        raise VariantError(f"--jobs must be >= 1, got {args.jobs}")
+    from fuzz.campaign import CampaignConfig
+    from fuzz.parallel import run_parallel
 
-    summary = run_campaign(
+    summary = run_parallel(
         CampaignConfig(
             out=args.out,
             variants=variants,
@@ -451,8 +462,10 @@ def _fuzz(args: argparse.Namespace) -> int:
             policy=Policy(args.policy),
             dense_cross_check=not args.no_dense_check,
         ),
+        args.jobs,
         quiet=args.quiet,
     )
+    _campaign_reports(args, summary)
     first = summary["first_finding_s"]
     print(
         f"{summary['examples']} examples in {summary['elapsed_s']:.1f} s "
@@ -463,8 +476,36 @@ def _fuzz(args: argparse.Namespace) -> int:
     )
     for entry in summary["distinct"]:
         print(f"  {entry['count']:>5} x {entry['signature']}\n          {entry['file']}")
-    print(f"summary: {args.out / 'summary.json'}")
+    print(f"summary: {args.out / 'summary.json'}; report: {args.out / 'report.md'}")
     return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
+
+
+def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> None:
+    """report.md (with explain pictures) and the CI reports for a campaign.
+
+    The distinct finding files are replayed (they are self-contained), so the
+    reports are the same for one job or many.
+    """
+    from differential.compare import compare_variants
+    from differential.corpus import load_entry, write_atomic
+    from fuzz.report import campaign_markdown, explain_pictures
+
+    variants = parse_variants(args.variants)
+    items = []
+    results = []
+    for entry in summary["distinct"][:200]:  # type: ignore[index]
+        path = Path(entry["file"])
+        if not path.exists():
+            continue
+        loaded = load_entry(path)
+        result = compare_variants(
+            loaded.scenario, variants, policy=Policy(args.policy), source=str(path)
+        )
+        items.append((path.stem, loaded.scenario, result))
+        results.append(result)
+    pictures = explain_pictures(items, args.out / "pictures")
+    write_atomic(args.out / "report.md", campaign_markdown(summary, pictures, args.out))
+    _write_ci_reports(args, results)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

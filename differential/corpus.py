@@ -149,3 +149,28 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_once(path: Path, text: str) -> bool:
+    """Create ``path`` with ``text`` atomically unless it already exists.
+
+    Safe against concurrent writers (another process of a parallel campaign):
+    the complete file appears at once, and only the first writer wins.
+
+    Returns:
+        ``True`` if this call created the file.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(tmp, path)  # fails if the path exists: first writer wins
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        Path(tmp).unlink(missing_ok=True)

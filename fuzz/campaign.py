@@ -33,12 +33,12 @@ from hypothesis import Phase
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from differential.compare import ScenarioResult
-from differential.corpus import finding_tag, write_atomic
+from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
 from differential.scenario import Scenario
 from differential.variants import Variant
 from fuzz.progress import CampaignStats, Progress
-from fuzz.signature import Signature, signature_of
+from fuzz.signature import Signature, coverage_keys, signature_of
 from fuzz.target import FindingRaised, build_target
 
 __all__ = ["Campaign", "CampaignConfig", "FindingRecord", "finding_document"]
@@ -60,6 +60,9 @@ class CampaignConfig:
         max_examples: example budget (``None``: no limit).
         policy: the oracle's checkpoint policy.
         dense_cross_check: run the dense-retention cross-check too.
+        summary_name: the summary's file name in ``out`` (parallel jobs each
+            write their own and the parent merges them).
+        summary_interval_s: seconds between summary rewrites while running.
     """
 
     out: Path
@@ -69,6 +72,8 @@ class CampaignConfig:
     max_examples: int | None = None
     policy: Policy = Policy.VLLM
     dense_cross_check: bool = True
+    summary_name: str = "summary.json"
+    summary_interval_s: float = 10.0
 
 
 @dataclass
@@ -153,6 +158,7 @@ class Campaign:
 
     def _on_result(self, scenario: Scenario, result: ScenarioResult) -> None:
         self.stats.examples += 1
+        self.stats.coverage.update(coverage_keys(scenario))
         for finding in result.findings:
             self.stats.findings_by_kind[finding.kind.value] += 1
             signature = signature_of(scenario, finding)
@@ -163,16 +169,16 @@ class Campaign:
             if self.stats.first_finding_s is None:
                 self.stats.first_finding_s = self.stats.elapsed_s
             path = self.findings_dir / f"{signature.slug}.json"
-            if not path.exists():  # kept from an earlier run into the same folder
-                document = finding_document(
-                    scenario,
-                    result,
-                    signature,
-                    seed=self.config.seed,
-                    example=self._example,
-                    vllm_version=self._vllm_version,
-                )
-                write_atomic(path, json.dumps(document, indent=2) + "\n")
+            # Kept if an earlier run (or another job of this one) wrote it first.
+            document = finding_document(
+                scenario,
+                result,
+                signature,
+                seed=self.config.seed,
+                example=self._example,
+                vllm_version=self._vllm_version,
+            )
+            write_once(path, json.dumps(document, indent=2) + "\n")
             self.records[signature] = FindingRecord(
                 signature, path, self._example, self.stats.elapsed_s
             )
@@ -181,7 +187,7 @@ class Campaign:
                 self._progress.note(f"new finding [{self._example}]: {signature.text} -> {path}")
         if self._progress is not None:
             self._progress.tick()
-        if self.stats.elapsed_s - self._last_summary_s >= 10.0:
+        if self.stats.elapsed_s - self._last_summary_s >= self.config.summary_interval_s:
             self._write_summary()  # a killed campaign still leaves its counts
             self._last_summary_s = self.stats.elapsed_s
 
@@ -203,6 +209,7 @@ class Campaign:
             else round(stats.first_finding_s, 3),
             "interrupted": self.interrupted,
             "findings_by_kind": dict(sorted(stats.findings_by_kind.items())),
+            "coverage": dict(sorted(stats.coverage.items())),
             "distinct": [
                 {
                     "signature": r.signature.text,
@@ -216,7 +223,10 @@ class Campaign:
         }
 
     def _write_summary(self) -> None:
-        write_atomic(self.config.out / "summary.json", json.dumps(self.summary(), indent=2) + "\n")
+        write_atomic(
+            self.config.out / self.config.summary_name,
+            json.dumps(self.summary(), indent=2) + "\n",
+        )
 
     def _replay_database(self, database: DirectoryBasedExampleDatabase) -> None:
         replay = build_target(

@@ -22,6 +22,8 @@ class CampaignStats:
         findings_by_kind: findings seen, duplicates included, by kind.
         distinct: distinct signatures seen.
         first_finding_s: seconds from start to the first finding, if any.
+        coverage: scenarios run per ``class:value`` of the scenario space
+            (drafter, protection, retention class, geometry scale).
     """
 
     examples: int = 0
@@ -29,6 +31,7 @@ class CampaignStats:
     findings_by_kind: Counter[str] = field(default_factory=Counter)
     distinct: int = 0
     first_finding_s: float | None = None
+    coverage: Counter[str] = field(default_factory=Counter)
 
     @property
     def elapsed_s(self) -> float:

@@ -17,7 +17,7 @@ from differential.findings import Finding
 from differential.oracle import drafter_model
 from differential.scenario import DrafterKind, Scenario
 
-__all__ = ["Signature", "signature_of"]
+__all__ = ["Signature", "coverage_keys", "signature_of"]
 
 _DRAFTER_CLASS = {
     DrafterKind.EAGLE: "eagle",
@@ -113,4 +113,27 @@ def signature_of(scenario: Scenario, finding: Finding) -> Signature:
         retention=_retention_class(scenario),
         position=_position(scenario, finding.divergence_tokens),
         known_issue=finding.known_issue or "",
+    )
+
+
+def _geometry_class(scenario: Scenario) -> str:
+    largest = max(g.block_size_tokens for g in scenario.kv_cache_groups)
+    longest = max(r.prompt_tokens for r in scenario.requests)
+    if largest <= 8 and longest <= 1024:
+        return "toy"
+    if longest <= 4096:
+        return "medium"
+    return "real"
+
+
+def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
+    """The scenario-space classes a scenario covers, as ``class:value`` keys."""
+    model = drafter_model(scenario)
+    protection = "drop" if model.drop else ("lookahead" if model.hash_lookahead_tokens else "none")
+    return (
+        f"drafter:{scenario.drafter.kind.value}",
+        f"protection:{protection}",
+        f"retention:{_retention_class(scenario)}",
+        f"geometry:{_geometry_class(scenario)}",
+        f"swa-groups:{len(scenario.sliding_window_groups)}",
     )
