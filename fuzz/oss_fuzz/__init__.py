@@ -1,0 +1,1 @@
+"""Fuzzer entry points named as ClusterFuzzLite / OSS-Fuzz expect (``*_fuzzer.py``)."""
