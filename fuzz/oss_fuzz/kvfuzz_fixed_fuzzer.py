@@ -1,4 +1,6 @@
-"""libFuzzer target: vLLM's prefix-cache managers, variant ``fixed`` (installed vLLM plus the seed fix).
+"""libFuzzer target: vLLM's prefix-cache managers, variant ``fixed``.
+
+The installed vLLM plus the seed fix.
 
 Crashes only on findings no known vLLM issue explains (:mod:`fuzz.atheris_harness`).
 """
