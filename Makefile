@@ -15,6 +15,6 @@ replay: setup
 # Tests (unit, oracle, real-vLLM integration) and lint.
 test: setup
 	@$(VENV)/bin/ruff check differential fuzz tests benchmarks
-	@KVFUZZ_REQUIRE_VLLM=1 $(VENV)/bin/python -m pytest || { rc=$$?; \
+	@KVFUZZ_REQUIRE_VLLM=1 $(VENV)/bin/python -m pytest -n 2 || { rc=$$?; \
 	    if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): nothing to fail"; \
 	    else exit $$rc; fi; }

@@ -63,6 +63,8 @@ class CampaignConfig:
         summary_name: the summary's file name in ``out`` (parallel jobs each
             write their own and the parent merges them).
         summary_interval_s: seconds between summary rewrites while running.
+        replay_database: replay the example database before fuzzing; ``None``
+            decides by whether it holds entries when the campaign starts.
     """
 
     out: Path
@@ -74,6 +76,7 @@ class CampaignConfig:
     dense_cross_check: bool = True
     summary_name: str = "summary.json"
     summary_interval_s: float = 10.0
+    replay_database: bool | None = None
 
 
 @dataclass
@@ -256,7 +259,10 @@ class Campaign:
         self.stats.started = time.perf_counter()
         try:
             db_path = config.out / "hypothesis-db"
-            if db_path.is_dir() and any(db_path.iterdir()):
+            replay = config.replay_database
+            if replay is None:
+                replay = db_path.is_dir() and any(db_path.iterdir())
+            if replay:
                 if progress is not None:
                     progress.note("replaying earlier failures from the example database first")
                 self._example = -1

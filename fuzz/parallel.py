@@ -32,6 +32,10 @@ def worker_configs(config: CampaignConfig, jobs: int) -> list[CampaignConfig]:
     if jobs == 1:
         return [config]
     share = None if config.max_examples is None else math.ceil(config.max_examples / jobs)
+    # Only the first worker replays the database, and only what was there
+    # before the campaign: failures the workers save meanwhile are not replayed.
+    db_path = config.out / "hypothesis-db"
+    had_database = db_path.is_dir() and any(db_path.iterdir())
     return [
         dataclasses.replace(
             config,
@@ -39,6 +43,7 @@ def worker_configs(config: CampaignConfig, jobs: int) -> list[CampaignConfig]:
             max_examples=share,
             summary_name=f"summary-job-{index}.json",
             summary_interval_s=2.0,
+            replay_database=had_database and index == 0,
         )
         for index in range(jobs)
     ]

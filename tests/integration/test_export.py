@@ -47,6 +47,8 @@ def test_exported_test_fails_stock_and_passes_fixed(
         "-q",
         "-p",
         "no:cacheprovider",
+        "-n",
+        "2",  # under pytest-xdist too: every worker installs the variant's patches
         "--kvfuzz-variant",
         "fixed",
         str(test_file),
