@@ -1,0 +1,53 @@
+"""The pytest plugin: the corpus and generated scenarios as test items."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.factories import CORPORA
+
+pytestmark = pytest.mark.vllm
+
+
+def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
+
+
+def test_corpus_items_fail_on_stock_vllm_with_the_diagram(tmp_path: Path) -> None:
+    proc = _pytest(tmp_path, "--kvfuzz-corpus", str(CORPORA / "seeds"))
+    assert proc.returncode == 1
+    assert "6 failed, 5 passed" in proc.stdout
+    assert "triton-mtp3-swa16-fa32-r8192.json::unfixed" in proc.stdout
+    assert "expected checkpoint 16352, hit 8192: fell back to checkpoint 8192" in proc.stdout
+    assert "unfixed g1 swa16" in proc.stdout  # the explain diagram
+
+
+def test_corpus_and_fuzz_items_pass_on_fixed(tmp_path: Path) -> None:
+    proc = _pytest(
+        tmp_path,
+        "--kvfuzz-corpus",
+        str(CORPORA),
+        "--kvfuzz-variants",
+        "fixed",
+        "--kvfuzz-fuzz",
+        "10",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    files = len(list(CORPORA.rglob("*.json")))
+    assert f"{files + 10} passed" in proc.stdout
+
+
+def test_bad_corpus_path_is_a_usage_error(tmp_path: Path) -> None:
+    proc = _pytest(tmp_path, "--kvfuzz-corpus", str(tmp_path / "missing"))
+    assert proc.returncode == 4
+    assert "kvfuzz:" in proc.stderr and "missing" in proc.stderr
