@@ -39,6 +39,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="per-scenario timeout for tree:PATH variants (default: %(default)s)",
+    )
+    parser.add_argument(
         "--policy",
         choices=[p.value for p in Policy],
         default=Policy.VLLM.value,
@@ -362,8 +369,7 @@ def _explain(args: argparse.Namespace) -> int:
         raise ScenarioError(
             "--request", args.request, f"0..{len(scenario.requests) - 1} (the scenario's requests)"
         )
-    from differential.compare import compare_variants
-    from differential.driver import run_variant
+    from differential.compare import compare_variants, run_any
     from differential.explain import VariantRow, explanation, render_svg, render_text
 
     result = compare_variants(scenario, variants, policy=Policy(args.policy))
@@ -375,7 +381,7 @@ def _explain(args: argparse.Namespace) -> int:
         request = flagged[0] if flagged else len(scenario.requests) - 1
     rows = []
     for vr in result.results:
-        run = run_variant(scenario, vr.variant, record_cache_map=True)
+        run = run_any(scenario, vr.variant, record_cache_map=True)
         if request >= len(run.requests):
             continue
         verdicts = tuple(
@@ -571,6 +577,10 @@ def _replay(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvfuzz`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
+    if getattr(args, "timeout", None) is not None:
+        from differential import compare
+
+        compare.TREE_TIMEOUT_S[0] = args.timeout
     try:
         if args.command == "replay":
             return _replay(args)

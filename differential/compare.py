@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.known import label_known
@@ -199,6 +200,98 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
     return findings
 
 
+def run_any(
+    scenario: Scenario, variant: Variant, *, dense: bool = False, record_cache_map: bool = False
+) -> RunObservation:
+    """Run ``variant``: in this process, or in its tree's worker process."""
+    if variant.tree is not None:
+        from differential.tree import run_tree
+
+        return run_tree(
+            variant.name,
+            Path(variant.tree),
+            scenario,
+            dense=dense,
+            record_cache_map=record_cache_map,
+            timeout_s=TREE_TIMEOUT_S[0],
+        )
+    from differential.driver import run_variant
+
+    return run_variant(scenario, variant, dense=dense, record_cache_map=record_cache_map)
+
+
+def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -> list[Finding]:
+    """Compare two variants neither of which is labelled fixed.
+
+    Every sibling where the hits differ is a ``disagreement`` saying which
+    side the oracle supports (the one without findings on that request); where
+    the hits agree but the blocks kept differ, a ``cost-change``. Both give the
+    blocks each side kept per group and per periodic checkpoint tail.
+    """
+    pair = f"{a.variant.name} vs {b.variant.name}"
+    divergence = divergence_points(scenario)
+    flagged = {
+        name: {f.request for f in r.findings if f.request is not None}
+        for name, r in ((a.variant.name, a), (b.variant.name, b))
+    }
+    findings: list[Finding] = []
+    for ra, rb in zip(a.run.requests, b.run.requests, strict=False):
+        j = ra.index
+        tails = max(
+            1,
+            max(
+                (
+                    _periodic_tails(scenario, j, g.block_size_tokens, g.sliding_window_tokens or 0)
+                    for g in scenario.sliding_window_groups
+                ),
+                default=1,
+            ),
+        )
+        per_tail = [
+            (x - y) / tails
+            for x, y in zip(ra.retained_blocks_per_group, rb.retained_blocks_per_group, strict=True)
+        ]
+        cost = (
+            f"blocks kept per group {list(ra.retained_blocks_per_group)} on {a.variant.name}, "
+            f"{list(rb.retained_blocks_per_group)} on {b.variant.name} "
+            f"(difference per periodic checkpoint tail: {per_tail})"
+        )
+        if ra.hit_tokens != rb.hit_tokens:
+            bad_a = j in flagged[a.variant.name]
+            bad_b = j in flagged[b.variant.name]
+            if bad_a == bad_b:
+                blame = "the oracle flags both" if bad_a else "the oracle accepts both"
+            else:
+                good, bad = (b, a) if bad_a else (a, b)
+                blame = f"the oracle supports {good.variant.name} and blames {bad.variant.name}"
+            findings.append(
+                Finding(
+                    FindingKind.DISAGREEMENT,
+                    pair,
+                    j,
+                    f"hits {ra.hit_tokens} on {a.variant.name} vs {rb.hit_tokens} on "
+                    f"{b.variant.name}; {blame}; {cost}",
+                    divergence_tokens=divergence[j],
+                    expected_tokens=ra.hit_tokens,
+                    hit_tokens=rb.hit_tokens,
+                )
+            )
+        elif ra.retained_blocks_per_group != rb.retained_blocks_per_group:
+            findings.append(
+                Finding(
+                    FindingKind.COST_CHANGE,
+                    pair,
+                    j,
+                    f"same hit {ra.hit_tokens}; {cost}",
+                    divergence_tokens=divergence[j],
+                )
+            )
+    return findings
+
+
+TREE_TIMEOUT_S = [60.0]  # per-scenario timeout for tree variants (set by the CLI)
+
+
 def compare_variants(
     scenario: Scenario,
     variants: Sequence[Variant],
@@ -217,32 +310,40 @@ def compare_variants(
         dense_cross_check: also run each variant with retention ``None`` and
             compare it with the oracle's dense reference.
     """
-    from differential.driver import run_variant
-
     results: list[VariantResult] = []
+    notices: list[str] = []
     for variant in variants:
-        run = run_variant(scenario, variant)
+        run = run_any(scenario, variant)
+        if run.unsupported is not None:
+            notices.append(f"{variant.name}: unsupported: {run.unsupported}")
         refs, findings = judge_run(scenario, run, policy)
         dense_run = None
         if dense_cross_check:
             if scenario.retention_interval_tokens is None:
                 findings += cross_check_dense(scenario, run)
             else:
-                dense_run = run_variant(scenario, variant, dense=True)
+                dense_run = run_any(scenario, variant, dense=True)
                 findings += cross_check_dense(scenario, dense_run)
         findings = label_known(scenario, findings)
         results.append(VariantResult(variant, run, dense_run, refs, findings))
     comparison: list[Finding] = []
-    for fixed in results:
+    supported = [r for r in results if r.run.unsupported is None]
+    for fixed in supported:
         if fixed.variant.role is not VariantRole.FIXED:
             continue
-        for base in results:
+        for base in supported:
             if base.variant.role is VariantRole.BASELINE:
                 comparison += compare_pair(scenario, base.run, fixed.run)
+    if not any(r.variant.role is VariantRole.FIXED for r in supported):
+        baselines = [r for r in supported if r.variant.role is VariantRole.BASELINE]
+        for i, a in enumerate(baselines):
+            for b in baselines[i + 1 :]:
+                comparison += compare_unlabelled(scenario, a, b)
     return ScenarioResult(
         scenario=scenario,
         source=source,
         policy=policy,
         results=tuple(results),
         comparison_findings=tuple(comparison),
+        notices=tuple(notices),
     )

@@ -40,7 +40,9 @@ class FindingKind(StrEnum):
     """A hit past the dense reference or reusing KV that depends on a token
     past the divergence point: silently wrong outputs."""
     CRASH = "crash"
-    """vLLM raised while serving the scenario."""
+    """vLLM raised while serving the scenario (or its worker process died)."""
+    TIMEOUT = "timeout"
+    """A tree variant's worker did not answer within the per-scenario timeout."""
     MISALIGNED = "misaligned"
     """A hit that is not a multiple of the hit alignment."""
     FALLBACK = "fallback"
@@ -50,6 +52,11 @@ class FindingKind(StrEnum):
     VARIANT_DRIFT = "variant-drift"
     """Two variants differ outside the fix's domain, or the fix keeps more
     blocks than it claims."""
+    DISAGREEMENT = "disagreement"
+    """Two variants, neither labelled fixed, give a sibling different hits."""
+    COST_CHANGE = "cost-change"
+    """Two variants, neither labelled fixed, give the same hits but keep a
+    different number of blocks."""
     NEEDLESS_DROP = "needless-drop"
     """The manager drops the last matched block for a drafter whose KV does
     not depend on the next token."""

@@ -35,6 +35,11 @@ class ManagerSettings:
     num_prefill_lookahead_tokens: int
     hit_alignment_tokens: int
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ManagerSettings:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**data)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {
@@ -75,6 +80,19 @@ class RequestObservation:
     retained_blocks_per_group: tuple[int, ...]
     cache_map: tuple[str, ...] = ()
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            index=data["index"],
+            prompt_tokens=data["prompt_tokens"],
+            hit_tokens=data["hit_tokens"],
+            shared_prefix_boundary_tokens=data["shared_prefix_boundary_tokens"],
+            per_group_hit_tokens=tuple(data["per_group_hit_tokens"]),
+            retained_blocks_per_group=tuple(data["retained_blocks_per_group"]),
+            cache_map=tuple(data.get("cache_map", ())),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {
@@ -84,6 +102,7 @@ class RequestObservation:
             "shared_prefix_boundary_tokens": self.shared_prefix_boundary_tokens,
             "per_group_hit_tokens": list(self.per_group_hit_tokens),
             "retained_blocks_per_group": list(self.retained_blocks_per_group),
+            "cache_map": list(self.cache_map),
         }
 
 
@@ -103,6 +122,10 @@ class RunObservation:
             ``None``; ``requests`` then holds the requests before the failure.
         retention_interval_tokens: the retention interval the run used (the
             scenario's, or ``None`` for the dense cross-check run).
+        timed_out: the run exceeded its per-scenario timeout and was stopped
+            (tree variants, which run in a worker process).
+        unsupported: the variant lacks a feature the scenario needs (named
+            here); the run did not happen and is not judged.
     """
 
     variant: str
@@ -112,6 +135,24 @@ class RunObservation:
     evicted_blocks: int = 0
     error: str | None = None
     retention_interval_tokens: int | None = None
+    timed_out: bool = False
+    unsupported: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunObservation:
+        """Inverse of :meth:`to_dict`."""
+        settings = data.get("settings")
+        return cls(
+            variant=data["variant"],
+            vllm_version=data["vllm_version"],
+            settings=None if settings is None else ManagerSettings.from_dict(settings),
+            requests=tuple(RequestObservation.from_dict(r) for r in data["requests"]),
+            evicted_blocks=data.get("evicted_blocks", 0),
+            error=data.get("error"),
+            retention_interval_tokens=data.get("retention_interval_tokens"),
+            timed_out=data.get("timed_out", False),
+            unsupported=data.get("unsupported"),
+        )
 
     @property
     def hits(self) -> tuple[int, ...]:
@@ -127,5 +168,7 @@ class RunObservation:
             "retention_interval_tokens": self.retention_interval_tokens,
             "evicted_blocks": self.evicted_blocks,
             "error": self.error,
+            "timed_out": self.timed_out,
+            "unsupported": self.unsupported,
             "requests": [r.to_dict() for r in self.requests],
         }

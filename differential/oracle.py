@@ -306,6 +306,13 @@ def judge_run(
     """
     findings: list[Finding] = []
     name = run.variant
+    if run.unsupported is not None:
+        return (), ()
+    if run.timed_out:
+        findings.append(
+            Finding(FindingKind.TIMEOUT, name, len(run.requests), run.error or "", policy=policy)
+        )
+        return (), tuple(findings)
     if run.error is not None:
         findings.append(
             Finding(FindingKind.CRASH, name, len(run.requests), run.error, policy=policy)
@@ -430,7 +437,12 @@ def cross_check_dense(scenario: Scenario, dense_run: RunObservation) -> tuple[Fi
     (:func:`model_from_settings`), so this checks the oracle's arithmetic and
     vLLM's dense path, not the drafter policy. A mismatch is a finding.
     """
-    if dense_run.error is not None or dense_run.settings is None or dense_run.evicted_blocks:
+    if (
+        dense_run.error is not None
+        or dense_run.settings is None
+        or dense_run.evicted_blocks
+        or dense_run.unsupported is not None
+    ):
         return ()
     model = model_from_settings(dense_run.settings, len(scenario.kv_cache_groups))
     refs = references(scenario, model, dense_run.hits)

@@ -117,14 +117,14 @@ class KvfuzzFailure(Exception):
         self.scenario, self.result, self.findings = scenario, result, findings
 
     def describe(self) -> str:
-        from differential.driver import run_variant
+        from differential.compare import run_any
         from differential.explain import VariantRow, explanation, render_text
 
         lines = [f"{self.result.source}:"] + [f"  {f.summary()}" for f in self.findings]
         requests = sorted(f.request for f in self.findings if f.request)
         if requests:
             request, vr = requests[0], self.result.results[0]
-            run = run_variant(self.scenario, vr.variant, record_cache_map=True)
+            run = run_any(self.scenario, vr.variant, record_cache_map=True)
             if request < len(run.requests) and request < len(vr.references):
                 obs = run.requests[request]
                 kinds = tuple(

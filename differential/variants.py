@@ -47,12 +47,15 @@ class Variant:
         role: how the variant takes part in comparisons.
         patch: ``"module:function"`` of a zero-argument context manager factory
             that installs the variant around a run, or ``""`` for none.
+        tree: for ``tree:PATH[@REF]`` variants, the folder holding that
+            tree's ``vllm`` package (run in a worker process); else ``None``.
     """
 
     name: str
     description: str
     role: VariantRole
     patch: str = ""
+    tree: str | None = None
 
 
 _REGISTRY: dict[str, Variant] = {}
@@ -110,9 +113,22 @@ def parse_variants(text: str) -> tuple[Variant, ...]:
         )
     variants: list[Variant] = []
     for name in names:
+        if name.startswith("tree:"):
+            from differential.tree import resolve_tree
+
+            path = resolve_tree(name.removeprefix("tree:"))
+            if any(v.name == name for v in variants):
+                raise VariantError(f"--variants: {name!r} is listed twice")
+            variants.append(
+                Variant(
+                    name, f"the vLLM source tree at {path}", VariantRole.BASELINE, tree=str(path)
+                )
+            )
+            continue
         if name not in _REGISTRY:
             raise VariantError(
-                f"--variants: unknown variant {name!r}; allowed: {', '.join(_REGISTRY)}"
+                f"--variants: unknown variant {name!r}; allowed: {', '.join(_REGISTRY)}, "
+                "or tree:PATH[@REF] for a vLLM source tree"
             )
         if any(v.name == name for v in variants):
             raise VariantError(f"--variants: {name!r} is listed twice")

@@ -32,7 +32,7 @@ def explain_pictures(
     Returns:
         slug -> SVG path, for the pictures written.
     """
-    from differential.driver import run_variant
+    from differential.compare import run_any
     from differential.explain import VariantRow, explanation, render_svg
 
     pictures: dict[str, Path] = {}
@@ -45,7 +45,7 @@ def explain_pictures(
         request = flagged[0]
         rows = []
         for vr in result.results:
-            run = run_variant(scenario, vr.variant, record_cache_map=True)
+            run = run_any(scenario, vr.variant, record_cache_map=True)
             if request < len(run.requests):
                 obs = run.requests[request]
                 verdicts = tuple(

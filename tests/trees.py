@@ -1,0 +1,93 @@
+"""Build vLLM source trees for tree-variant tests: symlink farms of the
+installed vLLM package with a few files replaced by edited copies."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import vllm
+
+INSTALLED = Path(vllm.__file__).resolve().parent
+
+SPECULATIVE = "config/speculative.py"
+SINGLE_TYPE = "v1/core/single_type_kv_cache_manager.py"
+
+
+def make_tree(root: Path, edits: dict[str, list[tuple[str, str]]] | None = None) -> Path:
+    """A folder holding a ``vllm`` package: the installed one, with ``edits``
+    (relative file -> [(old, new)] text replacements, each exactly once)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if not edits:
+        (root / "vllm").symlink_to(INSTALLED)
+        return root
+    subprocess.run(["cp", "-rs", str(INSTALLED), str(root / "vllm")], check=True)
+    for relative, replacements in edits.items():
+        target = root / "vllm" / relative
+        text = (INSTALLED / relative).read_text()
+        for old, new in replacements:
+            assert text.count(old) >= 1, (relative, old)
+            text = text.replace(old, new, 1)
+        target.unlink()
+        target.write_text(text)
+    return root
+
+
+# The seed PR's fix, applied by hand to the tree's source (the same rules as
+# differential/driver/fixes.py): no drop for Gemma-4 MTP; each periodic SWA
+# tail A / B_swa blocks wider under the drop with sparse retention.
+SEED_FIX = {
+    SPECULATIVE: [
+        (
+            "return self.use_eagle() and not (self.use_dflash() or self.use_dspark())",
+            "return self.use_eagle() and not (\n"
+            "            self.use_dflash() or self.use_dspark() or self.use_gemma4_mtp()\n"
+            "        )",
+        )
+    ],
+    SINGLE_TYPE: [
+        (
+            "            per_segment = segment_tokens // block_size\n"
+            "            if need >= per_segment:",
+            "            per_segment = segment_tokens // block_size\n"
+            "            tail = need + (\n"
+            "                alignment_tokens // block_size\n"
+            "                if use_eagle and retention_interval\n"
+            "                and retention_interval != alignment_tokens\n"
+            "                else 0\n"
+            "            )\n"
+            "            if tail >= per_segment:",
+        ),
+        (
+            "(i - shift) % per_segment >= per_segment - need:",
+            "(i - shift) % per_segment >= per_segment - tail:",
+        ),
+    ],
+}
+
+BROKEN_MASK = {
+    SINGLE_TYPE: [
+        (
+            "        assert isinstance(kv_cache_spec, SlidingWindowSpec)\n"
+            "        if alignment_tokens is None:",
+            '        raise RuntimeError("broken reachable_block_mask")\n'
+            "        if alignment_tokens is None:",
+        )
+    ]
+}
+
+HANGING_LOOKUP = {
+    SINGLE_TYPE: [
+        (
+            "        assert isinstance(kv_cache_spec, SlidingWindowSpec), (\n"
+            '            "SlidingWindowManager can only be used for sliding window groups"\n'
+            "        )",
+            "        import time\n\n        time.sleep(10**6)",
+        )
+    ]
+}
+
+
+def remove(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
