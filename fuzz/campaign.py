@@ -134,6 +134,7 @@ def finding_document(
         },
         "policy": result.policy.value,
         "vllm_version": vllm_version,
+        "vllm_versions": {vr.variant.name: vr.run.vllm_version for vr in result.results},
         "seed": seed,
         "example": example,
         "findings": [f.to_dict() for f in result.findings],
