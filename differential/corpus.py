@@ -136,8 +136,8 @@ def iter_scenario_files(paths: Iterable[str | Path]) -> list[Path]:
     return files
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename)."""
+def _synced_temp(path: Path, text: str) -> Path:
+    """A fully written, fsynced temporary file beside ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -145,9 +145,19 @@ def write_atomic(path: Path, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename)."""
+    tmp = _synced_temp(path, text)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -160,17 +170,11 @@ def write_once(path: Path, text: str) -> bool:
     Returns:
         ``True`` if this call created the file.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = _synced_temp(path, text)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        try:
-            os.link(tmp, path)  # fails if the path exists: first writer wins
-        except FileExistsError:
-            return False
-        return True
+        os.link(tmp, path)  # fails if the path exists: first writer wins
+    except FileExistsError:
+        return False
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    return True
