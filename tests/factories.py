@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from differential.scenario import (
@@ -59,4 +61,15 @@ def triton(
         retention=retention,
         drafter=drafter,
         **kwargs,
+    )
+
+
+def kvfuzz_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run the ``kvfuzz`` command line in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "differential.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        check=False,
     )

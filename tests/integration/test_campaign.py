@@ -11,7 +11,7 @@ import pytest
 
 from differential.variants import parse_variants
 from fuzz.campaign import CampaignConfig, run_campaign
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, ROOT, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -47,13 +47,7 @@ def test_cold_start_finds_the_fallback_and_reproduces_byte_for_byte(tmp_path: Pa
 def test_finding_files_replay_with_the_same_verdict(tmp_path: Path) -> None:
     _campaign(tmp_path, seed=12, examples=30, variants="unfixed")
     finding = next((tmp_path / "findings").glob("fallback-unfixed-*.json"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "differential.cli", "replay", str(finding), "--variants", "unfixed"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
+    proc = kvfuzz_cli("replay", str(finding), "--variants", "unfixed")
     assert proc.returncode == 1
     assert "fallback on unfixed" in proc.stdout
     document = json.loads(finding.read_text())
@@ -115,39 +109,11 @@ def test_atheris_crash_on_unfixed_converts_to_a_fallback(tmp_path: Path) -> None
     crashes = list(tmp_path.glob("crash-*"))
     assert crashes, proc.stderr[-2000:]
     out = tmp_path / "imported"
-    converted = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "differential.cli",
-            "import-crash",
-            str(crashes[0]),
-            "--variants",
-            "unfixed",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
+    converted = kvfuzz_cli(
+        "import-crash", str(crashes[0]), "--variants", "unfixed", "--out", str(out)
     )
     assert converted.returncode == 1, converted.stderr
     (scenario_file,) = out.glob("*.json")
-    replay = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "differential.cli",
-            "replay",
-            str(scenario_file),
-            "--variants",
-            "unfixed",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
+    replay = kvfuzz_cli("replay", str(scenario_file), "--variants", "unfixed")
     assert replay.returncode == 1
     assert "fallback on unfixed" in replay.stdout

@@ -3,27 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
 
 SEEDS = CORPORA / "seeds"
 
 
-def kvfuzz(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "differential.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
+kvfuzz = kvfuzz_cli
 
 
 def test_replay_triton_prints_the_fallback() -> None:
