@@ -426,7 +426,7 @@ def _import_crash(args: argparse.Namespace) -> int:
         result = compare_variants(scenario, variants, policy=Policy(args.policy))
         if result.findings:
             found = True
-            first = result.findings[0]
+            first = min(result.findings, key=lambda f: SEVERITY[f.kind])
             signature = signature_of(scenario, first)
             name = f"{signature.slug}.json"
         else:
