@@ -253,7 +253,7 @@ def _parser() -> argparse.ArgumentParser:
 def _export_test(args: argparse.Namespace) -> int:
     from differential.corpus import load_entry
 
-    variants = parse_variants(args.variants)
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
     entry = load_entry(args.finding)
     from differential.compare import compare_variants
     from differential.export import export_test
@@ -296,7 +296,7 @@ def _export_test(args: argparse.Namespace) -> int:
 def _shrink(args: argparse.Namespace) -> int:
     from differential.corpus import load_entry, write_atomic
 
-    variants = parse_variants(args.variants)
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
     entry = load_entry(args.finding)
     raw = json.loads(args.finding.read_text(encoding="utf-8"))
     wanted = args.signature or (raw.get("finding") or {}).get("signature")
@@ -362,7 +362,7 @@ def _shrink(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from differential.corpus import load_entry, write_atomic
 
-    variants = parse_variants(args.variants)
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
     entry = load_entry(args.scenario)
     scenario = entry.scenario
     if args.request is not None and not 0 <= args.request < len(scenario.requests):
@@ -403,7 +403,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _import_crash(args: argparse.Namespace) -> int:
-    variants = parse_variants(args.variants)
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
     buffers = []
     for path in args.crashes:
         try:
@@ -446,7 +446,7 @@ def _import_crash(args: argparse.Namespace) -> int:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    variants = parse_variants(args.variants)
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
     if args.seconds < 0:
         raise VariantError(f"--seconds must be >= 0, got {args.seconds}")
     if args.max_examples is not None and args.max_examples < 1:
@@ -496,7 +496,7 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
     from differential.corpus import load_entry, write_atomic
     from fuzz.report import campaign_markdown, explain_pictures
 
-    variants = parse_variants(args.variants)
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
     items = []
     results = []
     for entry in summary["distinct"][:200]:  # type: ignore[index]
@@ -528,7 +528,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from differential.corpus import iter_scenario_files, load_entry, write_atomic
 
-    variants = parse_variants(args.variants)
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
     policy = Policy(args.policy)
     # Validate every input before running anything.
     entries = [load_entry(path) for path in iter_scenario_files(args.paths)]
@@ -577,10 +577,6 @@ def _replay(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvfuzz`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
-    if getattr(args, "timeout", None) is not None:
-        from differential import compare
-
-        compare.TREE_TIMEOUT_S[0] = args.timeout
     try:
         if args.command == "replay":
             return _replay(args)

@@ -213,7 +213,7 @@ def run_any(
             scenario,
             dense=dense,
             record_cache_map=record_cache_map,
-            timeout_s=TREE_TIMEOUT_S[0],
+            timeout_s=variant.timeout_s,
         )
     from differential.driver import run_variant
 
@@ -287,9 +287,6 @@ def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -
                 )
             )
     return findings
-
-
-TREE_TIMEOUT_S = [60.0]  # per-scenario timeout for tree variants (set by the CLI)
 
 
 def compare_variants(

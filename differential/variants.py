@@ -49,6 +49,7 @@ class Variant:
             that installs the variant around a run, or ``""`` for none.
         tree: for ``tree:PATH[@REF]`` variants, the folder holding that
             tree's ``vllm`` package (run in a worker process); else ``None``.
+        timeout_s: per-scenario timeout for a tree variant's worker, in seconds.
     """
 
     name: str
@@ -56,6 +57,7 @@ class Variant:
     role: VariantRole
     patch: str = ""
     tree: str | None = None
+    timeout_s: float = 60.0
 
 
 _REGISTRY: dict[str, Variant] = {}
@@ -100,8 +102,11 @@ def known_variants() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def parse_variants(text: str) -> tuple[Variant, ...]:
+def parse_variants(text: str, *, timeout_s: float = 60.0) -> tuple[Variant, ...]:
     """Parse a comma-separated list of variant names.
+
+    ``tree:PATH[@REF]`` names a vLLM source tree; ``timeout_s`` is its
+    per-scenario timeout, in seconds.
 
     Raises:
         VariantError: on an empty list, an unknown name or a repeated name.
@@ -121,7 +126,11 @@ def parse_variants(text: str) -> tuple[Variant, ...]:
                 raise VariantError(f"--variants: {name!r} is listed twice")
             variants.append(
                 Variant(
-                    name, f"the vLLM source tree at {path}", VariantRole.BASELINE, tree=str(path)
+                    name,
+                    f"the vLLM source tree at {path}",
+                    VariantRole.BASELINE,
+                    tree=str(path),
+                    timeout_s=timeout_s,
                 )
             )
             continue

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from differential import compare
 from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
 from differential.errors import VariantError
@@ -70,12 +69,9 @@ def test_broken_and_hanging_trees_give_crash_and_timeout(trees) -> None:
     assert broken.error is not None and "broken reachable_block_mask" in broken.error
     hang = run_tree("tree:hang", trees["hang"], scenario, timeout_s=3)
     assert hang.timed_out and "no answer within 3 s" in (hang.error or "")
-    variants = parse_variants(f"tree:{trees['broken']},tree:{trees['hang']}")
-    compare.TREE_TIMEOUT_S[0] = 3.0
-    try:
-        result = compare_variants(scenario, variants, dense_cross_check=False)
-    finally:
-        compare.TREE_TIMEOUT_S[0] = 60.0
+    variants = parse_variants(f"tree:{trees['broken']},tree:{trees['hang']}", timeout_s=3.0)
+    assert [v.timeout_s for v in variants] == [3.0, 3.0]
+    result = compare_variants(scenario, variants, dense_cross_check=False)
     kinds = sorted({f.kind.value for f in result.findings})
     assert "crash" in kinds and "timeout" in kinds
 
