@@ -16,13 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from differential.compare import ScenarioResult
-from differential.findings import Finding, FindingKind
+from differential.findings import FindingKind
 
 __all__ = ["github_annotations", "junit_xml", "sarif"]
-
-
-def _owner(finding: Finding) -> str:
-    return finding.variant.split(" vs ")[0]
 
 
 def _name(result: ScenarioResult) -> str:
@@ -45,7 +41,7 @@ def junit_xml(results: Sequence[ScenarioResult], *, suite_name: str = "kvfuzz") 
                 name=f"{vr.variant.name} (policy {result.policy.value})",
                 time="0",
             )
-            mine = [f for f in result.findings if _owner(f) == vr.variant.name]
+            mine = [f for f in result.findings if f.owner == vr.variant.name]
             if mine:
                 failed += 1
                 failure = ET.SubElement(

@@ -369,8 +369,8 @@ def _explain(args: argparse.Namespace) -> int:
         raise ScenarioError(
             "--request", args.request, f"0..{len(scenario.requests) - 1} (the scenario's requests)"
         )
-    from differential.compare import compare_variants, run_any
-    from differential.explain import VariantRow, explanation, render_svg, render_text
+    from differential.compare import compare_variants
+    from differential.explain import explain_request, render_svg, render_text
 
     result = compare_variants(scenario, variants, policy=Policy(args.policy))
     request = args.request
@@ -379,22 +379,9 @@ def _explain(args: argparse.Namespace) -> int:
             f.request for f in result.findings if f.request is not None and f.request > 0
         )
         request = flagged[0] if flagged else len(scenario.requests) - 1
-    rows = []
-    for vr in result.results:
-        run = run_any(scenario, vr.variant, record_cache_map=True)
-        if request >= len(run.requests):
-            continue
-        verdicts = tuple(
-            dict.fromkeys(
-                f.kind.value
-                for f in result.findings
-                if f.request == request and f.variant.split(" vs ")[0] == vr.variant.name
-            )
-        )
-        obs = run.requests[request]
-        rows.append(VariantRow(vr.variant.name, obs.hit_tokens, obs.cache_map, verdicts))
-    reference = result.results[0].references[request]
-    exp = explanation(scenario, request, reference, rows)
+    exp = explain_request(result, request)
+    if exp is None:
+        raise ScenarioError("--request", request, "a request every variant completed")
     sys.stdout.write(render_text(exp))
     if args.svg is not None:
         write_atomic(args.svg, render_svg(exp))

@@ -13,11 +13,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import TYPE_CHECKING
 
+from differential.findings import Finding
 from differential.oracle import SiblingReference
 from differential.scenario import GroupKind, Scenario
 
-__all__ = ["Explanation", "VariantRow", "explanation", "render_svg", "render_text"]
+if TYPE_CHECKING:
+    from differential.compare import ScenarioResult
+
+__all__ = [
+    "Explanation",
+    "VariantRow",
+    "explain_request",
+    "explanation",
+    "render_svg",
+    "render_text",
+]
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,44 @@ def explanation(
     end = min(length, reference.divergence_tokens + 4 * smallest)
     end = max(end, start + smallest)
     return Explanation(scenario, request, reference, tuple(rows), start, end)
+
+
+def explain_request(
+    result: ScenarioResult,
+    request: int,
+    findings: Sequence[Finding] | None = None,
+) -> Explanation | None:
+    """Explain ``request`` of a judged scenario.
+
+    Reruns each variant of ``result`` recording which blocks were cached at
+    every lookup (this imports the driver, and so vLLM, on use); each row's
+    verdicts are the kinds of ``findings`` (default: all of ``result``'s) on
+    that request and variant.
+
+    Returns:
+        ``None`` when no variant completed the request.
+    """
+    from differential.compare import run_any
+
+    findings = result.findings if findings is None else findings
+    rows = []
+    for vr in result.results:
+        run = run_any(result.scenario, vr.variant, record_cache_map=True)
+        if request >= len(run.requests):
+            continue
+        verdicts = tuple(
+            dict.fromkeys(
+                f.kind.value
+                for f in findings
+                if f.request == request and f.owner == vr.variant.name
+            )
+        )
+        obs = run.requests[request]
+        rows.append(VariantRow(vr.variant.name, obs.hit_tokens, obs.cache_map, verdicts))
+    references = result.results[0].references if result.results else ()
+    if not rows or request >= len(references):
+        return None
+    return explanation(result.scenario, request, references[request], rows)
 
 
 def _mark_line(exp: Explanation, column_tokens: int, width: int) -> str:

@@ -134,6 +134,11 @@ class Finding:
             known_issue=data.get("known_issue"),
         )
 
+    @property
+    def owner(self) -> str:
+        """The variant the finding belongs to (the fixed side of ``"a vs b"``)."""
+        return self.variant.split(" vs ")[0]
+
     def summary(self) -> str:
         """One line: kind, variant, request and detail."""
         where = "run" if self.request is None else f"request {self.request}"

@@ -117,21 +117,13 @@ class KvfuzzFailure(Exception):
         self.scenario, self.result, self.findings = scenario, result, findings
 
     def describe(self) -> str:
-        from differential.compare import run_any
-        from differential.explain import VariantRow, explanation, render_text
+        from differential.explain import explain_request, render_text
 
         lines = [f"{self.result.source}:"] + [f"  {f.summary()}" for f in self.findings]
         requests = sorted(f.request for f in self.findings if f.request)
         if requests:
-            request, vr = requests[0], self.result.results[0]
-            run = run_any(self.scenario, vr.variant, record_cache_map=True)
-            if request < len(run.requests) and request < len(vr.references):
-                obs = run.requests[request]
-                kinds = tuple(
-                    dict.fromkeys(f.kind.value for f in self.findings if f.request == request)
-                )
-                row = VariantRow(vr.variant.name, obs.hit_tokens, obs.cache_map, kinds)
-                exp = explanation(self.scenario, request, vr.references[request], [row])
+            exp = explain_request(self.result, requests[0], self.findings)
+            if exp is not None:
                 lines += ["", render_text(exp)]
         return "\n".join(lines)
 

@@ -18,8 +18,7 @@ REPORT_VERSION = 1
 def _verdicts(result: ScenarioResult, variant: str) -> dict[int | None, list[str]]:
     out: dict[int | None, list[str]] = {}
     for finding in result.findings:
-        owner = finding.variant.split(" vs ")[0]
-        if owner == variant:
+        if finding.owner == variant:
             out.setdefault(finding.request, []).append(finding.kind.value)
     return out
 

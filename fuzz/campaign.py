@@ -24,7 +24,6 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,9 +112,7 @@ def finding_document(
         "hits": {vr.variant.name: list(vr.run.hits) for vr in result.results},
         "findings": {
             vr.variant.name: sorted(
-                finding_tag(f)
-                for f in result.findings
-                if f.variant.split(" vs ")[0] == vr.variant.name
+                finding_tag(f) for f in result.findings if f.owner == vr.variant.name
             )
             for vr in result.results
         },
@@ -307,8 +304,3 @@ def run_campaign(config: CampaignConfig, *, quiet: bool = False) -> dict[str, An
         return campaign.run()
     with Progress(campaign.stats) as progress:
         return campaign.run(progress)
-
-
-def distinct_files(summary: dict[str, Any]) -> Sequence[str]:
-    """Finding files listed in a campaign summary."""
-    return [entry["file"] for entry in summary["distinct"]]

@@ -32,33 +32,18 @@ def explain_pictures(
     Returns:
         slug -> SVG path, for the pictures written.
     """
-    from differential.compare import run_any
-    from differential.explain import VariantRow, explanation, render_svg
+    from differential.explain import explain_request, render_svg
 
     pictures: dict[str, Path] = {}
-    for slug, scenario, result in items:
+    for slug, _scenario, result in items:
         if len(pictures) >= limit:
             break
         flagged = sorted(f.request for f in result.findings if f.request and f.known_issue is None)
         if not flagged:
             continue
-        request = flagged[0]
-        rows = []
-        for vr in result.results:
-            run = run_any(scenario, vr.variant, record_cache_map=True)
-            if request < len(run.requests):
-                obs = run.requests[request]
-                verdicts = tuple(
-                    dict.fromkeys(
-                        f.kind.value
-                        for f in result.findings
-                        if f.request == request and f.variant.split(" vs ")[0] == vr.variant.name
-                    )
-                )
-                rows.append(VariantRow(vr.variant.name, obs.hit_tokens, obs.cache_map, verdicts))
-        if not rows or request >= len(result.results[0].references):
+        exp = explain_request(result, flagged[0])
+        if exp is None:
             continue
-        exp = explanation(scenario, request, result.results[0].references[request], rows)
         path = folder / f"{slug}.svg"
         write_atomic(path, render_svg(exp))
         pictures[slug] = path

@@ -20,7 +20,7 @@ def _tags(scenario, variants) -> dict[str, list[str]]:
     result = compare_variants(scenario, variants)
     return {
         vr.variant.name: sorted(
-            finding_tag(f) for f in result.findings if f.variant.split(" vs ")[0] == vr.variant.name
+            finding_tag(f) for f in result.findings if f.owner == vr.variant.name
         )
         for vr in result.results
     }

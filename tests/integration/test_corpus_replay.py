@@ -35,7 +35,7 @@ def test_corpus_entry(path: Path) -> None:
         if name in expect.hits and vr.run.hits != expect.hits[name]:
             problems.append(f"{name}: hits {list(vr.run.hits)}, expected {list(expect.hits[name])}")
         if name in expect.findings:
-            mine = [f for f in result.findings if f.variant.split(" vs ")[0] == name]
+            mine = [f for f in result.findings if f.owner == name]
             got = sorted(finding_tag(f) for f in mine)
             if got != list(expect.findings[name]):
                 detail = "; ".join(f.summary() for f in mine) or "none"

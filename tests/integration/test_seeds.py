@@ -24,7 +24,7 @@ def _run(name: str) -> dict[str, tuple[tuple[int, ...], list[str]]]:
     result = compare_variants(scenario, BOTH)
     out = {}
     for vr in result.results:
-        mine = [f for f in result.findings if f.variant.split(" vs ")[0] == vr.variant.name]
+        mine = [f for f in result.findings if f.owner == vr.variant.name]
         out[vr.variant.name] = (vr.run.hits, sorted(finding_tag(f) for f in mine))
     return out
 
