@@ -49,7 +49,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--policy",
         choices=[p.value for p in Policy],
         default=Policy.VLLM.value,
-        help="checkpoint policy the oracle judges with (default: %(default)s)",
+        help=(
+            "checkpoint policy the oracle judges with: vllm = the one-unit rule "
+            "(every retained boundary b and b - A), retained = what vLLM 0.33.0 "
+            "literally keeps, ideal = the dense reference (default: %(default)s)"
+        ),
     )
 
 

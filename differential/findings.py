@@ -18,18 +18,26 @@ __all__ = ["SEVERITY", "Finding", "FindingKind", "Policy"]
 class Policy(StrEnum):
     """Which promise a retention setting makes to a later request.
 
-    * ``vllm`` (the default): what vLLM 0.33.0 promises: periodic checkpoints
-      every retention interval, the writer's replay boundaries as
-      ``kv_cache_coordinator.replay_boundaries`` defines them, pinned
-      shared-prefix junctions, and, under the EAGLE drop, ``c - A`` below each
-      periodic checkpoint ``c`` (the seed PR's promise). A finding under this
-      policy is a bug by vLLM's own standard.
+    * ``vllm`` (the default): the one-unit rule. Every boundary ``b`` a writer
+      retains (periodic ``k*R``, its replay boundaries as
+      ``vllm/v1/core/kv_cache_coordinator.py`` ``replay_boundaries`` defines
+      them, its pinned shared-prefix junction) is a checkpoint, and so is
+      ``b - A``, whatever the drafter and protection. vLLM's maintainers state
+      this rule piecewise: the seed PR for periodic checkpoints under the
+      EAGLE drop, vLLM PR #57613 (issue #57610) for the replay boundary
+      without a drafter. A finding under this policy is a bug by the
+      maintainers' own standard.
+    * ``retained``: only what vLLM 0.33.0 literally retains: the boundaries
+      above, with ``b - A`` only below periodic checkpoints and junctions
+      under the EAGLE drop. For users who want regressions against one
+      release's own behaviour and nothing else.
     * ``ideal``: every request is owed its dense-reference hit whenever the
       writer's retained data could serve it. Shortfalls that ``vllm`` accepts
       are reported as ``design-gap``, not as ``fallback``.
     """
 
     VLLM = "vllm"
+    RETAINED = "retained"
     IDEAL = "ideal"
 
 

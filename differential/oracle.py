@@ -6,9 +6,13 @@ design note (``semantics.md``, "Invariants"):
 1. **Dense reference** ``h_dense``: the hit a cache keeping every block gives,
    computed token by token (:func:`dense_hit`), cross-checked against vLLM's
    own run with retention ``None`` (:func:`cross_check_dense`).
-2. **Intended checkpoints** per writer (:func:`checkpoints`): ``k*R``; under
-   the EAGLE drop also ``k*R - A``; the writer's replay boundaries; the
-   junction it pinned. Dense retention makes every multiple of ``A`` one.
+2. **Intended checkpoints** per writer (:func:`checkpoints`), the one-unit
+   rule: every boundary ``b`` the writer retains (periodic ``k*R``, its replay
+   boundaries, the junction it pinned) and ``b - A`` below it, whatever the
+   drafter (the seed PR for periodic checkpoints under the EAGLE drop; vLLM
+   PR #57613 / issue #57610 for the replay boundary). Dense retention makes
+   every multiple of ``A`` one. The ``retained`` policy keeps vLLM 0.33.0's
+   literal promise, ``ideal`` the dense reference (:class:`Policy`).
 3. **No fallback**: the hit reaches the highest intended checkpoint at or
    below ``h_dense``.
 4. **No over-hit**: ``hit <= h_dense`` and ``hit <= D - dependency``.
@@ -42,6 +46,7 @@ __all__ = [
     "drafter_model",
     "judge_run",
     "model_from_settings",
+    "promise_policy",
     "references",
 ]
 
@@ -187,6 +192,12 @@ def replay_boundaries(scenario: Scenario, model: DrafterModel, writer: int) -> t
     return tuple(sorted({max(resend - alignment, 0), max(extension - alignment, 0)}))
 
 
+def promise_policy(policy: Policy) -> Policy:
+    """The policy whose checkpoints decide ``fallback``: ``ideal`` judges
+    fallbacks by the ``vllm`` promise and reports the rest as design gaps."""
+    return Policy.VLLM if policy is Policy.IDEAL else policy
+
+
 def checkpoints(
     scenario: Scenario,
     model: DrafterModel,
@@ -194,18 +205,29 @@ def checkpoints(
     junction_tokens: int,
     up_to_tokens: int,
     writer_hit_tokens: int = 0,
+    policy: Policy = Policy.VLLM,
 ) -> tuple[int, ...]:
     """Intended checkpoints of ``writer`` at or below ``up_to_tokens``, in tokens.
 
-    Periodic checkpoints sit at absolute positions, so every writer of the same
-    prefix keeps them. Replay boundaries and the junction (``junction_tokens``,
-    0 for none) belong to the writer: it keeps their SWA tails only where it
-    computed blocks itself, i.e. at or above its own hit ``writer_hit_tokens``
-    (vLLM ``SingleTypeKVCacheManager.cache_blocks`` masks newly cached blocks
-    only). Returns sorted positions; 0 is always included.
+    Retained boundaries: periodic ``k*R`` (absolute positions, so every writer
+    of the same prefix keeps them), the writer's replay boundaries
+    (:func:`replay_boundaries`) and the junction it pinned
+    (``junction_tokens``, 0 for none). Replay boundaries and the junction
+    belong to the writer: it keeps their SWA tails only where it computed
+    blocks itself, i.e. at or above its own hit ``writer_hit_tokens`` (vLLM
+    ``SingleTypeKVCacheManager.cache_blocks`` masks newly cached blocks only).
+
+    Under ``policy`` ``vllm`` (the one-unit rule) every retained boundary
+    ``b`` also promises ``b - A``, for every drafter and protection. Under
+    ``retained`` only what vLLM 0.33.0 keeps: ``b - A`` below periodic
+    checkpoints (the seed PR) and junctions
+    (``SingleTypeKVCacheManager.cache_blocks``) under the EAGLE drop only.
+    Dense retention (``R`` ``None`` or ``A``) makes every multiple of ``A``
+    one. Returns sorted positions; 0 is always included.
     """
     alignment = scenario.effective_hit_alignment_tokens
     retention = scenario.retention_interval_tokens
+    one_unit = promise_policy(policy) is Policy.VLLM
     points: set[int] = {0}
     if retention is None or retention == alignment:
         points.update(range(0, up_to_tokens + 1, alignment))
@@ -213,12 +235,14 @@ def checkpoints(
     if retention > 0:
         for c in range(retention, up_to_tokens + alignment + 1, retention):
             points.add(c)
-            if model.drop:
+            if model.drop or one_unit:
                 points.add(c - alignment)
     own = set(replay_boundaries(scenario, model, writer))
+    if one_unit:
+        own.update(max(b - alignment, 0) for b in tuple(own))
     if junction_tokens:
         own.add(junction_tokens)
-        if model.drop:
+        if model.drop or one_unit:
             own.add(junction_tokens - alignment)
     points.update(p for p in own if p >= writer_hit_tokens)
     return tuple(sorted(p for p in points if p <= up_to_tokens))
@@ -274,7 +298,7 @@ def references(
             h = dense_hit(scenario, model, j, i, shared)
             best_dense = max(best_dense, h)
             junction = dense_by_request[i] if observed_hits[i] < dense_by_request[i] else 0
-            writer_points = checkpoints(scenario, model, i, junction, h, observed_hits[i])
+            writer_points = checkpoints(scenario, model, i, junction, h, observed_hits[i], policy)
             points.update(writer_points)
             owed = h if policy is Policy.IDEAL else writer_points[-1]
             if owed > best_expected or best_writer is None:
@@ -344,7 +368,8 @@ def judge_run(
     hits = run.hits
     alignment = scenario.effective_hit_alignment_tokens
     refs = references(scenario, model, hits, policy)
-    vllm_refs = refs if policy is Policy.VLLM else references(scenario, model, hits)
+    promised = promise_policy(policy)
+    vllm_refs = refs if policy is promised else references(scenario, model, hits, promised)
     # Without protection (the user opted out of the drop) the writer's
     # re-prefillable tail may be cached: forbid only what lies beyond it.
     liberal = model

@@ -154,19 +154,74 @@ def test_variant_drift_outside_the_domain() -> None:
     assert findings[0].variant == "fixed vs unfixed"
 
 
-def test_design_gap_only_under_the_ideal_policy() -> None:
+def test_one_unit_rule_holds_without_the_drop() -> None:
     # Lookahead hashes on: the block hash ending at 16384 covers token 16384,
-    # where the sibling diverges, so h_dense = 16352 = c - A. vLLM promises
-    # c - A only under the drop: the 8192 is no finding under `vllm`.
+    # where the sibling diverges, so h_dense = 16352 = c - A. The one-unit rule
+    # (default policy) promises c - A below every periodic checkpoint c,
+    # whatever the protection: 8192 is a fallback. vLLM 0.33.0 literally keeps
+    # c - A only under the drop: no finding under `retained`, a design gap
+    # under `ideal` only when the one-unit promise is met.
     scenario = triton(disable_lookahead_block_hashes=False)
     model = drafter_model(scenario)
     assert (model.drop, model.hash_lookahead_tokens) == (False, 1)
     lookahead = ManagerSettings(False, 1, 3, 1, 32)
     observed = run([0, 8192, 16352, 16352], settings=lookahead)
-    assert judge_run(scenario, observed)[1] == ()
+    findings = judge_run(scenario, observed)[1]
+    assert tags(findings) == ["fallback@1"]
+    assert (findings[0].expected_tokens, findings[0].fallback_checkpoint_tokens) == (16352, 8192)
+    assert judge_run(scenario, observed, Policy.RETAINED)[1] == ()
+    assert tags(judge_run(scenario, observed, Policy.IDEAL)[1]) == ["fallback@1"]
+
+
+def test_design_gap_only_under_the_ideal_policy() -> None:
+    # Retention 0, no drafter (FA 8 + SWA 4, window 16): the writer's 100-token
+    # prompt keeps its replay boundary 96 and, by the one-unit rule, 88. A
+    # sibling sharing 50 tokens has h_dense = 48, which no retained boundary
+    # serves: a design gap under `ideal` only.
+    scenario = hybrid(
+        8,
+        4,
+        16,
+        retention=0,
+        requests=(RequestSpec(100, 0), RequestSpec(50, 10)),
+        prefix=100,
+        drafter=DrafterKind.NONE,
+    )
+    observed = run([0, 0], settings=ManagerSettings(False, 0, 0, 0, 8))
+    refs, findings = judge_run(scenario, observed)
+    assert findings == () and refs[1].checkpoints == (0,) and refs[1].dense_tokens == 48
     refs, findings = judge_run(scenario, observed, Policy.IDEAL)
     assert tags(findings) == ["design-gap@1"]
-    assert findings[0].kind is FindingKind.DESIGN_GAP and refs[1].expected_tokens == 16352
+    assert findings[0].kind is FindingKind.DESIGN_GAP and refs[1].expected_tokens == 48
+
+
+@pytest.mark.parametrize(
+    ("shared", "hit", "expected", "policy_tags"),
+    [
+        # Sibling diverging inside the last unit before the replay boundary
+        # 96: owed 88 = 96 - A (vLLM issue #57610), 0 is a fallback.
+        (94, 0, 88, ["fallback@1"]),
+        # Near miss: sharing 97 tokens reaches the boundary 96 itself.
+        (97, 96, 96, []),
+    ],
+)
+def test_one_unit_below_the_replay_boundary(
+    shared: int, hit: int, expected: int, policy_tags: list[str]
+) -> None:
+    scenario = hybrid(
+        8,
+        4,
+        16,
+        retention=0,
+        requests=(RequestSpec(100, 0), RequestSpec(shared, 100 - shared)),
+        prefix=100,
+        drafter=DrafterKind.NONE,
+    )
+    observed = run([0, hit], settings=ManagerSettings(False, 0, 0, 0, 8))
+    refs, findings = judge_run(scenario, observed)
+    assert refs[1].expected_tokens == expected
+    assert tags(findings) == policy_tags
+    assert judge_run(scenario, observed, Policy.RETAINED)[1] == ()
 
 
 @pytest.mark.parametrize(
@@ -256,10 +311,11 @@ def test_swa_eagle_spiral_old_behaviour_is_flagged() -> None:
     assert tags(spiral) == ["fallback@1", "fallback@2"]
 
 
-def test_window_below_alignment_retention_0_is_vllms_promise() -> None:
-    # Case swa-window-below-alignment-eagle, retention 0: the writer keeps
-    # only its replay boundaries {96, 112}; the sibling's dense hit is 80,
-    # below both, so 0 is what vLLM promises.
+def test_window_below_alignment_retention_0_is_one_unit_below_a_boundary() -> None:
+    # Case swa-window-below-alignment-eagle, retention 0: vLLM 0.33.0 keeps
+    # only the writer's replay boundaries {96, 112}; the sibling's dense hit
+    # is 80 = 96 - A, so 0 is what vLLM literally retains (no finding under
+    # `retained`) but a fallback under the one-unit rule.
     scenario = hybrid(
         16,
         4,
@@ -273,11 +329,13 @@ def test_window_below_alignment_retention_0_is_vllms_promise() -> None:
     )
     settings = ManagerSettings(True, 0, 1, 1, 16)
     observed = run([0, 112, 0], settings=settings)
-    refs, findings = judge_run(scenario, observed)
+    refs, findings = judge_run(scenario, observed, Policy.RETAINED)
     assert findings == ()
     assert [r.dense_tokens for r in refs] == [0, 112, 80]
     assert replay_boundaries(scenario, drafter_model(scenario), 0) == (96, 112)
-    assert tags(judge_run(scenario, observed, Policy.IDEAL)[1]) == ["design-gap@2"]
+    refs, findings = judge_run(scenario, observed)
+    assert tags(findings) == ["fallback@2"] and refs[2].expected_tokens == 80
+    assert tags(judge_run(scenario, observed, Policy.IDEAL)[1]) == ["fallback@2"]
 
 
 def test_known_issue_labels() -> None:
