@@ -2,8 +2,9 @@
 
 An oracle that never fires is as useless as one that always does. Each
 mutant (:data:`differential.variants.MUTANTS`) breaks one piece of vLLM's
-behaviour on top of the ``fixed`` variant; a scenario *catches* it when the
-mutant has findings there while ``fixed`` has none.
+behaviour on top of its base variant (``fixed``, or ``candidate`` for the
+mutants of the candidate fix); a scenario *catches* it when the mutant has
+findings there while its base has none.
 """
 
 from __future__ import annotations
@@ -39,45 +40,53 @@ class MutationRow:
 def mutation_table(
     entries: Sequence[CorpusEntry], mutants: Sequence[str] = MUTANTS
 ) -> tuple[tuple[MutationRow, ...], tuple[str, ...]]:
-    """Run ``fixed`` and every mutant on every entry (``vllm`` policy).
+    """Run every mutant and its base on every entry (``vllm`` policy).
 
     Returns:
-        The rows, and the scenarios where ``fixed`` itself has findings (they
-        cannot tell whether a mutant is caught and are left out).
+        The rows (``scenarios`` counts the entries where the mutant's base is
+        clean), and ``"variant: file"`` for each entry where a base variant
+        itself has findings (it cannot tell whether a mutant is caught there).
     """
-    variants = parse_variants(",".join(("fixed", *mutants)))
+    mutant_variants = parse_variants(",".join(mutants))
+    bases = tuple(dict.fromkeys(v.base for v in mutant_variants))
+    variants = parse_variants(",".join((*bases, *mutants)))
     caught: dict[str, list[tuple[str, tuple[str, ...]]]] = {m: [] for m in mutants}
+    clean: dict[str, int] = dict.fromkeys(bases, 0)
     noisy: list[str] = []
     for entry in entries:
         result = compare_variants(entry.scenario, variants, policy=Policy.VLLM)
         by_variant = {vr.variant.name: vr.findings for vr in result.results}
-        if by_variant["fixed"]:
-            noisy.append(str(entry.path))
-            continue
-        for mutant in mutants:
-            found = by_variant[mutant]
-            if found:
-                caught[mutant].append(
+        for base in bases:
+            if by_variant[base]:
+                noisy.append(f"{base}: {entry.path}")
+            else:
+                clean[base] += 1
+        for mutant in mutant_variants:
+            found = by_variant[mutant.name]
+            if found and not by_variant[mutant.base]:
+                caught[mutant.name].append(
                     (str(entry.path), tuple(sorted({finding_tag(f) for f in found})))
                 )
     rows = tuple(
-        MutationRow(v.name, v.description, tuple(caught[v.name]), len(entries) - len(noisy))
-        for v in variants[1:]
+        MutationRow(v.name, v.description, tuple(caught[v.name]), clean[v.base])
+        for v in mutant_variants
     )
     return rows, tuple(noisy)
 
 
 def render_table(rows: Sequence[MutationRow], noisy: Sequence[str]) -> str:
     """The table as text: mutant, how many scenarios catch it, which."""
-    lines = [f"{'mutant':<20} {'caught by':>10}  scenarios (finding kinds)"]
+    width = max([26, *(len(r.mutant) + 1 for r in rows)])
+    lines = [f"{'mutant':<{width}} {'caught by':>10}  scenarios (finding kinds)"]
     for row in rows:
         lines.append(
-            f"{row.mutant:<20} {len(row.caught_by):>4} / {row.scenarios:<4}  {row.description}"
+            f"{row.mutant:<{width}} {len(row.caught_by):>4} / {row.scenarios:<4}  {row.description}"
         )
         for path, tags in row.caught_by:
-            lines.append(f"{'':<20} {'':>10}  {path} ({', '.join(tags)})")
-    for path in noisy:
-        lines.append(f"note: {path} has findings on fixed itself and was left out")
+            lines.append(f"{'':<{width}} {'':>10}  {path} ({', '.join(tags)})")
+    for where in noisy:
+        variant, _, path = where.partition(": ")
+        lines.append(f"note: {path} has findings on {variant} itself and was left out for it")
     missed = [r.mutant for r in rows if not r.caught_by]
     lines.append("every mutant caught" if not missed else f"NOT caught: {', '.join(missed)}")
     return "\n".join(lines) + "\n"

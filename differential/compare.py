@@ -4,7 +4,10 @@ For each variant: the scenario run, vLLM's own dense-retention run of the same
 scenario (the oracle's cross-check), the oracle's verdicts. Across variants:
 a variant carrying the fix must never hit less than one without it, must
 agree exactly outside the fix's domain, and inside it may keep at most
-``A / B_swa`` extra SWA blocks per periodic checkpoint.
+``A / B_swa`` extra SWA blocks per retained boundary it widens (periodic
+checkpoints for the seed PR; also replay boundaries and junctions for the
+candidate). Each fixed-role variant's cost against each baseline is reported
+(:class:`FixCost`).
 
 The driver (and so vLLM) is imported on first use, not at import time.
 """
@@ -23,11 +26,14 @@ from differential.oracle import (
     cross_check_dense,
     divergence_points,
     judge_run,
+    model_from_settings,
+    replay_boundaries,
 )
 from differential.scenario import DrafterKind, GroupKind, Scenario
-from differential.variants import Variant, VariantRole
+from differential.variants import FixScope, Variant, VariantRole
 
 __all__ = [
+    "FixCost",
     "ScenarioResult",
     "VariantResult",
     "compare_pair",
@@ -57,6 +63,52 @@ class VariantResult:
 
 
 @dataclass(frozen=True)
+class FixCost:
+    """What a fixed-role variant keeps beyond a baseline, on one scenario.
+
+    Counted over the requests where both hit the same (elsewhere the computed
+    ranges differ and blocks are not comparable).
+
+    Attributes:
+        variant: the fixed-role variant.
+        baseline: the baseline variant.
+        extra_swa_blocks: extra SWA blocks kept, in blocks, one entry per
+            sliding-window group (scenario order).
+        retained_boundaries: retained boundaries (periodic checkpoint tails,
+            replay boundaries, junctions) over the same requests.
+    """
+
+    variant: str
+    baseline: str
+    extra_swa_blocks: tuple[int, ...]
+    retained_boundaries: int
+
+    @property
+    def per_boundary(self) -> tuple[float, ...]:
+        """Extra SWA blocks per retained boundary, per SWA group, in blocks."""
+        n = max(1, self.retained_boundaries)
+        return tuple(round(x / n, 2) for x in self.extra_swa_blocks)
+
+    def summary(self) -> str:
+        """One line: ``fixed vs unfixed: +[2] SWA blocks, 0.5 per retained boundary``."""
+        return (
+            f"{self.variant} vs {self.baseline}: +{list(self.extra_swa_blocks)} SWA blocks "
+            f"over {self.retained_boundaries} retained boundaries "
+            f"({list(self.per_boundary)} per boundary per group)"
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form."""
+        return {
+            "variant": self.variant,
+            "baseline": self.baseline,
+            "extra_swa_blocks_per_group": list(self.extra_swa_blocks),
+            "retained_boundaries": self.retained_boundaries,
+            "extra_swa_blocks_per_boundary": list(self.per_boundary),
+        }
+
+
+@dataclass(frozen=True)
 class ScenarioResult:
     """Everything kvfuzz learned about one scenario.
 
@@ -67,6 +119,7 @@ class ScenarioResult:
         results: one per variant, in the order requested.
         comparison_findings: findings from comparing variants.
         notices: things the user should know that are not findings.
+        costs: each fixed-role variant's extra SWA blocks against each baseline.
     """
 
     scenario: Scenario
@@ -75,6 +128,7 @@ class ScenarioResult:
     results: tuple[VariantResult, ...]
     comparison_findings: tuple[Finding, ...] = ()
     notices: tuple[str, ...] = field(default=())
+    costs: tuple[FixCost, ...] = field(default=())
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -82,21 +136,52 @@ class ScenarioResult:
         return tuple(f for r in self.results for f in r.findings) + self.comparison_findings
 
 
-def in_fix_domain(scenario: Scenario, unfixed: RunObservation) -> bool:
-    """Whether the seed fix may change this scenario's behaviour.
+def in_fix_domain(
+    scenario: Scenario, unfixed: RunObservation, scope: FixScope = FixScope.SEED_PR
+) -> bool:
+    """Whether a fix of ``scope`` may change this scenario's behaviour.
 
-    True for the Gemma-4 MTP drafter (the fix stops its drop, which also
-    changes whether lookahead hashes are used), and when the unfixed manager
-    drops the last matched block with sparse retention (positive and not
-    equal to the hit alignment).
+    ``seed-pr``: true for the Gemma-4 MTP drafter (the fix stops its drop,
+    which also changes whether lookahead hashes are used), and when the
+    unfixed manager drops the last matched block with sparse periodic
+    retention (positive and not equal to the hit alignment). ``one-unit``:
+    also whenever retention is sparse (0, or positive and not the hit
+    alignment) and the model has a sliding-window group, whatever the drafter.
     """
     if scenario.drafter.kind is DrafterKind.GEMMA4_MTP:
         return True  # the fix changes its drop, hence also its lookahead hashes
+    retention = scenario.retention_interval_tokens
+    alignment = scenario.effective_hit_alignment_tokens
+    if scope is FixScope.ONE_UNIT:
+        return (
+            retention is not None
+            and retention != alignment
+            and bool(scenario.sliding_window_groups)
+        )
     settings = unfixed.settings
     if settings is None or not settings.use_eagle_block_drop:
         return False
-    retention = scenario.retention_interval_tokens
-    return bool(retention) and retention != scenario.effective_hit_alignment_tokens
+    return bool(retention) and retention != alignment
+
+
+def _retained_boundaries(
+    scenario: Scenario, base: RunObservation, fixed: RunObservation, request: int, window: int
+) -> int:
+    """Retained boundaries whose SWA tail ``request`` may have kept, for the cost bound.
+
+    Periodic checkpoint tails overlapping the request's tokens
+    (:func:`_periodic_tails`), plus, for the one-unit scope, its replay
+    boundaries and the junction it pinned (two positions under the drop).
+    """
+    block = next(g.block_size_tokens for g in scenario.sliding_window_groups)
+    tails = _periodic_tails(scenario, request, block, window)
+    if base.settings is None:
+        return tails
+    model = model_from_settings(base.settings, len(scenario.kv_cache_groups))
+    own = len(replay_boundaries(scenario, model, request))
+    if fixed.requests[request].shared_prefix_boundary_tokens:
+        own += 2 if model.drop else 1
+    return tails + own
 
 
 def _periodic_tails(scenario: Scenario, request: int, block: int, window: int) -> int:
@@ -118,18 +203,24 @@ def _periodic_tails(scenario: Scenario, request: int, block: int, window: int) -
     return count
 
 
-def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation) -> list[Finding]:
-    """Compare a run of a variant carrying the fix with a run of one without it.
+def compare_pair(
+    scenario: Scenario,
+    base: RunObservation,
+    fixed: RunObservation,
+    scope: FixScope = FixScope.SEED_PR,
+) -> list[Finding]:
+    """Compare a run of a variant carrying a fix of ``scope`` with a run of one without it.
 
     Returns ``variant-regression`` findings where ``fixed`` hits less than
     ``base``, and ``variant-drift`` findings where, outside the fix's domain
     (:func:`in_fix_domain`), hits or retained blocks differ, or where, inside
-    it, ``fixed`` keeps more than ``A / B_swa`` extra SWA blocks per periodic
-    checkpoint.
+    it, ``fixed`` keeps more than ``A / B_swa`` extra SWA blocks per boundary
+    it widens (periodic checkpoint tails for ``seed-pr``; also the request's
+    replay boundaries and junction for ``one-unit``).
     """
     pair = f"{fixed.variant} vs {base.variant}"
     findings: list[Finding] = []
-    domain = in_fix_domain(scenario, base)
+    domain = in_fix_domain(scenario, base, scope)
     alignment = scenario.effective_hit_alignment_tokens
     swa = [
         (gi, g.block_size_tokens, g.sliding_window_tokens or 0)
@@ -182,7 +273,12 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
         if scenario.drafter.kind is DrafterKind.GEMMA4_MTP or f.hit_tokens != b.hit_tokens:
             continue  # different computed ranges: no per-request cost bound
         for gi, block, window in swa:
-            tails = _periodic_tails(scenario, b.index, block, window)
+            if scope is FixScope.ONE_UNIT:
+                tails = _retained_boundaries(scenario, base, fixed, b.index, window)
+                what = "retained boundary"
+            else:
+                tails = _periodic_tails(scenario, b.index, block, window)
+                what = "periodic checkpoint tail"
             extra = f.retained_blocks_per_group[gi] - b.retained_blocks_per_group[gi]
             allowed = alignment // block * tails
             if extra > allowed:
@@ -192,12 +288,31 @@ def compare_pair(scenario: Scenario, base: RunObservation, fixed: RunObservation
                         pair,
                         b.index,
                         f"group {gi} keeps {extra} extra SWA blocks; the fix claims at "
-                        f"most {alignment // block} per periodic checkpoint tail x "
-                        f"{tails} tails = {allowed}",
+                        f"most {alignment // block} per {what} x {tails} = {allowed}",
                         divergence_tokens=divergence[b.index],
                     )
                 )
     return findings
+
+
+def fix_cost(scenario: Scenario, base: RunObservation, fixed: RunObservation) -> FixCost:
+    """Extra SWA blocks ``fixed`` kept beyond ``base``, per SWA group, and the
+    retained boundaries they were spread over (requests with equal hits only)."""
+    swa = [
+        (gi, g.sliding_window_tokens or 0)
+        for gi, g in enumerate(scenario.kv_cache_groups)
+        if g.kind is GroupKind.SLIDING_WINDOW
+    ]
+    extra = [0] * len(swa)
+    boundaries = 0
+    for b, f in zip(base.requests, fixed.requests, strict=False):
+        if b.hit_tokens != f.hit_tokens:
+            continue
+        for k, (gi, _window) in enumerate(swa):
+            extra[k] += f.retained_blocks_per_group[gi] - b.retained_blocks_per_group[gi]
+        if swa:
+            boundaries += _retained_boundaries(scenario, base, fixed, b.index, swa[0][1])
+    return FixCost(fixed.variant, base.variant, tuple(extra), boundaries)
 
 
 def run_any(
@@ -313,6 +428,10 @@ def compare_variants(
         run = run_any(scenario, variant)
         if run.unsupported is not None:
             notices.append(f"{variant.name}: unsupported: {run.unsupported}")
+        if run.settings is not None:
+            note = run.settings.effective_hash_note(scenario.hash_block_size_tokens)
+            if note is not None and note not in notices:
+                notices.append(note)
         refs, findings = judge_run(scenario, run, policy)
         dense_run = None
         if dense_cross_check:
@@ -324,13 +443,20 @@ def compare_variants(
         findings = label_known(scenario, findings)
         results.append(VariantResult(variant, run, dense_run, refs, findings))
     comparison: list[Finding] = []
+    costs: list[FixCost] = []
     supported = [r for r in results if r.run.unsupported is None]
     for fixed in supported:
         if fixed.variant.role is not VariantRole.FIXED:
             continue
         for base in supported:
             if base.variant.role is VariantRole.BASELINE:
-                comparison += compare_pair(scenario, base.run, fixed.run)
+                comparison += compare_pair(scenario, base.run, fixed.run, fixed.variant.fix_scope)
+                retention = scenario.retention_interval_tokens
+                sparse = retention is not None and retention != (
+                    scenario.effective_hit_alignment_tokens
+                )
+                if sparse and scenario.sliding_window_groups and base.run.error is None:
+                    costs.append(fix_cost(scenario, base.run, fixed.run))
     if not any(r.variant.role is VariantRole.FIXED for r in supported):
         baselines = [r for r in supported if r.variant.role is VariantRole.BASELINE]
         for i, a in enumerate(baselines):
@@ -343,4 +469,5 @@ def compare_variants(
         results=tuple(results),
         comparison_findings=tuple(comparison),
         notices=tuple(notices),
+        costs=tuple(costs),
     )

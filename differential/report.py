@@ -23,6 +23,14 @@ def _verdicts(result: ScenarioResult, variant: str) -> dict[int | None, list[str
     return out
 
 
+def _hash_block(result: ScenarioResult) -> int:
+    """The hash block size, in tokens, that vLLM used (else the scenario's)."""
+    for vr in result.results:
+        if vr.run.settings is not None and vr.run.settings.hash_block_size_tokens:
+            return vr.run.settings.hash_block_size_tokens
+    return result.scenario.effective_hash_block_size_tokens
+
+
 def summary_counts(results: Sequence[ScenarioResult]) -> Counter[str]:
     """Findings by kind across ``results``."""
     return Counter(f.kind.value for r in results for f in r.findings)
@@ -44,7 +52,7 @@ def render_text(
         title = result.source or scenario.label
         lines.append(
             f"{title}  [{scenario.label}; A={scenario.effective_hit_alignment_tokens}, "
-            f"policy {result.policy.value}]"
+            f"hash block {_hash_block(result)}, policy {result.policy.value}]"
         )
         lines += [f"  note: {n}" for n in result.notices]
         lines.append(header)
@@ -61,6 +69,8 @@ def render_text(
                 lines.append(f"  {vr.variant.name:<10} run: {kind}")
         for finding in result.findings:
             lines.append(f"  ! {finding.summary()}")
+        for cost in result.costs:
+            lines.append(f"  cost: {cost.summary()}")
     counts = summary_counts(results)
     lines.append("")
     if counts:
@@ -112,8 +122,10 @@ def render_json(
             {
                 "source": result.source,
                 "scenario": result.scenario.to_dict(),
+                "effective_hash_block_size_tokens": _hash_block(result),
                 "variants": variants,
                 "comparison_findings": _finding_list(result.comparison_findings),
+                "costs": [cost.to_dict() for cost in result.costs],
                 "notices": list(result.notices),
             }
         )

@@ -6,6 +6,9 @@ says *how*. Built in:
 * ``unfixed`` -- the installed vLLM, as is.
 * ``fixed`` -- the installed vLLM plus the seed PR's two changes
   (:mod:`differential.driver.fixes`).
+* ``candidate`` -- ``fixed`` plus the one-unit widening of every retained SWA
+  tail under sparse retention, the fix kvfuzz proposes for the whole class
+  (:mod:`differential.driver.candidate`).
 * ``mutant-*`` -- ``fixed`` with one deliberate breakage, to prove the oracle
   catches it (:mod:`differential.driver.mutations`).
 
@@ -21,7 +24,15 @@ from enum import StrEnum
 
 from differential.errors import VariantError
 
-__all__ = ["DEFAULT_VARIANTS", "MUTANTS", "Variant", "known_variants", "parse_variants", "register"]
+__all__ = [
+    "DEFAULT_VARIANTS",
+    "MUTANTS",
+    "FixScope",
+    "Variant",
+    "known_variants",
+    "parse_variants",
+    "register",
+]
 
 
 class VariantRole(StrEnum):
@@ -37,6 +48,22 @@ class VariantRole(StrEnum):
     MUTANT = "mutant"
 
 
+class FixScope(StrEnum):
+    """What a ``fixed``-role variant changes, which decides where it may differ
+    from a baseline and what extra blocks it may keep
+    (:func:`differential.compare.compare_pair`).
+
+    * ``seed-pr``: the seed PR: no drop for Gemma-4 MTP; periodic SWA tails
+      ``A / B_swa`` blocks wider under the EAGLE drop with sparse periodic
+      retention.
+    * ``one-unit``: every retained SWA tail (periodic, replay boundary,
+      junction) ``A / B_swa`` blocks wider under sparse retention, any drafter.
+    """
+
+    SEED_PR = "seed-pr"
+    ONE_UNIT = "one-unit"
+
+
 @dataclass(frozen=True)
 class Variant:
     """A version of vLLM's KV cache manager to run scenarios on.
@@ -50,6 +77,9 @@ class Variant:
         tree: for ``tree:PATH[@REF]`` variants, the folder holding that
             tree's ``vllm`` package (run in a worker process); else ``None``.
         timeout_s: per-scenario timeout for a tree variant's worker, in seconds.
+        fix_scope: for ``fixed``-role variants, what the fix changes.
+        base: for mutants, the variant the mutation is applied on top of
+            (calibration compares the mutant with it).
     """
 
     name: str
@@ -58,6 +88,8 @@ class Variant:
     patch: str = ""
     tree: str | None = None
     timeout_s: float = 60.0
+    fix_scope: FixScope = FixScope.SEED_PR
+    base: str = "fixed"
 
 
 _REGISTRY: dict[str, Variant] = {}
@@ -78,23 +110,50 @@ register(
         patch="differential.driver.fixes:seed_pr_fix",
     )
 )
+register(
+    Variant(
+        "candidate",
+        "fixed plus every retained SWA tail (periodic, replay boundary, junction) "
+        "A / B_swa blocks wider under sparse retention, any drafter",
+        VariantRole.FIXED,
+        patch="differential.driver.candidate:candidate_fix",
+        fix_scope=FixScope.ONE_UNIT,
+    )
+)
 
-for _name, _what in (
-    ("no-peek", "SWA tails kept as if there were no EAGLE peek block"),
-    ("double-drop", "the SWA lookup applies the EAGLE drop twice"),
-    ("no-junction", "get_computed_blocks never reports a shared-prefix junction"),
+for _name, _what, _base in (
+    ("no-peek", "SWA tails kept as if there were no EAGLE peek block", "fixed"),
+    ("double-drop", "the SWA lookup applies the EAGLE drop twice", "fixed"),
+    ("no-junction", "get_computed_blocks never reports a shared-prefix junction", "candidate"),
 ):
     register(
         Variant(
             f"mutant-{_name}",
-            f"calibration mutant on top of fixed: {_what}",
+            f"calibration mutant on top of {_base}: {_what}",
             VariantRole.MUTANT,
             patch=f"differential.driver.mutations:mutant_{_name.replace('-', '_')}",
+            base=_base,
         )
     )
 
+register(
+    Variant(
+        "mutant-no-replay-widening",
+        "calibration mutant on top of candidate: only periodic SWA tails widened, "
+        "not the replay-boundary and junction tails",
+        VariantRole.MUTANT,
+        patch="differential.driver.candidate:mutant_no_replay_widening",
+        base="candidate",
+    )
+)
+
 DEFAULT_VARIANTS = ("unfixed", "fixed")
-MUTANTS = ("mutant-no-peek", "mutant-double-drop", "mutant-no-junction")
+MUTANTS = (
+    "mutant-no-peek",
+    "mutant-double-drop",
+    "mutant-no-junction",
+    "mutant-no-replay-widening",
+)
 
 
 def known_variants() -> tuple[str, ...]:

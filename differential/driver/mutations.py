@@ -10,7 +10,9 @@ compose with the seed fix.
 * ``mutant-double-drop``: ``SlidingWindowManager.find_longest_cache_hit``
   applies the EAGLE drop twice.
 * ``mutant-no-junction``: ``KVCacheManager.get_computed_blocks`` never
-  reports a shared-prefix boundary, so no junction is pinned.
+  reports a shared-prefix boundary, so no junction is pinned. Applied on top
+  of the ``candidate`` variant, whose one-unit promise makes junctions matter
+  on scenarios where the candidate itself is clean.
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ def mutant_double_drop() -> Iterator[None]:
 
 @contextmanager
 def mutant_no_junction() -> Iterator[None]:
-    """The fixed variant, with no shared-prefix junction ever reported."""
-    with seed_pr_fix():
+    """The candidate variant, with no shared-prefix junction ever reported."""
+    from differential.driver.candidate import candidate_fix
+
+    with candidate_fix():
         current = KVCacheManager.__dict__["get_computed_blocks"]
 
         def no_junction(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,127 @@
+"""The candidate fix kvfuzz proposes upstream: one unit below every retained boundary.
+
+The ``candidate`` variant is ``fixed`` (the seed PR) plus one more thin
+wrapper around ``SlidingWindowManager.reachable_block_mask``
+(``vllm/v1/core/single_type_kv_cache_manager.py``): under sparse retention
+(a retention interval other than ``None`` and the hit alignment ``A``) every
+SWA tail the mask keeps, periodic, replay boundary or shared-prefix junction,
+is kept ``A / B_swa`` blocks wider, whatever the drafter and protection. A
+sibling whose hit lands one alignment unit below a retained boundary ``b``
+then finds the run it needs: the tail for ``b - A`` ends ``A / B_swa`` blocks
+lower than the one for ``b`` and is contained in the widened one.
+
+It closes the whole one-unit class with one rule: the seed PR's periodic
+widening under the EAGLE drop, vLLM PR #57613's replay-boundary widening
+without a drafter (issue #57610), and the same for junctions and for periodic
+checkpoints without the drop. Dense retention is unchanged (every multiple of
+``A`` is a checkpoint already).
+
+As in :mod:`differential.driver.fixes`, the widening is the union of vLLM's
+own mask with vLLM's own mask for a window ``A`` tokens wider, so a change to
+vLLM's mask moves the candidate too.
+
+* ``mutant-no-replay-widening`` (calibration): the candidate with only the
+  periodic tails widened, not the replay-boundary and junction tails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
+
+from differential.driver.fixes import patched, seed_pr_fix
+
+__all__ = ["candidate_fix", "mutant_no_replay_widening"]
+
+
+def _one_unit_wider(
+    current: Callable[..., list[bool] | None],
+    original: Callable[..., list[bool] | None],
+    *,
+    boundaries: bool,
+) -> Callable[..., list[bool] | None]:
+    """A ``reachable_block_mask`` whose sparse-retention tails are ``A / B`` blocks wider.
+
+    ``current`` is the mask installed when the wrapper is built (the seed
+    PR's); ``original`` is vLLM's own, asked for the tails of a window ``A``
+    tokens wider (so the seed PR's periodic widening is not applied twice).
+    ``boundaries``: also widen the replay-boundary and junction tails
+    (``reachable_boundaries``), not only the periodic ones.
+    """
+
+    def mask(
+        cls: type[SlidingWindowManager],
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
+        kept = current(
+            cls,
+            start_block,
+            end_block,
+            alignment_tokens,
+            kv_cache_spec,
+            use_eagle,
+            retention_interval,
+            reachable_boundaries,
+            dcp_world_size,
+            final_segment_end_block,
+        )
+        sparse = retention_interval is not None and retention_interval != alignment_tokens
+        if kept is None or not sparse or alignment_tokens is None:
+            return kept
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        wider_spec = dataclasses.replace(
+            kv_cache_spec, sliding_window=kv_cache_spec.sliding_window + alignment_tokens
+        )
+        wider = original(
+            cls,
+            start_block,
+            end_block,
+            alignment_tokens,
+            wider_spec,
+            use_eagle,
+            retention_interval,
+            reachable_boundaries if boundaries else (),
+            dcp_world_size,
+            final_segment_end_block if boundaries else None,
+        )
+        if wider is None:
+            return None
+        return [a or b for a, b in zip(kept, wider, strict=True)]
+
+    return mask
+
+
+def _installed_mask() -> Callable[..., list[bool] | None]:
+    return SlidingWindowManager.__dict__["reachable_block_mask"].__func__  # type: ignore[no-any-return]
+
+
+@contextmanager
+def candidate_fix() -> Iterator[None]:
+    """Context manager: the seed PR's fix plus the one-unit widening of every tail."""
+    original = _installed_mask()
+    with seed_pr_fix():
+        wider = _one_unit_wider(_installed_mask(), original, boundaries=True)
+        with patched(((SlidingWindowManager, "reachable_block_mask", classmethod(wider)),)):
+            yield
+
+
+@contextmanager
+def mutant_no_replay_widening() -> Iterator[None]:
+    """The candidate with only periodic tails widened (replay and junction tails not)."""
+    original = _installed_mask()
+    with seed_pr_fix():
+        wider = _one_unit_wider(_installed_mask(), original, boundaries=False)
+        with patched(((SlidingWindowManager, "reachable_block_mask", classmethod(wider)),)):
+            yield
