@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from differential.findings import Finding, FindingKind
-from differential.oracle import drafter_model
+from differential.findings import Finding, FindingKind, Policy
+from differential.oracle import checkpoints, drafter_model, references
 from differential.scenario import Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
@@ -59,8 +59,58 @@ def _short_swa_run_drop(scenario: Scenario, finding: Finding) -> bool:
 
 def _short_run_spiral(scenario: Scenario, finding: Finding) -> bool:
     """The same short run with two or more SWA groups: the fixed-point lookup
-    repeats the loss on every pass."""
-    return len(scenario.sliding_window_groups) >= 2 and _short_run_applies(scenario, finding)
+    repeats the loss on every pass, so more than one unit per short group is
+    lost (a single unit per short group is the plain short-run loss)."""
+    if len(scenario.sliding_window_groups) < 2 or not _short_run_applies(scenario, finding):
+        return False
+    lost = (finding.expected_tokens or 0) - (finding.hit_tokens or 0)
+    alignment = scenario.effective_hit_alignment_tokens
+    return lost > _short_groups(scenario, finding.hit_tokens or 0) * alignment
+
+
+def _unit_below_retained_boundary(scenario: Scenario, finding: Finding) -> bool:
+    """A fallback to a checkpoint ``e`` that vLLM 0.33.0 does not retain while
+    it retains ``e + A`` (a periodic checkpoint without the drop, a replay
+    boundary, a junction): the sibling diverged inside the last alignment unit
+    before a retained boundary, and the kept tail starts ``A / B_swa`` blocks
+    too high for it (vLLM issue #57610)."""
+    if finding.kind is not FindingKind.FALLBACK or finding.request is None:
+        return False
+    expected, hit = finding.expected_tokens, finding.hit_tokens
+    if expected is None or hit is None or hit >= expected:
+        return False
+    model = drafter_model(scenario)
+    alignment = scenario.effective_hit_alignment_tokens
+    index = finding.request
+    # Junctions depend on earlier hits; any earlier request may have pinned its
+    # dense hit, so both the pinned and the unpinned writer count.
+    dense = [r.dense_tokens for r in references(scenario, model, [0] * index)]
+    literal: set[int] = set()
+    for writer in range(index):
+        for junction in {0, dense[writer]}:
+            literal.update(
+                checkpoints(
+                    scenario, model, writer, junction, expected + alignment, 0, Policy.RETAINED
+                )
+            )
+    return expected not in literal and expected + alignment in literal
+
+
+def _single_group_drop_after_cap(scenario: Scenario, finding: Finding) -> bool:
+    """A single-group model under the EAGLE drop that loses one block more
+    than the drop: the match was capped at ``L - 1`` tokens before the peek
+    block was dropped."""
+    if len(scenario.kv_cache_groups) != 1 or finding.request is None:
+        return False
+    if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
+        return False
+    if finding.expected_tokens is None or finding.hit_tokens is None:
+        return False
+    if not drafter_model(scenario).drop:
+        return False
+    block = scenario.kv_cache_groups[0].block_size_tokens
+    capped = (scenario.requests[finding.request].prompt_tokens - 1) // block * block
+    return finding.hit_tokens == capped - block and finding.expected_tokens == capped
 
 
 def _window_one_spiral(scenario: Scenario, finding: Finding) -> bool:
@@ -91,6 +141,44 @@ class KnownIssue:
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        name="unit-below-retained-boundary-falls-back",
+        summary=(
+            "Under sparse retention a sibling that diverges inside the last "
+            "alignment unit before a boundary vLLM retains (the writer's replay "
+            "boundary, a junction, or a periodic checkpoint without the EAGLE "
+            "drop) is owed that boundary minus A, but the kept SWA tail ends on "
+            "the boundary and starts A / B_swa blocks too high, so the lookup "
+            "falls back to the previous checkpoint, often 0 (FA 8 + SWA 4 with "
+            "window 16, retention 0, a 100-token writer: a sibling sharing 94 "
+            "tokens gets 0 where 88 is due). vLLM issue #57610, fix PR #57613 "
+            "(replay boundary only, open); the seed PR covers periodic "
+            "checkpoints under the drop only; kvfuzz's candidate variant widens "
+            "every retained tail."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "SlidingWindowManager.reachable_block_mask (the reachable-boundary tails)",
+        example="known-issues/unit-below-replay-boundary-toy.json",
+        matches=_unit_below_retained_boundary,
+    ),
+    KnownIssue(
+        name="single-group-drop-after-length-cap",
+        summary=(
+            "With a single KV cache group and the EAGLE drop, "
+            "UnitaryKVCacheCoordinator.find_longest_cache_hit passes "
+            "max_cache_hit_length = L - 1 to the group's lookup, which stops "
+            "matching at the last whole block below L - 1 and then drops it: a "
+            "resend of a block-aligned prompt loses a block more than the drop "
+            "(FA block 16, a 64-token prompt resent: 32 where 48 is provable; "
+            "the hybrid coordinator peeks one block past the cap and gives 48, "
+            "and so does a 65-token prompt)."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py "
+        "UnitaryKVCacheCoordinator.find_longest_cache_hit with "
+        "FullAttentionManager.find_longest_cache_hit",
+        example="known-issues/single-group-drop-after-length-cap.json",
+        matches=_single_group_drop_after_cap,
+    ),
     KnownIssue(
         name="short-swa-run-multi-group-spiral",
         summary=(

@@ -2,7 +2,11 @@
 
 Each test name carries the case id. Hits are the values measured on vLLM
 0.33.0 that each case records; verdicts are what the case says kvfuzz must
-report under each policy.
+report under each policy. "vLLM's own policy" of the cases is the literal
+one, ``retained``: no case is ever a fallback there. The default ``vllm``
+policy (the one-unit rule) additionally flags the retention-0 sibling one
+unit below the writer's replay boundary, as the known issue of vLLM issue
+#57610.
 """
 
 from __future__ import annotations
@@ -20,15 +24,28 @@ pytestmark = pytest.mark.vllm
 BOTH = parse_variants("unfixed,fixed")
 
 
-def _check(file: str, hits: list[int], vllm: list[str], ideal: list[str]) -> None:
+def _check(
+    file: str, hits: list[int], vllm: list[str], ideal: list[str], one_unit: list[str] = ()
+) -> None:
+    """``vllm``: verdicts under the literal ``retained`` policy; ``one_unit``:
+    the extra ones under the default one-unit rule (labelled known issue)."""
     scenario = load_entry(CORPORA / "cases" / f"{file}.json").scenario
-    for policy, expected in ((Policy.VLLM, vllm), (Policy.IDEAL, ideal)):
+    for policy, expected in (
+        (Policy.RETAINED, vllm),
+        (Policy.VLLM, sorted({*vllm, *one_unit})),
+        (Policy.IDEAL, ideal),
+    ):
         result = compare_variants(scenario, BOTH, policy=policy)
         for vr in result.results:
             assert list(vr.run.hits) == hits, (file, vr.variant.name)
         got = sorted({finding_tag(f) for f in result.findings})
         assert got == expected, (file, policy.value, [f.summary() for f in result.findings])
-        assert all(f.kind.value != "fallback" for f in result.findings)
+        if policy is Policy.RETAINED:
+            assert all(f.kind.value != "fallback" for f in result.findings)
+        else:
+            assert {f.known_issue for f in result.findings if f.kind.value == "fallback"} <= {
+                "unit-below-retained-boundary-falls-back"
+            }
 
 
 @pytest.mark.parametrize(
@@ -65,13 +82,16 @@ def test_swa_eagle_spiral() -> None:
 
 
 @pytest.mark.parametrize(
-    ("file", "hits", "ideal"),
+    ("file", "hits", "ideal", "one_unit"),
     [
-        ("dense-eagle", [0, 112, 80], []),
-        ("dense-no-drafter", [0, 112, 96], []),
-        ("retention-0-eagle", [0, 112, 0], ["design-gap@2"]),
-        ("retention-0-no-drafter", [0, 112, 0], ["design-gap@2"]),
+        ("dense-eagle", [0, 112, 80], [], []),
+        ("dense-no-drafter", [0, 112, 96], [], []),
+        # The sibling is owed 80 = 96 - A (eagle) / 96 = 112 - A (no drafter).
+        ("retention-0-eagle", [0, 112, 0], ["fallback@2"], ["fallback@2"]),
+        ("retention-0-no-drafter", [0, 112, 0], ["fallback@2"], ["fallback@2"]),
     ],
 )
-def test_swa_window_below_alignment_eagle(file: str, hits: list[int], ideal: list[str]) -> None:
-    _check(f"swa-window-below-alignment-eagle--{file}", hits, [], ideal)
+def test_swa_window_below_alignment_eagle(
+    file: str, hits: list[int], ideal: list[str], one_unit: list[str]
+) -> None:
+    _check(f"swa-window-below-alignment-eagle--{file}", hits, [], ideal, one_unit)
