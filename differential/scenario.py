@@ -176,7 +176,8 @@ class Scenario:
 
     Attributes:
         kv_cache_groups: one full-attention group and zero or more
-            sliding-window groups.
+            sliding-window groups, or a single group of any kind (vLLM's
+            ``UnitaryKVCacheCoordinator``).
         requests: the requests, run in order; each is prefilled, decoded for
             ``decode_steps`` tokens and freed before the next starts.
         shared_prefix_tokens: length of the common prefix requests copy from.
@@ -286,11 +287,13 @@ class Scenario:
         for i, group in enumerate(self.kv_cache_groups):
             group.validate(f"kv_cache_groups[{i}]")
         n_full = sum(g.kind is GroupKind.FULL_ATTENTION for g in self.kv_cache_groups)
-        if n_full != 1:
+        if n_full != 1 and len(self.kv_cache_groups) > 1:
+            # One group of any kind runs on vLLM's UnitaryKVCacheCoordinator.
             raise ScenarioError(
                 "kv_cache_groups",
                 [g.kind.value for g in self.kv_cache_groups],
-                "exactly one full_attention group plus any number of sliding_window groups",
+                "a single group of any kind, or exactly one full_attention group "
+                "plus any number of sliding_window groups",
             )
         sbs = self.scheduler_block_size_tokens
         if self.hash_block_size_tokens is not None:

@@ -49,7 +49,9 @@ _DRAFTERS = (
 
 @st.composite
 def geometries(draw: st.DrawFn, scale: Scale) -> tuple[KVCacheGroup, ...]:
-    """KV cache groups: one full-attention group and one or two SWA groups.
+    """KV cache groups: one full-attention group and one or two SWA groups,
+    or a single group (full attention or sliding window alone: vLLM's
+    ``UnitaryKVCacheCoordinator``).
 
     Covers equal and unequal full / SWA block sizes and hit alignments larger
     than the SWA block.
@@ -66,11 +68,16 @@ def geometries(draw: st.DrawFn, scale: Scale) -> tuple[KVCacheGroup, ...]:
         swa = draw(st.sampled_from((16, 64)))
         full = swa * draw(st.sampled_from((1, 2)))
         window = draw(st.sampled_from((512, 1024)))
+    layout = draw(st.integers(0, 9))
+    if layout == 1:  # a full-attention-only model
+        return (KVCacheGroup(GroupKind.FULL_ATTENTION, full),)
+    if layout == 2:  # a sliding-window-only model
+        return (KVCacheGroup(GroupKind.SLIDING_WINDOW, swa, window),)
     groups = [
         KVCacheGroup(GroupKind.FULL_ATTENTION, full),
         KVCacheGroup(GroupKind.SLIDING_WINDOW, swa, window),
     ]
-    if draw(st.integers(0, 9)) == 0:  # occasionally a second SWA group
+    if layout == 0:  # occasionally a second SWA group
         groups.append(KVCacheGroup(GroupKind.SLIDING_WINDOW, swa, max(1, window // 2)))
     return tuple(groups)
 
@@ -96,6 +103,8 @@ def scenarios(draw: st.DrawFn, scale: Scale | None = None) -> Scenario:
             (None, 0, alignment, *(alignment * u for u in units), *(alignment * u for u in units))
         )
     )
+    if retention and not any(g.kind is GroupKind.SLIDING_WINDOW for g in groups):
+        retention = 0  # vLLM accepts only None or 0 without sliding-window groups
     period = retention if retention else alignment * units[0]
 
     kind = draw(st.sampled_from(_DRAFTERS))

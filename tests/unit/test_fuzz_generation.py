@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, find, given, settings
 
 from differential.findings import Finding, FindingKind
-from differential.scenario import DrafterKind, Scenario
+from differential.scenario import DrafterKind, GroupKind, Scenario
 from fuzz.signature import signature_of
 from fuzz.strategies import scenarios
 from tests.factories import triton
@@ -31,12 +32,19 @@ def _find(condition) -> Scenario:
 def test_generator_reaches_real_geometries() -> None:
     real = _find(
         lambda s: (
-            s.sliding_window_groups[0].block_size_tokens == 64
+            bool(s.sliding_window_groups)
+            and s.sliding_window_groups[0].block_size_tokens == 64
             and s.sliding_window_groups[0].sliding_window_tokens == 1024
             and s.shared_prefix_tokens >= 16384
         )
     )
     assert real.shared_prefix_tokens >= 16384
+
+
+@pytest.mark.parametrize("kind", [GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW])
+def test_generator_reaches_single_group_models(kind: GroupKind) -> None:
+    single = _find(lambda s: [g.kind for g in s.kv_cache_groups] == [kind])
+    assert len(single.kv_cache_groups) == 1
 
 
 def test_generator_places_divergence_right_after_a_checkpoint() -> None:

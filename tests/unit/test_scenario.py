@@ -140,10 +140,21 @@ def test_group_rules() -> None:
         )
     with pytest.raises(ScenarioError, match="exactly one full_attention group"):
         Scenario(
-            kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 64),),
+            kv_cache_groups=(
+                KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 64),
+                KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 32),
+            ),
             requests=(RequestSpec(1, 1),),
             shared_prefix_tokens=1,
         )
+    # A single group of any kind runs on vLLM's UnitaryKVCacheCoordinator.
+    alone = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 64),),
+        requests=(RequestSpec(1, 1),),
+        shared_prefix_tokens=1,
+        retention_interval_tokens=0,
+    )
+    assert alone.effective_hit_alignment_tokens == 16
     with pytest.raises(ScenarioError, match="retention only applies"):
         Scenario(
             kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
