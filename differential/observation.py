@@ -27,6 +27,13 @@ class ManagerSettings:
         num_prefill_lookahead_tokens: ``VllmConfig.num_prefill_lookahead_tokens``,
             in tokens.
         hit_alignment_tokens: the coordinator's hit alignment ``A``, in tokens.
+        hash_block_size_tokens: the block pool's hash block size, in tokens (0
+            when not recorded).
+        partial_hash_hits: whether the coordinator serves hits at hash-block
+            granularity (``KVCacheCoordinator.enable_partial_hash_hits``;
+            vLLM ``kv_cache_utils.partial_hash_hits_enabled`` needs a Mamba
+            group in align mode): when off, a finer hash block size only
+            changes hashing and hits stay aligned to ``A``.
     """
 
     use_eagle_block_drop: bool
@@ -34,6 +41,20 @@ class ManagerSettings:
     num_lookahead_tokens: int
     num_prefill_lookahead_tokens: int
     hit_alignment_tokens: int
+    hash_block_size_tokens: int = 0
+    partial_hash_hits: bool = False
+
+    def effective_hash_note(self, requested_tokens: int | None) -> str | None:
+        """A notice when vLLM does not serve hits at a requested finer hash block size."""
+        if requested_tokens is None or self.partial_hash_hits:
+            return None
+        if requested_tokens >= self.hit_alignment_tokens:
+            return None
+        return (
+            f"hash block size {requested_tokens} tokens is used for hashing only: vLLM "
+            f"serves no partial hits here (no Mamba group in align mode), so hits align "
+            f"to A = {self.hit_alignment_tokens} tokens"
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ManagerSettings:
@@ -48,6 +69,8 @@ class ManagerSettings:
             "num_lookahead_tokens": self.num_lookahead_tokens,
             "num_prefill_lookahead_tokens": self.num_prefill_lookahead_tokens,
             "hit_alignment_tokens": self.hit_alignment_tokens,
+            "hash_block_size_tokens": self.hash_block_size_tokens,
+            "partial_hash_hits": self.partial_hash_hits,
         }
 
 

@@ -198,6 +198,8 @@ def run_scenario(
             num_lookahead_tokens=resolved.num_lookahead_tokens,
             num_prefill_lookahead_tokens=resolved.num_prefill_lookahead_tokens,
             hit_alignment_tokens=alignment,
+            hash_block_size_tokens=manager.block_pool.hash_block_size,
+            partial_hash_hits=bool(getattr(coordinator, "enable_partial_hash_hits", False)),
         )
         hasher = get_request_block_hasher(
             scenario.effective_hash_block_size_tokens,

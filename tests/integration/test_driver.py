@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from differential.scenario import DrafterKind
+from differential.scenario import DrafterKind, RequestSpec
 from differential.variants import parse_variants
 from tests.factories import triton
 
@@ -120,3 +120,37 @@ def test_dense_cross_check_run_uses_no_retention() -> None:
     dense = run_variant(triton(), unfixed, dense=True)
     assert dense.retention_interval_tokens is None
     assert dense.hits == (0, 16352, 16352, 16352)
+
+
+def test_effective_hash_block_size_is_reported() -> None:
+    # A hash block finer than the scheduler block: vLLM hashes at 8 tokens but
+    # serves no partial hits without a Mamba group, so hits align to 16.
+    import dataclasses
+
+    from differential.compare import compare_variants
+    from differential.report import render_json, render_text
+    from differential.variants import parse_variants
+    from tests.factories import hybrid
+
+    scenario = dataclasses.replace(
+        hybrid(
+            16,
+            8,
+            32,
+            prefix=64,
+            requests=(RequestSpec(64, 8), RequestSpec(60, 8)),
+            retention=None,
+            drafter=DrafterKind.NONE,
+        ),
+        hash_block_size_tokens=8,
+    )
+    result = compare_variants(scenario, parse_variants("unfixed"))
+    settings = result.results[0].run.settings
+    assert settings is not None
+    assert (settings.hash_block_size_tokens, settings.partial_hash_hits) == (8, False)
+    assert settings.hit_alignment_tokens == 16
+    assert result.results[0].run.hits == (0, 48)
+    assert any("hash block size 8 tokens is used for hashing only" in n for n in result.notices)
+    assert "hash block 8," in render_text([result], "test")
+    report = render_json([result], "test", result.policy)
+    assert report["scenarios"][0]["effective_hash_block_size_tokens"] == 8
