@@ -1,4 +1,4 @@
-"""The oracle: what each sibling is owed, from first principles, and the verdicts.
+"""The oracle's core: what each sibling is owed, from first principles, and the verdicts.
 
 Nothing here imports vLLM or calls into it. The invariants are those of the
 design note (``semantics.md``, "Invariants"):
@@ -48,6 +48,7 @@ __all__ = [
     "model_from_settings",
     "promise_policy",
     "references",
+    "replay_boundaries",
 ]
 
 # Tokens past a position that the drafter's KV at that position reads.

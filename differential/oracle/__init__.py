@@ -1,0 +1,45 @@
+"""The oracle: what each sibling is owed, from first principles, and the verdicts.
+
+Nothing in this package imports vLLM. One module per concern, so that a new
+KV cache group kind adds one module here:
+
+* :mod:`differential.oracle.core` -- the drafter model, the dense reference,
+  the intended checkpoints under each policy (the one-unit rule by default)
+  and the verdicts for attention groups (full attention, sliding window).
+
+The public names below are the package's face; the rest is internal.
+"""
+
+from __future__ import annotations
+
+from differential.oracle.core import (
+    DrafterModel,
+    SiblingReference,
+    checkpoints,
+    common_prefix_tokens,
+    cross_check_dense,
+    dense_hit,
+    divergence_points,
+    drafter_model,
+    judge_run,
+    model_from_settings,
+    promise_policy,
+    references,
+    replay_boundaries,
+)
+
+__all__ = [
+    "DrafterModel",
+    "SiblingReference",
+    "checkpoints",
+    "common_prefix_tokens",
+    "cross_check_dense",
+    "dense_hit",
+    "divergence_points",
+    "drafter_model",
+    "judge_run",
+    "model_from_settings",
+    "promise_policy",
+    "references",
+    "replay_boundaries",
+]
