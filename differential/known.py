@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.oracle import checkpoints, drafter_model, references
+from differential.oracle import checkpoints, common_prefix_tokens, drafter_model, references
 from differential.scenario import Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
@@ -85,8 +85,11 @@ def _unit_below_retained_boundary(scenario: Scenario, finding: Finding) -> bool:
     # Junctions depend on earlier hits; any earlier request may have pinned its
     # dense hit, so both the pinned and the unpinned writer count.
     dense = [r.dense_tokens for r in references(scenario, model, [0] * index)]
+    prompts = scenario.prompts
     literal: set[int] = set()
     for writer in range(index):
+        if common_prefix_tokens(prompts[writer], prompts[index]) < expected:
+            continue  # this writer cannot serve the sibling at all
         for junction in {0, dense[writer]}:
             literal.update(
                 checkpoints(

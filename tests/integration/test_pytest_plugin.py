@@ -26,7 +26,7 @@ def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_corpus_items_fail_on_stock_vllm_with_the_diagram(tmp_path: Path) -> None:
     proc = _pytest(tmp_path, "--kvfuzz-corpus", str(CORPORA / "seeds"))
     assert proc.returncode == 1
-    assert "6 failed, 5 passed" in proc.stdout
+    assert "6 failed, 8 passed" in proc.stdout
     assert "triton-mtp3-swa16-fa32-r8192.json::unfixed" in proc.stdout
     assert "expected checkpoint 16352, hit 8192: fell back to checkpoint 8192" in proc.stdout
     assert "unfixed g1 swa16" in proc.stdout  # the explain diagram

@@ -10,6 +10,7 @@ import pytest
 
 from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
+from differential.findings import Policy
 from differential.scenario import Scenario
 from differential.variants import parse_variants
 from tests.factories import CORPORA
@@ -95,6 +96,21 @@ def test_toy_scale_reproduces_the_class() -> None:
     assert got["fixed"] == ((0, 248, 248, 248), [])
 
 
-def test_lookahead_hashes_seed_is_a_policy_question() -> None:
-    got = _run("lookahead-hashes-mtp3-swa16-fa32-r8192")
-    assert got["unfixed"] == got["fixed"] == ((0, 8192, 16352, 16352), [])
+def test_lookahead_hashes_seed_is_the_one_unit_class() -> None:
+    # Lookahead hashes, no drop: the sibling is owed c - A = 16352 by the
+    # one-unit rule, which vLLM 0.33.0 and the seed fix keep only under the
+    # drop (the #57610 class); the candidate keeps it.
+    scenario = load_entry(
+        CORPORA / "seeds" / "lookahead-hashes-mtp3-swa16-fa32-r8192.json"
+    ).scenario
+    result = compare_variants(scenario, parse_variants("unfixed,fixed,candidate"))
+    hits = {vr.variant.name: vr.run.hits for vr in result.results}
+    assert hits["unfixed"] == hits["fixed"] == (0, 8192, 16352, 16352)
+    assert hits["candidate"] == (0, 16352, 16352, 16352)
+    labels = {(f.owner, finding_tag(f), f.known_issue) for f in result.findings}
+    assert labels == {
+        (name, "fallback@1", "unit-below-retained-boundary-falls-back")
+        for name in ("unfixed", "fixed")
+    }
+    retained = compare_variants(scenario, BOTH, policy=Policy.RETAINED)
+    assert retained.findings == ()

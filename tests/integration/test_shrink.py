@@ -37,4 +37,4 @@ def test_triton_seed_shrinks_to_a_small_reproducer() -> None:
 
 def test_committed_regression_is_the_shrunk_triton_seed() -> None:
     entry = load_entry(CORPORA / "regressions" / "fallback-unfixed-517c289c14.json")
-    assert entry.expect.findings == {"unfixed": ("fallback@1",), "fixed": ()}
+    assert entry.expect.findings == {"unfixed": ("fallback@1",), "fixed": (), "candidate": ()}

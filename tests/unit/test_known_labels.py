@@ -145,3 +145,26 @@ def test_window_one_spiral_needs_a_one_token_window() -> None:
     assert label_known(three_groups(1), [finding])[0].known_issue == "window-one-multi-group-spiral"
     # Near miss: a 2-token window is not the degenerate geometry.
     assert label_known(three_groups(2), [finding])[0].known_issue != "window-one-multi-group-spiral"
+
+
+def test_unit_below_boundary_counts_only_writers_that_share_the_prefix() -> None:
+    # Found by the property tests: a sliding-window-only model (block 2,
+    # window 2), retention 0. Request 1 shares nothing with request 2, so its
+    # own replay boundary 2 must not hide that request 2 is owed 2 = 4 - A
+    # below the writer's replay boundary 4.
+    scenario = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 2),),
+        requests=(
+            RequestSpec(4, 1, name="writer"),
+            RequestSpec(0, 4, shares_with=0),
+            RequestSpec(2, 1, shares_with=0),
+        ),
+        shared_prefix_tokens=4,
+        retention_interval_tokens=0,
+        drafter=Drafter(DrafterKind.MTP, 1),
+        disable_lookahead_block_hashes=True,
+        disable_eagle_block_drop=True,
+        prefill_chunk_tokens=2,
+    )
+    labels = _labels(scenario, [0, 0, 0], ManagerSettings(False, 0, 0, 0, 2))
+    assert labels == ["unit-below-retained-boundary-falls-back"]
