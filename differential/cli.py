@@ -475,9 +475,9 @@ def _fuzz(args: argparse.Namespace) -> int:
     known = args.known_corpus
     if known is None:
         known = [p for p in (Path("corpora"), Path("known-issues")) if p.is_dir()]
-    for path in known:
-        if not path.exists():
-            raise VariantError(f"--known-corpus {path} does not exist")
+    from differential.corpus import iter_scenario_files
+
+    iter_scenario_files([str(p) for p in known])  # bad paths are usage errors, now
     from fuzz.campaign import CampaignConfig
     from fuzz.parallel import run_parallel
 

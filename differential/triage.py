@@ -26,8 +26,9 @@ geometry's scale, so the Triton seed (block 16/32, R = 8192), its shrunk
 reproducer and the FlashInfer geometry (block 64/128) share one identity.
 
 A finding a known vLLM issue explains (:mod:`differential.known`) takes the
-issue as its root cause. A ``needless-drop`` run is the root cause of every
-shortfall on that run (the drop the fix removes). Whole-run and comparison
+issue as its root cause. A run that protects a drafter needing no protection
+(``needless-drop``, or lookahead hashes for it) is the root cause of every
+shortfall on that run (``needless-protection``: what the fix removes). Whole-run and comparison
 findings of other kinds get a root cause per kind.
 
 **Facets**: the findings of one variant on one sibling (``fallback`` and
@@ -64,6 +65,8 @@ __all__ = [
     "Triaged",
     "binding_lookup",
     "missing_checkpoint",
+    "needless_protection",
+    "root_causes",
     "triage",
 ]
 
@@ -75,6 +78,10 @@ _SHORTFALL = frozenset(
         FindingKind.VARIANT_REGRESSION,
     }
 )
+# Shortfalls judged against the oracle's drafter model: a needless drop or
+# lookahead hash explains them. The dense cross-check judges with the
+# protection the run used, so a dense mismatch is never one of them.
+_NEEDLESS_FACETS = frozenset({FindingKind.FALLBACK, FindingKind.DESIGN_GAP})
 _COMPARISON = frozenset(
     {
         FindingKind.VARIANT_REGRESSION,
@@ -240,21 +247,30 @@ def binding_lookup(
     return None, 0
 
 
-def _branch(scenario: Scenario, call: GroupLookup) -> str:
+def _branch(scenario: Scenario, call: GroupLookup, owed_tokens: int | None = None) -> str:
+    """The branch of the group's lookup that serves ``owed_tokens`` (else the call's hit).
+
+    Sliding window (``SlidingWindowManager.find_longest_cache_hit``): a hit
+    whose run, plus the dropped peek block, is shorter than the window needs
+    comes from the run starting at block 0 (``short run``, the
+    ``not match_found`` path); any other from a ``full-window run``. Full
+    attention (``FullAttentionManager.find_longest_cache_hit``): the prefix
+    either ``stopped`` at an uncached block or was ``capped`` by the length.
+    """
     group = scenario.kv_cache_groups[call.group]
     block = group.block_size_tokens
+    drop = 1 if call.drop_eagle_block else 0
     if group.kind is GroupKind.SLIDING_WINDOW:
-        if call.hit_tokens == 0:
-            return "no run"
         window = group.sliding_window_tokens or 1
-        need = -(-(window - 1) // block) + (1 if call.drop_eagle_block else 0)
-        run = call.hit_tokens // block + (1 if call.drop_eagle_block else 0)
-        if call.run_start_block == 0 and run < need:
-            return "short run"
-        return "full-window run"
-    margin = block if call.drop_eagle_block else 0
+        need = -(-(window - 1) // block) + drop
+        if owed_tokens is None:
+            if call.hit_tokens == 0:
+                return "no run"
+            run = call.hit_tokens // block + drop
+            return "short run" if call.run_start_block == 0 and run < need else "full-window run"
+        return "short run" if owed_tokens // block + drop < need else "full-window run"
     alignment = scenario.effective_hit_alignment_tokens
-    capped = max(0, call.max_length_tokens - margin) // alignment * alignment
+    capped = max(0, call.max_length_tokens - drop * block) // alignment * alignment
     return "prefix capped" if call.hit_tokens >= capped else "prefix stopped"
 
 
@@ -326,7 +342,7 @@ def _shortfall(
     group_kind = branch = ""
     if call is not None and call.group < len(scenario.kv_cache_groups):
         group_kind = scenario.kv_cache_groups[call.group].kind.value
-        branch = _branch(scenario, call)
+        branch = _branch(scenario, call, finding.expected_tokens)
     else:
         group_kind, branch = "untraced", "-"
     boundary, below = (
@@ -358,66 +374,107 @@ def _crash_detail(finding: Finding) -> str:
     return f"{phase}: {exc}".strip(": ")
 
 
+def needless_protection(scenario: Scenario, run: RunObservation) -> bool:
+    """Whether ``run`` protected a drafter whose KV needs no protection.
+
+    True when vLLM's resolved settings drop the EAGLE block or use lookahead
+    block hashes while the oracle's drafter model
+    (:func:`differential.oracle.drafter_model`) needs neither (Gemma-4 MTP on
+    stock 0.33.0: ``SpeculativeConfig.needs_eagle_block_drop``). Every
+    shortfall on such a run follows from that protection.
+    """
+    settings = run.settings
+    if settings is None:
+        return False
+    model = drafter_model(scenario)
+    if model.drop or model.hash_lookahead_tokens:
+        return False
+    return settings.use_eagle_block_drop or settings.num_hash_lookahead_tokens > 0
+
+
+def _needless_cause(scenario: Scenario) -> RootCause:
+    return RootCause("needless-protection", detail=f"drafter {scenario.drafter.kind.value}")
+
+
+def _other_cause(scenario: Scenario, vr: VariantResult, finding: Finding) -> RootCause:
+    """The root cause of a finding that is not a shortfall."""
+    request = finding.request
+    if finding.known_issue:
+        return RootCause(finding.kind.value, known_issue=finding.known_issue)
+    if finding.kind is FindingKind.CRASH:
+        return RootCause("crash", detail=_crash_detail(finding))
+    if finding.kind is FindingKind.OVER_HIT and request is not None:
+        call = None
+        if request < len(vr.run.requests):
+            call, _ = binding_lookup(vr.run.requests[request])
+        if call is None:
+            return RootCause("over-hit", detail="untraced")
+        kind = scenario.kv_cache_groups[call.group].kind.value
+        return RootCause("over-hit", detail=f"{kind}: {_branch(scenario, call)}")
+    return RootCause(finding.kind.value)
+
+
 def _variant_triage(scenario: Scenario, vr: VariantResult) -> list[Triaged]:
+    """One variant's findings with their root causes, most severe first per sibling."""
     name = vr.variant.name
-    findings = sorted(vr.findings, key=lambda f: SEVERITY[f.kind])
-    needless = next((f for f in findings if f.kind is FindingKind.NEEDLESS_DROP), None)
-    needless_cause = RootCause("needless-drop", detail=f"drafter {scenario.drafter.kind.value}")
+    # The needless drop first: it is the cause of the shortfalls it brings.
+    findings = sorted(
+        vr.findings, key=lambda f: (f.kind is not FindingKind.NEEDLESS_DROP, SEVERITY[f.kind])
+    )
+    needless = needless_protection(scenario, vr.run) or any(
+        f.kind is FindingKind.NEEDLESS_DROP for f in findings
+    )
     out: list[Triaged] = []
     primary_by_request: dict[int | None, RootCause] = {}
     for finding in findings:
         request = finding.request
-        if finding.kind is FindingKind.NEEDLESS_DROP:
-            out.append(Triaged(finding, needless_cause, Role.PRIMARY, name))
+        if finding.kind is FindingKind.NEEDLESS_DROP or (
+            needless and finding.kind in _NEEDLESS_FACETS and not finding.known_issue
+        ):
+            cause = _needless_cause(scenario)
+            role = Role.FACET if None in primary_by_request else Role.PRIMARY
+            primary_by_request.setdefault(None, cause)
+            primary_by_request.setdefault(request, cause)
+            out.append(Triaged(finding, cause, role, name))
+            continue
+        seen = primary_by_request.get(request)
+        if seen is not None and (
+            finding.kind in _SHORTFALL or finding.kind is FindingKind.MISALIGNED
+        ):
+            out.append(Triaged(finding, seen, Role.FACET, name))
             continue
         if finding.kind in _SHORTFALL:
-            if needless is not None and not finding.known_issue:
-                out.append(Triaged(finding, needless_cause, Role.FACET, name))
-                continue
-            seen = primary_by_request.get(request)
-            if seen is not None:
-                out.append(Triaged(finding, seen, Role.FACET, name))
-                continue
             run = vr.dense_run if finding.kind is FindingKind.DENSE_MISMATCH else vr.run
-            if run is None and finding.kind is FindingKind.DENSE_MISMATCH:
+            if run is None:
                 run = vr.run  # a dense scenario cross-checks its own run
             cause, passes, units = _shortfall(scenario, run, finding)
             primary_by_request[request] = cause
             out.append(Triaged(finding, cause, Role.PRIMARY, name, passes, units))
             continue
-        if finding.known_issue:
-            cause = RootCause(finding.kind.value, known_issue=finding.known_issue)
-        elif finding.kind is FindingKind.CRASH:
-            cause = RootCause("crash", detail=_crash_detail(finding))
-        elif finding.kind is FindingKind.OVER_HIT and request is not None:
-            call, _ = (
-                binding_lookup(vr.run.requests[request])
-                if request < len(vr.run.requests)
-                else (None, 0)
-            )
-            where = (
-                "untraced"
-                if call is None
-                else (
-                    f"{scenario.kv_cache_groups[call.group].kind.value}: {_branch(scenario, call)}"
-                )
-            )
-            cause = RootCause("over-hit", detail=where)
-        else:
-            cause = RootCause(finding.kind.value)
-        if request in primary_by_request and finding.kind is FindingKind.MISALIGNED:
-            out.append(Triaged(finding, primary_by_request[request], Role.FACET, name))
-            continue
+        cause = _other_cause(scenario, vr, finding)
         primary_by_request.setdefault(request, cause)
         out.append(Triaged(finding, cause, Role.PRIMARY, name))
     return out
+
+
+def _parting_request(fixed: RunObservation, base: RunObservation, upto: int) -> int | None:
+    """The first request before ``upto`` whose hit or junction differs, if any."""
+    for k, (a, b) in enumerate(zip(_history(fixed, upto), _history(base, upto), strict=False)):
+        if a != b:
+            return k
+    return None
 
 
 def triage(result: ScenarioResult) -> tuple[Triaged, ...]:
     """Every finding of ``result`` with its root cause, role and owner.
 
     Per-variant findings first (each variant's, most severe first per
-    sibling), then the comparison findings.
+    sibling), then the comparison findings: a comparison finding whose
+    variants' earlier requests parted (different hits or junctions) is a
+    consequence of the finding at or before the parting request; one whose
+    variants differ in protection because one protects needlessly is a
+    consequence of that; one on a sibling the fixed variant has a finding on
+    is a facet of it; the rest are root causes of their own.
     """
     scenario = result.scenario
     by_name = {vr.variant.name: vr for vr in result.results}
@@ -426,8 +483,11 @@ def triage(result: ScenarioResult) -> tuple[Triaged, ...]:
     for vr in result.results:
         for t in _variant_triage(scenario, vr):
             out.append(t)
-            if t.role is Role.PRIMARY:
-                primaries.setdefault((vr.variant.name, t.finding.request), t.root_cause)
+            primaries.setdefault((vr.variant.name, t.finding.request), t.root_cause)
+            if t.root_cause.family == "needless-protection":
+                primaries.setdefault((vr.variant.name, None), t.root_cause)
+        if needless_protection(scenario, vr.run):
+            primaries.setdefault((vr.variant.name, None), _needless_cause(scenario))
     for finding in result.comparison_findings:
         fixed_name, _, base_name = finding.variant.partition(" vs ")
         owner = fixed_name
@@ -438,17 +498,11 @@ def triage(result: ScenarioResult) -> tuple[Triaged, ...]:
             out.append(Triaged(finding, cause, Role.PRIMARY, owner))
             continue
         if request is not None and fixed is not None and base is not None:
-            if _history(fixed.run, request) != _history(base.run, request):
-                part = next(
-                    k
-                    for k, (a, b) in enumerate(
-                        zip(_history(fixed.run, request), _history(base.run, request), strict=True)
-                    )
-                    if a != b
-                )
+            part = _parting_request(fixed.run, base.run, request)
+            if part is not None:
                 earlier = [
                     (k, primaries[(n, k)])
-                    for k in range(part, -1, -1)
+                    for k in [*range(part, -1, -1), None]
                     for n in (base_name, fixed_name)
                     if (n, k) in primaries
                 ]
@@ -456,12 +510,16 @@ def triage(result: ScenarioResult) -> tuple[Triaged, ...]:
                     k, cause = earlier[0]
                     out.append(Triaged(finding, cause, Role.CONSEQUENCE, owner, cause_request=k))
                     continue
-                cause = RootCause(finding.kind.value, detail="histories differ, no finding there")
+                cause = RootCause(finding.kind.value, detail="earlier histories differ")
                 out.append(Triaged(finding, cause, Role.PRIMARY, owner, cause_request=part))
                 continue
             own = primaries.get((fixed_name, request))
             if own is not None and finding.kind is FindingKind.VARIANT_REGRESSION:
                 out.append(Triaged(finding, own, Role.FACET, owner))
+                continue
+            needless = primaries.get((base_name, None)) or primaries.get((fixed_name, None))
+            if needless is not None and needless.family == "needless-protection":
+                out.append(Triaged(finding, needless, Role.CONSEQUENCE, owner))
                 continue
         if finding.kind is FindingKind.VARIANT_REGRESSION and fixed is not None:
             cause, passes, units = _shortfall(

@@ -141,7 +141,8 @@ class RootCauseRecord:
         count: findings it explains (facets and consequences included).
         facets: finding kind -> count.
         consequences: findings that follow from it on a later request.
-        variants: variants its findings belong to.
+        variants: variants its findings belong to (consequences, which are
+            differences between variants, excluded).
         signatures: the distinct signatures (:mod:`fuzz.signature`) it covers.
         shrunk: the shrunk reproducer, once the background shrink wrote it.
     """
@@ -329,6 +330,7 @@ class Campaign:
     _known: dict[RootCause, str] = field(default_factory=dict)
     _shrinker: ProcessPoolExecutor | None = None
     _shrinks: dict[RootCause, Future[str | None]] = field(default_factory=dict)
+    _fuzzed_s: float | None = None
     _progress: Progress | None = None
     _example: int = 0
     _vllm_version: str = ""
@@ -371,7 +373,8 @@ class Campaign:
         record.count += 1
         record.facets[t.finding.kind.value] += 1
         record.consequences += t.role is Role.CONSEQUENCE
-        record.variants.add(t.owner)
+        if t.role is not Role.CONSEQUENCE:
+            record.variants.add(t.owner)
         record.signatures.add(signature_of(scenario, t.finding).text)
 
     def _start_shrink(self, record: RootCauseRecord) -> None:
@@ -452,6 +455,8 @@ class Campaign:
     def summary(self) -> dict[str, Any]:
         """The campaign summary (also written to ``OUT/summary.json``)."""
         stats = self.stats
+        # Waiting for the background shrinks is not fuzzing time.
+        elapsed = stats.elapsed_s if self._fuzzed_s is None else self._fuzzed_s
         return {
             "format": "kvfuzz.campaign",
             "version": 1,
@@ -460,8 +465,8 @@ class Campaign:
             "policy": self.config.policy.value,
             "vllm_version": self._vllm_version,
             "examples": stats.examples,
-            "elapsed_s": round(stats.elapsed_s, 3),
-            "executions_per_s": round(stats.executions_per_s, 2),
+            "elapsed_s": round(elapsed, 3),
+            "executions_per_s": round(stats.examples / elapsed, 2) if elapsed > 0 else 0.0,
             "first_finding_s": None
             if stats.first_finding_s is None
             else round(stats.first_finding_s, 3),
@@ -551,6 +556,7 @@ class Campaign:
         except KeyboardInterrupt:
             self.interrupted = True
         finally:
+            self._fuzzed_s = self.stats.elapsed_s
             if self._shrinker is not None:
                 if self.interrupted:
                     self._shrinker.shutdown(wait=False, cancel_futures=True)

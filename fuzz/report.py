@@ -63,6 +63,11 @@ def _link(path: str, out: Path) -> str:
     return f"`{file}`"
 
 
+def _cell(text: str) -> str:
+    """``text`` safe inside a Markdown table cell."""
+    return text.replace("|", "\\|")
+
+
 def root_cause_table(summary: dict[str, Any], out: Path) -> list[str]:
     """The opening table: one row per root cause, new ones first (Markdown lines)."""
     causes = summary.get("root_causes", [])
@@ -82,7 +87,7 @@ def root_cause_table(summary: dict[str, Any], out: Path) -> list[str]:
         status = "**NEW**" if cause["status"] == "new" else "known"
         link = _link(cause["reproducer"], out)
         lines.append(
-            f"| {index} | {status} | {cause['root_cause']} | {cause['count']} | "
+            f"| {index} | {status} | {_cell(cause['root_cause'])} | {cause['count']} | "
             f"{', '.join(cause['variants'])} | {link} |"
         )
     return [*lines, ""]
