@@ -220,3 +220,58 @@ def test_root_cause_round_trips_and_names_itself() -> None:
     known = RootCause("shortfall", known_issue="swa-short-run-align-before-drop")
     assert known.text == "shortfall | known:swa-short-run-align-before-drop"
     assert SEED_BUG.slug.startswith("shortfall-") and SEED_BUG.slug != known.slug
+
+
+def test_parallel_jobs_merge_root_causes_by_identity() -> None:
+    from pathlib import Path
+
+    from fuzz.campaign import CampaignConfig
+    from fuzz.parallel import merge_summaries
+
+    def job(count: int, first_s: float, variants: list[str], shrunk: str | None) -> dict:
+        cause = {
+            "root_cause": SEED_BUG.text,
+            "identity": SEED_BUG.to_dict(),
+            "status": "new",
+            "known_as": "",
+            "count": count,
+            "facets": {"fallback": count},
+            "consequences": 0,
+            "variants": variants,
+            "file": f"out/root-causes/{SEED_BUG.slug}.json",
+            "shrunk": shrunk,
+            "reproducer": shrunk or f"out/root-causes/{SEED_BUG.slug}.json",
+            "first_example": 3,
+            "first_seen_s": first_s,
+            "signatures": [f"sig-{count}"],
+        }
+        return {
+            "seed": 1,
+            "variants": ["unfixed", "fixed"],
+            "vllm_version": "0.33.0",
+            "examples": 10,
+            "elapsed_s": 2.0,
+            "first_finding_s": first_s,
+            "interrupted": False,
+            "findings_by_kind": {"fallback": count},
+            "coverage": {},
+            "distinct": [],
+            "root_causes": [cause],
+        }
+
+    config = CampaignConfig(out=Path("out"), variants=(), seed=1)
+    merged = merge_summaries(
+        [job(3, 0.5, ["unfixed"], None), job(2, 0.2, ["fixed"], "out/shrunk/a.json")], config
+    )
+    (cause,) = merged["root_causes"]
+    assert (cause["count"], cause["facets"], cause["variants"]) == (
+        5,
+        {"fallback": 5},
+        ["fixed", "unfixed"],
+    )
+    assert (cause["shrunk"], cause["reproducer"], cause["first_seen_s"]) == (
+        "out/shrunk/a.json",
+        "out/shrunk/a.json",
+        0.2,
+    )
+    assert cause["signatures"] == ["sig-2", "sig-3"]
