@@ -24,7 +24,7 @@ from typing import Any
 
 from differential.compare import ScenarioResult
 from differential.findings import Finding, FindingKind
-from differential.triage import Role, Triaged, triage
+from differential.triage import Role, RootCause, Triaged, triage
 
 __all__ = ["github_annotations", "junit_xml", "sarif"]
 
@@ -39,7 +39,7 @@ _ROLE_ORDER = {Role.PRIMARY: 0, Role.FACET: 1, Role.CONSEQUENCE: 2}
 def _ordered(result: ScenarioResult) -> list[Triaged]:
     """The findings with their root causes: per root cause, primary first."""
     triaged = list(triage(result))
-    first = {}
+    first: dict[RootCause, int] = {}
     for index, t in enumerate(triaged):
         first.setdefault(t.root_cause, index)
     return sorted(triaged, key=lambda t: (first[t.root_cause], _ROLE_ORDER[t.role]))

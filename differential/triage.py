@@ -82,14 +82,6 @@ _SHORTFALL = frozenset(
 # lookahead hash explains them. The dense cross-check judges with the
 # protection the run used, so a dense mismatch is never one of them.
 _NEEDLESS_FACETS = frozenset({FindingKind.FALLBACK, FindingKind.DESIGN_GAP})
-_COMPARISON = frozenset(
-    {
-        FindingKind.VARIANT_REGRESSION,
-        FindingKind.VARIANT_DRIFT,
-        FindingKind.DISAGREEMENT,
-        FindingKind.COST_CHANGE,
-    }
-)
 
 
 class Boundary(StrEnum):
