@@ -2,9 +2,16 @@
 
 * JUnit XML (the Ant/Jenkins schema every CI system reads): one ``testsuite``
   per scenario, one ``testcase`` per variant, each finding of that variant a
-  ``failure`` whose message names the request and the lost checkpoint.
+  ``failure`` whose message names the root cause, the request and the lost
+  checkpoint.
 * SARIF 2.1.0 (GitHub code scanning): one result per finding, rule = kind,
-  located at the scenario file.
+  located at the scenario file, with the root cause
+  (:mod:`differential.triage`) as its ``partialFingerprints`` so code
+  scanning groups the findings of one cause.
+
+Entries come in the order of ``results`` (a campaign passes its root causes'
+reproducers, new ones first); within a scenario, each root cause's primary
+finding comes before its facets and consequences.
 * GitHub workflow commands: one ``::error`` line per finding.
 """
 
@@ -16,13 +23,40 @@ from collections.abc import Sequence
 from typing import Any
 
 from differential.compare import ScenarioResult
-from differential.findings import FindingKind
+from differential.findings import Finding, FindingKind
+from differential.triage import Role, RootCause, Triaged, triage
 
 __all__ = ["github_annotations", "junit_xml", "sarif"]
 
 
 def _name(result: ScenarioResult) -> str:
     return result.source or result.scenario.label
+
+
+_ROLE_ORDER = {Role.PRIMARY: 0, Role.FACET: 1, Role.CONSEQUENCE: 2}
+
+
+def _ordered(result: ScenarioResult) -> list[Triaged]:
+    """The findings with their root causes: per root cause, primary first."""
+    triaged = list(triage(result))
+    first: dict[RootCause, int] = {}
+    for index, t in enumerate(triaged):
+        first.setdefault(t.root_cause, index)
+    return sorted(triaged, key=lambda t: (first[t.root_cause], _ROLE_ORDER[t.role]))
+
+
+def _line(t: Triaged) -> str:
+    role = "" if t.role is Role.PRIMARY else f" ({t.role.value})"
+    return f"[{t.root_cause.text}]{role} {t.finding.summary()}"
+
+
+def _fingerprint(t: Triaged) -> dict[str, str]:
+    return {"kvfuzzRootCause/v1": t.root_cause.slug}
+
+
+def _finding_properties(t: Triaged) -> dict[str, object]:
+    finding: Finding = t.finding
+    return {**finding.to_dict(), "root_cause": t.root_cause.text, "role": t.role.value}
 
 
 def junit_xml(results: Sequence[ScenarioResult], *, suite_name: str = "kvfuzz") -> str:
@@ -41,16 +75,16 @@ def junit_xml(results: Sequence[ScenarioResult], *, suite_name: str = "kvfuzz") 
                 name=f"{vr.variant.name} (policy {result.policy.value})",
                 time="0",
             )
-            mine = [f for f in result.findings if f.owner == vr.variant.name]
+            mine = [t for t in _ordered(result) if t.owner == vr.variant.name]
             if mine:
                 failed += 1
                 failure = ET.SubElement(
                     case,
                     "failure",
-                    message="; ".join(f.summary() for f in mine)[:1000],
-                    type=",".join(dict.fromkeys(f.kind.value for f in mine)),
+                    message="; ".join(_line(t) for t in mine)[:1000],
+                    type=",".join(dict.fromkeys(t.finding.kind.value for t in mine)),
                 )
-                failure.text = "\n".join(f.summary() for f in mine)
+                failure.text = "\n".join(_line(t) for t in mine)
             out = ET.SubElement(case, "system-out")
             out.text = f"hits {list(vr.run.hits)}"
         suite.set("tests", str(cases))
@@ -92,12 +126,14 @@ def sarif(results: Sequence[ScenarioResult], *, tool_version: str = "0.1.0") -> 
     ]
     sarif_results = []
     for result in results:
-        for finding in result.findings:
+        for t in _ordered(result):
+            finding = t.finding
             sarif_results.append(
                 {
                     "ruleId": finding.kind.value,
                     "level": _LEVEL[finding.kind],
-                    "message": {"text": finding.summary()},
+                    "message": {"text": _line(t)},
+                    "partialFingerprints": _fingerprint(t),
                     "locations": [
                         {
                             "physicalLocation": {
@@ -106,7 +142,7 @@ def sarif(results: Sequence[ScenarioResult], *, tool_version: str = "0.1.0") -> 
                             }
                         }
                     ],
-                    "properties": finding.to_dict(),
+                    "properties": _finding_properties(t),
                 }
             )
     return {

@@ -178,6 +178,34 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="worker processes, each importing vLLM once (default: %(default)s)",
     )
+    fuzz.add_argument(
+        "--no-shrink",
+        action="store_true",
+        help="do not shrink new root causes in the background",
+    )
+    fuzz.add_argument(
+        "--shrink-seconds",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="time box, in seconds, of each background shrink (default: %(default)s)",
+    )
+    fuzz.add_argument(
+        "--known-corpus",
+        action="append",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="scenario files or folders whose root causes count as known, not new "
+        "(repeatable; default: corpora and known-issues, where they exist)",
+    )
+    fuzz.add_argument(
+        "--fail-on",
+        choices=("any", "new"),
+        default="any",
+        help="exit 1 for any finding, or only for new root causes on the variants "
+        "under test (default: %(default)s)",
+    )
     _add_ci_reports(fuzz)
     crash = sub.add_parser(
         "import-crash",
@@ -446,6 +474,14 @@ def _fuzz(args: argparse.Namespace) -> int:
         raise VariantError(f"--out {args.out} exists and is not a folder")
     if args.jobs < 1:
         raise VariantError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.shrink_seconds <= 0:
+        raise VariantError(f"--shrink-seconds must be > 0, got {args.shrink_seconds}")
+    known = args.known_corpus
+    if known is None:
+        known = [p for p in (Path("corpora"), Path("known-issues")) if p.is_dir()]
+    from differential.corpus import iter_scenario_files
+
+    iter_scenario_files([str(p) for p in known])  # bad paths are usage errors, now
     from fuzz.campaign import CampaignConfig
     from fuzz.parallel import run_parallel
 
@@ -458,6 +494,8 @@ def _fuzz(args: argparse.Namespace) -> int:
             max_examples=args.max_examples,
             policy=Policy(args.policy),
             dense_cross_check=not args.no_dense_check,
+            shrink_seconds=None if args.no_shrink else args.shrink_seconds,
+            known_corpus=tuple(known),
         ),
         args.jobs,
         quiet=args.quiet,
@@ -471,36 +509,53 @@ def _fuzz(args: argparse.Namespace) -> int:
         + (f", first after {first:.2f} s" if first is not None else "")
         + (" [interrupted]" if summary["interrupted"] else "")
     )
-    for entry in summary["distinct"]:
-        print(f"  {entry['count']:>5} x {entry['signature']}\n          {entry['file']}")
+    causes = summary.get("root_causes", [])
+    new = [c for c in causes if c["status"] == "new"]
+    print(f"{len(causes)} root cause(s), {len(new)} new:")
+    for cause in causes:
+        status = "NEW  " if cause["status"] == "new" else "known"
+        print(
+            f"  {status} {cause['count']:>5} x {cause['root_cause']} "
+            f"[{', '.join(cause['variants'])}]\n          {cause['reproducer']}"
+        )
     print(f"summary: {args.out / 'summary.json'}; report: {args.out / 'report.md'}")
+    if args.fail_on == "new":
+        tested = {v.name for v in variants}
+        return EXIT_FOUND if any(tested & set(c["variants"]) for c in new) else EXIT_CLEAN
     return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
 
 
 def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> None:
     """report.md (with explain pictures) and the CI reports for a campaign.
 
-    The distinct finding files are replayed (they are self-contained), so the
-    reports are the same for one job or many.
+    Each root cause's reproducer (the shrunk one if there is one, else its
+    first scenario) is replayed (finding files are self-contained), so the
+    reports are the same for one job or many. The CI reports list the root
+    causes in the summary's order: new ones first.
     """
     from differential.compare import compare_variants
     from differential.corpus import load_entry, write_atomic
-    from fuzz.report import campaign_markdown, explain_pictures
+    from differential.triage import RootCause, triage
+    from fuzz.report import campaign_markdown, root_cause_pictures
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     items = []
     results = []
-    for entry in summary["distinct"][:200]:  # type: ignore[index]
-        path = Path(entry["file"])
+    for cause in summary.get("root_causes", []):  # type: ignore[attr-defined]
+        path = Path(cause["shrunk"] or cause["file"])
         if not path.exists():
             continue
         loaded = load_entry(path)
         result = compare_variants(
             loaded.scenario, variants, policy=Policy(args.policy), source=str(path)
         )
-        items.append((path.stem, loaded.scenario, result))
+        target = RootCause.from_dict(cause["identity"])
+        shown = [t for t in triage(result) if t.root_cause == target]
+        request = next((t.finding.request for t in shown if t.finding.request), None)
+        if request is not None:
+            items.append((cause["root_cause"], result, request))
         results.append(result)
-    pictures = explain_pictures(items, args.out / "pictures")
+    pictures = root_cause_pictures(items, args.out / "pictures")
     write_atomic(args.out / "report.md", campaign_markdown(summary, pictures, args.out))
     _write_ci_reports(args, results)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ManagerSettings", "RequestObservation", "RunObservation"]
+__all__ = ["GroupLookup", "ManagerSettings", "RequestObservation", "RunObservation"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,51 @@ class ManagerSettings:
 
 
 @dataclass(frozen=True)
+class GroupLookup:
+    """One single-type manager lookup made while a request looked up its hit.
+
+    ``vllm/v1/core/kv_cache_coordinator.py``
+    ``HybridKVCacheCoordinator.find_longest_cache_hit`` calls each attention
+    group's ``find_longest_cache_hit`` (``vllm/v1/core/single_type_kv_cache_manager.py``),
+    possibly several times in its fixed-point loop; the unitary coordinator
+    calls its one manager once.
+
+    Attributes:
+        group: the first KV cache group index of the call.
+        max_length_tokens: the length cap passed (``max_length``), in tokens;
+            it includes the EAGLE proof margin when the call drops.
+        drop_eagle_block: whether the call dropped the last matched block.
+        hit_tokens: the hit the call returned, in tokens.
+        run_start_block: index, in blocks of the group, of the first non-null
+            block returned: 0 when the matched run starts at the first block
+            (always for full attention; for a sliding window, the run that is
+            shorter than the window needs), higher when a sliding-window run
+            of the full window length was found further in.
+    """
+
+    group: int
+    max_length_tokens: int
+    drop_eagle_block: bool
+    hit_tokens: int
+    run_start_block: int
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GroupLookup:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "group": self.group,
+            "max_length_tokens": self.max_length_tokens,
+            "drop_eagle_block": self.drop_eagle_block,
+            "hit_tokens": self.hit_tokens,
+            "run_start_block": self.run_start_block,
+        }
+
+
+@dataclass(frozen=True)
 class RequestObservation:
     """One request as the real manager served it.
 
@@ -93,6 +138,8 @@ class RequestObservation:
         cache_map: per group, one character per full block of the prompt,
             ``"1"`` if that block was cached when the request looked up
             (recorded only for ``kvfuzz explain``; empty otherwise).
+        lookup: the single-type manager lookups ``get_computed_blocks`` made,
+            in call order (empty if not recorded).
     """
 
     index: int
@@ -102,6 +149,7 @@ class RequestObservation:
     per_group_hit_tokens: tuple[int, ...]
     retained_blocks_per_group: tuple[int, ...]
     cache_map: tuple[str, ...] = ()
+    lookup: tuple[GroupLookup, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
@@ -114,6 +162,7 @@ class RequestObservation:
             per_group_hit_tokens=tuple(data["per_group_hit_tokens"]),
             retained_blocks_per_group=tuple(data["retained_blocks_per_group"]),
             cache_map=tuple(data.get("cache_map", ())),
+            lookup=tuple(GroupLookup.from_dict(c) for c in data.get("lookup", ())),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,6 +175,7 @@ class RequestObservation:
             "per_group_hit_tokens": list(self.per_group_hit_tokens),
             "retained_blocks_per_group": list(self.retained_blocks_per_group),
             "cache_map": list(self.cache_map),
+            "lookup": [c.to_dict() for c in self.lookup],
         }
 
 

@@ -12,8 +12,17 @@ Output folder layout::
                                reproduce it) and the verdicts
     OUT/hypothesis-db/         Hypothesis's example database: a rerun into
                                the same folder replays earlier failures first
-    OUT/summary.json           counts per signature, executions per second,
-                               time to the first finding (rewritten atomically)
+    OUT/root-causes/<slug>.json  the first scenario of each root cause
+                               (:mod:`differential.triage`), written once
+    OUT/shrunk/<slug>.json     each new root cause shrunk in the background
+                               (time-boxed; ``shrink_seconds``)
+    OUT/summary.json           counts per root cause and per signature,
+                               executions per second, time to the first
+                               finding (rewritten atomically)
+
+A root cause is *new* when no known vLLM issue explains it and no scenario of
+the known corpus (``known_corpus``, e.g. ``corpora``) shows it; the summary
+lists new root causes before known ones.
 
 Ctrl-C stops after the current scenario and keeps everything found so far.
 """
@@ -22,8 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import random
 import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,13 +48,23 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from differential.compare import ScenarioResult
 from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
+from differential.known import KNOWN_ISSUES
 from differential.scenario import Scenario
+from differential.triage import Role, RootCause, Triaged, triage
 from differential.variants import Variant
 from fuzz.progress import CampaignStats, Progress
 from fuzz.signature import Signature, coverage_keys, signature_of
 from fuzz.target import FindingRaised, build_target
 
-__all__ = ["Campaign", "CampaignConfig", "FindingRecord", "finding_document"]
+__all__ = [
+    "Campaign",
+    "CampaignConfig",
+    "FindingRecord",
+    "RootCauseRecord",
+    "corpus_root_causes",
+    "finding_document",
+    "shrink_root_cause",
+]
 
 FINDING_FORMAT = "kvfuzz.finding"
 FINDING_VERSION = 1
@@ -64,6 +88,10 @@ class CampaignConfig:
         summary_interval_s: seconds between summary rewrites while running.
         replay_database: replay the example database before fuzzing; ``None``
             decides by whether it holds entries when the campaign starts.
+        shrink_seconds: shrink each new root cause in a background process
+            for at most this many seconds; ``None``: do not shrink.
+        known_corpus: scenario files or folders whose root causes count as
+            known (replayed once before the clock starts).
     """
 
     out: Path
@@ -76,6 +104,8 @@ class CampaignConfig:
     summary_name: str = "summary.json"
     summary_interval_s: float = 10.0
     replay_database: bool | None = None
+    shrink_seconds: float | None = None
+    known_corpus: tuple[Path, ...] = ()
 
 
 @dataclass
@@ -95,6 +125,155 @@ class FindingRecord:
     first_example: int
     first_seen_s: float
     count: int = 1
+
+
+@dataclass
+class RootCauseRecord:
+    """One root cause seen by the campaign.
+
+    Attributes:
+        root_cause: the identity (:class:`differential.triage.RootCause`).
+        path: the finding file of its first scenario (``OUT/root-causes``).
+        first_example: index of the example that first showed it.
+        first_seen_s: seconds from the campaign start to that example.
+        known_as: the known issue's reproducer or the corpus file that shows
+            it (``""`` for a new root cause).
+        count: findings it explains (facets and consequences included).
+        facets: finding kind -> count.
+        consequences: findings that follow from it on a later request.
+        variants: variants its findings belong to (consequences, which are
+            differences between variants, excluded).
+        signatures: the distinct signatures (:mod:`fuzz.signature`) it covers.
+        shrunk: the shrunk reproducer, once the background shrink wrote it.
+    """
+
+    root_cause: RootCause
+    path: Path
+    first_example: int
+    first_seen_s: float
+    known_as: str = ""
+    count: int = 0
+    facets: Counter[str] = field(default_factory=Counter)
+    consequences: int = 0
+    variants: set[str] = field(default_factory=set)
+    signatures: set[str] = field(default_factory=set)
+    shrunk: Path | None = None
+
+    @property
+    def new(self) -> bool:
+        """Neither a known vLLM issue nor shown by the known corpus."""
+        return not self.known_as
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary entry."""
+        reproducer = self.shrunk or self.path
+        return {
+            "root_cause": self.root_cause.text,
+            "identity": self.root_cause.to_dict(),
+            "status": "new" if self.new else "known",
+            "known_as": self.known_as,
+            "count": self.count,
+            "facets": dict(sorted(self.facets.items())),
+            "consequences": self.consequences,
+            "variants": sorted(self.variants),
+            "file": str(self.path),
+            "shrunk": None if self.shrunk is None else str(self.shrunk),
+            "reproducer": str(reproducer) if self.new else self.known_as,
+            "first_example": self.first_example,
+            "first_seen_s": round(self.first_seen_s, 3),
+            "signatures": sorted(self.signatures),
+        }
+
+
+def corpus_root_causes(
+    paths: Sequence[Path], variants: Sequence[Variant], policy: Policy
+) -> dict[RootCause, str]:
+    """Root causes the known corpus shows, each with the first file showing it.
+
+    Every file under ``paths`` is replayed on ``variants``; known issues
+    count with their reproducer (:data:`differential.known.KNOWN_ISSUES`).
+    Unreadable files are skipped (the corpus replay test reports them).
+    """
+    from differential.compare import compare_variants
+    from differential.corpus import iter_scenario_files, load_entry
+    from differential.errors import ScenarioError
+
+    known: dict[RootCause, str] = {}
+    existing = [p for p in paths if p.exists()]
+    for path in iter_scenario_files([str(p) for p in existing]) if existing else ():
+        try:
+            entry = load_entry(path)
+        except ScenarioError:
+            continue
+        result = compare_variants(entry.scenario, variants, policy=policy)
+        for t in triage(result):
+            known.setdefault(t.root_cause, str(path))
+    return known
+
+
+def _known_issue_example(name: str) -> str:
+    issue = next((i for i in KNOWN_ISSUES if i.name == name), None)
+    return issue.example if issue is not None else f"known issue {name}"
+
+
+def shrink_root_cause(
+    path: str,
+    identity: dict[str, Any],
+    variants: tuple[Variant, ...],
+    policy: str,
+    seconds: float,
+    out: str,
+) -> str | None:
+    """Shrink the scenario at ``path`` while it still shows the root cause ``identity``.
+
+    Runs in the campaign's background process (it imports vLLM once). Writes
+    ``out/<root cause slug>.json`` (a replayable finding file) and returns its
+    path, or ``None`` when the file does not show the root cause.
+    """
+    from differential.compare import compare_variants
+    from differential.corpus import load_entry
+    from differential.driver import VLLM_VERSION
+    from differential.findings import FindingKind
+    from fuzz.minimize import shrink
+
+    target = RootCause.from_dict(identity)
+    scenario = load_entry(Path(path)).scenario
+    first = compare_variants(scenario, variants, policy=Policy(policy))
+    shown = [t for t in triage(first) if t.root_cause == target]
+    if not shown:
+        return None
+    finding = shown[0].finding
+    signature = signature_of(scenario, finding)
+    dense = all(t.finding.kind is FindingKind.DENSE_MISMATCH for t in shown)
+
+    def keep(result: ScenarioResult) -> bool:
+        return any(t.root_cause == target for t in triage(result))
+
+    outcome = shrink(
+        scenario,
+        signature,
+        variants,
+        policy=Policy(policy),
+        seconds=seconds,
+        keep=keep,
+        dense_cross_check=dense,
+    )
+    small = outcome.scenario
+    final = compare_variants(small, variants, policy=Policy(policy))
+    document = finding_document(
+        small, final, signature, seed=None, example=None, vllm_version=VLLM_VERSION
+    )
+    document["finding"]["root_cause"] = target.to_dict()
+    document["finding"]["shrink"] = {
+        "from": path,
+        "steps": list(outcome.accepted),
+        "checks": outcome.checks,
+        "elapsed_s": round(outcome.elapsed_s, 3),
+        "timed_out": outcome.timed_out,
+    }
+    destination = Path(out) / f"{target.slug}.json"
+    write_atomic(destination, json.dumps(document, indent=2) + "\n")
+    return str(destination)
 
 
 def finding_document(
@@ -146,7 +325,12 @@ class Campaign:
     config: CampaignConfig
     stats: CampaignStats = field(default_factory=CampaignStats)
     records: dict[Signature, FindingRecord] = field(default_factory=dict)
+    causes: dict[RootCause, RootCauseRecord] = field(default_factory=dict)
     interrupted: bool = False
+    _known: dict[RootCause, str] = field(default_factory=dict)
+    _shrinker: ProcessPoolExecutor | None = None
+    _shrinks: dict[RootCause, Future[str | None]] = field(default_factory=dict)
+    _fuzzed_s: float | None = None
     _progress: Progress | None = None
     _example: int = 0
     _vllm_version: str = ""
@@ -157,9 +341,84 @@ class Campaign:
         """``OUT/findings``."""
         return self.config.out / "findings"
 
+    def _on_root_cause(self, scenario: Scenario, result: ScenarioResult, t: Triaged) -> None:
+        """Count ``t`` under its root cause; a new root cause is written and shrunk."""
+        cause = t.root_cause
+        record = self.causes.get(cause)
+        if record is None:
+            path = self.config.out / "root-causes" / f"{cause.slug}.json"
+            document = finding_document(
+                scenario,
+                result,
+                signature_of(scenario, t.finding),
+                seed=self.config.seed,
+                example=self._example,
+                vllm_version=self._vllm_version,
+            )
+            document["finding"]["root_cause"] = cause.to_dict()
+            write_once(path, json.dumps(document, indent=2) + "\n")
+            known_as = (
+                _known_issue_example(cause.known_issue)
+                if cause.known_issue
+                else self._known.get(cause, "")
+            )
+            record = RootCauseRecord(
+                cause, path, self._example, self.stats.elapsed_s, known_as=known_as
+            )
+            self.causes[cause] = record
+            if self._progress is not None:
+                status = "new" if record.new else f"known ({known_as})"
+                self._progress.note(f"root cause [{self._example}] {status}: {cause.text}")
+            self._start_shrink(record)
+        record.count += 1
+        record.facets[t.finding.kind.value] += 1
+        record.consequences += t.role is Role.CONSEQUENCE
+        if t.role is not Role.CONSEQUENCE:
+            record.variants.add(t.owner)
+        record.signatures.add(signature_of(scenario, t.finding).text)
+
+    def _start_shrink(self, record: RootCauseRecord) -> None:
+        seconds = self.config.shrink_seconds
+        if seconds is None or not record.new:
+            return
+        if self._shrinker is None:
+            self._shrinker = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn")
+            )
+        self._shrinks[record.root_cause] = self._shrinker.submit(
+            shrink_root_cause,
+            str(record.path),
+            record.root_cause.to_dict(),
+            self.config.variants,
+            self.config.policy.value,
+            seconds,
+            str(self.config.out / "shrunk"),
+        )
+
+    def _collect_shrinks(self, *, wait: bool) -> None:
+        """Note finished background shrinks; with ``wait``, wait for the rest (bounded)."""
+        budget = (self.config.shrink_seconds or 0.0) + 60.0  # + importing vLLM once
+        for cause, future in list(self._shrinks.items()):
+            if not wait and not future.done():
+                continue
+            try:
+                path = future.result(timeout=budget if wait else 0)
+            except FutureTimeout:
+                continue
+            except Exception as exc:  # the shrink's own failure must not lose the campaign
+                if self._progress is not None:
+                    self._progress.note(f"shrinking {cause.text} failed: {exc!r}")
+                path = None
+            del self._shrinks[cause]
+            if path is not None:
+                self.causes[cause].shrunk = Path(path)
+
     def _on_result(self, scenario: Scenario, result: ScenarioResult) -> None:
         self.stats.examples += 1
         self.stats.coverage.update(coverage_keys(scenario))
+        if result.findings:
+            for t in triage(result):
+                self._on_root_cause(scenario, result, t)
         for finding in result.findings:
             self.stats.findings_by_kind[finding.kind.value] += 1
             signature = signature_of(scenario, finding)
@@ -189,12 +448,15 @@ class Campaign:
         if self._progress is not None:
             self._progress.tick()
         if self.stats.elapsed_s - self._last_summary_s >= self.config.summary_interval_s:
+            self._collect_shrinks(wait=False)
             self._write_summary()  # a killed campaign still leaves its counts
             self._last_summary_s = self.stats.elapsed_s
 
     def summary(self) -> dict[str, Any]:
         """The campaign summary (also written to ``OUT/summary.json``)."""
         stats = self.stats
+        # Waiting for the background shrinks is not fuzzing time.
+        elapsed = stats.elapsed_s if self._fuzzed_s is None else self._fuzzed_s
         return {
             "format": "kvfuzz.campaign",
             "version": 1,
@@ -203,14 +465,18 @@ class Campaign:
             "policy": self.config.policy.value,
             "vllm_version": self._vllm_version,
             "examples": stats.examples,
-            "elapsed_s": round(stats.elapsed_s, 3),
-            "executions_per_s": round(stats.executions_per_s, 2),
+            "elapsed_s": round(elapsed, 3),
+            "executions_per_s": round(stats.examples / elapsed, 2) if elapsed > 0 else 0.0,
             "first_finding_s": None
             if stats.first_finding_s is None
             else round(stats.first_finding_s, 3),
             "interrupted": self.interrupted,
             "findings_by_kind": dict(sorted(stats.findings_by_kind.items())),
             "coverage": dict(sorted(stats.coverage.items())),
+            "root_causes": [
+                r.to_dict()
+                for r in sorted(self.causes.values(), key=lambda r: (not r.new, r.first_example))
+            ],
             "distinct": [
                 {
                     "signature": r.signature.text,
@@ -254,6 +520,10 @@ class Campaign:
         config = self.config
         config.out.mkdir(parents=True, exist_ok=True)
         database = DirectoryBasedExampleDatabase(config.out / "hypothesis-db")
+        if config.known_corpus:
+            if progress is not None:
+                progress.note("replaying the known corpus for its root causes")
+            self._known = corpus_root_causes(config.known_corpus, config.variants, config.policy)
         self.stats.started = time.perf_counter()
         try:
             db_path = config.out / "hypothesis-db"
@@ -286,6 +556,16 @@ class Campaign:
         except KeyboardInterrupt:
             self.interrupted = True
         finally:
+            self._fuzzed_s = self.stats.elapsed_s
+            if self._shrinker is not None:
+                if self.interrupted:
+                    self._shrinker.shutdown(wait=False, cancel_futures=True)
+                else:
+                    if progress is not None and self._shrinks:
+                        progress.note(f"waiting for {len(self._shrinks)} background shrink(s)")
+                    with contextlib.suppress(KeyboardInterrupt):
+                        self._collect_shrinks(wait=True)
+                    self._shrinker.shutdown(wait=False, cancel_futures=True)
             self._write_summary()
             if progress is not None:
                 progress.tick(force=True)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from differential.compare import compare_variants
+from differential.compare import ScenarioResult, compare_variants
 from differential.errors import ScenarioError
 from differential.findings import FindingKind, Policy
 from differential.scenario import (
@@ -253,13 +253,26 @@ def shrink(
     policy: Policy = Policy.VLLM,
     seconds: float = 60.0,
     progress: Progress | None = None,
+    keep: Callable[[ScenarioResult], bool] | None = None,
+    dense_cross_check: bool | None = None,
 ) -> ShrinkResult:
     """Shrink ``scenario`` while a finding with ``signature`` is still reported.
+
+    Args:
+        keep: instead of the signature, keep a candidate when this holds for
+            its result (e.g. a root cause of :mod:`differential.triage` is
+            still shown); ``signature`` then only labels the result.
+        dense_cross_check: run the dense cross-check for every candidate;
+            default: only when ``signature`` is a ``dense-mismatch``.
 
     Raises:
         ValueError: if ``scenario`` itself does not show ``signature``.
     """
-    dense = signature.kind == FindingKind.DENSE_MISMATCH.value
+    dense = (
+        signature.kind == FindingKind.DENSE_MISMATCH.value
+        if dense_cross_check is None
+        else dense_cross_check
+    )
     checks = 0
     started = time.perf_counter()
 
@@ -267,6 +280,8 @@ def shrink(
         nonlocal checks
         checks += 1
         result = compare_variants(candidate, variants, policy=policy, dense_cross_check=dense)
+        if keep is not None:
+            return keep(result)
         return any(signature_of(candidate, f) == signature for f in result.findings)
 
     if not holds(scenario):

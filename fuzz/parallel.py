@@ -58,6 +58,7 @@ def _worker(config: CampaignConfig) -> None:
 def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> dict[str, Any]:
     """One summary for the whole campaign from the workers' summaries."""
     distinct: dict[str, dict[str, Any]] = {}
+    causes: dict[str, dict[str, Any]] = {}
     kinds: dict[str, int] = {}
     coverage: dict[str, int] = {}
     for summary in summaries:
@@ -73,6 +74,8 @@ def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> 
                 seen["count"] += entry["count"]
                 if entry["first_seen_s"] < seen["first_seen_s"]:
                     seen["first_seen_s"] = entry["first_seen_s"]
+        for entry in summary.get("root_causes", ()):
+            _merge_root_cause(causes, entry)
     firsts = [s["first_finding_s"] for s in summaries if s["first_finding_s"] is not None]
     elapsed = max((s["elapsed_s"] for s in summaries), default=0.0)
     examples = sum(s["examples"] for s in summaries)
@@ -91,8 +94,31 @@ def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> 
         "interrupted": any(s["interrupted"] for s in summaries),
         "findings_by_kind": dict(sorted(kinds.items())),
         "coverage": dict(sorted(coverage.items())),
+        "root_causes": sorted(
+            causes.values(), key=lambda e: (e["status"] != "new", e["first_seen_s"])
+        ),
         "distinct": sorted(distinct.values(), key=lambda e: e["first_seen_s"]),
     }
+
+
+def _merge_root_cause(causes: dict[str, dict[str, Any]], entry: dict[str, Any]) -> None:
+    """Add one worker's root-cause entry: counts summed, the first reproducer kept."""
+    seen = causes.get(entry["root_cause"])
+    if seen is None:
+        causes[entry["root_cause"]] = {**entry, "facets": dict(entry["facets"])}
+        return
+    seen["count"] += entry["count"]
+    seen["consequences"] += entry["consequences"]
+    for kind, n in entry["facets"].items():
+        seen["facets"][kind] = seen["facets"].get(kind, 0) + n
+    seen["variants"] = sorted(set(seen["variants"]) | set(entry["variants"]))
+    seen["signatures"] = sorted(set(seen["signatures"]) | set(entry["signatures"]))
+    if seen["shrunk"] is None and entry["shrunk"] is not None:
+        seen["shrunk"] = entry["shrunk"]
+        if seen["status"] == "new":
+            seen["reproducer"] = entry["shrunk"]
+    if entry["first_seen_s"] < seen["first_seen_s"]:
+        seen["first_seen_s"] = entry["first_seen_s"]
 
 
 def _read(paths: list[Path]) -> list[dict[str, Any]]:

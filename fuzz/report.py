@@ -1,6 +1,10 @@
 """The one-page campaign report (``OUT/report.md``) and its pictures.
 
-Findings by kind, executions per second, each distinct finding with its
+It opens with one table of root causes (:mod:`differential.triage`), new ones
+(no known vLLM issue, not in the known corpus) before known ones, each with
+its count, its reproducer (the shrunk one when the background shrink made
+it) and the variants it affects; then each root cause with its facets and
+picture; then findings by kind, executions per second, each distinct finding with its
 count and file (and, for the first few unexplained ones, the ``kvfuzz explain``
 picture), and the coverage of the scenario space: how many scenarios ran per
 drafter, protection, retention class, geometry scale and number of SWA groups.
@@ -17,7 +21,7 @@ from differential.compare import ScenarioResult
 from differential.corpus import write_atomic
 from differential.scenario import Scenario
 
-__all__ = ["campaign_markdown", "explain_pictures"]
+__all__ = ["campaign_markdown", "explain_pictures", "root_cause_pictures", "root_cause_table"]
 
 
 def explain_pictures(
@@ -50,11 +54,84 @@ def explain_pictures(
     return pictures
 
 
+def _link(path: str, out: Path) -> str:
+    """A link relative to the report for files under ``out``; else the path as code."""
+    file = Path(path)
+    if file.is_relative_to(out):
+        rel = file.relative_to(out)
+        return f"[`{rel}`]({rel})"
+    return f"`{file}`"
+
+
+def _cell(text: str) -> str:
+    """``text`` safe inside a Markdown table cell."""
+    return text.replace("|", "\\|")
+
+
+def root_cause_table(summary: dict[str, Any], out: Path) -> list[str]:
+    """The opening table: one row per root cause, new ones first (Markdown lines)."""
+    causes = summary.get("root_causes", [])
+    new = sum(1 for c in causes if c["status"] == "new")
+    lines = [
+        f"**{len(causes)} root cause(s), {new} new** "
+        f"({len(summary['distinct'])} distinct signatures)",
+        "",
+    ]
+    if not causes:
+        return [*lines, "No findings.", ""]
+    lines += [
+        "| # | status | root cause | count | variants | reproducer |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for index, cause in enumerate(causes, 1):
+        status = "**NEW**" if cause["status"] == "new" else "known"
+        link = _link(cause["reproducer"], out)
+        lines.append(
+            f"| {index} | {status} | {_cell(cause['root_cause'])} | {cause['count']} | "
+            f"{', '.join(cause['variants'])} | {link} |"
+        )
+    return [*lines, ""]
+
+
+def root_cause_pictures(
+    items: Sequence[tuple[str, ScenarioResult, int]], folder: Path, *, limit: int = 9
+) -> dict[str, Path]:
+    """Write an explain SVG for the sibling that shows each root cause.
+
+    Args:
+        items: ``(root cause text, result of its reproducer, request)``, in
+            report order.
+        folder: where the SVG files go.
+
+    Returns:
+        root cause text -> SVG path, for the pictures written.
+    """
+    import hashlib
+
+    from differential.explain import explain_request, render_svg
+
+    pictures: dict[str, Path] = {}
+    for text, result, request in items[:limit]:
+        exp = explain_request(result, request)
+        if exp is None:
+            continue
+        digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+        path = folder / f"root-cause-{digest}.svg"
+        write_atomic(path, render_svg(exp))
+        pictures[text] = path
+    return pictures
+
+
 def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: Path) -> str:
-    """The report as Markdown (links relative to ``out``)."""
+    """The report as Markdown (links relative to ``out``).
+
+    ``pictures`` maps a root cause's text (or a finding file's stem) to its
+    explain SVG.
+    """
     lines = [
         "# kvfuzz campaign",
         "",
+        *root_cause_table(summary, out),
         f"- seed {summary['seed']}, variants {', '.join(summary['variants'])}, "
         f"policy {summary['policy']}, vLLM {summary['vllm_version']}",
         f"- {summary['examples']} scenarios in {summary['elapsed_s']:.1f} s: "
@@ -72,6 +149,26 @@ def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: P
         "| --- | --- |",
     ]
     lines += [f"| {k} | {n} |" for k, n in summary["findings_by_kind"].items()] or ["| none | 0 |"]
+    lines += ["", "## Root causes", ""]
+    for index, cause in enumerate(summary.get("root_causes", []), 1):
+        facets = ", ".join(f"{k} x{n}" for k, n in cause["facets"].items())
+        lines.append(
+            f"### {index}. {'NEW' if cause['status'] == 'new' else 'known'}: {cause['root_cause']}"
+        )
+        lines += [
+            "",
+            f"- {cause['count']} finding(s): {facets}"
+            + (f"; {cause['consequences']} as consequences" if cause["consequences"] else ""),
+            f"- variants: {', '.join(cause['variants'])}",
+            f"- first scenario: {_link(cause['file'], out)}"
+            + (f"; shrunk: {_link(cause['shrunk'], out)}" if cause["shrunk"] else "")
+            + (f"; known as: {cause['known_as']}" if cause["known_as"] else ""),
+            f"- {len(cause['signatures'])} signature(s)",
+        ]
+        picture = pictures.get(cause["root_cause"])
+        if picture is not None:
+            lines += ["", f"  ![explain {cause['root_cause']}]({picture.relative_to(out)})"]
+        lines.append("")
     lines += ["", "## Distinct findings", ""]
     if not summary["distinct"]:
         lines.append("None.")

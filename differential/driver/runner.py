@@ -43,6 +43,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
+from differential.driver.trace import trace_lookups
 from differential.errors import InternalError
 from differential.observation import ManagerSettings, RequestObservation, RunObservation
 from differential.scenario import GroupKind, Scenario
@@ -235,7 +236,8 @@ def run_scenario(
                 )
             else:
                 per_group = ()
-            blocks, hit, junction = manager.get_computed_blocks(request)
+            with trace_lookups(coordinator) as lookup:
+                blocks, hit, junction = manager.get_computed_blocks(request)
             request.shared_prefix_boundary = junction
             if not per_group:
                 per_group = (hit,) * num_groups
@@ -307,6 +309,7 @@ def run_scenario(
                     per_group_hit_tokens=tuple(per_group),
                     retained_blocks_per_group=tuple(added),
                     cache_map=cache_map,
+                    lookup=tuple(lookup),
                 )
             )
     except InternalError:

@@ -1,0 +1,127 @@
+"""Root-cause triage on real runs: one identity per cause, across scales."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from differential.compare import compare_variants
+from differential.corpus import load_entry
+from differential.findings import FindingKind
+from differential.observation import GroupLookup
+from differential.triage import Role, RootCause, triage
+from differential.variants import parse_variants
+from tests.factories import CORPORA, ROOT, kvfuzz_cli
+
+pytestmark = pytest.mark.vllm
+
+SEED_BUG = RootCause(
+    "shortfall",
+    group_kind="sliding_window",
+    branch="full-window run",
+    boundary="periodic",
+    units_below=1,
+)
+
+
+def _triage(path: Path) -> list[tuple[str, FindingKind, int | None, Role, RootCause]]:
+    result = compare_variants(load_entry(path).scenario, parse_variants("unfixed,fixed"))
+    return [
+        (t.owner, t.finding.kind, t.finding.request, t.role, t.root_cause) for t in triage(result)
+    ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "seeds/triton-mtp3-swa16-fa32-r8192.json",
+        "regressions/fallback-unfixed-517c289c14.json",
+        "seeds/flashinfer-mtp3-swa64-fa128-r8192.json",
+    ],
+)
+def test_the_seed_its_shrunk_form_and_flashinfer_share_one_identity(name: str) -> None:
+    assert _triage(CORPORA / name) == [("unfixed", FindingKind.FALLBACK, 1, Role.PRIMARY, SEED_BUG)]
+
+
+def test_the_driver_traces_each_groups_lookup() -> None:
+    result = compare_variants(
+        load_entry(CORPORA / "seeds/triton-mtp3-swa16-fa32-r8192.json").scenario,
+        parse_variants("unfixed,fixed"),
+    )
+    unfixed, fixed = (vr.run.requests[1].lookup for vr in result.results)
+    # Full attention matches 16384 + the 32-token margin and drops a block;
+    # the SWA run search of stock vLLM lands on the tail kept for 8192.
+    assert unfixed == (
+        GroupLookup(0, 16448, True, 16352, 0),
+        GroupLookup(1, 16368, True, 8192, 448),
+    )
+    assert fixed[1] == GroupLookup(1, 16368, True, 16352, 958)
+
+
+def test_a_known_issue_is_one_cause_with_dense_mismatch_as_facet() -> None:
+    cause = RootCause("shortfall", known_issue="swa-short-run-align-before-drop")
+    assert _triage(ROOT / "known-issues/swa-short-run-align-before-drop.json") == [
+        ("unfixed", FindingKind.FALLBACK, 1, Role.PRIMARY, cause),
+        ("unfixed", FindingKind.DENSE_MISMATCH, 1, Role.FACET, cause),
+        ("fixed", FindingKind.FALLBACK, 1, Role.PRIMARY, cause),
+        ("fixed", FindingKind.DENSE_MISMATCH, 1, Role.FACET, cause),
+    ]
+
+
+def _fuzz(out: Path, *extra: str) -> tuple[int, dict]:
+    proc = kvfuzz_cli(
+        "fuzz",
+        "--variants",
+        "unfixed,fixed",
+        "--seed",
+        "11",
+        "--max-examples",
+        "60",
+        "--no-dense-check",
+        "--quiet",
+        "--out",
+        str(out),
+        *extra,
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, json.loads((out / "summary.json").read_text())
+
+
+def test_campaign_reports_new_root_causes_first_with_shrunk_reproducers(tmp_path: Path) -> None:
+    code, summary = _fuzz(
+        tmp_path, "--known-corpus", "known-issues", "--shrink-seconds", "5", "--fail-on", "new"
+    )
+    assert code == 1  # new root causes on the variants under test
+    causes = summary["root_causes"]
+    assert [(c["root_cause"], c["status"], c["variants"]) for c in causes] == [
+        (SEED_BUG.text, "new", ["unfixed"]),
+        ("needless-protection | drafter gemma4_mtp", "new", ["unfixed"]),
+    ]
+    assert len(summary["distinct"]) == 13  # signatures, for comparison
+    for cause in causes:
+        shrunk = Path(cause["shrunk"])
+        assert cause["reproducer"] == cause["shrunk"]
+        document = json.loads(shrunk.read_text())
+        assert document["finding"]["root_cause"]["text"] == cause["root_cause"]
+        replayed = {t[-1] for t in _triage(shrunk)}
+        assert RootCause.from_dict(cause["identity"]) in replayed
+    report = (tmp_path / "report.md").read_text().splitlines()
+    assert report[2] == "**2 root cause(s), 2 new** (13 distinct signatures)"
+    assert report[4] == "| # | status | root cause | count | variants | reproducer |"
+    assert report[6].startswith(
+        "| 1 | **NEW** | shortfall \\| sliding_window: full-window run \\| missing periodic - 1A |"
+    )
+    assert "[`shrunk/shortfall-" in report[6]
+
+
+def test_fail_on_new_is_clean_when_every_root_cause_is_known(tmp_path: Path) -> None:
+    # corpora/ holds the shrunk seed and the Gemma-4 seed: both causes known.
+    code, summary = _fuzz(tmp_path, "--no-shrink", "--fail-on", "new")
+    assert code == 0
+    assert [(c["status"], c["reproducer"]) for c in summary["root_causes"]] == [
+        ("known", "corpora/regressions/fallback-unfixed-517c289c14.json"),
+        ("known", "corpora/seeds/gemma4-mtp3-swa16-fa32-r8192.json"),
+    ]
+    assert not (tmp_path / "shrunk").exists()

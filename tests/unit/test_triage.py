@@ -1,0 +1,277 @@
+"""Root-cause triage on hand-worked observations (no vLLM).
+
+The observations below are written out by hand in the shape the driver
+records them (``RequestObservation.lookup``); the integration tests check the
+same identities on real runs.
+"""
+
+from __future__ import annotations
+
+from differential.compare import ScenarioResult, VariantResult
+from differential.findings import Finding, FindingKind, Policy
+from differential.observation import (
+    GroupLookup,
+    ManagerSettings,
+    RequestObservation,
+    RunObservation,
+)
+from differential.oracle import drafter_model
+from differential.scenario import DrafterKind, RequestSpec
+from differential.triage import (
+    Boundary,
+    Role,
+    RootCause,
+    binding_lookup,
+    missing_checkpoint,
+    triage,
+)
+from differential.variants import parse_variants
+from tests.factories import hybrid, triton
+
+SEED_BUG = RootCause(
+    "shortfall",
+    group_kind="sliding_window",
+    branch="full-window run",
+    boundary="periodic",
+    units_below=1,
+)
+_SETTINGS = ManagerSettings(True, 0, 3, 3, 32)
+
+
+def _request(
+    index: int, hit: int, junction: int = 0, lookup: tuple[GroupLookup, ...] = ()
+) -> RequestObservation:
+    return RequestObservation(index, 16448, hit, junction, (hit, hit), (0, 0), (), lookup)
+
+
+def _run(name: str, *requests: RequestObservation) -> RunObservation:
+    return RunObservation(name, "0.33.0", _SETTINGS, requests, retention_interval_tokens=8192)
+
+
+# The Triton seed's sibling on stock 0.33.0: full attention matches 16352
+# (16384 + the 32-token EAGLE margin, minus the dropped block), the SWA
+# group's run search lands on the tail kept for 8192 (block 448 onwards).
+_UNFIXED_LOOKUP = (
+    GroupLookup(0, 16448, True, 16352, 0),
+    GroupLookup(1, 16368, True, 8192, 448),
+)
+
+
+def test_binding_lookup_is_the_first_call_returning_the_hit() -> None:
+    call, passes = binding_lookup(_request(1, 8192, 16352, _UNFIXED_LOOKUP))
+    assert call == _UNFIXED_LOOKUP[1]
+    assert passes == 1
+    assert binding_lookup(_request(1, 8192)) == (None, 0)
+
+
+def test_missing_checkpoint_names_the_boundary_and_units_below() -> None:
+    scenario = triton()
+    model = drafter_model(scenario)
+    run = _run("unfixed", _request(0, 0), _request(1, 8192, 16352), _request(2, 16352))
+    # c - A below the periodic checkpoint 16384 = 2 R.
+    assert missing_checkpoint(scenario, model, run, 1, 16352) == (Boundary.PERIODIC, 1)
+    assert missing_checkpoint(scenario, model, run, 1, 8192) == (Boundary.PERIODIC, 0)
+    # 16000 is no periodic point, no junction (request 1 pinned 16352) and
+    # no replay boundary (L = 16448 under the drop: 16384 and 16416).
+    assert missing_checkpoint(scenario, model, run, 2, 16000) == (Boundary.OTHER, 0)
+    assert missing_checkpoint(scenario, model, run, 1, 0) == (Boundary.START, 0)
+    assert missing_checkpoint(scenario, model, run, 1, 16352, dense=True) == (Boundary.DENSE, 0)
+
+
+def test_junction_and_replay_boundaries() -> None:
+    # R = 0: only replay boundaries and junctions. A = 32, prompts 1000 + 10.
+    scenario = hybrid(
+        32,
+        16,
+        256,
+        prefix=1000,
+        requests=(RequestSpec(1000, 10), RequestSpec(1000, 10), RequestSpec(900, 10)),
+        retention=0,
+    )
+    model = drafter_model(scenario)
+    run = _run("unfixed", _request(0, 0), _request(1, 640, 960), _request(2, 0))
+    # The writer (1010 tokens) under the drop: resend 992 - 32 = 960 and
+    # extension 992 - 32 = 960; request 1 pinned the junction 960 too.
+    assert missing_checkpoint(scenario, model, run, 1, 960) == (Boundary.REPLAY, 0)
+    assert missing_checkpoint(scenario, model, run, 2, 960) == (Boundary.JUNCTION, 0)
+    assert missing_checkpoint(scenario, model, run, 2, 928) == (Boundary.JUNCTION, 1)
+
+
+def _result(unfixed: RunObservation, fixed: RunObservation, *findings: Finding) -> ScenarioResult:
+    variants = {v.name: v for v in parse_variants("unfixed,fixed")}
+    per = {name: tuple(f for f in findings if f.variant == name) for name in ("unfixed", "fixed")}
+    return ScenarioResult(
+        scenario=triton(),
+        source=None,
+        policy=Policy.VLLM,
+        results=(
+            VariantResult(variants["unfixed"], unfixed, unfixed, (), per["unfixed"]),
+            VariantResult(variants["fixed"], fixed, fixed, (), per["fixed"]),
+        ),
+        comparison_findings=tuple(f for f in findings if " vs " in f.variant),
+    )
+
+
+def _fallback(request: int, expected: int, hit: int) -> Finding:
+    return Finding(
+        FindingKind.FALLBACK,
+        "unfixed",
+        request,
+        f"expected checkpoint {expected}, hit {hit}",
+        divergence_tokens=16384,
+        expected_tokens=expected,
+        hit_tokens=hit,
+        fallback_checkpoint_tokens=hit,
+    )
+
+
+def test_fallback_and_dense_mismatch_on_one_sibling_are_facets_of_one_cause() -> None:
+    unfixed = _run("unfixed", _request(0, 0), _request(1, 8192, 16352, _UNFIXED_LOOKUP))
+    fixed = _run("fixed", _request(0, 0), _request(1, 16352))
+    dense = Finding(
+        FindingKind.DENSE_MISMATCH,
+        "unfixed",
+        1,
+        "dense run hit 8192, reference 16352",
+        divergence_tokens=16384,
+        expected_tokens=16352,
+        hit_tokens=8192,
+    )
+    triaged = triage(_result(unfixed, fixed, dense, _fallback(1, 16352, 8192)))
+    assert [(t.finding.kind, t.role, t.root_cause) for t in triaged] == [
+        (FindingKind.FALLBACK, Role.PRIMARY, SEED_BUG),
+        (FindingKind.DENSE_MISMATCH, Role.FACET, SEED_BUG),
+    ]
+    assert triaged[0].divergence_units == 1
+
+
+def test_a_regression_after_different_histories_is_a_consequence() -> None:
+    # Request 1 falls back on unfixed and pins the junction 16352; request 2
+    # then finds it on unfixed. Fixed hit request 1 and pinned nothing.
+    lookup = (GroupLookup(0, 16448, True, 16352, 0), GroupLookup(1, 16368, True, 16320, 900))
+    unfixed = _run(
+        "unfixed",
+        _request(0, 0),
+        _request(1, 8192, 16352, _UNFIXED_LOOKUP),
+        _request(2, 16352),
+    )
+    fixed = _run("fixed", _request(0, 0), _request(1, 16352), _request(2, 16320, 16352, lookup))
+    regression = Finding(
+        FindingKind.VARIANT_REGRESSION,
+        "fixed vs unfixed",
+        2,
+        "fixed hit 16320 < unfixed hit 16352",
+        divergence_tokens=16384,
+        expected_tokens=16352,
+        hit_tokens=16320,
+    )
+    triaged = triage(_result(unfixed, fixed, _fallback(1, 16352, 8192), regression))
+    assert triaged[1].role is Role.CONSEQUENCE
+    assert triaged[1].root_cause == SEED_BUG
+    assert triaged[1].cause_request == 1
+    assert triaged[1].owner == "fixed"
+
+
+def test_a_regression_on_the_same_history_is_its_own_cause() -> None:
+    lookup = (GroupLookup(0, 16448, True, 16352, 0), GroupLookup(1, 16368, True, 8192, 448))
+    unfixed = _run("unfixed", _request(0, 0), _request(1, 16352))
+    fixed = _run("fixed", _request(0, 0), _request(1, 8192, 16352, lookup))
+    regression = Finding(
+        FindingKind.VARIANT_REGRESSION,
+        "fixed vs unfixed",
+        1,
+        "fixed hit 8192 < unfixed hit 16352",
+        divergence_tokens=16384,
+        expected_tokens=16352,
+        hit_tokens=8192,
+    )
+    (t,) = triage(_result(unfixed, fixed, regression))
+    assert t.role is Role.PRIMARY
+    assert t.root_cause == RootCause(
+        "variant-regression",
+        group_kind="sliding_window",
+        branch="full-window run",
+        boundary="periodic",
+        units_below=1,
+    )
+
+
+def test_needless_protection_owns_the_runs_fallbacks() -> None:
+    scenario = triton(DrafterKind.GEMMA4_MTP)
+    assert scenario.drafter.kind is DrafterKind.GEMMA4_MTP
+    unfixed = _run("unfixed", _request(0, 0), _request(1, 8192, 16352, _UNFIXED_LOOKUP))
+    fixed = _run("fixed", _request(0, 0), _request(1, 16384))
+    fixed = RunObservation(
+        "fixed", "0.33.0", ManagerSettings(False, 0, 3, 3, 32), fixed.requests, 0, None, 8192
+    )
+    needless = Finding(FindingKind.NEEDLESS_DROP, "unfixed", None, "drops for gemma4_mtp")
+    result = _result(unfixed, fixed, needless, _fallback(1, 16384, 8192))
+    result = ScenarioResult(scenario, None, Policy.VLLM, result.results, result.comparison_findings)
+    causes = {(t.finding.kind, t.role, t.root_cause.text) for t in triage(result)}
+    assert causes == {
+        (FindingKind.NEEDLESS_DROP, Role.PRIMARY, "needless-protection | drafter gemma4_mtp"),
+        (FindingKind.FALLBACK, Role.FACET, "needless-protection | drafter gemma4_mtp"),
+    }
+
+
+def test_root_cause_round_trips_and_names_itself() -> None:
+    assert RootCause.from_dict(SEED_BUG.to_dict()) == SEED_BUG
+    assert SEED_BUG.text == ("shortfall | sliding_window: full-window run | missing periodic - 1A")
+    known = RootCause("shortfall", known_issue="swa-short-run-align-before-drop")
+    assert known.text == "shortfall | known:swa-short-run-align-before-drop"
+    assert SEED_BUG.slug.startswith("shortfall-") and SEED_BUG.slug != known.slug
+
+
+def test_parallel_jobs_merge_root_causes_by_identity() -> None:
+    from pathlib import Path
+
+    from fuzz.campaign import CampaignConfig
+    from fuzz.parallel import merge_summaries
+
+    def job(count: int, first_s: float, variants: list[str], shrunk: str | None) -> dict:
+        cause = {
+            "root_cause": SEED_BUG.text,
+            "identity": SEED_BUG.to_dict(),
+            "status": "new",
+            "known_as": "",
+            "count": count,
+            "facets": {"fallback": count},
+            "consequences": 0,
+            "variants": variants,
+            "file": f"out/root-causes/{SEED_BUG.slug}.json",
+            "shrunk": shrunk,
+            "reproducer": shrunk or f"out/root-causes/{SEED_BUG.slug}.json",
+            "first_example": 3,
+            "first_seen_s": first_s,
+            "signatures": [f"sig-{count}"],
+        }
+        return {
+            "seed": 1,
+            "variants": ["unfixed", "fixed"],
+            "vllm_version": "0.33.0",
+            "examples": 10,
+            "elapsed_s": 2.0,
+            "first_finding_s": first_s,
+            "interrupted": False,
+            "findings_by_kind": {"fallback": count},
+            "coverage": {},
+            "distinct": [],
+            "root_causes": [cause],
+        }
+
+    config = CampaignConfig(out=Path("out"), variants=(), seed=1)
+    merged = merge_summaries(
+        [job(3, 0.5, ["unfixed"], None), job(2, 0.2, ["fixed"], "out/shrunk/a.json")], config
+    )
+    (cause,) = merged["root_causes"]
+    assert (cause["count"], cause["facets"], cause["variants"]) == (
+        5,
+        {"fallback": 5},
+        ["fixed", "unfixed"],
+    )
+    assert (cause["shrunk"], cause["reproducer"], cause["first_seen_s"]) == (
+        "out/shrunk/a.json",
+        "out/shrunk/a.json",
+        0.2,
+    )
+    assert cause["signatures"] == ["sig-2", "sig-3"]
