@@ -90,7 +90,8 @@ def _unit_below_retained_boundary(scenario: Scenario, finding: Finding) -> bool:
     for writer in range(index):
         if common_prefix_tokens(prompts[writer], prompts[index]) < expected:
             continue  # this writer cannot serve the sibling at all
-        for junction in {0, dense[writer]}:
+        junctions = {0, dense[writer]} if len(scenario.kv_cache_groups) > 1 else {0}
+        for junction in junctions:
             literal.update(
                 checkpoints(
                     scenario, model, writer, junction, expected + alignment, 0, Policy.RETAINED

@@ -70,6 +70,9 @@ def test_a_known_issue_is_one_cause_with_dense_mismatch_as_facet() -> None:
     ]
 
 
+ONE_UNIT = "shortfall | known:unit-below-retained-boundary-falls-back"
+
+
 def _fuzz(out: Path, *extra: str) -> tuple[int, dict]:
     proc = kvfuzz_cli(
         "fuzz",
@@ -98,9 +101,10 @@ def test_campaign_reports_new_root_causes_first_with_shrunk_reproducers(tmp_path
     assert [(c["root_cause"], c["status"], c["variants"]) for c in causes] == [
         (SEED_BUG.text, "new", ["unfixed"]),
         ("needless-protection | drafter gemma4_mtp", "new", ["unfixed"]),
+        (ONE_UNIT, "known", ["fixed", "unfixed"]),
     ]
-    assert len(summary["distinct"]) == 13  # signatures, for comparison
-    for cause in causes:
+    assert len(summary["distinct"]) == 14  # signatures, for comparison
+    for cause in causes[:2]:
         shrunk = Path(cause["shrunk"])
         assert cause["reproducer"] == cause["shrunk"]
         document = json.loads(shrunk.read_text())
@@ -108,7 +112,7 @@ def test_campaign_reports_new_root_causes_first_with_shrunk_reproducers(tmp_path
         replayed = {t[-1] for t in _triage(shrunk)}
         assert RootCause.from_dict(cause["identity"]) in replayed
     report = (tmp_path / "report.md").read_text().splitlines()
-    assert report[2] == "**2 root cause(s), 2 new** (13 distinct signatures)"
+    assert report[2].startswith("**3 root cause(s), 2 new** (")
     assert report[4] == "| # | status | root cause | count | variants | reproducer |"
     assert report[6].startswith(
         "| 1 | **NEW** | shortfall \\| sliding_window: full-window run \\| missing periodic - 1A |"
@@ -117,10 +121,12 @@ def test_campaign_reports_new_root_causes_first_with_shrunk_reproducers(tmp_path
 
 
 def test_fail_on_new_is_clean_when_every_root_cause_is_known(tmp_path: Path) -> None:
-    # corpora/ holds the shrunk seed and the Gemma-4 seed: both causes known.
+    # corpora/ holds the shrunk seed and the Gemma-4 seed, known-issues/ the
+    # one-unit class: every cause known.
     code, summary = _fuzz(tmp_path, "--no-shrink", "--fail-on", "new")
     assert code == 0
     assert [(c["status"], c["reproducer"]) for c in summary["root_causes"]] == [
+        ("known", "known-issues/unit-below-replay-boundary-toy.json"),
         ("known", "corpora/regressions/fallback-unfixed-517c289c14.json"),
         ("known", "corpora/seeds/gemma4-mtp3-swa16-fa32-r8192.json"),
     ]

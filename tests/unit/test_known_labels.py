@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from differential.findings import Finding, FindingKind
+from differential.findings import Finding, FindingKind, Policy
 from differential.known import label_known
 from differential.observation import ManagerSettings
 from differential.oracle import judge_run
@@ -168,3 +168,31 @@ def test_unit_below_boundary_counts_only_writers_that_share_the_prefix() -> None
     )
     labels = _labels(scenario, [0, 0, 0], ManagerSettings(False, 0, 0, 0, 2))
     assert labels == ["unit-below-retained-boundary-falls-back"]
+
+
+def test_a_single_group_pins_no_junction() -> None:
+    # Found by a seed-11 campaign: one SWA group (block 8, window 8), R = 16,
+    # no protection. Request 1 hits 16 where 24 is owed; vLLM's
+    # UnitaryKVCacheCoordinator pins no junction for it, so request 2 (owed
+    # 24 = 32 - A below the writer's periodic checkpoint 32) is the one-unit
+    # class too, not a missed junction.
+    scenario = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 8, 8),),
+        requests=(
+            RequestSpec(32, 22, name="writer"),
+            RequestSpec(30, 8),
+            RequestSpec(29, 9),
+        ),
+        shared_prefix_tokens=32,
+        retention_interval_tokens=16,
+        drafter=Drafter(DrafterKind.DRAFT_MODEL, 3),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=16,
+    )
+    findings = judge_run(
+        scenario, run([0, 16, 16], settings=ManagerSettings(False, 0, 0, 0, 8))
+    )[1]
+    assert 24 not in judge_run(scenario, run([0, 16, 16]), Policy.RETAINED)[0][2].checkpoints
+    assert [f.known_issue for f in label_known(scenario, findings)] == [
+        "unit-below-retained-boundary-falls-back"
+    ] * 2
