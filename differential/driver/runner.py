@@ -413,8 +413,7 @@ def run_scenario(
         raise
     except Exception as exc:  # kvfuzz's driver failed: never a finding.
         raise InternalError(
-            f"the driver failed at {phase[0]!r} on vLLM {VLLM_VERSION}: "
-            f"{type(exc).__name__}: {exc}"
+            f"the driver failed at {phase[0]!r} on vLLM {VLLM_VERSION}: {type(exc).__name__}: {exc}"
         ) from exc
     return RunObservation(
         variant=variant,

@@ -112,9 +112,7 @@ def resolve_drafter(scenario: Scenario) -> ResolvedDrafter:
     vllm_config = object.__new__(VllmConfig)
     view = {
         "speculative_config": speculative,
-        "cache_config": vllm_call(
-            "CacheConfig", CacheConfig, enable_prefix_caching=True
-        ),
+        "cache_config": vllm_call("CacheConfig", CacheConfig, enable_prefix_caching=True),
         "kv_transfer_config": (
             vllm_call(
                 "KVTransferConfig",

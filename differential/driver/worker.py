@@ -73,9 +73,13 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
             else:
                 raise InternalError(f"unknown op {request['op']!r}")
         except Exception as exc:  # kvfuzz's own failure: reported, never a finding
-            message = str(exc) if isinstance(exc, InternalError) else (
-                f"kvfuzz internal error (please report): the worker failed: "
-                f"{type(exc).__name__}: {exc}"
+            message = (
+                str(exc)
+                if isinstance(exc, InternalError)
+                else (
+                    f"kvfuzz internal error (please report): the worker failed: "
+                    f"{type(exc).__name__}: {exc}"
+                )
             )
             reply({"internal_error": message, "traceback": traceback.format_exc()})
 
