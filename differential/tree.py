@@ -180,6 +180,7 @@ class TreeWorker:
     stderr_tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=_STDERR_LINES)
     )
+    _reader: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> None:
         """Start the process and read its hello (vLLM version, capabilities).
@@ -206,9 +207,10 @@ class TreeWorker:
             start_new_session=False,
         )
         assert self.process.stderr is not None
-        threading.Thread(
+        self._reader = threading.Thread(
             target=_drain, args=(self.process.stderr, self.stderr_tail), daemon=True
-        ).start()
+        )
+        self._reader.start()
         limit = start_timeout_s(self.timeout_s)
         try:
             hello = self._ask({"op": "hello"}, limit)
@@ -233,7 +235,10 @@ class TreeWorker:
         if self.process is not None:
             self.process.kill()
             self.process.wait()
-            for pipe in (self.process.stdin, self.process.stdout):
+            if self._reader is not None:
+                self._reader.join(timeout=5)  # the pipe ends with the process
+                self._reader = None
+            for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
                 if pipe is not None:
                     pipe.close()
             self.process = None
