@@ -104,7 +104,8 @@ def test_missing_feature_is_unsupported_not_a_finding(tmp_path: Path) -> None:
     result = compare_variants(triton(), variants, dense_cross_check=False)
     assert result.findings == ()
     assert result.notices == (
-        f"tree:{old}: unsupported: KVCacheConfig.prefix_cache_retention_interval",
+        f"tree:{old}: unsupported: KVCacheConfig.prefix_cache_retention_interval "
+        "(vllm/v1/kv_cache_interface.py)",
     )
     shutdown_workers()
 
