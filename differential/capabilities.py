@@ -24,6 +24,8 @@ class Feature(StrEnum):
 
     SCHEDULER_BLOCK_SIZE = "scheduler_block_size"
     PREFILL_LOOKAHEAD = "prefill_lookahead"
+    PREFILL_LOOKAHEAD_CONFIG = "prefill_lookahead_config"
+    LOOKAHEAD_SLOTS_CONFIG = "lookahead_slots_config"
     EAGLE_BLOCK_DROP_CONFIG = "eagle_block_drop_config"
     NEEDS_EAGLE_BLOCK_DROP = "needs_eagle_block_drop"
     LOOKAHEAD_HASHES = "lookahead_hashes"
@@ -39,6 +41,9 @@ DESCRIPTIONS: dict[Feature, str] = {
     "(vllm/v1/core/kv_cache_manager.py)",
     Feature.PREFILL_LOOKAHEAD: "KVCacheManager(num_prefill_lookahead=) and "
     "Scheduler._reserve_prefill_lookahead (vllm/v1/core/sched/scheduler.py)",
+    Feature.PREFILL_LOOKAHEAD_CONFIG: "VllmConfig.num_prefill_lookahead_tokens "
+    "(vllm/config/vllm.py; older releases computed it inside Scheduler.__init__)",
+    Feature.LOOKAHEAD_SLOTS_CONFIG: "VllmConfig.num_lookahead_tokens (vllm/config/vllm.py)",
     Feature.EAGLE_BLOCK_DROP_CONFIG: "SpeculativeConfig.disable_eagle_block_drop / "
     "use_eagle_block_drop (vllm/config/speculative.py)",
     Feature.NEEDS_EAGLE_BLOCK_DROP: "SpeculativeConfig.needs_eagle_block_drop "

@@ -89,6 +89,10 @@ def _fields(cls: type) -> frozenset[str]:
     return frozenset(getattr(cls, "__dataclass_fields__", {}))
 
 
+def _is_property(cls: type, name: str) -> bool:
+    return isinstance(inspect.getattr_static(cls, name, None), property)
+
+
 @functools.cache
 def detect() -> dict[str, bool]:
     """Feature name -> whether the importable vLLM has it (see :class:`Feature`).
@@ -111,12 +115,12 @@ def detect() -> dict[str, bool]:
         Feature.SCHEDULER_BLOCK_SIZE: {"scheduler_block_size", "hash_block_size"} <= manager,
         Feature.PREFILL_LOOKAHEAD: "num_prefill_lookahead" in manager
         and hasattr(Scheduler, "_reserve_prefill_lookahead"),
+        Feature.PREFILL_LOOKAHEAD_CONFIG: _is_property(VllmConfig, "num_prefill_lookahead_tokens"),
+        Feature.LOOKAHEAD_SLOTS_CONFIG: _is_property(VllmConfig, "num_lookahead_tokens"),
         Feature.EAGLE_BLOCK_DROP_CONFIG: hasattr(SpeculativeConfig, "use_eagle_block_drop")
         and "disable_eagle_block_drop" in _fields(SpeculativeConfig),
         Feature.NEEDS_EAGLE_BLOCK_DROP: hasattr(SpeculativeConfig, "needs_eagle_block_drop"),
-        Feature.LOOKAHEAD_HASHES: isinstance(
-            inspect.getattr_static(VllmConfig, "num_hash_lookahead_tokens", None), property
-        )
+        Feature.LOOKAHEAD_HASHES: _is_property(VllmConfig, "num_hash_lookahead_tokens")
         and "num_hash_lookahead_tokens" in manager
         and "num_hash_lookahead_tokens" in hasher,
         Feature.RETENTION_INTERVAL: "prefix_cache_retention_interval" in _fields(KVCacheConfig),

@@ -147,14 +147,21 @@ def resolve_drafter(scenario: Scenario) -> ResolvedDrafter:
     if num_hash_lookahead:
         # Scheduler.__init__: lookahead hashes prove the boundary token.
         use_drop = False
+    if not has(Feature.LOOKAHEAD_SLOTS_CONFIG):
+        raise UnsupportedFeature(Feature.LOOKAHEAD_SLOTS_CONFIG)
+    num_prefill_lookahead = 0  # no drafter: nothing read ahead
+    if speculative is not None:
+        if not has(Feature.PREFILL_LOOKAHEAD_CONFIG):
+            raise UnsupportedFeature(Feature.PREFILL_LOOKAHEAD_CONFIG)
+        num_prefill_lookahead = vllm_call(
+            "VllmConfig.num_prefill_lookahead_tokens",
+            lambda: vllm_config.num_prefill_lookahead_tokens,
+        )
     return ResolvedDrafter(
         use_eagle_block_drop=use_drop,
         num_hash_lookahead_tokens=num_hash_lookahead,
         num_lookahead_tokens=vllm_call(
             "VllmConfig.num_lookahead_tokens", lambda: vllm_config.num_lookahead_tokens
         ),
-        num_prefill_lookahead_tokens=vllm_call(
-            "VllmConfig.num_prefill_lookahead_tokens",
-            lambda: vllm_config.num_prefill_lookahead_tokens,
-        ),
+        num_prefill_lookahead_tokens=num_prefill_lookahead,
     )
