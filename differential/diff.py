@@ -65,6 +65,7 @@ class Change:
         scenario: where the scenario came from (a file, or ``generated #N``).
         request: the sibling's index, or ``None`` for a whole scenario.
         detail: the figures (hits in tokens, blocks kept per group).
+        drafter: the scenario's drafter kind.
         extra_blocks: blocks kept on B minus blocks kept on A (all groups).
     """
 
@@ -73,6 +74,7 @@ class Change:
     scenario: str
     request: int | None
     detail: str
+    drafter: str = "none"
     extra_blocks: int = 0
 
 
@@ -134,9 +136,18 @@ class DiffReport:
                 lines.append(f"{_TITLES[kind]}: {count}")
                 current = kind
             scenarios = len({c.scenario for c in changes})
-            blocks = sum(c.extra_blocks for c in changes)
-            cost = f", {blocks:+d} blocks kept on {self.b}" if kind is ChangeKind.COST else ""
-            lines.append(f"  [{len(changes)} in {scenarios} scenario(s){cost}] {cause}")
+            drafters = ", ".join(sorted({c.drafter for c in changes}))
+            cost = ""
+            if kind is ChangeKind.COST:
+                more = sum(1 for c in changes if c.extra_blocks > 0)
+                blocks = sum(c.extra_blocks for c in changes)
+                cost = (
+                    f"; {blocks:+d} blocks kept on {self.b} in all, more on {more}, "
+                    f"fewer on {len(changes) - more} sibling(s)"
+                )
+            lines.append(
+                f"  [{len(changes)} in {scenarios} scenario(s); drafters {drafters}{cost}] {cause}"
+            )
             for change in changes[:_EXAMPLES_SHOWN]:
                 where = change.scenario + (
                     f" request {change.request}" if change.request is not None else ""
@@ -163,6 +174,7 @@ class DiffReport:
                     "changes": [
                         {
                             "scenario": c.scenario,
+                            "drafter": c.drafter,
                             "request": c.request,
                             "detail": c.detail,
                             "extra_blocks": c.extra_blocks,
@@ -212,6 +224,7 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
                     label,
                     None,
                     _setting_text(scenario),
+                    scenario.drafter.kind.value,
                 )
             )
     if ra.run.unsupported is not None or rb.run.unsupported is not None:
@@ -246,11 +259,12 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
             out.append(
                 Change(
                     ChangeKind.HITS,
-                    f"{drafter}, {protection}: hits {direction} on {b}; {blame}",
+                    f"{protection}: hits {direction} on {b}; {blame}",
                     label,
                     j,
                     f"hits {xa.hit_tokens} on {a}, {xb.hit_tokens} on {b} (tokens); "
                     f"{_setting_text(scenario)}; {blocks}",
+                    drafter,
                     extra,
                 )
             )
@@ -259,11 +273,11 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
             out.append(
                 Change(
                     ChangeKind.COST,
-                    f"{drafter}, {protection}: {'more' if extra > 0 else 'fewer'} blocks "
-                    f"kept on {b}",
+                    protection,
                     label,
                     j,
                     f"same hit {xa.hit_tokens} tokens; {_setting_text(scenario)}; {blocks}",
+                    drafter,
                     extra,
                 )
             )
@@ -272,10 +286,11 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
             out.append(
                 Change(
                     ChangeKind.FINDINGS,
-                    f"{kind} only on {owner} ({drafter}, {protection})",
+                    f"{kind} only on {owner} ({protection})",
                     label,
                     j,
                     f"hit {xa.hit_tokens} tokens on both; {_setting_text(scenario)}",
+                    drafter,
                 )
             )
     return out
