@@ -193,7 +193,7 @@ def _protection(settings: ManagerSettings | None) -> str:
     if settings.use_eagle_block_drop:
         return "EAGLE drop"
     if settings.num_hash_lookahead_tokens:
-        return f"lookahead hashes ({settings.num_hash_lookahead_tokens} token(s))"
+        return "lookahead hashes"
     return "no drop"
 
 

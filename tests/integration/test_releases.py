@@ -99,7 +99,7 @@ def test_diff_of_the_previous_release_against_the_installed_one() -> None:
         (
             ChangeKind.FINDINGS,
             "fallback only on release:0.32.0 (EAGLE drop on release:0.32.0, "
-            "lookahead hashes (1 token(s)) on unfixed)",
+            "lookahead hashes on unfixed)",
         )
     ]
     assert [(c.scenario, c.request) for c in lookahead] == [
