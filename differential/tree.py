@@ -204,7 +204,6 @@ class TreeWorker:
             encoding="utf-8",
             errors="replace",
             bufsize=1,
-            start_new_session=False,
         )
         assert self.process.stderr is not None
         self._reader = threading.Thread(
