@@ -13,6 +13,7 @@ from differential.capabilities import Feature, equivalent_scenario
 from differential.cli import main
 from differential.errors import VariantError
 from differential.findings import Finding, FindingKind
+from differential.observation import ManagerSettings, RequestObservation, RunObservation
 from differential.releases import CACHE_ENV, cache_dir, release_tree
 from differential.scenario import Drafter, DrafterKind
 from differential.variants import file_label, parse_variants
@@ -111,3 +112,77 @@ def test_diff_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "listed twice" in capsys.readouterr().err
     assert main(["diff", "unfixed", "fixed", "--seconds", "nan"]) == 2
     assert "--seconds = nan is invalid" in capsys.readouterr().err
+
+
+def _run(
+    name: str, hits: tuple[int, ...], kept: tuple[tuple[int, int], ...], drop: bool
+) -> RunObservation:
+    settings = ManagerSettings(
+        use_eagle_block_drop=drop,
+        num_hash_lookahead_tokens=0 if drop else 1,
+        num_lookahead_tokens=3,
+        num_prefill_lookahead_tokens=1,
+        hit_alignment_tokens=32,
+    )
+    requests = tuple(
+        RequestObservation(
+            index=i,
+            prompt_tokens=16448,
+            hit_tokens=hit,
+            shared_prefix_boundary_tokens=0,
+            per_group_hit_tokens=(hit, hit),
+            retained_blocks_per_group=blocks,
+        )
+        for i, (hit, blocks) in enumerate(zip(hits, kept, strict=True))
+    )
+    return RunObservation(name, "x", settings, requests, retention_interval_tokens=8192)
+
+
+def test_diff_groups_hits_cost_findings_and_unsupported_by_cause() -> None:
+    from differential.compare import ScenarioResult, VariantResult
+    from differential.diff import ChangeKind, DiffReport, changes_of
+    from differential.findings import Policy
+
+    (old,) = parse_variants("unfixed")
+    old = dataclasses.replace(old, name="old")
+    new = dataclasses.replace(old, name="new")
+    scenario = triton()
+    fallback = Finding(FindingKind.FALLBACK, "old", 1, "fell back", policy=Policy.VLLM)
+    run_old = _run("old", (0, 8192, 16352, 16352), ((514, 132), (258, 70), (3, 5), (3, 5)), True)
+    run_new = _run("new", (0, 16352, 16352, 16352), ((514, 130), (3, 2), (3, 5), (3, 5)), False)
+    result = ScenarioResult(
+        scenario,
+        "seed.json",
+        Policy.VLLM,
+        (
+            VariantResult(old, run_old, None, (), (fallback,)),
+            VariantResult(new, run_new, None, (), ()),
+        ),
+    )
+    changes = changes_of(result, "seed.json")
+    assert [(c.kind, c.request, c.extra_blocks) for c in changes] == [
+        (ChangeKind.COST, 0, -2),
+        (ChangeKind.HITS, 1, -323),
+    ]
+    assert changes[1].cause == (
+        "EAGLE drop on old, lookahead hashes on new: hits higher on new; "
+        "the oracle blames old (fallback)"
+    )
+    assert changes[1].detail.startswith("hits 8192 on old, 16352 on new (tokens)")
+    lacking = RunObservation("old", "x", None, (), unsupported="SpeculativeConfig.thing")
+    unsupported = changes_of(
+        dataclasses.replace(
+            result,
+            results=(VariantResult(old, lacking, None, (), ()), result.results[1]),
+        ),
+        "seed.json",
+    )
+    assert [(c.kind, c.cause) for c in unsupported] == [
+        (ChangeKind.UNSUPPORTED, "old lacks SpeculativeConfig.thing")
+    ]
+    report = DiffReport("old", "new", {"old": "1", "new": "2"}, 1, 0, 1, (*changes, *unsupported))
+    text = report.render()
+    assert "hits that differ: 1 sibling(s) in 1 scenario(s)" in text
+    assert "scenarios one side cannot run: 1 scenario(s)" in text
+    assert "-2 blocks kept on new in all, more on 0, fewer on 1 sibling(s)" in text
+    assert [g["kind"] for g in report.to_dict()["groups"]] == ["hits", "cost", "unsupported"]
