@@ -14,8 +14,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from differential.errors import ScenarioError, VariantError
+from differential.errors import InternalError, ScenarioError, VariantError
 from differential.findings import SEVERITY, Policy
 from differential.variants import (
     DEFAULT_VARIANTS,
@@ -26,7 +27,7 @@ from differential.variants import (
 
 __all__ = ["main"]
 
-EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
+EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -279,7 +280,88 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("finding", type=Path, metavar="FINDING")
     _add_common(export)
+    _add_diff_parser(sub)
     return parser
+
+
+def _add_diff_parser(sub: Any) -> None:
+    diff = sub.add_parser(
+        "diff",
+        help="show what changed in prefix-cache behaviour between two variants",
+        description=(
+            "Run the corpus and a bounded campaign on variants A and B (e.g. "
+            "release:0.32.0 unfixed) and print, grouped by root cause, the hits "
+            "that differ (with the oracle's blame), the blocks kept that differ, "
+            "findings on one side only and scenarios one side cannot run. Exit 0 "
+            "when nothing differs, 1 otherwise."
+        ),
+    )
+    diff.add_argument("a", metavar="A", help="the 'before' variant (any --variants name)")
+    diff.add_argument("b", metavar="B", help="the 'after' variant")
+    diff.add_argument(
+        "--corpus",
+        nargs="*",
+        default=["corpora"],
+        metavar="PATH",
+        help="scenario files or folders to replay (default: corpora)",
+    )
+    diff.add_argument(
+        "--seconds",
+        type=float,
+        default=30.0,
+        help="campaign budget in seconds; 0 for no campaign (default: %(default)s)",
+    )
+    diff.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="campaign: stop after N generated inputs (default: only --seconds bounds it)",
+    )
+    diff.add_argument("--seed", type=int, default=1, help="campaign seed (default: %(default)s)")
+    diff.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="per-scenario timeout for tree and release variants (default: %(default)s)",
+    )
+    diff.add_argument(
+        "--policy",
+        choices=[p.value for p in Policy],
+        default=Policy.VLLM.value,
+        help="checkpoint policy the oracle judges with (default: %(default)s)",
+    )
+    diff.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _diff(args: argparse.Namespace) -> int:
+    import math
+
+    from differential.corpus import iter_scenario_files, load_entry
+    from differential.diff import run_diff
+
+    for option, value in (("--seconds", args.seconds), ("--timeout", args.timeout)):
+        if not math.isfinite(value) or value < 0 or (option == "--timeout" and value == 0):
+            raise VariantError(f"{option} = {value!r} is invalid: allowed a positive number")
+    if args.max_examples is not None and args.max_examples < 0:
+        raise VariantError(f"--max-examples = {args.max_examples} is invalid: allowed N >= 0")
+    a, b = parse_variants(f"{args.a},{args.b}", timeout_s=args.timeout)
+    entries = [(str(path), load_entry(path).scenario) for path in iter_scenario_files(args.corpus)]
+    report = run_diff(
+        a,
+        b,
+        entries,
+        seconds=args.seconds,
+        max_examples=args.max_examples,
+        seed=args.seed,
+        policy=Policy(args.policy),
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        sys.stdout.write(report.render())
+    return EXIT_FOUND if report.changes else EXIT_CLEAN
 
 
 def _export_test(args: argparse.Namespace) -> int:
@@ -638,9 +720,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _shrink(args)
         if args.command == "export-test":
             return _export_test(args)
+        if args.command == "diff":
+            return _diff(args)
     except (ScenarioError, VariantError) as exc:
         print(f"kvfuzz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except InternalError as exc:
+        print(f"kvfuzz: error: {exc}", file=sys.stderr)
+        return EXIT_INTERNAL
     raise AssertionError(f"unhandled command {args.command!r}")
 
 

@@ -432,15 +432,21 @@ def compare_variants(
             note = run.settings.effective_hash_note(scenario.hash_block_size_tokens)
             if note is not None and note not in notices:
                 notices.append(note)
-        refs, findings = judge_run(scenario, run, policy)
+        # A tree of an older release judges the scenario it means there.
+        judged = scenario
+        if variant.tree is not None:
+            from differential.tree import scenario_as_run
+
+            judged = scenario_as_run(variant.name, scenario)
+        refs, findings = judge_run(judged, run, policy)
         dense_run = None
         if dense_cross_check:
             if scenario.retention_interval_tokens is None:
-                findings += cross_check_dense(scenario, run)
+                findings += cross_check_dense(judged, run)
             else:
                 dense_run = run_any(scenario, variant, dense=True)
-                findings += cross_check_dense(scenario, dense_run)
-        findings = label_known(scenario, findings)
+                findings += cross_check_dense(judged, dense_run)
+        findings = label_known(judged, findings)
         results.append(VariantResult(variant, run, dense_run, refs, findings))
     comparison: list[Finding] = []
     costs: list[FixCost] = []

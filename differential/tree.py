@@ -2,12 +2,20 @@
 
 ``tree:PATH`` names the folder that contains the ``vllm`` package;
 ``tree:PATH@REF`` checks REF of the git repository at PATH out into a worktree
-kvfuzz manages (``PATH/.kvfuzz-worktrees/REF``). Two vLLM versions cannot share
+kvfuzz manages (``PATH/.kvfuzz-worktrees/REF``), moved to REF's current commit
+every time the variant is resolved. Two vLLM versions cannot share
 a process, so each tree runs in its own long-lived worker process
 (:mod:`differential.driver.worker`) that imports that tree's vLLM once and
 serves many scenarios over JSON lines. A scenario that hangs is stopped at the
 per-scenario timeout and a worker that dies is restarted; both come back as
-runs the oracle reports as ``timeout`` / ``crash`` findings.
+runs the oracle reports as ``timeout`` / ``crash`` findings. The worker's
+stderr is kept (its last lines) and shown when it dies. A worker that cannot
+start (its vLLM raises on import, or hangs past the start-up timeout) or
+reports a failure of kvfuzz's own driver raises ``InternalError``: kvfuzz's
+failure, never a finding.
+
+The start-up timeout (importing the tree's vLLM) is ``KVFUZZ_TREE_START_TIMEOUT``
+seconds (default 180), or the per-scenario timeout if that is longer.
 
 Nothing here imports vLLM.
 """
@@ -15,26 +23,64 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import atexit
+import collections
 import json
+import math
 import os
 import select
+import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from differential.errors import VariantError
+from differential.capabilities import equivalent_scenario
+from differential.errors import InternalError, KvfuzzError, VariantError
 from differential.observation import RunObservation
 from differential.scenario import Scenario
 
-__all__ = ["TreeWorker", "resolve_tree", "run_tree", "shutdown_workers"]
+__all__ = [
+    "TreeWorker",
+    "WorkerDied",
+    "resolve_tree",
+    "run_tree",
+    "scenario_as_run",
+    "shutdown_workers",
+    "start_timeout_s",
+]
 
 PROTOCOL_VERSION = 1
 DEFAULT_TIMEOUT_S = 60.0
-_START_TIMEOUT_S = 180.0
+DEFAULT_START_TIMEOUT_S = 180.0
+START_TIMEOUT_ENV = "KVFUZZ_TREE_START_TIMEOUT"
+_STDERR_LINES = 40
 _ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_timeout_s(timeout_s: float = 0.0) -> float:
+    """Seconds a worker may take to import its vLLM and answer hello.
+
+    ``KVFUZZ_TREE_START_TIMEOUT`` (default 180), or ``timeout_s`` if longer.
+
+    Raises:
+        VariantError: the environment variable is not a positive number.
+    """
+    text = os.environ.get(START_TIMEOUT_ENV)
+    value = DEFAULT_START_TIMEOUT_S
+    if text is not None:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise VariantError(
+                f"{START_TIMEOUT_ENV} = {text[:40]!r} is invalid: allowed a positive "
+                "number of seconds"
+            )
+    return max(value, timeout_s)
 
 
 def resolve_tree(spec: str) -> Path:
@@ -46,17 +92,7 @@ def resolve_tree(spec: str) -> Path:
     path_text, _, ref = spec.partition("@")
     path = Path(path_text).expanduser().resolve()
     if ref:
-        worktree = path / ".kvfuzz-worktrees" / ref.replace("/", "_")
-        if not worktree.exists():
-            done = subprocess.run(
-                ["git", "-C", str(path), "worktree", "add", "--detach", str(worktree), ref],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if done.returncode != 0:
-                raise VariantError(f"tree:{spec}: cannot check out {ref!r}: {done.stderr.strip()}")
-        path = worktree
+        path = _checkout(spec, path, ref)
     if not (path / "vllm" / "__init__.py").is_file():
         raise VariantError(
             f"tree:{spec}: {path} has no vllm/__init__.py; allowed: a vLLM checkout or an "
@@ -65,18 +101,64 @@ def resolve_tree(spec: str) -> Path:
     return path
 
 
-def _commit(tree: Path) -> str:
-    done = subprocess.run(
-        ["git", "-C", str(tree), "rev-parse", "--short=12", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=False)
+
+
+def _checkout(spec: str, repo: Path, ref: str) -> Path:
+    """The worktree of ``repo`` at REF's current commit (created or moved there)."""
+    resolved = _git(
+        "-C", str(repo), "rev-parse", "--verify", "--end-of-options", f"{ref}^{{commit}}"
     )
+    if resolved.returncode != 0:
+        raise VariantError(f"tree:{spec}: cannot check out {ref!r}: {resolved.stderr.strip()}")
+    commit = resolved.stdout.strip()
+    worktree = repo / ".kvfuzz-worktrees" / ref.replace("/", "_")
+    if not worktree.exists():
+        done = _git("-C", str(repo), "worktree", "add", "--detach", str(worktree), commit)
+    elif _commit(worktree, short=False) != commit:
+        done = _git("-C", str(worktree), "checkout", "--quiet", "--force", "--detach", commit)
+    else:
+        return worktree
+    if done.returncode != 0:
+        raise VariantError(f"tree:{spec}: cannot check out {ref!r}: {done.stderr.strip()}")
+    return worktree
+
+
+def _commit(tree: Path, *, short: bool = True) -> str:
+    done = _git("-C", str(tree), "rev-parse", *(["--short=12"] if short else []), "HEAD")
     return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _exit_text(returncode: int | None) -> str:
+    if returncode is None:
+        return "closed its output but is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"
+
+
+def _drain(pipe: IO[str], tail: collections.deque[str]) -> None:
+    for line in pipe:
+        tail.append(line.rstrip("\n"))
 
 
 class WorkerDied(RuntimeError):
     """The worker process exited (or closed its output) unexpectedly."""
+
+
+class TreeWorkerError(InternalError):
+    """A tree's worker could not start, or kvfuzz's driver failed inside it.
+
+    kvfuzz's failure (exit 3), never a finding; the message is the worker's own.
+    """
+
+    def __init__(self, message: str) -> None:
+        KvfuzzError.__init__(self, message)
 
 
 @dataclass
@@ -95,26 +177,54 @@ class TreeWorker:
     process: subprocess.Popen[str] | None = None
     vllm_version: str = ""
     capabilities: dict[str, bool] | None = None
+    stderr_tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=_STDERR_LINES)
+    )
+    _reader: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> None:
-        """Start the process and read its hello (vLLM version, capabilities)."""
+        """Start the process and read its hello (vLLM version, capabilities).
+
+        Raises:
+            InternalError: the worker died or hung while importing its vLLM
+                (the message ends with the worker's stderr).
+        """
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(self.tree), str(_ROOT), *filter(None, [env.get("PYTHONPATH")])]
         )
+        self.stderr_tail.clear()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "differential.driver.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             env=env,
             text=True,
+            encoding="utf-8",
+            errors="replace",
             bufsize=1,
         )
-        hello = self._ask({"op": "hello"}, _START_TIMEOUT_S)
-        if hello is None:
+        assert self.process.stderr is not None
+        self._reader = threading.Thread(
+            target=_drain, args=(self.process.stderr, self.stderr_tail), daemon=True
+        )
+        self._reader.start()
+        limit = start_timeout_s(self.timeout_s)
+        try:
+            hello = self._ask({"op": "hello"}, limit)
+        except WorkerDied as exc:
             self.stop()
-            raise VariantError(f"{self.name}: the worker did not start within {_START_TIMEOUT_S} s")
+            raise TreeWorkerError(
+                f"{self.name}: the worker died while importing vLLM from {self.tree}: {exc}"
+            ) from None
+        if hello is None:
+            tail = self._tail()
+            self.stop()
+            raise TreeWorkerError(
+                f"{self.name}: the worker for {self.tree} did not start within {limit:g} s "
+                f"(importing vLLM; {START_TIMEOUT_ENV} sets the limit){tail}"
+            )
         commit = _commit(self.tree)
         self.vllm_version = hello["vllm_version"] + (f" ({commit})" if commit else "")
         self.capabilities = hello["capabilities"]
@@ -124,10 +234,27 @@ class TreeWorker:
         if self.process is not None:
             self.process.kill()
             self.process.wait()
-            for pipe in (self.process.stdin, self.process.stdout):
+            if self._reader is not None:
+                self._reader.join(timeout=5)  # the pipe ends with the process
+                self._reader = None
+            for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
                 if pipe is not None:
                     pipe.close()
             self.process = None
+
+    def _tail(self, lines: int = _STDERR_LINES) -> str:
+        time.sleep(0.05)  # let the reader thread take the last lines
+        kept = list(self.stderr_tail)[-lines:]
+        return ("; its stderr ends with:\n" + "\n".join(kept)) if kept else ""
+
+    def _died(self) -> WorkerDied:
+        process = self.process
+        assert process is not None
+        try:
+            returncode = process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        return WorkerDied(f"{_exit_text(returncode)}{self._tail()}")
 
     def _ask(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
         process = self.process
@@ -135,8 +262,8 @@ class TreeWorker:
         try:
             process.stdin.write(json.dumps({"v": PROTOCOL_VERSION, **message}) + "\n")
             process.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise WorkerDied(str(exc)) from None
+        except (BrokenPipeError, OSError):
+            raise self._died() from None
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -146,13 +273,28 @@ class TreeWorker:
             if ready:
                 line = process.stdout.readline()
                 if not line:
-                    raise WorkerDied(f"exit status {process.poll()}")
-                return dict(json.loads(line))
+                    raise self._died()
+                try:
+                    reply = dict(json.loads(line))
+                except ValueError:
+                    raise TreeWorkerError(
+                        f"{self.name}: the worker broke the protocol: {line[:200]!r}"
+                    ) from None
+                if "internal_error" in reply:
+                    error = TreeWorkerError(f"{self.name}: {reply['internal_error']}")
+                    error.add_note(f"worker traceback:\n{reply.get('traceback', '')}")
+                    raise error
+                return reply
 
     def run(
         self, scenario: Scenario, *, dense: bool = False, record_cache_map: bool = False
     ) -> RunObservation:
-        """Run ``scenario`` in the worker; timeouts and deaths become runs, not errors."""
+        """Run ``scenario`` in the worker; timeouts and deaths become runs, not errors.
+
+        Raises:
+            InternalError: the worker could not start, or kvfuzz's driver
+                failed inside it (the worker's own message).
+        """
         if self.process is None:
             self.start()
         request = {
@@ -172,7 +314,7 @@ class TreeWorker:
                 self.vllm_version,
                 None,
                 (),
-                error=f"worker process died: {exc}",
+                error=f"the worker process {exc}",
                 retention_interval_tokens=retention,
             )
         if reply is None:
@@ -218,6 +360,18 @@ def run_tree(
         worker = _WORKERS[name] = TreeWorker(name, tree, timeout_s)
     worker.timeout_s = timeout_s
     return worker.run(scenario, dense=dense, record_cache_map=record_cache_map)
+
+
+def scenario_as_run(name: str, scenario: Scenario) -> Scenario:
+    """The scenario tree variant ``name`` ran for ``scenario`` (its release's equivalent).
+
+    See :func:`differential.capabilities.equivalent_scenario`; ``scenario``
+    itself before the worker has started.
+    """
+    worker = _WORKERS.get(name)
+    if worker is None or worker.capabilities is None:
+        return scenario
+    return equivalent_scenario(scenario, worker.capabilities)
 
 
 def shutdown_workers() -> None:

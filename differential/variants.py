@@ -11,6 +11,10 @@ says *how*. Built in:
   (:mod:`differential.driver.candidate`).
 * ``mutant-*`` -- ``fixed`` with one deliberate breakage, to prove the oracle
   catches it (:mod:`differential.driver.mutations`).
+* ``tree:PATH[@REF]`` -- a vLLM source tree, run in a worker process
+  (:mod:`differential.tree`).
+* ``release:X.Y.Z`` -- that vLLM release's wheel, fetched once and run as a
+  tree (:mod:`differential.releases`).
 
 New kinds of variant register a :class:`Variant` with :func:`register`; the
 ``patch`` is a ``"module:function"`` path to a context manager factory, so
@@ -19,6 +23,8 @@ this module never imports vLLM.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -29,6 +35,7 @@ __all__ = [
     "MUTANTS",
     "FixScope",
     "Variant",
+    "file_label",
     "known_variants",
     "parse_variants",
     "register",
@@ -161,14 +168,32 @@ def known_variants() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+_TREE_NAME = re.compile(r"tree:\S+")
+
+
+def file_label(name: str) -> str:
+    """``name`` (a variant or ``"a vs b"`` pair) with each tree path replaced by a short label.
+
+    ``tree:PATH[@REF]`` becomes ``tree-`` plus 8 hex digits of the name's
+    SHA-256 (stable across runs, short enough for any file name); other names
+    are unchanged.
+    """
+    return _TREE_NAME.sub(
+        lambda match: "tree-" + hashlib.sha256(match.group().encode()).hexdigest()[:8], name
+    )
+
+
 def parse_variants(text: str, *, timeout_s: float = 60.0) -> tuple[Variant, ...]:
     """Parse a comma-separated list of variant names.
 
-    ``tree:PATH[@REF]`` names a vLLM source tree; ``timeout_s`` is its
-    per-scenario timeout, in seconds.
+    ``tree:PATH[@REF]`` names a vLLM source tree, ``release:X.Y.Z`` a vLLM
+    release (its wheel fetched once into a cache folder, see
+    :mod:`differential.releases`); ``timeout_s`` is their per-scenario
+    timeout, in seconds.
 
     Raises:
-        VariantError: on an empty list, an unknown name or a repeated name.
+        VariantError: on an empty list, an unknown name or a repeated name,
+            a tree without a ``vllm`` package, a release that cannot be fetched.
     """
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
@@ -193,10 +218,27 @@ def parse_variants(text: str, *, timeout_s: float = 60.0) -> tuple[Variant, ...]
                 )
             )
             continue
+        if name.startswith("release:"):
+            from differential.releases import release_tree
+
+            version = name.removeprefix("release:")
+            if any(v.name == name for v in variants):
+                raise VariantError(f"--variants: {name!r} is listed twice")
+            path = release_tree(version)
+            variants.append(
+                Variant(
+                    name,
+                    f"vLLM {version}, the release's wheel unpacked at {path}",
+                    VariantRole.BASELINE,
+                    tree=str(path),
+                    timeout_s=timeout_s,
+                )
+            )
+            continue
         if name not in _REGISTRY:
             raise VariantError(
                 f"--variants: unknown variant {name!r}; allowed: {', '.join(_REGISTRY)}, "
-                "or tree:PATH[@REF] for a vLLM source tree"
+                "tree:PATH[@REF] for a vLLM source tree, or release:X.Y.Z for a vLLM release"
             )
         if any(v.name == name for v in variants):
             raise VariantError(f"--variants: {name!r} is listed twice")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from differential.findings import Finding
 from differential.oracle import drafter_model
 from differential.scenario import DrafterKind, Scenario
+from differential.variants import file_label
 
 __all__ = ["Signature", "coverage_keys", "signature_of"]
 
@@ -65,7 +66,8 @@ class Signature:
     @property
     def slug(self) -> str:
         """A file-name-safe, stable name: readable prefix plus a short hash."""
-        readable = re.sub(r"[^a-z0-9]+", "-", f"{self.kind} {self.variant}".lower()).strip("-")
+        label = file_label(self.variant)
+        readable = re.sub(r"[^a-z0-9]+", "-", f"{self.kind} {label}".lower())[:80].strip("-")
         digest = hashlib.sha256(self.text.encode()).hexdigest()[:10]
         return f"{readable}-{digest}"
 

@@ -91,3 +91,49 @@ HANGING_LOOKUP = {
 
 def remove(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
+
+
+BLOCK_POOL = "v1/core/block_pool.py"
+
+# vLLM works as before, but the attribute kvfuzz's driver reads to count the
+# cached blocks (BlockHashToBlockMap._cache) is renamed: the driver fails, not vLLM.
+RENAMED_BLOCK_CACHE = {
+    BLOCK_POOL: [("self._cache", "self._blocks_by_key")]
+    * (INSTALLED / BLOCK_POOL).read_text().count("self._cache")
+}
+
+INIT = "__init__.py"
+
+# vLLM raises on import, with its own message.
+RAISING_IMPORT = {
+    INIT: [
+        (
+            "# SPDX-License-Identifier: Apache-2.0\n",
+            "# SPDX-License-Identifier: Apache-2.0\n"
+            'raise RuntimeError("this vLLM build refuses to import: no libcudart")\n',
+        )
+    ]
+}
+
+# vLLM prints a banner on stdout at import, from Python and from a C-level write.
+BANNER = {
+    INIT: [
+        (
+            "# SPDX-License-Identifier: Apache-2.0\n",
+            "# SPDX-License-Identifier: Apache-2.0\n"
+            "import os as _os\n"
+            'print("Welcome to vLLM! {not json")\n'
+            '_os.write(1, b"raw banner line\\n")\n',
+        )
+    ]
+}
+
+# vLLM hangs on import.
+HANGING_IMPORT = {
+    INIT: [
+        (
+            "# SPDX-License-Identifier: Apache-2.0\n",
+            "# SPDX-License-Identifier: Apache-2.0\nimport time as _time\n\n_time.sleep(10**6)\n",
+        )
+    ]
+}

@@ -1,7 +1,10 @@
 """The vLLM driver: the only part of kvfuzz that imports vLLM.
 
-Importing this package imports vLLM (about 4.5 s); import it once per process
-and reuse it across scenarios.
+Importing this package imports nothing of vLLM: its names are loaded on first
+use (``run_variant`` and ``VLLM_VERSION`` import vLLM, about 4.5 s; import
+them once per process and reuse them across scenarios). Variant code (the
+seed fix, mutants) is imported only when a variant that uses it runs, so a
+tree worker running another vLLM release never imports it.
 """
 
 from __future__ import annotations
@@ -9,16 +12,33 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
 
-from differential.driver.fixes import FixStatus, fix_status
-from differential.driver.runner import VLLM_VERSION, run_scenario
 from differential.observation import RunObservation
 from differential.scenario import Scenario
 from differential.variants import Variant
 
+if TYPE_CHECKING:
+    from differential.driver.fixes import FixStatus, fix_status
+    from differential.driver.runner import VLLM_VERSION
+
 __all__ = ["VLLM_VERSION", "FixStatus", "fix_status", "patch_context", "run_variant"]
 
 _DENSE = None
+
+# Names loaded on first use: name -> (module, attribute).
+_LAZY = {
+    "VLLM_VERSION": ("differential.driver.runner", "VLLM_VERSION"),
+    "FixStatus": ("differential.driver.fixes", "FixStatus"),
+    "fix_status": ("differential.driver.fixes", "fix_status"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _patch_factory(variant: Variant) -> Callable[[], AbstractContextManager[None]]:
@@ -48,7 +68,12 @@ def run_variant(
             retention interval (the oracle's dense cross-check).
         record_cache_map: record which prompt blocks were cached at each
             lookup (see ``RequestObservation.cache_map``).
+
+    Raises:
+        InternalError: kvfuzz's driver failed (not vLLM).
     """
+    from differential.driver.runner import run_scenario
+
     with _patch_factory(variant)():
         if dense:
             return run_scenario(

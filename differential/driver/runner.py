@@ -14,6 +14,14 @@ Per request, in order (vLLM ``vllm/v1/core/sched/scheduler.py``
 
 The pool is sized so that no cached block is ever evicted; evictions are still
 counted (cached block keys that disappear) and reported.
+
+The driver adapts to the vLLM release it runs (features detected once per
+process, :mod:`differential.driver.features`): constructor arguments a release
+lacks are left out when their value is the release's default, and a scenario
+that needs a missing piece comes back *unsupported*, naming it. Every call
+into vLLM goes through :func:`~differential.driver.features.vllm_call`: an
+exception inside one is vLLM's (the run's ``error`` names the phase and the
+call); any other exception is kvfuzz's own failure (``InternalError``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,15 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
+from differential.capabilities import Feature
+from differential.driver.features import (
+    UnsupportedFeature,
+    VllmCallError,
+    describe,
+    has,
+    parameters,
+    vllm_call,
+)
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
 from differential.driver.trace import trace_lookups
 from differential.errors import InternalError
@@ -54,6 +71,10 @@ VLLM_VERSION: str = vllm.__version__
 
 init_none_hash(sha256)
 
+_MANAGER_PARAMETERS = parameters(KVCacheManager.__init__)
+_HASHER_PARAMETERS = parameters(get_request_block_hasher)
+_REQUEST_PARAMETERS = parameters(Request.__init__)
+
 _UNSET = object()
 
 
@@ -61,10 +82,12 @@ def _spec(block_size: int, kind: GroupKind, window: int | None, extra_retained: 
     common = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
     if kind is GroupKind.SLIDING_WINDOW:
         assert window is not None
-        return SlidingWindowSpec(
-            sliding_window=window, extra_retained_tokens=extra_retained, **common
-        )
-    return FullAttentionSpec(**common)
+        if has(Feature.EXTRA_RETAINED_TOKENS):
+            common["extra_retained_tokens"] = extra_retained
+        elif extra_retained:
+            raise UnsupportedFeature(Feature.EXTRA_RETAINED_TOKENS)
+        return vllm_call("SlidingWindowSpec", SlidingWindowSpec, sliding_window=window, **common)
+    return vllm_call("FullAttentionSpec", FullAttentionSpec, **common)
 
 
 def _pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
@@ -90,7 +113,9 @@ def _kv_cache_config(
     """
     extra_retained = max(0, resolved.num_prefill_lookahead_tokens - 1)
     groups = [
-        KVCacheGroupSpec(
+        vllm_call(
+            "KVCacheGroupSpec",
+            KVCacheGroupSpec,
             layer_names=[f"{g.kind.value}.{i}"],
             kv_cache_spec=_spec(
                 g.block_size_tokens, g.kind, g.sliding_window_tokens, extra_retained
@@ -98,11 +123,18 @@ def _kv_cache_config(
         )
         for i, g in enumerate(scenario.kv_cache_groups)
     ]
-    return KVCacheConfig(
+    optional = {}
+    if has(Feature.RETENTION_INTERVAL):
+        optional["prefix_cache_retention_interval"] = retention
+    elif retention is not None:
+        raise UnsupportedFeature(Feature.RETENTION_INTERVAL)
+    return vllm_call(
+        "KVCacheConfig",
+        KVCacheConfig,
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=groups,
-        prefix_cache_retention_interval=retention,
+        **optional,
     )
 
 
@@ -121,7 +153,12 @@ def _cache_map(scenario: Scenario, manager: KVCacheManager, request: Request) ->
         step = group.block_size_tokens // hash_block
         marks = []
         for index in range(len(hashes) // step):
-            cached = manager.block_pool.get_cached_block(hashes[(index + 1) * step - 1], [gid])
+            cached = vllm_call(
+                "BlockPool.get_cached_block",
+                manager.block_pool.get_cached_block,
+                hashes[(index + 1) * step - 1],
+                [gid],
+            )
             marks.append("1" if cached else "0")
         maps.append("".join(marks))
     return tuple(maps)
@@ -157,8 +194,14 @@ def run_scenario(
             blocks were cached when it looked up (for ``kvfuzz explain``).
 
     Returns:
-        The observation. If vLLM raised, ``error`` names the phase and the
-        exception and ``requests`` holds the requests completed before it.
+        The observation. If vLLM raised, ``error`` names the phase, the vLLM
+        call and the exception, and ``requests`` holds the requests completed
+        before it. If the scenario needs a feature this vLLM lacks,
+        ``unsupported`` names it and nothing ran.
+
+    Raises:
+        InternalError: kvfuzz's driver failed (an exception outside vLLM's
+            calls), naming the phase.
     """
     retention = (
         scenario.retention_interval_tokens
@@ -177,7 +220,18 @@ def run_scenario(
         num_groups = len(scenario.kv_cache_groups)
         longest = max(r.prompt_tokens for r in scenario.requests)
         max_model_len = longest + scenario.decode_steps + resolved.num_lookahead_tokens + 1
-        manager = KVCacheManager(
+        if not has(Feature.SCHEDULER_BLOCK_SIZE):
+            raise UnsupportedFeature(Feature.SCHEDULER_BLOCK_SIZE)
+        optional: dict[str, int] = {}
+        if "num_hash_lookahead_tokens" in _MANAGER_PARAMETERS:
+            optional["num_hash_lookahead_tokens"] = resolved.num_hash_lookahead_tokens
+        if has(Feature.PREFILL_LOOKAHEAD):
+            optional["num_prefill_lookahead"] = resolved.num_prefill_lookahead_tokens
+        elif resolved.num_prefill_lookahead_tokens:
+            raise UnsupportedFeature(Feature.PREFILL_LOOKAHEAD)
+        manager = vllm_call(
+            "KVCacheManager",
+            KVCacheManager,
             kv_cache_config=_kv_cache_config(
                 scenario, resolved, _pool_blocks(scenario, resolved), retention
             ),
@@ -186,8 +240,7 @@ def run_scenario(
             hash_block_size=scenario.effective_hash_block_size_tokens,
             enable_caching=True,
             use_eagle=resolved.use_eagle_block_drop,
-            num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
-            num_prefill_lookahead=resolved.num_prefill_lookahead_tokens,
+            **optional,
         )
         coordinator = manager.coordinator
         alignment = getattr(
@@ -202,10 +255,17 @@ def run_scenario(
             hash_block_size_tokens=manager.block_pool.hash_block_size,
             partial_hash_hits=bool(getattr(coordinator, "enable_partial_hash_hits", False)),
         )
-        hasher = get_request_block_hasher(
+        hash_lookahead = (
+            (resolved.num_hash_lookahead_tokens,)
+            if "num_hash_lookahead_tokens" in _HASHER_PARAMETERS
+            else ()
+        )
+        hasher = vllm_call(
+            "get_request_block_hasher",
+            get_request_block_hasher,
             scenario.effective_hash_block_size_tokens,
             sha256,
-            resolved.num_hash_lookahead_tokens,
+            *hash_lookahead,
         )
         # Scheduler._reserve_prefill_lookahead reads only this attribute.
         scheduler_view = SimpleNamespace(
@@ -216,12 +276,19 @@ def run_scenario(
             zip(scenario.requests, scenario.prompts, strict=True)
         ):
             phase[0] = f"request {index}: lookup"
-            request = Request(
-                request_id=f"req-{index}",
-                prompt_token_ids=list(prompt),
-                sampling_params=SamplingParams(max_tokens=scenario.decode_steps + 1),
-                pooling_params=None,
-                block_hasher=hasher,
+            request_args = {
+                "request_id": f"req-{index}",
+                "prompt_token_ids": list(prompt),
+                "sampling_params": vllm_call(
+                    "SamplingParams", SamplingParams, max_tokens=scenario.decode_steps + 1
+                ),
+                "pooling_params": None,
+                "block_hasher": hasher,
+            }
+            request = vllm_call(
+                "Request",
+                Request,
+                **{k: v for k, v in request_args.items() if k in _REQUEST_PARAMETERS},
             )
             before = _cached_keys(manager)
             cache_map = _cache_map(scenario, manager, request) if record_cache_map else ()
@@ -231,13 +298,20 @@ def run_scenario(
                 # hashes make shorter than the prompt, as the combined lookup's
                 # full-attention bound does.
                 hashed = len(request.block_hashes) * scenario.effective_hash_block_size_tokens
-                _, per_group = coordinator.find_longest_cache_hit_per_group(
-                    request.block_hashes, min(request.num_tokens - 1, hashed)
+                _, per_group = vllm_call(
+                    "KVCacheCoordinator.find_longest_cache_hit_per_group",
+                    coordinator.find_longest_cache_hit_per_group,
+                    request.block_hashes,
+                    min(request.num_tokens - 1, hashed),
                 )
             else:
                 per_group = ()
-            with trace_lookups(coordinator) as lookup:
-                blocks, hit, junction = manager.get_computed_blocks(request)
+            with trace_lookups(coordinator) as traced:
+                lookup = vllm_call(
+                    "KVCacheManager.get_computed_blocks", manager.get_computed_blocks, request
+                )
+            # Releases without junction pinning return (blocks, hit tokens).
+            blocks, hit, junction = (*lookup, 0) if len(lookup) == 2 else lookup
             request.shared_prefix_boundary = junction
             if not per_group:
                 per_group = (hit,) * num_groups
@@ -247,12 +321,15 @@ def run_scenario(
             while computed < spec.prompt_tokens:
                 phase[0] = f"request {index}: prefill allocate_slots at {computed} tokens"
                 num_new = min(scenario.prefill_chunk_tokens, spec.prompt_tokens - computed)
-                num_new = Scheduler._reserve_prefill_lookahead(
-                    scheduler_view,  # type: ignore[arg-type]
-                    request,
-                    computed,
-                    num_new,
-                )
+                if has(Feature.PREFILL_LOOKAHEAD):
+                    num_new = vllm_call(
+                        "Scheduler._reserve_prefill_lookahead",
+                        Scheduler._reserve_prefill_lookahead,
+                        scheduler_view,  # type: ignore[arg-type]
+                        request,
+                        computed,
+                        num_new,
+                    )
                 if num_new == 0:
                     raise InternalError(
                         f"prefill stalled at {computed} tokens: chunk "
@@ -260,7 +337,9 @@ def run_scenario(
                         f"lookahead of {resolved.num_prefill_lookahead_tokens} tokens"
                     )
                 if first:
-                    allocated = manager.allocate_slots(
+                    allocated = vllm_call(
+                        "KVCacheManager.allocate_slots",
+                        manager.allocate_slots,
                         request,
                         num_new,
                         num_new_computed_tokens=hit,
@@ -270,8 +349,12 @@ def run_scenario(
                     request.status = RequestStatus.RUNNING
                     first = False
                 else:
-                    allocated = manager.allocate_slots(
-                        request, num_new, num_lookahead_tokens=resolved.num_lookahead_tokens
+                    allocated = vllm_call(
+                        "KVCacheManager.allocate_slots",
+                        manager.allocate_slots,
+                        request,
+                        num_new,
+                        num_lookahead_tokens=resolved.num_lookahead_tokens,
                     )
                 if allocated is None:
                     raise InternalError(f"the block pool ran out at {computed} tokens")
@@ -279,16 +362,24 @@ def run_scenario(
                 request.num_computed_tokens = computed
             for step in range(scenario.decode_steps):
                 phase[0] = f"request {index}: decode step {step}"
-                request.append_output_token_ids(scenario.output_token(index, step))
-                allocated = manager.allocate_slots(
-                    request, 1, num_lookahead_tokens=resolved.num_lookahead_tokens
+                vllm_call(
+                    "Request.append_output_token_ids",
+                    request.append_output_token_ids,
+                    scenario.output_token(index, step),
+                )
+                allocated = vllm_call(
+                    "KVCacheManager.allocate_slots",
+                    manager.allocate_slots,
+                    request,
+                    1,
+                    num_lookahead_tokens=resolved.num_lookahead_tokens,
                 )
                 if allocated is None:
                     raise InternalError(f"the block pool ran out at decode step {step}")
                 computed += 1
                 request.num_computed_tokens = computed
             phase[0] = f"request {index}: free"
-            manager.free(request)
+            vllm_call("KVCacheManager.free", manager.free, request)
             after = _cached_keys(manager)
             evicted += sum((seen - after).values())
             seen = after
@@ -309,13 +400,26 @@ def run_scenario(
                     per_group_hit_tokens=tuple(per_group),
                     retained_blocks_per_group=tuple(added),
                     cache_map=cache_map,
-                    lookup=tuple(lookup),
+                    lookup=tuple(traced),
                 )
             )
+    except UnsupportedFeature as missing:
+        return RunObservation(
+            variant=variant,
+            vllm_version=VLLM_VERSION,
+            settings=None,
+            requests=(),
+            retention_interval_tokens=retention,
+            unsupported=describe(missing.feature),
+        )
+    except VllmCallError as exc:  # vLLM raised: a finding, not our failure.
+        error = f"{phase[0]}: {exc}"
     except InternalError:
         raise
-    except Exception as exc:  # vLLM raised: a finding, not our failure.
-        error = f"{phase[0]}: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # kvfuzz's driver failed: never a finding.
+        raise InternalError(
+            f"the driver failed at {phase[0]!r} on vLLM {VLLM_VERSION}: {type(exc).__name__}: {exc}"
+        ) from exc
     return RunObservation(
         variant=variant,
         vllm_version=VLLM_VERSION,

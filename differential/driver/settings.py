@@ -13,6 +13,12 @@ vLLM code modelled: ``vllm/config/speculative.py`` (``use_eagle``,
 ``num_prefill_lookahead_tokens``, ``num_hash_lookahead_tokens``) and
 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__`` (lookahead hashes
 clear the drop).
+
+A release without lookahead hashes (``VllmConfig.num_hash_lookahead_tokens``)
+hashes 0 tokens ahead and keeps the drop, as its scheduler did; one without
+``SpeculativeConfig.use_eagle_block_drop`` drops whenever ``use_eagle()``
+(and cannot honour ``disable_eagle_block_drop``). Features are detected once
+per process (:mod:`differential.driver.features`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Any
 from vllm.config import CacheConfig, SpeculativeConfig, VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
 
+from differential.capabilities import Feature
+from differential.driver.features import UnsupportedFeature, has, vllm_call
 from differential.scenario import DrafterKind, Scenario
 
 __all__ = ["ResolvedDrafter", "resolve_drafter"]
@@ -96,17 +104,22 @@ def resolve_drafter(scenario: Scenario) -> ResolvedDrafter:
     """Ask vLLM's config classes how the scenario's drafter reaches the manager.
 
     Raises:
-        AttributeError, TypeError: if the installed vLLM's config properties
-            need fields this function does not provide (a vLLM API change);
-            the driver reports it as a crash of the run.
+        VllmCallError: one of vLLM's config calls raised (named in the error).
+        UnsupportedFeature: the scenario disables the EAGLE drop and the
+            release has no ``disable_eagle_block_drop``.
     """
     speculative = _speculative_config(scenario)
     vllm_config = object.__new__(VllmConfig)
     view = {
         "speculative_config": speculative,
-        "cache_config": CacheConfig(enable_prefix_caching=True),
+        "cache_config": vllm_call("CacheConfig", CacheConfig, enable_prefix_caching=True),
         "kv_transfer_config": (
-            KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+            vllm_call(
+                "KVTransferConfig",
+                KVTransferConfig,
+                kv_connector="ExampleConnector",
+                kv_role="kv_both",
+            )
             if scenario.kv_connector
             else None
         ),
@@ -115,14 +128,40 @@ def resolve_drafter(scenario: Scenario) -> ResolvedDrafter:
     for name, value in view.items():
         object.__setattr__(vllm_config, name, value)
 
-    use_drop = speculative.use_eagle_block_drop() if speculative is not None else False
-    num_hash_lookahead = vllm_config.num_hash_lookahead_tokens
+    use_drop = False
+    if speculative is not None:
+        if has(Feature.EAGLE_BLOCK_DROP_CONFIG):
+            use_drop = vllm_call(
+                "SpeculativeConfig.use_eagle_block_drop", speculative.use_eagle_block_drop
+            )
+        elif scenario.disable_eagle_block_drop:
+            raise UnsupportedFeature(Feature.EAGLE_BLOCK_DROP_CONFIG)
+        else:
+            use_drop = vllm_call("SpeculativeConfig.use_eagle", speculative.use_eagle)
+    num_hash_lookahead = 0
+    if has(Feature.LOOKAHEAD_HASHES):
+        num_hash_lookahead = vllm_call(
+            "VllmConfig.num_hash_lookahead_tokens",
+            lambda: vllm_config.num_hash_lookahead_tokens,
+        )
     if num_hash_lookahead:
         # Scheduler.__init__: lookahead hashes prove the boundary token.
         use_drop = False
+    if not has(Feature.LOOKAHEAD_SLOTS_CONFIG):
+        raise UnsupportedFeature(Feature.LOOKAHEAD_SLOTS_CONFIG)
+    num_prefill_lookahead = 0  # no drafter: nothing read ahead
+    if speculative is not None:
+        if not has(Feature.PREFILL_LOOKAHEAD_CONFIG):
+            raise UnsupportedFeature(Feature.PREFILL_LOOKAHEAD_CONFIG)
+        num_prefill_lookahead = vllm_call(
+            "VllmConfig.num_prefill_lookahead_tokens",
+            lambda: vllm_config.num_prefill_lookahead_tokens,
+        )
     return ResolvedDrafter(
         use_eagle_block_drop=use_drop,
         num_hash_lookahead_tokens=num_hash_lookahead,
-        num_lookahead_tokens=vllm_config.num_lookahead_tokens,
-        num_prefill_lookahead_tokens=vllm_config.num_prefill_lookahead_tokens,
+        num_lookahead_tokens=vllm_call(
+            "VllmConfig.num_lookahead_tokens", lambda: vllm_config.num_lookahead_tokens
+        ),
+        num_prefill_lookahead_tokens=num_prefill_lookahead,
     )

@@ -7,73 +7,45 @@ then serves requests, one JSON object per line (protocol version 1):
 * in ``{"v": 1, "op": "hello"}`` -> out ``{"v": 1, "vllm_version": ..., "capabilities": {...}}``
 * in ``{"v": 1, "op": "run", "variant": NAME, "scenario": {...}, "dense": bool,
   "record_cache_map": bool}`` -> out ``{"v": 1, "run": <RunObservation dict>}``
+* a failure of kvfuzz's own driver code -> out ``{"v": 1, "internal_error": MESSAGE,
+  "traceback": TEXT}`` (the parent raises ``InternalError`` with MESSAGE)
 
-A scenario that needs a feature the tree lacks is answered with a run whose
-``unsupported`` field names the missing piece; it is never run.
+Before vLLM is imported, the protocol's stdout is moved to a private file
+descriptor and file descriptor 1 is pointed at stderr, so a banner or any
+other print of vLLM (Python or C) cannot corrupt the protocol. The parent
+keeps the tail of stderr and shows it when the worker dies.
+
+The scenario each run uses is the one the release means for the scenario's
+intent (:func:`differential.capabilities.equivalent_scenario`); one that
+needs a feature the tree lacks is answered with a run whose ``unsupported``
+field names the missing piece (the driver decides, see
+:mod:`differential.driver.runner`).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
+import os
 import sys
-from typing import Any
+import traceback
+from typing import IO, Any
 
 PROTOCOL_VERSION = 1
 
 
 def capabilities() -> dict[str, bool]:
-    """Which prefix-cache features the importable vLLM has."""
-    from vllm.config import SpeculativeConfig
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
+    """Which prefix-cache features the importable vLLM has (feature name -> present)."""
+    from differential.driver.features import detect
 
-    manager = inspect.signature(KVCacheManager.__init__).parameters
-    hasher = inspect.signature(kv_cache_utils.get_request_block_hasher).parameters
-    return {
-        "retention_interval": "prefix_cache_retention_interval"
-        in getattr(KVCacheConfig, "__dataclass_fields__", {}),
-        "lookahead_hashes": "num_hash_lookahead_tokens" in manager
-        and "num_hash_lookahead_tokens" in hasher,
-        "prefill_lookahead": "num_prefill_lookahead" in manager,
-        "scheduler_block_size": "scheduler_block_size" in manager and "hash_block_size" in manager,
-        "eagle_block_drop_config": hasattr(SpeculativeConfig, "use_eagle_block_drop"),
-        "extra_retained_tokens": "extra_retained_tokens"
-        in getattr(SlidingWindowSpec, "__dataclass_fields__", {}),
-    }
+    return dict(detect())
 
 
-_NEEDS = {
-    "scheduler_block_size": "KVCacheManager(scheduler_block_size=, hash_block_size=)",
-    "prefill_lookahead": "KVCacheManager(num_prefill_lookahead=)",
-    "eagle_block_drop_config": "SpeculativeConfig.use_eagle_block_drop",
-    "lookahead_hashes": "lookahead block hashes (num_hash_lookahead_tokens)",
-    "retention_interval": "KVCacheConfig.prefix_cache_retention_interval",
-    "extra_retained_tokens": "SlidingWindowSpec.extra_retained_tokens",
-}
-
-
-def missing_feature(scenario: Any, caps: dict[str, bool], dense: bool) -> str | None:
-    """The first feature ``scenario`` needs that the tree lacks, or ``None``."""
-    needed = ["scheduler_block_size", "prefill_lookahead", "eagle_block_drop_config"]
-    if scenario.retention_interval_tokens is not None and not dense:
-        needed.append("retention_interval")
-    if scenario.drafter.kind.value != "none" and not scenario.disable_lookahead_block_hashes:
-        needed.append("lookahead_hashes")
-    if scenario.drafter.kind.value == "multi_module_mtp":
-        needed.append("extra_retained_tokens")
-    for feature in needed:
-        if not caps.get(feature, False):
-            return _NEEDS[feature]
-    return None
-
-
-def _serve(stdin: Any, stdout: Any) -> None:
+def _serve(stdin: IO[str], stdout: IO[str]) -> None:
     import vllm
 
+    from differential.capabilities import equivalent_scenario
     from differential.driver.runner import run_scenario
-    from differential.observation import RunObservation
+    from differential.errors import InternalError
     from differential.scenario import Scenario
 
     caps = capabilities()
@@ -83,39 +55,47 @@ def _serve(stdin: Any, stdout: Any) -> None:
         stdout.flush()
 
     for line in stdin:
-        request = json.loads(line)
-        if request.get("v") != PROTOCOL_VERSION:
-            reply({"error": f"protocol version {request.get('v')!r} unsupported"})
-            continue
-        if request["op"] == "hello":
-            reply({"vllm_version": vllm.__version__, "capabilities": caps})
-        elif request["op"] == "run":
-            scenario = Scenario.from_dict(request["scenario"])
-            dense = bool(request.get("dense"))
-            lacking = missing_feature(scenario, caps, dense)
-            if lacking is not None:
-                run = RunObservation(
-                    variant=request["variant"],
-                    vllm_version=vllm.__version__,
-                    settings=None,
-                    requests=(),
-                    unsupported=lacking,
-                )
-            else:
+        try:
+            request = json.loads(line)
+            if request.get("v") != PROTOCOL_VERSION:
+                raise InternalError(f"protocol version {request.get('v')!r} unsupported")
+            if request["op"] == "hello":
+                reply({"vllm_version": vllm.__version__, "capabilities": caps})
+            elif request["op"] == "run":
+                scenario = equivalent_scenario(Scenario.from_dict(request["scenario"]), caps)
                 kwargs: dict[str, Any] = {"record_cache_map": bool(request.get("record_cache_map"))}
-                if dense:
+                if request.get("dense"):
                     kwargs["retention_interval_tokens"] = None
                 run = run_scenario(scenario, request["variant"], **kwargs)
-            reply({"run": run.to_dict()})
-        elif request["op"] == "exit":
-            return
+                reply({"run": run.to_dict()})
+            elif request["op"] == "exit":
+                return
+            else:
+                raise InternalError(f"unknown op {request['op']!r}")
+        except Exception as exc:  # kvfuzz's own failure: reported, never a finding
+            message = (
+                str(exc)
+                if isinstance(exc, InternalError)
+                else (
+                    f"kvfuzz internal error (please report): the worker failed: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+            )
+            reply({"internal_error": message, "traceback": traceback.format_exc()})
 
 
 def main() -> None:
-    """Serve requests on stdin/stdout until EOF or an ``exit`` request."""
-    real_stdout = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's own prints must not corrupt the protocol
-    _serve(sys.stdin, real_stdout)
+    """Serve requests on stdin until EOF or an ``exit`` request.
+
+    Protocol messages go to the original stdout, duplicated to a private file
+    descriptor; file descriptor 1 (and ``sys.stdout``) point at stderr from
+    here on.
+    """
+    sys.stdout.flush()
+    protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _serve(sys.stdin, protocol)
 
 
 if __name__ == "__main__":

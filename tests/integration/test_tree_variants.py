@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
 from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
-from differential.errors import VariantError
-from differential.tree import resolve_tree, run_tree, shutdown_workers
+from differential.errors import InternalError, VariantError
+from differential.tree import _WORKERS, resolve_tree, run_tree, shutdown_workers
 from differential.variants import parse_variants
-from tests.factories import CORPORA, triton
-from tests.trees import BROKEN_MASK, HANGING_LOOKUP, SEED_FIX, make_tree
+from tests.factories import CORPORA, kvfuzz_cli, triton
+from tests.trees import (
+    BANNER,
+    BROKEN_MASK,
+    HANGING_IMPORT,
+    HANGING_LOOKUP,
+    RAISING_IMPORT,
+    RENAMED_BLOCK_CACHE,
+    SEED_FIX,
+    make_tree,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -92,7 +104,8 @@ def test_missing_feature_is_unsupported_not_a_finding(tmp_path: Path) -> None:
     result = compare_variants(triton(), variants, dense_cross_check=False)
     assert result.findings == ()
     assert result.notices == (
-        f"tree:{old}: unsupported: KVCacheConfig.prefix_cache_retention_interval",
+        f"tree:{old}: unsupported: KVCacheConfig.prefix_cache_retention_interval "
+        "(vllm/v1/kv_cache_interface.py)",
     )
     shutdown_workers()
 
@@ -108,3 +121,100 @@ def test_tree_paths_and_git_refs(tmp_path: Path) -> None:
     worktree = resolve_tree(f"{repo}@HEAD")
     assert worktree == repo / ".kvfuzz-worktrees" / "HEAD"
     assert (worktree / "vllm" / "__init__.py").is_file()
+
+    # A new commit on the branch is used the next time the variant is resolved.
+    def head(path: Path) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+        return done.stdout.strip()
+
+    branch = subprocess.run(
+        [*git, "branch", "--show-current"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    first = resolve_tree(f"{repo}@{branch}")
+    assert head(first) == head(repo)
+    (repo / "marker.txt").write_text("second commit\n")
+    subprocess.run([*git, "add", "marker.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "second"], check=True)
+    again = resolve_tree(f"{repo}@{branch}")
+    assert again == first
+    assert head(again) == head(repo)
+    assert (again / "marker.txt").read_text() == "second commit\n"
+
+
+def test_driver_failure_in_a_worker_exits_3_with_the_workers_message(tmp_path: Path) -> None:
+    broken = make_tree(tmp_path / "renamed", RENAMED_BLOCK_CACHE)
+    with pytest.raises(InternalError, match=r"_cache") as caught:
+        run_tree("tree:renamed", broken, triton(), timeout_s=60)
+    message = str(caught.value)
+    assert message.startswith("tree:renamed: kvfuzz internal error (please report): ")
+    assert "the driver failed at 'request 0: lookup'" in message
+    assert "AttributeError: 'BlockHashToBlockMap' object has no attribute '_cache'" in message
+    shutdown_workers()
+    proc = kvfuzz_cli(
+        "replay",
+        str(CORPORA / "seeds" / "triton-mtp3-swa16-fa32-r8192.json"),
+        "--variants",
+        f"tree:{broken}",
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "object has no attribute '_cache'" in proc.stderr
+    assert "fallback" not in proc.stdout and "crash" not in proc.stdout
+
+
+def test_vllm_raising_on_import_shows_its_own_message(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "raising", RAISING_IMPORT)
+    with pytest.raises(InternalError) as caught:
+        run_tree("tree:raising", tree, triton(), timeout_s=60)
+    message = str(caught.value)
+    assert "the worker died while importing vLLM" in message
+    assert "exited with status 1" in message
+    assert "RuntimeError: this vLLM build refuses to import: no libcudart" in message
+    proc = kvfuzz_cli(
+        "replay",
+        str(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"),
+        "--variants",
+        f"tree:{tree}",
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "refuses to import: no libcudart" in proc.stderr
+
+
+def test_a_banner_on_stdout_does_not_break_the_protocol(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "banner", BANNER)
+    run = run_tree("tree:banner", tree, triton(), timeout_s=60)
+    assert run.error is None and run.hits == (0, 8192, 16352, 16352)
+    assert "Welcome to vLLM! {not json" in "\n".join(_WORKERS["tree:banner"].stderr_tail)
+    shutdown_workers()
+
+
+def test_start_up_timeout_is_adjustable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = make_tree(tmp_path / "hanging-import", HANGING_IMPORT)
+    monkeypatch.setenv("KVFUZZ_TREE_START_TIMEOUT", "2")
+    limit = r"did not start within 2 s .*KVFUZZ_TREE_START_TIMEOUT"
+    with pytest.raises(InternalError, match=limit):
+        run_tree("tree:hanging-import", tree, triton(), timeout_s=1)
+    monkeypatch.setenv("KVFUZZ_TREE_START_TIMEOUT", "soon")
+    with pytest.raises(VariantError, match=r"KVFUZZ_TREE_START_TIMEOUT = 'soon' is invalid"):
+        run_tree("tree:hanging-import-2", tree, triton(), timeout_s=1)
+
+
+def test_a_worker_killed_mid_run_says_so(trees) -> None:
+    scenario = triton()
+    name = "tree:hang-killed"
+    run_tree(name, trees["stock"], scenario, timeout_s=60)  # started, vLLM imported
+    worker = _WORKERS[name]
+    worker.tree = trees["hang"]
+    worker.stop()  # the next run restarts it on the hanging tree
+    worker.start()
+    assert worker.process is not None
+    pid = worker.process.pid
+    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    run = run_tree(name, trees["hang"], scenario, timeout_s=60)
+    killer.join()
+    assert run.error is not None and run.error.startswith(
+        "the worker process was killed by SIGKILL"
+    )
+    assert "None" not in run.error

@@ -189,9 +189,7 @@ def test_a_single_group_pins_no_junction() -> None:
         disable_lookahead_block_hashes=True,
         prefill_chunk_tokens=16,
     )
-    findings = judge_run(
-        scenario, run([0, 16, 16], settings=ManagerSettings(False, 0, 0, 0, 8))
-    )[1]
+    findings = judge_run(scenario, run([0, 16, 16], settings=ManagerSettings(False, 0, 0, 0, 8)))[1]
     assert 24 not in judge_run(scenario, run([0, 16, 16]), Policy.RETAINED)[0][2].checkpoints
     assert [f.known_issue for f in label_known(scenario, findings)] == [
         "unit-below-retained-boundary-falls-back"

@@ -1,0 +1,380 @@
+"""``kvfuzz diff A B``: what changed in prefix-cache behaviour between two variants.
+
+Runs every scenario of a corpus and a bounded campaign (the fuzz generator,
+:func:`fuzz.strategies.scenarios`, driven by bytes from ``random.Random(seed)``
+as in ``kvfuzz fuzz``) on both variants, each judged by the oracle, and
+groups what differs by root cause:
+
+* **hits** -- a sibling's hit differs; the cause names the protection each side
+  ran with (EAGLE drop, lookahead hashes, none: read off vLLM's resolved
+  settings) and the oracle's blame (which side it flags, with the finding kind);
+* **cost** -- the same hits, different blocks kept (per group, summed);
+* **findings** -- an oracle finding on one side only, for the same sibling;
+* **unsupported** -- scenarios one side cannot run, by missing feature.
+
+Both variants take part as baselines (neither is labelled fixed), so
+``fixed`` or a mutant may be diffed too. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from differential.compare import ScenarioResult, VariantResult, compare_variants
+from differential.findings import Policy
+from differential.observation import ManagerSettings
+from differential.scenario import Scenario
+from differential.variants import Variant, VariantRole
+
+__all__ = ["ChangeKind", "DiffReport", "run_diff"]
+
+_BUFFER_SIZES = (512, 2048, 8192)
+_EXAMPLES_SHOWN = 2
+
+
+class ChangeKind(StrEnum):
+    """What differs between the two variants."""
+
+    HITS = "hits"
+    COST = "cost"
+    FINDINGS = "findings"
+    UNSUPPORTED = "unsupported"
+
+
+_TITLES = {
+    ChangeKind.HITS: "hits that differ",
+    ChangeKind.COST: "blocks kept that differ (same hits)",
+    ChangeKind.FINDINGS: "oracle findings on one side only (same hits)",
+    ChangeKind.UNSUPPORTED: "scenarios one side cannot run",
+}
+
+
+@dataclass(frozen=True)
+class Change:
+    """One difference, for one sibling (or one whole scenario when unsupported).
+
+    Attributes:
+        kind: what differs.
+        cause: the root-cause group it belongs to (one line).
+        scenario: where the scenario came from (a file, or ``generated #N``).
+        request: the sibling's index, or ``None`` for a whole scenario.
+        detail: the figures (hits in tokens, blocks kept per group).
+        drafter: the scenario's drafter kind.
+        extra_blocks: blocks kept on B minus blocks kept on A (all groups).
+    """
+
+    kind: ChangeKind
+    cause: str
+    scenario: str
+    request: int | None
+    detail: str
+    drafter: str = "none"
+    extra_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    """Everything ``kvfuzz diff`` found.
+
+    Attributes:
+        a, b: the two variant names (A is the "before").
+        versions: variant name -> the vLLM version it ran.
+        corpus_scenarios: scenarios replayed from the corpus.
+        generated_scenarios: scenarios the campaign generated.
+        seed: the campaign's seed.
+        changes: every difference, in the order found.
+    """
+
+    a: str
+    b: str
+    versions: dict[str, str]
+    corpus_scenarios: int
+    generated_scenarios: int
+    seed: int
+    changes: tuple[Change, ...]
+
+    def groups(self) -> list[tuple[ChangeKind, str, list[Change]]]:
+        """Changes grouped by (kind, cause), kinds in :class:`ChangeKind` order,
+        larger groups first."""
+        buckets: dict[tuple[ChangeKind, str], list[Change]] = {}
+        for change in self.changes:
+            buckets.setdefault((change.kind, change.cause), []).append(change)
+        order = list(ChangeKind)
+        ranked = sorted(
+            buckets.items(), key=lambda item: (order.index(item[0][0]), -len(item[1]), item[0][1])
+        )
+        return [(kind, cause, changes) for (kind, cause), changes in ranked]
+
+    def render(self) -> str:
+        """The report as text."""
+        lines = [
+            f"kvfuzz diff {self.a} -> {self.b}: {self.corpus_scenarios} corpus scenario(s) "
+            f"+ {self.generated_scenarios} generated (seed {self.seed})",
+            "  "
+            + ", ".join(f"{name} runs vLLM {version}" for name, version in self.versions.items()),
+        ]
+        if not self.changes:
+            lines.append("no differences")
+            return "\n".join(lines) + "\n"
+        current: ChangeKind | None = None
+        for kind, cause, changes in self.groups():
+            if kind is not current:
+                total = sum(1 for c in self.changes if c.kind is kind)
+                scenarios = len({c.scenario for c in self.changes if c.kind is kind})
+                unit = "scenario(s)" if kind is ChangeKind.UNSUPPORTED else "sibling(s)"
+                count = (
+                    f"{scenarios} {unit}"
+                    if kind is ChangeKind.UNSUPPORTED
+                    else (f"{total} {unit} in {scenarios} scenario(s)")
+                )
+                lines.append(f"{_TITLES[kind]}: {count}")
+                current = kind
+            scenarios = len({c.scenario for c in changes})
+            drafters = ", ".join(sorted({c.drafter for c in changes}))
+            cost = ""
+            if kind is ChangeKind.COST:
+                more = sum(1 for c in changes if c.extra_blocks > 0)
+                blocks = sum(c.extra_blocks for c in changes)
+                cost = (
+                    f"; {blocks:+d} blocks kept on {self.b} in all, more on {more}, "
+                    f"fewer on {len(changes) - more} sibling(s)"
+                )
+            lines.append(
+                f"  [{len(changes)} in {scenarios} scenario(s); drafters {drafters}{cost}] {cause}"
+            )
+            for change in changes[:_EXAMPLES_SHOWN]:
+                where = change.scenario + (
+                    f" request {change.request}" if change.request is not None else ""
+                )
+                lines.append(f"      e.g. {where}: {change.detail}")
+        return "\n".join(lines) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (``format: kvfuzz.diff``, version 1)."""
+        return {
+            "format": "kvfuzz.diff",
+            "version": 1,
+            "a": self.a,
+            "b": self.b,
+            "versions": self.versions,
+            "corpus_scenarios": self.corpus_scenarios,
+            "generated_scenarios": self.generated_scenarios,
+            "seed": self.seed,
+            "groups": [
+                {
+                    "kind": kind.value,
+                    "cause": cause,
+                    "count": len(changes),
+                    "changes": [
+                        {
+                            "scenario": c.scenario,
+                            "drafter": c.drafter,
+                            "request": c.request,
+                            "detail": c.detail,
+                            "extra_blocks": c.extra_blocks,
+                        }
+                        for c in changes
+                    ],
+                }
+                for kind, cause, changes in self.groups()
+            ],
+        }
+
+
+def _protection(settings: ManagerSettings | None) -> str:
+    if settings is None:
+        return "?"
+    if settings.use_eagle_block_drop:
+        return "EAGLE drop"
+    if settings.num_hash_lookahead_tokens:
+        return "lookahead hashes"
+    return "no drop"
+
+
+def _flags(result: VariantResult, request: int) -> list[str]:
+    return sorted({f.kind.value for f in result.findings if f.request == request})
+
+
+def _setting_text(scenario: Scenario) -> str:
+    drafter = scenario.drafter.kind.value
+    retention = scenario.retention_interval_tokens
+    kept = "dense" if retention is None else f"R={retention}"
+    swa = len(scenario.sliding_window_groups)
+    return f"drafter {drafter}, {kept}, {swa} SWA group(s)"
+
+
+def changes_of(result: ScenarioResult, label: str) -> list[Change]:
+    """The differences between the two variants of a :func:`compare_variants` result."""
+    ra, rb = result.results
+    a, b = ra.variant.name, rb.variant.name
+    scenario = result.scenario
+    out: list[Change] = []
+    for side, other in ((ra, rb), (rb, ra)):
+        if side.run.unsupported is not None and other.run.unsupported is None:
+            out.append(
+                Change(
+                    ChangeKind.UNSUPPORTED,
+                    f"{side.variant.name} lacks {side.run.unsupported}",
+                    label,
+                    None,
+                    _setting_text(scenario),
+                    scenario.drafter.kind.value,
+                )
+            )
+    if ra.run.unsupported is not None or rb.run.unsupported is not None:
+        return out
+    drafter = scenario.drafter.kind.value
+    protection_a, protection_b = _protection(ra.run.settings), _protection(rb.run.settings)
+    protection = (
+        f"{protection_a} on both"
+        if protection_a == protection_b
+        else f"{protection_a} on {a}, {protection_b} on {b}"
+    )
+    for xa, xb in zip(ra.run.requests, rb.run.requests, strict=False):
+        j = xa.index
+        flags_a, flags_b = _flags(ra, j), _flags(rb, j)
+        blocks = (
+            f"blocks kept per group {list(xa.retained_blocks_per_group)} on {a}, "
+            f"{list(xb.retained_blocks_per_group)} on {b}"
+        )
+        extra = sum(xb.retained_blocks_per_group) - sum(xa.retained_blocks_per_group)
+        if xa.hit_tokens != xb.hit_tokens:
+            if bool(flags_a) == bool(flags_b):
+                blame = (
+                    f"the oracle flags both ({', '.join(flags_a)} / {', '.join(flags_b)})"
+                    if flags_a
+                    else "the oracle accepts both"
+                )
+            elif flags_a:
+                blame = f"the oracle blames {a} ({', '.join(flags_a)})"
+            else:
+                blame = f"the oracle blames {b} ({', '.join(flags_b)})"
+            direction = "higher" if xb.hit_tokens > xa.hit_tokens else "lower"
+            out.append(
+                Change(
+                    ChangeKind.HITS,
+                    f"{protection}: hits {direction} on {b}; {blame}",
+                    label,
+                    j,
+                    f"hits {xa.hit_tokens} on {a}, {xb.hit_tokens} on {b} (tokens); "
+                    f"{_setting_text(scenario)}; {blocks}",
+                    drafter,
+                    extra,
+                )
+            )
+            continue
+        if xa.retained_blocks_per_group != xb.retained_blocks_per_group:
+            out.append(
+                Change(
+                    ChangeKind.COST,
+                    protection,
+                    label,
+                    j,
+                    f"same hit {xa.hit_tokens} tokens; {_setting_text(scenario)}; {blocks}",
+                    drafter,
+                    extra,
+                )
+            )
+        for kind in sorted(set(flags_a) ^ set(flags_b)):
+            owner = a if kind in flags_a else b
+            out.append(
+                Change(
+                    ChangeKind.FINDINGS,
+                    f"{kind} only on {owner} ({protection})",
+                    label,
+                    j,
+                    f"hit {xa.hit_tokens} tokens on both; {_setting_text(scenario)}",
+                    drafter,
+                )
+            )
+    return out
+
+
+def run_diff(
+    a: Variant,
+    b: Variant,
+    corpus: Iterable[tuple[str, Scenario]],
+    *,
+    seconds: float = 0.0,
+    max_examples: int | None = None,
+    seed: int = 1,
+    policy: Policy = Policy.VLLM,
+    on_scenario: Callable[[str], None] | None = None,
+) -> DiffReport:
+    """Run the corpus and a bounded campaign on ``a`` and ``b`` and collect what differs.
+
+    Args:
+        a, b: the variants ("before" and "after").
+        corpus: (label, scenario) pairs to replay.
+        seconds: wall-time budget of the campaign, in seconds (0: no campaign
+            unless ``max_examples`` is given).
+        max_examples: the campaign's number of generated inputs, if bounded so.
+        seed: the campaign's seed (same seed and versions: same scenarios).
+        policy: the oracle's checkpoint policy.
+        on_scenario: called with each scenario's label before it runs (progress).
+
+    Raises:
+        InternalError: kvfuzz failed (e.g. a tree's worker could not start).
+    """
+    pair = tuple(dataclasses.replace(v, role=VariantRole.BASELINE) for v in (a, b))
+    changes: list[Change] = []
+    versions: dict[str, str] = {}
+
+    def collect(label: str, result: ScenarioResult) -> None:
+        for vr in result.results:
+            if vr.run.vllm_version:
+                versions.setdefault(vr.variant.name, vr.run.vllm_version)
+        changes.extend(changes_of(result, label))
+
+    count = 0
+    for label, scenario in corpus:
+        if on_scenario is not None:
+            on_scenario(label)
+        collect(label, compare_variants(scenario, pair, policy=policy, dense_cross_check=False))
+        count += 1
+    generated = 0
+    if seconds > 0 or max_examples is not None:
+        generated = _campaign(pair, collect, seconds, max_examples, seed, policy, on_scenario)
+    return DiffReport(a.name, b.name, versions, count, generated, seed, tuple(changes))
+
+
+def _campaign(
+    pair: Sequence[Variant],
+    collect: Callable[[str, ScenarioResult], None],
+    seconds: float,
+    max_examples: int | None,
+    seed: int,
+    policy: Policy,
+    on_scenario: Callable[[str], None] | None,
+) -> int:
+    from fuzz.target import build_target
+
+    generated = [0]
+
+    def on_result(scenario: Scenario, result: ScenarioResult) -> None:
+        generated[0] += 1
+        label = f"generated #{generated[0]}"
+        if on_scenario is not None:
+            on_scenario(label)
+        collect(label, result)
+
+    target = build_target(
+        pair, policy=policy, on_result=on_result, dense_cross_check=False, raise_on_finding=False
+    )
+    rng = random.Random(seed)
+    started = time.perf_counter()
+    examples = 0
+    while True:
+        if max_examples is not None and examples >= max_examples:
+            break
+        if seconds > 0 and time.perf_counter() - started >= seconds:
+            break
+        target.hypothesis.fuzz_one_input(rng.randbytes(rng.choice(_BUFFER_SIZES)))
+        examples += 1
+    return generated[0]

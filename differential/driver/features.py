@@ -1,0 +1,141 @@
+"""What the importable vLLM has, read off its own code once, and where vLLM's calls start.
+
+:func:`detect` inspects the running release's classes and signatures (no
+version table): ``vllm/v1/core/kv_cache_manager.py`` ``KVCacheManager.__init__``
+and ``get_computed_blocks``, ``vllm/v1/core/kv_cache_utils.py``
+``get_request_block_hasher``, ``vllm/v1/kv_cache_interface.py``
+``KVCacheConfig`` / ``SlidingWindowSpec``, ``vllm/config/speculative.py``
+``SpeculativeConfig``, ``vllm/config/vllm.py`` ``VllmConfig`` and
+``vllm/v1/core/kv_cache_coordinator.py``.
+
+:func:`vllm_call` marks a call into vLLM: an exception raised inside it is
+vLLM's (a ``crash`` finding naming the call); any other exception in the
+driver is kvfuzz's own failure (:class:`~differential.errors.InternalError`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from differential.capabilities import DESCRIPTIONS, Feature
+from differential.errors import InternalError
+
+__all__ = [
+    "UnsupportedFeature",
+    "VllmCallError",
+    "describe",
+    "detect",
+    "has",
+    "parameters",
+    "vllm_call",
+]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class VllmCallError(Exception):
+    """vLLM raised inside one of its own calls.
+
+    Attributes:
+        call: the vLLM function or constructor called, e.g. ``KVCacheManager.allocate_slots``.
+        error: the exception vLLM raised.
+    """
+
+    def __init__(self, call: str, error: BaseException) -> None:
+        self.call = call
+        self.error = error
+        super().__init__(f"{call}: {type(error).__name__}: {error}")
+
+
+class UnsupportedFeature(Exception):
+    """The scenario needs a feature the running vLLM lacks (no equivalent settings).
+
+    Attributes:
+        feature: the missing feature.
+    """
+
+    def __init__(self, feature: Feature) -> None:
+        self.feature = feature
+        super().__init__(DESCRIPTIONS[feature])
+
+
+def vllm_call(call: str, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``function(*args, **kwargs)``, with an exception it raises attributed to vLLM.
+
+    Raises:
+        VllmCallError: the call raised (anything but :class:`InternalError`).
+    """
+    try:
+        return function(*args, **kwargs)
+    except InternalError:
+        raise
+    except Exception as exc:
+        raise VllmCallError(call, exc) from exc
+
+
+def parameters(function: Callable[..., object]) -> frozenset[str]:
+    """Names of ``function``'s parameters (empty if it cannot be inspected)."""
+    try:
+        return frozenset(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def _fields(cls: type) -> frozenset[str]:
+    return frozenset(getattr(cls, "__dataclass_fields__", {}))
+
+
+def _is_property(cls: type, name: str) -> bool:
+    return isinstance(inspect.getattr_static(cls, name, None), property)
+
+
+@functools.cache
+def detect() -> dict[str, bool]:
+    """Feature name -> whether the importable vLLM has it (see :class:`Feature`).
+
+    Computed once per process from that release's own code.
+    """
+    from vllm.config import SpeculativeConfig, VllmConfig
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_utils
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
+
+    manager = parameters(KVCacheManager.__init__)
+    hasher = parameters(kv_cache_utils.get_request_block_hasher)
+    try:
+        lookup_source = inspect.getsource(KVCacheManager.get_computed_blocks)
+    except (OSError, TypeError):
+        lookup_source = ""
+    found = {
+        Feature.SCHEDULER_BLOCK_SIZE: {"scheduler_block_size", "hash_block_size"} <= manager,
+        Feature.PREFILL_LOOKAHEAD: "num_prefill_lookahead" in manager
+        and hasattr(Scheduler, "_reserve_prefill_lookahead"),
+        Feature.PREFILL_LOOKAHEAD_CONFIG: _is_property(VllmConfig, "num_prefill_lookahead_tokens"),
+        Feature.LOOKAHEAD_SLOTS_CONFIG: _is_property(VllmConfig, "num_lookahead_tokens"),
+        Feature.EAGLE_BLOCK_DROP_CONFIG: hasattr(SpeculativeConfig, "use_eagle_block_drop")
+        and "disable_eagle_block_drop" in _fields(SpeculativeConfig),
+        Feature.NEEDS_EAGLE_BLOCK_DROP: hasattr(SpeculativeConfig, "needs_eagle_block_drop"),
+        Feature.LOOKAHEAD_HASHES: _is_property(VllmConfig, "num_hash_lookahead_tokens")
+        and "num_hash_lookahead_tokens" in manager
+        and "num_hash_lookahead_tokens" in hasher,
+        Feature.RETENTION_INTERVAL: "prefix_cache_retention_interval" in _fields(KVCacheConfig),
+        Feature.EXTRA_RETAINED_TOKENS: "extra_retained_tokens" in _fields(SlidingWindowSpec),
+        Feature.JUNCTION_PINNING: "shared_prefix_boundary" in lookup_source,
+        Feature.REPLAY_BOUNDARIES: hasattr(kv_cache_coordinator, "replay_boundaries"),
+    }
+    return {feature.value: bool(present) for feature, present in found.items()}
+
+
+def has(feature: Feature) -> bool:
+    """Whether the importable vLLM has ``feature``."""
+    return detect()[feature.value]
+
+
+def describe(feature: Feature) -> str:
+    """The missing piece of vLLM, for an *unsupported* run."""
+    return DESCRIPTIONS[feature]
