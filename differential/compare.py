@@ -446,7 +446,7 @@ def compare_variants(
             else:
                 dense_run = run_any(scenario, variant, dense=True)
                 findings += cross_check_dense(judged, dense_run)
-        findings = label_known(judged, findings)
+        findings = label_known(judged, findings, hits=run.hits)
         results.append(VariantResult(variant, run, dense_run, refs, findings))
     comparison: list[Finding] = []
     costs: list[FixCost] = []

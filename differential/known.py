@@ -68,7 +68,9 @@ def _short_run_spiral(scenario: Scenario, finding: Finding) -> bool:
     return lost > _short_groups(scenario, finding.hit_tokens or 0) * alignment
 
 
-def _unit_below_retained_boundary(scenario: Scenario, finding: Finding) -> bool:
+def _unit_below_retained_boundary(
+    scenario: Scenario, finding: Finding, hits: Sequence[int] | None = None
+) -> bool:
     """A fallback to a checkpoint ``e`` that vLLM 0.33.0 does not retain while
     it retains ``e + A`` (a periodic checkpoint without the drop, a replay
     boundary, a junction): the sibling diverged inside the last alignment unit
@@ -82,15 +84,17 @@ def _unit_below_retained_boundary(scenario: Scenario, finding: Finding) -> bool:
     model = drafter_model(scenario)
     alignment = scenario.effective_hit_alignment_tokens
     index = finding.request
-    # Junctions depend on earlier hits; any earlier request may have pinned its
-    # dense hit, so both the pinned and the unpinned writer count.
+    # Junctions depend on earlier hits: a request pins its dense hit when its
+    # own hit fell short of it. Without the run's hits, any earlier request may
+    # have, so both the pinned and the unpinned writer count.
     dense = [r.dense_tokens for r in references(scenario, model, [0] * index)]
     prompts = scenario.prompts
     literal: set[int] = set()
     for writer in range(index):
         if common_prefix_tokens(prompts[writer], prompts[index]) < expected:
             continue  # this writer cannot serve the sibling at all
-        junctions = {0, dense[writer]} if len(scenario.kv_cache_groups) > 1 else {0}
+        pinned = hits is None or hits[writer] < dense[writer]
+        junctions = {0, dense[writer]} if len(scenario.kv_cache_groups) > 1 and pinned else {0}
         for junction in junctions:
             literal.update(
                 checkpoints(
@@ -135,13 +139,16 @@ class KnownIssue:
         vllm_source: the vLLM file and function responsible.
         example: a corpus file that reproduces it.
         matches: predicate on a scenario and one of its findings.
+        uses_hits: ``matches`` also takes the run's hits per request, in
+            tokens (a third argument; ``None`` when unknown).
     """
 
     name: str
     summary: str
     vllm_source: str
     example: str
-    matches: Callable[[Scenario, Finding], bool]
+    matches: Callable[..., bool]
+    uses_hits: bool = False
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
@@ -164,6 +171,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "SlidingWindowManager.reachable_block_mask (the reachable-boundary tails)",
         example="known-issues/unit-below-replay-boundary-toy.json",
         matches=_unit_below_retained_boundary,
+        uses_hits=True,
     ),
     KnownIssue(
         name="single-group-drop-after-length-cap",
@@ -238,11 +246,23 @@ def label_known(
     scenario: Scenario,
     findings: Sequence[Finding],
     issues: Sequence[KnownIssue] = KNOWN_ISSUES,
+    *,
+    hits: Sequence[int] | None = None,
 ) -> tuple[Finding, ...]:
-    """Return ``findings`` with ``known_issue`` set where a known issue explains it."""
+    """Return ``findings`` with ``known_issue`` set where a known issue explains it.
+
+    ``hits``: the run's hit per request, in tokens, when the findings come from
+    one run (it tells which earlier requests pinned a junction).
+    """
+
+    def explains(issue: KnownIssue, finding: Finding) -> bool:
+        if issue.uses_hits:
+            return bool(issue.matches(scenario, finding, hits))
+        return bool(issue.matches(scenario, finding))
+
     out = []
     for finding in findings:
-        issue = next((i for i in issues if i.matches(scenario, finding)), None)
+        issue = next((i for i in issues if explains(i, finding)), None)
         out.append(
             dataclasses.replace(finding, known_issue=issue.name) if issue is not None else finding
         )

@@ -185,6 +185,26 @@ class RootCauseRecord:
         }
 
 
+def fix_cost_entries(totals: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """Summary entries for each fixed-role variant's cost against a baseline.
+
+    ``totals`` maps ``"variant vs baseline"`` to ``[scenarios, extra SWA
+    blocks, retained boundaries]`` (blocks summed over SWA groups; only
+    sparse-retention scenarios with equal hits count, see
+    :func:`differential.compare.fix_cost`).
+    """
+    return [
+        {
+            "pair": pair,
+            "scenarios": n,
+            "extra_swa_blocks": extra,
+            "retained_boundaries": boundaries,
+            "extra_swa_blocks_per_boundary": round(extra / boundaries, 3) if boundaries else 0.0,
+        }
+        for pair, (n, extra, boundaries) in sorted(totals.items())
+    ]
+
+
 def corpus_root_causes(
     paths: Sequence[Path], variants: Sequence[Variant], policy: Policy
 ) -> dict[RootCause, str]:
@@ -335,6 +355,8 @@ class Campaign:
     _example: int = 0
     _vllm_version: str = ""
     _last_summary_s: float = 0.0
+    # "variant vs baseline" -> [scenarios, extra SWA blocks, retained boundaries]
+    fix_costs: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def findings_dir(self) -> Path:
@@ -416,6 +438,11 @@ class Campaign:
     def _on_result(self, scenario: Scenario, result: ScenarioResult) -> None:
         self.stats.examples += 1
         self.stats.coverage.update(coverage_keys(scenario))
+        for cost in result.costs:
+            totals = self.fix_costs.setdefault(f"{cost.variant} vs {cost.baseline}", [0, 0, 0])
+            totals[0] += 1
+            totals[1] += sum(cost.extra_swa_blocks)
+            totals[2] += cost.retained_boundaries
         if result.findings:
             for t in triage(result):
                 self._on_root_cause(scenario, result, t)
@@ -473,6 +500,7 @@ class Campaign:
             "interrupted": self.interrupted,
             "findings_by_kind": dict(sorted(stats.findings_by_kind.items())),
             "coverage": dict(sorted(stats.coverage.items())),
+            "fix_costs": fix_cost_entries(self.fix_costs),
             "root_causes": [
                 r.to_dict()
                 for r in sorted(self.causes.values(), key=lambda r: (not r.new, r.first_example))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from differential.corpus import write_atomic
-from fuzz.campaign import CampaignConfig, run_campaign
+from fuzz.campaign import CampaignConfig, fix_cost_entries, run_campaign
 
 __all__ = ["merge_summaries", "run_parallel", "worker_configs"]
 
@@ -61,7 +61,13 @@ def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> 
     causes: dict[str, dict[str, Any]] = {}
     kinds: dict[str, int] = {}
     coverage: dict[str, int] = {}
+    costs: dict[str, list[int]] = {}
     for summary in summaries:
+        for entry in summary.get("fix_costs", ()):
+            totals = costs.setdefault(entry["pair"], [0, 0, 0])
+            totals[0] += entry["scenarios"]
+            totals[1] += entry["extra_swa_blocks"]
+            totals[2] += entry["retained_boundaries"]
         for kind, n in summary["findings_by_kind"].items():
             kinds[kind] = kinds.get(kind, 0) + n
         for key, n in summary.get("coverage", {}).items():
@@ -94,6 +100,7 @@ def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> 
         "interrupted": any(s["interrupted"] for s in summaries),
         "findings_by_kind": dict(sorted(kinds.items())),
         "coverage": dict(sorted(coverage.items())),
+        "fix_costs": fix_cost_entries(costs),
         "root_causes": sorted(
             causes.values(), key=lambda e: (e["status"] != "new", e["first_seen_s"])
         ),

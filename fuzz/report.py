@@ -122,6 +122,42 @@ def root_cause_pictures(
     return pictures
 
 
+def _remaining_by_variant(summary: dict[str, Any]) -> list[str]:
+    """Per variant, the root causes it still shows (known issues by name)."""
+    lines = ["", "## What each variant still shows", ""]
+    lines += ["| variant | root cause | status | count |", "| --- | --- | --- | --- |"]
+    rows = 0
+    for variant in summary["variants"]:
+        for cause in summary.get("root_causes", []):
+            if variant in cause["variants"]:
+                rows += 1
+                lines.append(
+                    f"| {variant} | {_cell(cause['root_cause'])} | {cause['status']} "
+                    f"| {cause['count']} |"
+                )
+    if not rows:
+        lines.append("| every variant | none | clean | 0 |")
+    return lines
+
+
+def _fix_costs(summary: dict[str, Any]) -> list[str]:
+    """Each fixed-role variant's extra SWA blocks against each baseline."""
+    costs = summary.get("fix_costs", [])
+    if not costs:
+        return []
+    lines = ["", "## Cost of the fixes (sparse-retention scenarios, equal hits)", ""]
+    lines += [
+        "| fix vs baseline | scenarios | extra SWA blocks | retained boundaries | per boundary |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {c['pair']} | {c['scenarios']} | {c['extra_swa_blocks']} | "
+        f"{c['retained_boundaries']} | {c['extra_swa_blocks_per_boundary']} |"
+        for c in costs
+    ]
+    return lines
+
+
 def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: Path) -> str:
     """The report as Markdown (links relative to ``out``).
 
@@ -149,6 +185,8 @@ def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: P
         "| --- | --- |",
     ]
     lines += [f"| {k} | {n} |" for k, n in summary["findings_by_kind"].items()] or ["| none | 0 |"]
+    lines += _remaining_by_variant(summary)
+    lines += _fix_costs(summary)
     lines += ["", "## Root causes", ""]
     for index, cause in enumerate(summary.get("root_causes", []), 1):
         facets = ", ".join(f"{k} x{n}" for k, n in cause["facets"].items())
