@@ -173,8 +173,9 @@ class Mutant:
         function: the qualified name of the enclosing definition
             (``SlidingWindowManager.find_longest_cache_hit``; ``""`` for
             module level).
-        statement_line: the line of the innermost statement holding the
-            mutation (the line coverage is checked on).
+        statement_lines: ``(first, last)`` lines of the innermost statement
+            holding the mutation (for a compound statement, its header only):
+            the lines coverage is checked on.
         at_import: the mutated code runs when the module is imported (module
             and class bodies, decorators, default values), not in a call.
     """
@@ -184,7 +185,7 @@ class Mutant:
     occurrence: int
     line: int
     function: str
-    statement_line: int
+    statement_lines: tuple[int, int]
     at_import: bool = False
 
     @property
@@ -200,7 +201,7 @@ class Mutant:
             "occurrence": self.occurrence,
             "line": self.line,
             "function": self.function,
-            "statement_line": self.statement_line,
+            "statement_lines": list(self.statement_lines),
             "at_import": self.at_import,
         }
 
@@ -357,13 +358,21 @@ def _excluded_ranges(tree: ast.Module) -> list[tuple[tuple[int, int], tuple[int,
     ]
 
 
-def _statement_lines(tree: ast.Module) -> list[tuple[int, int, int]]:
-    """``(first, last, line)`` of every statement, ``line`` being where it starts."""
-    return [
-        (n.lineno, n.end_lineno or n.lineno, n.lineno)
-        for n in ast.walk(tree)
-        if isinstance(n, ast.stmt)
-    ]
+def _statement_lines(tree: ast.Module) -> list[tuple[int, int, int, int]]:
+    """``(first, last, header first, header last)`` lines of every statement.
+
+    The header of a compound statement (``if``, ``for``, ``while``, ``with``,
+    ``try``, a ``def``) ends before its body; a simple statement is all header.
+    """
+    spans = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.stmt):
+            continue
+        last = n.end_lineno or n.lineno
+        body = getattr(n, "body", None)
+        header_last = max(n.lineno, body[0].lineno - 1) if isinstance(body, list) and body else last
+        spans.append((n.lineno, last, n.lineno, header_last))
+    return spans
 
 
 def _function_bodies(tree: ast.Module) -> list[tuple[int, int]]:
@@ -375,11 +384,11 @@ def _function_bodies(tree: ast.Module) -> list[tuple[int, int]]:
     ]
 
 
-def _statement_line(statements: Sequence[tuple[int, int, int]], line: int) -> int:
-    best, width = line, None
-    for first, last, start in statements:
+def _statement_span(statements: Sequence[tuple[int, int, int, int]], line: int) -> tuple[int, int]:
+    best, width = (line, line), None
+    for first, last, header_first, header_last in statements:
         if first <= line <= last and (width is None or last - first < width):
-            best, width = start, last - first
+            best, width = (header_first, header_last), last - first
     return best
 
 
@@ -433,7 +442,7 @@ def enumerate_mutants(
                                 occurrence,
                                 line,
                                 qualname,
-                                _statement_line(statements, line),
+                                _statement_span(statements, line),
                                 at_import=not any(a <= line <= b for a, b in bodies),
                             )
                         )
@@ -644,7 +653,9 @@ def run_mutant(
     original, mutated = mutant_source(vllm_root, mutant)
     diff = mutant_diff(mutant, original, mutated)
     tree = build_mutant_tree(vllm_root, mutant.module, mutated, work / "tree")
-    reached_here = mutant.at_import or mutant.statement_line in reached.get(mutant.module, set())
+    covered = reached.get(mutant.module, set())
+    first, last = mutant.statement_lines
+    reached_here = mutant.at_import or any(line in covered for line in range(first, last + 1))
     variants = parse_variants(f"unfixed,tree:{tree}", timeout_s=timeout_s)
 
     def outcome(status: MutantStatus, evidence: str, ran: int) -> MutantOutcome:
@@ -888,7 +899,7 @@ def add_mutate_parser(sub: Any) -> None:
     parser.add_argument(
         "--campaign-examples",
         type=int,
-        default=8,
+        default=40,
         metavar="K",
         help="scenarios of the seeded campaign run after PATH... (default: %(default)s)",
     )
