@@ -660,6 +660,7 @@ def run_mutant(
 
     def outcome(status: MutantStatus, evidence: str, ran: int) -> MutantOutcome:
         shutdown_workers()
+        evidence = evidence.replace(variants[1].name, "mutant")
         return MutantOutcome(
             mutant, status, evidence, reached_here, ran, time.perf_counter() - started, diff
         )
