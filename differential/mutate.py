@@ -392,30 +392,34 @@ def _statement_span(statements: Sequence[tuple[int, int, int, int]], line: int) 
     return best
 
 
-def _operators() -> list[tuple[str, Any]]:
-    """Every cosmic-ray operator that takes no arguments, instantiated, by name."""
+def _operators(only: Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    """Cosmic-ray operators that take no arguments (or those in ``only``), by name."""
     import cosmic_ray.plugins
 
     operators = []
     for name in cosmic_ray.plugins.operator_names():
         cls = cosmic_ray.plugins.get_operator(name)
-        if not cls.arguments():
+        if not cls.arguments() and (only is None or name in only):
             operators.append((name, cls()))
     return operators
 
 
 def enumerate_mutants(
-    vllm_root: Path, modules: Sequence[ModuleScope] = MODULES
+    vllm_root: Path,
+    modules: Sequence[ModuleScope] = MODULES,
+    *,
+    operators: Sequence[str] | None = None,
 ) -> dict[str, list[Mutant]]:
     """Every in-scope mutant of ``modules``, per module path, in cosmic-ray's order.
 
     Positions come from cosmic-ray's operators walking cosmic-ray's parse of
     the file (the same walk ``mutate_code`` repeats), so each mutant's
-    ``occurrence`` reproduces it.
+    ``occurrence`` reproduces it. ``operators`` restricts the operator names
+    (``core/NumberReplacer``, ...); occurrences stay those of the full run.
     """
     from cosmic_ray.ast import ast_nodes, get_ast
 
-    operators = _operators()
+    operators_used = _operators(operators)
     result: dict[str, list[Mutant]] = {}
     for scope in modules:
         source = (vllm_root / scope.path).read_text(encoding="utf-8")
@@ -427,7 +431,7 @@ def enumerate_mutants(
         parsed = get_ast(source)
         nodes = list(ast_nodes(parsed))
         mutants: list[Mutant] = []
-        for name, operator in operators:
+        for name, operator in operators_used:
             occurrence = 0
             for node in nodes:
                 for start, _end in operator.mutation_positions(node):
