@@ -673,7 +673,7 @@ def run_mutant(
     for ran, (name, scenario) in enumerate(scenarios, start=1):
         try:
             result = compare_variants(scenario, variants, policy=policy)
-        except Exception as exc:  # the worker could not even start: the mutant breaks import
+        except (VariantError, RuntimeError) as exc:  # the worker could not start (import broken)
             return outcome(
                 MutantStatus.KILLED,
                 f"crash: the tree's worker failed ({type(exc).__name__}: {exc}) on {name}",
