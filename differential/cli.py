@@ -268,6 +268,9 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("corpora/regressions"),
         help="folder for the reproducer (default: %(default)s)",
     )
+    from differential.mutate import add_mutate_parser
+
+    add_mutate_parser(sub)
     export = sub.add_parser(
         "export-test",
         help="print a standalone vLLM-style pytest reproducing a finding",
@@ -722,6 +725,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _export_test(args)
         if args.command == "diff":
             return _diff(args)
+        if args.command == "mutate":
+            from differential.mutate import run_mutate_command
+
+            return run_mutate_command(args)
     except (ScenarioError, VariantError) as exc:
         print(f"kvfuzz: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

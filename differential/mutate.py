@@ -1,0 +1,1025 @@
+"""``kvfuzz mutate``: the mutation score of kvfuzz on vLLM's cache-manager code.
+
+Mutants of vLLM's prefix-cache logic are generated mechanically, each is run
+as a tree variant (:mod:`differential.tree`) next to the installed, stock vLLM
+(``unfixed``) on the corpus and on the first scenarios of a seeded campaign,
+and kvfuzz's own pairwise comparison decides: a mutant is **killed** when any
+finding appears on it that stock does not have, or any ``disagreement``,
+``cost-change`` or ``crash`` between the two; **timed out** when its worker
+stops answering. A mutant that is never told apart **survived**, and is
+sorted further by what the stock runs tell:
+
+* *not reached*: no scenario executes the mutated statement (coverage of the
+  stock runs, by coverage.py): a scenario kvfuzz should generate;
+* *observed, not judged*: the raw observation differs (per-group hits, the
+  shared-prefix junction, the resolved settings) but no verdict does: the
+  oracle is blind there;
+* *equivalent-suspect*: the statement runs and every observation (hits,
+  per-group hits, junctions, blocks kept, on both the retention and the dense
+  run) is identical on every scenario.
+
+Mutation library: **cosmic-ray** (``cosmic_ray.plugins``,
+``cosmic_ray.mutating.mutate_code``). Its operators are public classes that
+enumerate mutation positions and rewrite one occurrence of a source string
+(parso keeps the formatting, so a survivor's diff is one readable line), with
+no test runner involved: kvfuzz runs the mutants itself. mutmut 3 rewrites
+every function of a file into a trampoline that picks the mutant through its
+own runner's state at call time; that couples the mutated vLLM to mutmut's
+runner and changes every function of the file under test, which is wrong for
+a tree that must otherwise be stock vLLM.
+
+Modules and scopes (the code kvfuzz's scenarios drive; the other managers,
+Mamba, cross-attention, chunked local, HiSparse and friends, are left out
+until kvfuzz models them):
+
+* ``vllm/v1/core/single_type_kv_cache_manager.py``: ``SingleTypeKVCacheManager``,
+  ``FullAttentionManager``, ``SlidingWindowManager``, ``get_manager_for_kv_cache_spec``;
+* ``vllm/v1/core/kv_cache_coordinator.py``: everything but
+  ``KVCacheCoordinatorNoPrefixCache``;
+* ``vllm/v1/core/kv_cache_manager.py``: everything;
+* ``vllm/v1/core/kv_cache_utils.py``: the block hasher (``hash_block_tokens``,
+  ``get_request_block_hasher``, the extra keys, ``BlockHashListWithBlockSize``,
+  ``resolve_block_hashes`` and the hash-with-group-id helpers).
+
+Mutations inside type annotations and ``logger`` calls are not generated
+(they cannot change what the manager does).
+
+Nothing here imports vLLM; the comparison imports it on first use.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from differential.errors import VariantError
+from differential.findings import Finding, FindingKind, Policy
+from differential.scenario import Scenario
+
+__all__ = [
+    "MODULES",
+    "ModuleScope",
+    "Mutant",
+    "MutantOutcome",
+    "MutantStatus",
+    "MutationRun",
+    "build_mutant_tree",
+    "campaign_scenarios",
+    "enumerate_mutants",
+    "installed_vllm",
+    "mutant_source",
+    "reached_statements",
+    "render_markdown",
+    "run_mutant",
+    "run_mutation",
+    "sample_mutants",
+]
+
+REPORT_FORMAT = "kvfuzz.mutation"
+REPORT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModuleScope:
+    """One vLLM module to mutate and the part of it kvfuzz is meant to guard.
+
+    Attributes:
+        path: the file, relative to the ``vllm`` package folder.
+        include: qualified names (``Class``, ``Class.method``, ``function``)
+            whose code is mutated; empty for the whole module.
+        exclude: qualified names left out even when ``include`` covers them.
+    """
+
+    path: str
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def short(self) -> str:
+        """The file name without ``.py``."""
+        return Path(self.path).stem
+
+    def covers(self, qualname: str) -> bool:
+        """Whether code in ``qualname`` (``""`` for module level) is in scope."""
+
+        def under(names: tuple[str, ...]) -> bool:
+            return any(qualname == n or qualname.startswith(n + ".") for n in names)
+
+        if self.include and not under(self.include):
+            return False
+        return not under(self.exclude)
+
+
+MODULES: tuple[ModuleScope, ...] = (
+    ModuleScope(
+        "v1/core/single_type_kv_cache_manager.py",
+        include=(
+            "SingleTypeKVCacheManager",
+            "FullAttentionManager",
+            "SlidingWindowManager",
+            "get_manager_for_kv_cache_spec",
+        ),
+    ),
+    ModuleScope("v1/core/kv_cache_coordinator.py", exclude=("KVCacheCoordinatorNoPrefixCache",)),
+    ModuleScope("v1/core/kv_cache_manager.py"),
+    ModuleScope(
+        "v1/core/kv_cache_utils.py",
+        include=(
+            "make_block_hash_with_group_id",
+            "get_block_hash",
+            "get_group_id",
+            "generate_block_hash_extra_keys",
+            "hash_block_tokens",
+            "get_request_block_hasher",
+            "generate_lookahead_block_hash_extra_keys",
+            "BlockHashListWithBlockSize",
+            "resolve_block_hashes",
+        ),
+    ),
+)
+
+
+class MutantStatus(StrEnum):
+    """What kvfuzz made of one mutant."""
+
+    KILLED = "killed"
+    TIMED_OUT = "timed-out"
+    SURVIVED = "survived"
+    EQUIVALENT_SUSPECT = "equivalent-suspect"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One mechanical change to one vLLM module.
+
+    Attributes:
+        module: the module's path relative to the ``vllm`` package folder.
+        operator: the cosmic-ray operator name (``core/NumberReplacer``, ...).
+        occurrence: which of the operator's positions in the module it
+            mutates (cosmic-ray's occurrence index).
+        line: the first line of the mutated code (1-based).
+        function: the qualified name of the enclosing definition
+            (``SlidingWindowManager.find_longest_cache_hit``; ``""`` for
+            module level).
+        statement_lines: ``(first, last)`` lines of the innermost statement
+            holding the mutation (for a compound statement, its header only):
+            the lines coverage is checked on.
+        at_import: the mutated code runs when the module is imported (module
+            and class bodies, decorators, default values), not in a call.
+    """
+
+    module: str
+    operator: str
+    occurrence: int
+    line: int
+    function: str
+    statement_lines: tuple[int, int]
+    at_import: bool = False
+
+    @property
+    def ident(self) -> str:
+        """A stable identifier: ``<module stem>:<operator>:<occurrence>``."""
+        return f"{Path(self.module).stem}:{self.operator.removeprefix('core/')}:{self.occurrence}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "module": self.module,
+            "operator": self.operator,
+            "occurrence": self.occurrence,
+            "line": self.line,
+            "function": self.function,
+            "statement_lines": list(self.statement_lines),
+            "at_import": self.at_import,
+        }
+
+
+@dataclass(frozen=True)
+class MutantOutcome:
+    """One mutant's verdict.
+
+    Attributes:
+        mutant: the mutant.
+        status: killed, timed out, survived or equivalent-suspect.
+        evidence: for a killed or timed-out mutant the first telling finding
+            and scenario; for a survivor why it is filed as it is.
+        reached: whether the stock runs execute the mutated statement.
+        scenarios_run: scenarios run before the verdict (a kill stops early).
+        elapsed_s: wall time for this mutant, worker start included, in seconds.
+        diff: the unified diff of the mutation.
+    """
+
+    mutant: Mutant
+    status: MutantStatus
+    evidence: str
+    reached: bool
+    scenarios_run: int
+    elapsed_s: float
+    diff: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "id": self.mutant.ident,
+            **self.mutant.to_dict(),
+            "status": self.status.value,
+            "evidence": self.evidence,
+            "reached": self.reached,
+            "scenarios_run": self.scenarios_run,
+            "elapsed_s": round(self.elapsed_s, 2),
+            "diff": self.diff,
+        }
+
+
+@dataclass(frozen=True)
+class MutationRun:
+    """A whole mutation run.
+
+    Attributes:
+        vllm_version: the stock vLLM the mutants were made from.
+        seed: the sampling seed (also the campaign seed).
+        generated: mutants generated per module, before sampling.
+        outcomes: one per sampled mutant, in run order.
+        scenarios: ``(name, source)`` of every scenario, in run order.
+        elapsed_s: wall time of the whole run, in seconds.
+    """
+
+    vllm_version: str
+    seed: int
+    generated: dict[str, int]
+    outcomes: tuple[MutantOutcome, ...]
+    scenarios: tuple[str, ...]
+    elapsed_s: float
+    notes: tuple[str, ...] = field(default=())
+
+    def counts(self, module: str | None = None) -> Counter[MutantStatus]:
+        """Outcomes per status (for one module, or all)."""
+        return Counter(
+            o.status for o in self.outcomes if module is None or o.mutant.module == module
+        )
+
+    def score(self, module: str | None = None) -> float | None:
+        """Killed (timeouts included) over all mutants, as a fraction; ``None`` if none ran."""
+        counts = self.counts(module)
+        total = sum(counts.values())
+        if not total:
+            return None
+        return (counts[MutantStatus.KILLED] + counts[MutantStatus.TIMED_OUT]) / total
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``format: kvfuzz.mutation``)."""
+        return {
+            "format": REPORT_FORMAT,
+            "version": REPORT_VERSION,
+            "vllm_version": self.vllm_version,
+            "seed": self.seed,
+            "score": self.score(),
+            "score_per_module": {m.path: self.score(m.path) for m in MODULES},
+            "generated": self.generated,
+            "scenarios": list(self.scenarios),
+            "elapsed_s": round(self.elapsed_s, 1),
+            "notes": list(self.notes),
+            "mutants": [o.to_dict() for o in self.outcomes],
+        }
+
+
+def installed_vllm() -> Path:
+    """The folder of the importable ``vllm`` package (found without importing it).
+
+    Raises:
+        VariantError: when no ``vllm`` package is importable.
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise VariantError("kvfuzz mutate needs an importable vllm package; none found")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def _qualnames(tree: ast.Module) -> list[tuple[int, int, str]]:
+    """``(first line, last line, qualified name)`` of every def and class."""
+    spans: list[tuple[int, int, str]] = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                spans.append((first, child.end_lineno or child.lineno, name))
+                walk(child, name + ".")
+            else:
+                walk(child, prefix)
+
+    walk(tree, "")
+    return spans
+
+
+def _innermost(spans: Iterable[tuple[int, int, str]], line: int) -> str:
+    best = ""
+    best_width = None
+    for first, last, name in spans:
+        if first <= line <= last and (best_width is None or last - first < best_width):
+            best, best_width = name, last - first
+    return best
+
+
+def _excluded_ranges(tree: ast.Module) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Source ranges of annotations and ``logger.*(...)`` calls."""
+    nodes: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            nodes.append(node.annotation)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns:
+            nodes.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            nodes.append(node.annotation)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "logger"
+        ):
+            nodes.append(node)
+    return [
+        ((n.lineno, n.col_offset), (n.end_lineno or n.lineno, n.end_col_offset or 0))
+        for n in nodes
+        if hasattr(n, "lineno")
+    ]
+
+
+def _statement_lines(tree: ast.Module) -> list[tuple[int, int, int, int]]:
+    """``(first, last, header first, header last)`` lines of every statement.
+
+    The header of a compound statement (``if``, ``for``, ``while``, ``with``,
+    ``try``, a ``def``) ends before its body; a simple statement is all header.
+    """
+    spans = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.stmt):
+            continue
+        last = n.end_lineno or n.lineno
+        body = getattr(n, "body", None)
+        header_last = max(n.lineno, body[0].lineno - 1) if isinstance(body, list) and body else last
+        spans.append((n.lineno, last, n.lineno, header_last))
+    return spans
+
+
+def _function_bodies(tree: ast.Module) -> list[tuple[int, int]]:
+    """``(first, last)`` lines of every function body (run at call time)."""
+    return [
+        (n.body[0].lineno, n.end_lineno or n.body[0].lineno)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+
+
+def _statement_span(statements: Sequence[tuple[int, int, int, int]], line: int) -> tuple[int, int]:
+    best, width = (line, line), None
+    for first, last, header_first, header_last in statements:
+        if first <= line <= last and (width is None or last - first < width):
+            best, width = (header_first, header_last), last - first
+    return best
+
+
+def _operators(only: Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    """Cosmic-ray operators that take no arguments (or those in ``only``), by name."""
+    import cosmic_ray.plugins
+
+    operators = []
+    for name in cosmic_ray.plugins.operator_names():
+        cls = cosmic_ray.plugins.get_operator(name)
+        if not cls.arguments() and (only is None or name in only):
+            operators.append((name, cls()))
+    return operators
+
+
+def enumerate_mutants(
+    vllm_root: Path,
+    modules: Sequence[ModuleScope] = MODULES,
+    *,
+    operators: Sequence[str] | None = None,
+) -> dict[str, list[Mutant]]:
+    """Every in-scope mutant of ``modules``, per module path, in cosmic-ray's order.
+
+    Positions come from cosmic-ray's operators walking cosmic-ray's parse of
+    the file (the same walk ``mutate_code`` repeats), so each mutant's
+    ``occurrence`` reproduces it. ``operators`` restricts the operator names
+    (``core/NumberReplacer``, ...); occurrences stay those of the full run.
+    """
+    from cosmic_ray.ast import ast_nodes, get_ast
+
+    operators_used = _operators(operators)
+    result: dict[str, list[Mutant]] = {}
+    for scope in modules:
+        source = (vllm_root / scope.path).read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        spans = _qualnames(tree)
+        excluded = _excluded_ranges(tree)
+        statements = _statement_lines(tree)
+        bodies = _function_bodies(tree)
+        parsed = get_ast(source)
+        nodes = list(ast_nodes(parsed))
+        mutants: list[Mutant] = []
+        for name, operator in operators_used:
+            occurrence = 0
+            for node in nodes:
+                for start, _end in operator.mutation_positions(node):
+                    line, col = start
+                    qualname = _innermost(spans, line)
+                    inside = any(a <= (line, col) < b for a, b in excluded)
+                    if scope.covers(qualname) and not inside:
+                        mutants.append(
+                            Mutant(
+                                scope.path,
+                                name,
+                                occurrence,
+                                line,
+                                qualname,
+                                _statement_span(statements, line),
+                                at_import=not any(a <= line <= b for a, b in bodies),
+                            )
+                        )
+                    occurrence += 1
+        result[scope.path] = mutants
+    return result
+
+
+def sample_mutants(mutants: dict[str, list[Mutant]], count: int, seed: int) -> list[Mutant]:
+    """``count`` mutants, spread evenly over the modules, drawn with ``random.Random(seed)``.
+
+    Each module gets ``count // modules`` (the remainder going to the modules
+    with the most mutants); a module with fewer gives all it has. The same
+    seed and mutants give the same sample, in the same order.
+
+    Raises:
+        VariantError: ``count`` below 1.
+    """
+    if count < 1:
+        raise VariantError(f"--sample must be >= 1, got {count}")
+    rng = random.Random(seed)
+    modules = [m for m in mutants if mutants[m]]
+    share = {m: count // len(modules) for m in modules} if modules else {}
+    for m in sorted(modules, key=lambda m: -len(mutants[m]))[: count % max(1, len(modules))]:
+        share[m] += 1
+    picked: list[Mutant] = []
+    for m in modules:
+        pool = mutants[m]
+        picked += rng.sample(pool, min(share[m], len(pool)))
+    return picked
+
+
+def mutant_source(vllm_root: Path, mutant: Mutant) -> tuple[str, str]:
+    """``(stock source, mutated source)`` of the mutant's module.
+
+    Raises:
+        VariantError: when the occurrence no longer exists (a different vLLM).
+    """
+    import cosmic_ray.plugins
+    from cosmic_ray.mutating import mutate_code
+
+    original = (vllm_root / mutant.module).read_text(encoding="utf-8")
+    operator = cosmic_ray.plugins.get_operator(mutant.operator)()
+    mutated = mutate_code(original, operator, mutant.occurrence)
+    if mutated is None:
+        raise VariantError(
+            f"mutant {mutant.ident}: {mutant.operator} has no occurrence {mutant.occurrence} "
+            f"in {mutant.module} of this vLLM"
+        )
+    return original, mutated
+
+
+def mutant_diff(mutant: Mutant, original: str, mutated: str) -> str:
+    """The unified diff (3 lines of context) of a mutant."""
+    path = f"vllm/{mutant.module}"
+    return "".join(
+        difflib.unified_diff(
+            original.splitlines(keepends=True),
+            mutated.splitlines(keepends=True),
+            fromfile=f"a/{path}",
+            tofile=f"b/{path}",
+            n=2,
+        )
+    )
+
+
+def build_mutant_tree(vllm_root: Path, module: str, source: str, dest: Path) -> Path:
+    """A tree folder whose ``vllm`` is the installed package with ``module`` replaced.
+
+    ``dest/vllm`` is a symlink farm: every entry links to the installed
+    package except the folders on the way to ``module``, which are real
+    folders of links, and ``module`` itself, written with ``source``. The
+    mutated module's folder gets its own ``__pycache__`` (links to the stock
+    bytecode of its siblings), so the installed package is never written to.
+    Building it takes milliseconds.
+
+    Returns:
+        ``dest`` (the folder to name as ``tree:dest``).
+    """
+    if dest.exists():
+        shutil.rmtree(dest)
+    parts = Path(module).parts
+    src = vllm_root
+    here = dest / "vllm"
+    for depth in range(len(parts)):
+        here.mkdir(parents=True)
+        for entry in src.iterdir():
+            if entry.name == parts[depth] or entry.name == "__pycache__":
+                continue
+            (here / entry.name).symlink_to(entry)
+        if depth == len(parts) - 1:
+            break
+        src, here = src / parts[depth], here / parts[depth]
+    (here / parts[-1]).write_text(source, encoding="utf-8")
+    cache = src / "__pycache__"
+    if cache.is_dir():
+        mine = here / "__pycache__"
+        mine.mkdir()
+        stem = Path(parts[-1]).stem + "."
+        for entry in cache.iterdir():
+            if not entry.name.startswith(stem):
+                (mine / entry.name).symlink_to(entry)
+    return dest
+
+
+def campaign_scenarios(seed: int, count: int) -> list[Scenario]:
+    """The first ``count`` scenarios a ``kvfuzz fuzz --seed SEED`` campaign runs.
+
+    The same bytes (``random.Random(seed)``, the campaign's buffer sizes)
+    through the same decoder (:func:`fuzz.target.decode`).
+    """
+    from fuzz.campaign import _BUFFER_SIZES
+    from fuzz.target import decode
+
+    rng = random.Random(seed)
+    scenarios: list[Scenario] = []
+    while len(scenarios) < count:
+        buffer = rng.randbytes(rng.choice(_BUFFER_SIZES))
+        scenario = decode(buffer)
+        if scenario is not None:
+            scenarios.append(scenario)
+    return scenarios
+
+
+def reached_statements(
+    scenarios: Sequence[Scenario], vllm_root: Path, modules: Sequence[ModuleScope] = MODULES
+) -> dict[str, set[int]]:
+    """Lines of ``modules`` the stock (``unfixed``) runs of ``scenarios`` execute.
+
+    Measured with coverage.py around the in-process stock runs (retention and
+    dense); lines that run at import time are not in it (module and class
+    bodies are treated as reached by the caller).
+    """
+    import coverage
+
+    import differential.driver  # noqa: F401  (vLLM imported before measuring)
+    from differential.compare import compare_variants
+    from differential.variants import parse_variants
+
+    files = {str((vllm_root / m.path).resolve()): m.path for m in modules}
+    cov = coverage.Coverage(data_file=None, include=list(files), branch=False)
+    stock = parse_variants("unfixed")
+    cov.start()
+    try:
+        for scenario in scenarios:
+            compare_variants(scenario, stock)
+    finally:
+        cov.stop()
+    data = cov.get_data()
+    return {module: set(data.lines(path) or ()) for path, module in files.items()}
+
+
+def _observation_key(run: Any) -> tuple[Any, ...]:
+    settings = None if run.settings is None else tuple(sorted(run.settings.to_dict().items()))
+    return (
+        settings,
+        tuple(
+            (
+                r.hit_tokens,
+                r.shared_prefix_boundary_tokens,
+                r.per_group_hit_tokens,
+                r.retained_blocks_per_group,
+            )
+            for r in run.requests
+        ),
+        run.evicted_blocks,
+        run.error,
+    )
+
+
+def _tags(findings: Iterable[Finding]) -> set[str]:
+    from differential.corpus import finding_tag
+
+    return {finding_tag(f) for f in findings}
+
+
+def _difference(stock: Any, mutant: Any) -> str | None:
+    """What differs between two unjudged-equal runs, or ``None``."""
+    if _observation_key(stock) == _observation_key(mutant):
+        return None
+    if stock.settings != mutant.settings:
+        return f"settings {stock.settings} vs {mutant.settings}"
+    for a, b in zip(stock.requests, mutant.requests, strict=False):
+        if a != b:
+            return f"request {a.index}: stock {a.to_dict()} vs mutant {b.to_dict()}"
+    return "runs differ (request count, evictions or error)"
+
+
+def run_mutant(
+    mutant: Mutant,
+    scenarios: Sequence[tuple[str, Scenario]],
+    *,
+    vllm_root: Path,
+    work: Path,
+    reached: dict[str, set[int]],
+    timeout_s: float,
+    policy: Policy = Policy.VLLM,
+) -> MutantOutcome:
+    """Build the mutant's tree, run every scenario on stock and on it, and judge.
+
+    Stops at the first scenario that kills it. Leaves no worker running.
+    """
+    from differential.compare import compare_variants
+    from differential.tree import shutdown_workers
+    from differential.variants import parse_variants
+
+    started = time.perf_counter()
+    original, mutated = mutant_source(vllm_root, mutant)
+    diff = mutant_diff(mutant, original, mutated)
+    tree = build_mutant_tree(vllm_root, mutant.module, mutated, work / "tree")
+    covered = reached.get(mutant.module, set())
+    first, last = mutant.statement_lines
+    reached_here = mutant.at_import or any(line in covered for line in range(first, last + 1))
+    variants = parse_variants(f"unfixed,tree:{tree}", timeout_s=timeout_s)
+
+    def outcome(status: MutantStatus, evidence: str, ran: int) -> MutantOutcome:
+        shutdown_workers()
+        evidence = evidence.replace(variants[1].name, "mutant")
+        return MutantOutcome(
+            mutant, status, evidence, reached_here, ran, time.perf_counter() - started, diff
+        )
+
+    first_difference: str | None = None
+    for ran, (name, scenario) in enumerate(scenarios, start=1):
+        try:
+            result = compare_variants(scenario, variants, policy=policy)
+        except (VariantError, RuntimeError) as exc:  # the worker could not start (import broken)
+            return outcome(
+                MutantStatus.KILLED,
+                f"crash: the tree's worker failed ({type(exc).__name__}: {exc}) on {name}",
+                ran,
+            )
+        stock, tree_result = result.results
+        runs = [r for r in (tree_result.run, tree_result.dense_run) if r is not None]
+        if any(r.timed_out for r in runs):
+            return outcome(MutantStatus.TIMED_OUT, f"timeout on {name}", ran)
+        if tree_result.run.unsupported is not None:
+            return outcome(
+                MutantStatus.KILLED, f"unsupported ({tree_result.run.unsupported}) on {name}", ran
+            )
+        new = sorted(_tags(tree_result.findings) - _tags(stock.findings))
+        gone = sorted(_tags(stock.findings) - _tags(tree_result.findings))
+        compared = [
+            f
+            for f in result.comparison_findings
+            if f.kind in (FindingKind.DISAGREEMENT, FindingKind.COST_CHANGE)
+        ]
+        if new or gone or compared:
+            crash = next((f for f in tree_result.findings if f.kind is FindingKind.CRASH), None)
+            if crash is not None:
+                text = f"crash on {name}: {crash.detail[:160]}"
+            elif compared:
+                f = compared[0]
+                text = f"{f.kind.value}@{f.request} on {name}: {f.detail[:160]}"
+            elif new:
+                text = f"new finding(s) {', '.join(new)} on {name}"
+            else:
+                text = f"finding(s) {', '.join(gone)} of stock gone on {name}"
+            return outcome(MutantStatus.KILLED, text, ran)
+        if first_difference is None:
+            for a, b in ((stock.run, tree_result.run), (stock.dense_run, tree_result.dense_run)):
+                if a is not None and b is not None:
+                    diffs = _difference(a, b)
+                    if diffs is not None:
+                        first_difference = f"{name}: {diffs}"
+                        break
+    count = len(scenarios)
+    if first_difference is not None:
+        return outcome(
+            MutantStatus.SURVIVED,
+            f"observed, not judged: {first_difference[:300]}",
+            count,
+        )
+    if not reached_here:
+        return outcome(
+            MutantStatus.SURVIVED, "not reached: no scenario executes the mutated statement", count
+        )
+    return outcome(
+        MutantStatus.EQUIVALENT_SUSPECT,
+        "reached; hits, per-group hits, junctions and blocks kept identical on every scenario",
+        count,
+    )
+
+
+def run_mutation(
+    mutants: Sequence[Mutant],
+    scenarios: Sequence[tuple[str, Scenario]],
+    *,
+    vllm_root: Path,
+    work: Path,
+    seed: int,
+    generated: dict[str, int],
+    timeout_s: float = 10.0,
+    policy: Policy = Policy.VLLM,
+    progress: Callable[[MutantOutcome, int, int], None] | None = None,
+) -> MutationRun:
+    """Run every mutant in turn (one tree worker at a time) and collect the verdicts."""
+    import differential.driver
+
+    started = time.perf_counter()
+    reached = reached_statements([s for _, s in scenarios], vllm_root)
+    outcomes: list[MutantOutcome] = []
+    for i, mutant in enumerate(mutants):
+        one = run_mutant(
+            mutant,
+            scenarios,
+            vllm_root=vllm_root,
+            work=work / f"m{i:04d}",
+            reached=reached,
+            timeout_s=timeout_s,
+            policy=policy,
+        )
+        shutil.rmtree(work / f"m{i:04d}", ignore_errors=True)
+        outcomes.append(one)
+        if progress is not None:
+            progress(one, i + 1, len(mutants))
+    return MutationRun(
+        vllm_version=differential.driver.VLLM_VERSION,
+        seed=seed,
+        generated=generated,
+        outcomes=tuple(outcomes),
+        scenarios=tuple(name for name, _ in scenarios),
+        elapsed_s=time.perf_counter() - started,
+    )
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def render_markdown(run: MutationRun) -> str:
+    """The report: score per module and per function, then every survivor's diff."""
+    lines = [
+        f"# Mutation score of kvfuzz on vLLM {run.vllm_version}",
+        "",
+        f"Score: **{_pct(run.score())}** killed ({len(run.outcomes)} mutants sampled with seed "
+        f"{run.seed} from {sum(run.generated.values())} generated; "
+        f"{len(run.scenarios)} scenarios; {run.elapsed_s:.0f} s, "
+        f"{run.elapsed_s / max(1, len(run.outcomes)):.1f} s per mutant).",
+        "",
+        "| module | generated | sampled | killed | timed out | survived | equivalent-suspect "
+        "| score |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for scope in MODULES:
+        c = run.counts(scope.path)
+        lines.append(
+            f"| `{scope.path}` | {run.generated.get(scope.path, 0)} | {sum(c.values())} "
+            f"| {c[MutantStatus.KILLED]} | {c[MutantStatus.TIMED_OUT]} "
+            f"| {c[MutantStatus.SURVIVED]} | {c[MutantStatus.EQUIVALENT_SUSPECT]} "
+            f"| {_pct(run.score(scope.path))} |"
+        )
+    lines += [
+        "",
+        "## Per function",
+        "",
+        "| module | function | killed / sampled |",
+        "| --- | --- | ---: |",
+    ]
+    per: dict[tuple[str, str], list[MutantOutcome]] = {}
+    for o in run.outcomes:
+        per.setdefault((o.mutant.module, o.mutant.function or "(module)"), []).append(o)
+    for (module, function), items in sorted(per.items()):
+        killed = sum(o.status in (MutantStatus.KILLED, MutantStatus.TIMED_OUT) for o in items)
+        lines.append(f"| {Path(module).stem} | `{function}` | {killed} / {len(items)} |")
+    lines += ["", "## Killed", ""]
+    for o in run.outcomes:
+        if o.status in (MutantStatus.KILLED, MutantStatus.TIMED_OUT):
+            lines.append(
+                f"- `{o.mutant.ident}` ({o.mutant.function}, line {o.mutant.line}): "
+                f"{o.evidence} [{o.scenarios_run} scenario(s), {o.elapsed_s:.1f} s]"
+            )
+    lines += ["", "## Survivors", ""]
+    for o in run.outcomes:
+        if o.status in (MutantStatus.SURVIVED, MutantStatus.EQUIVALENT_SUSPECT):
+            lines += [
+                f"### `{o.mutant.ident}`: {o.status.value}",
+                "",
+                f"{o.mutant.function or '(module level)'}, line {o.mutant.line}: {o.evidence}",
+                "",
+                "```diff",
+                o.diff.rstrip("\n"),
+                "```",
+                "",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(run: MutationRun, path: Path) -> None:
+    """Write the run as JSON, atomically."""
+    from differential.corpus import write_atomic
+
+    write_atomic(path, json.dumps(run.to_dict(), indent=2) + "\n")
+
+
+def default_work_dir() -> Path:
+    """Where mutant trees are built (``$TMPDIR/kvfuzz-mutants-<pid>``)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"kvfuzz-mutants-{os.getpid()}"
+
+
+def select_modules(text: str | None) -> tuple[ModuleScope, ...]:
+    """Parse ``--modules`` (comma-separated file stems; ``None``: all four).
+
+    Raises:
+        VariantError: an unknown or empty name.
+    """
+    if text is None:
+        return MODULES
+    names = [n.strip().removesuffix(".py") for n in text.split(",") if n.strip()]
+    by_stem = {m.short: m for m in MODULES}
+    unknown = [n for n in names if n not in by_stem]
+    if not names or unknown:
+        raise VariantError(
+            f"--modules: unknown module {', '.join(unknown) or repr(text)}; "
+            f"allowed: {', '.join(by_stem)}"
+        )
+    return tuple(by_stem[n] for n in dict.fromkeys(names))
+
+
+def add_mutate_parser(sub: Any) -> None:
+    """Register ``kvfuzz mutate`` on the command line's subparsers."""
+    from argparse import ArgumentParser
+
+    parser: ArgumentParser = sub.add_parser(
+        "mutate",
+        help="mutation score: run mutants of vLLM's cache-manager code as tree variants",
+        description=(
+            "Generate mutants (cosmic-ray operators) of vLLM's prefix-cache modules, "
+            "sample them with --seed, run each as a tree variant next to stock vLLM on "
+            "PATH... and the first --campaign-examples scenarios of a --seed campaign, and "
+            "report killed / timed out / survived / equivalent-suspect per module and "
+            "function, with every survivor's diff. Exit 0 when the score is at least "
+            "--fail-under, 1 below it."
+        ),
+    )
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        default=["corpora"],
+        metavar="PATH",
+        help="scenario files or folders (default: corpora)",
+    )
+    parser.add_argument(
+        "--sample",
+        type=int,
+        default=40,
+        metavar="N",
+        help="mutants to run, spread evenly over the modules (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sampling and campaign seed (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--campaign-examples",
+        type=int,
+        default=40,
+        metavar="K",
+        help="scenarios of the seeded campaign run after PATH... (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--modules",
+        default=None,
+        help="comma-separated module stems (default: all of "
+        + ", ".join(m.short for m in MODULES)
+        + ")",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="per-scenario timeout of a mutant's worker (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=[p.value for p in Policy],
+        default=Policy.VLLM.value,
+        help="checkpoint policy the oracle judges with (default: %(default)s)",
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the run as JSON")
+    parser.add_argument(
+        "--markdown", type=Path, metavar="FILE", help="write the report as Markdown"
+    )
+    parser.add_argument(
+        "--fail-under",
+        type=float,
+        default=0.0,
+        metavar="PERCENT",
+        help="exit 1 when the score is below PERCENT (default: %(default)s)",
+    )
+
+
+def _check_output(option: str, path: Path | None) -> None:
+    if path is None:
+        return
+    if path.is_dir():
+        raise VariantError(f"{option} {path} is a folder; allowed: a file path")
+    if not path.parent.is_dir():
+        raise VariantError(f"{option} {path}: folder {path.parent} does not exist")
+
+
+def run_mutate_command(args: Any) -> int:
+    """``kvfuzz mutate``: validate every input, then run and report; returns the exit code."""
+    from differential.corpus import iter_scenario_files, load_entry
+
+    modules = select_modules(args.modules)
+    if args.sample < 1:
+        raise VariantError(f"--sample must be >= 1, got {args.sample}")
+    if args.campaign_examples < 0:
+        raise VariantError(f"--campaign-examples must be >= 0, got {args.campaign_examples}")
+    if args.timeout <= 0:
+        raise VariantError(f"--timeout must be > 0, got {args.timeout}")
+    if not 0 <= args.fail_under <= 100:
+        raise VariantError(f"--fail-under must be within 0..100, got {args.fail_under}")
+    _check_output("--json", args.json)
+    _check_output("--markdown", args.markdown)
+    entries = [load_entry(p) for p in iter_scenario_files(args.paths)] if args.paths else []
+    vllm_root = installed_vllm()
+    generated_by = enumerate_mutants(vllm_root, modules)
+    mutants = sample_mutants(generated_by, args.sample, args.seed)
+    scenarios = [(str(e.path), e.scenario) for e in entries]
+    scenarios += [
+        (f"campaign seed {args.seed} example {i}", s)
+        for i, s in enumerate(campaign_scenarios(args.seed, args.campaign_examples))
+    ]
+    if not scenarios:
+        raise VariantError("no scenarios: give PATH... or --campaign-examples above 0")
+    print(
+        f"{sum(len(v) for v in generated_by.values())} mutants generated, {len(mutants)} "
+        f"sampled (seed {args.seed}); {len(scenarios)} scenarios",
+        flush=True,
+    )
+
+    def show(outcome: MutantOutcome, done: int, total: int) -> None:
+        print(
+            f"[{done}/{total}] {outcome.status.value:<18} {outcome.mutant.ident:<48} "
+            f"{outcome.elapsed_s:5.1f} s  {outcome.evidence[:100]}",
+            flush=True,
+        )
+
+    work = default_work_dir()
+    try:
+        run = run_mutation(
+            mutants,
+            scenarios,
+            vllm_root=vllm_root,
+            work=work,
+            seed=args.seed,
+            generated={m: len(v) for m, v in generated_by.items()},
+            timeout_s=args.timeout,
+            policy=Policy(args.policy),
+            progress=show,
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json is not None:
+        write_json(run, args.json)
+    if args.markdown is not None:
+        from differential.corpus import write_atomic
+
+        write_atomic(args.markdown, render_markdown(run))
+    for scope in modules:
+        c = run.counts(scope.path)
+        print(
+            f"{scope.path:<42} {_pct(run.score(scope.path)):>5}  killed {c[MutantStatus.KILLED]}"
+            f", timed out {c[MutantStatus.TIMED_OUT]}, survived {c[MutantStatus.SURVIVED]}, "
+            f"equivalent-suspect {c[MutantStatus.EQUIVALENT_SUSPECT]}"
+        )
+    score = run.score() or 0.0
+    print(
+        f"mutation score {100 * score:.1f}% ({len(run.outcomes)} mutants, "
+        f"{run.elapsed_s:.0f} s, {run.elapsed_s / max(1, len(run.outcomes)):.1f} s per mutant)"
+    )
+    return 0 if 100 * score >= args.fail_under else 1

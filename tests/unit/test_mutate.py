@@ -1,0 +1,209 @@
+"""``kvfuzz mutate`` without vLLM: mutant generation on a hand-written module,
+scopes, sampling, the symlink-farm tree and the score arithmetic."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from differential.cli import main
+from differential.errors import VariantError
+from differential.mutate import (
+    MODULES,
+    ModuleScope,
+    Mutant,
+    MutantOutcome,
+    MutantStatus,
+    MutationRun,
+    build_mutant_tree,
+    enumerate_mutants,
+    mutant_diff,
+    mutant_source,
+    render_markdown,
+    sample_mutants,
+    select_modules,
+)
+
+MODULE = "v1/core/toy.py"
+SOURCE = """\
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def in_scope(n: int = 3) -> int:
+    if n < 2:
+        logger.info("n is %d of %d", n, 10)
+        return 0
+    return n
+
+
+class Out:
+    def method(self, n: int) -> int:
+        return n < 5
+"""
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A fake ``vllm`` package folder holding one module (and a sibling)."""
+    package = tmp_path / "vllm"
+    (package / "v1" / "core" / "__pycache__").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "v1" / "core" / "toy.py").write_text(SOURCE)
+    (package / "v1" / "core" / "sibling.py").write_text("X = 1\n")
+    (package / "v1" / "core" / "__pycache__" / "toy.cpython-311.pyc").write_bytes(b"stock")
+    (package / "v1" / "core" / "__pycache__" / "sibling.cpython-311.pyc").write_bytes(b"sib")
+    (package / "config.py").write_text("Y = 2\n")
+    return package
+
+
+def test_scope_includes_and_excludes() -> None:
+    scope = ModuleScope("m.py", include=("A", "f"), exclude=("A.skip",))
+    assert scope.covers("A.run") and scope.covers("f") and scope.covers("A")
+    assert not scope.covers("A.skip") and not scope.covers("A.skip.inner")
+    assert not scope.covers("AB.run") and not scope.covers("")
+    assert ModuleScope("m.py").covers("")
+
+
+def test_mutants_stay_in_scope_and_out_of_annotations_and_logger_calls(root: Path) -> None:
+    scope = ModuleScope(MODULE, include=("in_scope",))
+    mutants = enumerate_mutants(root, [scope])[MODULE]
+    assert {m.function for m in mutants} == {"in_scope"}
+    # `int` annotations, the logger call's 10 and `Out.method` give no mutant.
+    assert all(m.line in (6, 7, 9, 10) for m in mutants)
+    by_operator = Counter(m.operator for m in mutants)
+    # One `<` (line 7): each comparison replacement once.
+    assert by_operator["core/ReplaceComparisonOperator_Lt_LtE"] == 1
+    # Numbers, each +1 and -1: the default 3 (line 6), 2 (line 7), 0 (line 9); not
+    # the logger call's 10.
+    assert sorted(m.line for m in mutants if m.operator == "core/NumberReplacer") == [
+        6,
+        6,
+        7,
+        7,
+        9,
+        9,
+    ]
+    default = next(m for m in mutants if m.operator == "core/NumberReplacer" and m.line == 6)
+    assert default.at_import  # a default value is evaluated when the module is imported
+    lt = next(m for m in mutants if m.operator == "core/ReplaceComparisonOperator_Lt_LtE")
+    assert not lt.at_import and lt.statement_lines == (7, 7)
+    ret = next(m for m in mutants if m.operator == "core/NumberReplacer" and m.line == 9)
+    assert ret.statement_lines == (9, 9)
+
+
+def test_mutant_source_rewrites_exactly_one_occurrence(root: Path) -> None:
+    scope = ModuleScope(MODULE, include=("in_scope",))
+    lt = next(
+        m
+        for m in enumerate_mutants(root, [scope])[MODULE]
+        if m.operator == "core/ReplaceComparisonOperator_Lt_LtE"
+    )
+    original, mutated = mutant_source(root, lt)
+    assert original == SOURCE
+    assert mutated == SOURCE.replace("if n < 2:", "if n <= 2:")
+    diff = mutant_diff(lt, original, mutated)
+    assert "-    if n < 2:\n+    if n <= 2:\n" in diff
+    assert diff.startswith("--- a/vllm/v1/core/toy.py\n+++ b/vllm/v1/core/toy.py\n")
+
+
+def test_a_missing_occurrence_is_a_variant_error(root: Path) -> None:
+    gone = Mutant(MODULE, "core/ReplaceComparisonOperator_Lt_LtE", 99, 7, "in_scope", (7, 7))
+    with pytest.raises(VariantError, match="no occurrence 99"):
+        mutant_source(root, gone)
+
+
+def _fake(module: str, n: int) -> list[Mutant]:
+    return [Mutant(module, "core/NumberReplacer", i, i + 1, "f", (i + 1, i + 1)) for i in range(n)]
+
+
+def test_sampling_is_even_across_modules_and_seeded() -> None:
+    pool = {"a.py": _fake("a.py", 50), "b.py": _fake("b.py", 30), "c.py": _fake("c.py", 2)}
+    sample = sample_mutants(pool, 10, seed=7)
+    assert sample == sample_mutants(pool, 10, seed=7)
+    assert sample != sample_mutants(pool, 10, seed=8)
+    # 10 // 3 = 3 each, the remainder to the largest module; c.py gives all it has.
+    assert Counter(m.module for m in sample) == {"a.py": 4, "b.py": 3, "c.py": 2}
+    assert len(set(sample)) == len(sample)
+    with pytest.raises(VariantError, match="--sample"):
+        sample_mutants(pool, 0, seed=0)
+
+
+def test_tree_is_a_symlink_farm_with_one_real_file(root: Path, tmp_path: Path) -> None:
+    tree = build_mutant_tree(root, MODULE, "MUTATED = True\n", tmp_path / "tree")
+    package = tree / "vllm"
+    assert (package / "__init__.py").is_symlink() and (package / "config.py").is_symlink()
+    assert not (package / "v1").is_symlink() and not (package / "v1" / "core").is_symlink()
+    toy = package / "v1" / "core" / "toy.py"
+    assert not toy.is_symlink() and toy.read_text() == "MUTATED = True\n"
+    assert (package / "v1" / "core" / "sibling.py").resolve() == (
+        root / "v1" / "core" / "sibling.py"
+    )
+    cache = package / "v1" / "core" / "__pycache__"
+    assert not cache.is_symlink()
+    assert sorted(p.name for p in cache.iterdir()) == ["sibling.cpython-311.pyc"]
+    # The stock module is untouched.
+    assert (root / "v1" / "core" / "toy.py").read_text() == SOURCE
+
+
+def _outcome(module: str, status: MutantStatus, i: int) -> MutantOutcome:
+    mutant = Mutant(module, "core/AddNot", i, 10 + i, "F.g", (10 + i, 10 + i))
+    return MutantOutcome(mutant, status, "why", True, 3, 2.0, "--- a\n+++ b\n-x\n+y\n")
+
+
+def test_score_counts_timeouts_as_killed_per_module() -> None:
+    first, second = MODULES[0].path, MODULES[1].path
+    run = MutationRun(
+        vllm_version="0.33.0",
+        seed=5,
+        generated={first: 100, second: 40},
+        outcomes=(
+            _outcome(first, MutantStatus.KILLED, 0),
+            _outcome(first, MutantStatus.TIMED_OUT, 1),
+            _outcome(first, MutantStatus.SURVIVED, 2),
+            _outcome(first, MutantStatus.EQUIVALENT_SUSPECT, 3),
+            _outcome(second, MutantStatus.SURVIVED, 4),
+        ),
+        scenarios=("s1", "s2"),
+        elapsed_s=10.0,
+    )
+    assert run.score() == pytest.approx(2 / 5)
+    assert run.score(first) == pytest.approx(2 / 4)
+    assert run.score(second) == 0.0
+    assert run.score(MODULES[2].path) is None
+    data = run.to_dict()
+    assert data["format"] == "kvfuzz.mutation" and data["seed"] == 5
+    assert data["mutants"][2]["status"] == "survived"
+    text = render_markdown(run)
+    assert "Score: **40%**" in text
+    assert f"| `{first}` | 100 | 4 | 1 | 1 | 1 | 1 | 50% |" in text
+    assert "### `single_type_kv_cache_manager:AddNot:2`: survived" in text
+    assert "### `single_type_kv_cache_manager:AddNot:0`" not in text  # killed: no diff
+
+
+def test_module_selection() -> None:
+    assert select_modules(None) == MODULES
+    assert select_modules("kv_cache_utils.py,kv_cache_manager") == (MODULES[3], MODULES[2])
+    with pytest.raises(VariantError, match="allowed: single_type_kv_cache_manager"):
+        select_modules("mamba")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--modules", "mamba"], "--modules: unknown module mamba"),
+        (["--sample", "0"], "--sample must be >= 1"),
+        (["--campaign-examples", "-1"], "--campaign-examples must be >= 0"),
+        (["--fail-under", "120"], "--fail-under must be within 0..100"),
+        (["--json", "/nonexistent-folder/x.json"], "folder /nonexistent-folder does not exist"),
+    ],
+)
+def test_usage_errors_exit_2_before_any_work(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["mutate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
