@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.oracle import checkpoints, common_prefix_tokens, drafter_model, references
-from differential.scenario import Scenario
+from differential.scenario import GroupKind, Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
 
@@ -104,6 +104,19 @@ def _unit_below_retained_boundary(
     return expected not in literal and expected + alignment in literal
 
 
+def _single_swa_lookahead_index_error(scenario: Scenario, finding: Finding) -> bool:
+    """vLLM raised IndexError in the lookup of a single SWA group whose block
+    hashes lookahead hashes left shorter than ``L - 1`` tokens."""
+    if finding.kind is not FindingKind.CRASH or "IndexError" not in finding.detail:
+        return False
+    groups = scenario.kv_cache_groups
+    if len(groups) != 1 or groups[0].kind is not GroupKind.SLIDING_WINDOW:
+        return False
+    return drafter_model(scenario).hash_lookahead_tokens >= 2 and "get_computed_blocks" in (
+        finding.detail
+    )
+
+
 def _single_group_drop_after_cap(scenario: Scenario, finding: Finding) -> bool:
     """A single-group model under the EAGLE drop that loses one block more
     than the drop: the match was capped at ``L - 1`` tokens before the peek
@@ -114,7 +127,9 @@ def _single_group_drop_after_cap(scenario: Scenario, finding: Finding) -> bool:
         return False
     if finding.expected_tokens is None or finding.hit_tokens is None:
         return False
-    if not drafter_model(scenario).drop:
+    # A fallback needs the drop the drafter asks for; the dense cross-check
+    # judges with the protection the run used (a needless drop included).
+    if finding.kind is FindingKind.FALLBACK and not drafter_model(scenario).drop:
         return False
     block = scenario.kv_cache_groups[0].block_size_tokens
     capped = (scenario.requests[finding.request].prompt_tokens - 1) // block * block
@@ -152,45 +167,6 @@ class KnownIssue:
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
-    KnownIssue(
-        name="unit-below-retained-boundary-falls-back",
-        summary=(
-            "Under sparse retention a sibling that diverges inside the last "
-            "alignment unit before a boundary vLLM retains (the writer's replay "
-            "boundary, a junction, or a periodic checkpoint without the EAGLE "
-            "drop) is owed that boundary minus A, but the kept SWA tail ends on "
-            "the boundary and starts A / B_swa blocks too high, so the lookup "
-            "falls back to the previous checkpoint, often 0 (FA 8 + SWA 4 with "
-            "window 16, retention 0, a 100-token writer: a sibling sharing 94 "
-            "tokens gets 0 where 88 is due). vLLM issue #57610, fix PR #57613 "
-            "(replay boundary only, open); the seed PR covers periodic "
-            "checkpoints under the drop only; kvfuzz's candidate variant widens "
-            "every retained tail."
-        ),
-        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
-        "SlidingWindowManager.reachable_block_mask (the reachable-boundary tails)",
-        example="known-issues/unit-below-replay-boundary-toy.json",
-        matches=_unit_below_retained_boundary,
-        uses_hits=True,
-    ),
-    KnownIssue(
-        name="single-group-drop-after-length-cap",
-        summary=(
-            "With a single KV cache group and the EAGLE drop, "
-            "UnitaryKVCacheCoordinator.find_longest_cache_hit passes "
-            "max_cache_hit_length = L - 1 to the group's lookup, which stops "
-            "matching at the last whole block below L - 1 and then drops it: a "
-            "resend of a block-aligned prompt loses a block more than the drop "
-            "(FA block 16, a 64-token prompt resent: 32 where 48 is provable; "
-            "the hybrid coordinator peeks one block past the cap and gives 48, "
-            "and so does a 65-token prompt)."
-        ),
-        vllm_source="vllm/v1/core/kv_cache_coordinator.py "
-        "UnitaryKVCacheCoordinator.find_longest_cache_hit with "
-        "FullAttentionManager.find_longest_cache_hit",
-        example="known-issues/single-group-drop-after-length-cap.json",
-        matches=_single_group_drop_after_cap,
-    ),
     KnownIssue(
         name="short-swa-run-multi-group-spiral",
         summary=(
@@ -238,6 +214,66 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "HybridKVCacheCoordinator.find_longest_cache_hit",
         example="known-issues/window-one-multi-group-spiral.json",
         matches=_window_one_spiral,
+    ),
+    KnownIssue(
+        name="single-group-drop-after-length-cap",
+        summary=(
+            "With a single KV cache group and the EAGLE drop, "
+            "UnitaryKVCacheCoordinator.find_longest_cache_hit passes "
+            "max_cache_hit_length = L - 1 to the group's lookup, which stops "
+            "matching at the last whole block below L - 1 and then drops it: a "
+            "resend of a block-aligned prompt loses a block more than the drop "
+            "(FA block 16, a 64-token prompt resent: 32 where 48 is provable; "
+            "the hybrid coordinator peeks one block past the cap and gives 48, "
+            "and so does a 65-token prompt)."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py "
+        "UnitaryKVCacheCoordinator.find_longest_cache_hit with "
+        "FullAttentionManager.find_longest_cache_hit",
+        example="known-issues/single-group-drop-after-length-cap.json",
+        matches=_single_group_drop_after_cap,
+    ),
+    KnownIssue(
+        name="unit-below-retained-boundary-falls-back",
+        summary=(
+            "Under sparse retention a sibling that diverges inside the last "
+            "alignment unit before a boundary vLLM retains (the writer's replay "
+            "boundary, a junction, or a periodic checkpoint without the EAGLE "
+            "drop) is owed that boundary minus A, but the kept SWA tail ends on "
+            "the boundary and starts A / B_swa blocks too high, so the lookup "
+            "falls back to the previous checkpoint, often 0 (FA 8 + SWA 4 with "
+            "window 16, retention 0, a 100-token writer: a sibling sharing 94 "
+            "tokens gets 0 where 88 is due). vLLM issue #57610, fix PR #57613 "
+            "(replay boundary only, open); the seed PR covers periodic "
+            "checkpoints under the drop only; kvfuzz's candidate variant widens "
+            "every retained tail."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "SlidingWindowManager.reachable_block_mask (the reachable-boundary tails)",
+        example="known-issues/unit-below-replay-boundary-toy.json",
+        matches=_unit_below_retained_boundary,
+        uses_hits=True,
+    ),
+    KnownIssue(
+        name="single-swa-group-lookahead-hashes-index-error",
+        summary=(
+            "A sliding-window-only model (one KV cache group) with lookahead "
+            "block hashes of two or more tokens (multi-module MTP) crashes in "
+            "get_computed_blocks on any prompt whose last full block ends at "
+            "L - 1: UnitaryKVCacheCoordinator passes max_cache_hit_length = L - 1 "
+            "uncapped, and SlidingWindowManager.find_longest_cache_hit indexes "
+            "block_hashes[i] for every block below it, but lookahead hashes stop "
+            "num_hash_lookahead_tokens before the end (IndexError; SWA block 2, "
+            "window 2, a 19-token prompt, two speculative tokens). The hybrid "
+            "coordinator caps the length at the hashed tokens; full attention "
+            "uses islice and does not crash."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py "
+        "UnitaryKVCacheCoordinator.find_longest_cache_hit with "
+        "vllm/v1/core/single_type_kv_cache_manager.py "
+        "SlidingWindowManager.find_longest_cache_hit",
+        example="known-issues/single-swa-group-lookahead-hashes-index-error.json",
+        matches=_single_swa_lookahead_index_error,
     ),
 )
 

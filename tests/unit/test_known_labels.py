@@ -194,3 +194,48 @@ def test_a_single_group_pins_no_junction() -> None:
     assert [f.known_issue for f in label_known(scenario, findings)] == [
         "unit-below-retained-boundary-falls-back"
     ] * 2
+
+
+def test_single_swa_group_lookahead_crash_label() -> None:
+    detail = (
+        "request 0: lookup: KVCacheManager.get_computed_blocks: IndexError: list index out of range"
+    )
+    crash = Finding(FindingKind.CRASH, "v", 0, detail)
+
+    def alone(kind: GroupKind, spec_tokens: int) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(
+                KVCacheGroup(kind, 2, 2 if kind is GroupKind.SLIDING_WINDOW else None),
+            ),
+            requests=(RequestSpec(18, 1),),
+            shared_prefix_tokens=18,
+            drafter=Drafter(DrafterKind.MULTI_MODULE_MTP, spec_tokens),
+            prefill_chunk_tokens=2,
+        )
+
+    name = "single-swa-group-lookahead-hashes-index-error"
+    assert label_known(alone(GroupKind.SLIDING_WINDOW, two), [crash])[0].known_issue == name
+    # Near misses: one lookahead token (EAGLE), or full attention alone.
+    eagle = Drafter(DrafterKind.EAGLE, 1)
+    assert label_known(alone(GroupKind.SLIDING_WINDOW, eagle), [crash])[0].known_issue is None
+    assert label_known(alone(GroupKind.FULL_ATTENTION, two), [crash])[0].known_issue is None
+
+
+def test_single_group_cap_explains_the_dense_check_of_a_needless_drop() -> None:
+    # Found by a campaign: FA block 1 alone, Gemma-4 MTP on stock vLLM (which
+    # drops needlessly); the dense cross-check judges with that drop: owed 1,
+    # capped at L - 1 = 1 and dropped to 0.
+    scenario = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 1),),
+        requests=(RequestSpec(17, 0), RequestSpec(2, 0)),
+        shared_prefix_tokens=17,
+        retention_interval_tokens=0,
+        drafter=Drafter(DrafterKind.GEMMA4_MTP, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=1,
+    )
+    mismatch = Finding(FindingKind.DENSE_MISMATCH, "v", 1, "", expected_tokens=1, hit_tokens=0)
+    labelled = label_known(scenario, [mismatch])[0]
+    assert labelled.known_issue == "single-group-drop-after-length-cap"
+    fallback = Finding(FindingKind.FALLBACK, "v", 1, "", expected_tokens=1, hit_tokens=0)
+    assert label_known(scenario, [fallback])[0].known_issue is None  # Gemma-4 owes no drop
