@@ -202,16 +202,18 @@ def test_single_swa_group_lookahead_crash_label() -> None:
     )
     crash = Finding(FindingKind.CRASH, "v", 0, detail)
 
-    def alone(kind: GroupKind, spec_tokens: int) -> Scenario:
+    def alone(kind: GroupKind, drafter: Drafter) -> Scenario:
         return Scenario(
             kv_cache_groups=(
                 KVCacheGroup(kind, 2, 2 if kind is GroupKind.SLIDING_WINDOW else None),
             ),
             requests=(RequestSpec(18, 1),),
             shared_prefix_tokens=18,
-            drafter=Drafter(DrafterKind.MULTI_MODULE_MTP, spec_tokens),
+            drafter=drafter,
             prefill_chunk_tokens=2,
         )
+
+    two = Drafter(DrafterKind.MULTI_MODULE_MTP, 2)
 
     name = "single-swa-group-lookahead-hashes-index-error"
     assert label_known(alone(GroupKind.SLIDING_WINDOW, two), [crash])[0].known_issue == name
