@@ -83,6 +83,8 @@ for _name, _what in (
     ("no-peek", "SWA tails kept as if there were no EAGLE peek block"),
     ("double-drop", "the SWA lookup applies the EAGLE drop twice"),
     ("no-junction", "get_computed_blocks never reports a shared-prefix junction"),
+    ("null-in-window", "get_computed_blocks hands out the null block inside the SWA window"),
+    ("extra-block", "get_computed_blocks hands out the cached block past the hit"),
 ):
     register(
         Variant(
@@ -94,7 +96,13 @@ for _name, _what in (
     )
 
 DEFAULT_VARIANTS = ("unfixed", "fixed")
-MUTANTS = ("mutant-no-peek", "mutant-double-drop", "mutant-no-junction")
+MUTANTS = (
+    "mutant-no-peek",
+    "mutant-double-drop",
+    "mutant-no-junction",
+    "mutant-null-in-window",
+    "mutant-extra-block",
+)
 
 
 def known_variants() -> tuple[str, ...]:

@@ -42,9 +42,15 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
+from differential.driver.block_ledger import BlockLedger
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
 from differential.errors import InternalError
-from differential.observation import ManagerSettings, RequestObservation, RunObservation
+from differential.observation import (
+    BlockWrite,
+    ManagerSettings,
+    RequestObservation,
+    RunObservation,
+)
 from differential.scenario import GroupKind, Scenario
 
 __all__ = ["VLLM_VERSION", "run_scenario"]
@@ -139,6 +145,7 @@ def run_scenario(
     *,
     retention_interval_tokens: int | object | None = _UNSET,
     record_cache_map: bool = False,
+    record_blocks: bool = True,
 ) -> RunObservation:
     """Run ``scenario`` on the vLLM importable in this process.
 
@@ -154,6 +161,11 @@ def run_scenario(
             scenario's own.
         record_cache_map: record, per request and group, which of its prompt
             blocks were cached when it looked up (for ``kvfuzz explain``).
+        record_blocks: record the blocks every lookup returned and what they
+            held, and every block a step wrote that was not the request's
+            alone (:class:`~differential.driver.block_ledger.BlockLedger`), for
+            the block-level check; off, the run is faster and that check is
+            skipped.
 
     Returns:
         The observation. If vLLM raised, ``error`` names the phase and the
@@ -209,6 +221,7 @@ def run_scenario(
             num_prefill_lookahead=resolved.num_prefill_lookahead_tokens
         )
         seen: Counter[bytes] = Counter()
+        ledger = BlockLedger(manager) if record_blocks else None
         for index, (spec, prompt) in enumerate(
             zip(scenario.requests, scenario.prompts, strict=True)
         ):
@@ -235,6 +248,8 @@ def run_scenario(
                 per_group = ()
             blocks, hit, junction = manager.get_computed_blocks(request)
             request.shared_prefix_boundary = junction
+            lookup_blocks = ledger.lookup(blocks.blocks) if ledger is not None else ()
+            unsafe_writes: list[BlockWrite] = []
             if not per_group:
                 per_group = (hit,) * num_groups
 
@@ -255,6 +270,12 @@ def run_scenario(
                         f"{scenario.prefill_chunk_tokens} cannot leave the prefill "
                         f"lookahead of {resolved.num_prefill_lookahead_tokens} tokens"
                     )
+                adopted = blocks.blocks if first else None
+                cached_before = (
+                    ledger.before_step(request.request_id, computed, computed + num_new, adopted)
+                    if ledger is not None
+                    else set()
+                )
                 if first:
                     allocated = manager.allocate_slots(
                         request,
@@ -271,16 +292,29 @@ def run_scenario(
                     )
                 if allocated is None:
                     raise InternalError(f"the block pool ran out at {computed} tokens")
+                if ledger is not None:
+                    unsafe_writes += ledger.after_step(
+                        index, request.request_id, computed, computed + num_new, cached_before
+                    )
                 computed += num_new
                 request.num_computed_tokens = computed
             for step in range(scenario.decode_steps):
                 phase[0] = f"request {index}: decode step {step}"
                 request.append_output_token_ids(scenario.output_token(index, step))
+                cached_before = (
+                    ledger.before_step(request.request_id, computed, computed + 1, None)
+                    if ledger is not None
+                    else set()
+                )
                 allocated = manager.allocate_slots(
                     request, 1, num_lookahead_tokens=resolved.num_lookahead_tokens
                 )
                 if allocated is None:
                     raise InternalError(f"the block pool ran out at decode step {step}")
+                if ledger is not None:
+                    unsafe_writes += ledger.after_step(
+                        index, request.request_id, computed, computed + 1, cached_before
+                    )
                 computed += 1
                 request.num_computed_tokens = computed
             phase[0] = f"request {index}: free"
@@ -305,6 +339,8 @@ def run_scenario(
                     per_group_hit_tokens=tuple(per_group),
                     retained_blocks_per_group=tuple(added),
                     cache_map=cache_map,
+                    lookup_blocks=lookup_blocks,
+                    unsafe_writes=tuple(unsafe_writes),
                 )
             )
     except InternalError:
@@ -319,4 +355,5 @@ def run_scenario(
         evicted_blocks=evicted,
         error=error,
         retention_interval_tokens=retention,
+        blocks_recorded=record_blocks,
     )

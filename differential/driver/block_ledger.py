@@ -1,0 +1,151 @@
+"""Record, as plain data, which blocks vLLM hands out and what they hold.
+
+The block-level check (:mod:`differential.oracle_blocks`) needs two facts the
+hit length does not carry:
+
+* for every ``get_computed_blocks``, the blocks of each KV cache group and,
+  for each real block, which request wrote KV into it, at which block index,
+  and how many of its tokens (:class:`BlockLedger.lookup`);
+* for every ``allocate_slots`` step, each block the step writes into that
+  was not the request's alone: vLLM's null block, a block whose reference
+  count (``KVCacheBlock.ref_cnt``, kept by ``vllm/v1/core/block_pool.py``
+  ``BlockPool``) is not 1, or a block that was already in the prefix cache
+  (:meth:`BlockLedger.before_step` / :meth:`BlockLedger.after_step`), the
+  conditions of ``BlockPool.is_block_writable``.
+
+The ledger is keyed by block id and updated only for the blocks a step
+writes (the tokens ``[start, end)``), so its cost is proportional to the
+tokens computed, not to the cache size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from differential.observation import BlockRecord, BlockWrite
+
+__all__ = ["BlockLedger"]
+
+
+class BlockLedger:
+    """What each block id of one manager's pool was last filled with.
+
+    Args:
+        manager: the ``KVCacheManager`` being driven; its coordinator's
+            ``single_type_managers`` give each group's block table
+            (``req_to_blocks``) and block size, in tokens.
+    """
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._managers = manager.coordinator.single_type_managers
+        self._block_sizes = [m.block_size for m in self._managers]
+        # block id -> [group, writer request index, writer block index, filled tokens]
+        self._filled: dict[int, list[int]] = {}
+
+    def lookup(self, blocks: Sequence[Sequence[Any]]) -> tuple[tuple[BlockRecord | None, ...], ...]:
+        """Per group, what each block a lookup returned held (``None``: the null block).
+
+        Args:
+            blocks: ``KVCacheBlocks.blocks`` as ``get_computed_blocks`` returned it.
+        """
+        out = []
+        filled = self._filled
+        for group in blocks:
+            row: list[BlockRecord | None] = []
+            for block in group:
+                if block.is_null:
+                    row.append(None)
+                    continue
+                rec = filled.get(block.block_id)
+                if rec is None:
+                    row.append(BlockRecord(block.block_id, None, None, None, 0))
+                else:
+                    row.append(BlockRecord(block.block_id, rec[0], rec[1], rec[2], rec[3]))
+            out.append(tuple(row))
+        return tuple(out)
+
+    def before_step(
+        self,
+        request_id: str,
+        start_tokens: int,
+        end_tokens: int,
+        hit_blocks: Sequence[Sequence[Any]] | None,
+    ) -> set[int]:
+        """Block ids already in the prefix cache where the step will write.
+
+        Args:
+            request_id: the request's id.
+            start_tokens, end_tokens: the tokens ``[start, end)`` the step computes.
+            hit_blocks: the lookup's blocks when this step adopts them (first
+                prefill step), else ``None``.
+        """
+        cached: set[int] = set()
+        if end_tokens <= start_tokens:
+            return cached
+        for gid, manager in enumerate(self._managers):
+            size = self._block_sizes[gid]
+            table = manager.req_to_blocks.get(request_id, ())
+            adopted = hit_blocks[gid] if hit_blocks is not None else ()
+            for k in range(start_tokens // size, (end_tokens - 1) // size + 1):
+                if k < len(table):
+                    block = table[k]
+                elif k < len(adopted):
+                    block = adopted[k]
+                else:
+                    continue
+                if block.block_hash is not None:
+                    cached.add(block.block_id)
+        return cached
+
+    def after_step(
+        self,
+        request_index: int,
+        request_id: str,
+        start_tokens: int,
+        end_tokens: int,
+        cached_before: set[int],
+    ) -> list[BlockWrite]:
+        """Record the tokens ``[start, end)`` the step wrote; return unsafe writes.
+
+        Args:
+            request_index: the writing request's index in the scenario.
+            request_id: its vLLM request id.
+            start_tokens, end_tokens: the tokens the step computed.
+            cached_before: :meth:`before_step`'s answer for the same step.
+        """
+        unsafe: list[BlockWrite] = []
+        if end_tokens <= start_tokens:
+            return unsafe
+        filled = self._filled
+        for gid, manager in enumerate(self._managers):
+            size = self._block_sizes[gid]
+            table = manager.req_to_blocks.get(request_id, ())
+            for k in range(start_tokens // size, (end_tokens - 1) // size + 1):
+                if k >= len(table):
+                    continue  # no slot: vLLM would have returned None
+                block = table[k]
+                block_id = block.block_id
+                if block.is_null or block.ref_cnt != 1 or block_id in cached_before:
+                    unsafe.append(
+                        BlockWrite(
+                            position_tokens=start_tokens,
+                            group=gid,
+                            block_index=k,
+                            block_id=block_id,
+                            ref_cnt=block.ref_cnt,
+                            cached=block_id in cached_before,
+                            null=bool(block.is_null),
+                        )
+                    )
+                    if block.is_null:
+                        continue
+                wrote = min((k + 1) * size, end_tokens) - max(k * size, start_tokens)
+                rec = filled.get(block_id)
+                if rec is not None and rec[0] == gid and rec[1] == request_index and rec[2] == k:
+                    rec[3] += wrote
+                else:
+                    filled[block_id] = [gid, request_index, k, wrote]
+        return unsafe
