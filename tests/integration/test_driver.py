@@ -120,3 +120,37 @@ def test_dense_cross_check_run_uses_no_retention() -> None:
     dense = run_variant(triton(), unfixed, dense=True)
     assert dense.retention_interval_tokens is None
     assert dense.hits == (0, 16352, 16352, 16352)
+
+
+def test_block_ledger_records_what_each_lookup_handed_out() -> None:
+    from differential.corpus import load_entry
+    from differential.driver import run_variant
+    from differential.observation import RunObservation
+    from differential.oracle_blocks import check_blocks
+    from tests.factories import CORPORA
+
+    scenario = load_entry(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json").scenario
+    (unfixed,) = parse_variants("unfixed")
+    run = run_variant(scenario, unfixed)
+    assert run.blocks_recorded
+    assert run.hits == (0, 192, 248, 248)
+    first, sibling = run.requests[0], run.requests[1]
+    assert [len(g) for g in first.lookup_blocks] == [0, 0]
+    # Hit 192: 24 full-attention blocks of 8 and 48 SWA blocks of 4; window
+    # 16 reads the last ceil(15 / 4) = 4 SWA blocks, the rest are null.
+    assert [len(g) for g in sibling.lookup_blocks] == [24, 48]
+    full, swa = sibling.lookup_blocks
+    assert all(b is not None for b in full)
+    assert all(b is not None for b in swa[-4:])
+    for gid, group in enumerate(sibling.lookup_blocks):
+        for k, block in enumerate(group):
+            if block is not None:  # request 0 wrote it, at the same index, in full
+                size = scenario.kv_cache_groups[gid].block_size_tokens
+                assert (block.group, block.writer, block.writer_block_index) == (gid, 0, k)
+                assert block.filled_tokens == size
+    assert all(not r.unsafe_writes for r in run.requests)
+    assert check_blocks(scenario, run) == ()
+    assert RunObservation.from_dict(run.to_dict()) == run
+    off = run_variant(scenario, unfixed, record_blocks=False)
+    assert off.hits == run.hits
+    assert not off.blocks_recorded and off.requests[1].lookup_blocks == ()
