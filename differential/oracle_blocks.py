@@ -148,14 +148,13 @@ def _content_violation(
     tokens: TokenView,
 ) -> BlockViolation | None:
     """Check a real block at ``index`` against the sibling's tokens."""
-    what = _describe(held)
     if held.writer is None or held.filled_tokens < block_size_tokens:
         return BlockViolation(
             ViolationKind.UNWRITTEN,
             group,
             index,
             held,
-            f"group {group} block index {index} is {what}; a hit needs all "
+            f"group {group} block index {index} is {_describe(held)}; a hit needs all "
             f"{block_size_tokens} tokens written",
         )
     end = (index + 1) * block_size_tokens
@@ -170,7 +169,7 @@ def _content_violation(
             group,
             index,
             held,
-            f"group {group} block index {index} is {what}, not request {sibling}'s "
+            f"group {group} block index {index} is {_describe(held)}, not request {sibling}'s "
             f"tokens {index * block_size_tokens}..{end}",
         )
     return None
