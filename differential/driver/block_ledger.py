@@ -45,6 +45,20 @@ class BlockLedger:
         # block id -> [group, writer request index, writer block index, filled tokens]
         self._filled: dict[int, list[int]] = {}
 
+    @classmethod
+    def for_manager(cls, manager: KVCacheManager) -> BlockLedger | None:
+        """A ledger for ``manager``, or ``None`` if its vLLM lacks what the ledger
+        reads (per-group ``req_to_blocks`` and ``block_size``, a null block with
+        ``is_null``): an older release then runs without the block-level check."""
+        try:
+            managers = manager.coordinator.single_type_managers
+            null = manager.block_pool.null_block
+            if not all(hasattr(m, "req_to_blocks") for m in managers) or not null.is_null:
+                return None
+        except AttributeError:
+            return None
+        return cls(manager)
+
     def lookup(self, blocks: Sequence[Sequence[Any]]) -> tuple[tuple[BlockRecord | None, ...], ...]:
         """Per group, what each block a lookup returned held (``None``: the null block).
 

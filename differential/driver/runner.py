@@ -180,6 +180,7 @@ def run_scenario(
     phase = ["resolve drafter settings"]
     observed: list[RequestObservation] = []
     settings: ManagerSettings | None = None
+    ledger: BlockLedger | None = None
     evicted = 0
     error: str | None = None
     try:
@@ -221,7 +222,7 @@ def run_scenario(
             num_prefill_lookahead=resolved.num_prefill_lookahead_tokens
         )
         seen: Counter[bytes] = Counter()
-        ledger = BlockLedger(manager) if record_blocks else None
+        ledger = BlockLedger.for_manager(manager) if record_blocks else None
         for index, (spec, prompt) in enumerate(
             zip(scenario.requests, scenario.prompts, strict=True)
         ):
@@ -355,5 +356,5 @@ def run_scenario(
         evicted_blocks=evicted,
         error=error,
         retention_interval_tokens=retention,
-        blocks_recorded=record_blocks,
+        blocks_recorded=ledger is not None,
     )
