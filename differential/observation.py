@@ -60,7 +60,8 @@ class BlockWrite:
         block_id: vLLM's ``KVCacheBlock.block_id``.
         ref_cnt: the block's reference count after the step (1 when only
             this request holds it).
-        cached: the block was already in the prefix cache before the step.
+        cached: the block's prefix-cache entry already covered tokens the
+            step wrote.
         null: the block is vLLM's null block.
     """
 

@@ -19,7 +19,9 @@ size ``B``, with hit ``h`` tokens:
    a real block, never vLLM's null block.
 3. **Contents**: every real block at index ``k`` was written, in this group,
    at index ``k``, in full (``B`` tokens), by an earlier request whose tokens
-   ``[k * B, (k + 1) * B)`` equal the sibling's.
+   ``[k * B, (k + 1) * B)`` equal the sibling's. Blocks below a window are
+   not read (``add_local_computed_blocks`` replaces them with null blocks)
+   and are not checked.
 4. **Writes**: no ``allocate_slots`` step writes into a block that was not the
    request's alone (vLLM ``vllm/v1/core/block_pool.py``
    ``BlockPool.is_block_writable``: not null, reference count 1, not cached).
@@ -232,6 +234,8 @@ def attention_violations(
                     )
                 )
             continue
+        if index < first_read:
+            continue  # below the window: never read
         bad = _content_violation(gid, size, index, held, sibling, tokens)
         if bad is not None:
             out.append(bad)
@@ -322,7 +326,7 @@ def request_violations(
         why = (
             "the null block"
             if write.null
-            else "already in the prefix cache"
+            else "whose prefix-cache entry already covers them"
             if write.cached
             else f"held by {write.ref_cnt} request(s)"
         )

@@ -9,9 +9,15 @@ hit length does not carry:
 * for every ``allocate_slots`` step, each block the step writes into that
   was not the request's alone: vLLM's null block, a block whose reference
   count (``KVCacheBlock.ref_cnt``, kept by ``vllm/v1/core/block_pool.py``
-  ``BlockPool``) is not 1, or a block that was already in the prefix cache
-  (:meth:`BlockLedger.before_step` / :meth:`BlockLedger.after_step`), the
-  conditions of ``BlockPool.is_block_writable``.
+  ``BlockPool``) is not 1, or a block whose prefix-cache entry already
+  covers the tokens the step writes (:meth:`BlockLedger.before_step` /
+  :meth:`BlockLedger.after_step`), the conditions of
+  ``BlockPool.is_block_writable``. A full-attention prompt tail that ends
+  inside a block is cached as a partial entry
+  (``FullAttentionManager._cache_partial_tail_block``) that covers only the
+  prompt's last hash boundary; the request keeps writing its sampled tokens
+  past it, which is safe, so only writes below the entry's
+  ``block_hash_num_tokens`` count.
 
 The ledger is keyed by block id and updated only for the blocks a step
 writes (the tokens ``[start, end)``), so its cost is proportional to the
@@ -87,8 +93,9 @@ class BlockLedger:
         start_tokens: int,
         end_tokens: int,
         hit_blocks: Sequence[Sequence[Any]] | None,
-    ) -> set[int]:
-        """Block ids already in the prefix cache where the step will write.
+    ) -> dict[int, int]:
+        """Block ids already in the prefix cache where the step will write, and
+        the tokens (absolute, from position 0) their cache entry covers.
 
         Args:
             request_id: the request's id.
@@ -96,7 +103,7 @@ class BlockLedger:
             hit_blocks: the lookup's blocks when this step adopts them (first
                 prefill step), else ``None``.
         """
-        cached: set[int] = set()
+        cached: dict[int, int] = {}
         if end_tokens <= start_tokens:
             return cached
         for gid, manager in enumerate(self._managers):
@@ -111,7 +118,8 @@ class BlockLedger:
                 else:
                     continue
                 if block.block_hash is not None:
-                    cached.add(block.block_id)
+                    covered = getattr(block, "block_hash_num_tokens", None)
+                    cached[block.block_id] = (k + 1) * size if covered is None else covered
         return cached
 
     def after_step(
@@ -120,7 +128,7 @@ class BlockLedger:
         request_id: str,
         start_tokens: int,
         end_tokens: int,
-        cached_before: set[int],
+        cached_before: dict[int, int],
     ) -> list[BlockWrite]:
         """Record the tokens ``[start, end)`` the step wrote; return unsafe writes.
 
@@ -142,7 +150,8 @@ class BlockLedger:
                     continue  # no slot: vLLM would have returned None
                 block = table[k]
                 block_id = block.block_id
-                if block.is_null or block.ref_cnt != 1 or block_id in cached_before:
+                overwrites = max(start_tokens, k * size) < cached_before.get(block_id, 0)
+                if block.is_null or block.ref_cnt != 1 or overwrites:
                     unsafe.append(
                         BlockWrite(
                             position_tokens=start_tokens,
@@ -150,7 +159,7 @@ class BlockLedger:
                             block_index=k,
                             block_id=block_id,
                             ref_cnt=block.ref_cnt,
-                            cached=block_id in cached_before,
+                            cached=overwrites,
                             null=bool(block.is_null),
                         )
                     )

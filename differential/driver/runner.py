@@ -275,7 +275,7 @@ def run_scenario(
                 cached_before = (
                     ledger.before_step(request.request_id, computed, computed + num_new, adopted)
                     if ledger is not None
-                    else set()
+                    else {}
                 )
                 if first:
                     allocated = manager.allocate_slots(
@@ -305,7 +305,7 @@ def run_scenario(
                 cached_before = (
                     ledger.before_step(request.request_id, computed, computed + 1, None)
                     if ledger is not None
-                    else set()
+                    else {}
                 )
                 allocated = manager.allocate_slots(
                     request, 1, num_lookahead_tokens=resolved.num_lookahead_tokens

@@ -97,6 +97,16 @@ def test_null_block_inside_the_window() -> None:
     assert kinds(((None, *full[1:]), swa)) == [(ViolationKind.NULL_IN_WINDOW, 0, 0)]
 
 
+def test_blocks_below_the_window_are_not_read() -> None:
+    full, swa = good_lookup()
+    # A real block below the window holding other tokens is never attended.
+    below = (*swa[:3], written(1, 9, 203, 4), *swa[4:])
+    assert kinds((full, below)) == []
+    # The same block inside the window is foreign.
+    inside = (*swa[:9], written(1, 8, 209, 4), *swa[10:])
+    assert kinds((full, inside)) == [(ViolationKind.FOREIGN, 1, 9)]
+
+
 def test_extra_block_past_the_hit() -> None:
     full, swa = good_lookup()
     extra = (*full, written(0, 6, 106, 8))
