@@ -154,3 +154,32 @@ def test_block_ledger_records_what_each_lookup_handed_out() -> None:
     off = run_variant(scenario, unfixed, record_blocks=False)
     assert off.hits == run.hits
     assert not off.blocks_recorded and off.requests[1].lookup_blocks == ()
+
+
+def test_sampled_tokens_past_a_partial_tail_entry_are_no_unsafe_write() -> None:
+    # A 153-token prompt, full block 16 over hash block 8: vLLM caches the
+    # prompt tail as a partial entry covering 152 tokens of block 9
+    # (FullAttentionManager._cache_partial_tail_block); decode then writes
+    # tokens 153 and 154 into the same block, past what the entry covers.
+    from differential.driver import run_variant
+    from differential.oracle_blocks import check_blocks
+    from differential.scenario import RequestSpec
+    from tests.factories import hybrid
+
+    scenario = hybrid(
+        16,
+        8,
+        16,
+        prefix=153,
+        requests=(RequestSpec(153, 0), RequestSpec(150, 8)),
+        retention=None,
+        drafter=DrafterKind.NONE,
+        chunk=64,
+        decode_steps=2,
+    )
+    (unfixed,) = parse_variants("unfixed")
+    run = run_variant(scenario, unfixed)
+    assert run.error is None and run.blocks_recorded
+    assert run.hits == (0, 144)
+    assert [r.unsafe_writes for r in run.requests] == [(), ()]
+    assert check_blocks(scenario, run) == ()
