@@ -110,7 +110,10 @@ class BlockLedger:
             size = self._block_sizes[gid]
             table = manager.req_to_blocks.get(request_id, ())
             adopted = hit_blocks[gid] if hit_blocks is not None else ()
-            for k in range(start_tokens // size, (end_tokens - 1) // size + 1):
+            # Only blocks the request already holds (or adopts) can be cached;
+            # the rest of the range will be fresh blocks.
+            last = min((end_tokens - 1) // size + 1, max(len(table), len(adopted)))
+            for k in range(start_tokens // size, last):
                 if k < len(table):
                     block = table[k]
                 elif k < len(adopted):
@@ -145,13 +148,13 @@ class BlockLedger:
         for gid, manager in enumerate(self._managers):
             size = self._block_sizes[gid]
             table = manager.req_to_blocks.get(request_id, ())
-            for k in range(start_tokens // size, (end_tokens - 1) // size + 1):
-                if k >= len(table):
-                    continue  # no slot: vLLM would have returned None
-                block = table[k]
+            first = start_tokens // size
+            for k, block in enumerate(table[first : (end_tokens - 1) // size + 1], first):
                 block_id = block.block_id
-                overwrites = max(start_tokens, k * size) < cached_before.get(block_id, 0)
-                if block.is_null or block.ref_cnt != 1 or overwrites:
+                overwrites = bool(cached_before) and (
+                    max(start_tokens, k * size) < cached_before.get(block_id, 0)
+                )
+                if block.ref_cnt != 1 or block.is_null or overwrites:
                     unsafe.append(
                         BlockWrite(
                             position_tokens=start_tokens,
