@@ -8,6 +8,10 @@ Prints, for a toy-scale scenario (block 4 / 8, window 16, retention 64,
 
 * executions per second of one variant run (``run_variant``), and of a full
   judged comparison (unfixed + fixed, each with its dense cross-check run);
+* the cost of the block-level check (``wrong-kv``): one run judged by the
+  oracle with the driver recording blocks (``record_blocks=True``, the
+  default) against the same without (``record_blocks=False``), measured in
+  alternating rounds so that load from other processes hits both alike;
 * the share of the run's time spent in vLLM's own code, from a cProfile of
   the same loop (self time of functions defined in the ``vllm`` package);
 * a ``kvfuzz fuzz`` campaign's own executions per second (generated,
@@ -53,6 +57,26 @@ def _vllm_share(fn: Callable[[], object], repeats: int) -> float:
     return inside / total if total else 0.0
 
 
+def _paired_rates(
+    on: Callable[[], object], off: Callable[[], object], seconds: float, rounds: int = 8
+) -> tuple[float, float]:
+    """Executions per CPU second of ``on`` and ``off``, in alternating rounds.
+
+    CPU time of this process (``time.process_time``), so that other processes
+    on a shared machine do not skew one side of the comparison.
+    """
+    on(), off()  # warm up
+    counts, spent = [0, 0], [0.0, 0.0]
+    for _ in range(rounds):
+        for slot, fn in enumerate((on, off)):
+            start = time.process_time()
+            while time.process_time() - start < seconds / rounds:
+                fn()
+                counts[slot] += 1
+            spent[slot] += time.process_time() - start
+    return counts[0] / spent[0], counts[1] / spent[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
@@ -62,6 +86,7 @@ def main() -> None:
     from differential.compare import compare_variants
     from differential.corpus import load_entry
     from differential.driver import VLLM_VERSION, run_variant
+    from differential.oracle import judge_run
     from differential.variants import parse_variants
 
     print(f"vLLM {VLLM_VERSION} imported in {time.perf_counter() - started:.1f} s")
@@ -78,11 +103,19 @@ def main() -> None:
             lambda s=scenario: compare_variants(s, (unfixed, fixed)), args.seconds
         )
         share = _vllm_share(lambda s=scenario: run_variant(s, unfixed), max(3, int(run_rate)))
+        checked, unchecked = _paired_rates(
+            lambda s=scenario: judge_run(s, run_variant(s, unfixed, record_blocks=True)),
+            lambda s=scenario: judge_run(s, run_variant(s, unfixed, record_blocks=False)),
+            args.seconds * 2,
+        )
         print(
             f"{label:<11} {name}: {tokens} prompt tokens in {len(scenario.requests)} requests\n"
             f"  one variant run:           {run_rate:8.1f} executions/s\n"
             f"  judged unfixed+fixed pair: {judged_rate:8.1f} scenarios/s (4 runs each)\n"
-            f"  time inside vLLM's code:   {share:8.0%} (cProfile self time)"
+            f"  time inside vLLM's code:   {share:8.0%} (cProfile self time)\n"
+            f"  judged run, block check on:  {checked:8.1f} executions/CPU-s\n"
+            f"  judged run, block check off: {unchecked:8.1f} executions/CPU-s "
+            f"(the check costs {1 - checked / unchecked:.0%})"
         )
 
     import tempfile

@@ -101,6 +101,7 @@ def junit_xml(results: Sequence[ScenarioResult], *, suite_name: str = "kvfuzz") 
 
 
 _LEVEL = {
+    FindingKind.WRONG_KV: "error",
     FindingKind.OVER_HIT: "error",
     FindingKind.CRASH: "error",
     FindingKind.MISALIGNED: "error",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from differential.findings import Finding
 from differential.oracle import SiblingReference
+from differential.oracle_blocks import render_blocks
 from differential.scenario import GroupKind, Scenario
 
 if TYPE_CHECKING:
@@ -41,12 +42,15 @@ class VariantRow:
         hit_tokens: its hit, in tokens.
         cache_maps: per group, ``"1"``/``"0"`` per prompt block: cached at lookup.
         verdicts: finding kinds reported for the sibling on this variant.
+        lookup_blocks: per group, the block ids its lookup handed out
+            (``None``: the null block); shown for ``wrong-kv``.
     """
 
     variant: str
     hit_tokens: int
     cache_maps: tuple[str, ...]
     verdicts: tuple[str, ...]
+    lookup_blocks: tuple[tuple[int | None, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,11 @@ def explain_request(
             )
         )
         obs = run.requests[request]
-        rows.append(VariantRow(vr.variant.name, obs.hit_tokens, obs.cache_map, verdicts))
+        rows.append(
+            VariantRow(
+                vr.variant.name, obs.hit_tokens, obs.cache_map, verdicts, obs.lookup_block_ids
+            )
+        )
     references = result.results[0].references if result.results else ()
     if not rows or request >= len(references):
         return None
@@ -194,7 +202,23 @@ def render_text(exp: Explanation) -> str:
         "█ cached at lookup  · not cached  | periodic checkpoint  e expected checkpoint  "
         "D divergence point"
     )
+    lines += _block_lines(exp)
     return "\n".join(lines) + "\n"
+
+
+def _block_lines(exp: Explanation) -> list[str]:
+    """Block lists handed out, per variant and group, when any row has ``wrong-kv``."""
+    if not any("wrong-kv" in row.verdicts for row in exp.rows):
+        return []
+    lines = ["blocks handed out by the lookup (block ids; null = the null block):"]
+    for row in exp.rows:
+        for gid, ids in enumerate(row.lookup_blocks):
+            block = exp.scenario.kv_cache_groups[gid].block_size_tokens
+            lines.append(
+                f"  {row.variant} g{gid}: {len(ids)} blocks for hit {row.hit_tokens} "
+                f"({row.hit_tokens // block} owed) {render_blocks(ids)}"
+            )
+    return lines
 
 
 def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
@@ -206,7 +230,8 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
     left, top = 190, 58
     rows = [(row, gid, g) for row in exp.rows for gid, g in enumerate(scenario.kv_cache_groups)]
     total_w = left + width * block_px + 230
-    total_h = top + len(rows) * row_px + 80
+    block_lines = _block_lines(exp)
+    total_h = top + len(rows) * row_px + 80 + 14 * len(block_lines)
 
     def x(tokens: int) -> float:
         return left + (tokens - exp.start_tokens) / column * block_px
@@ -272,5 +297,9 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
         f'<text x="8" y="{total_h - 8}">blue = cached, grey = not cached, '
         "orange triangle = the variant's hit</text>"
     )
+    for line, text in enumerate(block_lines):
+        parts.append(
+            f'<text x="8" y="{total_h - 8 - 14 * (len(block_lines) - line)}">{escape(text)}</text>'
+        )
     parts.append("</svg>")
     return "\n".join(parts) + "\n"

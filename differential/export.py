@@ -147,6 +147,8 @@ def {name}():
         prompts.append(base[:divergence] + [own_base + k for k in range(own)])
 
     hits = []
+    block_counts = []  # per request, blocks the lookup returned per KV cache group
+    null_blocks = []  # per request and group, indices of null blocks among them
     for index, prompt in enumerate(prompts):
         request = Request(
             request_id=str(index),
@@ -158,6 +160,10 @@ def {name}():
         blocks, hit, junction = manager.get_computed_blocks(request)
         request.shared_prefix_boundary = junction
         hits.append(hit)
+        block_counts.append([len(group) for group in blocks.blocks])
+        null_blocks.append(
+            [[k for k, b in enumerate(group) if b.is_null] for group in blocks.blocks]
+        )
         computed, first = hit, True
         while computed < len(prompt):
             # Prefill chunk, never ending within the prefill lookahead of the end.
@@ -212,6 +218,41 @@ def _groups(scenario: Scenario) -> str:
     return "\n".join(lines)
 
 
+def _wrong_kv_check(scenario: Scenario, request: int) -> tuple[str, str]:
+    """Assertions on the blocks ``request``'s lookup returns, per KV cache group.
+
+    As vLLM's ``tests/v1/core/test_prefix_caching.py`` does: the block count per
+    group is the hit over the group's block size, and no null block lies
+    where attention reads (all of full attention; the window of a sliding
+    window group).
+    """
+    sizes = [g.block_size_tokens for g in scenario.kv_cache_groups]
+    counts = ", ".join(f"hits[{request}] // {b}" for b in sizes)
+    lines = [
+        f"    # Request {request}'s lookup: one block per {sizes} tokens of its hit, per group.",
+        f"    assert block_counts[{request}] == [{counts}], (hits, block_counts)",
+    ]
+    for gid, g in enumerate(scenario.kv_cache_groups):
+        if g.kind is GroupKind.SLIDING_WINDOW:
+            window, size = g.sliding_window_tokens, g.block_size_tokens
+            first = f"max(0, hits[{request}] - {window} + 1) // {size}"
+            lines.append(
+                f"    # Group {gid} (window {g.sliding_window_tokens}): "
+                "no null block inside the window below the hit."
+            )
+            lines.append(
+                f"    assert all(k < {first} for k in null_blocks[{request}][{gid}]), null_blocks"
+            )
+        else:
+            lines.append(f"    # Group {gid} (full attention): no null block at all.")
+            lines.append(f"    assert null_blocks[{request}][{gid}] == [], null_blocks")
+    expectation = (
+        f"request {request}'s lookup returns exactly one real block per block of its hit "
+        "in every group (no extra block, no null block where attention reads)."
+    )
+    return "\n".join(lines), expectation
+
+
 def _test_name(text: str) -> str:
     return "test_kvfuzz_" + re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
@@ -238,7 +279,9 @@ def export_test(
     """
     request = finding.request if finding.request is not None else len(scenario.requests) - 1
     expected = reference.expected_tokens
-    if finding.kind is FindingKind.OVER_HIT:
+    if finding.kind is FindingKind.WRONG_KV:
+        check, expectation = _wrong_kv_check(scenario, request)
+    elif finding.kind is FindingKind.OVER_HIT:
         ceiling = finding.expected_tokens if finding.expected_tokens is not None else expected
         check = f"    assert hits[{request}] <= {ceiling}, hits"
         expectation = (

@@ -44,6 +44,11 @@ class Policy(StrEnum):
 class FindingKind(StrEnum):
     """Kinds of finding, most severe first (see :data:`SEVERITY`)."""
 
+    WRONG_KV = "wrong-kv"
+    """A lookup handed out the wrong blocks (too many or too few for the hit,
+    the null block where attention reads, a block holding other tokens), or a
+    step wrote into a block another request reads: silently wrong outputs
+    whatever the hit length (:mod:`differential.oracle_blocks`)."""
     OVER_HIT = "over-hit"
     """A hit past the dense reference or reusing KV that depends on a token
     past the divergence point: silently wrong outputs."""
@@ -98,6 +103,8 @@ class Finding:
         detail: one readable sentence.
         known_issue: the name of the known vLLM issue that explains it
             (:mod:`differential.known`), or ``None``.
+        blocks_per_group: (``wrong-kv`` only) the block ids the request's
+            lookup returned, per KV cache group (``None``: the null block).
     """
 
     kind: FindingKind
@@ -110,9 +117,16 @@ class Finding:
     fallback_checkpoint_tokens: int | None = None
     policy: Policy = Policy.VLLM
     known_issue: str | None = None
+    blocks_per_group: tuple[tuple[int | None, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form (``blocks_per_group`` only when set)."""
+        out = self._base_dict()
+        if self.blocks_per_group:
+            out["blocks_per_group"] = [list(g) for g in self.blocks_per_group]
+        return out
+
+    def _base_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind.value,
             "variant": self.variant,
@@ -140,6 +154,7 @@ class Finding:
             fallback_checkpoint_tokens=data.get("fallback_checkpoint_tokens"),
             policy=Policy(data.get("policy", Policy.VLLM.value)),
             known_issue=data.get("known_issue"),
+            blocks_per_group=tuple(tuple(g) for g in data.get("blocks_per_group", ())),
         )
 
     @property

@@ -9,7 +9,93 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GroupLookup", "ManagerSettings", "RequestObservation", "RunObservation"]
+__all__ = [
+    "BlockRecord",
+    "BlockWrite",
+    "GroupLookup",
+    "ManagerSettings",
+    "RequestObservation",
+    "RunObservation",
+]
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """A real (non-null) KV cache block a lookup handed out, and what it held.
+
+    The driver keeps, per block id, which request last wrote KV into it, at
+    which block index of that request and group, and how many of the block's
+    tokens it wrote (vLLM ``BlockPool`` block ids; vLLM's own cache keys are
+    not used, so a wrong hash match still shows).
+
+    Attributes:
+        block_id: vLLM's ``KVCacheBlock.block_id``.
+        group: the KV cache group the writer wrote it for (``None`` if no
+            request of the run ever wrote it).
+        writer: index of the request that wrote it (``None``: never written).
+        writer_block_index: the block's index in the writer's block table, in
+            blocks (it held the writer's tokens ``[i * B, (i + 1) * B)``).
+        filled_tokens: how many of those tokens the writer computed, in tokens.
+    """
+
+    block_id: int
+    group: int | None
+    writer: int | None
+    writer_block_index: int | None
+    filled_tokens: int
+
+    @classmethod
+    def from_list(cls, data: list[Any] | None) -> BlockRecord | None:
+        """Inverse of :meth:`to_list` (``None`` is the null block)."""
+        return None if data is None else cls(*data)
+
+    def to_list(self) -> list[Any]:
+        """Compact JSON form ``[block_id, group, writer, writer_block_index, filled_tokens]``."""
+        return [self.block_id, self.group, self.writer, self.writer_block_index, self.filled_tokens]
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """A block an ``allocate_slots`` step handed out for writing that was not
+    the request's alone (vLLM ``BlockPool.is_block_writable``: not the null
+    block, reference count 1, not already in the prefix cache).
+
+    Attributes:
+        position_tokens: first token the step computed, in tokens.
+        group: the KV cache group.
+        block_index: index in the request's block table, in blocks.
+        block_id: vLLM's ``KVCacheBlock.block_id``.
+        ref_cnt: the block's reference count after the step (1 when only
+            this request holds it).
+        cached: the block's prefix-cache entry already covered tokens the
+            step wrote.
+        null: the block is vLLM's null block.
+    """
+
+    position_tokens: int
+    group: int
+    block_index: int
+    block_id: int
+    ref_cnt: int
+    cached: bool
+    null: bool
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BlockWrite:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "position_tokens": self.position_tokens,
+            "group": self.group,
+            "block_index": self.block_index,
+            "block_id": self.block_id,
+            "ref_cnt": self.ref_cnt,
+            "cached": self.cached,
+            "null": self.null,
+        }
 
 
 @dataclass(frozen=True)
@@ -140,6 +226,11 @@ class RequestObservation:
             (recorded only for ``kvfuzz explain``; empty otherwise).
         lookup: the single-type manager lookups ``get_computed_blocks`` made,
             in call order (empty if not recorded).
+        lookup_blocks: per group, the blocks ``get_computed_blocks`` returned,
+            in block-table order: ``None`` for vLLM's null block, else what the
+            block held (empty when the run did not record blocks).
+        unsafe_writes: blocks this request's ``allocate_slots`` steps handed
+            out for writing that were not the request's alone.
     """
 
     index: int
@@ -150,6 +241,8 @@ class RequestObservation:
     retained_blocks_per_group: tuple[int, ...]
     cache_map: tuple[str, ...] = ()
     lookup: tuple[GroupLookup, ...] = ()
+    lookup_blocks: tuple[tuple[BlockRecord | None, ...], ...] = ()
+    unsafe_writes: tuple[BlockWrite, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
@@ -163,10 +256,32 @@ class RequestObservation:
             retained_blocks_per_group=tuple(data["retained_blocks_per_group"]),
             cache_map=tuple(data.get("cache_map", ())),
             lookup=tuple(GroupLookup.from_dict(c) for c in data.get("lookup", ())),
+            lookup_blocks=tuple(
+                tuple(BlockRecord.from_list(b) for b in group)
+                for group in data.get("lookup_blocks", ())
+            ),
+            unsafe_writes=tuple(BlockWrite.from_dict(w) for w in data.get("unsafe_writes", ())),
+        )
+
+    @property
+    def lookup_block_ids(self) -> tuple[tuple[int | None, ...], ...]:
+        """Per group, the block ids the lookup returned (``None``: the null block)."""
+        return tuple(
+            tuple(None if b is None else b.block_id for b in group) for group in self.lookup_blocks
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form (block fields only when recorded)."""
+        out = self._base_dict()
+        if self.lookup_blocks:
+            out["lookup_blocks"] = [
+                [None if b is None else b.to_list() for b in group] for group in self.lookup_blocks
+            ]
+        if self.unsafe_writes:
+            out["unsafe_writes"] = [w.to_dict() for w in self.unsafe_writes]
+        return out
+
+    def _base_dict(self) -> dict[str, Any]:
         return {
             "index": self.index,
             "prompt_tokens": self.prompt_tokens,
@@ -199,6 +314,9 @@ class RunObservation:
             (tree variants, which run in a worker process).
         unsupported: the variant lacks a feature the scenario needs (named
             here); the run did not happen and is not judged.
+        blocks_recorded: the driver recorded the blocks of every lookup and
+            unsafe writes (``RequestObservation.lookup_blocks``), so the
+            block-level check (:mod:`differential.oracle_blocks`) applies.
     """
 
     variant: str
@@ -210,6 +328,7 @@ class RunObservation:
     retention_interval_tokens: int | None = None
     timed_out: bool = False
     unsupported: str | None = None
+    blocks_recorded: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunObservation:
@@ -225,6 +344,7 @@ class RunObservation:
             retention_interval_tokens=data.get("retention_interval_tokens"),
             timed_out=data.get("timed_out", False),
             unsupported=data.get("unsupported"),
+            blocks_recorded=data.get("blocks_recorded", False),
         )
 
     @property
@@ -233,7 +353,13 @@ class RunObservation:
         return tuple(r.hit_tokens for r in self.requests)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form (``blocks_recorded`` only when true)."""
+        out = self._base_dict()
+        if self.blocks_recorded:
+            out["blocks_recorded"] = True
+        return out
+
+    def _base_dict(self) -> dict[str, Any]:
         return {
             "variant": self.variant,
             "vllm_version": self.vllm_version,

@@ -132,6 +132,12 @@ for _name, _what, _base in (
     ("no-peek", "SWA tails kept as if there were no EAGLE peek block", "fixed"),
     ("double-drop", "the SWA lookup applies the EAGLE drop twice", "fixed"),
     ("no-junction", "get_computed_blocks never reports a shared-prefix junction", "candidate"),
+    (
+        "null-in-window",
+        "get_computed_blocks hands out the null block inside the SWA window",
+        "fixed",
+    ),
+    ("extra-block", "get_computed_blocks hands out the cached block past the hit", "fixed"),
 ):
     register(
         Variant(
@@ -160,6 +166,8 @@ MUTANTS = (
     "mutant-double-drop",
     "mutant-no-junction",
     "mutant-no-replay-widening",
+    "mutant-null-in-window",
+    "mutant-extra-block",
 )
 
 

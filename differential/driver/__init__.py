@@ -57,7 +57,12 @@ def patch_context(variant: Variant) -> AbstractContextManager[None]:
 
 
 def run_variant(
-    scenario: Scenario, variant: Variant, *, dense: bool = False, record_cache_map: bool = False
+    scenario: Scenario,
+    variant: Variant,
+    *,
+    dense: bool = False,
+    record_cache_map: bool = False,
+    record_blocks: bool = True,
 ) -> RunObservation:
     """Run ``scenario`` on ``variant`` with its patches installed only for the run.
 
@@ -81,5 +86,11 @@ def run_variant(
                 variant.name,
                 retention_interval_tokens=_DENSE,
                 record_cache_map=record_cache_map,
+                record_blocks=record_blocks,
             )
-        return run_scenario(scenario, variant.name, record_cache_map=record_cache_map)
+        return run_scenario(
+            scenario,
+            variant.name,
+            record_cache_map=record_cache_map,
+            record_blocks=record_blocks,
+        )

@@ -13,6 +13,12 @@ compose with the seed fix.
   reports a shared-prefix boundary, so no junction is pinned. Applied on top
   of the ``candidate`` variant, whose one-unit promise makes junctions matter
   on scenarios where the candidate itself is clean.
+* ``mutant-null-in-window``: ``KVCacheManager.get_computed_blocks`` hands out
+  the null block for the last block below the hit of the first
+  sliding-window group, inside the window (the hit length is unchanged).
+* ``mutant-extra-block``: ``KVCacheManager.get_computed_blocks`` hands out,
+  in the first group, the cached block just past the hit as well (the hit
+  length is unchanged).
 """
 
 from __future__ import annotations
@@ -21,12 +27,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 
 from differential.driver.fixes import patched, seed_pr_fix
 
-__all__ = ["mutant_double_drop", "mutant_no_junction", "mutant_no_peek"]
+__all__ = [
+    "mutant_double_drop",
+    "mutant_extra_block",
+    "mutant_no_junction",
+    "mutant_no_peek",
+    "mutant_null_in_window",
+]
 
 
 def _classmethod_function(owner: type, name: str) -> Callable[..., Any]:
@@ -82,4 +94,49 @@ def mutant_no_junction() -> Iterator[None]:
             return blocks, hit, 0
 
         with patched(((KVCacheManager, "get_computed_blocks", no_junction),)):
+            yield
+
+
+@contextmanager
+def mutant_null_in_window() -> Iterator[None]:
+    """The fixed variant, with the null block inside the first SWA group's window."""
+    with seed_pr_fix():
+        current = KVCacheManager.__dict__["get_computed_blocks"]
+
+        def null_in_window(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+            blocks, hit, junction = current(self, *args, **kwargs)
+            groups = [list(g) for g in blocks.blocks]
+            for gid, manager in enumerate(self.coordinator.single_type_managers):
+                if isinstance(manager, SlidingWindowManager):
+                    if groups[gid] and not groups[gid][-1].is_null:
+                        groups[gid][-1] = self.block_pool.null_block
+                        blocks = KVCacheBlocks(tuple(groups))
+                    break
+            return blocks, hit, junction
+
+        with patched(((KVCacheManager, "get_computed_blocks", null_in_window),)):
+            yield
+
+
+@contextmanager
+def mutant_extra_block() -> Iterator[None]:
+    """The fixed variant, handing out the cached block past the hit in group 0."""
+    with seed_pr_fix():
+        current = KVCacheManager.__dict__["get_computed_blocks"]
+
+        def extra_block(self: KVCacheManager, request: Any, *args: Any, **kwargs: Any) -> Any:
+            blocks, hit, junction = current(self, request, *args, **kwargs)
+            manager = self.coordinator.single_type_managers[0]
+            step = manager.block_size // self.block_pool.hash_block_size
+            index = hit // manager.block_size
+            hashes = request.block_hashes
+            if (index + 1) * step <= len(hashes):
+                cached = self.block_pool.get_cached_block(hashes[(index + 1) * step - 1], [0])
+                if cached:
+                    groups = [list(g) for g in blocks.blocks]
+                    groups[0].append(cached[0])
+                    blocks = KVCacheBlocks(tuple(groups))
+            return blocks, hit, junction
+
+        with patched(((KVCacheManager, "get_computed_blocks", extra_block),)):
             yield

@@ -51,6 +51,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 
 from differential.capabilities import Feature
+from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import (
     UnsupportedFeature,
     VllmCallError,
@@ -62,7 +63,12 @@ from differential.driver.features import (
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
 from differential.driver.trace import trace_lookups
 from differential.errors import InternalError
-from differential.observation import ManagerSettings, RequestObservation, RunObservation
+from differential.observation import (
+    BlockWrite,
+    ManagerSettings,
+    RequestObservation,
+    RunObservation,
+)
 from differential.scenario import GroupKind, Scenario
 
 __all__ = ["VLLM_VERSION", "run_scenario"]
@@ -177,6 +183,7 @@ def run_scenario(
     *,
     retention_interval_tokens: int | object | None = _UNSET,
     record_cache_map: bool = False,
+    record_blocks: bool = True,
 ) -> RunObservation:
     """Run ``scenario`` on the vLLM importable in this process.
 
@@ -192,6 +199,11 @@ def run_scenario(
             scenario's own.
         record_cache_map: record, per request and group, which of its prompt
             blocks were cached when it looked up (for ``kvfuzz explain``).
+        record_blocks: record the blocks every lookup returned and what they
+            held, and every block a step wrote that was not the request's
+            alone (:class:`~differential.driver.block_ledger.BlockLedger`), for
+            the block-level check; off, the run is faster and that check is
+            skipped.
 
     Returns:
         The observation. If vLLM raised, ``error`` names the phase, the vLLM
@@ -212,6 +224,7 @@ def run_scenario(
     phase = ["resolve drafter settings"]
     observed: list[RequestObservation] = []
     settings: ManagerSettings | None = None
+    ledger: BlockLedger | None = None
     evicted = 0
     error: str | None = None
     try:
@@ -272,6 +285,7 @@ def run_scenario(
             num_prefill_lookahead=resolved.num_prefill_lookahead_tokens
         )
         seen: Counter[bytes] = Counter()
+        ledger = BlockLedger.for_manager(manager) if record_blocks else None
         for index, (spec, prompt) in enumerate(
             zip(scenario.requests, scenario.prompts, strict=True)
         ):
@@ -313,6 +327,8 @@ def run_scenario(
             # Releases without junction pinning return (blocks, hit tokens).
             blocks, hit, junction = (*lookup, 0) if len(lookup) == 2 else lookup
             request.shared_prefix_boundary = junction
+            lookup_blocks = ledger.lookup(blocks.blocks) if ledger is not None else ()
+            unsafe_writes: list[BlockWrite] = []
             if not per_group:
                 per_group = (hit,) * num_groups
 
@@ -336,6 +352,12 @@ def run_scenario(
                         f"{scenario.prefill_chunk_tokens} cannot leave the prefill "
                         f"lookahead of {resolved.num_prefill_lookahead_tokens} tokens"
                     )
+                adopted = blocks.blocks if first else None
+                cached_before = (
+                    ledger.before_step(request.request_id, computed, computed + num_new, adopted)
+                    if ledger is not None
+                    else {}
+                )
                 if first:
                     allocated = vllm_call(
                         "KVCacheManager.allocate_slots",
@@ -358,6 +380,10 @@ def run_scenario(
                     )
                 if allocated is None:
                     raise InternalError(f"the block pool ran out at {computed} tokens")
+                if ledger is not None:
+                    unsafe_writes += ledger.after_step(
+                        index, request.request_id, computed, computed + num_new, cached_before
+                    )
                 computed += num_new
                 request.num_computed_tokens = computed
             for step in range(scenario.decode_steps):
@@ -366,6 +392,11 @@ def run_scenario(
                     "Request.append_output_token_ids",
                     request.append_output_token_ids,
                     scenario.output_token(index, step),
+                )
+                cached_before = (
+                    ledger.before_step(request.request_id, computed, computed + 1, None)
+                    if ledger is not None
+                    else {}
                 )
                 allocated = vllm_call(
                     "KVCacheManager.allocate_slots",
@@ -376,6 +407,10 @@ def run_scenario(
                 )
                 if allocated is None:
                     raise InternalError(f"the block pool ran out at decode step {step}")
+                if ledger is not None:
+                    unsafe_writes += ledger.after_step(
+                        index, request.request_id, computed, computed + 1, cached_before
+                    )
                 computed += 1
                 request.num_computed_tokens = computed
             phase[0] = f"request {index}: free"
@@ -401,6 +436,8 @@ def run_scenario(
                     retained_blocks_per_group=tuple(added),
                     cache_map=cache_map,
                     lookup=tuple(traced),
+                    lookup_blocks=lookup_blocks,
+                    unsafe_writes=tuple(unsafe_writes),
                 )
             )
     except UnsupportedFeature as missing:
@@ -428,4 +465,5 @@ def run_scenario(
         evicted_blocks=evicted,
         error=error,
         retention_interval_tokens=retention,
+        blocks_recorded=ledger is not None,
     )

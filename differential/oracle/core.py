@@ -17,6 +17,8 @@ design note (``semantics.md``, "Invariants"):
    below ``h_dense``.
 4. **No over-hit**: ``hit <= h_dense`` and ``hit <= D - dependency``.
 5. **Alignment**: every hit is a multiple of ``A``.
+6. **Right blocks**: every block a hit hands out is the right one
+   (:mod:`differential.oracle_blocks`, ``wrong-kv``).
 
 How a drafter's KV depends on later tokens is stated here, independently of
 vLLM's config code (:func:`drafter_model`): EAGLE, EAGLE3 and single-module
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
+from differential.oracle_blocks import check_blocks
 from differential.scenario import DrafterKind, Scenario
 
 __all__ = [
@@ -458,6 +461,7 @@ def judge_run(
                     **common,
                 )
             )
+    findings += check_blocks(scenario, run, policy)
     return refs, tuple(findings)
 
 
@@ -492,4 +496,6 @@ def cross_check_dense(scenario: Scenario, dense_run: RunObservation) -> tuple[Fi
                     hit_tokens=hit,
                 )
             )
+    if scenario.retention_interval_tokens is not None:  # else judge_run checked this run
+        findings += check_blocks(scenario, dense_run, label="dense cross-check run: ")
     return tuple(findings)

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from differential.calibrate import mutation_table
 from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
 from differential.scenario import DrafterKind, RequestSpec
@@ -14,6 +17,7 @@ from tests.factories import CORPORA, hybrid
 pytestmark = pytest.mark.vllm
 
 BOTH = parse_variants("unfixed,fixed")
+WRONG_KV_1_TO_3 = sorted(f"wrong-kv@{r}" for r in (1, 2, 3) for _ in range(2))
 
 
 def _tags(scenario, variants) -> dict[str, list[str]]:
@@ -99,6 +103,9 @@ def test_retention_0_sibling_before_the_replay_boundary(divergence: int) -> None
             "../known-issues/unit-below-replay-boundary-toy",
             ["fallback@1"],
         ),
+        # Each sibling's lookup, in the run and in the dense cross-check run.
+        ("mutant-null-in-window", "seeds/toy-mtp1-swa4-fa8-r64", WRONG_KV_1_TO_3),
+        ("mutant-extra-block", "seeds/toy-mtp1-swa4-fa8-r64", WRONG_KV_1_TO_3),
     ],
 )
 def test_mutants_are_caught(mutant: str, seed: str, expected: list[str]) -> None:
@@ -106,3 +113,24 @@ def test_mutants_are_caught(mutant: str, seed: str, expected: list[str]) -> None
     base = parse_variants(mutant)[0].base
     got = _tags(scenario, parse_variants(f"{base},{mutant}"))
     assert got == {base: [], mutant: expected}
+
+
+def test_block_mutants_are_caught_on_the_seeds_by_wrong_kv_alone() -> None:
+    # The hit length stays right, so only the block-level check can see them.
+    entries = [load_entry(p) for p in sorted((CORPORA / "seeds").glob("*.json"))]
+    rows, noisy = mutation_table(entries, ("mutant-null-in-window", "mutant-extra-block"))
+    assert noisy == ()
+    caught = {row.mutant: [Path(path).stem for path, _ in row.caught_by] for row in rows}
+    kinds = {tag.split("@")[0] for row in rows for _, found in row.caught_by for tag in found}
+    assert kinds == {"wrong-kv"}
+    # A null block in the window is caught wherever a sibling hits.
+    assert len(caught["mutant-null-in-window"]) == len(entries) == 11
+    # The extra block needs a cached block just past the hit (the EAGLE
+    # drop's peek block): seeds without the drop hand out none.
+    missed = {p.stem for p in (CORPORA / "seeds").glob("*.json")}
+    missed -= set(caught["mutant-extra-block"])
+    assert sorted(missed) == [
+        "dflash-swa16-fa32-r8192",
+        "gemma4-mtp3-swa16-fa32-r8192",
+        "no-drafter-swa16-fa32-r8192",
+    ]

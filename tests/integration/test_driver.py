@@ -154,3 +154,66 @@ def test_effective_hash_block_size_is_reported() -> None:
     assert "hash block 8," in render_text([result], "test")
     report = render_json([result], "test", result.policy)
     assert report["scenarios"][0]["effective_hash_block_size_tokens"] == 8
+
+
+def test_block_ledger_records_what_each_lookup_handed_out() -> None:
+    from differential.corpus import load_entry
+    from differential.driver import run_variant
+    from differential.observation import RunObservation
+    from differential.oracle_blocks import check_blocks
+    from tests.factories import CORPORA
+
+    scenario = load_entry(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json").scenario
+    (unfixed,) = parse_variants("unfixed")
+    run = run_variant(scenario, unfixed)
+    assert run.blocks_recorded
+    assert run.hits == (0, 192, 248, 248)
+    first, sibling = run.requests[0], run.requests[1]
+    assert [len(g) for g in first.lookup_blocks] == [0, 0]
+    # Hit 192: 24 full-attention blocks of 8 and 48 SWA blocks of 4; window
+    # 16 reads the last ceil(15 / 4) = 4 SWA blocks, the rest are null.
+    assert [len(g) for g in sibling.lookup_blocks] == [24, 48]
+    full, swa = sibling.lookup_blocks
+    assert all(b is not None for b in full)
+    assert all(b is not None for b in swa[-4:])
+    for gid, group in enumerate(sibling.lookup_blocks):
+        for k, block in enumerate(group):
+            if block is not None:  # request 0 wrote it, at the same index, in full
+                size = scenario.kv_cache_groups[gid].block_size_tokens
+                assert (block.group, block.writer, block.writer_block_index) == (gid, 0, k)
+                assert block.filled_tokens == size
+    assert all(not r.unsafe_writes for r in run.requests)
+    assert check_blocks(scenario, run) == ()
+    assert RunObservation.from_dict(run.to_dict()) == run
+    off = run_variant(scenario, unfixed, record_blocks=False)
+    assert off.hits == run.hits
+    assert not off.blocks_recorded and off.requests[1].lookup_blocks == ()
+
+
+def test_sampled_tokens_past_a_partial_tail_entry_are_no_unsafe_write() -> None:
+    # A 153-token prompt, full block 16 over hash block 8: vLLM caches the
+    # prompt tail as a partial entry covering 152 tokens of block 9
+    # (FullAttentionManager._cache_partial_tail_block); decode then writes
+    # tokens 153 and 154 into the same block, past what the entry covers.
+    from differential.driver import run_variant
+    from differential.oracle_blocks import check_blocks
+    from differential.scenario import RequestSpec
+    from tests.factories import hybrid
+
+    scenario = hybrid(
+        16,
+        8,
+        16,
+        prefix=153,
+        requests=(RequestSpec(153, 0), RequestSpec(150, 8)),
+        retention=None,
+        drafter=DrafterKind.NONE,
+        chunk=64,
+        decode_steps=2,
+    )
+    (unfixed,) = parse_variants("unfixed")
+    run = run_variant(scenario, unfixed)
+    assert run.error is None and run.blocks_recorded
+    assert run.hits == (0, 144)
+    assert [r.unsafe_writes for r in run.requests] == [(), ()]
+    assert check_blocks(scenario, run) == ()

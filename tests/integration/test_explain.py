@@ -43,3 +43,35 @@ def test_explain_shows_the_two_missing_swa_blocks(tmp_path: Path) -> None:
     root = ET.parse(svg).getroot()
     assert root.tag.endswith("svg")
     assert sum(1 for e in root.iter() if e.tag.endswith("rect")) > 200
+
+
+def test_explain_lists_the_blocks_of_a_wrong_kv_lookup() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "differential.cli",
+            "explain",
+            str(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"),
+            "--variants",
+            "fixed,mutant-null-in-window",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "hit 248; wrong-kv" in proc.stdout
+    lists = {
+        line.split(":")[0].strip(): line.split("[")[1].rstrip("]").split(", ")
+        for line in proc.stdout.splitlines()
+        if "blocks for hit 248 (" in line
+    }
+    # 248 tokens: 31 full-attention blocks of 8, 62 SWA blocks of 4.
+    assert "fixed g0: 31 blocks for hit 248 (31 owed)" in proc.stdout
+    assert "fixed g1: 62 blocks for hit 248 (62 owed)" in proc.stdout
+    # Window 16 reads tokens 233..247: SWA blocks 58..61, the last four.
+    assert lists["fixed g1"][-5:] == ["null", *lists["fixed g1"][-4:]]
+    assert "null" not in lists["fixed g1"][-4:]
+    assert lists["mutant-null-in-window g1"][-4:] == [*lists["fixed g1"][-4:-1], "null"]

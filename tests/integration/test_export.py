@@ -55,3 +55,40 @@ def test_exported_test_fails_stock_and_passes_fixed(
         cwd=tmp_path,
     )
     assert fixed.returncode == 0, fixed.stdout[-1500:]
+
+
+@pytest.mark.parametrize("mutant", ["mutant-null-in-window", "mutant-extra-block"])
+def test_exported_wrong_kv_test_asserts_blocks_per_group(tmp_path: Path, mutant: str) -> None:
+    seed = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
+    export = _run(
+        "-m",
+        "differential.cli",
+        "export-test",
+        str(seed),
+        "--variants",
+        f"fixed,{mutant}",
+        cwd=ROOT,
+    )
+    assert export.returncode == 0, export.stderr
+    source = export.stdout
+    assert "wrong-kv on request 1" in source
+    # As vLLM's test_prefix_caching.py: blocks per group = hit / block size.
+    assert "assert block_counts[1] == [hits[1] // 8, hits[1] // 4], (hits, block_counts)" in source
+    assert "assert all(k < max(0, hits[1] - 16 + 1) // 4 for k in null_blocks[1][1])" in source
+    test_file = tmp_path / "test_exported.py"
+    test_file.write_text(source)
+    results = {}
+    for variant in ("fixed", mutant):
+        proc = _run(
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--kvfuzz-variant",
+            variant,
+            str(test_file),
+            cwd=tmp_path,
+        )
+        results[variant] = proc.returncode
+    assert results == {"fixed": 0, mutant: 1}

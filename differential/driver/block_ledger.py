@@ -1,0 +1,177 @@
+"""Record, as plain data, which blocks vLLM hands out and what they hold.
+
+The block-level check (:mod:`differential.oracle_blocks`) needs two facts the
+hit length does not carry:
+
+* for every ``get_computed_blocks``, the blocks of each KV cache group and,
+  for each real block, which request wrote KV into it, at which block index,
+  and how many of its tokens (:class:`BlockLedger.lookup`);
+* for every ``allocate_slots`` step, each block the step writes into that
+  was not the request's alone: vLLM's null block, a block whose reference
+  count (``KVCacheBlock.ref_cnt``, kept by ``vllm/v1/core/block_pool.py``
+  ``BlockPool``) is not 1, or a block whose prefix-cache entry already
+  covers the tokens the step writes (:meth:`BlockLedger.before_step` /
+  :meth:`BlockLedger.after_step`), the conditions of
+  ``BlockPool.is_block_writable``. A full-attention prompt tail that ends
+  inside a block is cached as a partial entry
+  (``FullAttentionManager._cache_partial_tail_block``) that covers only the
+  prompt's last hash boundary; the request keeps writing its sampled tokens
+  past it, which is safe, so only writes below the entry's
+  ``block_hash_num_tokens`` count.
+
+The ledger is keyed by block id and updated only for the blocks a step
+writes (the tokens ``[start, end)``), so its cost is proportional to the
+tokens computed, not to the cache size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from differential.observation import BlockRecord, BlockWrite
+
+__all__ = ["BlockLedger"]
+
+
+class BlockLedger:
+    """What each block id of one manager's pool was last filled with.
+
+    Args:
+        manager: the ``KVCacheManager`` being driven; its coordinator's
+            ``single_type_managers`` give each group's block table
+            (``req_to_blocks``) and block size, in tokens.
+    """
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._managers = manager.coordinator.single_type_managers
+        self._block_sizes = [m.block_size for m in self._managers]
+        # block id -> [group, writer request index, writer block index, filled tokens]
+        self._filled: dict[int, list[int]] = {}
+
+    @classmethod
+    def for_manager(cls, manager: KVCacheManager) -> BlockLedger | None:
+        """A ledger for ``manager``, or ``None`` if its vLLM lacks what the ledger
+        reads (per-group ``req_to_blocks`` and ``block_size``, a null block with
+        ``is_null``): an older release then runs without the block-level check."""
+        try:
+            managers = manager.coordinator.single_type_managers
+            null = manager.block_pool.null_block
+            if not all(hasattr(m, "req_to_blocks") for m in managers) or not null.is_null:
+                return None
+        except AttributeError:
+            return None
+        return cls(manager)
+
+    def lookup(self, blocks: Sequence[Sequence[Any]]) -> tuple[tuple[BlockRecord | None, ...], ...]:
+        """Per group, what each block a lookup returned held (``None``: the null block).
+
+        Args:
+            blocks: ``KVCacheBlocks.blocks`` as ``get_computed_blocks`` returned it.
+        """
+        out = []
+        filled = self._filled
+        for group in blocks:
+            row: list[BlockRecord | None] = []
+            for block in group:
+                if block.is_null:
+                    row.append(None)
+                    continue
+                rec = filled.get(block.block_id)
+                if rec is None:
+                    row.append(BlockRecord(block.block_id, None, None, None, 0))
+                else:
+                    row.append(BlockRecord(block.block_id, rec[0], rec[1], rec[2], rec[3]))
+            out.append(tuple(row))
+        return tuple(out)
+
+    def before_step(
+        self,
+        request_id: str,
+        start_tokens: int,
+        end_tokens: int,
+        hit_blocks: Sequence[Sequence[Any]] | None,
+    ) -> dict[int, int]:
+        """Block ids already in the prefix cache where the step will write, and
+        the tokens (absolute, from position 0) their cache entry covers.
+
+        Args:
+            request_id: the request's id.
+            start_tokens, end_tokens: the tokens ``[start, end)`` the step computes.
+            hit_blocks: the lookup's blocks when this step adopts them (first
+                prefill step), else ``None``.
+        """
+        cached: dict[int, int] = {}
+        if end_tokens <= start_tokens:
+            return cached
+        for gid, manager in enumerate(self._managers):
+            size = self._block_sizes[gid]
+            table = manager.req_to_blocks.get(request_id, ())
+            adopted = hit_blocks[gid] if hit_blocks is not None else ()
+            # Only blocks the request already holds (or adopts) can be cached;
+            # the rest of the range will be fresh blocks.
+            last = min((end_tokens - 1) // size + 1, max(len(table), len(adopted)))
+            for k in range(start_tokens // size, last):
+                if k < len(table):
+                    block = table[k]
+                elif k < len(adopted):
+                    block = adopted[k]
+                else:
+                    continue
+                if block.block_hash is not None:
+                    covered = getattr(block, "block_hash_num_tokens", None)
+                    cached[block.block_id] = (k + 1) * size if covered is None else covered
+        return cached
+
+    def after_step(
+        self,
+        request_index: int,
+        request_id: str,
+        start_tokens: int,
+        end_tokens: int,
+        cached_before: dict[int, int],
+    ) -> list[BlockWrite]:
+        """Record the tokens ``[start, end)`` the step wrote; return unsafe writes.
+
+        Args:
+            request_index: the writing request's index in the scenario.
+            request_id: its vLLM request id.
+            start_tokens, end_tokens: the tokens the step computed.
+            cached_before: :meth:`before_step`'s answer for the same step.
+        """
+        unsafe: list[BlockWrite] = []
+        if end_tokens <= start_tokens:
+            return unsafe
+        filled = self._filled
+        for gid, manager in enumerate(self._managers):
+            size = self._block_sizes[gid]
+            table = manager.req_to_blocks.get(request_id, ())
+            first = start_tokens // size
+            for k, block in enumerate(table[first : (end_tokens - 1) // size + 1], first):
+                block_id = block.block_id
+                overwrites = bool(cached_before) and (
+                    max(start_tokens, k * size) < cached_before.get(block_id, 0)
+                )
+                if block.ref_cnt != 1 or block.is_null or overwrites:
+                    unsafe.append(
+                        BlockWrite(
+                            position_tokens=start_tokens,
+                            group=gid,
+                            block_index=k,
+                            block_id=block_id,
+                            ref_cnt=block.ref_cnt,
+                            cached=overwrites,
+                            null=bool(block.is_null),
+                        )
+                    )
+                    if block.is_null:
+                        continue
+                wrote = min((k + 1) * size, end_tokens) - max(k * size, start_tokens)
+                rec = filled.get(block_id)
+                if rec is not None and rec[0] == gid and rec[1] == request_index and rec[2] == k:
+                    rec[3] += wrote
+                else:
+                    filled[block_id] = [gid, request_index, k, wrote]
+        return unsafe

@@ -1,0 +1,399 @@
+"""The block-level check: every block a hit hands out, not only its length.
+
+A hit of the right length can still hand out the wrong KV: a null block
+inside a sliding window (vLLM PR #17398), one block past what the other
+groups proved (vLLM PR #45614), or a block that holds another prompt's
+tokens. Outputs then silently differ from a cache-off run, so a violation is
+a ``wrong-kv`` finding, the most severe kind.
+
+For each lookup (vLLM ``vllm/v1/core/kv_cache_manager.py``
+``KVCacheManager.get_computed_blocks``) and each KV cache group of block
+size ``B``, with hit ``h`` tokens:
+
+1. **Count**: the group returns exactly ``h / B`` blocks (vLLM's own tests,
+   ``tests/v1/core/test_prefix_caching.py``, assert the same per group).
+2. **Window**: attention reads every block it attends to. Full attention
+   attends to all of ``[0, h)``; a sliding window of ``W`` tokens to
+   ``[h - W + 1, h)`` (``vllm/v1/core/single_type_kv_cache_manager.py``
+   ``SlidingWindowManager.get_num_skipped_tokens``), so every block there is
+   a real block, never vLLM's null block.
+3. **Contents**: every real block at index ``k`` was written, in this group,
+   at index ``k``, in full (``B`` tokens), by an earlier request whose tokens
+   ``[k * B, (k + 1) * B)`` equal the sibling's. Blocks below a window are
+   not read (``add_local_computed_blocks`` replaces them with null blocks)
+   and are not checked.
+4. **Writes**: no ``allocate_slots`` step writes into a block that was not the
+   request's alone (vLLM ``vllm/v1/core/block_pool.py``
+   ``BlockPool.is_block_writable``: not null, reference count 1, not cached).
+
+A state group (Mamba, coming with its group kind) is checked by
+:func:`state_group_violations`: register it in :data:`GROUP_CHECKS` under the
+new :class:`~differential.scenario.GroupKind`.
+
+The facts come from the driver (:class:`~differential.observation.BlockRecord`,
+:class:`~differential.observation.BlockWrite`); nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from differential.findings import Finding, FindingKind, Policy
+from differential.observation import BlockRecord, RequestObservation, RunObservation
+from differential.scenario import GroupKind, KVCacheGroup, Scenario
+
+__all__ = [
+    "GROUP_CHECKS",
+    "BlockViolation",
+    "TokenView",
+    "ViolationKind",
+    "attention_violations",
+    "check_blocks",
+    "render_blocks",
+    "state_group_violations",
+]
+
+
+class ViolationKind(StrEnum):
+    """What was wrong with a handed-out block."""
+
+    COUNT = "count"
+    """The group returned more or fewer blocks than the hit covers."""
+    NULL_IN_WINDOW = "null-in-window"
+    """The null block where attention reads."""
+    FOREIGN = "foreign"
+    """A real block holding other tokens, another position or another group."""
+    UNWRITTEN = "unwritten"
+    """A real block that no request wrote in full."""
+    UNSAFE_WRITE = "unsafe-write"
+    """A step wrote into a block that was not the request's alone."""
+    STATE_PAST_HIT = "state-past-hit"
+    """A state group returned a state other than the one at the hit."""
+
+
+@dataclass(frozen=True)
+class BlockViolation:
+    """One wrong block.
+
+    Attributes:
+        kind: what was wrong.
+        group: the KV cache group index.
+        block_index: the block's index in the request's block table, in blocks.
+        held: what the block held (``None``: the null block or none at all).
+        detail: one readable sentence.
+    """
+
+    kind: ViolationKind
+    group: int
+    block_index: int
+    held: BlockRecord | None
+    detail: str
+
+
+class TokenView:
+    """Which tokens each request wrote, for comparing block contents.
+
+    A writer's tokens are its prompt followed by its sampled tokens
+    (``Scenario.output_token``), as the driver feeds them to vLLM.
+    """
+
+    def __init__(self, scenario: Scenario) -> None:
+        self._scenario = scenario
+        self._prompts = scenario.prompts
+        self._written: dict[int, tuple[int, ...]] = {}
+        self._common: dict[tuple[int, int], int] = {}
+
+    def written(self, request: int) -> tuple[int, ...]:
+        """Every token ``request`` computed KV for."""
+        if request not in self._written:
+            steps = self._scenario.decode_steps
+            self._written[request] = self._prompts[request] + tuple(
+                self._scenario.output_token(request, s) for s in range(steps)
+            )
+        return self._written[request]
+
+    def agreed_tokens(self, writer: int, sibling: int) -> int:
+        """Tokens, from position 0, where ``writer``'s tokens equal ``sibling``'s prompt."""
+        key = (writer, sibling)
+        if key not in self._common:
+            a, b = self.written(writer), self._prompts[sibling]
+            lo, hi = 0, min(len(a), len(b))
+            while lo < hi:  # binary search on slice equality (compared in C)
+                mid = (lo + hi + 1) // 2
+                if a[:mid] == b[:mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            self._common[key] = lo
+        return self._common[key]
+
+
+def _describe(held: BlockRecord | None) -> str:
+    if held is None:
+        return "the null block"
+    if held.writer is None:
+        return f"block {held.block_id}, never written in this run"
+    return (
+        f"block {held.block_id}: request {held.writer}'s group-{held.group} block "
+        f"{held.writer_block_index}, {held.filled_tokens} token(s) written"
+    )
+
+
+def _content_violation(
+    group: int,
+    block_size_tokens: int,
+    index: int,
+    held: BlockRecord,
+    sibling: int,
+    tokens: TokenView,
+) -> BlockViolation | None:
+    """Check a real block at ``index`` against the sibling's tokens."""
+    if held.writer is None or held.filled_tokens < block_size_tokens:
+        return BlockViolation(
+            ViolationKind.UNWRITTEN,
+            group,
+            index,
+            held,
+            f"group {group} block index {index} is {_describe(held)}; a hit needs all "
+            f"{block_size_tokens} tokens written",
+        )
+    end = (index + 1) * block_size_tokens
+    if (
+        held.group != group
+        or held.writer_block_index != index
+        or held.writer >= sibling
+        or tokens.agreed_tokens(held.writer, sibling) < end
+    ):
+        return BlockViolation(
+            ViolationKind.FOREIGN,
+            group,
+            index,
+            held,
+            f"group {group} block index {index} is {_describe(held)}, not request {sibling}'s "
+            f"tokens {index * block_size_tokens}..{end}",
+        )
+    return None
+
+
+def attention_violations(
+    group: KVCacheGroup,
+    gid: int,
+    hit_tokens: int,
+    blocks: Sequence[BlockRecord | None],
+    sibling: int,
+    tokens: TokenView,
+) -> list[BlockViolation]:
+    """Violations of an attention group's lookup (full attention or sliding window).
+
+    Args:
+        group: the group's geometry.
+        gid: its index.
+        hit_tokens: the lookup's hit, in tokens.
+        blocks: the blocks it returned for the group, in block-table order.
+        sibling: the looking-up request's index.
+        tokens: the scenario's tokens.
+
+    Returns:
+        Every violation, count first, then by block index.
+    """
+    size = group.block_size_tokens
+    owed = hit_tokens // size
+    out: list[BlockViolation] = []
+    if len(blocks) != owed:
+        extra = ""
+        if len(blocks) > owed:
+            extra = f"; block index {owed} past the hit is {_describe(blocks[owed])}"
+        out.append(
+            BlockViolation(
+                ViolationKind.COUNT,
+                gid,
+                min(owed, len(blocks)),
+                blocks[owed] if len(blocks) > owed else None,
+                f"group {gid} returned {len(blocks)} blocks for a hit of {hit_tokens} "
+                f"tokens ({owed} blocks of {size}){extra}",
+            )
+        )
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        window = group.sliding_window_tokens or 1
+        first_read = max(0, hit_tokens - window + 1) // size
+    else:
+        first_read = 0
+    for index, held in enumerate(blocks[:owed]):
+        if held is None:
+            if index >= first_read:
+                out.append(
+                    BlockViolation(
+                        ViolationKind.NULL_IN_WINDOW,
+                        gid,
+                        index,
+                        None,
+                        f"group {gid} block index {index} is the null block, inside the "
+                        f"tokens {first_read * size}..{hit_tokens} attention reads",
+                    )
+                )
+            continue
+        if index < first_read:
+            continue  # below the window: never read
+        bad = _content_violation(gid, size, index, held, sibling, tokens)
+        if bad is not None:
+            out.append(bad)
+    return out
+
+
+def state_group_violations(
+    group: KVCacheGroup,
+    gid: int,
+    hit_tokens: int,
+    blocks: Sequence[BlockRecord | None],
+    sibling: int,
+    tokens: TokenView,
+) -> list[BlockViolation]:
+    """Violations of a state group's lookup (a Mamba-style recurrent state).
+
+    A state group holds one state per block boundary and a hit needs only the
+    state at the hit (vLLM ``MambaManager.find_longest_cache_hit`` pads the
+    blocks below it with null blocks): exactly ``h / B`` blocks, the last one
+    real and holding the sibling's tokens up to ``h``, nothing past the hit.
+    Same arguments as :func:`attention_violations`.
+    """
+    size = group.block_size_tokens
+    owed = hit_tokens // size
+    out: list[BlockViolation] = []
+    if len(blocks) > owed:
+        out.append(
+            BlockViolation(
+                ViolationKind.STATE_PAST_HIT,
+                gid,
+                owed,
+                blocks[owed],
+                f"group {gid} returned {len(blocks)} states for a hit of {hit_tokens} tokens: "
+                f"block index {owed} past the hit is {_describe(blocks[owed])}",
+            )
+        )
+    elif len(blocks) < owed:
+        out.append(
+            BlockViolation(
+                ViolationKind.COUNT,
+                gid,
+                len(blocks),
+                None,
+                f"group {gid} returned {len(blocks)} blocks for a hit of {hit_tokens} "
+                f"tokens ({owed} blocks of {size})",
+            )
+        )
+    if owed and len(blocks) >= owed:
+        held = blocks[owed - 1]
+        if held is None:
+            out.append(
+                BlockViolation(
+                    ViolationKind.NULL_IN_WINDOW,
+                    gid,
+                    owed - 1,
+                    None,
+                    f"group {gid} has the null block where the state at {hit_tokens} is due",
+                )
+            )
+        else:
+            bad = _content_violation(gid, size, owed - 1, held, sibling, tokens)
+            if bad is not None:
+                out.append(bad)
+    return out
+
+
+GroupCheck = Callable[
+    [KVCacheGroup, int, int, Sequence[BlockRecord | None], int, TokenView], list[BlockViolation]
+]
+
+GROUP_CHECKS: dict[GroupKind, GroupCheck] = {
+    GroupKind.FULL_ATTENTION: attention_violations,
+    GroupKind.SLIDING_WINDOW: attention_violations,
+}
+"""The check for each group kind; a state kind maps to :func:`state_group_violations`."""
+
+
+def request_violations(
+    scenario: Scenario, obs: RequestObservation, tokens: TokenView
+) -> list[BlockViolation]:
+    """Every violation of one request's lookup and steps."""
+    out: list[BlockViolation] = []
+    for gid, (group, blocks) in enumerate(
+        zip(scenario.kv_cache_groups, obs.lookup_blocks, strict=False)
+    ):
+        out += GROUP_CHECKS[group.kind](group, gid, obs.hit_tokens, blocks, obs.index, tokens)
+    for write in obs.unsafe_writes:
+        why = (
+            "the null block"
+            if write.null
+            else "whose prefix-cache entry already covers them"
+            if write.cached
+            else f"held by {write.ref_cnt} request(s)"
+        )
+        out.append(
+            BlockViolation(
+                ViolationKind.UNSAFE_WRITE,
+                write.group,
+                write.block_index,
+                None,
+                f"the step at {write.position_tokens} tokens writes group {write.group} "
+                f"block index {write.block_index} (block {write.block_id}), {why}",
+            )
+        )
+    return out
+
+
+def check_blocks(
+    scenario: Scenario,
+    run: RunObservation,
+    policy: Policy = Policy.VLLM,
+    *,
+    label: str = "",
+) -> tuple[Finding, ...]:
+    """``wrong-kv`` findings for one run: one per request with violations.
+
+    Args:
+        scenario: the scenario.
+        run: the run; nothing is checked unless ``run.blocks_recorded``.
+        policy: the policy judging (recorded on the findings).
+        label: prefix for the detail, e.g. ``"dense cross-check run: "``.
+
+    Returns:
+        One finding per request with violations, naming the first (group,
+        block index, what it held) and how many more there are, with the
+        lookup's block ids per group in ``blocks_per_group``.
+    """
+    if not run.blocks_recorded or run.unsupported is not None or run.evicted_blocks:
+        return ()
+    tokens = TokenView(scenario)
+    findings = []
+    for obs in run.requests:
+        violations = request_violations(scenario, obs, tokens)
+        if not violations:
+            continue
+        more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
+        findings.append(
+            Finding(
+                FindingKind.WRONG_KV,
+                run.variant,
+                obs.index,
+                f"{label}{violations[0].detail}{more}",
+                hit_tokens=obs.hit_tokens,
+                expected_tokens=obs.hit_tokens,
+                policy=policy,
+                blocks_per_group=obs.lookup_block_ids,
+            )
+        )
+    return tuple(findings)
+
+
+def render_blocks(block_ids: Sequence[int | None], *, edge: int = 8) -> str:
+    """A block list for people: ids, ``null`` for the null block, long runs elided.
+
+    Shows the first and the last ``edge`` entries of a longer list, e.g.
+    ``[null, null, …(40 more)…, 17, 18]``.
+    """
+    shown = ["null" if b is None else str(b) for b in block_ids]
+    if len(shown) > 2 * edge + 1:
+        shown = [*shown[:edge], f"…({len(shown) - 2 * edge} more)…", *shown[-edge:]]
+    return "[" + ", ".join(shown) + "]"

@@ -1,0 +1,209 @@
+"""The block-level check on hand-worked cases (no vLLM).
+
+Geometry for all cases: full attention block 8, sliding window 16 with block
+4, a 64-token shared prefix, request 0 writes it and request 1 shares 48
+tokens then diverges. Request 1's hit is 48 tokens: 6 full-attention blocks
+(indices 0..5) and 12 SWA blocks (indices 0..11), of which the window
+``[48 - 16 + 1, 48) = [33, 48)`` reads indices 8..11.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from differential.findings import SEVERITY, Finding, FindingKind
+from differential.observation import (
+    BlockRecord,
+    BlockWrite,
+    ManagerSettings,
+    RequestObservation,
+    RunObservation,
+)
+from differential.oracle import judge_run
+from differential.oracle_blocks import (
+    TokenView,
+    ViolationKind,
+    check_blocks,
+    render_blocks,
+    request_violations,
+    state_group_violations,
+)
+from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, RequestSpec
+from tests.factories import hybrid
+
+SCENARIO = hybrid(
+    8,
+    4,
+    16,
+    prefix=64,
+    requests=(RequestSpec(64, 8), RequestSpec(48, 8)),
+    retention=None,
+    drafter=DrafterKind.NONE,
+    chunk=64,
+    decode_steps=2,
+)
+HIT = 48
+
+
+def written(group: int, index: int, block_id: int, size: int, writer: int = 0) -> BlockRecord:
+    return BlockRecord(block_id, group, writer, index, size)
+
+
+def good_lookup() -> tuple[tuple[BlockRecord | None, ...], ...]:
+    full = tuple(written(0, k, 100 + k, 8) for k in range(6))
+    swa = tuple(None if k < 8 else written(1, k, 200 + k, 4) for k in range(12))
+    return (full, swa)
+
+
+def run_with(lookup, writes=()) -> RunObservation:
+    return RunObservation(
+        variant="v",
+        vllm_version="test",
+        settings=ManagerSettings(False, 0, 0, 0, 8),
+        requests=(
+            RequestObservation(0, 72, 0, 0, (0, 0), (9, 18), lookup_blocks=((), ())),
+            RequestObservation(
+                1, 56, HIT, 0, (HIT, HIT), (0, 0), lookup_blocks=lookup, unsafe_writes=writes
+            ),
+        ),
+        blocks_recorded=True,
+    )
+
+
+def kinds(lookup, writes=()) -> list[tuple[ViolationKind, int, int]]:
+    obs = run_with(lookup, writes).requests[1]
+    return [
+        (v.kind, v.group, v.block_index)
+        for v in request_violations(SCENARIO, obs, TokenView(SCENARIO))
+    ]
+
+
+def test_right_blocks_are_clean() -> None:
+    assert kinds(good_lookup()) == []
+    _, findings = judge_run(SCENARIO, run_with(good_lookup()))
+    assert findings == ()
+
+
+def test_null_block_inside_the_window() -> None:
+    full, swa = good_lookup()
+    # Index 7 (tokens 28..32) lies below the window: a null block there is fine.
+    assert kinds((full, (*swa[:7], None, *swa[8:]))) == []
+    # Index 8 (tokens 32..36) is read by the next token's attention (from 33 on).
+    assert kinds((full, (*swa[:8], None, *swa[9:]))) == [(ViolationKind.NULL_IN_WINDOW, 1, 8)]
+    assert kinds((full, (*swa[:11], None))) == [(ViolationKind.NULL_IN_WINDOW, 1, 11)]
+    # Full attention reads everything.
+    assert kinds(((None, *full[1:]), swa)) == [(ViolationKind.NULL_IN_WINDOW, 0, 0)]
+
+
+def test_blocks_below_the_window_are_not_read() -> None:
+    full, swa = good_lookup()
+    # A real block below the window holding other tokens is never attended.
+    below = (*swa[:3], written(1, 9, 203, 4), *swa[4:])
+    assert kinds((full, below)) == []
+    # The same block inside the window is foreign.
+    inside = (*swa[:9], written(1, 8, 209, 4), *swa[10:])
+    assert kinds((full, inside)) == [(ViolationKind.FOREIGN, 1, 9)]
+
+
+def test_extra_block_past_the_hit() -> None:
+    full, swa = good_lookup()
+    extra = (*full, written(0, 6, 106, 8))
+    assert kinds((extra, swa)) == [(ViolationKind.COUNT, 0, 6)]
+    assert kinds((full[:5], swa)) == [(ViolationKind.COUNT, 0, 5)]
+
+
+def test_block_holding_other_tokens() -> None:
+    full, swa = good_lookup()
+    # Request 0's block 6 holds its tokens 48..56, not tokens 40..48.
+    moved = ((*full[:5], written(0, 6, 106, 8)), swa)
+    assert kinds(moved) == [(ViolationKind.FOREIGN, 0, 5)]
+    # A block written for the SWA group handed out in the full-attention group.
+    other_group = ((*full[:5], written(1, 5, 106, 8)), swa)
+    assert kinds(other_group) == [(ViolationKind.FOREIGN, 0, 5)]
+    # Written by the sibling itself (a later request): not an earlier writer's KV.
+    own = ((*full[:5], written(0, 5, 105, 8, writer=1)), swa)
+    assert kinds(own) == [(ViolationKind.FOREIGN, 0, 5)]
+    half = ((*full[:5], written(0, 5, 105, 5)), swa)
+    assert kinds(half) == [(ViolationKind.UNWRITTEN, 0, 5)]
+    never = ((*full[:5], BlockRecord(105, None, None, None, 0)), swa)
+    assert kinds(never) == [(ViolationKind.UNWRITTEN, 0, 5)]
+
+
+def test_request_own_suffix_differs_from_writer() -> None:
+    # Request 1 shares 48 tokens with request 0's prompt; its tokens 48..56
+    # are its own, so a block holding request 0's tokens there is foreign.
+    scenario = SCENARIO
+    tokens = TokenView(scenario)
+    assert tokens.agreed_tokens(0, 1) == 48
+    assert tokens.written(0)[64:] == (
+        (*scenario.prompts[0][64:], scenario.output_token(0, 0), scenario.output_token(0, 1))
+    )
+
+
+def test_unsafe_write() -> None:
+    write = BlockWrite(48, 0, 6, 77, 2, cached=True, null=False)
+    assert kinds(good_lookup(), (write,)) == [(ViolationKind.UNSAFE_WRITE, 0, 6)]
+
+
+def test_wrong_kv_finding_is_most_severe_and_round_trips() -> None:
+    full, swa = good_lookup()
+    _, findings = judge_run(SCENARIO, run_with((full, (*swa[:11], None))))
+    assert [f.kind for f in findings] == [FindingKind.WRONG_KV]
+    finding = findings[0]
+    assert finding.request == 1
+    assert finding.detail == (
+        "group 1 block index 11 is the null block, inside the tokens 32..48 attention reads"
+    )
+    assert finding.blocks_per_group == (
+        (100, 101, 102, 103, 104, 105),
+        (None,) * 8 + (208, 209, 210, None),
+    )
+    assert Finding.from_dict(json.loads(json.dumps(finding.to_dict()))) == finding
+    assert min(SEVERITY, key=SEVERITY.__getitem__) is FindingKind.WRONG_KV
+    assert SEVERITY[FindingKind.WRONG_KV] < SEVERITY[FindingKind.OVER_HIT]
+
+
+def test_observation_round_trip_and_old_files() -> None:
+    run = run_with(good_lookup(), (BlockWrite(48, 0, 6, 77, 2, cached=True, null=False),))
+    data = json.loads(json.dumps(run.to_dict()))
+    assert RunObservation.from_dict(data) == run
+    # A file written before block recording: no block fields, nothing checked.
+    old = {k: v for k, v in data.items() if k != "blocks_recorded"}
+    for request in old["requests"]:
+        request.pop("lookup_blocks")
+        request.pop("unsafe_writes", None)
+    loaded = RunObservation.from_dict(old)
+    assert not loaded.blocks_recorded
+    assert check_blocks(SCENARIO, loaded) == ()
+
+
+def test_not_recorded_means_not_checked() -> None:
+    full, swa = good_lookup()
+    run = run_with((full, (*swa[:11], None)))
+    assert check_blocks(SCENARIO, run) != ()
+    unrecorded = RunObservation(run.variant, run.vllm_version, run.settings, run.requests)
+    assert check_blocks(SCENARIO, unrecorded) == ()
+
+
+@pytest.mark.parametrize(
+    ("blocks", "expected"),
+    [
+        # The state at the hit (index 5 for 48 tokens of block 8), nulls below.
+        ((None,) * 5 + ("state",), []),
+        ((None,) * 5 + ("state", "past"), [(ViolationKind.STATE_PAST_HIT, 6)]),
+        ((None,) * 6, [(ViolationKind.NULL_IN_WINDOW, 5)]),
+        ((None,) * 4 + ("state",), [(ViolationKind.COUNT, 5)]),
+    ],
+)
+def test_state_group(blocks: tuple[str | None, ...], expected: list) -> None:
+    group = KVCacheGroup(GroupKind.FULL_ATTENTION, 8)
+    records = tuple(None if b is None else written(0, k, 300 + k, 8) for k, b in enumerate(blocks))
+    got = state_group_violations(group, 0, HIT, records, 1, TokenView(SCENARIO))
+    assert [(v.kind, v.block_index) for v in got] == expected
+
+
+def test_render_blocks() -> None:
+    assert render_blocks([None, 3, 4]) == "[null, 3, 4]"
+    assert render_blocks(list(range(20)), edge=2) == "[0, 1, …(16 more)…, 18, 19]"
