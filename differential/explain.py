@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from differential.findings import Finding
 from differential.oracle import SiblingReference
-from differential.oracle_blocks import render_blocks
+from differential.oracle.blocks import render_blocks
 from differential.scenario import GroupKind, Scenario
 
 if TYPE_CHECKING:

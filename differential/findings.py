@@ -48,7 +48,7 @@ class FindingKind(StrEnum):
     """A lookup handed out the wrong blocks (too many or too few for the hit,
     the null block where attention reads, a block holding other tokens), or a
     step wrote into a block another request reads: silently wrong outputs
-    whatever the hit length (:mod:`differential.oracle_blocks`)."""
+    whatever the hit length (:mod:`differential.oracle.blocks`)."""
     OVER_HIT = "over-hit"
     """A hit past the dense reference or reusing KV that depends on a token
     past the divergence point: silently wrong outputs."""

@@ -316,7 +316,7 @@ class RunObservation:
             here); the run did not happen and is not judged.
         blocks_recorded: the driver recorded the blocks of every lookup and
             unsafe writes (``RequestObservation.lookup_blocks``), so the
-            block-level check (:mod:`differential.oracle_blocks`) applies.
+            block-level check (:mod:`differential.oracle.blocks`) applies.
     """
 
     variant: str

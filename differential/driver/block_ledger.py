@@ -1,6 +1,6 @@
 """Record, as plain data, which blocks vLLM hands out and what they hold.
 
-The block-level check (:mod:`differential.oracle_blocks`) needs two facts the
+The block-level check (:mod:`differential.oracle.blocks`) needs two facts the
 hit length does not carry:
 
 * for every ``get_computed_blocks``, the blocks of each KV cache group and,

@@ -6,6 +6,8 @@ KV cache group kind adds one module here:
 * :mod:`differential.oracle.core` -- the drafter model, the dense reference,
   the intended checkpoints under each policy (the one-unit rule by default)
   and the verdicts for attention groups (full attention, sliding window).
+* :mod:`differential.oracle.blocks` -- the block-level check (``wrong-kv``):
+  every block a lookup hands out, and every block a step writes.
 
 The public names below are the package's face; the rest is internal.
 """

@@ -18,7 +18,7 @@ design note (``semantics.md``, "Invariants"):
 4. **No over-hit**: ``hit <= h_dense`` and ``hit <= D - dependency``.
 5. **Alignment**: every hit is a multiple of ``A``.
 6. **Right blocks**: every block a hit hands out is the right one
-   (:mod:`differential.oracle_blocks`, ``wrong-kv``).
+   (:mod:`differential.oracle.blocks`, ``wrong-kv``).
 
 How a drafter's KV depends on later tokens is stated here, independently of
 vLLM's config code (:func:`drafter_model`): EAGLE, EAGLE3 and single-module
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
-from differential.oracle_blocks import check_blocks
+from differential.oracle.blocks import check_blocks
 from differential.scenario import DrafterKind, Scenario
 
 __all__ = [

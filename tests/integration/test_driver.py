@@ -160,7 +160,7 @@ def test_block_ledger_records_what_each_lookup_handed_out() -> None:
     from differential.corpus import load_entry
     from differential.driver import run_variant
     from differential.observation import RunObservation
-    from differential.oracle_blocks import check_blocks
+    from differential.oracle.blocks import check_blocks
     from tests.factories import CORPORA
 
     scenario = load_entry(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json").scenario
@@ -196,7 +196,7 @@ def test_sampled_tokens_past_a_partial_tail_entry_are_no_unsafe_write() -> None:
     # (FullAttentionManager._cache_partial_tail_block); decode then writes
     # tokens 153 and 154 into the same block, past what the entry covers.
     from differential.driver import run_variant
-    from differential.oracle_blocks import check_blocks
+    from differential.oracle.blocks import check_blocks
     from differential.scenario import RequestSpec
     from tests.factories import hybrid
 

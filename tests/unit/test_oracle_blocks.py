@@ -22,7 +22,7 @@ from differential.observation import (
     RunObservation,
 )
 from differential.oracle import judge_run
-from differential.oracle_blocks import (
+from differential.oracle.blocks import (
     TokenView,
     ViolationKind,
     check_blocks,
