@@ -95,10 +95,19 @@ def _unit_below_retained_boundary(
             continue  # this writer cannot serve the sibling at all
         pinned = hits is None or hits[writer] < dense[writer]
         junctions = {0, dense[writer]} if len(scenario.kv_cache_groups) > 1 and pinned else {0}
+        # A writer keeps its own boundaries only where it computed blocks,
+        # at or above its own hit (unknown without the run: 0).
+        writer_hit = 0 if hits is None else hits[writer]
         for junction in junctions:
             literal.update(
                 checkpoints(
-                    scenario, model, writer, junction, expected + alignment, 0, Policy.RETAINED
+                    scenario,
+                    model,
+                    writer,
+                    junction,
+                    expected + alignment,
+                    writer_hit,
+                    Policy.RETAINED,
                 )
             )
     return expected not in literal and expected + alignment in literal

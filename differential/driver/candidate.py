@@ -26,14 +26,13 @@ vLLM's mask moves the candidate too.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from differential.driver.fixes import patched, seed_pr_fix
+from differential.driver.fixes import patched, seed_pr_fix, union_with_wider_window
 
 __all__ = ["candidate_fix", "mutant_no_replay_widening"]
 
@@ -80,25 +79,20 @@ def _one_unit_wider(
         sparse = retention_interval is not None and retention_interval != alignment_tokens
         if kept is None or not sparse or alignment_tokens is None:
             return kept
-        assert isinstance(kv_cache_spec, SlidingWindowSpec)
-        wider_spec = dataclasses.replace(
-            kv_cache_spec, sliding_window=kv_cache_spec.sliding_window + alignment_tokens
-        )
-        wider = original(
+        return union_with_wider_window(
+            kept,
+            original,
             cls,
             start_block,
             end_block,
             alignment_tokens,
-            wider_spec,
+            kv_cache_spec,
             use_eagle,
             retention_interval,
             reachable_boundaries if boundaries else (),
             dcp_world_size,
             final_segment_end_block if boundaries else None,
         )
-        if wider is None:
-            return None
-        return [a or b for a, b in zip(kept, wider, strict=True)]
 
     return mask
 

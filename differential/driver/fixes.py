@@ -34,7 +34,7 @@ from vllm.config import SpeculativeConfig
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 
-__all__ = ["FixStatus", "fix_status", "patched", "seed_pr_fix"]
+__all__ = ["FixStatus", "fix_status", "patched", "seed_pr_fix", "union_with_wider_window"]
 
 _LOCK = threading.RLock()
 
@@ -75,11 +75,49 @@ def _widened_mask(
     sparse = bool(retention_interval) and retention_interval != alignment_tokens
     if current is None or not use_eagle or not sparse or alignment_tokens is None:
         return current
+    return union_with_wider_window(
+        current,
+        _original_mask,
+        cls,
+        start_block,
+        end_block,
+        alignment_tokens,
+        kv_cache_spec,
+        use_eagle,
+        retention_interval,
+        (),  # periodic tails only
+        dcp_world_size,
+        final_segment_end_block,
+    )
+
+
+def union_with_wider_window(
+    kept: list[bool],
+    mask: Callable[..., list[bool] | None],
+    cls: type[SlidingWindowManager],
+    start_block: int,
+    end_block: int,
+    alignment_tokens: int,
+    kv_cache_spec: KVCacheSpec,
+    use_eagle: bool,
+    retention_interval: int | None,
+    reachable_boundaries: Sequence[int],
+    dcp_world_size: int,
+    final_segment_end_block: int | None,
+) -> list[bool] | None:
+    """``kept`` ORed with ``mask``'s answer for a window ``alignment_tokens`` wider.
+
+    ``mask`` is vLLM's ``SlidingWindowManager.reachable_block_mask`` (its
+    arguments follow it): each tail it keeps for the wider window ends on the
+    same block and starts ``alignment_tokens / block_size`` blocks lower, so it
+    also serves a hit one alignment unit below the boundary. Returns ``None``
+    (keep every block) when the wider tails cover whole segments.
+    """
     assert isinstance(kv_cache_spec, SlidingWindowSpec)
     wider_spec = dataclasses.replace(
         kv_cache_spec, sliding_window=kv_cache_spec.sliding_window + alignment_tokens
     )
-    wider = _original_mask(
+    wider = mask(
         cls,
         start_block,
         end_block,
@@ -87,13 +125,13 @@ def _widened_mask(
         wider_spec,
         use_eagle,
         retention_interval,
-        (),  # periodic tails only
+        reachable_boundaries,
         dcp_world_size,
         final_segment_end_block,
     )
     if wider is None:
         return None
-    return [a or b for a, b in zip(current, wider, strict=True)]
+    return [a or b for a, b in zip(kept, wider, strict=True)]
 
 
 # (owner, attribute, replacement) triples of the seed PR's fix.

@@ -12,8 +12,6 @@ def test_oracle_exports_exist() -> None:
     for name in oracle.__all__:
         assert hasattr(oracle, name), name
     public = {
-        n
-        for n, v in vars(oracle).items()
-        if n[0].isalpha() and not isinstance(v, types.ModuleType)
+        n for n, v in vars(oracle).items() if n[0].isalpha() and not isinstance(v, types.ModuleType)
     } - {"annotations"}
     assert public == set(oracle.__all__)

@@ -241,3 +241,34 @@ def test_single_group_cap_explains_the_dense_check_of_a_needless_drop() -> None:
     assert labelled.known_issue == "single-group-drop-after-length-cap"
     fallback = Finding(FindingKind.FALLBACK, "v", 1, "", expected_tokens=1, hit_tokens=0)
     assert label_known(scenario, [fallback])[0].known_issue is None  # Gemma-4 owes no drop
+
+
+def test_a_writer_keeps_only_the_boundaries_it_computed() -> None:
+    # Found by the property tests at real scale: request 1 (a resend) hit
+    # 16256, so its own replay boundary 16128 was never computed by it and is
+    # not retained; request 3 is owed 16128 = 16256 - A below the writer's
+    # replay boundary: the one-unit class.
+    scenario = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 128),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 64, 512),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 64, 256),
+        ),
+        requests=(
+            RequestSpec(16384, 1, name="writer"),
+            RequestSpec(16384, 0),
+            RequestSpec(0, 1, shares_with=0),
+            RequestSpec(16256, 0, shares_with=0),
+        ),
+        shared_prefix_tokens=16384,
+        retention_interval_tokens=16384,
+        drafter=Drafter(DrafterKind.MTP, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=128,
+    )
+    hits = [0, 16256, 0, 0]
+    findings = judge_run(scenario, run(hits, settings=ManagerSettings(True, 0, 1, 1, 128)))[1]
+    labelled = label_known(scenario, findings, hits=hits)
+    assert [(f.request, f.expected_tokens, f.known_issue) for f in labelled] == [
+        (3, 16128, "unit-below-retained-boundary-falls-back")
+    ]
