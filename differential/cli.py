@@ -2,7 +2,10 @@
 
 Exit codes: 0 when the variants under test are clean, 1 when anything is
 found, 2 for bad input or usage (the message names the field or option and
-what is allowed).
+what is allowed), 3 when kvfuzz itself failed (an unexpected exception, a
+campaign worker that died without reporting, an output that cannot be
+written): one line on stderr names the error and the file holding the full
+traceback. A crash is never reported as success or as a finding.
 """
 
 from __future__ import annotations
@@ -10,12 +13,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from differential.errors import ScenarioError, VariantError
+from differential.errors import InternalError, ScenarioError, VariantError
 from differential.findings import SEVERITY, Policy
 from differential.variants import (
     DEFAULT_VARIANTS,
@@ -24,9 +32,63 @@ from differential.variants import (
     parse_variants,
 )
 
+if TYPE_CHECKING:
+    from differential.corpus import CorpusEntry
+
 __all__ = ["main"]
 
-EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
+EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+_MESSAGE_CHARS = 500  # longest error message printed (the rest is elided)
+
+
+MAX_JOBS = 256  # --jobs above this is a typo, not a machine
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number: allowed {what}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed {what}")
+    return value
+
+
+def _seconds_budget(text: str) -> float:
+    """A finite time budget in seconds, >= 0 (0: none)."""
+    value = _number(text, "a finite number of seconds >= 0 (0: no limit)")
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: allowed a finite number of seconds >= 0 (0: no limit)"
+        )
+    return value
+
+
+def _timeout_seconds(text: str) -> float:
+    """A finite timeout in seconds, > 0."""
+    value = _number(text, "a finite number of seconds > 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: allowed a finite number of seconds > 0"
+        )
+    return value
+
+
+def _positive_int(text: str, *, maximum: int | None = None) -> int:
+    allowed = "an integer >= 1" if maximum is None else f"an integer 1..{maximum}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed {allowed}") from None
+    if value < 1 or (maximum is not None and value > maximum):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed {allowed}")
+    return value
+
+
+def _jobs(text: str) -> int:
+    """Worker processes: 1..``MAX_JOBS``."""
+    return _positive_int(text, maximum=MAX_JOBS)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +102,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=_timeout_seconds,
         default=60.0,
         metavar="SECONDS",
         help="per-scenario timeout for tree:PATH variants (default: %(default)s)",
@@ -51,6 +113,51 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         default=Policy.VLLM.value,
         help="checkpoint policy the oracle judges with (default: %(default)s)",
     )
+    _add_limits(parser)
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    from differential.bounds import DEFAULT_LIMITS
+
+    limits = parser.add_argument_group(
+        "limits", "a scenario file over a limit is rejected (exit 2) before anything runs"
+    )
+    limits.add_argument(
+        "--max-requests",
+        type=_positive_int,
+        default=DEFAULT_LIMITS.max_requests,
+        metavar="N",
+        help="requests per scenario (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=DEFAULT_LIMITS.max_tokens,
+        metavar="N",
+        help="prompt plus decode tokens per scenario (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-pool-blocks",
+        type=_positive_int,
+        default=DEFAULT_LIMITS.max_pool_blocks,
+        metavar="N",
+        help="block-pool size per scenario, in blocks (default: %(default)s)",
+    )
+
+
+def _load(args: argparse.Namespace, path: Path) -> CorpusEntry:
+    """Load a scenario file and check its cost against the limits (exit 2 over one)."""
+    from differential.bounds import Limits, check_cost
+    from differential.corpus import load_entry
+
+    entry = load_entry(path)
+    limits = Limits(
+        max_requests=args.max_requests,
+        max_tokens=args.max_tokens,
+        max_pool_blocks=args.max_pool_blocks,
+    )
+    check_cost(entry.scenario, limits, source=str(path))
+    return entry
 
 
 def _add_ci_reports(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +235,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="scenario files or folders (default: corpora)",
     )
+    _add_limits(calibrate)
     fuzz = sub.add_parser(
         "fuzz",
         help="run a fuzz campaign over the scenario space",
@@ -142,14 +250,14 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--seed", type=int, default=0, help="campaign seed (default: %(default)s)")
     fuzz.add_argument(
         "--seconds",
-        type=float,
+        type=_seconds_budget,
         default=60.0,
         help="wall-time budget in seconds, after vLLM is imported; 0 for none "
         "(default: %(default)s)",
     )
     fuzz.add_argument(
         "--max-examples",
-        type=int,
+        type=_positive_int,
         default=None,
         metavar="N",
         help="stop after N scenarios (default: no limit)",
@@ -169,10 +277,10 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--quiet", action="store_true", help="no progress display")
     fuzz.add_argument(
         "--jobs",
-        type=int,
+        type=_jobs,
         default=1,
         metavar="N",
-        help="worker processes, each importing vLLM once (default: %(default)s)",
+        help=f"worker processes, each importing vLLM once, 1..{MAX_JOBS} (default: %(default)s)",
     )
     _add_ci_reports(fuzz)
     crash = sub.add_parser(
@@ -227,7 +335,10 @@ def _parser() -> argparse.ArgumentParser:
         help="the signature to keep (default: the file's own, else its most severe finding's)",
     )
     shrink.add_argument(
-        "--seconds", type=float, default=60.0, help="time budget (default: %(default)s)"
+        "--seconds",
+        type=_seconds_budget,
+        default=60.0,
+        help="time budget in seconds (default: %(default)s)",
     )
     shrink.add_argument(
         "--out",
@@ -251,10 +362,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export_test(args: argparse.Namespace) -> int:
-    from differential.corpus import load_entry
-
     variants = parse_variants(args.variants, timeout_s=args.timeout)
-    entry = load_entry(args.finding)
+    entry = _load(args, args.finding)
     from differential.compare import compare_variants
     from differential.export import export_test
     from differential.findings import FindingKind
@@ -272,7 +381,11 @@ def _export_test(args: argparse.Namespace) -> int:
         raise ScenarioError(
             "FINDING", str(args.finding), "a scenario with a per-request finding to assert"
         )
-    variant_result, finding = candidates[0]
+    # The finding the file is about (its recorded signature), else the first.
+    recorded = [
+        (vr, f) for vr, f in candidates if signature_of(scenario, f).text == entry.signature
+    ]
+    variant_result, finding = (recorded or candidates)[0]
     fixed_hit = next(
         (
             vr.run.hits[finding.request]
@@ -294,12 +407,14 @@ def _export_test(args: argparse.Namespace) -> int:
 
 
 def _shrink(args: argparse.Namespace) -> int:
-    from differential.corpus import load_entry, write_atomic
+    from differential.corpus import write_atomic
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
-    entry = load_entry(args.finding)
-    raw = json.loads(args.finding.read_text(encoding="utf-8"))
-    wanted = args.signature or (raw.get("finding") or {}).get("signature")
+    entry = _load(args, args.finding)
+    wanted = args.signature or entry.signature
+    from differential.outputs import check_output_folder
+
+    check_output_folder(args.out, "--out")
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION
     from fuzz.campaign import finding_document
@@ -360,11 +475,15 @@ def _shrink(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from differential.corpus import load_entry, write_atomic
+    from differential.corpus import write_atomic
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
-    entry = load_entry(args.scenario)
+    entry = _load(args, args.scenario)
     scenario = entry.scenario
+    if args.svg is not None:
+        from differential.outputs import check_output_file
+
+        check_output_file(args.svg, "--svg")
     if args.request is not None and not 0 <= args.request < len(scenario.requests):
         raise ScenarioError(
             "--request", args.request, f"0..{len(scenario.requests) - 1} (the scenario's requests)"
@@ -397,6 +516,9 @@ def _import_crash(args: argparse.Namespace) -> int:
             buffers.append((path, path.read_bytes()))
         except OSError as exc:
             raise ScenarioError("CRASH", str(path), f"a readable file ({exc.strerror})") from None
+    from differential.outputs import check_output_folder
+
+    check_output_folder(args.out, "--out")
     from differential.compare import compare_variants
     from differential.corpus import write_atomic
     from differential.driver import VLLM_VERSION
@@ -434,14 +556,12 @@ def _import_crash(args: argparse.Namespace) -> int:
 
 def _fuzz(args: argparse.Namespace) -> int:
     variants = parse_variants(args.variants, timeout_s=args.timeout)
-    if args.seconds < 0:
-        raise VariantError(f"--seconds must be >= 0, got {args.seconds}")
-    if args.max_examples is not None and args.max_examples < 1:
-        raise VariantError(f"--max-examples must be >= 1, got {args.max_examples}")
-    if args.out.exists() and not args.out.is_dir():
-        raise VariantError(f"--out {args.out} exists and is not a folder")
-    if args.jobs < 1:
-        raise VariantError(f"--jobs must be >= 1, got {args.jobs}")
+    from differential.outputs import check_output_folder
+
+    check_output_folder(args.out, "--out")
+    for sub in ("findings", "hypothesis-db", "pictures"):
+        check_output_folder(args.out / sub, f"--out ({sub}/)")
+    _check_ci_outputs(args)
     from fuzz.campaign import CampaignConfig
     from fuzz.parallel import run_parallel
 
@@ -470,7 +590,26 @@ def _fuzz(args: argparse.Namespace) -> int:
     for entry in summary["distinct"]:
         print(f"  {entry['count']:>5} x {entry['signature']}\n          {entry['file']}")
     print(f"summary: {args.out / 'summary.json'}; report: {args.out / 'report.md'}")
+    failed = summary.get("failed_jobs") or []
+    for job in failed:
+        where = f"traceback in {job['traceback']}" if job["traceback"] else "no traceback saved"
+        print(
+            f"kvfuzz: internal error: job {job['job']} died without finishing "
+            f"(exit status {job['exit_status']}; {where})",
+            file=sys.stderr,
+        )
+    if failed:
+        return EXIT_INTERNAL
     return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
+
+
+def _check_ci_outputs(args: argparse.Namespace) -> None:
+    from differential.outputs import check_output_file
+
+    if args.junit_xml is not None:
+        check_output_file(args.junit_xml, "--junit-xml")
+    if args.sarif is not None:
+        check_output_file(args.sarif, "--sarif")
 
 
 def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> None:
@@ -484,6 +623,16 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
     from fuzz.report import campaign_markdown, explain_pictures
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
+    if summary["interrupted"]:
+        # Stopping must be quick: no replays (nor a vLLM import in the parent).
+        write_atomic(args.out / "report.md", campaign_markdown(summary, {}, args.out))
+        if args.junit_xml is not None or args.sarif is not None:
+            print(
+                f"kvfuzz: interrupted: JUnit/SARIF not written; "
+                f"`kvfuzz replay {args.out / 'findings'}` writes them",
+                file=sys.stderr,
+            )
+        return
     items = []
     results = []
     for entry in summary["distinct"][:200]:  # type: ignore[index]
@@ -502,9 +651,9 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from differential.corpus import iter_scenario_files, load_entry
+    from differential.corpus import iter_scenario_files
 
-    entries = [load_entry(path) for path in iter_scenario_files(args.paths)]
+    entries = [_load(args, path) for path in iter_scenario_files(args.paths)]
     from differential.calibrate import mutation_table, render_table
 
     rows, noisy = mutation_table(entries)
@@ -513,17 +662,24 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from differential.corpus import iter_scenario_files, load_entry, write_atomic
+    from differential.bounds import scenario_cost
+    from differential.corpus import expectation_problems, iter_scenario_files, write_atomic
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     policy = Policy(args.policy)
-    # Validate every input before running anything.
-    entries = [load_entry(path) for path in iter_scenario_files(args.paths)]
+    # Validate every input (and its cost) and every output path before running anything.
+    entries = [_load(args, path) for path in iter_scenario_files(args.paths)]
+    _check_ci_outputs(args)
+    if args.report is not None:
+        from differential.outputs import check_output_file
 
-    started = time.perf_counter()
+        check_output_file(args.report, "--report")
+
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION, fix_status
     from differential.report import render_json, render_text
+
+    started = time.perf_counter()  # after the vLLM import, as the summary line says
 
     notices: list[str] = []
     if any(v.role is VariantRole.FIXED for v in variants):
@@ -539,17 +695,33 @@ def _replay(args: argparse.Namespace) -> int:
             notices.append(
                 f"the installed vLLM {VLLM_VERSION} already has part of the seed fix ({part})"
             )
-    results = [
-        compare_variants(
-            entry.scenario,
-            variants,
-            policy=policy,
-            source=str(entry.path),
-            dense_cross_check=not args.no_dense_check,
+    results = []
+    for index, entry in enumerate(entries, 1):
+        # Progress on stderr, one line per scenario, its cost stated before it runs.
+        print(
+            f"[{index}/{len(entries)}] {entry.path}: {scenario_cost(entry.scenario).describe()}",
+            file=sys.stderr,
+            flush=True,
         )
-        for entry in entries
+        results.append(
+            compare_variants(
+                entry.scenario,
+                variants,
+                policy=policy,
+                source=str(entry.path),
+                dense_cross_check=not args.no_dense_check,
+            )
+        )
+    # A corpus file's `expect` block is checked too: a contradiction fails like a finding.
+    contradictions = [
+        (entry.path, problem)
+        for entry, result in zip(entries, results, strict=True)
+        for problem in expectation_problems(entry, result)
     ]
     report = render_json(results, VLLM_VERSION, policy, notices)
+    report["expectations_failed"] = [
+        {"file": str(path), "problem": problem} for path, problem in contradictions
+    ]
     _write_ci_reports(args, results)
     if args.report is not None:
         write_atomic(args.report, json.dumps(report, indent=2) + "\n")
@@ -557,32 +729,83 @@ def _replay(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
         sys.stdout.write(render_text(results, VLLM_VERSION, notices))
+        for path, problem in contradictions:
+            sys.stdout.write(f"! expectation not met: {path}: {problem}\n")
         sys.stdout.write(f"({time.perf_counter() - started:.1f} s after importing vLLM)\n")
-    return EXIT_FOUND if any(r.findings for r in results) else EXIT_CLEAN
+    found = any(r.findings for r in results) or bool(contradictions)
+    return EXIT_FOUND if found else EXIT_CLEAN
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line, at most ``_MESSAGE_CHARS`` characters."""
+    flat = " ".join(text.split())
+    if len(flat) > _MESSAGE_CHARS:
+        flat = flat[: _MESSAGE_CHARS - 20] + f" ... ({len(flat)} chars)"
+    return flat
+
+
+def save_traceback(exc: BaseException, argv: Sequence[str] | None = None) -> Path | None:
+    """Write ``exc``'s full traceback to a new file in the temporary folder.
+
+    Returns:
+        The file, or ``None`` if it could not be written.
+    """
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except RecursionError:
+        text = f"{type(exc).__name__} (traceback too deep to format)\n"
+    header = f"kvfuzz {' '.join(sys.argv[1:] if argv is None else argv)}\n\n"
+    try:
+        fd, name = tempfile.mkstemp(prefix="kvfuzz-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as handle:
+            handle.write(header + text)
+    except OSError:
+        return None
+    return Path(name)
+
+
+def internal_failure(exc: BaseException, argv: Sequence[str] | None = None) -> int:
+    """Report kvfuzz's own failure in one line (traceback saved to a file): exit 3."""
+    saved = save_traceback(exc, argv)
+    where = f"full traceback in {saved}" if saved else "the traceback could not be saved"
+    detail = str(exc) if isinstance(exc, InternalError) else f"{type(exc).__name__}: {exc}"
+    if not isinstance(exc, InternalError):
+        detail = f"kvfuzz internal error (please report): {detail}"
+    print(f"kvfuzz: {_one_line(detail)} [{where}]", file=sys.stderr, flush=True)
+    return EXIT_INTERNAL
+
+
+_COMMANDS = {
+    "replay": _replay,
+    "calibrate": _calibrate,
+    "fuzz": _fuzz,
+    "import-crash": _import_crash,
+    "explain": _explain,
+    "shrink": _shrink,
+    "export-test": _export_test,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvfuzz`` console script; returns the exit code."""
+    """Entry point of the ``kvfuzz`` console script; returns the exit code.
+
+    0 clean, 1 findings, 2 bad input or usage, 3 kvfuzz's own failure,
+    130 interrupted outside a campaign (a campaign keeps what it found).
+    """
     args = _parser().parse_args(argv)
+    command = _COMMANDS.get(args.command)
+    if command is None:
+        return internal_failure(InternalError(f"unhandled command {args.command!r}"), argv)
     try:
-        if args.command == "replay":
-            return _replay(args)
-        if args.command == "calibrate":
-            return _calibrate(args)
-        if args.command == "fuzz":
-            return _fuzz(args)
-        if args.command == "import-crash":
-            return _import_crash(args)
-        if args.command == "explain":
-            return _explain(args)
-        if args.command == "shrink":
-            return _shrink(args)
-        if args.command == "export-test":
-            return _export_test(args)
+        return command(args)
     except (ScenarioError, VariantError) as exc:
-        print(f"kvfuzz: error: {exc}", file=sys.stderr)
+        print(f"kvfuzz: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
-    raise AssertionError(f"unhandled command {args.command!r}")
+    except KeyboardInterrupt:
+        print("kvfuzz: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        return internal_failure(exc, argv)
 
 
 if __name__ == "__main__":
