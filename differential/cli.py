@@ -768,9 +768,10 @@ def internal_failure(exc: BaseException, argv: Sequence[str] | None = None) -> i
     """Report kvfuzz's own failure in one line (traceback saved to a file): exit 3."""
     saved = save_traceback(exc, argv)
     where = f"full traceback in {saved}" if saved else "the traceback could not be saved"
-    detail = str(exc) if isinstance(exc, InternalError) else f"{type(exc).__name__}: {exc}"
-    if not isinstance(exc, InternalError):
-        detail = f"kvfuzz internal error (please report): {detail}"
+    if isinstance(exc, InternalError):
+        detail = str(exc).removeprefix("kvfuzz ")
+    else:
+        detail = f"internal error (please report): {type(exc).__name__}: {exc}"
     print(f"kvfuzz: {_one_line(detail)} [{where}]", file=sys.stderr, flush=True)
     return EXIT_INTERNAL
 

@@ -111,11 +111,13 @@ def traceback_path(config: CampaignConfig) -> Path:
     return config.out / f"{job}-traceback.txt"
 
 
-def _worker(config: CampaignConfig, parent_pid: int) -> None:
+def _worker(
+    config: CampaignConfig, parent_pid: int, campaign: Callable[..., object] = run_campaign
+) -> None:
     die_with_parent(parent_pid)
     try:
         with stop_on_signals():
-            run_campaign(config, quiet=True)
+            campaign(config, quiet=True)
     except KeyboardInterrupt:
         pass  # the campaign has already saved what it found
     except BaseException as exc:
@@ -195,9 +197,12 @@ def run_parallel(
     jobs: int,
     *,
     quiet: bool = False,
-    worker: Callable[[CampaignConfig, int], None] = _worker,
+    campaign: Callable[..., object] = run_campaign,
 ) -> dict[str, Any]:
     """Run the campaign on ``jobs`` worker processes and merge their results.
+
+    ``campaign`` is what each worker runs (``campaign(config, quiet=True)``;
+    a module-level function, as spawned processes import it).
 
     SIGINT or SIGTERM stops every worker (each saves its summary first) and
     the merged summary is still written, marked ``interrupted``.
@@ -216,7 +221,7 @@ def run_parallel(
     for path in paths + [traceback_path(c) for c in configs]:
         path.unlink(missing_ok=True)
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=worker, args=(c, os.getpid())) for c in configs]
+    workers = [context.Process(target=_worker, args=(c, os.getpid(), campaign)) for c in configs]
     interrupted = False
     with stop_on_signals():
         try:
