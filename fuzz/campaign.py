@@ -221,6 +221,7 @@ class Campaign:
                 }
                 for r in sorted(self.records.values(), key=lambda r: r.first_example)
             ],
+            "failed_jobs": [],  # parallel campaigns list workers that died
         }
 
     def _write_summary(self) -> None:

@@ -213,8 +213,7 @@ def run_parallel(
     """
     if jobs == 1:
         with stop_on_signals():
-            summary = run_campaign(config, quiet=quiet)
-        return {**summary, "failed_jobs": []}
+            return run_campaign(config, quiet=quiet)
     config.out.mkdir(parents=True, exist_ok=True)
     configs = worker_configs(config, jobs)
     paths = [config.out / c.summary_name for c in configs]
