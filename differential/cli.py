@@ -471,7 +471,7 @@ def _shrink(args: argparse.Namespace) -> int:
         f"{[g.sliding_window_tokens for g in s.sliding_window_groups]}"
     )
     print(f"reproducer: {out}")
-    return EXIT_FOUND
+    return EXIT_CLEAN  # shrinking succeeded; the reproducer's findings are in the file
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -562,6 +562,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     for sub in ("findings", "hypothesis-db", "pictures"):
         check_output_folder(args.out / sub, f"--out ({sub}/)")
     _check_ci_outputs(args)
+    _keep_earlier_run(args.out)
     from fuzz.campaign import CampaignConfig
     from fuzz.parallel import run_parallel
 
@@ -601,6 +602,26 @@ def _fuzz(args: argparse.Namespace) -> int:
     if failed:
         return EXIT_INTERNAL
     return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
+
+
+def _keep_earlier_run(out: Path) -> None:
+    """Move an earlier campaign's summary.json and report.md (a rerun into the
+    same folder) to ``OUT/earlier-runs/<n>/`` instead of overwriting them."""
+    earlier = [out / name for name in ("summary.json", "report.md") if (out / name).is_file()]
+    if not earlier:
+        return
+    runs = out / "earlier-runs"
+    number = 1
+    while (runs / str(number)).exists():
+        number += 1
+    (runs / str(number)).mkdir(parents=True)
+    for path in earlier:
+        path.rename(runs / str(number) / path.name)
+    print(
+        f"kvfuzz: {out} holds an earlier run: its summary and report moved to "
+        f"{runs / str(number)}; its findings stay in {out / 'findings'}",
+        file=sys.stderr,
+    )
 
 
 def _check_ci_outputs(args: argparse.Namespace) -> None:
@@ -677,7 +698,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION, fix_status
-    from differential.report import render_json, render_text
+    from differential.report import printable, render_json, render_text
 
     started = time.perf_counter()  # after the vLLM import, as the summary line says
 
@@ -730,7 +751,7 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render_text(results, VLLM_VERSION, notices))
         for path, problem in contradictions:
-            sys.stdout.write(f"! expectation not met: {path}: {problem}\n")
+            sys.stdout.write(f"! expectation not met: {printable(str(path))}: {problem}\n")
         sys.stdout.write(f"({time.perf_counter() - started:.1f} s after importing vLLM)\n")
     found = any(r.findings for r in results) or bool(contradictions)
     return EXIT_FOUND if found else EXIT_CLEAN

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -176,3 +177,45 @@ def test_export_test_of_a_fixed_variant_finding(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compile(source, str(path), "exec")  # no SyntaxWarning ('mtp' is not None)
+
+
+def test_file_names_are_escaped_and_junit_has_times(tmp_path: Path) -> None:
+    evil = tmp_path / "seed\n::warning file=x::injected.json"
+    evil.write_text((CORPORA / "seeds" / "triton-mtp3-swa16-fa32-r8192.json").read_text())
+    junit = tmp_path / "junit.xml"
+    proc = kvfuzz_cli("replay", str(evil), "--github-annotations", "--junit-xml", str(junit))
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert not [line for line in lines if line.startswith("::warning file=x")]
+    (annotation,) = [line for line in lines if line.startswith("::")]
+    assert annotation.startswith(
+        f"::error file={str(tmp_path).replace(':', '%3A')}/seed%0A%3A%3Awarning file=x%3A%3A"
+    )
+    assert f"{tmp_path}/seed\\n::warning file=x::injected.json  [" in proc.stdout
+    times = [float(t) for t in re.findall(r'testcase [^>]*time="([0-9.]+)"', junit.read_text())]
+    assert len(times) == 2 and all(t > 0 for t in times)
+
+
+def test_shrink_succeeds_with_exit_0(tmp_path: Path) -> None:
+    regression = CORPORA / "regressions" / "fallback-unfixed-517c289c14.json"
+    proc = kvfuzz_cli("shrink", str(regression), "--out", str(tmp_path), "--seconds", "30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (written,) = tmp_path.glob("*.json")
+    assert f"reproducer: {written}" in proc.stdout
+
+
+def test_rerun_into_the_same_folder_keeps_the_earlier_run(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ("fuzz", "--seed", "3", "--max-examples", "6", "--no-dense-check", "--out", str(out))
+    first = kvfuzz_cli(*args, "--quiet")
+    assert first.returncode == 1, first.stderr
+    earlier = json.loads((out / "summary.json").read_text())
+    second = kvfuzz_cli(*args)
+    assert second.returncode == 1, second.stderr
+    kept = out / "earlier-runs" / "1"
+    assert json.loads((kept / "summary.json").read_text()) == earlier
+    assert (kept / "report.md").is_file() and (out / "report.md").is_file()
+    assert "holds an earlier run" in second.stderr
+    notes = second.stdout + second.stderr
+    assert "[-1]" not in notes
+    assert "finding already on file [example database]" in notes
