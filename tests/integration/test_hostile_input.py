@@ -219,3 +219,35 @@ def test_rerun_into_the_same_folder_keeps_the_earlier_run(tmp_path: Path) -> Non
     notes = second.stdout + second.stderr
     assert "[-1]" not in notes
     assert "finding already on file [example database]" in notes
+
+
+def test_atheris_instruments_vllm_core_from_a_fresh_clone(tmp_path: Path) -> None:
+    pytest.importorskip("atheris")
+    corpus = tmp_path / "kvfuzz-out" / "atheris-corpus"  # missing, as on a fresh clone
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fuzz.atheris_harness",
+            "--variants",
+            "fixed",
+            "--no-dense-check",
+            str(corpus),
+            str(CORPORA),
+            "-runs=40",
+            "-seed=1",
+            f"-artifact_prefix={tmp_path / 'kvfuzz-out'}/",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert corpus.is_dir()
+    listed = next(line for line in proc.stderr.splitlines() if "modules instrumented" in line)
+    for module in ("kv_cache_manager", "single_type_kv_cache_manager", "block_pool"):
+        assert f"vllm.v1.core.{module}" in listed
+    covs = [int(c) for c in re.findall(r"cov: (\d+)", proc.stderr)]
+    assert covs and max(covs) >= 10 * 33, covs  # 33: kvfuzz's own modules only
