@@ -243,7 +243,7 @@ def _parser() -> argparse.ArgumentParser:
             "Generate scenarios (Hypothesis strategies, driven by bytes from --seed), "
             "run them on the variants and keep one file per distinct finding in "
             "OUT/findings. The same seed and versions give the same findings. "
-            "Ctrl-C stops cleanly and keeps what was found."
+            "Ctrl-C or SIGTERM stops cleanly and keeps what was found."
         ),
     )
     _add_common(fuzz)
@@ -644,12 +644,14 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
     from fuzz.report import campaign_markdown, explain_pictures
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
-    if summary["interrupted"]:
-        # Stopping must be quick: no replays (nor a vLLM import in the parent).
+    if summary["interrupted"] or summary.get("failed_jobs"):
+        # Stopping must be quick, and a failed campaign must not fail again
+        # here: no replays (nor a vLLM import in the parent).
         write_atomic(args.out / "report.md", campaign_markdown(summary, {}, args.out))
         if args.junit_xml is not None or args.sarif is not None:
+            why = "interrupted" if summary["interrupted"] else "a job failed"
             print(
-                f"kvfuzz: interrupted: JUnit/SARIF not written; "
+                f"kvfuzz: {why}: JUnit/SARIF not written; "
                 f"`kvfuzz replay {args.out / 'findings'}` writes them",
                 file=sys.stderr,
             )
