@@ -73,7 +73,7 @@ def junit_xml(results: Sequence[ScenarioResult], *, suite_name: str = "kvfuzz") 
                 "testcase",
                 classname=_name(result),
                 name=f"{vr.variant.name} (policy {result.policy.value})",
-                time="0",
+                time=f"{vr.elapsed_s:.3f}",
             )
             mine = [t for t in _ordered(result) if t.owner == vr.variant.name]
             if mine:
@@ -164,16 +164,29 @@ def sarif(results: Sequence[ScenarioResult], *, tool_version: str = "0.1.0") -> 
     }
 
 
+def _escape_data(text: str) -> str:
+    """A workflow command's message, escaped as GitHub's toolkit does."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _escape_property(text: str) -> str:
+    """A workflow command's property value (``file=``), escaped as GitHub's toolkit does."""
+    return _escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
 def github_annotations(results: Sequence[ScenarioResult]) -> str:
-    """GitHub Actions ``::error``/``::warning`` lines, one per finding."""
+    """GitHub Actions ``::error``/``::warning`` lines, one per finding.
+
+    File names and messages are escaped (``%``, CR, LF, and ``:`` / ``,`` in
+    properties), so a file name can never start a command line of its own.
+    """
     lines = []
     for result in results:
         for finding in result.findings:
             level = "error" if _LEVEL[finding.kind] == "error" else "warning"
-            message = finding.summary().replace("%", "%25").replace("\n", "%0A")
-            lines.append(
-                f"::{level} file={_name(result)},title=kvfuzz {finding.kind.value}::{message}"
-            )
+            message = _escape_data(finding.summary())
+            file = _escape_property(_name(result))
+            lines.append(f"::{level} file={file},title=kvfuzz {finding.kind.value}::{message}")
     return "\n".join(lines) + ("\n" if lines else "")
 
 

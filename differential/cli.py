@@ -2,7 +2,10 @@
 
 Exit codes: 0 when the variants under test are clean, 1 when anything is
 found, 2 for bad input or usage (the message names the field or option and
-what is allowed).
+what is allowed), 3 when kvfuzz itself failed (an unexpected exception, a
+campaign worker that died without reporting, an output that cannot be
+written): one line on stderr names the error and the file holding the full
+traceback. A crash is never reported as success or as a finding.
 """
 
 from __future__ import annotations
@@ -10,11 +13,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from differential.errors import InternalError, ScenarioError, VariantError
 from differential.findings import SEVERITY, Policy
@@ -25,9 +32,63 @@ from differential.variants import (
     parse_variants,
 )
 
+if TYPE_CHECKING:
+    from differential.corpus import CorpusEntry
+
 __all__ = ["main"]
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+_MESSAGE_CHARS = 500  # longest error message printed (the rest is elided)
+
+
+MAX_JOBS = 256  # --jobs above this is a typo, not a machine
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number: allowed {what}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed {what}")
+    return value
+
+
+def _seconds_budget(text: str) -> float:
+    """A finite time budget in seconds, >= 0 (0: none)."""
+    value = _number(text, "a finite number of seconds >= 0 (0: no limit)")
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: allowed a finite number of seconds >= 0 (0: no limit)"
+        )
+    return value
+
+
+def _timeout_seconds(text: str) -> float:
+    """A finite timeout in seconds, > 0."""
+    value = _number(text, "a finite number of seconds > 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: allowed a finite number of seconds > 0"
+        )
+    return value
+
+
+def _positive_int(text: str, *, maximum: int | None = None) -> int:
+    allowed = "an integer >= 1" if maximum is None else f"an integer 1..{maximum}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed {allowed}") from None
+    if value < 1 or (maximum is not None and value > maximum):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed {allowed}")
+    return value
+
+
+def _jobs(text: str) -> int:
+    """Worker processes: 1..``MAX_JOBS``."""
+    return _positive_int(text, maximum=MAX_JOBS)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +102,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=_timeout_seconds,
         default=60.0,
         metavar="SECONDS",
         help="per-scenario timeout for tree:PATH variants (default: %(default)s)",
@@ -56,6 +117,51 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
             "literally keeps, ideal = the dense reference (default: %(default)s)"
         ),
     )
+    _add_limits(parser)
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    from differential.bounds import DEFAULT_LIMITS
+
+    limits = parser.add_argument_group(
+        "limits", "a scenario file over a limit is rejected (exit 2) before anything runs"
+    )
+    limits.add_argument(
+        "--max-requests",
+        type=_positive_int,
+        default=DEFAULT_LIMITS.max_requests,
+        metavar="N",
+        help="requests per scenario (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=DEFAULT_LIMITS.max_tokens,
+        metavar="N",
+        help="prompt plus decode tokens per scenario (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-pool-blocks",
+        type=_positive_int,
+        default=DEFAULT_LIMITS.max_pool_blocks,
+        metavar="N",
+        help="block-pool size per scenario, in blocks (default: %(default)s)",
+    )
+
+
+def _load(args: argparse.Namespace, path: Path) -> CorpusEntry:
+    """Load a scenario file and check its cost against the limits (exit 2 over one)."""
+    from differential.bounds import Limits, check_cost
+    from differential.corpus import load_entry
+
+    entry = load_entry(path)
+    limits = Limits(
+        max_requests=args.max_requests,
+        max_tokens=args.max_tokens,
+        max_pool_blocks=args.max_pool_blocks,
+    )
+    check_cost(entry.scenario, limits, source=str(path))
+    return entry
 
 
 def _add_ci_reports(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +239,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="scenario files or folders (default: corpora)",
     )
+    _add_limits(calibrate)
     fuzz = sub.add_parser(
         "fuzz",
         help="run a fuzz campaign over the scenario space",
@@ -140,21 +247,21 @@ def _parser() -> argparse.ArgumentParser:
             "Generate scenarios (Hypothesis strategies, driven by bytes from --seed), "
             "run them on the variants and keep one file per distinct finding in "
             "OUT/findings. The same seed and versions give the same findings. "
-            "Ctrl-C stops cleanly and keeps what was found."
+            "Ctrl-C or SIGTERM stops cleanly and keeps what was found."
         ),
     )
     _add_common(fuzz)
     fuzz.add_argument("--seed", type=int, default=0, help="campaign seed (default: %(default)s)")
     fuzz.add_argument(
         "--seconds",
-        type=float,
+        type=_seconds_budget,
         default=60.0,
         help="wall-time budget in seconds, after vLLM is imported; 0 for none "
         "(default: %(default)s)",
     )
     fuzz.add_argument(
         "--max-examples",
-        type=int,
+        type=_positive_int,
         default=None,
         metavar="N",
         help="stop after N scenarios (default: no limit)",
@@ -174,10 +281,10 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--quiet", action="store_true", help="no progress display")
     fuzz.add_argument(
         "--jobs",
-        type=int,
+        type=_jobs,
         default=1,
         metavar="N",
-        help="worker processes, each importing vLLM once (default: %(default)s)",
+        help=f"worker processes, each importing vLLM once, 1..{MAX_JOBS} (default: %(default)s)",
     )
     fuzz.add_argument(
         "--no-shrink",
@@ -260,7 +367,10 @@ def _parser() -> argparse.ArgumentParser:
         help="the signature to keep (default: the file's own, else its most severe finding's)",
     )
     shrink.add_argument(
-        "--seconds", type=float, default=60.0, help="time budget (default: %(default)s)"
+        "--seconds",
+        type=_seconds_budget,
+        default=60.0,
+        help="time budget in seconds (default: %(default)s)",
     )
     shrink.add_argument(
         "--out",
@@ -368,10 +478,8 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _export_test(args: argparse.Namespace) -> int:
-    from differential.corpus import load_entry
-
     variants = parse_variants(args.variants, timeout_s=args.timeout)
-    entry = load_entry(args.finding)
+    entry = _load(args, args.finding)
     from differential.compare import compare_variants
     from differential.export import export_test
     from differential.findings import FindingKind
@@ -389,7 +497,11 @@ def _export_test(args: argparse.Namespace) -> int:
         raise ScenarioError(
             "FINDING", str(args.finding), "a scenario with a per-request finding to assert"
         )
-    variant_result, finding = candidates[0]
+    # The finding the file is about (its recorded signature), else the first.
+    recorded = [
+        (vr, f) for vr, f in candidates if signature_of(scenario, f).text == entry.signature
+    ]
+    variant_result, finding = (recorded or candidates)[0]
     fixed_hit = next(
         (
             vr.run.hits[finding.request]
@@ -411,12 +523,14 @@ def _export_test(args: argparse.Namespace) -> int:
 
 
 def _shrink(args: argparse.Namespace) -> int:
-    from differential.corpus import load_entry, write_atomic
+    from differential.corpus import write_atomic
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
-    entry = load_entry(args.finding)
-    raw = json.loads(args.finding.read_text(encoding="utf-8"))
-    wanted = args.signature or (raw.get("finding") or {}).get("signature")
+    entry = _load(args, args.finding)
+    wanted = args.signature or entry.signature
+    from differential.outputs import check_output_folder
+
+    check_output_folder(args.out, "--out")
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION
     from fuzz.campaign import finding_document
@@ -473,15 +587,19 @@ def _shrink(args: argparse.Namespace) -> int:
         f"{[g.sliding_window_tokens for g in s.sliding_window_groups]}"
     )
     print(f"reproducer: {out}")
-    return EXIT_FOUND
+    return EXIT_CLEAN  # shrinking succeeded; the reproducer's findings are in the file
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from differential.corpus import load_entry, write_atomic
+    from differential.corpus import write_atomic
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
-    entry = load_entry(args.scenario)
+    entry = _load(args, args.scenario)
     scenario = entry.scenario
+    if args.svg is not None:
+        from differential.outputs import check_output_file
+
+        check_output_file(args.svg, "--svg")
     if args.request is not None and not 0 <= args.request < len(scenario.requests):
         raise ScenarioError(
             "--request", args.request, f"0..{len(scenario.requests) - 1} (the scenario's requests)"
@@ -514,6 +632,9 @@ def _import_crash(args: argparse.Namespace) -> int:
             buffers.append((path, path.read_bytes()))
         except OSError as exc:
             raise ScenarioError("CRASH", str(path), f"a readable file ({exc.strerror})") from None
+    from differential.outputs import check_output_folder
+
+    check_output_folder(args.out, "--out")
     from differential.compare import compare_variants
     from differential.corpus import write_atomic
     from differential.driver import VLLM_VERSION
@@ -551,14 +672,6 @@ def _import_crash(args: argparse.Namespace) -> int:
 
 def _fuzz(args: argparse.Namespace) -> int:
     variants = parse_variants(args.variants, timeout_s=args.timeout)
-    if args.seconds < 0:
-        raise VariantError(f"--seconds must be >= 0, got {args.seconds}")
-    if args.max_examples is not None and args.max_examples < 1:
-        raise VariantError(f"--max-examples must be >= 1, got {args.max_examples}")
-    if args.out.exists() and not args.out.is_dir():
-        raise VariantError(f"--out {args.out} exists and is not a folder")
-    if args.jobs < 1:
-        raise VariantError(f"--jobs must be >= 1, got {args.jobs}")
     if args.shrink_seconds <= 0:
         raise VariantError(f"--shrink-seconds must be > 0, got {args.shrink_seconds}")
     known = args.known_corpus
@@ -567,6 +680,13 @@ def _fuzz(args: argparse.Namespace) -> int:
     from differential.corpus import iter_scenario_files
 
     iter_scenario_files([str(p) for p in known])  # bad paths are usage errors, now
+    from differential.outputs import check_output_folder
+
+    check_output_folder(args.out, "--out")
+    for sub in ("findings", "hypothesis-db", "pictures"):
+        check_output_folder(args.out / sub, f"--out ({sub}/)")
+    _check_ci_outputs(args)
+    _keep_earlier_run(args.out)
     from fuzz.campaign import CampaignConfig
     from fuzz.parallel import run_parallel
 
@@ -604,10 +724,49 @@ def _fuzz(args: argparse.Namespace) -> int:
             f"[{', '.join(cause['variants'])}]\n          {cause['reproducer']}"
         )
     print(f"summary: {args.out / 'summary.json'}; report: {args.out / 'report.md'}")
+    failed = summary.get("failed_jobs") or []
+    for job in failed:
+        where = f"traceback in {job['traceback']}" if job["traceback"] else "no traceback saved"
+        print(
+            f"kvfuzz: internal error: job {job['job']} died without finishing "
+            f"(exit status {job['exit_status']}; {where})",
+            file=sys.stderr,
+        )
+    if failed:
+        return EXIT_INTERNAL
     if args.fail_on == "new":
         tested = {v.name for v in variants}
         return EXIT_FOUND if any(tested & set(c["variants"]) for c in new) else EXIT_CLEAN
     return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
+
+
+def _keep_earlier_run(out: Path) -> None:
+    """Move an earlier campaign's summary.json and report.md (a rerun into the
+    same folder) to ``OUT/earlier-runs/<n>/`` instead of overwriting them."""
+    earlier = [out / name for name in ("summary.json", "report.md") if (out / name).is_file()]
+    if not earlier:
+        return
+    runs = out / "earlier-runs"
+    number = 1
+    while (runs / str(number)).exists():
+        number += 1
+    (runs / str(number)).mkdir(parents=True)
+    for path in earlier:
+        path.rename(runs / str(number) / path.name)
+    print(
+        f"kvfuzz: {out} holds an earlier run: its summary and report moved to "
+        f"{runs / str(number)}; its findings stay in {out / 'findings'}",
+        file=sys.stderr,
+    )
+
+
+def _check_ci_outputs(args: argparse.Namespace) -> None:
+    from differential.outputs import check_output_file
+
+    if args.junit_xml is not None:
+        check_output_file(args.junit_xml, "--junit-xml")
+    if args.sarif is not None:
+        check_output_file(args.sarif, "--sarif")
 
 
 def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> None:
@@ -624,6 +783,18 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
     from fuzz.report import campaign_markdown, root_cause_pictures
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
+    if summary["interrupted"] or summary.get("failed_jobs"):
+        # Stopping must be quick, and a failed campaign must not fail again
+        # here: no replays (nor a vLLM import in the parent).
+        write_atomic(args.out / "report.md", campaign_markdown(summary, {}, args.out))
+        if args.junit_xml is not None or args.sarif is not None:
+            why = "interrupted" if summary["interrupted"] else "a job failed"
+            print(
+                f"kvfuzz: {why}: JUnit/SARIF not written; "
+                f"`kvfuzz replay {args.out / 'findings'}` writes them",
+                file=sys.stderr,
+            )
+        return
     items = []
     results = []
     for cause in summary.get("root_causes", []):  # type: ignore[attr-defined]
@@ -646,9 +817,9 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from differential.corpus import iter_scenario_files, load_entry
+    from differential.corpus import iter_scenario_files
 
-    entries = [load_entry(path) for path in iter_scenario_files(args.paths)]
+    entries = [_load(args, path) for path in iter_scenario_files(args.paths)]
     from differential.calibrate import mutation_table, render_table
 
     rows, noisy = mutation_table(entries)
@@ -657,17 +828,24 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from differential.corpus import iter_scenario_files, load_entry, write_atomic
+    from differential.bounds import scenario_cost
+    from differential.corpus import expectation_problems, iter_scenario_files, write_atomic
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     policy = Policy(args.policy)
-    # Validate every input before running anything.
-    entries = [load_entry(path) for path in iter_scenario_files(args.paths)]
+    # Validate every input (and its cost) and every output path before running anything.
+    entries = [_load(args, path) for path in iter_scenario_files(args.paths)]
+    _check_ci_outputs(args)
+    if args.report is not None:
+        from differential.outputs import check_output_file
 
-    started = time.perf_counter()
+        check_output_file(args.report, "--report")
+
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION, fix_status
-    from differential.report import render_json, render_text
+    from differential.report import printable, render_json, render_text
+
+    started = time.perf_counter()  # after the vLLM import, as the summary line says
 
     notices: list[str] = []
     if any(v.role is VariantRole.FIXED for v in variants):
@@ -683,17 +861,33 @@ def _replay(args: argparse.Namespace) -> int:
             notices.append(
                 f"the installed vLLM {VLLM_VERSION} already has part of the seed fix ({part})"
             )
-    results = [
-        compare_variants(
-            entry.scenario,
-            variants,
-            policy=policy,
-            source=str(entry.path),
-            dense_cross_check=not args.no_dense_check,
+    results = []
+    for index, entry in enumerate(entries, 1):
+        # Progress on stderr, one line per scenario, its cost stated before it runs.
+        print(
+            f"[{index}/{len(entries)}] {entry.path}: {scenario_cost(entry.scenario).describe()}",
+            file=sys.stderr,
+            flush=True,
         )
-        for entry in entries
+        results.append(
+            compare_variants(
+                entry.scenario,
+                variants,
+                policy=policy,
+                source=str(entry.path),
+                dense_cross_check=not args.no_dense_check,
+            )
+        )
+    # A corpus file's `expect` block is checked too: a contradiction fails like a finding.
+    contradictions = [
+        (entry.path, problem)
+        for entry, result in zip(entries, results, strict=True)
+        for problem in expectation_problems(entry, result)
     ]
     report = render_json(results, VLLM_VERSION, policy, notices)
+    report["expectations_failed"] = [
+        {"file": str(path), "problem": problem} for path, problem in contradictions
+    ]
     _write_ci_reports(args, results)
     if args.report is not None:
         write_atomic(args.report, json.dumps(report, indent=2) + "\n")
@@ -701,41 +895,92 @@ def _replay(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
         sys.stdout.write(render_text(results, VLLM_VERSION, notices))
+        for path, problem in contradictions:
+            sys.stdout.write(f"! expectation not met: {printable(str(path))}: {problem}\n")
         sys.stdout.write(f"({time.perf_counter() - started:.1f} s after importing vLLM)\n")
-    return EXIT_FOUND if any(r.findings for r in results) else EXIT_CLEAN
+    found = any(r.findings for r in results) or bool(contradictions)
+    return EXIT_FOUND if found else EXIT_CLEAN
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line, at most ``_MESSAGE_CHARS`` characters."""
+    flat = " ".join(text.split())
+    if len(flat) > _MESSAGE_CHARS:
+        flat = flat[: _MESSAGE_CHARS - 20] + f" ... ({len(flat)} chars)"
+    return flat
+
+
+def save_traceback(exc: BaseException, argv: Sequence[str] | None = None) -> Path | None:
+    """Write ``exc``'s full traceback to a new file in the temporary folder.
+
+    Returns:
+        The file, or ``None`` if it could not be written.
+    """
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except RecursionError:
+        text = f"{type(exc).__name__} (traceback too deep to format)\n"
+    header = f"kvfuzz {' '.join(sys.argv[1:] if argv is None else argv)}\n\n"
+    try:
+        fd, name = tempfile.mkstemp(prefix="kvfuzz-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as handle:
+            handle.write(header + text)
+    except OSError:
+        return None
+    return Path(name)
+
+
+def internal_failure(exc: BaseException, argv: Sequence[str] | None = None) -> int:
+    """Report kvfuzz's own failure in one line (traceback saved to a file): exit 3."""
+    saved = save_traceback(exc, argv)
+    where = f"full traceback in {saved}" if saved else "the traceback could not be saved"
+    if isinstance(exc, InternalError):
+        detail = str(exc).removeprefix("kvfuzz ")
+    else:
+        detail = f"internal error (please report): {type(exc).__name__}: {exc}"
+    print(f"kvfuzz: {_one_line(detail)} [{where}]", file=sys.stderr, flush=True)
+    return EXIT_INTERNAL
+
+
+def _mutate(args: argparse.Namespace) -> int:
+    from differential.mutate import run_mutate_command
+
+    return run_mutate_command(args)
+
+
+_COMMANDS = {
+    "replay": _replay,
+    "calibrate": _calibrate,
+    "fuzz": _fuzz,
+    "import-crash": _import_crash,
+    "explain": _explain,
+    "shrink": _shrink,
+    "export-test": _export_test,
+    "diff": _diff,
+    "mutate": _mutate,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvfuzz`` console script; returns the exit code."""
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "replay":
-            return _replay(args)
-        if args.command == "calibrate":
-            return _calibrate(args)
-        if args.command == "fuzz":
-            return _fuzz(args)
-        if args.command == "import-crash":
-            return _import_crash(args)
-        if args.command == "explain":
-            return _explain(args)
-        if args.command == "shrink":
-            return _shrink(args)
-        if args.command == "export-test":
-            return _export_test(args)
-        if args.command == "diff":
-            return _diff(args)
-        if args.command == "mutate":
-            from differential.mutate import run_mutate_command
+    """Entry point of the ``kvfuzz`` console script; returns the exit code.
 
-            return run_mutate_command(args)
+    0 clean, 1 findings, 2 bad input or usage, 3 kvfuzz's own failure,
+    130 interrupted outside a campaign (a campaign keeps what it found).
+    """
+    args = _parser().parse_args(argv)
+    command = _COMMANDS.get(args.command)
+    if command is None:
+        return internal_failure(InternalError(f"unhandled command {args.command!r}"), argv)
+    try:
+        return command(args)
     except (ScenarioError, VariantError) as exc:
-        print(f"kvfuzz: error: {exc}", file=sys.stderr)
+        print(f"kvfuzz: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
-    except InternalError as exc:
-        print(f"kvfuzz: error: {exc}", file=sys.stderr)
-        return EXIT_INTERNAL
-    raise AssertionError(f"unhandled command {args.command!r}")
+    except KeyboardInterrupt:
+        print("kvfuzz: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        return internal_failure(exc, argv)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ The driver (and so vLLM) is imported on first use, not at import time.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ class VariantResult:
             ``None`` when the scenario is already dense.
         references: what each request was owed.
         findings: the oracle's findings for this variant.
+        elapsed_s: wall time of its runs (and the cross-check), in seconds.
     """
 
     variant: Variant
@@ -60,6 +62,7 @@ class VariantResult:
     dense_run: RunObservation | None
     references: tuple[SiblingReference, ...]
     findings: tuple[Finding, ...]
+    elapsed_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -425,6 +428,7 @@ def compare_variants(
     results: list[VariantResult] = []
     notices: list[str] = []
     for variant in variants:
+        started = time.perf_counter()
         run = run_any(scenario, variant)
         if run.unsupported is not None:
             notices.append(f"{variant.name}: unsupported: {run.unsupported}")
@@ -447,7 +451,8 @@ def compare_variants(
                 dense_run = run_any(scenario, variant, dense=True)
                 findings += cross_check_dense(judged, dense_run)
         findings = label_known(judged, findings, hits=run.hits)
-        results.append(VariantResult(variant, run, dense_run, refs, findings))
+        elapsed_s = time.perf_counter() - started
+        results.append(VariantResult(variant, run, dense_run, refs, findings, elapsed_s))
     comparison: list[Finding] = []
     costs: list[FixCost] = []
     supported = [r for r in results if r.run.unsupported is None]

@@ -21,15 +21,19 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from differential.errors import ScenarioError
-from differential.findings import Finding
+from differential.findings import Finding, Policy
 from differential.scenario import Scenario
+
+if TYPE_CHECKING:
+    from differential.compare import ScenarioResult
 
 __all__ = [
     "CorpusEntry",
     "Expectation",
+    "expectation_problems",
     "finding_tag",
     "iter_scenario_files",
     "load_entry",
@@ -60,11 +64,20 @@ class Expectation:
 
 @dataclass(frozen=True)
 class CorpusEntry:
-    """A scenario file and its expectation."""
+    """A scenario file and its expectation.
+
+    Attributes:
+        path: the file.
+        scenario: its scenario.
+        expect: its ``expect`` block (empty when absent).
+        signature: the ``finding.signature`` a campaign finding file records
+            (``None`` for a plain scenario).
+    """
 
     path: Path
     scenario: Scenario
     expect: Expectation
+    signature: str | None = None
 
 
 def _expectation(raw: object, source: str) -> Expectation:
@@ -103,16 +116,56 @@ def load_entry(path: Path) -> CorpusEntry:
     """
     source = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise ScenarioError("<file>", source, f"a readable file ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(
+            "<file>",
+            f"byte 0x{raw[exc.start]:02x} at offset {exc.start}",
+            "UTF-8 text",
+            source=source,
+        ) from None
     scenario = Scenario.from_json(text, source=source)
-    data: dict[str, Any] = json.loads(text)
+    data: dict[str, Any] = json.loads(text)  # parsed once already: cannot fail
     expect = _expectation(data.get("expect"), source)
     notes = data.get("notes", "")
     if not isinstance(notes, str):
         raise ScenarioError("notes", notes, "a string", source=source)
-    return CorpusEntry(path, scenario, Expectation(expect.hits, expect.findings, notes))
+    record = data.get("finding")
+    if record is not None and not isinstance(record, dict):
+        raise ScenarioError(
+            "finding", record, "an object (a campaign finding's record) or absent", source=source
+        )
+    signature = (record or {}).get("signature")
+    if signature is not None and not isinstance(signature, str):
+        raise ScenarioError("finding.signature", signature, "a string", source=source)
+    return CorpusEntry(path, scenario, Expectation(expect.hits, expect.findings, notes), signature)
+
+
+def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str]:
+    """How a replay of ``entry`` contradicts its ``expect`` block.
+
+    Hits are checked for every variant that ran and has recorded hits;
+    findings only under the ``vllm`` policy (the one they are recorded for).
+
+    Returns:
+        One line per contradiction, naming the variant, the observed and the
+        expected values; empty when the replay agrees (or nothing is recorded).
+    """
+    expect = entry.expect
+    problems: list[str] = []
+    for vr in result.results:
+        name = vr.variant.name
+        if name in expect.hits and tuple(vr.run.hits) != tuple(expect.hits[name]):
+            problems.append(f"{name}: hits {list(vr.run.hits)}, expected {list(expect.hits[name])}")
+        if name in expect.findings and result.policy is Policy.VLLM:
+            got = sorted(finding_tag(f) for f in result.findings if f.owner == name)
+            if got != list(expect.findings[name]):
+                problems.append(f"{name}: findings {got}, expected {list(expect.findings[name])}")
+    return problems
 
 
 def iter_scenario_files(paths: Iterable[str | Path]) -> list[Path]:

@@ -9,7 +9,21 @@
 
 from __future__ import annotations
 
+import reprlib
+
 __all__ = ["InternalError", "KvfuzzError", "ScenarioError", "VariantError"]
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 3, 6, 6
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+_VALUE_CHARS = 200  # longest rejected value echoed in a message
+
+
+def short_repr(value: object) -> str:
+    """``repr(value)``, at most ``_VALUE_CHARS`` characters, safe for any nesting."""
+    text = _REPR.repr(value)
+    return text if len(text) <= _VALUE_CHARS else text[: _VALUE_CHARS - 3] + "..."
 
 
 class KvfuzzError(Exception):
@@ -42,7 +56,8 @@ class ScenarioError(KvfuzzError, ValueError):
 
     def _message(self) -> str:
         where = f"{self.source}: " if self.source else ""
-        return f"{where}{self.field} = {self.value!r} is invalid: allowed {self.allowed}"
+        value = short_repr(self.value)
+        return f"{where}{self.field} = {value} is invalid: allowed {self.allowed}"
 
     def with_source(self, source: str) -> ScenarioError:
         """Return a copy that also names the file the scenario came from."""

@@ -65,21 +65,22 @@ def _drafter_settings():
     """(use_eagle, num_hash_lookahead_tokens, num_lookahead_tokens,
     num_prefill_lookahead) as vLLM's config code resolves them."""
     spec = None
-    if {method!r} is not None:
+    method, model_type = {method!r}, {model_type!r}
+    if method is not None:
         spec = object.__new__(SpeculativeConfig)
         draft = None
-        if {model_type!r} is not None:
+        if model_type is not None:
             draft = SimpleNamespace(
                 model="draft",
                 architectures=[],
                 hf_config=SimpleNamespace(
-                    model_type={model_type!r},
+                    model_type=model_type,
                     num_nextn_predict_layers={modules},
                     sample_from_anchor=True,
                 ),
             )
         for name, value in dict(
-            method={method!r},
+            method=method,
             num_speculative_tokens={num_spec},
             num_speculative_tokens_per_batch_size=None,
             disable_eagle_block_drop={disable_drop},
@@ -295,11 +296,18 @@ def export_test(
             f"request {request} diverges at token {reference.divergence_tokens} and must hit the "
             f"checkpoint at {expected} tokens"
             + (
-                f"; vLLM without the fix gives {finding.hit_tokens}."
+                f"; the {finding.owner} variant gives {finding.hit_tokens}."
                 if finding.hit_tokens is not None
                 else "."
             )
         )
+    if finding.known_issue is not None:
+        expectation += (
+            f" Known vLLM issue {finding.known_issue}: the seed fix does not repair it,"
+            " so this test fails with the fix too."
+        )
+    elif fixed_hit_tokens is not None and fixed_hit_tokens < expected:
+        expectation += f" With the fix: {fixed_hit_tokens}, so this test fails with the fix too."
     method, model_type, modules = _METHOD.get(scenario.drafter.kind, (None, None, 1))
     longest = max(r.prompt_tokens for r in scenario.requests)
     num_blocks = 16 + sum(

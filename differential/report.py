@@ -9,7 +9,7 @@ from typing import Any
 from differential.compare import ScenarioResult
 from differential.findings import Finding, Policy
 
-__all__ = ["REPORT_FORMAT", "render_json", "render_text", "summary_counts"]
+__all__ = ["REPORT_FORMAT", "printable", "render_json", "render_text", "summary_counts"]
 
 REPORT_FORMAT = "kvfuzz.replay"
 REPORT_VERSION = 1
@@ -36,6 +36,11 @@ def summary_counts(results: Sequence[ScenarioResult]) -> Counter[str]:
     return Counter(f.kind.value for r in results for f in r.findings)
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters (and backslashes) escaped, on one line."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 def render_text(
     results: Sequence[ScenarioResult], vllm_version: str, notices: Sequence[str] = ()
 ) -> str:
@@ -49,9 +54,10 @@ def render_text(
     for result in results:
         scenario = result.scenario
         lines.append("")
-        title = result.source or scenario.label
+        # Names are shown escaped: a newline in a file name cannot fake a table row.
+        title = printable(result.source or scenario.label)
         lines.append(
-            f"{title}  [{scenario.label}; A={scenario.effective_hit_alignment_tokens}, "
+            f"{title}  [{printable(scenario.label)}; A={scenario.effective_hit_alignment_tokens}, "
             f"hash block {_hash_block(result)}, policy {result.policy.value}]"
         )
         lines += [f"  note: {n}" for n in result.notices]

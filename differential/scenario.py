@@ -499,8 +499,8 @@ class Scenario:
         """Parse JSON text; ``source`` (a file name) is added to error messages.
 
         Raises:
-            ScenarioError: malformed JSON (field ``<json>``) or any
-                :meth:`from_dict` error.
+            ScenarioError: malformed or absurdly deeply nested JSON (field
+                ``<json>``) or any :meth:`from_dict` error.
         """
         try:
             data = json.loads(text)
@@ -509,6 +509,13 @@ class Scenario:
                 "<json>",
                 f"line {exc.lineno} column {exc.colno}",
                 f"valid JSON ({exc.msg})",
+                source=source,
+            ) from None
+        except RecursionError:
+            raise ScenarioError(
+                "<json>",
+                "arrays or objects nested too deep to parse",
+                "JSON nested at most a few hundred levels (a scenario needs 3)",
                 source=source,
             ) from None
         try:

@@ -3,13 +3,19 @@
 libFuzzer's bytes go through Hypothesis's ``fuzz_one_input`` into the very
 same scenario strategy the campaign uses (:mod:`fuzz.target`); there is no
 second generator. Findings that a known vLLM issue explains do not crash the
-target unless ``--include-known`` is given. vLLM's ``vllm/v1/core`` and kvfuzz's own modules are
-instrumented for coverage. A finding raises, so libFuzzer saves the input as
-``crash-<sha1>`` and stops; ``kvfuzz import-crash`` turns it into a scenario
-file that ``kvfuzz replay`` reproduces.
+target unless ``--include-known`` is given. vLLM's ``vllm/v1/core`` (the
+managers, the coordinator, the block pool, the scheduler) and kvfuzz's own
+modules are instrumented for coverage: nothing of them is imported before
+``atheris.instrument_imports``, and the instrumented modules are listed on
+stderr before fuzzing starts. atheris instruments by top-level package, so
+the rest of vLLM the driver imports (its config code, which resolves the
+drafter settings on every run) is instrumented too. A finding raises, so
+libFuzzer saves the input as ``crash-<sha1>`` and stops; ``kvfuzz
+import-crash`` turns it into a scenario file that ``kvfuzz replay`` reproduces.
 
 Usage (everything after the kvfuzz options goes to libFuzzer; the first
-folder receives new corpus entries, later ones are read only)::
+folder receives new corpus entries and is created if missing, later ones are
+read only; an ``-artifact_prefix`` ending in ``/`` is created too)::
 
     python -m fuzz.atheris_harness [--variants unfixed,fixed] [--no-dense-check] \\
         kvfuzz-out/atheris-corpus corpora -max_total_time=60 -artifact_prefix=kvfuzz-out/
@@ -20,8 +26,37 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["INSTRUMENTED", "main"]
+
+# Module prefixes atheris instruments for coverage feedback.
+INSTRUMENTED = ("vllm.v1.core", "differential", "fuzz")
+
+
+def _prepare_folders(libfuzzer_args: Sequence[str]) -> None:
+    """Create the output corpus folder and an artifact folder, as a fresh clone lacks them.
+
+    Raises:
+        SystemExit: (exit 2) a read-only corpus folder that does not exist.
+    """
+    folders = [arg for arg in libfuzzer_args if not arg.startswith("-")]
+    if folders:
+        Path(folders[0]).mkdir(parents=True, exist_ok=True)
+    for folder in folders[1:]:
+        if not Path(folder).exists():
+            print(f"kvfuzz: error: corpus folder {folder} does not exist", file=sys.stderr)
+            sys.exit(2)
+    for arg in libfuzzer_args:
+        if arg.startswith("-artifact_prefix=") and arg.endswith("/"):
+            Path(arg.split("=", 1)[1]).mkdir(parents=True, exist_ok=True)
+
+
+def _instrumented(names: set[str]) -> list[str]:
+    """The modules of ``names`` atheris instrumented: those of INSTRUMENTED's
+    top-level packages (atheris includes whole top-level packages)."""
+    packages = {prefix.split(".")[0] for prefix in INSTRUMENTED}
+    return sorted(name for name in names if name.split(".")[0] in packages)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -44,15 +79,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         import atheris
     except ImportError:
-        sys.exit("atheris is not installed: pip install atheris")
+        print("kvfuzz: error: atheris is not installed: pip install atheris", file=sys.stderr)
+        sys.exit(2)
+    _prepare_folders(libfuzzer_args)
 
-    from differential.variants import parse_variants
-
-    variants = parse_variants(args.variants)
-    with atheris.instrument_imports(include=["vllm.v1.core", "differential", "fuzz"]):
+    # Nothing of vLLM or kvfuzz is imported before this block (only the empty
+    # `fuzz` package): every module under INSTRUMENTED is instrumented on import.
+    before = set(sys.modules)
+    with atheris.instrument_imports(include=list(INSTRUMENTED)):
+        import differential.driver  # noqa: F401  (imports vllm.v1.core's managers)
+        from differential.errors import VariantError
         from differential.findings import Policy
+        from differential.variants import parse_variants
         from fuzz.target import build_target
 
+        try:
+            variants = parse_variants(args.variants)
+        except VariantError as exc:
+            print(f"kvfuzz: error: {exc}", file=sys.stderr)
+            sys.exit(2)
         target = build_target(
             variants,
             policy=Policy(args.policy),
@@ -61,6 +106,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise_on_known=args.include_known,
         )
 
+    modules = _instrumented(set(sys.modules) - before)
+    core = [m for m in modules if m.startswith("vllm.v1.core")]
+    print(
+        f"kvfuzz: {len(modules)} modules instrumented "
+        f"({sum(m.startswith('vllm') for m in modules)} of vLLM); "
+        f"vllm.v1.core: {', '.join(core)}",
+        file=sys.stderr,
+        flush=True,
+    )
     fuzz_one_input = target.hypothesis.fuzz_one_input
 
     def test_one_input(data: bytes) -> None:

@@ -465,13 +465,15 @@ class Campaign:
                 example=self._example,
                 vllm_version=self._vllm_version,
             )
-            write_once(path, json.dumps(document, indent=2) + "\n")
+            created = write_once(path, json.dumps(document, indent=2) + "\n")
             self.records[signature] = FindingRecord(
                 signature, path, self._example, self.stats.elapsed_s
             )
             self.stats.distinct = len(self.records)
             if self._progress is not None:
-                self._progress.note(f"new finding [{self._example}]: {signature.text} -> {path}")
+                where = "example database" if self._example < 0 else f"example {self._example}"
+                what = "new finding" if created else "finding already on file"
+                self._progress.note(f"{what} [{where}]: {signature.text} -> {path}")
         if self._progress is not None:
             self._progress.tick()
         if self.stats.elapsed_s - self._last_summary_s >= self.config.summary_interval_s:
@@ -515,6 +517,7 @@ class Campaign:
                 }
                 for r in sorted(self.records.values(), key=lambda r: r.first_example)
             ],
+            "failed_jobs": [],  # parallel campaigns list workers that died
         }
 
     def _write_summary(self) -> None:

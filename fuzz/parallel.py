@@ -7,24 +7,80 @@ workers share the output folder: finding files are created once across
 processes (:func:`differential.corpus.write_once`), Hypothesis's directory
 database is shared, and each worker keeps ``summary-job-<i>.json``, which the
 parent merges into ``summary.json`` (counts summed per signature).
+
+Workers die with their parent (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``);
+SIGTERM or SIGINT to the parent stops every worker, which saves its summary
+first; a worker that raises writes its traceback to ``OUT/job-<i>-traceback.txt``
+and exits 3, and the merged summary lists it under ``failed_jobs``, so the
+campaign's exit code says kvfuzz failed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import math
 import multiprocessing
+import os
+import signal
 import sys
 import time
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from differential.corpus import write_atomic
 from fuzz.campaign import CampaignConfig, fix_cost_entries, run_campaign
 
-__all__ = ["merge_summaries", "run_parallel", "worker_configs"]
+__all__ = [
+    "die_with_parent",
+    "merge_summaries",
+    "run_parallel",
+    "stop_on_signals",
+    "worker_configs",
+]
+
+EXIT_WORKER_FAILED = 3
+_STOP_GRACE_S = 3.0  # how long stopped workers get to save their summaries
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to send this process SIGTERM when its parent dies.
+
+    No-op elsewhere. Exits at once if the parent is already gone.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_WORKER_FAILED)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM is handled like Ctrl-C: the first SIGINT or SIGTERM raises
+    ``KeyboardInterrupt``; later ones are ignored, so saving what was found
+    is not itself interrupted."""
+    stopping = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def worker_configs(config: CampaignConfig, jobs: int) -> list[CampaignConfig]:
@@ -49,10 +105,26 @@ def worker_configs(config: CampaignConfig, jobs: int) -> list[CampaignConfig]:
     ]
 
 
-def _worker(config: CampaignConfig) -> None:
-    # On Ctrl-C the campaign has already saved what it found.
-    with contextlib.suppress(KeyboardInterrupt):
-        run_campaign(config, quiet=True)
+def traceback_path(config: CampaignConfig) -> Path:
+    """Where a worker saves its traceback if it fails: ``OUT/job-<i>-traceback.txt``."""
+    job = config.summary_name.removeprefix("summary-").removesuffix(".json")
+    return config.out / f"{job}-traceback.txt"
+
+
+def _worker(
+    config: CampaignConfig, parent_pid: int, campaign: Callable[..., object] = run_campaign
+) -> None:
+    die_with_parent(parent_pid)
+    try:
+        with stop_on_signals():
+            campaign(config, quiet=True)
+    except KeyboardInterrupt:
+        pass  # the campaign has already saved what it found
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            traceback_path(config).write_text("".join(traceback.format_exception(exc)))
+        print(f"kvfuzz job failed: {type(exc).__name__}: {exc}"[:500], file=sys.stderr)
+        sys.exit(EXIT_WORKER_FAILED)
 
 
 def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> dict[str, Any]:
@@ -105,6 +177,7 @@ def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> 
             causes.values(), key=lambda e: (e["status"] != "new", e["first_seen_s"])
         ),
         "distinct": sorted(distinct.values(), key=lambda e: e["first_seen_s"]),
+        "failed_jobs": [],
     }
 
 
@@ -138,37 +211,88 @@ def _read(paths: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def run_parallel(config: CampaignConfig, jobs: int, *, quiet: bool = False) -> dict[str, Any]:
-    """Run the campaign on ``jobs`` worker processes and merge their results."""
+def _stop(workers: list[Any]) -> None:
+    """SIGTERM to live workers, a grace period to save, then SIGKILL."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+
+
+def run_parallel(
+    config: CampaignConfig,
+    jobs: int,
+    *,
+    quiet: bool = False,
+    campaign: Callable[..., object] = run_campaign,
+) -> dict[str, Any]:
+    """Run the campaign on ``jobs`` worker processes and merge their results.
+
+    ``campaign`` is what each worker runs (``campaign(config, quiet=True)``;
+    a module-level function, as spawned processes import it).
+
+    SIGINT or SIGTERM stops every worker (each saves its summary first) and
+    the merged summary is still written, marked ``interrupted``.
+
+    Returns:
+        The merged summary; ``failed_jobs`` lists each worker that died
+        without finishing (``job``, ``exit_status``, ``traceback`` file).
+    """
     if jobs == 1:
-        return run_campaign(config, quiet=quiet)
+        with stop_on_signals():
+            return run_campaign(config, quiet=quiet)
     config.out.mkdir(parents=True, exist_ok=True)
     configs = worker_configs(config, jobs)
     paths = [config.out / c.summary_name for c in configs]
-    for path in paths:
+    for path in paths + [traceback_path(c) for c in configs]:
         path.unlink(missing_ok=True)
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_worker, args=(c,)) for c in configs]
-    for worker in workers:
-        worker.start()
-    try:
-        while any(w.is_alive() for w in workers):
-            time.sleep(2.0)
-            if not quiet:
-                partial = _read(paths)
-                if partial:
-                    merged = merge_summaries(partial, config)
-                    print(
-                        f"{merged['examples']} examples, {merged['executions_per_s']:.1f}/s "
-                        f"on {jobs} jobs, {len(merged['distinct'])} distinct",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-    except KeyboardInterrupt:
-        pass  # the workers got the same signal and stop cleanly
-    finally:
-        for worker in workers:
-            worker.join()
+    workers = [context.Process(target=_worker, args=(c, os.getpid(), campaign)) for c in configs]
+    interrupted = False
+    with stop_on_signals():
+        try:
+            for process in workers:
+                process.start()
+            shown = time.monotonic()
+            while any(w.is_alive() for w in workers):
+                time.sleep(0.25)
+                if not quiet and time.monotonic() - shown >= 2.0:
+                    shown = time.monotonic()
+                    partial = _read(paths)
+                    if partial:
+                        merged = merge_summaries(partial, config)
+                        print(
+                            f"{merged['examples']} examples, "
+                            f"{merged['executions_per_s']:.1f}/s on {jobs} jobs, "
+                            f"{len(merged['distinct'])} distinct",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            _stop(workers)
+    failed = [
+        {
+            "job": index,
+            "exit_status": process.exitcode,
+            "traceback": str(traceback_path(configs[index]))
+            if traceback_path(configs[index]).exists()
+            else None,
+        }
+        for index, process in enumerate(workers)
+        # Stopped by a signal after an interruption is not a failure.
+        if process.exitcode != 0 and not (interrupted and (process.exitcode or 0) < 0)
+    ]
     merged = merge_summaries(_read(paths), config)
+    merged["jobs"] = jobs
+    merged["interrupted"] = merged["interrupted"] or interrupted
+    merged["failed_jobs"] = failed
     write_atomic(config.out / "summary.json", json.dumps(merged, indent=2) + "\n")
     return merged

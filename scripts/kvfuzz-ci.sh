@@ -13,9 +13,10 @@
 #   KVFUZZ_CI_SEED       campaign seed (default: the run number, else 0)
 #   KVFUZZ_CI_VARIANTS   variants (default: unfixed,fixed)
 #
-# Exit status: 1 if the corpus replay fails (the variants under test
-# regressed); a campaign's new findings are reported, not fatal, unless
-# KVFUZZ_CI_STRICT=1.
+# Exit status: 3 if kvfuzz itself failed in either step (or the set-up
+# failed), 2 for bad input or usage, 1 if the corpus replay fails (the
+# variants under test regressed); a campaign's new findings are reported,
+# not fatal, unless KVFUZZ_CI_STRICT=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +28,7 @@ variants=${KVFUZZ_CI_VARIANTS:-unfixed,fixed}
 annotations=()
 [ -n "${GITHUB_ACTIONS:-}" ] && annotations=(--github-annotations)
 
-scripts/bootstrap.sh || exit 2
+scripts/bootstrap.sh || exit 3
 kvfuzz=.venv/bin/kvfuzz
 mkdir -p "$out"
 
@@ -46,6 +47,10 @@ tail -n 2 "$out/replay.txt"
 campaign=$?
 
 echo "kvfuzz CI: replay exit $replay, campaign exit $campaign; outputs in $out/"
+for code in 3 2; do  # kvfuzz's own failure first, then bad input or usage
+    if [ "$replay" -eq "$code" ] || [ "$campaign" -eq "$code" ]; then exit "$code"; fi
+done
+if [ "$replay" -gt 3 ] || [ "$campaign" -gt 3 ]; then exit 3; fi  # killed or interrupted
 if [ "$replay" -ne 0 ]; then exit 1; fi
 if [ "${KVFUZZ_CI_STRICT:-0}" = "1" ] && [ "$campaign" -ne 0 ]; then exit 1; fi
 exit 0

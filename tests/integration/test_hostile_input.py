@@ -1,0 +1,253 @@
+"""Hostile conditions that need real runs: signals to a campaign, a campaign
+whose workers die, corpus files whose ``expect`` block the replay contradicts,
+and exported tests for findings the fix does not repair.
+
+Each case fails loudly: the documented exit code, one line naming what
+happened, and nothing already found lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from differential.compare import compare_variants
+from differential.corpus import load_entry
+from differential.driver import VLLM_VERSION
+from differential.variants import parse_variants
+from fuzz.campaign import finding_document
+from fuzz.signature import signature_of
+from tests.factories import CORPORA, ROOT, kvfuzz_cli
+
+pytestmark = pytest.mark.vllm
+
+KNOWN = ROOT / "known-issues" / "swa-short-run-align-before-drop.json"
+
+
+def _children(pid: int) -> set[int]:
+    """Processes whose parent is ``pid``, from /proc."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize(
+    ("jobs", "signum"),
+    [(2, signal.SIGTERM), (2, signal.SIGINT), (1, signal.SIGTERM)],
+    ids=["jobs2-sigterm", "jobs2-sigint-to-parent-only", "jobs1-sigterm"],
+)
+def test_signal_stops_every_worker_and_keeps_the_reports(
+    tmp_path: Path, jobs: int, signum: int
+) -> None:
+    out = tmp_path / "out"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "differential.cli",
+            "fuzz",
+            "--jobs",
+            str(jobs),
+            "--seconds",
+            "300",
+            "--no-dense-check",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a signal to the parent only, not to its group
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not list((out / "findings").glob("*.json")):
+            assert parent.poll() is None, parent.communicate()
+            assert time.monotonic() < deadline, "no finding within 240 s"
+            time.sleep(0.5)
+        children = _children(parent.pid)
+        if jobs > 1:
+            assert len(children) >= jobs
+        os.kill(parent.pid, signum)
+        killed = time.monotonic()
+        stdout, stderr = parent.communicate(timeout=15)
+        time.sleep(max(0.0, killed + 5.0 - time.monotonic()))
+        assert not [pid for pid in children if _alive(pid)], "workers outlived the campaign"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert parent.returncode in (0, 1), stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["failed_jobs"] == []
+    assert summary["examples"] > 0
+    assert len(summary["distinct"]) == len(list((out / "findings").glob("*.json")))
+    report = (out / "report.md").read_text()
+    assert f"{summary['examples']} scenarios" in report
+    assert "[interrupted]" in stdout
+
+
+def test_campaign_whose_workers_die_exits_3(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "__init__.py").write_text("raise RuntimeError('this vLLM does not import')\n")
+    out = tmp_path / "out"
+    proc = kvfuzz_cli(
+        "fuzz",
+        "--variants",
+        f"unfixed,tree:{tree}",
+        "--jobs",
+        "2",
+        "--max-examples",
+        "2",
+        "--quiet",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "job 0 died without finishing" in proc.stderr
+    assert "0 distinct finding(s)" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert [job["exit_status"] for job in summary["failed_jobs"]] == [3, 3]
+    assert (out / "report.md").is_file()
+
+
+def test_replay_checks_expect_blocks(tmp_path: Path) -> None:
+    data = json.loads((CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json").read_text())
+    recorded = data["expect"]["hits"]["fixed"]
+    data["expect"]["hits"]["fixed"] = [hit + 8 for hit in recorded]
+    path = tmp_path / "contradicted.json"
+    path.write_text(json.dumps(data))
+    proc = kvfuzz_cli("replay", str(path), "--variants", "fixed")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    shifted = [hit + 8 for hit in recorded]
+    assert (
+        f"! expectation not met: {path}: fixed: hits {recorded}, expected {shifted}" in proc.stdout
+    )
+    # The same file as recorded replays clean.
+    clean = kvfuzz_cli(
+        "replay", str(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"), "--variants", "fixed"
+    )
+    assert clean.returncode == 0, clean.stdout
+    assert "expectation not met" not in clean.stdout
+
+
+def test_export_test_of_a_fixed_variant_finding(tmp_path: Path) -> None:
+    entry = load_entry(KNOWN)
+    result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"))
+    finding = next(f for f in result.findings if f.owner == "fixed" and f.kind.value == "fallback")
+    signature = signature_of(entry.scenario, finding)
+    document = finding_document(
+        entry.scenario, result, signature, seed=None, example=None, vllm_version=VLLM_VERSION
+    )
+    path = tmp_path / "fallback-fixed.json"
+    path.write_text(json.dumps(document))
+    proc = kvfuzz_cli("export-test", str(path))
+    assert proc.returncode == 0, proc.stderr
+    source = proc.stdout
+    assert f"the fixed variant gives {finding.hit_tokens}" in source
+    assert "Known vLLM issue swa-short-run-align-before-drop" in source
+    assert "fails with the fix too" in source
+    assert "' is not None" not in source
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compile(source, str(path), "exec")  # no SyntaxWarning ('mtp' is not None)
+
+
+def test_file_names_are_escaped_and_junit_has_times(tmp_path: Path) -> None:
+    evil = tmp_path / "seed\n::warning file=x::injected.json"
+    evil.write_text((CORPORA / "seeds" / "triton-mtp3-swa16-fa32-r8192.json").read_text())
+    junit = tmp_path / "junit.xml"
+    proc = kvfuzz_cli("replay", str(evil), "--github-annotations", "--junit-xml", str(junit))
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert not [line for line in lines if line.startswith("::warning file=x")]
+    (annotation,) = [line for line in lines if line.startswith("::")]
+    assert annotation.startswith(
+        f"::error file={str(tmp_path).replace(':', '%3A')}/seed%0A%3A%3Awarning file=x%3A%3A"
+    )
+    assert f"{tmp_path}/seed\\n::warning file=x::injected.json  [" in proc.stdout
+    times = [float(t) for t in re.findall(r'testcase [^>]*time="([0-9.]+)"', junit.read_text())]
+    assert len(times) == 2 and all(t > 0 for t in times)
+
+
+def test_shrink_succeeds_with_exit_0(tmp_path: Path) -> None:
+    regression = CORPORA / "regressions" / "fallback-unfixed-517c289c14.json"
+    proc = kvfuzz_cli("shrink", str(regression), "--out", str(tmp_path), "--seconds", "30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (written,) = tmp_path.glob("*.json")
+    assert f"reproducer: {written}" in proc.stdout
+
+
+def test_rerun_into_the_same_folder_keeps_the_earlier_run(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ("fuzz", "--seed", "3", "--max-examples", "6", "--no-dense-check", "--out", str(out))
+    first = kvfuzz_cli(*args, "--quiet")
+    assert first.returncode == 1, first.stderr
+    earlier = json.loads((out / "summary.json").read_text())
+    second = kvfuzz_cli(*args)
+    assert second.returncode == 1, second.stderr
+    kept = out / "earlier-runs" / "1"
+    assert json.loads((kept / "summary.json").read_text()) == earlier
+    assert (kept / "report.md").is_file() and (out / "report.md").is_file()
+    assert "holds an earlier run" in second.stderr
+    notes = second.stdout + second.stderr
+    assert "[-1]" not in notes
+    assert "finding already on file [example database]" in notes
+
+
+def test_atheris_instruments_vllm_core_from_a_fresh_clone(tmp_path: Path) -> None:
+    pytest.importorskip("atheris")
+    corpus = tmp_path / "kvfuzz-out" / "atheris-corpus"  # missing, as on a fresh clone
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fuzz.atheris_harness",
+            "--variants",
+            "fixed",
+            "--no-dense-check",
+            str(corpus),
+            str(CORPORA),
+            "-runs=40",
+            "-seed=1",
+            f"-artifact_prefix={tmp_path / 'kvfuzz-out'}/",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert corpus.is_dir()
+    listed = next(line for line in proc.stderr.splitlines() if "modules instrumented" in line)
+    for module in ("kv_cache_manager", "single_type_kv_cache_manager", "block_pool"):
+        assert f"vllm.v1.core.{module}" in listed
+    covs = [int(c) for c in re.findall(r"cov: (\d+)", proc.stderr)]
+    assert covs and max(covs) >= 10 * 33, covs  # 33: kvfuzz's own modules only

@@ -1,0 +1,334 @@
+"""Hostile input to the ``kvfuzz`` command line, checked before any work starts.
+
+One parametrized case per kind of bad input: each must end with exit 2 and a
+single ``kvfuzz: error:`` line (or argparse's usage error) naming the field or
+option, without importing vLLM (so nothing ran and nothing was lost). Then
+kvfuzz's own failures: exit 3, one line, the traceback saved to a file; and
+the exit codes of ``make replay`` and ``scripts/kvfuzz-ci.sh``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from differential.bounds import DEFAULT_LIMITS, Limits, check_cost, scenario_cost
+from differential.errors import ScenarioError
+from differential.scenario import RequestSpec, Scenario
+from differential.variants import parse_variants
+from fuzz.campaign import CampaignConfig
+from fuzz.parallel import run_parallel
+from tests.factories import ROOT, triton
+
+# Runs the CLI in a fresh interpreter and reports whether vLLM got imported.
+_RUN = (
+    "import sys\n"
+    "from differential.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "sys.stderr.write('\\nVLLM_IMPORTED=%s\\n' % ('vllm' in sys.modules))\n"
+    "sys.exit(rc)\n"
+)
+
+
+def _cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _RUN, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        check=False,
+    )
+
+
+def _scenario(tmp: Path, name: str = "s.json", **changes: object) -> Path:
+    data = triton().to_dict()
+    data.update(changes)
+    path = tmp / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _finding_file(tmp: Path) -> Path:
+    data = triton().to_dict()
+    data["finding"] = "fallback | unfixed"
+    path = tmp / "finding.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _file(tmp: Path) -> Path:
+    path = tmp / "a-file"
+    path.write_text("x")
+    return path
+
+
+def _non_utf8(tmp: Path) -> list[str]:
+    path = tmp / "zz.json"
+    path.write_bytes(b'{"name":"caf\xe9"}')
+    return ["replay", str(path)]
+
+
+def _deep_json(tmp: Path) -> list[str]:
+    path = tmp / "deep.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    return ["replay", str(path)]
+
+
+def _huge_value(tmp: Path) -> list[str]:
+    data = triton().to_dict()
+    data["drafter"]["kind"] = "m" * 5_000_000
+    path = tmp / "huge.json"
+    path.write_text(json.dumps(data))
+    return ["replay", str(path)]
+
+
+def _requests(n: int) -> list[dict[str, object]]:
+    return [
+        {"name": None, "shares_with": None, "divergence_tokens": 8, "suffix_tokens": 8}
+        for _ in range(n)
+    ]
+
+
+def _read_only_findings(tmp: Path) -> list[str]:
+    out = tmp / "out"
+    (out / "findings").mkdir(parents=True)
+    (out / "findings").chmod(0o555)
+    return ["fuzz", "--out", str(out), "--max-examples", "1"]
+
+
+def _case(name: str, build: Callable[[Path], list[str]], named: str, **kw: object) -> object:
+    return pytest.param(build, named, id=name, **kw)
+
+
+# (id, build the arguments in a temporary folder, what the error line must name)
+CASES = [
+    _case("non-utf8-bytes", _non_utf8, "allowed UTF-8 text"),
+    _case("json-nested-200000-deep", _deep_json, "nested too deep"),
+    _case("huge-rejected-value", _huge_value, "drafter.kind"),
+    _case(
+        "shared-prefix-1e12",
+        lambda t: [
+            "replay",
+            str(
+                _scenario(
+                    t,
+                    shared_prefix_tokens=10**12,
+                    requests=[
+                        {
+                            "name": None,
+                            "shares_with": None,
+                            "divergence_tokens": 10**12,
+                            "suffix_tokens": 64,
+                        }
+                    ],
+                )
+            ),
+        ],
+        "cost.tokens",
+    ),
+    _case(
+        "decode-steps-1e9",
+        lambda t: ["replay", str(_scenario(t, decode_steps=10**9))],
+        "--max-tokens",
+    ),
+    _case(
+        "suffix-3e8",
+        lambda t: [
+            "replay",
+            str(
+                _scenario(
+                    t,
+                    requests=[
+                        {
+                            "name": None,
+                            "shares_with": None,
+                            "divergence_tokens": 64,
+                            "suffix_tokens": 3 * 10**8,
+                        }
+                    ],
+                )
+            ),
+        ],
+        "--max-tokens",
+    ),
+    _case(
+        "20000-requests",
+        lambda t: ["replay", str(_scenario(t, shared_prefix_tokens=8, requests=_requests(20000)))],
+        "cost.requests = 20000",
+    ),
+    _case(
+        "pool-blocks-over-a-lowered-limit",
+        lambda t: ["replay", str(_scenario(t)), "--max-pool-blocks", "100"],
+        "--max-pool-blocks",
+    ),
+    _case("seconds-nan", lambda t: ["fuzz", "--seconds", "nan", "--out", str(t)], "--seconds"),
+    _case("timeout-0", lambda t: ["replay", str(_scenario(t)), "--timeout", "0"], "--timeout"),
+    _case("jobs-1e9", lambda t: ["fuzz", "--jobs", "1000000000", "--out", str(t)], "--jobs"),
+    _case("out-under-a-file", lambda t: ["fuzz", "--out", str(_file(t) / "sub")], "--out"),
+    _case(
+        "report-is-a-folder",
+        lambda t: ["replay", str(_scenario(t)), "--report", str(t)],
+        "--report",
+    ),
+    _case(
+        "junit-under-a-file",
+        lambda t: ["replay", str(_scenario(t)), "--junit-xml", str(_file(t) / "j.xml")],
+        "--junit-xml",
+    ),
+    _case(
+        "sarif-is-a-folder", lambda t: ["fuzz", "--out", str(t / "o"), "--sarif", str(t)], "--sarif"
+    ),
+    _case(
+        "svg-under-a-file",
+        lambda t: ["explain", str(_scenario(t)), "--svg", str(_file(t) / "p.svg")],
+        "--svg",
+    ),
+    _case(
+        "shrink-out-under-a-file",
+        lambda t: ["shrink", str(_scenario(t)), "--out", str(_file(t) / "r")],
+        "--out",
+    ),
+    _case(
+        "import-crash-out-under-a-file",
+        lambda t: ["import-crash", str(_file(t)), "--out", str(_file(t) / "r")],
+        "--out",
+    ),
+    _case("shrink-finding-is-a-string", lambda t: ["shrink", str(_finding_file(t))], "finding = "),
+    _case(
+        "read-only-findings-folder",
+        _read_only_findings,
+        "not writable",
+        marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only folders"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("build", "named"), CASES)
+def test_hostile_input_exits_2_before_work(
+    tmp_path: Path, build: Callable[[Path], list[str]], named: str
+) -> None:
+    proc = _cli(*build(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "VLLM_IMPORTED=True" not in proc.stderr, "bad input imported vLLM (work started)"
+    lines = [
+        line
+        for line in proc.stderr.splitlines()
+        if line and not line.startswith(("usage:", " ", "VLLM_IMPORTED"))
+    ]
+    assert len(lines) == 1, lines
+    assert named in lines[0]
+    assert len(proc.stderr) < 2000  # never the whole rejected value
+    assert "Traceback" not in proc.stderr
+
+
+def test_limits_are_adjustable() -> None:
+    big = Scenario(
+        kv_cache_groups=triton().kv_cache_groups,
+        requests=(RequestSpec(1, 1),) * 600,
+        shared_prefix_tokens=8,
+    )
+    assert scenario_cost(big).requests == 600
+    with pytest.raises(ScenarioError, match="--max-requests"):
+        check_cost(big)
+    assert check_cost(big, Limits(max_requests=600)).tokens == 1200
+    # The Triton seed: 4 x (16384 + 64) tokens; pool per request 16448+4 tokens
+    # over blocks 32 and 16 = 515 + 1029 blocks, plus the null block and 8 spare.
+    cost = check_cost(triton(), DEFAULT_LIMITS)
+    assert (cost.requests, cost.tokens, cost.pool_blocks) == (4, 65792, 4 * (515 + 1029) + 9)
+
+
+def test_unexpected_exception_exits_3_with_one_line_and_saved_traceback(tmp_path: Path) -> None:
+    code = (
+        "import sys, differential.corpus as corpus\n"
+        "def boom(path):\n"
+        "    raise RuntimeError('boom ' + 'x' * 100000)\n"
+        "corpus.load_entry = boom\n"
+        "from differential.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "replay", str(_scenario(tmp_path))],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        check=False,
+    )
+    assert proc.returncode == 3
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("kvfuzz: internal error (please report): RuntimeError: boom xxx")
+    assert len(line) < 800
+    (saved,) = tmp_path.glob("kvfuzz-traceback-*.txt")
+    assert f"[full traceback in {saved}]" in line
+    text = saved.read_text()
+    assert "Traceback (most recent call last)" in text and "in boom" in text
+
+
+def campaign_that_dies(config: CampaignConfig, *, quiet: bool) -> None:
+    raise RuntimeError(f"job {config.summary_name} broke")
+
+
+def test_parallel_job_death_is_reported(tmp_path: Path) -> None:
+    config = CampaignConfig(out=tmp_path, variants=parse_variants("unfixed"), seed=1)
+    summary = run_parallel(config, 2, quiet=True, campaign=campaign_that_dies)
+    assert [(j["job"], j["exit_status"]) for j in summary["failed_jobs"]] == [(0, 3), (1, 3)]
+    for job in summary["failed_jobs"]:
+        assert "RuntimeError: job summary-job-" in Path(job["traceback"]).read_text()
+    assert (
+        json.loads((tmp_path / "summary.json").read_text())["failed_jobs"] == summary["failed_jobs"]
+    )
+
+
+def _stub_checkout(tmp: Path, kvfuzz_script: str) -> Path:
+    """A copy of the Makefile and the CI script over a stub kvfuzz and bootstrap."""
+    (tmp / "scripts").mkdir()
+    shutil.copy(ROOT / "Makefile", tmp / "Makefile")
+    shutil.copy(ROOT / "scripts" / "kvfuzz-ci.sh", tmp / "scripts" / "kvfuzz-ci.sh")
+    (tmp / "scripts" / "bootstrap.sh").write_text("#!/bin/sh\nexit 0\n")
+    (tmp / ".venv" / "bin").mkdir(parents=True)
+    (tmp / ".venv" / "bin" / "kvfuzz").write_text("#!/bin/sh\n" + kvfuzz_script)
+    for path in (tmp / "scripts" / "bootstrap.sh", tmp / ".venv" / "bin" / "kvfuzz"):
+        path.chmod(0o755)
+    return tmp
+
+
+@pytest.mark.parametrize(("code", "make_fails"), [(0, False), (1, False), (2, True), (3, True)])
+def test_make_replay_fails_on_2_and_3(tmp_path: Path, code: int, make_fails: bool) -> None:
+    checkout = _stub_checkout(tmp_path, f"exit {code}\n")
+    proc = subprocess.run(
+        ["make", "-s", "replay"], cwd=checkout, capture_output=True, text=True, check=False
+    )
+    assert (proc.returncode != 0) is make_fails, proc.stderr
+    if make_fails:
+        assert f"Error {code}" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("replay", "campaign", "expected"),
+    [(0, 0, 0), (0, 1, 0), (1, 0, 1), (0, 3, 3), (3, 0, 3), (1, 2, 2), (2, 3, 3)],
+)
+def test_ci_script_propagates_exit_codes(
+    tmp_path: Path, replay: int, campaign: int, expected: int
+) -> None:
+    checkout = _stub_checkout(
+        tmp_path, f'case "$1" in replay) exit {replay};; fuzz) exit {campaign};; esac\n'
+    )
+    proc = subprocess.run(
+        ["scripts/kvfuzz-ci.sh"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KVFUZZ_CI_OUT": str(tmp_path / "out")},
+        check=False,
+    )
+    assert proc.returncode == expected, proc.stdout + proc.stderr
