@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
     parser.add_argument("--variants", default="unfixed,fixed")
-    parser.add_argument("--policy", default="vllm", choices=("vllm", "ideal"))
+    parser.add_argument("--policy", default="vllm", choices=("vllm", "retained", "ideal"))
     parser.add_argument("--no-dense-check", action="store_true")
     parser.add_argument(
         "--include-known",
