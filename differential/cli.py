@@ -903,10 +903,15 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _one_line(text: str) -> str:
-    """``text`` on one line, at most ``_MESSAGE_CHARS`` characters."""
+    """``text`` on one line, at most about ``_MESSAGE_CHARS`` characters.
+
+    Keeps both ends: the start says what failed, the end of a traceback (a
+    tree worker's stderr) says why.
+    """
     flat = " ".join(text.split())
     if len(flat) > _MESSAGE_CHARS:
-        flat = flat[: _MESSAGE_CHARS - 20] + f" ... ({len(flat)} chars)"
+        half = (_MESSAGE_CHARS - 40) // 2
+        flat = f"{flat[:half]} ... ({len(flat)} chars) ... {flat[-half:]}"
     return flat
 
 

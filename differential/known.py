@@ -14,7 +14,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.oracle import checkpoints, common_prefix_tokens, drafter_model, references
+from differential.oracle import (
+    checkpoints,
+    common_prefix_tokens,
+    dense_hit,
+    drafter_model,
+    references,
+)
 from differential.scenario import GroupKind, Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
@@ -91,8 +97,9 @@ def _unit_below_retained_boundary(
     prompts = scenario.prompts
     literal: set[int] = set()
     for writer in range(index):
-        if common_prefix_tokens(prompts[writer], prompts[index]) < expected:
-            continue  # this writer cannot serve the sibling at all
+        shared = common_prefix_tokens(prompts[writer], prompts[index])
+        if dense_hit(scenario, model, index, writer, shared) < expected:
+            continue  # this writer's data cannot serve the sibling there at all
         pinned = hits is None or hits[writer] < dense[writer]
         junctions = {0, dense[writer]} if len(scenario.kv_cache_groups) > 1 and pinned else {0}
         # A writer keeps its own boundaries only where it computed blocks,
@@ -142,7 +149,15 @@ def _single_group_drop_after_cap(scenario: Scenario, finding: Finding) -> bool:
         return False
     block = scenario.kv_cache_groups[0].block_size_tokens
     capped = (scenario.requests[finding.request].prompt_tokens - 1) // block * block
-    return finding.hit_tokens == capped - block and finding.expected_tokens == capped
+    # Owed the capped length itself, which needs the block past L - 1 as the
+    # peek block: the lookup reaches one block lower at best, and under sparse
+    # retention falls from there to whatever is retained below it.
+    if finding.expected_tokens != capped:
+        return False
+    retention = scenario.retention_interval_tokens
+    if retention is None or retention == scenario.effective_hit_alignment_tokens:
+        return finding.hit_tokens == capped - block
+    return finding.hit_tokens <= capped - block
 
 
 def _window_one_spiral(scenario: Scenario, finding: Finding) -> bool:

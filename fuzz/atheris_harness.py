@@ -87,7 +87,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     # `fuzz` package): every module under INSTRUMENTED is instrumented on import.
     before = set(sys.modules)
     with atheris.instrument_imports(include=list(INSTRUMENTED)):
-        import differential.driver  # noqa: F401  (imports vllm.v1.core's managers)
+        # The driver imports vLLM lazily; import the modules under test here.
+        import vllm.v1.core.kv_cache_manager
+        import vllm.v1.core.sched.scheduler  # noqa: F401
+
+        import differential.driver.runner  # noqa: F401  (vllm.v1.core's managers)
         from differential.errors import VariantError
         from differential.findings import Policy
         from differential.variants import parse_variants

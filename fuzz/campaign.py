@@ -390,7 +390,8 @@ class Campaign:
             self.causes[cause] = record
             if self._progress is not None:
                 status = "new" if record.new else f"known ({known_as})"
-                self._progress.note(f"root cause [{self._example}] {status}: {cause.text}")
+                where = "example database" if self._example < 0 else str(self._example)
+                self._progress.note(f"root cause [{where}] {status}: {cause.text}")
             self._start_shrink(record)
         record.count += 1
         record.facets[t.finding.kind.value] += 1

@@ -96,7 +96,7 @@ def test_signal_stops_every_worker_and_keeps_the_reports(
             assert len(children) >= jobs
         os.kill(parent.pid, signum)
         killed = time.monotonic()
-        stdout, stderr = parent.communicate(timeout=15)
+        stdout, stderr = parent.communicate(timeout=30)
         time.sleep(max(0.0, killed + 5.0 - time.monotonic()))
         assert not [pid for pid in children if _alive(pid)], "workers outlived the campaign"
     finally:
@@ -206,7 +206,9 @@ def test_shrink_succeeds_with_exit_0(tmp_path: Path) -> None:
 
 def test_rerun_into_the_same_folder_keeps_the_earlier_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    args = ("fuzz", "--seed", "3", "--max-examples", "6", "--no-dense-check", "--out", str(out))
+    # Seed 5 finds an unexplained root cause (the seed bug) within 6 examples,
+    # so the example database holds failures the rerun replays first.
+    args = ("fuzz", "--seed", "5", "--max-examples", "6", "--no-dense-check", "--out", str(out))
     first = kvfuzz_cli(*args, "--quiet")
     assert first.returncode == 1, first.stderr
     earlier = json.loads((out / "summary.json").read_text())

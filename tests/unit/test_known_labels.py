@@ -272,3 +272,53 @@ def test_a_writer_keeps_only_the_boundaries_it_computed() -> None:
     assert [(f.request, f.expected_tokens, f.known_issue) for f in labelled] == [
         (3, 16128, "unit-below-retained-boundary-falls-back")
     ]
+
+
+def test_label_regressions_from_the_property_tests() -> None:
+    # A single SWA group (block 2, window 2), R = 8, MTP drop: the resend is
+    # owed 6 = 8 - A, which needs the block past L - 1 as its peek block; the
+    # unitary cap leaves 4, which sparse retention does not keep: 0.
+    single = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 2),),
+        requests=(RequestSpec(8, 1, name="writer"), RequestSpec(8, 0)),
+        shared_prefix_tokens=8,
+        retention_interval_tokens=8,
+        drafter=Drafter(DrafterKind.MTP, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=2,
+    )
+    hits = [0, 0]
+    findings = judge_run(single, run(hits, settings=ManagerSettings(True, 0, 1, 1, 2)))[1]
+    assert [f.known_issue for f in label_known(single, findings, hits=hits)] == [
+        "single-group-drop-after-length-cap"
+    ]
+    # FA 8 + SWA 4 (window 4) + SWA 4 (window 2), R = 32, MTP drop: request 4
+    # (the prefix's first 24 tokens) is owed 16 = 24 - A below the writer's
+    # replay boundary 24; request 1 diverged at 16, so its own boundary 16
+    # cannot serve request 4 (its peek block holds its own tokens).
+    three = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 8),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 4),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 2),
+        ),
+        requests=(
+            RequestSpec(32, 1, name="writer"),
+            RequestSpec(16, 8, shares_with=0),
+            RequestSpec(0, 1, shares_with=0),
+            RequestSpec(0, 1, shares_with=0),
+            RequestSpec(24, 0, shares_with=0),
+        ),
+        shared_prefix_tokens=32,
+        retention_interval_tokens=32,
+        drafter=Drafter(DrafterKind.MTP, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=8,
+    )
+    hits = [0, 8, 0, 0, 8]
+    findings = judge_run(three, run(hits, settings=ManagerSettings(True, 0, 1, 1, 8)))[1]
+    labelled = [
+        (f.request, f.expected_tokens, f.known_issue)
+        for f in label_known(three, findings, hits=hits)
+    ]
+    assert (4, 16, "unit-below-retained-boundary-falls-back") in labelled
