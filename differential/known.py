@@ -76,6 +76,8 @@ def _unit_below_retained_boundary(scenario: Scenario, finding: Finding) -> bool:
     too high for it (vLLM issue #57610)."""
     if finding.kind is not FindingKind.FALLBACK or finding.request is None:
         return False
+    if scenario.mamba_groups:  # a state group keeps no tail; see the Mamba issue
+        return False
     expected, hit = finding.expected_tokens, finding.hit_tokens
     if expected is None or hit is None or hit >= expected:
         return False
@@ -94,6 +96,24 @@ def _unit_below_retained_boundary(scenario: Scenario, finding: Finding) -> bool:
                 )
             )
     return expected not in literal and expected + alignment in literal
+
+
+def _fine_grained_replay_state_discarded(scenario: Scenario, finding: Finding) -> bool:
+    """A fallback on a Mamba hybrid with fine-grained hits, the EAGLE drop and
+    retention 0: the state the sibling is owed was materialized on the block
+    grid, but vLLM retains only the states at its replay boundaries computed
+    on the scheduler block (one whole block below the prompt's aligned
+    length), not on the hit alignment, and discards it (vLLM PR #57444)."""
+    if finding.kind is not FindingKind.FALLBACK or not scenario.mamba_groups:
+        return False
+    if finding.expected_tokens is None or finding.hit_tokens is None:
+        return False
+    return (
+        finding.hit_tokens < finding.expected_tokens
+        and scenario.partial_hash_hits
+        and scenario.retention_interval_tokens == 0
+        and drafter_model(scenario).drop
+    )
 
 
 def _single_group_drop_after_cap(scenario: Scenario, finding: Finding) -> bool:
@@ -141,6 +161,24 @@ class KnownIssue:
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        name="fine-grained-replay-state-discarded",
+        summary=(
+            "On a Mamba hybrid with fine-grained hits (hash block finer than the "
+            "Mamba block), the EAGLE drop and retention 0, vLLM 0.33.0 computes "
+            "the replay boundaries a Mamba group retains on the scheduler block, "
+            "one whole block below the prompt's aligned length, so a state the "
+            "writer materialized where the sibling resumes is discarded and the "
+            "sibling misses: FA 64 + Mamba 64, hash block 16, a block-carved "
+            "prefill of a 100-token prompt resent gets 0 where 64 is due (95 and "
+            "128 tokens still get 64). vLLM PR #57444 (open) computes them on the "
+            "hit alignment."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py replay_boundaries with "
+        "vllm/v1/core/single_type_kv_cache_manager.py MambaManager.reachable_block_mask",
+        example="known-issues/fine-grained-replay-state-discarded-L100.json",
+        matches=_fine_grained_replay_state_discarded,
+    ),
     KnownIssue(
         name="unit-below-retained-boundary-falls-back",
         summary=(

@@ -39,9 +39,9 @@ attention group serves every position up to what it proves. The rules:
    materialized at or below them: a lookup resuming at ``b`` falls back to
    the state below it, and retention must not discard that state. Dense
    retention keeps every materialized state.
-4. **Over-hit**: a hit past the point the attention groups prove, or past the
-   writer's states (a state no writer kept there), is reported by the
-   verdicts as ``over-hit``: the dense reference bounds every hit.
+4. **Over-hit**: the dense reference bounds every hit, so a hit that no
+   state can justify (past the point the attention groups prove, or past
+   the highest state below it) is reported by the verdicts as ``over-hit``.
 
 A block-level check of which state block a hit adopted plugs in through
 :func:`state_group_indices` (the groups whose blocks are states, one block at

@@ -1,0 +1,71 @@
+"""The public Mamba-hybrid cases replay on vLLM's real MambaManager with exact hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from differential.compare import compare_variants
+from differential.corpus import load_entry
+from differential.findings import Policy
+from differential.variants import parse_variants
+from tests.factories import ROOT
+
+pytestmark = pytest.mark.vllm
+
+
+def _replay(rel: str, policy: Policy = Policy.VLLM):
+    entry = load_entry(ROOT / rel)
+    result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"), policy=policy)
+    hits = {vr.variant.name: list(vr.run.hits) for vr in result.results}
+    return hits, result.findings
+
+
+@pytest.mark.parametrize("length", [100, 112, 120, 127])
+def test_pr57444_resend_and_extension_fall_back_to_zero(length: int) -> None:
+    # Writer, identical resend, a second writer, its 60-token extension.
+    hits, findings = _replay(f"known-issues/fine-grained-replay-state-discarded-L{length}.json")
+    assert hits == {"unfixed": [0, 0, 0, 0], "fixed": [0, 0, 0, 0]}
+    assert sorted((f.owner, f.kind.value, f.request, f.expected_tokens) for f in findings) == [
+        (v, "fallback", r, 64) for v in ("fixed", "unfixed") for r in (1, 3)
+    ]
+    assert {f.known_issue for f in findings} == {"fine-grained-replay-state-discarded"}
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "mamba-fine-grained-replay-L95",
+        "mamba-fine-grained-replay-L128",
+        "mamba-fine-grained-replay-L100--no-drafter",
+        "mamba-fine-grained-replay-L100--dense-retention",
+        "mamba-fine-grained-replay-L100--lookahead-hashes",
+    ],
+)
+def test_pr57444_controls_hit_64(rel: str) -> None:
+    hits, findings = _replay(f"corpora/cases/{rel}.json")
+    assert hits == {"unfixed": [0, 64, 0, 64], "fixed": [0, 64, 0, 64]}
+    assert findings == ()
+
+
+def test_pr57444_geometry_under_vllm_scheduler_chunking() -> None:
+    # Scheduler._mamba_block_aligned_split stops at the fine-grained checkpoint 80.
+    hits, findings = _replay("corpora/cases/mamba-fine-grained-replay-L100--scheduler-prefill.json")
+    assert hits == {"unfixed": [0, 80, 0, 80], "fixed": [0, 80, 0, 80]}
+    assert findings == ()
+
+
+def test_pr54713_resend_of_aligned_prompt() -> None:
+    hits, findings = _replay("corpora/cases/mamba-eagle-resend-aligned-prompt.json")
+    assert hits == {"unfixed": [0, 112], "fixed": [0, 112]}
+    assert findings == ()
+
+
+def test_issue45238_junction_state() -> None:
+    hits, findings = _replay("corpora/cases/mamba-shared-prefix-junction.json")
+    assert hits == {"unfixed": [0, 0, 32], "fixed": [0, 0, 32]}
+    assert findings == ()
+    _, ideal = _replay("corpora/cases/mamba-shared-prefix-junction.json", Policy.IDEAL)
+    assert sorted((f.owner, f.kind.value, f.request) for f in ideal) == [
+        ("fixed", "design-gap", 1),
+        ("unfixed", "design-gap", 1),
+    ]
