@@ -17,6 +17,7 @@ from pathlib import Path
 
 from differential.errors import ScenarioError, VariantError
 from differential.findings import SEVERITY, Policy
+from differential.scenario import GroupKind
 from differential.variants import (
     DEFAULT_VARIANTS,
     VariantRole,
@@ -169,6 +170,14 @@ def _parser() -> argparse.ArgumentParser:
         "--no-dense-check",
         action="store_true",
         help="skip the dense-retention cross-check runs (about twice as fast)",
+    )
+    fuzz.add_argument(
+        "--groups",
+        default="",
+        metavar="KINDS",
+        help="comma-separated KV cache group kinds every scenario contains "
+        "(full_attention, sliding_window, mamba; e.g. --groups mamba for Mamba "
+        "hybrids only; default: any layout)",
     )
     fuzz.add_argument("--quiet", action="store_true", help="no progress display")
     fuzz.add_argument(
@@ -446,6 +455,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         raise VariantError(f"--out {args.out} exists and is not a folder")
     if args.jobs < 1:
         raise VariantError(f"--jobs must be >= 1, got {args.jobs}")
+    kinds = _group_kinds(args.groups)
     from fuzz.campaign import CampaignConfig
     from fuzz.parallel import run_parallel
 
@@ -458,6 +468,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             max_examples=args.max_examples,
             policy=Policy(args.policy),
             dense_cross_check=not args.no_dense_check,
+            group_kinds=kinds,
         ),
         args.jobs,
         quiet=args.quiet,
@@ -475,6 +486,20 @@ def _fuzz(args: argparse.Namespace) -> int:
         print(f"  {entry['count']:>5} x {entry['signature']}\n          {entry['file']}")
     print(f"summary: {args.out / 'summary.json'}; report: {args.out / 'report.md'}")
     return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
+
+
+def _group_kinds(text: str) -> frozenset[GroupKind]:
+    """``--groups``: comma-separated ``GroupKind`` values (empty: none pinned).
+
+    Raises:
+        VariantError: an unknown kind (exit 2, naming the allowed values).
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    allowed = ", ".join(k.value for k in GroupKind)
+    for name in names:
+        if name not in {k.value for k in GroupKind}:
+            raise VariantError(f"--groups: unknown group kind {name!r}; allowed: {allowed}")
+    return frozenset(GroupKind(n) for n in names)
 
 
 def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> None:

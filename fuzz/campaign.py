@@ -34,7 +34,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from differential.compare import ScenarioResult
 from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
-from differential.scenario import Scenario
+from differential.scenario import GroupKind, Scenario
 from differential.variants import Variant
 from fuzz.progress import CampaignStats, Progress
 from fuzz.signature import Signature, coverage_keys, signature_of
@@ -64,6 +64,8 @@ class CampaignConfig:
         summary_interval_s: seconds between summary rewrites while running.
         replay_database: replay the example database before fuzzing; ``None``
             decides by whether it holds entries when the campaign starts.
+        group_kinds: KV cache group kinds every scenario contains
+            (``--groups``; empty: any layout).
     """
 
     out: Path
@@ -76,6 +78,7 @@ class CampaignConfig:
     summary_name: str = "summary.json"
     summary_interval_s: float = 10.0
     replay_database: bool | None = None
+    group_kinds: frozenset[GroupKind] = frozenset()
 
 
 @dataclass
@@ -237,6 +240,7 @@ class Campaign:
             database=database,
             dense_cross_check=self.config.dense_cross_check,
             phases=[Phase.reuse],
+            kinds=self.config.group_kinds,
         )
         with contextlib.suppress(FindingRaised, BaseExceptionGroup):
             replay()
@@ -271,6 +275,7 @@ class Campaign:
                 on_result=self._on_result,
                 database=database,
                 dense_cross_check=config.dense_cross_check,
+                kinds=config.group_kinds,
             )
             rng = random.Random(config.seed)
             self._example = 0

@@ -83,22 +83,34 @@ def attention_dense_hit(
     The largest multiple of ``A`` at most ``L - 1`` such that, in every
     attention group, the tokens up to it (plus one drop unit under the EAGLE
     drop) are cached by the writer and match. A group's proof unit is its
-    block, or the hash block with fine-grained hits (an attention group then
-    proves per hash block; a sliding-window group's block equals the hash
-    block there). State groups are not attention groups and are skipped.
+    block; with fine-grained hits a sliding-window group's block equals the
+    hash block, and a full-attention group proves its whole blocks plus the
+    one partial block the writer left, keyed at its cached extent floored to
+    the hash block (a block has one key: as it grows its key moves), and
+    drops one hash block under the EAGLE drop. A state group only bounds the hit by the tokens its
+    state's hash covers (the shared tokens less the lookahead); it takes no
+    drop, since the drafter's KV lives in attention layers.
     """
     alignment = scenario.effective_hit_alignment_tokens
     limit = sibling_prompt_tokens - 1
     for group in scenario.kv_cache_groups:
         if group.kind is GroupKind.MAMBA:
+            limit = min(
+                limit,
+                shared_tokens - hash_lookahead_tokens,
+                total_tokens - hash_lookahead_tokens,
+            )
             continue
-        unit = alignment if scenario.partial_hash_hits else group.block_size_tokens
-        proven = min(
-            shared_tokens - hash_lookahead_tokens,
-            cached_tokens,
-            total_tokens - hash_lookahead_tokens,
-        )
-        proven = max(0, proven) // unit * unit
+        block = group.block_size_tokens
+        extent = min(cached_tokens, total_tokens - hash_lookahead_tokens)
+        reach = max(0, min(shared_tokens - hash_lookahead_tokens, extent))
+        proven = reach // block * block
+        unit = block
+        if scenario.partial_hash_hits:
+            unit = alignment
+            tail_key = extent // alignment * alignment
+            if group.kind is GroupKind.FULL_ATTENTION and proven < tail_key <= reach:
+                proven = tail_key
         limit = min(limit, proven - (unit if drop else 0))
     return max(0, limit) // alignment * alignment
 
@@ -197,7 +209,7 @@ def state_positions(
         if scenario.partial_hash_hits
         else -1
     )
-    cached = length - reprefillable_tokens
+    cached = min(length - reprefillable_tokens, length - hash_lookahead_tokens)
     kept = {
         end
         for end in _step_ends(
@@ -263,7 +275,10 @@ def state_references(
                 shared,
             )
             best_attention = max(best_attention, attention)
-            junction = attention_by_request[i] if observed_hits[i] < attention_by_request[i] else 0
+            # Only the hybrid coordinator pins junctions (a single group has no
+            # lagging group: UnitaryKVCacheCoordinator reports none).
+            pins = len(scenario.kv_cache_groups) > 1 and observed_hits[i] < attention_by_request[i]
+            junction = attention_by_request[i] if pins else 0
             states = state_positions(
                 scenario,
                 i,
