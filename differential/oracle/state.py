@@ -85,11 +85,12 @@ def attention_dense_hit(
     drop) are cached by the writer and match. A group's proof unit is its
     block; with fine-grained hits a sliding-window group's block equals the
     hash block, and a full-attention group proves its whole blocks plus the
-    one partial block the writer left, keyed at its cached extent floored to
-    the hash block (a block has one key: as it grows its key moves), and
-    drops one hash block under the EAGLE drop. A state group only bounds the hit by the tokens its
-    state's hash covers (the shared tokens less the lookahead); it takes no
-    drop, since the drafter's KV lives in attention layers.
+    one partial block the writer's prompt ends in, keyed only at the prompt's
+    last usable hash boundary (a resend's reach), and drops one hash block
+    under the EAGLE drop. ``total_tokens`` is the writer's prompt length. A
+    state group only bounds the hit by the tokens its state's hash covers
+    (the shared tokens less the lookahead); it takes no drop, since the
+    drafter's KV lives in attention layers.
     """
     alignment = scenario.effective_hit_alignment_tokens
     limit = sibling_prompt_tokens - 1
@@ -108,7 +109,11 @@ def attention_dense_hit(
         unit = block
         if scenario.partial_hash_hits:
             unit = alignment
-            tail_key = extent // alignment * alignment
+            # The one partial key: the prompt's last hash boundary a lookup
+            # can use (the whole prompt under the drop, else all but its last
+            # token).
+            last = total_tokens if drop else total_tokens - 1
+            tail_key = min(last, total_tokens - hash_lookahead_tokens) // alignment * alignment
             if group.kind is GroupKind.FULL_ATTENTION and proven < tail_key <= reach:
                 proven = tail_key
         limit = min(limit, proven - (unit if drop else 0))
@@ -257,24 +262,28 @@ def state_references(
     attention_by_request: list[int] = []
     out: list[tuple[int, int, int, int | None, tuple[int, ...]]] = []
     for j in range(len(observed_hits)):
+        shared = [common_prefix_tokens(prompts[i], prompts[j]) for i in range(j)]
+        # Attention groups are content-addressed and downward-closed: any
+        # writer's blocks of the shared prefix serve, so they prove the best
+        # over writers; a state serves only from the writer that kept it.
+        attention = max(
+            (
+                attention_dense_hit(
+                    scenario,
+                    drop,
+                    hash_lookahead_tokens,
+                    scenario.requests[i].prompt_tokens - reprefillable_tokens,
+                    scenario.requests[i].prompt_tokens,
+                    scenario.requests[j].prompt_tokens,
+                    shared[i],
+                )
+                for i in range(j)
+            ),
+            default=0,
+        )
         best_dense, best_expected, best_writer = 0, 0, None
-        best_attention = 0
-        divergence = 0
         points: set[int] = {0}
         for i in range(j):
-            shared = common_prefix_tokens(prompts[i], prompts[j])
-            divergence = max(divergence, shared)
-            length = scenario.requests[i].prompt_tokens
-            attention = attention_dense_hit(
-                scenario,
-                drop,
-                hash_lookahead_tokens,
-                length - reprefillable_tokens,
-                length,
-                scenario.requests[j].prompt_tokens,
-                shared,
-            )
-            best_attention = max(best_attention, attention)
             # Only the hybrid coordinator pins junctions (a single group has no
             # lagging group: UnitaryKVCacheCoordinator reports none).
             pins = len(scenario.kv_cache_groups) > 1 and observed_hits[i] < attention_by_request[i]
@@ -289,18 +298,21 @@ def state_references(
                 reprefillable_tokens,
                 prefill_lookahead_tokens,
             )
-            dense = _floor_state(states, attention)
+            cap = min(attention, shared[i] - hash_lookahead_tokens)
+            dense = _floor_state(states, cap)
             best_dense = max(best_dense, dense)
-            promised = checkpoints_for(i, junction, attention, observed_hits[i])
-            mapped = {_floor_state(states, c) for c in promised if c <= attention} | {0}
+            promised = checkpoints_for(i, junction, cap, observed_hits[i])
+            mapped = {_floor_state(states, c) for c in promised if c <= cap} | {0}
             mapped = {p for p in mapped if p <= dense}
             points.update(mapped)
             if policy is Policy.IDEAL:
-                owed = max(dense, attention // block * block)
+                owed = max(dense, max(0, cap) // block * block)
             else:
-                owed = max(p for p in mapped if p <= dense)
+                owed = max(mapped)
             if owed > best_expected or best_writer is None:
                 best_expected, best_writer = owed, i
-        attention_by_request.append(best_attention)
-        out.append((divergence, best_dense, best_expected, best_writer, tuple(sorted(points))))
+        attention_by_request.append(attention)
+        out.append(
+            (max(shared, default=0), best_dense, best_expected, best_writer, tuple(sorted(points)))
+        )
     return out
