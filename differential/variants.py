@@ -125,6 +125,11 @@ for _name, _what, _base in (
     ("no-peek", "SWA tails kept as if there were no EAGLE peek block", "fixed"),
     ("double-drop", "the SWA lookup applies the EAGLE drop twice", "fixed"),
     ("no-junction", "get_computed_blocks never reports a shared-prefix junction", "candidate"),
+    (
+        "mamba-eagle-margin",
+        "Mamba groups get the EAGLE margin back (their finder never drops)",
+        "fixed",
+    ),
 ):
     register(
         Variant(
@@ -153,6 +158,7 @@ MUTANTS = (
     "mutant-double-drop",
     "mutant-no-junction",
     "mutant-no-replay-widening",
+    "mutant-mamba-eagle-margin",
 )
 
 

@@ -69,3 +69,15 @@ def test_issue45238_junction_state() -> None:
         ("fixed", "design-gap", 1),
         ("unfixed", "design-gap", 1),
     ]
+
+
+def test_mamba_eagle_margin_mutant_is_caught() -> None:
+    # The EAGLE margin given back to the Mamba group hits the writer's state
+    # at 128, past the 112 full attention proves: over-hit.
+    entry = load_entry(ROOT / "corpora/cases/mamba-state-above-attention-proof.json")
+    result = compare_variants(entry.scenario, parse_variants("fixed,mutant-mamba-eagle-margin"))
+    hits = {vr.variant.name: list(vr.run.hits) for vr in result.results}
+    assert hits == {"fixed": [0, 112], "mutant-mamba-eagle-margin": [0, 128]}
+    mine = [(f.owner, f.kind.value, f.request, f.expected_tokens) for f in result.findings]
+    assert ("mutant-mamba-eagle-margin", "over-hit", 1, 112) in mine
+    assert not [f for f in result.findings if f.owner == "fixed"]
