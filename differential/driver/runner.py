@@ -205,12 +205,24 @@ def _cached_keys(manager: KVCacheManager) -> Counter[bytes]:
     return Counter({key: (len(v) if isinstance(v, dict) else 1) for key, v in cache.items()})
 
 
+def _state_map(manager: KVCacheManager, request: Request, gid: int) -> str:
+    """A Mamba group's states: one character per hash block of the prompt,
+    ``1`` if a state keyed at that block's end is cached now (a state is one
+    block holding the state at exactly one position)."""
+    pool = manager.block_pool
+    return "".join("1" if pool.get_cached_block(h, [gid]) else "0" for h in request.block_hashes)
+
+
 def _cache_map(scenario: Scenario, manager: KVCacheManager, request: Request) -> tuple[str, ...]:
-    """Per group, one character per full prompt block: ``1`` if cached now."""
+    """Per group, one character per full prompt block: ``1`` if cached now;
+    for a Mamba group one character per hash block (:func:`_state_map`)."""
     hash_block = scenario.effective_hash_block_size_tokens
     hashes = request.block_hashes
     maps = []
     for gid, group in enumerate(scenario.kv_cache_groups):
+        if group.kind is GroupKind.MAMBA:
+            maps.append(_state_map(manager, request, gid))
+            continue
         step = group.block_size_tokens // hash_block
         marks = []
         for index in range(len(hashes) // step):

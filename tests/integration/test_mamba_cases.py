@@ -81,3 +81,25 @@ def test_mamba_eagle_margin_mutant_is_caught() -> None:
     mine = [(f.owner, f.kind.value, f.request, f.expected_tokens) for f in result.findings]
     assert ("mutant-mamba-eagle-margin", "over-hit", 1, 112) in mine
     assert not [f for f in result.findings if f.owner == "fixed"]
+
+
+def test_exported_mamba_test_drives_the_state_group(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str, cwd) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, cwd=cwd, check=False
+        )
+
+    rel = "known-issues/fine-grained-replay-state-discarded-L100.json"
+    export = run("-m", "differential.cli", "export-test", str(ROOT / rel), cwd=ROOT)
+    assert export.returncode == 0, export.stderr
+    source = export.stdout
+    assert 'mamba_cache_mode="align"' in source and "manager.new_step_starts()" in source
+    assert "assert hits[1] >= 64, hits" in source
+    test_file = tmp_path / "test_exported_mamba.py"
+    test_file.write_text(source)
+    stock = run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), cwd=tmp_path)
+    assert stock.returncode == 1, stock.stdout[-1500:]
+    assert "assert 0 >= 64" in stock.stdout
