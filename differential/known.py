@@ -108,8 +108,10 @@ def _fine_grained_replay_state_discarded(scenario: Scenario, finding: Finding) -
         return False
     if finding.expected_tokens is None or finding.hit_tokens is None:
         return False
+    block = scenario.mamba_groups[0].block_size_tokens
     return (
         finding.hit_tokens < finding.expected_tokens
+        and finding.expected_tokens % block == 0  # a state on the block grid
         and scenario.partial_hash_hits
         and scenario.retention_interval_tokens == 0
         and drafter_model(scenario).drop
