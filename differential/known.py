@@ -118,6 +118,50 @@ def _fine_grained_replay_state_discarded(scenario: Scenario, finding: Finding) -
     )
 
 
+def _unit_below_retained_state(scenario: Scenario, finding: Finding) -> bool:
+    """A fallback on a Mamba model under sparse retention to below the state
+    owed one alignment unit under a boundary ``b`` vLLM retains: vLLM keeps
+    the state at ``b`` (floored to the block grid) but not the highest state
+    at or below ``b - A``, so a sibling that diverged inside the last unit
+    before ``b`` misses it (the state-group form of vLLM issue #57610;
+    local-inference-lab/vllm PR #556 keeps a state below each boundary under
+    EAGLE)."""
+    if finding.kind is not FindingKind.FALLBACK or finding.request is None:
+        return False
+    if not scenario.mamba_groups or scenario.retention_interval_tokens is None:
+        return False
+    expected, hit = finding.expected_tokens, finding.hit_tokens
+    if expected is None or hit is None or hit >= expected:
+        return False
+    model = drafter_model(scenario)
+    alignment = scenario.effective_hit_alignment_tokens
+    spacing = scenario.mamba_groups[0].block_size_tokens + alignment
+    literal: set[int] = set()
+    for writer in range(finding.request):
+        literal.update(
+            checkpoints(
+                scenario, model, writer, 0, expected + spacing + alignment, 0, Policy.RETAINED
+            )
+        )
+    return any(0 <= b - alignment - expected < spacing for b in literal if b > expected)
+
+
+def _mamba_finder_ignores_drop(scenario: Scenario, finding: Finding) -> bool:
+    """An over-hit on a model whose only group is Mamba, under the EAGLE drop:
+    no attention group bounds the hit, and ``MambaManager.find_longest_cache_hit``
+    ignores ``drop_eagle_block``, so a state at the divergence point itself is
+    hit (vLLM PR #57128)."""
+    return (
+        finding.kind is FindingKind.OVER_HIT
+        and len(scenario.kv_cache_groups) == 1
+        and bool(scenario.mamba_groups)
+        and drafter_model(scenario).drop
+        and finding.hit_tokens is not None
+        and finding.divergence_tokens is not None
+        and finding.hit_tokens <= finding.divergence_tokens
+    )
+
+
 def _single_group_drop_after_cap(scenario: Scenario, finding: Finding) -> bool:
     """A single-group model under the EAGLE drop that loses one block more
     than the drop: the match was capped at ``L - 1`` tokens before the peek
@@ -200,6 +244,40 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "SlidingWindowManager.reachable_block_mask (the reachable-boundary tails)",
         example="known-issues/unit-below-replay-boundary-toy.json",
         matches=_unit_below_retained_boundary,
+    ),
+    KnownIssue(
+        name="unit-below-retained-state-discarded",
+        summary=(
+            "On a Mamba model under sparse retention, a sibling that diverges "
+            "inside the last alignment unit before a boundary vLLM retains (a "
+            "replay boundary, a periodic checkpoint) is owed the highest state at "
+            "or below b - A under the one-unit rule, but vLLM keeps only the state "
+            "at b, so the sibling falls back, often to 0 (Mamba 4 alone, retention "
+            "0, a 32-token writer: a sibling sharing 24 tokens gets 0 where the "
+            "state at 24 was materialized). The state-group form of vLLM issue "
+            "#57610; local-inference-lab/vllm PR #556 keeps a state below each "
+            "boundary under EAGLE."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "MambaManager.reachable_block_mask",
+        example="known-issues/unit-below-retained-state-discarded.json",
+        matches=_unit_below_retained_state,
+    ),
+    KnownIssue(
+        name="mamba-finder-ignores-eagle-drop",
+        summary=(
+            "A model whose only KV cache group is Mamba, with an EAGLE-style "
+            "drafter under the drop: UnitaryKVCacheCoordinator passes "
+            "drop_eagle_block to MambaManager.find_longest_cache_hit, which "
+            "ignores it, so a sibling hits the state at its divergence point and "
+            "the drafter reuses KV that depends on the next token (Mamba 4 alone, "
+            "a 32-token writer, a sibling sharing 28 tokens: 28 where at most "
+            "D - 1 = 27 may be reused). vLLM PR #57128 (open)."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "MambaManager.find_longest_cache_hit",
+        example="known-issues/mamba-finder-ignores-eagle-drop.json",
+        matches=_mamba_finder_ignores_drop,
     ),
     KnownIssue(
         name="single-group-drop-after-length-cap",

@@ -153,11 +153,13 @@ def scenarios(
 ) -> Scenario:
     """A valid scenario; ``scale`` fixes the geometry scope (default: mostly
     toy); ``kinds`` pins KV cache group kinds every scenario contains
-    (``kvfuzz fuzz --groups``; empty: any layout, Mamba hybrids one in five)."""
+    (``kvfuzz fuzz --groups``; empty: any layout, Mamba hybrids one in five
+    when ``scale`` is not fixed; a fixed scale draws attention layouts only)."""
+    any_scale = scale is None
     if scale is None:
         scale = draw(st.sampled_from(("toy",) * 6 + ("medium",) * 3 + ("real",)))
     hash_block: int | None = None
-    mamba = GroupKind.MAMBA in kinds or (not kinds and draw(st.integers(0, 4)) == 0)
+    mamba = GroupKind.MAMBA in kinds or (not kinds and any_scale and draw(st.integers(0, 4)) == 0)
     if mamba:
         groups, hash_block = draw(mamba_geometries(scale))
         if GroupKind.SLIDING_WINDOW in kinds and not any(
