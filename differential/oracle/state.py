@@ -20,9 +20,10 @@ attention group serves every position up to what it proves. The rules:
      option in effect (EAGLE drop, fine-grained hits, no re-prefill tail).
 
    Step ends come from the prefill mode: ``block`` ends a step at every
-   block boundary; ``scheduler`` (vLLM's own chunking) spends the chunk
-   budget, ends long steps on the block grid, and must stop at the block
-   grid's resume position, at the EAGLE resume position and at the junction
+   block boundary (and wherever the chunk budget runs out before one);
+   ``scheduler`` (vLLM's own chunking) spends the chunk budget, ends long
+   steps on the block grid, and must stop at the block grid's resume
+   position, at the EAGLE resume position and at the junction
    (floored to the block grid without the option), since a state skipped
    there can never be recovered.
 2. **What a sibling is owed**: the highest position every group can serve.
@@ -151,7 +152,12 @@ def _step_ends(
     """Positions where the writer's prefill steps end, in tokens (rule 1)."""
     block = scenario.mamba_groups[0].block_size_tokens
     if scenario.mamba_prefill is MambaPrefill.BLOCK:
-        return [*range((start // block + 1) * block, length, block), length]
+        # The chunk budget, never crossing a block boundary.
+        carved: list[int] = []
+        while start < length:
+            start = min(start + scenario.prefill_chunk_tokens, (start // block + 1) * block, length)
+            carved.append(start)
+        return carved
     alignment = scenario.effective_hit_alignment_tokens
     budget = scenario.prefill_chunk_tokens
     grid_resume = _resume_position(length, block, drop, hash_lookahead_tokens)
