@@ -3,8 +3,9 @@
 Run: ``.venv/bin/python benchmarks/throughput.py [--seconds S]``
 
 Prints, for a toy-scale scenario (block 4 / 8, window 16, retention 64,
-256-token prefix) and the Triton seed (block 16 / 32, window 1024, retention
-8192, 16384-token prefix):
+256-token prefix), the same requests on a toy Mamba hybrid (full attention 8
++ Mamba 8, hash block 4: fine-grained hits, vLLM's Mamba chunking) and the
+Triton seed (block 16 / 32, window 1024, retention 8192, 16384-token prefix):
 
 * executions per second of one variant run (``run_variant``), and of a full
   judged comparison (unfixed + fixed, each with its dense cross-check run);
@@ -16,7 +17,8 @@ Prints, for a toy-scale scenario (block 4 / 8, window 16, retention 64,
   the same loop (self time of functions defined in the ``vllm`` package);
 * a ``kvfuzz fuzz`` campaign's own executions per second (generated,
   mostly toy-scale scenarios on unfixed + fixed with the dense cross-check),
-  to compare with the fixed-scenario figures above.
+  to compare with the fixed-scenario figures above, and one restricted to
+  Mamba hybrids (``--groups mamba``).
 
 These are figures to read, not assertions: nothing here fails.
 """
@@ -92,11 +94,29 @@ def main() -> None:
     print(f"vLLM {VLLM_VERSION} imported in {time.perf_counter() - started:.1f} s")
     unfixed, fixed = parse_variants("unfixed,fixed")
     seeds = ROOT / "corpora" / "seeds"
-    for label, name in (
-        ("toy scale", "toy-mtp1-swa4-fa8-r64"),
-        ("seed scale", "triton-mtp3-swa16-fa32-r8192"),
+    import dataclasses
+
+    from differential.scenario import GroupKind, KVCacheGroup
+
+    toy = load_entry(seeds / "toy-mtp1-swa4-fa8-r64.json").scenario
+    mamba_toy = dataclasses.replace(
+        toy,
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 8),
+            KVCacheGroup(GroupKind.MAMBA, 8),
+        ),
+        hash_block_size_tokens=4,
+        name="toy-mtp1-mamba8-fa8-h4-r64",
+    )
+    for label, name, scenario in (
+        ("toy scale", "toy-mtp1-swa4-fa8-r64", toy),
+        ("mamba toy", mamba_toy.name, mamba_toy),
+        (
+            "seed scale",
+            "triton-mtp3-swa16-fa32-r8192",
+            load_entry(seeds / "triton-mtp3-swa16-fa32-r8192.json").scenario,
+        ),
     ):
-        scenario = load_entry(seeds / f"{name}.json").scenario
         tokens = sum(r.prompt_tokens for r in scenario.requests)
         run_rate, _ = _rate(lambda s=scenario: run_variant(s, unfixed), args.seconds)
         judged_rate, _ = _rate(
@@ -122,17 +142,22 @@ def main() -> None:
 
     from fuzz.campaign import CampaignConfig, run_campaign
 
-    with tempfile.TemporaryDirectory() as out:
-        summary = run_campaign(
-            CampaignConfig(
-                out=Path(out), variants=(unfixed, fixed), seed=0, seconds=args.seconds * 3
-            ),
-            quiet=True,
+    for label, kinds in (("campaign", frozenset()), ("mamba only", frozenset({GroupKind.MAMBA}))):
+        with tempfile.TemporaryDirectory() as out:
+            summary = run_campaign(
+                CampaignConfig(
+                    out=Path(out),
+                    variants=(unfixed, fixed),
+                    seed=0,
+                    seconds=args.seconds * 3,
+                    group_kinds=kinds,
+                ),
+                quiet=True,
+            )
+        print(
+            f"{label:<11} seed 0, {summary['examples']} generated scenarios: "
+            f"{summary['executions_per_s']:.1f} judged unfixed+fixed pairs/s"
         )
-    print(
-        f"campaign    seed 0, {summary['examples']} generated scenarios: "
-        f"{summary['executions_per_s']:.1f} judged unfixed+fixed pairs/s"
-    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from differential.errors import InternalError, ScenarioError, VariantError
 from differential.findings import SEVERITY, Policy
+from differential.scenario import GroupKind
 from differential.variants import (
     DEFAULT_VARIANTS,
     VariantRole,
@@ -277,6 +278,14 @@ def _parser() -> argparse.ArgumentParser:
         "--no-dense-check",
         action="store_true",
         help="skip the dense-retention cross-check runs (about twice as fast)",
+    )
+    fuzz.add_argument(
+        "--groups",
+        default="",
+        metavar="KINDS",
+        help="comma-separated KV cache group kinds every scenario contains "
+        "(full_attention, sliding_window, mamba; e.g. --groups mamba for Mamba "
+        "hybrids only; default: any layout)",
     )
     fuzz.add_argument("--quiet", action="store_true", help="no progress display")
     fuzz.add_argument(
@@ -672,6 +681,7 @@ def _import_crash(args: argparse.Namespace) -> int:
 
 def _fuzz(args: argparse.Namespace) -> int:
     variants = parse_variants(args.variants, timeout_s=args.timeout)
+    kinds = _group_kinds(args.groups)
     if args.shrink_seconds <= 0:
         raise VariantError(f"--shrink-seconds must be > 0, got {args.shrink_seconds}")
     known = args.known_corpus
@@ -701,6 +711,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             dense_cross_check=not args.no_dense_check,
             shrink_seconds=None if args.no_shrink else args.shrink_seconds,
             known_corpus=tuple(known),
+            group_kinds=kinds,
         ),
         args.jobs,
         quiet=args.quiet,
@@ -767,6 +778,20 @@ def _check_ci_outputs(args: argparse.Namespace) -> None:
         check_output_file(args.junit_xml, "--junit-xml")
     if args.sarif is not None:
         check_output_file(args.sarif, "--sarif")
+
+
+def _group_kinds(text: str) -> frozenset[GroupKind]:
+    """``--groups``: comma-separated ``GroupKind`` values (empty: none pinned).
+
+    Raises:
+        VariantError: an unknown kind (exit 2, naming the allowed values).
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    allowed = ", ".join(k.value for k in GroupKind)
+    for name in names:
+        if name not in {k.value for k in GroupKind}:
+            raise VariantError(f"--groups: unknown group kind {name!r}; allowed: {allowed}")
+    return frozenset(GroupKind(n) for n in names)
 
 
 def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> None:

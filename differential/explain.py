@@ -10,7 +10,7 @@ the terminal, SVG for a picture. Nothing here imports vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from html import escape
 from typing import TYPE_CHECKING
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from differential.findings import Finding
 from differential.oracle import SiblingReference
 from differential.oracle.blocks import render_blocks
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import GroupKind, KVCacheGroup, Scenario
 
 if TYPE_CHECKING:
     from differential.compare import ScenarioResult
@@ -165,11 +165,38 @@ def _mark_line(exp: Explanation, column_tokens: int, width: int) -> str:
     return "".join(marks)
 
 
+def _column_tokens(scenario: Scenario) -> int:
+    """Tokens per picture column: the smallest block, or the hash block when
+    Mamba states sit at hash-block positions (fine-grained hits)."""
+    column = min(g.block_size_tokens for g in scenario.kv_cache_groups)
+    if scenario.mamba_groups:
+        column = min(column, scenario.effective_hash_block_size_tokens)
+    return column
+
+
+def _group_kind_label(group: KVCacheGroup) -> str:
+    return {GroupKind.FULL_ATTENTION: "full", GroupKind.MAMBA: "mamba"}.get(group.kind, "swa")
+
+
+def _state_cells(exp: Explanation, state_map: str, column: int, width: int) -> str:
+    """A Mamba group's row: ``◆`` in the column ending at each cached state's
+    position (the map has one character per hash block), ``·`` elsewhere."""
+    hash_block = exp.scenario.effective_hash_block_size_tokens
+    cells = ["·"] * width
+    for index, mark in enumerate(state_map):
+        position = (index + 1) * hash_block
+        col = (position - 1 - exp.start_tokens) // column
+        if mark == "1" and 0 <= col < width:
+            cells[col] = "◆"
+    return "".join(cells)
+
+
 def render_text(exp: Explanation) -> str:
-    """A compact block diagram, one line per variant and group."""
+    """A compact block diagram, one line per variant and group; a Mamba
+    group's row marks each cached state (one block at one position)."""
     scenario = exp.scenario
     ref = exp.reference
-    column = min(g.block_size_tokens for g in scenario.kv_cache_groups)
+    column = _column_tokens(scenario)
     width = max(1, (exp.end_tokens - exp.start_tokens) // column)
     label_width = max(len(r.variant) for r in exp.rows) + 12
     lines = [
@@ -182,11 +209,13 @@ def render_text(exp: Explanation) -> str:
     ]
     for row in exp.rows:
         for gid, group in enumerate(scenario.kv_cache_groups):
-            kind = "full" if group.kind is GroupKind.FULL_ATTENTION else "swa"
+            kind = _group_kind_label(group)
             label = f"{row.variant} g{gid} {kind}{group.block_size_tokens}"
             cells = []
             cache_map = row.cache_maps[gid] if gid < len(row.cache_maps) else ""
-            for col in range(width):
+            if group.kind is GroupKind.MAMBA:
+                cells = [_state_cells(exp, cache_map, column, width)]
+            for col in range(width if group.kind is not GroupKind.MAMBA else 0):
                 block = (exp.start_tokens + col * column) // group.block_size_tokens
                 cells.append("█" if block < len(cache_map) and cache_map[block] == "1" else "·")
             hit_col = (row.hit_tokens - exp.start_tokens) // column
@@ -201,6 +230,7 @@ def render_text(exp: Explanation) -> str:
     lines.append(
         "█ cached at lookup  · not cached  | periodic checkpoint  e expected checkpoint  "
         "D divergence point"
+        + ("  ◆ Mamba state cached (ends in that column)" if scenario.mamba_groups else "")
     )
     lines += _block_lines(exp)
     return "\n".join(lines) + "\n"
@@ -221,11 +251,36 @@ def _block_lines(exp: Explanation) -> list[str]:
     return lines
 
 
+def _svg_states(
+    exp: Explanation,
+    state_map: str,
+    x: Callable[[int], float],
+    y: int,
+    row_px: int,
+) -> list[str]:
+    """A Mamba group's row in SVG: one diamond at each cached state's position."""
+    hash_block = exp.scenario.effective_hash_block_size_tokens
+    parts = [
+        f'<line x1="{x(exp.start_tokens):.1f}" y1="{y + row_px / 2 - 1:.1f}" '
+        f'x2="{x(exp.end_tokens):.1f}" y2="{y + row_px / 2 - 1:.1f}" stroke="#a0aec0"/>'
+    ]
+    for index, mark in enumerate(state_map):
+        position = (index + 1) * hash_block
+        if mark != "1" or not exp.start_tokens <= position <= exp.end_tokens:
+            continue
+        cx, cy = x(position), y + row_px / 2 - 1
+        parts.append(
+            f'<polygon points="{cx - 5:.1f},{cy:.1f} {cx:.1f},{cy - 6:.1f} {cx + 5:.1f},{cy:.1f} '
+            f'{cx:.1f},{cy + 6:.1f}" fill="#2b6cb0"><title>state at {position}</title></polygon>'
+        )
+    return parts
+
+
 def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
     """The same picture as SVG: one row per variant and group."""
     scenario = exp.scenario
     ref = exp.reference
-    column = min(g.block_size_tokens for g in scenario.kv_cache_groups)
+    column = _column_tokens(scenario)
     width = max(1, (exp.end_tokens - exp.start_tokens) // column)
     left, top = 190, 58
     rows = [(row, gid, g) for row in exp.rows for gid, g in enumerate(scenario.kv_cache_groups)]
@@ -248,13 +303,17 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
     ]
     for index, (row, gid, group) in enumerate(rows):
         y = top + index * row_px
-        kind = "full" if group.kind is GroupKind.FULL_ATTENTION else "swa"
+        kind = _group_kind_label(group)
         parts.append(
             f'<text x="8" y="{y + 14}">{escape(row.variant)} g{gid} {kind}{group.block_size_tokens}'
             "</text>"
         )
         cache_map = row.cache_maps[gid] if gid < len(row.cache_maps) else ""
+        if group.kind is GroupKind.MAMBA:
+            parts.extend(_svg_states(exp, cache_map, x, y, row_px))
         first = exp.start_tokens // group.block_size_tokens
+        if group.kind is GroupKind.MAMBA:
+            first = -(-exp.end_tokens // group.block_size_tokens)  # states drawn above
         last = -(-exp.end_tokens // group.block_size_tokens)
         for block in range(first, last):
             cached = block < len(cache_map) and cache_map[block] == "1"

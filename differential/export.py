@@ -15,7 +15,7 @@ import re
 
 from differential.findings import Finding, FindingKind
 from differential.oracle import SiblingReference
-from differential.scenario import DrafterKind, GroupKind, Scenario
+from differential.scenario import DrafterKind, GroupKind, MambaPrefill, Scenario
 
 __all__ = ["export_test"]
 
@@ -201,6 +201,8 @@ def {name}():
 
 
 def _groups(scenario: Scenario) -> str:
+    """The ``KVCacheGroupSpec`` lines; a Mamba group is vLLM's ``MambaSpec`` in
+    align mode, as the driver builds it."""
     lines = []
     for index, g in enumerate(scenario.kv_cache_groups):
         common = (
@@ -210,6 +212,12 @@ def _groups(scenario: Scenario) -> str:
             spec = (
                 f"SlidingWindowSpec({common}, sliding_window={g.sliding_window_tokens}, "
                 "extra_retained_tokens=extra_retained)"
+            )
+        elif g.kind is GroupKind.MAMBA:
+            spec = (
+                f"MambaSpec(block_size={g.block_size_tokens}, shapes=((8,),), "
+                'dtypes=(torch.float16,), mamba_cache_mode="align", '
+                f"num_speculative_blocks={scenario.drafter.num_speculative_tokens})"
             )
         else:
             spec = f"FullAttentionSpec({common})"
@@ -332,7 +340,7 @@ def export_test(
         f"x{scenario.drafter.num_speculative_tokens}"
     )
     shapes = [(r.shares_with, r.divergence_tokens, r.suffix_tokens) for r in scenario.requests]
-    return _TEMPLATE.format(
+    source = _TEMPLATE.format(
         title=f"Prefix-cache regression: {finding.kind.value} on request {request}.",
         signature=signature,
         geometry=geometry,
@@ -358,3 +366,94 @@ def export_test(
         decode_steps=scenario.decode_steps,
         assertion=check,
     )
+    return _with_mamba_steps(source, scenario) if scenario.mamba_groups else source
+
+
+# Mamba hybrids: every step starts with new_step_starts and every prefill
+# chunk is clipped as vLLM's Scheduler clips it (a state exists only where a
+# chunk ended), as the driver does (differential/driver/runner.py).
+_MAMBA_HELPER = '''
+
+def _mamba_chunk(manager, request, num_new, local_hit):
+    """Clip a prefill chunk with Scheduler._mamba_block_aligned_split."""
+    view = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size={block}),
+        block_size={scheduler_block_size},
+        hash_block_size={hash_block_size},
+        mamba_partial_cache_hit={partial},
+        mamba_shared_prefix_checkpoint={partial}
+        and manager.mamba_shared_prefix_checkpoint,
+        use_eagle_block_drop=manager.use_eagle,
+        num_hash_lookahead_tokens=manager.block_pool.num_hash_lookahead_tokens,
+        mamba_has_prefill_checkpoint_blocks=False,
+        mamba_prefill_checkpoint_alignment=None,
+        max_num_scheduled_tokens={chunk},
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+    )
+    return Scheduler._mamba_block_aligned_split(view, request, num_new, local_hit)
+'''
+
+_BLOCK_HELPER = '''
+
+def _mamba_chunk(manager, request, num_new, local_hit):
+    """A block-carved prefill step: end at the next Mamba block boundary."""
+    start = request.num_computed_tokens + local_hit
+    return min(num_new, (start // {block} + 1) * {block} - start)
+'''
+
+
+def _with_mamba_steps(source: str, scenario: Scenario) -> str:
+    """``source`` with Mamba groups driven as the driver drives them.
+
+    Raises:
+        ValueError: if the template no longer has the lines this edits.
+    """
+    helper = _BLOCK_HELPER if scenario.mamba_prefill is MambaPrefill.BLOCK else _MAMBA_HELPER
+    helper = helper.format(
+        block=scenario.mamba_groups[0].block_size_tokens,
+        scheduler_block_size=scenario.scheduler_block_size_tokens,
+        hash_block_size=scenario.effective_hash_block_size_tokens,
+        partial=scenario.partial_hash_hits
+        and scenario.effective_hash_block_size_tokens < scenario.mamba_groups[0].block_size_tokens,
+        chunk=scenario.prefill_chunk_tokens,
+    )
+    chunk_line = (
+        f"            num_new = min({scenario.prefill_chunk_tokens}, len(prompt) - computed)\n"
+    )
+    edits = (
+        ("    SlidingWindowSpec,\n)", "    MambaSpec,\n    SlidingWindowSpec,\n)"),
+        (
+            "from vllm.v1.core.kv_cache_utils import",
+            "from vllm.v1.core.sched.scheduler import Scheduler\n"
+            "from vllm.v1.core.kv_cache_utils import",
+        ),
+        ("init_none_hash(sha256)\n", "init_none_hash(sha256)\n" + helper),
+        (
+            "        blocks, hit, junction = manager.get_computed_blocks(request)",
+            "        manager.new_step_starts()\n"
+            "        blocks, hit, junction = manager.get_computed_blocks(request)",
+        ),
+        (
+            chunk_line,
+            chunk_line + "            if not first:\n"
+            "                manager.new_step_starts()\n"
+            "            num_new = _mamba_chunk(manager, request, num_new, hit if first else 0)\n",
+        ),
+        (
+            "            request.append_output_token_ids(",
+            "            manager.new_step_starts()\n            request.append_output_token_ids(",
+        ),
+    )
+    if scenario.enable_mamba_shared_prefix_checkpoint:
+        edits += (
+            (
+                "        num_prefill_lookahead=num_prefill_lookahead,\n    )",
+                "        num_prefill_lookahead=num_prefill_lookahead,\n"
+                "        enable_mamba_shared_prefix_checkpoint=True,\n    )",
+            ),
+        )
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise ValueError(f"export template changed: cannot place {old.strip()!r}")
+        source = source.replace(old, new)
+    return source

@@ -84,6 +84,8 @@ def _unit_below_retained_boundary(
     too high for it (vLLM issue #57610)."""
     if finding.kind is not FindingKind.FALLBACK or finding.request is None:
         return False
+    if scenario.mamba_groups:  # a state group keeps no tail; see the Mamba issue
+        return False
     expected, hit = finding.expected_tokens, finding.hit_tokens
     if expected is None or hit is None or hit >= expected:
         return False
@@ -130,6 +132,70 @@ def _single_swa_lookahead_index_error(scenario: Scenario, finding: Finding) -> b
         return False
     return drafter_model(scenario).hash_lookahead_tokens >= 2 and "get_computed_blocks" in (
         finding.detail
+    )
+
+
+def _fine_grained_replay_state_discarded(scenario: Scenario, finding: Finding) -> bool:
+    """A fallback on a Mamba hybrid with fine-grained hits, the EAGLE drop and
+    retention 0: the state the sibling is owed was materialized on the block
+    grid, but vLLM retains only the states at its replay boundaries computed
+    on the scheduler block (one whole block below the prompt's aligned
+    length), not on the hit alignment, and discards it (vLLM PR #57444)."""
+    if finding.kind is not FindingKind.FALLBACK or not scenario.mamba_groups:
+        return False
+    if finding.expected_tokens is None or finding.hit_tokens is None:
+        return False
+    block = scenario.mamba_groups[0].block_size_tokens
+    return (
+        finding.hit_tokens < finding.expected_tokens
+        and finding.expected_tokens % block == 0  # a state on the block grid
+        and scenario.partial_hash_hits
+        and scenario.retention_interval_tokens == 0
+        and drafter_model(scenario).drop
+    )
+
+
+def _unit_below_retained_state(scenario: Scenario, finding: Finding) -> bool:
+    """A fallback on a Mamba model under sparse retention to below the state
+    owed one alignment unit under a boundary ``b`` vLLM retains: vLLM keeps
+    the state at ``b`` (floored to the block grid) but not the highest state
+    at or below ``b - A``, so a sibling that diverged inside the last unit
+    before ``b`` misses it (the state-group form of vLLM issue #57610;
+    local-inference-lab/vllm PR #556 keeps a state below each boundary under
+    EAGLE)."""
+    if finding.kind is not FindingKind.FALLBACK or finding.request is None:
+        return False
+    if not scenario.mamba_groups or scenario.retention_interval_tokens is None:
+        return False
+    expected, hit = finding.expected_tokens, finding.hit_tokens
+    if expected is None or hit is None or hit >= expected:
+        return False
+    model = drafter_model(scenario)
+    alignment = scenario.effective_hit_alignment_tokens
+    spacing = scenario.mamba_groups[0].block_size_tokens + alignment
+    literal: set[int] = set()
+    for writer in range(finding.request):
+        literal.update(
+            checkpoints(
+                scenario, model, writer, 0, expected + spacing + alignment, 0, Policy.RETAINED
+            )
+        )
+    return any(0 <= b - alignment - expected < spacing for b in literal if b > expected)
+
+
+def _mamba_finder_ignores_drop(scenario: Scenario, finding: Finding) -> bool:
+    """An over-hit on a model whose only group is Mamba, under the EAGLE drop:
+    no attention group bounds the hit, and ``MambaManager.find_longest_cache_hit``
+    ignores ``drop_eagle_block``, so a state at the divergence point itself is
+    hit (vLLM PR #57128)."""
+    return (
+        finding.kind is FindingKind.OVER_HIT
+        and len(scenario.kv_cache_groups) == 1
+        and bool(scenario.mamba_groups)
+        and drafter_model(scenario).drop
+        and finding.hit_tokens is not None
+        and finding.divergence_tokens is not None
+        and finding.hit_tokens <= finding.divergence_tokens
     )
 
 
@@ -191,6 +257,58 @@ class KnownIssue:
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        name="fine-grained-replay-state-discarded",
+        summary=(
+            "On a Mamba hybrid with fine-grained hits (hash block finer than the "
+            "Mamba block), the EAGLE drop and retention 0, vLLM 0.33.0 computes "
+            "the replay boundaries a Mamba group retains on the scheduler block, "
+            "one whole block below the prompt's aligned length, so a state the "
+            "writer materialized where the sibling resumes is discarded and the "
+            "sibling misses: FA 64 + Mamba 64, hash block 16, a block-carved "
+            "prefill of a 100-token prompt resent gets 0 where 64 is due (95 and "
+            "128 tokens still get 64). vLLM PR #57444 (open) computes them on the "
+            "hit alignment."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py replay_boundaries with "
+        "vllm/v1/core/single_type_kv_cache_manager.py MambaManager.reachable_block_mask",
+        example="known-issues/fine-grained-replay-state-discarded-L100.json",
+        matches=_fine_grained_replay_state_discarded,
+    ),
+    KnownIssue(
+        name="unit-below-retained-state-discarded",
+        summary=(
+            "On a Mamba model under sparse retention, a sibling that diverges "
+            "inside the last alignment unit before a boundary vLLM retains (a "
+            "replay boundary, a periodic checkpoint) is owed the highest state at "
+            "or below b - A under the one-unit rule, but vLLM keeps only the state "
+            "at b, so the sibling falls back, often to 0 (Mamba 4 alone, retention "
+            "0, a 32-token writer: a sibling sharing 24 tokens gets 0 where the "
+            "state at 24 was materialized). The state-group form of vLLM issue "
+            "#57610; local-inference-lab/vllm PR #556 keeps a state below each "
+            "boundary under EAGLE."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "MambaManager.reachable_block_mask",
+        example="known-issues/unit-below-retained-state-discarded.json",
+        matches=_unit_below_retained_state,
+    ),
+    KnownIssue(
+        name="mamba-finder-ignores-eagle-drop",
+        summary=(
+            "A model whose only KV cache group is Mamba, with an EAGLE-style "
+            "drafter under the drop: UnitaryKVCacheCoordinator passes "
+            "drop_eagle_block to MambaManager.find_longest_cache_hit, which "
+            "ignores it, so a sibling hits the state at its divergence point and "
+            "the drafter reuses KV that depends on the next token (Mamba 4 alone, "
+            "a 32-token writer, a sibling sharing 28 tokens: 28 where at most "
+            "D - 1 = 27 may be reused). vLLM PR #57128 (open)."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "MambaManager.find_longest_cache_hit",
+        example="known-issues/mamba-finder-ignores-eagle-drop.json",
+        matches=_mamba_finder_ignores_drop,
+    ),
     KnownIssue(
         name="short-swa-run-multi-group-spiral",
         summary=(

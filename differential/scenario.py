@@ -33,6 +33,7 @@ __all__ = [
     "DrafterKind",
     "GroupKind",
     "KVCacheGroup",
+    "MambaPrefill",
     "RequestSpec",
     "Scenario",
 ]
@@ -54,6 +55,30 @@ class GroupKind(StrEnum):
 
     FULL_ATTENTION = "full_attention"
     SLIDING_WINDOW = "sliding_window"
+    #: A Mamba / linear-attention (GDN, KDA) state group: vLLM's ``MambaSpec``
+    #: driven by ``MambaManager`` in ``mamba_cache_mode="align"``, the only
+    #: mode with prefix caching (vllm/config/cache.py). One block holds one
+    #: state: the recurrent state after exactly the tokens up to its end.
+    MAMBA = "mamba"
+
+
+class MambaPrefill(StrEnum):
+    """Where prefill steps end for a model with Mamba groups (a Mamba state
+    exists only where a step ended).
+
+    ``SCHEDULER`` (the default) is vLLM's own chunking,
+    ``Scheduler._mamba_block_aligned_split`` in vllm/v1/core/sched/scheduler.py
+    (called by the driver): the chunk budget ends long steps on the block grid
+    and steps stop at the last cacheable block boundary, at the prompt's
+    fine-grained checkpoint and at the shared-prefix junction. ``BLOCK`` is a
+    block-carved prefill: a step ends at every Mamba block boundary and at the
+    prompt end, with no other stop; it is how vLLM's own manager tests feed
+    ``allocate_slots`` and how the upstream measurements of vLLM PR #57444
+    were taken.
+    """
+
+    SCHEDULER = "scheduler"
+    BLOCK = "block"
 
 
 class DrafterKind(StrEnum):
@@ -85,10 +110,11 @@ class KVCacheGroup:
     """One KV cache group: layers sharing a spec (vLLM ``KVCacheGroupSpec``).
 
     Attributes:
-        kind: full attention or sliding window.
-        block_size_tokens: the group's block size, in tokens.
+        kind: full attention, sliding window or Mamba.
+        block_size_tokens: the group's block size, in tokens (for a Mamba
+            group vLLM's ``mamba_block_size``: one state per block).
         sliding_window_tokens: the attention window in tokens (sliding-window
-            groups only; ``None`` for full attention).
+            groups only; ``None`` for full attention and Mamba).
     """
 
     kind: GroupKind
@@ -104,7 +130,7 @@ class KVCacheGroup:
             raise ScenarioError(
                 f"{where}.sliding_window_tokens",
                 self.sliding_window_tokens,
-                "null for a full_attention group",
+                f"null for a {self.kind.value} group",
             )
 
 
@@ -176,21 +202,24 @@ class Scenario:
 
     Attributes:
         kv_cache_groups: one full-attention group and zero or more
-            sliding-window groups, or a single group of any kind (vLLM's
-            ``UnitaryKVCacheCoordinator``).
+            sliding-window and Mamba groups, or a single group of any kind
+            (vLLM's ``UnitaryKVCacheCoordinator``). Mamba groups share one
+            block size, the scheduler block size (see :meth:`_validate`).
         requests: the requests, run in order; each is prefilled, decoded for
             ``decode_steps`` tokens and freed before the next starts.
         shared_prefix_tokens: length of the common prefix requests copy from.
         retention_interval_tokens: vLLM's ``prefix_cache_retention_interval``:
             ``None`` (dense), ``0`` (replay boundaries and junctions only) or a
             positive multiple of the scheduler block size.
-        hash_block_size_tokens: tokens per block hash; ``None`` derives it as
-            vLLM does (GCD of the group block sizes, see
-            ``resolve_kv_cache_block_sizes``).
+        hash_block_size_tokens: tokens per block hash (vLLM's
+            ``CacheConfig.prefix_match_unit``); ``None`` derives it as vLLM
+            does (GCD of the group block sizes, see
+            ``resolve_kv_cache_block_sizes``). Finer than a Mamba block it
+            turns on fine-grained (partial) hits (:attr:`partial_hash_hits`).
         hit_alignment_tokens: the hit alignment ``A``; ``None`` derives it as
             vLLM does (``HybridKVCacheCoordinator._cache_hit_alignment_tokens``:
-            the scheduler block size for attention-only models). A given value
-            must equal the derived one.
+            the hash block size with fine-grained hits, else the scheduler
+            block size). A given value must equal the derived one.
         drafter: the speculative-decoding drafter.
         kv_connector: whether a KV connector is configured (turns lookahead
             block hashes off, vLLM ``VllmConfig.num_hash_lookahead_tokens``).
@@ -200,6 +229,16 @@ class Scenario:
         decode_steps: decode steps (one sampled token each) after prefill.
         name: short identifier, used in reports.
         description: free text saying what the scenario shows.
+        enable_mamba_shared_prefix_checkpoint: vLLM's
+            ``CacheConfig.enable_mamba_shared_prefix_checkpoint``: also keep a
+            Mamba state at the shared-prefix junction a request pinned, and
+            end a prefill chunk there. vLLM applies it only with the EAGLE
+            drop on, fine-grained hits and no multi-module MTP re-prefill
+            tail (``KVCacheManager.__init__``); needs a Mamba group. Written
+            to JSON only when true, so older files stay byte-identical.
+        mamba_prefill: where prefill steps end with Mamba groups
+            (:class:`MambaPrefill`); written to JSON only when not the
+            default ``scheduler``.
     """
 
     kv_cache_groups: tuple[KVCacheGroup, ...]
@@ -216,6 +255,8 @@ class Scenario:
     decode_steps: int = 0
     name: str = ""
     description: str = ""
+    enable_mamba_shared_prefix_checkpoint: bool = False
+    mamba_prefill: MambaPrefill = MambaPrefill.SCHEDULER
 
     def __post_init__(self) -> None:
         self._validate()
@@ -239,9 +280,42 @@ class Scenario:
         return math.gcd(*(g.block_size_tokens for g in self.kv_cache_groups))
 
     @cached_property
+    def partial_hash_hits(self) -> bool:
+        """Whether vLLM serves hits at hash-block granularity (fine-grained hits).
+
+        As ``vllm/v1/core/kv_cache_utils.py`` ``partial_hash_hits_enabled``
+        decides for ``HybridKVCacheCoordinator``: some Mamba group (align
+        mode) has a block larger than the hash block, and every other group
+        either supports fine-grained lookup (full attention, Mamba) or has a
+        block equal to the hash block (a sliding-window group). A single
+        group runs on ``UnitaryKVCacheCoordinator``, which never does.
+        """
+        if len(self.kv_cache_groups) < 2:
+            return False
+        hash_block = self.effective_hash_block_size_tokens
+        if not any(
+            g.kind is GroupKind.MAMBA and g.block_size_tokens > hash_block
+            for g in self.kv_cache_groups
+        ):
+            return False
+        return all(
+            g.kind is not GroupKind.SLIDING_WINDOW or g.block_size_tokens == hash_block
+            for g in self.kv_cache_groups
+        )
+
+    @cached_property
     def effective_hit_alignment_tokens(self) -> int:
-        """Hit alignment ``A`` in tokens (the scheduler block size)."""
+        """Hit alignment ``A`` in tokens: the hash block size with fine-grained
+        hits, else the scheduler block size (vLLM
+        ``HybridKVCacheCoordinator._cache_hit_alignment_tokens``)."""
+        if self.partial_hash_hits:
+            return self.effective_hash_block_size_tokens
         return self.scheduler_block_size_tokens
+
+    @property
+    def mamba_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The Mamba groups, in order."""
+        return tuple(g for g in self.kv_cache_groups if g.kind is GroupKind.MAMBA)
 
     @property
     def full_attention_group(self) -> KVCacheGroup:
@@ -293,9 +367,10 @@ class Scenario:
                 "kv_cache_groups",
                 [g.kind.value for g in self.kv_cache_groups],
                 "a single group of any kind, or exactly one full_attention group "
-                "plus any number of sliding_window groups",
+                "plus any number of sliding_window and mamba groups",
             )
         sbs = self.scheduler_block_size_tokens
+        self._validate_mamba(sbs)
         if self.hash_block_size_tokens is not None:
             _require_int(self.hash_block_size_tokens, "hash_block_size_tokens", minimum=1)
             bad = [
@@ -317,12 +392,14 @@ class Scenario:
                     f"({[g.block_size_tokens for g in self.kv_cache_groups]}); "
                     "with a single group, its block size",
                 )
-        if self.hit_alignment_tokens is not None and self.hit_alignment_tokens != sbs:
+        alignment = self.effective_hit_alignment_tokens
+        if self.hit_alignment_tokens is not None and self.hit_alignment_tokens != alignment:
             raise ScenarioError(
                 "hit_alignment_tokens",
                 self.hit_alignment_tokens,
-                f"null or {sbs} (vLLM derives it as the scheduler block size, "
-                "the LCM of the group block sizes)",
+                f"null or {alignment} (vLLM derives it as the hash block size with "
+                "fine-grained Mamba hits, else the scheduler block size, the LCM of "
+                "the group block sizes)",
             )
         r = self.retention_interval_tokens
         if r is not None:
@@ -333,12 +410,12 @@ class Scenario:
                     r,
                     f"null, 0, or a positive multiple of the scheduler block size {sbs}",
                 )
-            if r > 0 and not self.sliding_window_groups:
+            if r > 0 and not self.sliding_window_groups and not self.mamba_groups:
                 raise ScenarioError(
                     "retention_interval_tokens",
                     r,
-                    "null or 0 for a model without sliding_window groups "
-                    "(retention only applies to sliding-window attention)",
+                    "null or 0 for a model without sliding_window or mamba groups "
+                    "(retention only applies to sliding-window and Mamba groups)",
                 )
         self.drafter.validate()
         if (
@@ -363,7 +440,12 @@ class Scenario:
                 f"at least drafter.num_speculative_tokens "
                 f"({self.drafter.num_speculative_tokens}) for multi_module_mtp",
             )
-        for name in ("kv_connector", "disable_lookahead_block_hashes", "disable_eagle_block_drop"):
+        for name in (
+            "kv_connector",
+            "disable_lookahead_block_hashes",
+            "disable_eagle_block_drop",
+            "enable_mamba_shared_prefix_checkpoint",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ScenarioError(name, value, "true or false")
@@ -406,11 +488,51 @@ class Scenario:
                 raise ScenarioError(f"{where}.name", request.name, "a string or null")
             lengths.append(request.prompt_tokens)
 
+    def _validate_mamba(self, scheduler_block_tokens: int) -> None:
+        """What vLLM accepts for Mamba groups (prefix caching on, align mode).
+
+        Refused: Mamba groups of different block sizes, or (in a hybrid) a
+        Mamba block other than the scheduler block size. vLLM sets
+        ``mamba_block_size = cache_config.block_size`` in align mode
+        (vllm/model_executor/models/config.py ``verify_and_update_config``,
+        vllm/platforms/interface.py), and ``Scheduler._mamba_block_aligned_split``
+        ends prefill chunks on that one block size for every Mamba group.
+        Also refused: ``enable_mamba_shared_prefix_checkpoint`` without a
+        Mamba group (it would silently do nothing).
+        """
+        if not isinstance(self.mamba_prefill, MambaPrefill):
+            raise ScenarioError("mamba_prefill", self.mamba_prefill, _allowed_enum(MambaPrefill))
+        mamba = self.mamba_groups
+        if not mamba:
+            if self.mamba_prefill is not MambaPrefill.SCHEDULER:
+                raise ScenarioError(
+                    "mamba_prefill",
+                    self.mamba_prefill.value,
+                    "'scheduler' for a model without mamba groups",
+                )
+            if self.enable_mamba_shared_prefix_checkpoint is True:
+                raise ScenarioError(
+                    "enable_mamba_shared_prefix_checkpoint",
+                    True,
+                    "false for a model without mamba groups (it only affects Mamba states)",
+                )
+            return
+        sizes = sorted({g.block_size_tokens for g in mamba})
+        if len(sizes) > 1 or sizes[0] != scheduler_block_tokens:
+            raise ScenarioError(
+                "kv_cache_groups",
+                [g.block_size_tokens for g in self.kv_cache_groups],
+                "mamba groups that share one block size equal to the scheduler block "
+                f"size {scheduler_block_tokens} (vLLM sets mamba_block_size to the "
+                "cache block size in align mode)",
+            )
+
     # -------------------------------------------------------------------- JSON
 
     def to_dict(self) -> dict[str, Any]:
-        """The canonical, versioned JSON-ready form (every field present)."""
-        return {
+        """The canonical, versioned JSON-ready form (every field present, except
+        ``enable_mamba_shared_prefix_checkpoint``, written only when true)."""
+        data: dict[str, Any] = {
             "format": SCENARIO_FORMAT,
             "version": SCENARIO_VERSION,
             "name": self.name,
@@ -446,6 +568,11 @@ class Scenario:
                 for r in self.requests
             ],
         }
+        if self.enable_mamba_shared_prefix_checkpoint:
+            data["enable_mamba_shared_prefix_checkpoint"] = True
+        if self.mamba_prefill is not MambaPrefill.SCHEDULER:
+            data["mamba_prefill"] = self.mamba_prefill.value
+        return data
 
     def to_json(self) -> str:
         """Canonical JSON text (2-space indent, trailing newline)."""
@@ -492,6 +619,12 @@ class Scenario:
             decode_steps=obj.get("decode_steps", 0),
             name=_string(obj.get("name", ""), "name"),
             description=_string(obj.get("description", ""), "description"),
+            enable_mamba_shared_prefix_checkpoint=obj.get(
+                "enable_mamba_shared_prefix_checkpoint", False
+            ),
+            mamba_prefill=_enum(
+                MambaPrefill, obj.get("mamba_prefill", "scheduler"), "mamba_prefill"
+            ),
         )
 
     @classmethod
@@ -538,6 +671,8 @@ _TOP_KEYS = frozenset(
         "kv_connector",
         "disable_lookahead_block_hashes",
         "disable_eagle_block_drop",
+        "enable_mamba_shared_prefix_checkpoint",
+        "mamba_prefill",
         "prefill_chunk_tokens",
         "decode_steps",
         "shared_prefix_tokens",

@@ -138,6 +138,11 @@ for _name, _what, _base in (
         "fixed",
     ),
     ("extra-block", "get_computed_blocks hands out the cached block past the hit", "fixed"),
+    (
+        "mamba-eagle-margin",
+        "Mamba groups get the EAGLE margin back (their finder never drops)",
+        "fixed",
+    ),
 ):
     register(
         Variant(
@@ -168,6 +173,7 @@ MUTANTS = (
     "mutant-no-replay-widening",
     "mutant-null-in-window",
     "mutant-extra-block",
+    "mutant-mamba-eagle-margin",
 )
 
 

@@ -49,7 +49,7 @@ from differential.compare import ScenarioResult
 from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
 from differential.known import KNOWN_ISSUES
-from differential.scenario import Scenario
+from differential.scenario import GroupKind, Scenario
 from differential.triage import Role, RootCause, Triaged, triage
 from differential.variants import Variant
 from fuzz.progress import CampaignStats, Progress
@@ -92,6 +92,8 @@ class CampaignConfig:
             for at most this many seconds; ``None``: do not shrink.
         known_corpus: scenario files or folders whose root causes count as
             known (replayed once before the clock starts).
+        group_kinds: KV cache group kinds every scenario contains
+            (``--groups``; empty: any layout).
     """
 
     out: Path
@@ -106,6 +108,7 @@ class CampaignConfig:
     replay_database: bool | None = None
     shrink_seconds: float | None = None
     known_corpus: tuple[Path, ...] = ()
+    group_kinds: frozenset[GroupKind] = frozenset()
 
 
 @dataclass
@@ -535,6 +538,7 @@ class Campaign:
             database=database,
             dense_cross_check=self.config.dense_cross_check,
             phases=[Phase.reuse],
+            kinds=self.config.group_kinds,
         )
         with contextlib.suppress(FindingRaised, BaseExceptionGroup):
             replay()
@@ -573,6 +577,7 @@ class Campaign:
                 on_result=self._on_result,
                 database=database,
                 dense_cross_check=config.dense_cross_check,
+                kinds=config.group_kinds,
             )
             rng = random.Random(config.seed)
             self._example = 0

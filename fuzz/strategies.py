@@ -23,11 +23,23 @@ from differential.scenario import (
     DrafterKind,
     GroupKind,
     KVCacheGroup,
+    MambaPrefill,
     RequestSpec,
     Scenario,
 )
 
-__all__ = ["Scale", "geometries", "scenarios"]
+__all__ = ["Scale", "geometries", "mamba_geometries", "scenarios"]
+
+# Prefill modes for Mamba hybrids: vLLM's chunking mostly.
+_MAMBA_PREFILLS = (MambaPrefill.SCHEDULER, MambaPrefill.SCHEDULER, MambaPrefill.BLOCK)
+
+# Mamba block sizes (tokens) per scale; "real" are the production sizes of
+# public reports (Qwen3.5/3.6-style GDN, Nemotron, Kimi, GLM hybrids).
+_MAMBA_BLOCKS = {
+    "toy": (4, 8, 16, 16, 32, 64),
+    "medium": (64, 128, 256),
+    "real": (528, 896, 1536, 1600, 2144, 3200),
+}
 
 Scale = str  # "toy" | "medium" | "real"
 
@@ -82,6 +94,51 @@ def geometries(draw: st.DrawFn, scale: Scale) -> tuple[KVCacheGroup, ...]:
     return tuple(groups)
 
 
+@st.composite
+def mamba_geometries(draw: st.DrawFn, scale: Scale) -> tuple[tuple[KVCacheGroup, ...], int | None]:
+    """A Mamba hybrid's KV cache groups and its hash block size, in tokens.
+
+    One full-attention group with one to three Mamba groups (vLLM groups a
+    GDN hybrid's linear-attention layers into several groups of one spec),
+    sometimes a sliding-window group, or a Mamba group alone. Every Mamba
+    group and the full-attention group share the block size, as vLLM sets
+    ``mamba_block_size = cache_config.block_size`` in align mode. The hash
+    block is ``None`` (no fine-grained hits) or a divisor of the block
+    (fine-grained hits unless a coarser sliding-window block vetoes them).
+    """
+    if scale == "real" and draw(st.integers(0, 2)) == 0:
+        scale = "medium"  # production sizes sometimes, at their own cost
+    block = draw(st.sampled_from(_MAMBA_BLOCKS[scale]))
+    if draw(st.integers(0, 7)) == 0:
+        return (KVCacheGroup(GroupKind.MAMBA, block),), None
+    divisors = [
+        d for d in (block // 2, block // 4, 16, 32, 64, 4, 2) if 0 < d < block and not block % d
+    ]
+    hash_block = draw(st.sampled_from((None, *divisors))) if divisors else None
+    groups = [KVCacheGroup(GroupKind.FULL_ATTENTION, block)]
+    groups += [KVCacheGroup(GroupKind.MAMBA, block)] * draw(st.sampled_from((1, 1, 1, 2, 3)))
+    if draw(st.integers(0, 3)) == 0:
+        swa = draw(st.sampled_from((block, hash_block or block)))
+        window = draw(st.sampled_from((swa, 2 * swa + 1, 4 * swa)))
+        groups.insert(1, KVCacheGroup(GroupKind.SLIDING_WINDOW, swa, window))
+    return tuple(groups), hash_block
+
+
+def _pin(groups: tuple[KVCacheGroup, ...], kinds: frozenset[GroupKind]) -> tuple[KVCacheGroup, ...]:
+    """Attention groups with every pinned attention kind present (adds a
+    full-attention or sliding-window group beside a lone group)."""
+    have = {g.kind for g in groups}
+    if kinds <= have:
+        return groups
+    full = next((g.block_size_tokens for g in groups if g.kind is GroupKind.FULL_ATTENTION), None)
+    swa = next((g for g in groups if g.kind is GroupKind.SLIDING_WINDOW), None)
+    block = full or (swa.block_size_tokens if swa else groups[0].block_size_tokens)
+    return (
+        KVCacheGroup(GroupKind.FULL_ATTENTION, block),
+        swa or KVCacheGroup(GroupKind.SLIDING_WINDOW, block, 4 * block),
+    )
+
+
 def _near(points: list[int], alignment: int) -> st.SearchStrategy[int]:
     """A position on, just before or just after one of ``points``."""
     offsets = st.sampled_from((0, 1, -1, alignment, -alignment, alignment + 1, 2))
@@ -89,11 +146,33 @@ def _near(points: list[int], alignment: int) -> st.SearchStrategy[int]:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn, scale: Scale | None = None) -> Scenario:
-    """A valid scenario; ``scale`` fixes the geometry scope (default: mostly toy)."""
+def scenarios(
+    draw: st.DrawFn,
+    scale: Scale | None = None,
+    kinds: frozenset[GroupKind] = frozenset(),
+) -> Scenario:
+    """A valid scenario; ``scale`` fixes the geometry scope (default: mostly
+    toy); ``kinds`` pins KV cache group kinds every scenario contains
+    (``kvfuzz fuzz --groups``; empty: any layout, Mamba hybrids one in five
+    when ``scale`` is not fixed; a fixed scale draws attention layouts only)."""
+    any_scale = scale is None
     if scale is None:
         scale = draw(st.sampled_from(("toy",) * 6 + ("medium",) * 3 + ("real",)))
-    groups = draw(geometries(scale))
+    hash_block: int | None = None
+    mamba = GroupKind.MAMBA in kinds or (not kinds and any_scale and draw(st.integers(0, 4)) == 0)
+    if mamba:
+        groups, hash_block = draw(mamba_geometries(scale))
+        if GroupKind.SLIDING_WINDOW in kinds and not any(
+            g.kind is GroupKind.SLIDING_WINDOW for g in groups
+        ):
+            block = groups[0].block_size_tokens
+            groups = (
+                KVCacheGroup(GroupKind.FULL_ATTENTION, block),
+                KVCacheGroup(GroupKind.SLIDING_WINDOW, hash_block or block, 4 * block),
+                *(g for g in groups if g.kind is GroupKind.MAMBA),
+            )
+    else:
+        groups = _pin(draw(geometries(scale)), kinds)
     alignment = math.lcm(*(g.block_size_tokens for g in groups))
 
     # Retention: None, 0, the alignment itself, or a sparse multiple of it.
@@ -103,11 +182,17 @@ def scenarios(draw: st.DrawFn, scale: Scale | None = None) -> Scenario:
             (None, 0, alignment, *(alignment * u for u in units), *(alignment * u for u in units))
         )
     )
-    if retention and not any(g.kind is GroupKind.SLIDING_WINDOW for g in groups):
-        retention = 0  # vLLM accepts only None or 0 without sliding-window groups
+    if mamba:  # vLLM's default retention (0) for Mamba hybrids two times in three
+        retention = draw(st.sampled_from((0, 0, retention)))
+    if retention and not any(g.kind is not GroupKind.FULL_ATTENTION for g in groups):
+        retention = 0  # vLLM accepts only None or 0 without SWA or Mamba groups
     period = retention if retention else alignment * units[0]
+    if mamba and hash_block is not None and len(groups) > 1:
+        alignment = _fine_alignment(groups, hash_block)
 
     kind = draw(st.sampled_from(_DRAFTERS))
+    if mamba and kind is DrafterKind.MULTI_MODULE_MTP:
+        kind = DrafterKind.MTP  # its re-prefill tail is not modelled for state groups
     if kind is DrafterKind.NONE:
         drafter = Drafter()
     elif kind is DrafterKind.MULTI_MODULE_MTP:
@@ -154,6 +239,15 @@ def scenarios(draw: st.DrawFn, scale: Scale | None = None) -> Scenario:
     )
     if drafter.kind is DrafterKind.MULTI_MODULE_MTP:
         chunk = max(chunk, drafter.num_speculative_tokens)
+    mamba_options: dict[str, object] = {}
+    if mamba:
+        block = groups[-1].block_size_tokens
+        chunk = draw(st.sampled_from((chunk, block, 2 * block, max(1, block // 2))))
+        mamba_options = {
+            "hash_block_size_tokens": hash_block if len(groups) > 1 else None,
+            "mamba_prefill": draw(st.sampled_from(_MAMBA_PREFILLS)),
+            "enable_mamba_shared_prefix_checkpoint": draw(st.integers(0, 2)) == 0,
+        }
     try:
         return Scenario(
             kv_cache_groups=groups,
@@ -166,6 +260,19 @@ def scenarios(draw: st.DrawFn, scale: Scale | None = None) -> Scenario:
             disable_eagle_block_drop=draw(st.integers(0, 19)) == 0,
             prefill_chunk_tokens=chunk,
             decode_steps=draw(st.sampled_from((0, 0, 0, 1, 3))),
+            **mamba_options,  # type: ignore[arg-type]
         )
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the scenario generator produced an invalid scenario: {exc}") from exc
+
+
+def _fine_alignment(groups: tuple[KVCacheGroup, ...], hash_block: int) -> int:
+    """The hit alignment of a Mamba hybrid with a hash block, in tokens: the
+    hash block with fine-grained hits, else the scheduler block size."""
+    probe = Scenario(
+        kv_cache_groups=groups,
+        requests=(RequestSpec(1, 0),),
+        shared_prefix_tokens=1,
+        hash_block_size_tokens=hash_block,
+    )
+    return probe.effective_hit_alignment_tokens

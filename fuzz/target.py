@@ -19,7 +19,7 @@ from hypothesis.database import ExampleDatabase
 
 from differential.compare import ScenarioResult, compare_variants
 from differential.findings import Policy
-from differential.scenario import Scenario
+from differential.scenario import GroupKind, Scenario
 from differential.variants import Variant
 from fuzz.signature import Signature, signature_of
 from fuzz.strategies import scenarios
@@ -58,6 +58,7 @@ def build_target(
     raise_on_finding: bool = True,
     raise_on_known: bool = False,
     phases: Sequence[Phase] | None = None,
+    kinds: frozenset[GroupKind] = frozenset(),
 ) -> Target:
     """A Hypothesis test over :func:`fuzz.strategies.scenarios`.
 
@@ -73,6 +74,8 @@ def build_target(
             (by default they are reported to ``on_result`` but do not fail).
         phases: Hypothesis phases when the test is called directly (``None``:
             Hypothesis's default); ``fuzz_one_input`` ignores them.
+        kinds: KV cache group kinds every generated scenario contains
+            (``kvfuzz fuzz --groups``; empty: any layout).
     """
     extra = {} if phases is None else {"phases": tuple(phases)}
 
@@ -83,7 +86,7 @@ def build_target(
         report_multiple_bugs=True,
         **extra,
     )
-    @given(scenarios())
+    @given(scenarios(kinds=kinds))
     def kvfuzz_target(scenario: Scenario) -> None:
         result = compare_variants(
             scenario, variants, policy=policy, dense_cross_check=dense_cross_check

@@ -19,6 +19,9 @@ compose with the seed fix.
 * ``mutant-extra-block``: ``KVCacheManager.get_computed_blocks`` hands out,
   in the first group, the cached block just past the hit as well (the hit
   length is unchanged).
+* ``mutant-mamba-eagle-margin``: ``MambaManager.find_longest_cache_hit``
+  gets back the EAGLE margin vLLM withholds from Mamba groups, so it can hit a
+  state past the point full attention proves.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from contextlib import contextmanager
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SlidingWindowManager
 
 from differential.driver.fixes import patched, seed_pr_fix
 
 __all__ = [
     "mutant_double_drop",
     "mutant_extra_block",
+    "mutant_mamba_eagle_margin",
     "mutant_no_junction",
     "mutant_no_peek",
     "mutant_null_in_window",
@@ -139,4 +143,35 @@ def mutant_extra_block() -> Iterator[None]:
             return blocks, hit, junction
 
         with patched(((KVCacheManager, "get_computed_blocks", extra_block),)):
+            yield
+
+
+@contextmanager
+def mutant_mamba_eagle_margin() -> Iterator[None]:
+    """The fixed variant, with the EAGLE margin given back to Mamba groups.
+
+    ``HybridKVCacheCoordinator.find_longest_cache_hit`` lets an EAGLE group
+    match one drop unit past the candidate and then drop it, but gives Mamba
+    groups no margin because their finder never drops. This wrapper around
+    ``MambaManager.find_longest_cache_hit`` adds the margin back (one hash
+    block with fine-grained hits, else one block, as
+    ``kv_cache_utils.eagle_proof_margin``), so a Mamba state past the point
+    full attention proves can be hit.
+    """
+    with seed_pr_fix():
+        current = _classmethod_function(MambaManager, "find_longest_cache_hit")
+
+        def with_margin(
+            cls: type, block_hashes: Any, max_length: int, *args: Any, **kwargs: Any
+        ) -> Any:
+            drop = kwargs.get("drop_eagle_block", args[3] if len(args) > 3 else False)
+            if drop:
+                spec = kwargs.get("kv_cache_spec", args[2] if len(args) > 2 else None)
+                alignment = kwargs.get("alignment_tokens", args[4] if len(args) > 4 else None)
+                block = spec.block_size if spec is not None else 0
+                margin = alignment if alignment and alignment < block else block
+                max_length += margin
+            return current(cls, block_hashes, max_length, *args, **kwargs)
+
+        with patched(((MambaManager, "find_longest_cache_hit", classmethod(with_margin)),)):
             yield

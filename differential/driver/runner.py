@@ -12,6 +12,14 @@ Per request, in order (vLLM ``vllm/v1/core/sched/scheduler.py``
 3. ``decode_steps`` decode steps of one sampled token each;
 4. ``free``.
 
+Every step starts with ``KVCacheManager.new_step_starts`` as
+``Scheduler.schedule`` does (a Mamba state cached in the current step cannot
+be hit until the next one). With Mamba groups (``MambaSpec``,
+``mamba_cache_mode="align"``) each prefill chunk is also clipped by
+``Scheduler._mamba_block_aligned_split`` (called, not copied; see
+:func:`_mamba_scheduler_view`), before ``_reserve_prefill_lookahead`` as the
+scheduler orders them.
+
 The pool is sized so that no cached block is ever evicted; evictions are still
 counted (cached block keys that disappear) and reported.
 
@@ -46,6 +54,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus
@@ -69,7 +78,7 @@ from differential.observation import (
     RequestObservation,
     RunObservation,
 )
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import GroupKind, MambaPrefill, Scenario
 
 __all__ = ["VLLM_VERSION", "run_scenario"]
 
@@ -96,6 +105,84 @@ def _spec(block_size: int, kind: GroupKind, window: int | None, extra_retained: 
     return vllm_call("FullAttentionSpec", FullAttentionSpec, **common)
 
 
+def _mamba_spec(block_size: int, num_speculative_blocks: int) -> MambaSpec:
+    """A Mamba group's spec as a Mamba layer builds it in prefix-caching mode.
+
+    As ``vllm/model_executor/layers/mamba/abstract.py``
+    ``MambaBase.get_kv_cache_spec``: ``mamba_cache_mode="align"`` (the mode
+    prefix caching sets, vllm/model_executor/models/config.py),
+    ``num_speculative_blocks = VllmConfig.num_speculative_tokens``, no
+    internal prefill checkpoints (``num_prefill_checkpoint_blocks = 0``: state
+    is written at chunk ends only, the block-carved prefill). The state shape
+    is a token placeholder: no tensor is ever allocated.
+    """
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((8,),),
+        dtypes=(torch.float16,),
+        mamba_cache_mode="align",
+        num_speculative_blocks=num_speculative_blocks,
+    )
+
+
+def _group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSpec:
+    """The spec of group ``index``: attention groups via :func:`_spec`, Mamba
+    groups via :func:`_mamba_spec`."""
+    g = scenario.kv_cache_groups[index]
+    if g.kind is GroupKind.MAMBA:
+        return _mamba_spec(g.block_size_tokens, scenario.drafter.num_speculative_tokens)
+    return _spec(g.block_size_tokens, g.kind, g.sliding_window_tokens, extra_retained)
+
+
+def _mamba_scheduler_view(
+    scenario: Scenario, manager: KVCacheManager, resolved: ResolvedDrafter
+) -> SimpleNamespace | None:
+    """The attributes ``Scheduler._mamba_block_aligned_split`` reads, set as
+    ``Scheduler.__init__`` sets them (vllm/v1/core/sched/scheduler.py), or
+    ``None`` without Mamba groups (``need_mamba_block_aligned_split`` off).
+
+    ``cache_config.block_size`` is the Mamba block size (vLLM sets
+    ``mamba_block_size = cache_config.block_size`` in align mode);
+    ``max_num_scheduled_tokens`` is the scenario's ``prefill_chunk_tokens``
+    budget and ``long_prefill_token_threshold`` is 0. The base Mamba spec
+    has no internal prefill checkpoint blocks, so
+    ``mamba_has_prefill_checkpoint_blocks`` is off.
+    """
+    if not scenario.mamba_groups:
+        return None
+    block = scenario.mamba_groups[0].block_size_tokens
+    hash_block = manager.block_pool.hash_block_size
+    partial = hash_block < block and bool(
+        getattr(manager.coordinator, "enable_partial_hash_hits", False)
+    )
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block),
+        block_size=scenario.scheduler_block_size_tokens,
+        hash_block_size=hash_block,
+        mamba_partial_cache_hit=partial,
+        mamba_shared_prefix_checkpoint=partial
+        and bool(getattr(manager, "mamba_shared_prefix_checkpoint", False)),
+        use_eagle_block_drop=resolved.use_eagle_block_drop,
+        num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
+        mamba_has_prefill_checkpoint_blocks=False,
+        mamba_prefill_checkpoint_alignment=None,
+        max_num_scheduled_tokens=scenario.prefill_chunk_tokens,
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        num_prefill_lookahead=resolved.num_prefill_lookahead_tokens,
+    )
+
+
+def _block_carved_chunk(view: SimpleNamespace, computed_tokens: int, num_new_tokens: int) -> int:
+    """A block-carved prefill step (``MambaPrefill.BLOCK``), in tokens: the step
+    ends at the next Mamba block boundary or earlier, with no other stop.
+
+    Not vLLM's scheduler: the way vLLM's manager tests feed ``allocate_slots``
+    (one block per step), kept to reproduce measurements taken that way.
+    """
+    block = int(view.cache_config.block_size)
+    return min(num_new_tokens, (computed_tokens // block + 1) * block - computed_tokens)
+
+
 def _pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
     """Blocks enough for every request to take fresh blocks: nothing evicts."""
     total = 1  # the null block
@@ -103,6 +190,10 @@ def _pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
     for request in scenario.requests:
         for group in scenario.kv_cache_groups:
             total += math.ceil((request.prompt_tokens + extra) / group.block_size_tokens)
+            if group.kind is GroupKind.MAMBA:
+                # Speculative state blocks, a copy-on-write block for a partial
+                # hit and the running state's successor.
+                total += scenario.drafter.num_speculative_tokens + 2
     return total + 8
 
 
@@ -115,7 +206,12 @@ def _kv_cache_config(
     as ``vllm/v1/core/kv_cache_planning.py`` tags them for multi-module MTP.
     Drafter layers are not modelled separately, so no group is marked
     ``is_eagle_group`` and the coordinator applies the EAGLE drop to every
-    group (``KVCacheCoordinator.__init__``'s conservative fallback).
+    group (``KVCacheCoordinator.__init__``'s conservative fallback). For a
+    Mamba group vLLM's own code then decides what the drop means: its finder
+    never drops and gets no EAGLE margin
+    (``HybridKVCacheCoordinator.find_longest_cache_hit``: ``drop_eagle_block
+    and not isinstance(spec, MambaSpec)``), and its checkpoints follow the
+    attention replay boundary (``drop_eagle_checkpoint_block``).
     """
     extra_retained = max(0, resolved.num_prefill_lookahead_tokens - 1)
     groups = [
@@ -123,9 +219,7 @@ def _kv_cache_config(
             "KVCacheGroupSpec",
             KVCacheGroupSpec,
             layer_names=[f"{g.kind.value}.{i}"],
-            kv_cache_spec=_spec(
-                g.block_size_tokens, g.kind, g.sliding_window_tokens, extra_retained
-            ),
+            kv_cache_spec=_group_spec(scenario, i, extra_retained),
         )
         for i, g in enumerate(scenario.kv_cache_groups)
     ]
@@ -144,18 +238,38 @@ def _kv_cache_config(
     )
 
 
+def _new_step(manager: KVCacheManager) -> None:
+    """Tell the manager a scheduler step starts, as ``Scheduler.schedule`` does
+    (``KVCacheManager.new_step_starts``; releases without it need nothing)."""
+    starts = getattr(manager, "new_step_starts", None)
+    if starts is not None:
+        vllm_call("KVCacheManager.new_step_starts", starts)
+
+
 def _cached_keys(manager: KVCacheManager) -> Counter[bytes]:
     """Cached block keys (hash + group id) -> number of cached blocks."""
     cache = manager.block_pool.cached_block_hash_to_block._cache
     return Counter({key: (len(v) if isinstance(v, dict) else 1) for key, v in cache.items()})
 
 
+def _state_map(manager: KVCacheManager, request: Request, gid: int) -> str:
+    """A Mamba group's states: one character per hash block of the prompt,
+    ``1`` if a state keyed at that block's end is cached now (a state is one
+    block holding the state at exactly one position)."""
+    pool = manager.block_pool
+    return "".join("1" if pool.get_cached_block(h, [gid]) else "0" for h in request.block_hashes)
+
+
 def _cache_map(scenario: Scenario, manager: KVCacheManager, request: Request) -> tuple[str, ...]:
-    """Per group, one character per full prompt block: ``1`` if cached now."""
+    """Per group, one character per full prompt block: ``1`` if cached now;
+    for a Mamba group one character per hash block (:func:`_state_map`)."""
     hash_block = scenario.effective_hash_block_size_tokens
     hashes = request.block_hashes
     maps = []
     for gid, group in enumerate(scenario.kv_cache_groups):
+        if group.kind is GroupKind.MAMBA:
+            maps.append(_state_map(manager, request, gid))
+            continue
         step = group.block_size_tokens // hash_block
         marks = []
         for index in range(len(hashes) // step):
@@ -235,13 +349,15 @@ def run_scenario(
         max_model_len = longest + scenario.decode_steps + resolved.num_lookahead_tokens + 1
         if not has(Feature.SCHEDULER_BLOCK_SIZE):
             raise UnsupportedFeature(Feature.SCHEDULER_BLOCK_SIZE)
-        optional: dict[str, int] = {}
+        optional: dict[str, int | bool] = {}
         if "num_hash_lookahead_tokens" in _MANAGER_PARAMETERS:
             optional["num_hash_lookahead_tokens"] = resolved.num_hash_lookahead_tokens
         if has(Feature.PREFILL_LOOKAHEAD):
             optional["num_prefill_lookahead"] = resolved.num_prefill_lookahead_tokens
         elif resolved.num_prefill_lookahead_tokens:
             raise UnsupportedFeature(Feature.PREFILL_LOOKAHEAD)
+        if scenario.enable_mamba_shared_prefix_checkpoint:
+            optional["enable_mamba_shared_prefix_checkpoint"] = True
         manager = vllm_call(
             "KVCacheManager",
             KVCacheManager,
@@ -256,6 +372,7 @@ def run_scenario(
             **optional,
         )
         coordinator = manager.coordinator
+        mamba_view = _mamba_scheduler_view(scenario, manager, resolved)
         alignment = getattr(
             coordinator, "_cache_hit_alignment_tokens", scenario.scheduler_block_size_tokens
         )
@@ -305,6 +422,7 @@ def run_scenario(
                 **{k: v for k, v in request_args.items() if k in _REQUEST_PARAMETERS},
             )
             before = _cached_keys(manager)
+            _new_step(manager)
             cache_map = _cache_map(scenario, manager, request) if record_cache_map else ()
             if hasattr(coordinator, "find_longest_cache_hit_per_group"):
                 # Diagnostic only (the scheduler calls it just for connectors
@@ -337,6 +455,19 @@ def run_scenario(
             while computed < spec.prompt_tokens:
                 phase[0] = f"request {index}: prefill allocate_slots at {computed} tokens"
                 num_new = min(scenario.prefill_chunk_tokens, spec.prompt_tokens - computed)
+                if not first:
+                    _new_step(manager)
+                if mamba_view is not None and scenario.mamba_prefill is MambaPrefill.BLOCK:
+                    num_new = _block_carved_chunk(mamba_view, computed, num_new)
+                elif mamba_view is not None:
+                    num_new = vllm_call(
+                        "Scheduler._mamba_block_aligned_split",
+                        Scheduler._mamba_block_aligned_split,
+                        mamba_view,  # type: ignore[arg-type]
+                        request,
+                        num_new,
+                        hit if first else 0,
+                    )
                 if has(Feature.PREFILL_LOOKAHEAD):
                     num_new = vllm_call(
                         "Scheduler._reserve_prefill_lookahead",
@@ -388,6 +519,7 @@ def run_scenario(
                 request.num_computed_tokens = computed
             for step in range(scenario.decode_steps):
                 phase[0] = f"request {index}: decode step {step}"
+                _new_step(manager)
                 vllm_call(
                     "Request.append_output_token_ids",
                     request.append_output_token_ids,

@@ -8,6 +8,9 @@ KV cache group kind adds one module here:
   and the verdicts for attention groups (full attention, sliding window).
 * :mod:`differential.oracle.blocks` -- the block-level check (``wrong-kv``):
   every block a lookup hands out, and every block a step writes.
+* :mod:`differential.oracle.state` -- the rules for state groups (Mamba):
+  where a writer's states exist, what a sibling is owed, the one-unit rule on
+  states.
 
 The public names below are the package's face; the rest is internal.
 """
@@ -29,10 +32,17 @@ from differential.oracle.core import (
     references,
     replay_boundaries,
 )
+from differential.oracle.state import (
+    attention_dense_hit,
+    state_group_indices,
+    state_positions,
+    state_references,
+)
 
 __all__ = [
     "DrafterModel",
     "SiblingReference",
+    "attention_dense_hit",
     "checkpoints",
     "common_prefix_tokens",
     "cross_check_dense",
@@ -44,4 +54,7 @@ __all__ = [
     "promise_policy",
     "references",
     "replay_boundaries",
+    "state_group_indices",
+    "state_positions",
+    "state_references",
 ]

@@ -20,6 +20,10 @@ design note (``semantics.md``, "Invariants"):
 6. **Right blocks**: every block a hit hands out is the right one
    (:mod:`differential.oracle.blocks`, ``wrong-kv``).
 
+State groups (Mamba) follow their own rules, in
+:mod:`differential.oracle.state`; :func:`references` dispatches to them by
+group kind.
+
 How a drafter's KV depends on later tokens is stated here, independently of
 vLLM's config code (:func:`drafter_model`): EAGLE, EAGLE3 and single-module
 MTP read the next token; multi-module MTP reads ``num_speculative_tokens``
@@ -287,8 +291,11 @@ def references(
 
     ``observed_hits`` decides which writers pinned a junction: a request pins
     its dense hit as a junction when its own hit fell short of it (vLLM
-    ``KVCacheManager.get_computed_blocks``).
+    ``KVCacheManager.get_computed_blocks``). A scenario with state groups
+    (Mamba) is judged by :func:`differential.oracle.state.state_references`.
     """
+    if scenario.mamba_groups:
+        return _state_group_references(scenario, model, observed_hits, policy)
     prompts = scenario.prompts
     dense_by_request: list[int] = []
     out: list[SiblingReference] = []
@@ -324,6 +331,43 @@ def references(
             )
         )
     return tuple(out)
+
+
+def _state_group_references(
+    scenario: Scenario,
+    model: DrafterModel,
+    observed_hits: Sequence[int],
+    policy: Policy,
+) -> tuple[SiblingReference, ...]:
+    """:func:`references` for a scenario with state groups: the attention
+    proof, the writer's states and the one-unit rule mapped onto states
+    (:mod:`differential.oracle.state`)."""
+    from differential.oracle import state
+
+    def promised(writer: int, junction: int, up_to: int, writer_hit: int) -> tuple[int, ...]:
+        return checkpoints(scenario, model, writer, junction, up_to, writer_hit, policy)
+
+    rows = state.state_references(
+        scenario,
+        model.drop,
+        model.hash_lookahead_tokens,
+        model.reprefillable_tokens,
+        model.reprefillable_tokens + 1,
+        observed_hits,
+        promised,
+        policy,
+    )
+    return tuple(
+        SiblingReference(
+            index=j,
+            divergence_tokens=divergence,
+            dense_tokens=dense,
+            expected_tokens=expected,
+            writer=writer,
+            checkpoints=points,
+        )
+        for j, (divergence, dense, expected, writer, points) in enumerate(rows)
+    )
 
 
 def judge_run(

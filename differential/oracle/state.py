@@ -1,0 +1,324 @@
+"""Oracle rules for state groups (Mamba / linear attention), from first principles.
+
+Nothing here imports vLLM. A *state group* (``GroupKind.MAMBA``) does not keep
+one KV entry per token: a block holds one recurrent state, the state after
+exactly the tokens up to one position. So a state group can serve a hit at
+position ``p`` only if a state *at exactly* ``p`` was kept, whereas an
+attention group serves every position up to what it proves. The rules:
+
+1. **Where a state exists after a writer ran** (:func:`state_positions`).
+   A state is materialized only where a prefill step of the writer ended (the
+   running state after the step); it is kept (cached) only at such a step end
+   that is
+
+   * on the block grid (a multiple of the Mamba block ``B_m``), or
+   * the writer's EAGLE resume position, the highest position a resend of its
+     prompt can resume at (:func:`differential.oracle.core.replay_boundaries`
+     at the hit alignment ``A``; only with fine-grained hits, where ``A`` is
+     finer than ``B_m``), or
+   * its pinned shared-prefix junction, with the shared-prefix checkpoint
+     option in effect (EAGLE drop, fine-grained hits, no re-prefill tail).
+
+   Step ends come from the prefill mode: ``block`` ends a step at every
+   block boundary (and wherever the chunk budget runs out before one);
+   ``scheduler`` (vLLM's own chunking) spends the chunk budget, ends long
+   steps on the block grid, and must stop at the block grid's resume
+   position, at the EAGLE resume position and at the junction
+   (floored to the block grid without the option), since a state skipped
+   there can never be recovered.
+2. **What a sibling is owed**: the highest position every group can serve.
+   Attention groups prove a prefix (:func:`attention_dense_hit`: the dense
+   reference over attention groups, with fine-grained hits proving per hash
+   block and dropping one hash block under the EAGLE drop); a state group
+   serves only positions where the writer kept a state. The dense reference
+   is the highest writer state at or below the attention proof; ``ideal``
+   owes the attention proof floored to the block grid (a state at every
+   block boundary the writer computed).
+3. **The one-unit rule for state checkpoints**: every boundary ``b`` the
+   writer retains (periodic ``k*R``, replay boundaries, the junction) and
+   ``b - A`` promise, in a state group, the highest state the writer
+   materialized at or below them: a lookup resuming at ``b`` falls back to
+   the state below it, and retention must not discard that state. Dense
+   retention keeps every materialized state.
+4. **Over-hit**: the dense reference bounds every hit, so a hit that no
+   state can justify (past the point the attention groups prove, or past
+   the highest state below it) is reported by the verdicts as ``over-hit``.
+
+A block-level check of which state block a hit adopted plugs in through
+:func:`state_group_indices` (the groups whose blocks are states, one block at
+one position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from differential.findings import Policy
+from differential.oracle.core import common_prefix_tokens
+from differential.scenario import GroupKind, MambaPrefill, Scenario
+
+__all__ = [
+    "attention_dense_hit",
+    "state_group_indices",
+    "state_positions",
+    "state_references",
+]
+
+
+def state_group_indices(scenario: Scenario) -> tuple[int, ...]:
+    """Indices of the scenario's state groups (one block = one state)."""
+    return tuple(i for i, g in enumerate(scenario.kv_cache_groups) if g.kind is GroupKind.MAMBA)
+
+
+def attention_dense_hit(
+    scenario: Scenario,
+    drop: bool,
+    hash_lookahead_tokens: int,
+    cached_tokens: int,
+    total_tokens: int,
+    sibling_prompt_tokens: int,
+    shared_tokens: int,
+) -> int:
+    """What every attention group proves for a sibling, in tokens.
+
+    The largest multiple of ``A`` at most ``L - 1`` such that, in every
+    attention group, the tokens up to it (plus one drop unit under the EAGLE
+    drop) are cached by the writer and match. A group's proof unit is its
+    block; with fine-grained hits a sliding-window group's block equals the
+    hash block, and a full-attention group proves its whole blocks plus the
+    one partial block the writer's prompt ends in, keyed only at the prompt's
+    last usable hash boundary (a resend's reach), and drops one hash block
+    under the EAGLE drop. ``total_tokens`` is the writer's prompt length. A
+    state group only bounds the hit by the tokens its state's hash covers
+    (the shared tokens less the lookahead); it takes no drop, since the
+    drafter's KV lives in attention layers.
+    """
+    alignment = scenario.effective_hit_alignment_tokens
+    limit = sibling_prompt_tokens - 1
+    for group in scenario.kv_cache_groups:
+        if group.kind is GroupKind.MAMBA:
+            limit = min(
+                limit,
+                shared_tokens - hash_lookahead_tokens,
+                total_tokens - hash_lookahead_tokens,
+            )
+            continue
+        block = group.block_size_tokens
+        extent = min(cached_tokens, total_tokens - hash_lookahead_tokens)
+        reach = max(0, min(shared_tokens - hash_lookahead_tokens, extent))
+        proven = reach // block * block
+        unit = block
+        if scenario.partial_hash_hits:
+            unit = alignment
+            # The one partial key: the prompt's last hash boundary a lookup
+            # can use (the whole prompt under the drop, else all but its last
+            # token).
+            last = total_tokens if drop else total_tokens - 1
+            tail_key = min(last, total_tokens - hash_lookahead_tokens) // alignment * alignment
+            if group.kind is GroupKind.FULL_ATTENTION and proven < tail_key <= reach:
+                proven = tail_key
+        limit = min(limit, proven - (unit if drop else 0))
+    return max(0, limit) // alignment * alignment
+
+
+def _resume_position(length: int, unit: int, drop: bool, hash_lookahead_tokens: int) -> int:
+    """The highest multiple of ``unit`` a resend of a ``length``-token prompt
+    resumes at: the last token (or, with lookahead hashes, the lookahead
+    tokens) is recomputed, and the EAGLE drop gives back one more unit."""
+    proof = length if drop else length - max(1, hash_lookahead_tokens)
+    return max(proof // unit * unit - (unit if drop else 0), 0)
+
+
+def _shared_prefix_checkpoint(scenario: Scenario, drop: bool, reprefillable_tokens: int) -> bool:
+    """Whether the shared-prefix state checkpoint option is in effect."""
+    return (
+        scenario.enable_mamba_shared_prefix_checkpoint
+        and drop
+        and scenario.partial_hash_hits
+        and reprefillable_tokens == 0
+    )
+
+
+def _step_ends(
+    scenario: Scenario,
+    length: int,
+    start: int,
+    junction: int,
+    drop: bool,
+    hash_lookahead_tokens: int,
+    prefill_lookahead_tokens: int,
+    option: bool,
+) -> list[int]:
+    """Positions where the writer's prefill steps end, in tokens (rule 1)."""
+    block = scenario.mamba_groups[0].block_size_tokens
+    if scenario.mamba_prefill is MambaPrefill.BLOCK:
+        # The chunk budget, never crossing a block boundary.
+        carved: list[int] = []
+        while start < length:
+            start = min(start + scenario.prefill_chunk_tokens, (start // block + 1) * block, length)
+            carved.append(start)
+        return carved
+    alignment = scenario.effective_hit_alignment_tokens
+    budget = scenario.prefill_chunk_tokens
+    grid_resume = _resume_position(length, block, drop, hash_lookahead_tokens)
+    tail = (
+        _resume_position(length, alignment, drop, hash_lookahead_tokens)
+        if scenario.partial_hash_hits
+        else 0
+    )
+    ends: list[int] = []
+    while start < length:
+        end = min(start + budget, length)
+        if end < length and (end // block * block > start or block <= budget):
+            end = end // block * block
+        junction_stop = (
+            junction
+            if option and junction <= length
+            else start + (junction - start) // block * block
+        )
+        stops = (
+            (start // block + 1) * block if start % block else 0,
+            grid_resume,
+            tail if grid_resume < tail < length else 0,
+            junction_stop if start < junction < end else 0,
+        )
+        end = min((s for s in stops if start < s < end), default=end)
+        remaining = length - end
+        if 0 < remaining < prefill_lookahead_tokens:
+            end -= prefill_lookahead_tokens - remaining
+        if end <= start:
+            break
+        ends.append(end)
+        start = end
+    return ends
+
+
+def state_positions(
+    scenario: Scenario,
+    writer: int,
+    writer_hit_tokens: int,
+    junction_tokens: int,
+    drop: bool,
+    hash_lookahead_tokens: int,
+    reprefillable_tokens: int,
+    prefill_lookahead_tokens: int = 0,
+) -> tuple[int, ...]:
+    """Positions, in tokens, where ``writer`` kept a Mamba state (rule 1).
+
+    Only states the writer computed itself (above its own hit
+    ``writer_hit_tokens``) and within its cached extent (its prompt less the
+    re-prefillable tail) count; states past its prompt serve no sibling.
+    Returns sorted positions, without 0.
+    """
+    length = scenario.requests[writer].prompt_tokens
+    block = scenario.mamba_groups[0].block_size_tokens
+    option = _shared_prefix_checkpoint(scenario, drop, reprefillable_tokens)
+    tail = (
+        _resume_position(
+            length, scenario.effective_hit_alignment_tokens, drop, hash_lookahead_tokens
+        )
+        if scenario.partial_hash_hits
+        else -1
+    )
+    cached = min(length - reprefillable_tokens, length - hash_lookahead_tokens)
+    kept = {
+        end
+        for end in _step_ends(
+            scenario,
+            length,
+            writer_hit_tokens,
+            junction_tokens,
+            drop,
+            hash_lookahead_tokens,
+            prefill_lookahead_tokens,
+            option,
+        )
+        if end <= cached
+        and (end % block == 0 or end == tail or (option and end == junction_tokens))
+    }
+    return tuple(sorted(p for p in kept if p > 0))
+
+
+def _floor_state(states: Sequence[int], position: int) -> int:
+    """The highest state at or below ``position`` (0 if none)."""
+    return max((s for s in states if s <= position), default=0)
+
+
+def state_references(
+    scenario: Scenario,
+    drop: bool,
+    hash_lookahead_tokens: int,
+    reprefillable_tokens: int,
+    prefill_lookahead_tokens: int,
+    observed_hits: Sequence[int],
+    checkpoints_for: Callable[[int, int, int, int], tuple[int, ...]],
+    policy: Policy,
+) -> list[tuple[int, int, int, int | None, tuple[int, ...]]]:
+    """Per request: (divergence, dense, expected, writer, checkpoints), in tokens.
+
+    ``checkpoints_for(writer, junction, up_to, writer_hit)`` returns the
+    policy's promised boundaries of a writer (the core's one-unit rule);
+    each is mapped to the highest state at or below it (rule 3). A request
+    pins as its junction what its attention groups prove when its own hit
+    fell short of it (vLLM ``KVCacheManager.get_computed_blocks``: the hit
+    plus the uncached common prefix).
+    """
+    prompts = scenario.prompts
+    block = scenario.mamba_groups[0].block_size_tokens
+    attention_by_request: list[int] = []
+    out: list[tuple[int, int, int, int | None, tuple[int, ...]]] = []
+    for j in range(len(observed_hits)):
+        shared = [common_prefix_tokens(prompts[i], prompts[j]) for i in range(j)]
+        # Attention groups are content-addressed and downward-closed: any
+        # writer's blocks of the shared prefix serve, so they prove the best
+        # over writers; a state serves only from the writer that kept it.
+        attention = max(
+            (
+                attention_dense_hit(
+                    scenario,
+                    drop,
+                    hash_lookahead_tokens,
+                    scenario.requests[i].prompt_tokens - reprefillable_tokens,
+                    scenario.requests[i].prompt_tokens,
+                    scenario.requests[j].prompt_tokens,
+                    shared[i],
+                )
+                for i in range(j)
+            ),
+            default=0,
+        )
+        best_dense, best_expected, best_writer = 0, 0, None
+        points: set[int] = {0}
+        for i in range(j):
+            # Only the hybrid coordinator pins junctions (a single group has no
+            # lagging group: UnitaryKVCacheCoordinator reports none).
+            pins = len(scenario.kv_cache_groups) > 1 and observed_hits[i] < attention_by_request[i]
+            junction = attention_by_request[i] if pins else 0
+            states = state_positions(
+                scenario,
+                i,
+                observed_hits[i],
+                junction,
+                drop,
+                hash_lookahead_tokens,
+                reprefillable_tokens,
+                prefill_lookahead_tokens,
+            )
+            cap = min(attention, shared[i] - hash_lookahead_tokens)
+            dense = _floor_state(states, cap)
+            best_dense = max(best_dense, dense)
+            promised = checkpoints_for(i, junction, cap, observed_hits[i])
+            mapped = {_floor_state(states, c) for c in promised if c <= cap} | {0}
+            mapped = {p for p in mapped if p <= dense}
+            points.update(mapped)
+            if policy is Policy.IDEAL:
+                owed = max(dense, max(0, cap) // block * block)
+            else:
+                owed = max(mapped)
+            if owed > best_expected or best_writer is None:
+                best_expected, best_writer = owed, i
+        attention_by_request.append(attention)
+        out.append(
+            (max(shared, default=0), best_dense, best_expected, best_writer, tuple(sorted(points)))
+        )
+    return out

@@ -1,0 +1,105 @@
+"""The public Mamba-hybrid cases replay on vLLM's real MambaManager with exact hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from differential.compare import compare_variants
+from differential.corpus import load_entry
+from differential.findings import Policy
+from differential.variants import parse_variants
+from tests.factories import ROOT
+
+pytestmark = pytest.mark.vllm
+
+
+def _replay(rel: str, policy: Policy = Policy.VLLM):
+    entry = load_entry(ROOT / rel)
+    result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"), policy=policy)
+    hits = {vr.variant.name: list(vr.run.hits) for vr in result.results}
+    return hits, result.findings
+
+
+@pytest.mark.parametrize("length", [100, 112, 120, 127])
+def test_pr57444_resend_and_extension_fall_back_to_zero(length: int) -> None:
+    # Writer, identical resend, a second writer, its 60-token extension.
+    hits, findings = _replay(f"known-issues/fine-grained-replay-state-discarded-L{length}.json")
+    assert hits == {"unfixed": [0, 0, 0, 0], "fixed": [0, 0, 0, 0]}
+    assert sorted((f.owner, f.kind.value, f.request, f.expected_tokens) for f in findings) == [
+        (v, "fallback", r, 64) for v in ("fixed", "unfixed") for r in (1, 3)
+    ]
+    assert {f.known_issue for f in findings} == {"fine-grained-replay-state-discarded"}
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "mamba-fine-grained-replay-L95",
+        "mamba-fine-grained-replay-L128",
+        "mamba-fine-grained-replay-L100--no-drafter",
+        "mamba-fine-grained-replay-L100--dense-retention",
+        "mamba-fine-grained-replay-L100--lookahead-hashes",
+    ],
+)
+def test_pr57444_controls_hit_64(rel: str) -> None:
+    hits, findings = _replay(f"corpora/cases/{rel}.json")
+    assert hits == {"unfixed": [0, 64, 0, 64], "fixed": [0, 64, 0, 64]}
+    assert findings == ()
+
+
+def test_pr57444_geometry_under_vllm_scheduler_chunking() -> None:
+    # Scheduler._mamba_block_aligned_split stops at the fine-grained checkpoint 80.
+    hits, findings = _replay("corpora/cases/mamba-fine-grained-replay-L100--scheduler-prefill.json")
+    assert hits == {"unfixed": [0, 80, 0, 80], "fixed": [0, 80, 0, 80]}
+    assert findings == ()
+
+
+def test_pr54713_resend_of_aligned_prompt() -> None:
+    hits, findings = _replay("corpora/cases/mamba-eagle-resend-aligned-prompt.json")
+    assert hits == {"unfixed": [0, 112], "fixed": [0, 112]}
+    assert findings == ()
+
+
+def test_issue45238_junction_state() -> None:
+    hits, findings = _replay("corpora/cases/mamba-shared-prefix-junction.json")
+    assert hits == {"unfixed": [0, 0, 32], "fixed": [0, 0, 32]}
+    assert findings == ()
+    _, ideal = _replay("corpora/cases/mamba-shared-prefix-junction.json", Policy.IDEAL)
+    assert sorted((f.owner, f.kind.value, f.request) for f in ideal) == [
+        ("fixed", "design-gap", 1),
+        ("unfixed", "design-gap", 1),
+    ]
+
+
+def test_mamba_eagle_margin_mutant_is_caught() -> None:
+    # The EAGLE margin given back to the Mamba group hits the writer's state
+    # at 128, past the 112 full attention proves: over-hit.
+    entry = load_entry(ROOT / "corpora/cases/mamba-state-above-attention-proof.json")
+    result = compare_variants(entry.scenario, parse_variants("fixed,mutant-mamba-eagle-margin"))
+    hits = {vr.variant.name: list(vr.run.hits) for vr in result.results}
+    assert hits == {"fixed": [0, 112], "mutant-mamba-eagle-margin": [0, 128]}
+    mine = [(f.owner, f.kind.value, f.request, f.expected_tokens) for f in result.findings]
+    assert ("mutant-mamba-eagle-margin", "over-hit", 1, 112) in mine
+    assert not [f for f in result.findings if f.owner == "fixed"]
+
+
+def test_exported_mamba_test_drives_the_state_group(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str, cwd) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, cwd=cwd, check=False
+        )
+
+    rel = "known-issues/fine-grained-replay-state-discarded-L100.json"
+    export = run("-m", "differential.cli", "export-test", str(ROOT / rel), cwd=ROOT)
+    assert export.returncode == 0, export.stderr
+    source = export.stdout
+    assert 'mamba_cache_mode="align"' in source and "manager.new_step_starts()" in source
+    assert "assert hits[1] >= 64, hits" in source
+    test_file = tmp_path / "test_exported_mamba.py"
+    test_file.write_text(source)
+    stock = run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), cwd=tmp_path)
+    assert stock.returncode == 1, stock.stdout[-1500:]
+    assert "assert 0 >= 64" in stock.stdout

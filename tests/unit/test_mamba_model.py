@@ -1,0 +1,271 @@
+"""Mamba groups without vLLM: the scenario model and the state-group oracle on
+hand-worked cases."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from differential.corpus import finding_tag
+from differential.errors import ScenarioError
+from differential.findings import Policy
+from differential.observation import ManagerSettings, RequestObservation, RunObservation
+from differential.oracle import (
+    attention_dense_hit,
+    drafter_model,
+    judge_run,
+    references,
+    state_group_indices,
+    state_positions,
+)
+from differential.scenario import (
+    Drafter,
+    DrafterKind,
+    GroupKind,
+    KVCacheGroup,
+    MambaPrefill,
+    RequestSpec,
+    Scenario,
+)
+from tests.factories import ROOT
+
+FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
+EAGLE = Drafter(DrafterKind.EAGLE, 1)
+
+
+def fa_mamba(
+    length: int,
+    *,
+    block: int = 64,
+    hash_block: int | None = 16,
+    prefill: MambaPrefill = MambaPrefill.BLOCK,
+    drafter: Drafter = EAGLE,
+    **kw: object,
+) -> Scenario:
+    """FA + Mamba of one block size, a writer and its identical resend."""
+    return Scenario(
+        kv_cache_groups=(KVCacheGroup(FA, block), KVCacheGroup(MAMBA, block)),
+        requests=(RequestSpec(length, 0), RequestSpec(length, 0, shares_with=0)),
+        shared_prefix_tokens=length,
+        hash_block_size_tokens=hash_block,
+        retention_interval_tokens=kw.pop("retention", 0),  # type: ignore[arg-type]
+        drafter=drafter,
+        disable_lookahead_block_hashes=True,
+        mamba_prefill=prefill,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def observed(scenario: Scenario, hits: list[int]) -> RunObservation:
+    settings = ManagerSettings(
+        drafter_model(scenario).drop, 0, 0, 1, scenario.effective_hit_alignment_tokens
+    )
+    return RunObservation(
+        variant="v",
+        vllm_version="test",
+        settings=settings,
+        requests=tuple(
+            RequestObservation(i, r.prompt_tokens, h, 0, (h, h), (0, 0))
+            for i, (r, h) in enumerate(zip(scenario.requests, hits, strict=True))
+        ),
+    )
+
+
+# ------------------------------------------------------------ scenario model
+
+
+def test_fine_grained_hash_block_sets_the_hit_alignment() -> None:
+    # vLLM partial_hash_hits_enabled: a Mamba block coarser than the hash block.
+    s = fa_mamba(100)
+    assert (s.partial_hash_hits, s.effective_hit_alignment_tokens) == (True, 16)
+    # The hash block equal to the Mamba block: no partial hits, A = 64.
+    s = fa_mamba(100, hash_block=None)
+    assert (s.partial_hash_hits, s.effective_hit_alignment_tokens) == (False, 64)
+    # A sliding-window group coarser than the hash block vetoes partial hits.
+    s = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(FA, 64),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 32, 128),
+            KVCacheGroup(MAMBA, 64),
+        ),
+        requests=(RequestSpec(10, 0),),
+        shared_prefix_tokens=10,
+        hash_block_size_tokens=16,
+    )
+    assert (s.partial_hash_hits, s.effective_hit_alignment_tokens) == (False, 64)
+    assert state_group_indices(s) == (2,)
+
+
+@pytest.mark.parametrize(
+    ("groups", "field"),
+    [
+        ((KVCacheGroup(FA, 64), KVCacheGroup(MAMBA, 32)), "kv_cache_groups"),
+        (
+            (KVCacheGroup(FA, 16), KVCacheGroup(MAMBA, 32), KVCacheGroup(MAMBA, 16)),
+            "kv_cache_groups",
+        ),
+        ((KVCacheGroup(MAMBA, 16), KVCacheGroup(MAMBA, 16)), "kv_cache_groups"),
+    ],
+)
+def test_refused_mamba_layouts_name_the_field(groups, field) -> None:
+    with pytest.raises(ScenarioError) as info:
+        Scenario(kv_cache_groups=groups, requests=(RequestSpec(4, 0),), shared_prefix_tokens=4)
+    assert info.value.field == field
+
+
+def test_mamba_options_need_a_mamba_group() -> None:
+    groups = (KVCacheGroup(FA, 16),)
+    for kw, field in (
+        ({"enable_mamba_shared_prefix_checkpoint": True}, "enable_mamba_shared_prefix_checkpoint"),
+        ({"mamba_prefill": MambaPrefill.BLOCK}, "mamba_prefill"),
+    ):
+        with pytest.raises(ScenarioError) as info:
+            Scenario(groups, (RequestSpec(4, 0),), 4, **kw)  # type: ignore[arg-type]
+        assert info.value.field == field
+    with pytest.raises(ScenarioError) as info:
+        Scenario.from_dict({**fa_mamba(10).to_dict(), "mamba_prefill": "step"})
+    assert info.value.field == "mamba_prefill"
+    # Positive retention is accepted with a Mamba group and no SWA group.
+    assert fa_mamba(10, retention=128).retention_interval_tokens == 128
+
+
+def test_mamba_json_round_trips_and_old_files_are_unchanged() -> None:
+    s = fa_mamba(100, enable_mamba_shared_prefix_checkpoint=True)
+    data = s.to_dict()
+    assert data["mamba_prefill"] == "block"
+    assert data["enable_mamba_shared_prefix_checkpoint"] is True
+    assert Scenario.from_dict(json.loads(s.to_json())) == s
+    default = fa_mamba(100, prefill=MambaPrefill.SCHEDULER).to_dict()
+    assert "mamba_prefill" not in default
+    assert "enable_mamba_shared_prefix_checkpoint" not in default
+    old = json.loads((ROOT / "corpora/cases/swa-eagle-spiral.json").read_text())
+    old.pop("expect", None), old.pop("notes", None)
+    assert Scenario.from_dict(old).to_dict() == old
+
+
+# ---------------------------------------------------------------- the oracle
+
+
+def test_states_exist_where_steps_ended() -> None:
+    # Block-carved: a state at every block boundary the writer computed.
+    s = fa_mamba(100)
+    assert state_positions(s, 0, 0, 0, True, 0, 0) == (64,)
+    # vLLM's chunking, budget 2048: the prompt's fine-grained EAGLE resume
+    # position 96 - 16 = 80 is the only stop; block 0 (64) gets no state.
+    s = fa_mamba(100, prefill=MambaPrefill.SCHEDULER)
+    assert state_positions(s, 0, 0, 0, True, 0, 0) == (80,)
+    # Without the drop the resume position is 96 and the block grid's 64 is a stop.
+    assert state_positions(s, 0, 0, 0, False, 0, 0) == (64, 96)
+    # A 200-token writer: the last block-grid resume position 128, the
+    # fine-grained resume position 176, then the next block boundary 192 (a
+    # step that starts mid-block ends on the grid).
+    s = fa_mamba(200, prefill=MambaPrefill.SCHEDULER)
+    assert state_positions(s, 0, 0, 0, True, 0, 0) == (128, 176, 192)
+    # A junction at 80 with budget 2048 is floored to the block grid (64) ...
+    assert state_positions(s, 0, 0, 80, True, 0, 0) == (64, 128, 176, 192)
+    # ... and kept exactly with the shared-prefix checkpoint option.
+    s = fa_mamba(200, prefill=MambaPrefill.SCHEDULER, enable_mamba_shared_prefix_checkpoint=True)
+    assert state_positions(s, 0, 0, 80, True, 0, 0) == (80, 128, 176, 192)
+
+
+def test_attention_proves_per_hash_block_with_fine_grained_hits() -> None:
+    s = fa_mamba(100)
+    # 100 shared tokens, resend capped at 99: FA proves 96, the drop gives one
+    # hash block back.
+    assert attention_dense_hit(s, True, 0, 100, 100, 100, 100) == 80
+    assert attention_dense_hit(s, False, 0, 100, 100, 100, 100) == 96
+
+
+def test_state_one_unit_rule_owes_the_block_state_below_the_replay_boundary() -> None:
+    # PR #57444: the writer's replay boundary at A = 16 is 80, one unit below
+    # 64; the highest state at or below them is 64: the resend is owed 64.
+    s = fa_mamba(100)
+    refs, findings = judge_run(s, observed(s, [0, 0]))
+    assert [(r.dense_tokens, r.expected_tokens) for r in refs] == [(0, 0), (64, 64)]
+    assert [finding_tag(f) for f in findings] == ["fallback@1"]
+    # Under `retained` (vLLM's literal retention: no state at 64) nothing is owed.
+    refs, findings = judge_run(s, observed(s, [0, 0]), Policy.RETAINED)
+    assert refs[1].expected_tokens == 64 and findings  # 80 - A is literal under the drop
+    # The hit 64 is clean.
+    assert judge_run(s, observed(s, [0, 64]))[1] == ()
+
+
+def test_a_hit_no_state_justifies_is_an_over_hit() -> None:
+    # The scheduler's writer keeps a state at 80 only; a state at 96 is past
+    # the point full attention proves under the drop (80).
+    s = fa_mamba(100, prefill=MambaPrefill.SCHEDULER)
+    tags = [finding_tag(f) for f in judge_run(s, observed(s, [0, 96]))[1]]
+    assert tags == ["over-hit@1"]
+    assert judge_run(s, observed(s, [0, 80]))[1] == ()
+    # Without a drafter full attention proves 96 and the writer keeps 96.
+    s = fa_mamba(100, prefill=MambaPrefill.SCHEDULER, drafter=Drafter())
+    assert judge_run(s, observed(s, [0, 96]))[1] == ()
+    assert [finding_tag(f) for f in judge_run(s, observed(s, [0, 112]))[1]] == ["over-hit@1"]
+
+
+def test_junction_state_case_of_issue_45238() -> None:
+    # FA 16 + Mamba 16, no drafter, retention 0: A keeps a state at 96 only.
+    s = Scenario(
+        kv_cache_groups=(KVCacheGroup(FA, 16), KVCacheGroup(MAMBA, 16)),
+        requests=(RequestSpec(40, 60), RequestSpec(40, 60), RequestSpec(40, 60)),
+        shared_prefix_tokens=40,
+        hash_block_size_tokens=16,
+        retention_interval_tokens=0,
+    )
+    model = drafter_model(s)
+    refs = references(s, model, [0, 0, 32])
+    assert [r.expected_tokens for r in refs] == [0, 0, 32]
+    assert judge_run(s, observed(s, [0, 0, 32]))[1] == ()
+    # C = 0 is a fallback: B pinned the junction 32 and kept its state.
+    assert [finding_tag(f) for f in judge_run(s, observed(s, [0, 0, 0]))[1]] == ["fallback@2"]
+    # Under `ideal` B is a design gap: full attention proves 32.
+    ideal = judge_run(s, observed(s, [0, 0, 32]), Policy.IDEAL)[1]
+    assert [(f.kind.value, f.request) for f in ideal] == [("design-gap", 1)]
+
+
+# ------------------------------------------------------- labels and generator
+
+
+def test_pr57444_label_matches_its_mechanism_and_rejects_near_misses() -> None:
+    from differential.known import label_known
+
+    s = fa_mamba(100)
+    findings = judge_run(s, observed(s, [0, 0]))[1]
+    assert [f.known_issue for f in label_known(s, findings)] == [
+        "fine-grained-replay-state-discarded"
+    ]
+    # Near misses: the same shortfall without the drop, or with dense
+    # retention, is not this issue (the writer's state is kept there).
+    for near in (fa_mamba(100, drafter=Drafter()), fa_mamba(100, retention=None)):
+        labelled = label_known(near, judge_run(near, observed(near, [0, 0]))[1])
+        assert all(f.known_issue != "fine-grained-replay-state-discarded" for f in labelled)
+
+
+def test_generator_reaches_mamba_hybrids() -> None:
+    from hypothesis import HealthCheck, find, settings
+
+    from fuzz.strategies import scenarios
+
+    def found(condition, kinds=frozenset()) -> Scenario:
+        return find(
+            scenarios(kinds=kinds),
+            condition,
+            settings=settings(
+                max_examples=3000, suppress_health_check=list(HealthCheck), database=None
+            ),
+        )
+
+    several = found(lambda s: len(s.mamba_groups) >= 2 and s.partial_hash_hits)
+    assert several.effective_hit_alignment_tokens < several.mamba_groups[0].block_size_tokens
+    production = found(
+        lambda s: bool(s.mamba_groups) and s.mamba_groups[0].block_size_tokens in (1536, 3200)
+    )
+    assert production.scheduler_block_size_tokens in (1536, 3200)
+    with_swa = found(lambda s: bool(s.mamba_groups) and bool(s.sliding_window_groups))
+    assert (
+        with_swa.full_attention_group.block_size_tokens
+        == with_swa.mamba_groups[0].block_size_tokens
+    )
+    pinned = found(lambda s: True, frozenset({GroupKind.MAMBA}))
+    assert pinned.mamba_groups
