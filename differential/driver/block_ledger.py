@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
 from differential.observation import BlockRecord, BlockWrite
 
@@ -48,6 +49,12 @@ class BlockLedger:
     def __init__(self, manager: KVCacheManager) -> None:
         self._managers = manager.coordinator.single_type_managers
         self._block_sizes = [m.block_size for m in self._managers]
+        # State groups (Mamba in align mode) keep one state block per step end
+        # and null blocks elsewhere in the table: their writes are not the
+        # attention pattern this ledger checks, so they are left out.
+        self._state_groups = {
+            gid for gid, m in enumerate(self._managers) if isinstance(m, MambaManager)
+        }
         # block id -> [group, writer request index, writer block index, filled tokens]
         self._filled: dict[int, list[int]] = {}
 
@@ -146,15 +153,29 @@ class BlockLedger:
             return unsafe
         filled = self._filled
         for gid, manager in enumerate(self._managers):
+            if gid in self._state_groups:
+                continue
             size = self._block_sizes[gid]
             table = manager.req_to_blocks.get(request_id, ())
+            # A fine-grained partial hit is redirected to a private copy-on-write
+            # block (SingleTypeKVCacheManager._apply_cow): it holds one extra
+            # reference until the worker has copied the shared block into it.
+            cow = {
+                dst.block_id: src.block_id
+                for src, dst in getattr(manager, "_pending_cow_copies", ())
+            }
             first = start_tokens // size
             for k, block in enumerate(table[first : (end_tokens - 1) // size + 1], first):
                 block_id = block.block_id
+                if block_id in cow and block_id not in filled and cow[block_id] in filled:
+                    # The copy holds the hit tokens before this step: the
+                    # request's own tokens (it matched them), written by it.
+                    filled[block_id] = [gid, request_index, k, max(0, start_tokens - k * size)]
                 overwrites = bool(cached_before) and (
                     max(start_tokens, k * size) < cached_before.get(block_id, 0)
                 )
-                if block.ref_cnt != 1 or block.is_null or overwrites:
+                holders = block.ref_cnt - (1 if block_id in cow else 0)
+                if holders != 1 or block.is_null or overwrites:
                     unsafe.append(
                         BlockWrite(
                             position_tokens=start_tokens,

@@ -148,18 +148,23 @@ def _content_violation(
     held: BlockRecord,
     sibling: int,
     tokens: TokenView,
+    read_end_tokens: int | None = None,
 ) -> BlockViolation | None:
-    """Check a real block at ``index`` against the sibling's tokens."""
-    if held.writer is None or held.filled_tokens < block_size_tokens:
+    """Check a real block at ``index`` against the sibling's tokens, up to
+    ``read_end_tokens`` (default: the block's end), in tokens."""
+    end = (index + 1) * block_size_tokens
+    if read_end_tokens is not None:
+        end = min(end, read_end_tokens)
+    needed = end - index * block_size_tokens
+    if held.writer is None or held.filled_tokens < needed:
         return BlockViolation(
             ViolationKind.UNWRITTEN,
             group,
             index,
             held,
-            f"group {group} block index {index} is {_describe(held)}; a hit needs all "
-            f"{block_size_tokens} tokens written",
+            f"group {group} block index {index} is {_describe(held)}; a hit needs "
+            f"{needed} of its tokens written",
         )
-    end = (index + 1) * block_size_tokens
     if (
         held.group != group
         or held.writer_block_index != index
@@ -199,7 +204,9 @@ def attention_violations(
         Every violation, count first, then by block index.
     """
     size = group.block_size_tokens
-    owed = hit_tokens // size
+    # With fine-grained hits (a hash block finer than the block) a hit may end
+    # inside a block, which is then handed out and read up to the hit.
+    owed = -(-hit_tokens // size)
     out: list[BlockViolation] = []
     if len(blocks) != owed:
         extra = ""
@@ -236,7 +243,7 @@ def attention_violations(
             continue
         if index < first_read:
             continue  # below the window: never read
-        bad = _content_violation(gid, size, index, held, sibling, tokens)
+        bad = _content_violation(gid, size, index, held, sibling, tokens, hit_tokens)
         if bad is not None:
             out.append(bad)
     return out
@@ -255,11 +262,13 @@ def state_group_violations(
     A state group holds one state per block boundary and a hit needs only the
     state at the hit (vLLM ``MambaManager.find_longest_cache_hit`` pads the
     blocks below it with null blocks): exactly ``h / B`` blocks, the last one
-    real and holding the sibling's tokens up to ``h``, nothing past the hit.
+    real and holding the sibling's tokens up to ``h``, nothing past the hit
+    (``ceil(h / B)`` blocks when a fine-grained hit ends inside a block).
     Same arguments as :func:`attention_violations`.
     """
     size = group.block_size_tokens
-    owed = hit_tokens // size
+    # A fine-grained hit ends inside a block, whose state is the hit's.
+    owed = -(-hit_tokens // size)
     out: list[BlockViolation] = []
     if len(blocks) > owed:
         out.append(
@@ -295,7 +304,10 @@ def state_group_violations(
                     f"group {gid} has the null block where the state at {hit_tokens} is due",
                 )
             )
-        else:
+        elif held.writer is not None:
+            # The driver does not record what a state block holds (a state
+            # sums every token before it, not one block's worth); a recorded
+            # one must hold the sibling's tokens.
             bad = _content_violation(gid, size, owed - 1, held, sibling, tokens)
             if bad is not None:
                 out.append(bad)
@@ -309,8 +321,9 @@ GroupCheck = Callable[
 GROUP_CHECKS: dict[GroupKind, GroupCheck] = {
     GroupKind.FULL_ATTENTION: attention_violations,
     GroupKind.SLIDING_WINDOW: attention_violations,
+    GroupKind.MAMBA: state_group_violations,
 }
-"""The check for each group kind; a state kind maps to :func:`state_group_violations`."""
+"""The check for each group kind (a state kind: :func:`state_group_violations`)."""
 
 
 def request_violations(
