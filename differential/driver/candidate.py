@@ -27,7 +27,7 @@ vLLM's mask moves the candidate too.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec
@@ -102,20 +102,20 @@ def _installed_mask() -> Callable[..., list[bool] | None]:
 
 
 @contextmanager
-def candidate_fix() -> Iterator[None]:
+def _seed_fix_widened(*, boundaries: bool) -> Iterator[None]:
+    """The seed PR's fix with the one-unit widening installed over its mask."""
+    original = _installed_mask()
+    with seed_pr_fix():
+        wider = _one_unit_wider(_installed_mask(), original, boundaries=boundaries)
+        with patched(((SlidingWindowManager, "reachable_block_mask", classmethod(wider)),)):
+            yield
+
+
+def candidate_fix() -> AbstractContextManager[None]:
     """Context manager: the seed PR's fix plus the one-unit widening of every tail."""
-    original = _installed_mask()
-    with seed_pr_fix():
-        wider = _one_unit_wider(_installed_mask(), original, boundaries=True)
-        with patched(((SlidingWindowManager, "reachable_block_mask", classmethod(wider)),)):
-            yield
+    return _seed_fix_widened(boundaries=True)
 
 
-@contextmanager
-def mutant_no_replay_widening() -> Iterator[None]:
+def mutant_no_replay_widening() -> AbstractContextManager[None]:
     """The candidate with only periodic tails widened (replay and junction tails not)."""
-    original = _installed_mask()
-    with seed_pr_fix():
-        wider = _one_unit_wider(_installed_mask(), original, boundaries=False)
-        with patched(((SlidingWindowManager, "reachable_block_mask", classmethod(wider)),)):
-            yield
+    return _seed_fix_widened(boundaries=False)
