@@ -211,6 +211,33 @@ def _read(paths: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
+def _add_unlisted_findings(merged: dict[str, Any], folder: Path, since: float) -> None:
+    """List finding files this run wrote that no worker's last summary lists.
+
+    A worker stopped by a signal may be killed after its grace period before
+    it saves its final summary; its findings are on disk all the same (each
+    file is written once, atomically), so the merged summary lists them, each
+    once, with the example and signature the file records.
+    """
+    listed = {Path(entry["file"]).name for entry in merged["distinct"]}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        if path.name in listed or path.stat().st_mtime < since:
+            continue
+        try:
+            finding = json.loads(path.read_text(encoding="utf-8"))["finding"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a finding file of this run
+        merged["distinct"].append(
+            {
+                "signature": finding.get("signature", path.stem),
+                "file": str(path),
+                "first_example": finding.get("example", -1),
+                "first_seen_s": merged["elapsed_s"],
+                "count": 1,
+            }
+        )
+
+
 def _stop(workers: list[Any]) -> None:
     """SIGTERM to live workers, a grace period to save, then SIGKILL."""
     for worker in workers:
@@ -252,6 +279,7 @@ def run_parallel(
     paths = [config.out / c.summary_name for c in configs]
     for path in paths + [traceback_path(c) for c in configs]:
         path.unlink(missing_ok=True)
+    started = time.time()
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=_worker, args=(c, os.getpid(), campaign)) for c in configs]
     interrupted = False
@@ -291,6 +319,8 @@ def run_parallel(
         if process.exitcode != 0 and not (interrupted and (process.exitcode or 0) < 0)
     ]
     merged = merge_summaries(_read(paths), config)
+    if interrupted:
+        _add_unlisted_findings(merged, config.out / "findings", started)
     merged["jobs"] = jobs
     merged["interrupted"] = merged["interrupted"] or interrupted
     merged["failed_jobs"] = failed

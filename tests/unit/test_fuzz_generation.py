@@ -19,9 +19,9 @@ def test_generated_scenarios_are_valid_and_round_trip(scenario: Scenario) -> Non
     assert scenario.requests[0].divergence_tokens == scenario.shared_prefix_tokens
 
 
-def _find(condition) -> Scenario:
+def _find(condition, strategy=None) -> Scenario:
     return find(
-        scenarios(),
+        scenarios() if strategy is None else strategy,
         condition,
         settings=settings(
             max_examples=3000,
@@ -39,7 +39,8 @@ def test_generator_reaches_real_geometries() -> None:
             and s.sliding_window_groups[0].block_size_tokens == 64
             and s.sliding_window_groups[0].sliding_window_tokens == 1024
             and s.shared_prefix_tokens >= 16384
-        )
+        ),
+        scenarios(scale="real"),
     )
     assert real.shared_prefix_tokens >= 16384
 
