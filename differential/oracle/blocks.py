@@ -261,10 +261,11 @@ def state_group_violations(
 
     A state group holds one state per block boundary and a hit needs only the
     state at the hit (vLLM ``MambaManager.find_longest_cache_hit`` pads the
-    blocks below it with null blocks): exactly ``h / B`` blocks, the last one
-    real and holding the sibling's tokens up to ``h``, nothing past the hit
-    (``ceil(h / B)`` blocks when a fine-grained hit ends inside a block).
-    Same arguments as :func:`attention_violations`.
+    blocks below it with null blocks): ``ceil(h / B)`` blocks (a fine-grained
+    hit may end inside a block), the last one real, nothing past the hit. What
+    a state block holds is not checked: the driver's ledger does not follow
+    state blocks. Same arguments as :func:`attention_violations`
+    (``sibling`` and ``tokens`` unused).
     """
     size = group.block_size_tokens
     # A fine-grained hit ends inside a block, whose state is the hit's.
