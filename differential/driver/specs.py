@@ -1,0 +1,133 @@
+"""Group kind -> vLLM spec: the KV cache groups as vLLM's planner leaves them.
+
+The only place that builds vLLM's ``KVCacheSpec`` / ``KVCacheGroupSpec`` /
+``KVCacheConfig`` from a scenario's groups (vllm/v1/kv_cache_interface.py).
+A new group kind adds its spec here; both driving modes build from it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from differential.capabilities import Feature
+from differential.driver.features import UnsupportedFeature, has, vllm_call
+from differential.driver.settings import ResolvedDrafter
+from differential.scenario import GroupKind, Scenario
+
+__all__ = ["attention_spec", "group_spec", "kv_cache_config", "mamba_spec", "pool_blocks"]
+
+
+def attention_spec(
+    block_size: int, kind: GroupKind, window: int | None, extra_retained: int
+) -> KVCacheSpec:
+    """An attention group's spec (block size in tokens; window in tokens for
+    sliding window; ``extra_retained`` tokens kept below the window, see
+    :func:`kv_cache_config`). Layer shapes are placeholders: no tensor is
+    ever allocated.
+
+    Raises:
+        UnsupportedFeature: ``extra_retained`` is set on a release without it.
+    """
+    common = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
+    if kind is GroupKind.SLIDING_WINDOW:
+        assert window is not None
+        if has(Feature.EXTRA_RETAINED_TOKENS):
+            common["extra_retained_tokens"] = extra_retained
+        elif extra_retained:
+            raise UnsupportedFeature(Feature.EXTRA_RETAINED_TOKENS)
+        return vllm_call("SlidingWindowSpec", SlidingWindowSpec, sliding_window=window, **common)
+    return vllm_call("FullAttentionSpec", FullAttentionSpec, **common)
+
+
+def mamba_spec(block_size: int, num_speculative_blocks: int) -> MambaSpec:
+    """A Mamba group's spec as a Mamba layer builds it in prefix-caching mode.
+
+    As ``vllm/model_executor/layers/mamba/abstract.py``
+    ``MambaBase.get_kv_cache_spec``: ``mamba_cache_mode="align"`` (the mode
+    prefix caching sets, vllm/model_executor/models/config.py),
+    ``num_speculative_blocks = VllmConfig.num_speculative_tokens``, no
+    internal prefill checkpoints (``num_prefill_checkpoint_blocks = 0``: state
+    is written at chunk ends only, the block-carved prefill). The state shape
+    is a token placeholder: no tensor is ever allocated.
+    """
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((8,),),
+        dtypes=(torch.float16,),
+        mamba_cache_mode="align",
+        num_speculative_blocks=num_speculative_blocks,
+    )
+
+
+def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSpec:
+    """The spec of group ``index``: attention groups via :func:`attention_spec`, Mamba
+    groups via :func:`mamba_spec`."""
+    g = scenario.kv_cache_groups[index]
+    if g.kind is GroupKind.MAMBA:
+        return mamba_spec(g.block_size_tokens, scenario.drafter.num_speculative_tokens)
+    return attention_spec(g.block_size_tokens, g.kind, g.sliding_window_tokens, extra_retained)
+
+
+def pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
+    """The block-pool size in blocks: every request takes fresh blocks, nothing evicts."""
+    total = 1  # the null block
+    extra = scenario.decode_steps + resolved.num_lookahead_tokens + 1
+    for request in scenario.requests:
+        for group in scenario.kv_cache_groups:
+            total += math.ceil((request.prompt_tokens + extra) / group.block_size_tokens)
+            if group.kind is GroupKind.MAMBA:
+                # Speculative state blocks, a copy-on-write block for a partial
+                # hit and the running state's successor.
+                total += scenario.drafter.num_speculative_tokens + 2
+    return total + 8
+
+
+def kv_cache_config(
+    scenario: Scenario, resolved: ResolvedDrafter, num_blocks: int, retention: int | None
+) -> KVCacheConfig:
+    """The groups as vLLM's planner leaves them.
+
+    Sliding-window specs get ``extra_retained_tokens = num_prefill_lookahead - 1``
+    as ``vllm/v1/core/kv_cache_planning.py`` tags them for multi-module MTP.
+    Drafter layers are not modelled separately, so no group is marked
+    ``is_eagle_group`` and the coordinator applies the EAGLE drop to every
+    group (``KVCacheCoordinator.__init__``'s conservative fallback). For a
+    Mamba group vLLM's own code then decides what the drop means: its finder
+    never drops and gets no EAGLE margin
+    (``HybridKVCacheCoordinator.find_longest_cache_hit``: ``drop_eagle_block
+    and not isinstance(spec, MambaSpec)``), and its checkpoints follow the
+    attention replay boundary (``drop_eagle_checkpoint_block``).
+    """
+    extra_retained = max(0, resolved.num_prefill_lookahead_tokens - 1)
+    groups = [
+        vllm_call(
+            "KVCacheGroupSpec",
+            KVCacheGroupSpec,
+            layer_names=[f"{g.kind.value}.{i}"],
+            kv_cache_spec=group_spec(scenario, i, extra_retained),
+        )
+        for i, g in enumerate(scenario.kv_cache_groups)
+    ]
+    optional = {}
+    if has(Feature.RETENTION_INTERVAL):
+        optional["prefix_cache_retention_interval"] = retention
+    elif retention is not None:
+        raise UnsupportedFeature(Feature.RETENTION_INTERVAL)
+    return vllm_call(
+        "KVCacheConfig",
+        KVCacheConfig,
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        **optional,
+    )
