@@ -20,6 +20,8 @@ from differential.oracle import (
     dense_hit,
     drafter_model,
     references,
+    replay_boundaries,
+    state,
 )
 from differential.scenario import GroupKind, Scenario
 
@@ -135,52 +137,124 @@ def _single_swa_lookahead_index_error(scenario: Scenario, finding: Finding) -> b
     )
 
 
-def _fine_grained_replay_state_discarded(scenario: Scenario, finding: Finding) -> bool:
-    """A fallback on a Mamba hybrid with fine-grained hits, the EAGLE drop and
-    retention 0: the state the sibling is owed was materialized on the block
-    grid, but vLLM retains only the states at its replay boundaries computed
-    on the scheduler block (one whole block below the prompt's aligned
-    length), not on the hit alignment, and discards it (vLLM PR #57444)."""
-    if finding.kind is not FindingKind.FALLBACK or not scenario.mamba_groups:
-        return False
-    if finding.expected_tokens is None or finding.hit_tokens is None:
-        return False
-    block = scenario.mamba_groups[0].block_size_tokens
+def _writer_states(
+    scenario: Scenario, request: int, hits: Sequence[int] | None
+) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Per earlier writer of ``request`` and junction it may have pinned:
+    ``(writer, junction, states)``, positions in tokens
+    (:func:`differential.oracle.state.state_positions`).
+
+    A writer pins its attention proof as a junction when its own hit fell
+    short of it (only the hybrid coordinator pins). Without the run's hits
+    (``None``) both the pinned and the unpinned writer are listed, and every
+    writer is taken to have computed its prompt from 0.
+    """
+    model = drafter_model(scenario)
+    prefill_lookahead = model.reprefillable_tokens + 1
+    proofs = state.attention_proofs(
+        scenario, model.drop, model.hash_lookahead_tokens, model.reprefillable_tokens, request
+    )
+    out = []
+    for writer in range(request):
+        writer_hit = 0 if hits is None else hits[writer]
+        pinned = len(scenario.kv_cache_groups) > 1 and (hits is None or writer_hit < proofs[writer])
+        for junction in {0, proofs[writer]} if pinned else {0}:
+            states = state.state_positions(
+                scenario,
+                writer,
+                writer_hit,
+                junction,
+                model.drop,
+                model.hash_lookahead_tokens,
+                model.reprefillable_tokens,
+                prefill_lookahead,
+            )
+            out.append((writer, junction, states))
+    return out
+
+
+def _mamba_fallback(scenario: Scenario, finding: Finding) -> bool:
+    """A fallback below what was owed on a model with Mamba groups under sparse
+    retention."""
     return (
-        finding.hit_tokens < finding.expected_tokens
-        and finding.expected_tokens % block == 0  # a state on the block grid
-        and scenario.partial_hash_hits
-        and scenario.retention_interval_tokens == 0
-        and drafter_model(scenario).drop
+        finding.kind is FindingKind.FALLBACK
+        and finding.request is not None
+        and bool(scenario.mamba_groups)
+        and scenario.retention_interval_tokens is not None
+        and finding.expected_tokens is not None
+        and finding.hit_tokens is not None
+        and finding.hit_tokens < finding.expected_tokens
     )
 
 
-def _unit_below_retained_state(scenario: Scenario, finding: Finding) -> bool:
-    """A fallback on a Mamba model under sparse retention to below the state
-    owed one alignment unit under a boundary ``b`` vLLM retains: vLLM keeps
-    the state at ``b`` (floored to the block grid) but not the highest state
-    at or below ``b - A``, so a sibling that diverged inside the last unit
-    before ``b`` misses it (the state-group form of vLLM issue #57610;
-    local-inference-lab/vllm PR #556 keeps a state below each boundary under
-    EAGLE)."""
-    if finding.kind is not FindingKind.FALLBACK or finding.request is None:
+def _fine_grained_replay_state_discarded(
+    scenario: Scenario, finding: Finding, hits: Sequence[int] | None = None
+) -> bool:
+    """A fallback on a Mamba hybrid with fine-grained hits and the EAGLE drop
+    to below a position between a writer's replay boundaries as vLLM computes
+    them (on the scheduler block, ``kv_cache_coordinator.replay_boundaries``)
+    and as the hit alignment places them: the state (or the SWA tail) a
+    resend resumes at was materialized but not retained, because vLLM computes
+    the boundaries one whole scheduler block below the prompt's aligned
+    length (vLLM PR #57444)."""
+    if not _mamba_fallback(scenario, finding) or finding.request is None:
         return False
-    if not scenario.mamba_groups or scenario.retention_interval_tokens is None:
+    model = drafter_model(scenario)
+    if not (scenario.partial_hash_hits and model.drop):
         return False
-    expected, hit = finding.expected_tokens, finding.hit_tokens
-    if expected is None or hit is None or hit >= expected:
+    expected = finding.expected_tokens or 0
+    block = scenario.scheduler_block_size_tokens
+    for writer in range(finding.request):
+        length = scenario.requests[writer].prompt_tokens
+        on_block = {
+            max((length - 1) // block * block - block, 0),
+            max(length // block * block - block, 0),
+        }
+        on_alignment = replay_boundaries(scenario, model, writer)
+        if max(on_block) < expected <= max(on_alignment):
+            return True
+    return False
+
+
+def _unit_below_retained_state(
+    scenario: Scenario, finding: Finding, hits: Sequence[int] | None = None
+) -> bool:
+    """A fallback on a Mamba model under sparse retention from the state owed
+    one alignment unit under a boundary ``b`` vLLM retains: the writer
+    materialized the highest state at or below ``b - A`` and vLLM kept the
+    state at ``b`` but not that one, so a sibling that diverged inside the
+    last unit before ``b`` misses it (the state-group form of vLLM issue
+    #57610; local-inference-lab/vllm PR #556 keeps a state below each
+    boundary under EAGLE). ``b`` is a periodic checkpoint, a replay boundary
+    or a pinned junction of the writer, the state kept for it lies above the
+    one owed, and the owed position is no retained boundary itself; the
+    states are the writer's own (:func:`_writer_states`)."""
+    if not _mamba_fallback(scenario, finding) or finding.request is None:
         return False
     model = drafter_model(scenario)
     alignment = scenario.effective_hit_alignment_tokens
-    spacing = scenario.mamba_groups[0].block_size_tokens + alignment
-    literal: set[int] = set()
-    for writer in range(finding.request):
-        literal.update(
-            checkpoints(
-                scenario, model, writer, 0, expected + spacing + alignment, 0, Policy.RETAINED
-            )
+    expected = finding.expected_tokens or 0
+    for writer, junction, states in _writer_states(scenario, finding.request, hits):
+        writer_hit = 0 if hits is None else hits[writer]
+        literal = checkpoints(
+            scenario,
+            model,
+            writer,
+            junction,
+            max(states, default=0) + alignment,
+            writer_hit,
+            Policy.RETAINED,
         )
-    return any(0 <= b - alignment - expected < spacing for b in literal if b > expected)
+        if expected in literal:
+            continue  # owed a retained boundary itself: some other mechanism
+        if any(
+            state.floor_state(states, b) > expected
+            and state.floor_state(states, b - alignment) == expected
+            for b in literal
+            if b - alignment >= expected
+        ):
+            return True
+    return False
 
 
 def _mamba_finder_ignores_drop(scenario: Scenario, finding: Finding) -> bool:
@@ -262,9 +336,10 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         summary=(
             "On a Mamba hybrid with fine-grained hits (hash block finer than the "
             "Mamba block), the EAGLE drop and retention 0, vLLM 0.33.0 computes "
-            "the replay boundaries a Mamba group retains on the scheduler block, "
-            "one whole block below the prompt's aligned length, so a state the "
-            "writer materialized where the sibling resumes is discarded and the "
+            "the replay boundaries every group retains on the scheduler block, "
+            "one whole block below the prompt's aligned length, so a state (or an "
+            "SWA tail) the writer materialized where the sibling resumes is "
+            "discarded and the "
             "sibling misses: FA 64 + Mamba 64, hash block 16, a block-carved "
             "prefill of a 100-token prompt resent gets 0 where 64 is due (95 and "
             "128 tokens still get 64). vLLM PR #57444 (open) computes them on the "
@@ -274,13 +349,15 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "vllm/v1/core/single_type_kv_cache_manager.py MambaManager.reachable_block_mask",
         example="known-issues/fine-grained-replay-state-discarded-L100.json",
         matches=_fine_grained_replay_state_discarded,
+        uses_hits=True,
     ),
     KnownIssue(
         name="unit-below-retained-state-discarded",
         summary=(
             "On a Mamba model under sparse retention, a sibling that diverges "
             "inside the last alignment unit before a boundary vLLM retains (a "
-            "replay boundary, a periodic checkpoint) is owed the highest state at "
+            "replay boundary, a periodic checkpoint, a pinned junction) is owed "
+            "the highest state the writer materialized at "
             "or below b - A under the one-unit rule, but vLLM keeps only the state "
             "at b, so the sibling falls back, often to 0 (Mamba 4 alone, retention "
             "0, a 32-token writer: a sibling sharing 24 tokens gets 0 where the "
@@ -292,6 +369,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "MambaManager.reachable_block_mask",
         example="known-issues/unit-below-retained-state-discarded.json",
         matches=_unit_below_retained_state,
+        uses_hits=True,
     ),
     KnownIssue(
         name="mamba-finder-ignores-eagle-drop",

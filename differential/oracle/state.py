@@ -59,6 +59,8 @@ from differential.scenario import GroupKind, MambaPrefill, Scenario
 
 __all__ = [
     "attention_dense_hit",
+    "attention_proofs",
+    "floor_state",
     "state_group_indices",
     "state_positions",
     "state_references",
@@ -239,8 +241,48 @@ def state_positions(
     return tuple(sorted(p for p in kept if p > 0))
 
 
-def _floor_state(states: Sequence[int], position: int) -> int:
-    """The highest state at or below ``position`` (0 if none)."""
+def attention_proofs(
+    scenario: Scenario,
+    drop: bool,
+    hash_lookahead_tokens: int,
+    reprefillable_tokens: int,
+    num_requests: int,
+) -> tuple[int, ...]:
+    """Per request, what its attention groups prove from every earlier
+    request, in tokens (:func:`attention_dense_hit`, best over writers).
+
+    Attention groups are content-addressed and downward-closed: any writer's
+    blocks of the shared prefix serve, so they prove the best over writers (a
+    state serves only from the writer that kept it). A request whose hit
+    falls short of its proof pins the proof as its shared-prefix junction
+    (vLLM ``KVCacheManager.get_computed_blocks``: the hit plus the uncached
+    common prefix).
+    """
+    prompts = scenario.prompts
+    proofs = []
+    for j in range(num_requests):
+        proofs.append(
+            max(
+                (
+                    attention_dense_hit(
+                        scenario,
+                        drop,
+                        hash_lookahead_tokens,
+                        scenario.requests[i].prompt_tokens - reprefillable_tokens,
+                        scenario.requests[i].prompt_tokens,
+                        scenario.requests[j].prompt_tokens,
+                        common_prefix_tokens(prompts[i], prompts[j]),
+                    )
+                    for i in range(j)
+                ),
+                default=0,
+            )
+        )
+    return tuple(proofs)
+
+
+def floor_state(states: Sequence[int], position: int) -> int:
+    """The highest state at or below ``position``, in tokens (0 if none)."""
     return max((s for s in states if s <= position), default=0)
 
 
@@ -265,28 +307,13 @@ def state_references(
     """
     prompts = scenario.prompts
     block = scenario.mamba_groups[0].block_size_tokens
-    attention_by_request: list[int] = []
+    attention_by_request = attention_proofs(
+        scenario, drop, hash_lookahead_tokens, reprefillable_tokens, len(observed_hits)
+    )
     out: list[tuple[int, int, int, int | None, tuple[int, ...]]] = []
     for j in range(len(observed_hits)):
         shared = [common_prefix_tokens(prompts[i], prompts[j]) for i in range(j)]
-        # Attention groups are content-addressed and downward-closed: any
-        # writer's blocks of the shared prefix serve, so they prove the best
-        # over writers; a state serves only from the writer that kept it.
-        attention = max(
-            (
-                attention_dense_hit(
-                    scenario,
-                    drop,
-                    hash_lookahead_tokens,
-                    scenario.requests[i].prompt_tokens - reprefillable_tokens,
-                    scenario.requests[i].prompt_tokens,
-                    scenario.requests[j].prompt_tokens,
-                    shared[i],
-                )
-                for i in range(j)
-            ),
-            default=0,
-        )
+        attention = attention_by_request[j]
         best_dense, best_expected, best_writer = 0, 0, None
         points: set[int] = {0}
         for i in range(j):
@@ -305,10 +332,10 @@ def state_references(
                 prefill_lookahead_tokens,
             )
             cap = min(attention, shared[i] - hash_lookahead_tokens)
-            dense = _floor_state(states, cap)
+            dense = floor_state(states, cap)
             best_dense = max(best_dense, dense)
             promised = checkpoints_for(i, junction, cap, observed_hits[i])
-            mapped = {_floor_state(states, c) for c in promised if c <= cap} | {0}
+            mapped = {floor_state(states, c) for c in promised if c <= cap} | {0}
             mapped = {p for p in mapped if p <= dense}
             points.update(mapped)
             if policy is Policy.IDEAL:
@@ -317,7 +344,6 @@ def state_references(
                 owed = max(mapped)
             if owed > best_expected or best_writer is None:
                 best_expected, best_writer = owed, i
-        attention_by_request.append(attention)
         out.append(
             (max(shared, default=0), best_dense, best_expected, best_writer, tuple(sorted(points)))
         )

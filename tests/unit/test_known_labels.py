@@ -322,3 +322,78 @@ def test_label_regressions_from_the_property_tests() -> None:
         for f in label_known(three, findings, hits=hits)
     ]
     assert (4, 16, "unit-below-retained-boundary-falls-back") in labelled
+
+
+def _corpus_scenario(path: str) -> tuple[Scenario, list[int]]:
+    """A corpus file's scenario and its recorded ``unfixed`` hits (real runs)."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads((Path(__file__).parents[2] / path).read_text())
+    expect = raw.pop("expect")
+    return Scenario.from_dict(raw), list(expect["hits"]["unfixed"])
+
+
+def _corpus_labels(
+    path: str, hits: list[int] | None = None, **changes: object
+) -> list[tuple[int, int, str | None]]:
+    """(request, expected, label) of every fallback the oracle finds for the
+    corpus file's recorded hits, or for ``hits``."""
+    import dataclasses
+
+    from differential.oracle import drafter_model, references
+
+    scenario, recorded = _corpus_scenario(path)
+    scenario = dataclasses.replace(scenario, **changes)  # type: ignore[arg-type]
+    hits = hits if hits is not None else recorded
+    findings = [
+        Finding(
+            FindingKind.FALLBACK,
+            "unfixed",
+            r.index,
+            "",
+            expected_tokens=r.expected_tokens,
+            hit_tokens=hits[r.index],
+        )
+        for r in references(scenario, drafter_model(scenario), hits)
+        if hits[r.index] < r.expected_tokens
+    ]
+    return [
+        (f.request or 0, f.expected_tokens or 0, f.known_issue)
+        for f in label_known(scenario, findings, hits=hits)
+    ]
+
+
+STATE_BELOW = "unit-below-retained-state-discarded"
+
+
+def test_state_below_a_periodic_checkpoint_with_sparse_states() -> None:
+    # States every 8 tokens (the chunk), not every Mamba block: the state owed
+    # below 48 - A = 47 is the one at 40.
+    path = "corpora/cases/mamba-state-below-periodic-checkpoint-chunk8.json"
+    assert _corpus_labels(path) == [(1, 40, STATE_BELOW)]
+    # Near miss: a fallback from the state at a retained boundary itself.
+    scenario, _ = _corpus_scenario(path)
+    owed_boundary = Finding(FindingKind.FALLBACK, "v", 1, "", expected_tokens=32, hit_tokens=16)
+    assert label_known(scenario, [owed_boundary], hits=[0, 16])[0].known_issue is None
+
+
+def test_state_below_a_pinned_junction() -> None:
+    path = "corpora/cases/mamba-state-below-pinned-junction-gdn2.json"
+    assert _corpus_labels(path) == [(1, 96, STATE_BELOW), (2, 64, STATE_BELOW)]
+    assert _corpus_labels("corpora/cases/mamba-state-below-junction-eagle.json") == [
+        (2, 40, STATE_BELOW)
+    ]
+    # Near miss: request 1 hit its proof, so it pinned no junction and
+    # computed nothing below 96; a shortfall of request 2 from 64 is then
+    # owed to no boundary vLLM retains.
+    scenario, _ = _corpus_scenario(path)
+    short = Finding(FindingKind.FALLBACK, "v", 2, "", expected_tokens=64, hit_tokens=0)
+    assert label_known(scenario, [short], hits=[0, 96, 0])[0].known_issue is None
+
+
+def test_fine_grained_replay_loses_the_swa_tail() -> None:
+    path = "corpora/cases/fine-grained-replay-swa-tail-discarded.json"
+    assert _corpus_labels(path) == [(2, 162, "fine-grained-replay-state-discarded")]
+    # Near miss: without the drop vLLM's replay boundary is L - 1 on any grid.
+    assert _corpus_labels(path, disable_eagle_block_drop=True) == [(2, 162, None)]
