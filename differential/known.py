@@ -226,31 +226,29 @@ def _unit_below_retained_state(
     last unit before ``b`` misses it (the state-group form of vLLM issue
     #57610; local-inference-lab/vllm PR #556 keeps a state below each
     boundary under EAGLE). ``b`` is a periodic checkpoint, a replay boundary
-    or a pinned junction of the writer, the state kept for it lies above the
-    one owed, and the owed position is no retained boundary itself; the
-    states are the writer's own (:func:`_writer_states`)."""
+    or a pinned junction of the writer (a periodic ``b`` may lie past the
+    writer's prompt: ``b - A`` is owed all the same), and the owed position
+    is no retained boundary itself; the states are the writer's own
+    (:func:`_writer_states`)."""
     if not _mamba_fallback(scenario, finding) or finding.request is None:
         return False
     model = drafter_model(scenario)
     alignment = scenario.effective_hit_alignment_tokens
+    retention = scenario.retention_interval_tokens or 0
     expected = finding.expected_tokens or 0
     for writer, junction, states in _writer_states(scenario, finding.request, hits):
         writer_hit = 0 if hits is None else hits[writer]
-        literal = checkpoints(
-            scenario,
-            model,
-            writer,
-            junction,
-            max(states, default=0) + alignment,
-            writer_hit,
-            Policy.RETAINED,
-        )
-        if expected in literal:
+        # The boundaries themselves (not the units below them): where vLLM
+        # keeps a state. A writer keeps its own only where it computed.
+        own = {*replay_boundaries(scenario, model, writer), junction}
+        boundaries = {b for b in own if b >= writer_hit and b > 0}
+        if retention > 0:
+            boundaries.update(range(retention, max(states, default=0) + alignment + 1, retention))
+        if expected in boundaries:
             continue  # owed a retained boundary itself: some other mechanism
         if any(
-            state.floor_state(states, b) > expected
-            and state.floor_state(states, b - alignment) == expected
-            for b in literal
+            state.floor_state(states, b - alignment) == expected
+            for b in boundaries
             if b - alignment >= expected
         ):
             return True

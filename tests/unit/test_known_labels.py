@@ -397,3 +397,14 @@ def test_fine_grained_replay_loses_the_swa_tail() -> None:
     assert _corpus_labels(path) == [(2, 162, "fine-grained-replay-state-discarded")]
     # Near miss: without the drop vLLM's replay boundary is L - 1 on any grid.
     assert _corpus_labels(path, disable_eagle_block_drop=True) == [(2, 162, None)]
+
+
+def test_state_below_a_periodic_checkpoint_past_the_prompt() -> None:
+    # b = 536 lies past the writer's 469-token prompt; 469 = b - A is owed.
+    path = "corpora/cases/mamba-state-below-periodic-past-prompt.json"
+    assert _corpus_labels(path) == [(1, 469, STATE_BELOW)]
+    # Near miss: a fallback from the replay boundary 335 itself (a boundary
+    # vLLM keeps a state at) is some other mechanism.
+    scenario, _ = _corpus_scenario(path)
+    at_boundary = Finding(FindingKind.FALLBACK, "v", 1, "", expected_tokens=335, hit_tokens=268)
+    assert label_known(scenario, [at_boundary], hits=[0, 268])[0].known_issue is None
