@@ -106,6 +106,15 @@ def _read_only_findings(tmp: Path) -> list[str]:
     return ["fuzz", "--out", str(out), "--max-examples", "1"]
 
 
+def _unwritable_findings(tmp: Path) -> list[str]:
+    # A findings folder no one can create files in, root included (sysfs):
+    # the same check as a read-only folder, without needing a non-root user.
+    out = tmp / "out"
+    out.mkdir()
+    (out / "findings").symlink_to("/sys/kernel")
+    return ["fuzz", "--out", str(out), "--max-examples", "1"]
+
+
 def _case(name: str, build: Callable[[Path], list[str]], named: str, **kw: object) -> object:
     return pytest.param(build, named, id=name, **kw)
 
@@ -209,6 +218,14 @@ CASES = [
         _read_only_findings,
         "not writable",
         marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only folders"),
+    ),
+    _case(
+        "unwritable-findings-folder",
+        _unwritable_findings,
+        "not writable",
+        marks=pytest.mark.skipif(
+            not Path("/sys/kernel").is_dir(), reason="needs sysfs, which no one can write"
+        ),
     ),
 ]
 
