@@ -173,10 +173,15 @@ def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> 
         "findings_by_kind": dict(sorted(kinds.items())),
         "coverage": dict(sorted(coverage.items())),
         "fix_costs": fix_cost_entries(costs),
+        # Ordered by what the seed decides (example index, then name), not by
+        # which worker's clock ran first: the same seed lists them alike.
         "root_causes": sorted(
-            causes.values(), key=lambda e: (e["status"] != "new", e["first_seen_s"])
+            causes.values(),
+            key=lambda e: (e["status"] != "new", e.get("first_example", 0), e["root_cause"]),
         ),
-        "distinct": sorted(distinct.values(), key=lambda e: e["first_seen_s"]),
+        "distinct": sorted(
+            distinct.values(), key=lambda e: (e.get("first_example", 0), e["signature"])
+        ),
         "failed_jobs": [],
     }
 
