@@ -39,7 +39,11 @@ attention group serves every position up to what it proves. The rules:
    ``b - A`` promise, in a state group, the highest state the writer
    materialized at or below them: a lookup resuming at ``b`` falls back to
    the state below it, and retention must not discard that state. Dense
-   retention keeps every materialized state.
+   retention keeps every materialized state. A boundary's sliding-window
+   tail (and its peek block under the drop) is the writer's own, so with
+   sliding-window groups the promise reaches only as far as the writer
+   alone proves for the sibling (as the attention oracle's per-writer dense
+   hit does); full-attention blocks are all kept.
 4. **Over-hit**: the dense reference bounds every hit, so a hit that no
    state can justify (past the point the attention groups prove, or past
    the highest state below it) is reported by the verdicts as ``over-hit``.
@@ -334,8 +338,25 @@ def state_references(
             cap = min(attention, shared[i] - hash_lookahead_tokens)
             dense = floor_state(states, cap)
             best_dense = max(best_dense, dense)
-            promised = checkpoints_for(i, junction, cap, observed_hits[i])
-            mapped = {floor_state(states, c) for c in promised if c <= cap} | {0}
+            # A boundary's SWA tail (and its peek block under the drop) is the
+            # writer's own: it serves only as far as the writer alone proves.
+            # Full-attention blocks are all kept, by any writer.
+            reach = cap
+            if scenario.sliding_window_groups:
+                reach = min(
+                    cap,
+                    attention_dense_hit(
+                        scenario,
+                        drop,
+                        hash_lookahead_tokens,
+                        scenario.requests[i].prompt_tokens - reprefillable_tokens,
+                        scenario.requests[i].prompt_tokens,
+                        scenario.requests[j].prompt_tokens,
+                        shared[i],
+                    ),
+                )
+            promised = checkpoints_for(i, junction, reach, observed_hits[i])
+            mapped = {floor_state(states, c) for c in promised if c <= reach} | {0}
             mapped = {p for p in mapped if p <= dense}
             points.update(mapped)
             if policy is Policy.IDEAL:

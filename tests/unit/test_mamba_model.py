@@ -191,6 +191,45 @@ def test_state_one_unit_rule_owes_the_block_state_below_the_replay_boundary() ->
     assert judge_run(s, observed(s, [0, 64]))[1] == ()
 
 
+def test_a_swa_tail_serves_only_as_far_as_its_writer_proves() -> None:
+    # FA 2 + SWA 2 (window 4) + Mamba 2, retention 0, MTP drop, A = 2. Request
+    # 1 shares 3 tokens of the 16-token writer; its replay boundary 2 keeps
+    # the state at 2 and an SWA tail whose peek block (tokens 2-3) holds its
+    # own token 3. Request 2 shares 10 tokens of the prefix, 3 with request
+    # 1: request 1 alone proves 2 - 2 (drop) = 0 for it, and the writer keeps
+    # only its tails at 12 and 14, so 0 is owed; dense retention gives the
+    # writer's state at 8 (10 - one block under the drop).
+    s = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(FA, 2),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 4),
+            KVCacheGroup(MAMBA, 2),
+        ),
+        requests=(RequestSpec(16, 0), RequestSpec(3, 1), RequestSpec(10, 0)),
+        shared_prefix_tokens=16,
+        retention_interval_tokens=0,
+        drafter=Drafter(DrafterKind.MTP, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=1,
+        mamba_prefill=MambaPrefill.BLOCK,
+    )
+    refs = references(s, drafter_model(s), [0, 0, 0])
+    assert [(r.dense_tokens, r.expected_tokens) for r in refs] == [(0, 0), (0, 0), (8, 0)]
+    # Without the SWA group the full-attention blocks are all kept and the
+    # state request 1 keeps at its replay boundary 2 is owed.
+    fa_only = Scenario(
+        kv_cache_groups=(KVCacheGroup(FA, 2), KVCacheGroup(MAMBA, 2)),
+        requests=s.requests,
+        shared_prefix_tokens=16,
+        retention_interval_tokens=0,
+        drafter=Drafter(DrafterKind.MTP, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=1,
+        mamba_prefill=MambaPrefill.BLOCK,
+    )
+    assert references(fa_only, drafter_model(fa_only), [0, 0, 0])[2].expected_tokens == 2
+
+
 def test_a_hit_no_state_justifies_is_an_over_hit() -> None:
     # The scheduler's writer keeps a state at 80 only; a state at 96 is past
     # the point full attention proves under the drop (80).
