@@ -3,6 +3,7 @@ hand-worked cases."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -228,6 +229,32 @@ def test_a_swa_tail_serves_only_as_far_as_its_writer_proves() -> None:
         mamba_prefill=MambaPrefill.BLOCK,
     )
     assert references(fa_only, drafter_model(fa_only), [0, 0, 0])[2].expected_tokens == 2
+
+
+def test_a_needless_drop_makes_states_a_hit_may_reuse() -> None:
+    # FA 4 + Mamba 4, hash block 1 (A = 1), Gemma-4 MTP (needs no drop), a
+    # 9-token writer and a sibling of its first 8 tokens. A run that drops
+    # needlessly stops the writer's prefill at the drop's resume position 4,
+    # so a state at 4 exists and the hit 4 reuses nothing stale; the
+    # drafter's own model (no drop) makes a state at 8 only.
+    s = Scenario(
+        kv_cache_groups=(KVCacheGroup(FA, 4), KVCacheGroup(MAMBA, 4)),
+        requests=(RequestSpec(9, 0), RequestSpec(8, 0, shares_with=0)),
+        shared_prefix_tokens=9,
+        hash_block_size_tokens=1,
+        retention_interval_tokens=0,
+        drafter=Drafter(DrafterKind.GEMMA4_MTP, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=8,
+    )
+
+    def kinds(hits: list[int], drop: bool) -> list[str]:
+        run = dataclasses.replace(observed(s, hits), settings=ManagerSettings(drop, 0, 0, 1, 1))
+        return sorted(f.kind.value for f in judge_run(s, run)[1])
+
+    assert kinds([0, 4], drop=True) == ["needless-drop"]
+    assert kinds([0, 4], drop=False) == ["over-hit"]  # no step ended at 4
+    assert kinds([0, 6], drop=True) == ["needless-drop", "over-hit"]  # no state at 6
 
 
 def test_a_hit_no_state_justifies_is_an_over_hit() -> None:
