@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from differential.compare import compare_pair
@@ -17,7 +19,14 @@ from differential.oracle import (
     references,
     replay_boundaries,
 )
-from differential.scenario import DrafterKind, RequestSpec
+from differential.scenario import (
+    Drafter,
+    DrafterKind,
+    GroupKind,
+    KVCacheGroup,
+    RequestSpec,
+    Scenario,
+)
 from tests.factories import hybrid, triton
 
 DROP = ManagerSettings(True, 0, 3, 1, 32)
@@ -143,6 +152,39 @@ def test_variant_regression_and_cost() -> None:
     assert tags(compare_pair(scenario, base, costly)) == [f"variant-drift@{i}" for i in range(4)]
     fine = run([0, 16352, 16352, 16352], variant="fixed", retained=[(514, 136)] * 4)
     assert compare_pair(scenario, base, fine) == []
+
+
+def test_a_widened_tail_filling_a_segment_keeps_every_block() -> None:
+    # FA 8 + SWA 2 (window 6), R = 16, EAGLE3 drop, A = 8: the widened tail is
+    # ceil(5 / 2) + 1 + 8 / 2 = 8 blocks = R / B, so vLLM's own mask for the
+    # wider window keeps every block (including block 0, below the first
+    # tail): the 27-token writer's 9 extra SWA blocks are no drift.
+    scenario = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 8),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 6),
+        ),
+        requests=(RequestSpec(24, 3, name="writer"),),
+        shared_prefix_tokens=24,
+        retention_interval_tokens=16,
+        drafter=Drafter(DrafterKind.EAGLE3, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=8,
+    )
+    settings = ManagerSettings(True, 0, 1, 1, 8)
+    base = run([0], variant="unfixed", settings=settings, retained=[(3, 4)])
+    fixed = run([0], variant="fixed", settings=settings, retained=[(3, 13)])
+    assert compare_pair(scenario, base, fixed) == []
+    # A window of 4 leaves the widened tail 7 blocks, short of a segment: the
+    # claim of A / B = 4 blocks per periodic tail holds again.
+    narrower = dataclasses.replace(
+        scenario,
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 8),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 4),
+        ),
+    )
+    assert tags(compare_pair(narrower, base, fixed)) == ["variant-drift@0"]
 
 
 def test_variant_drift_outside_the_domain() -> None:
