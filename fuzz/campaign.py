@@ -146,6 +146,7 @@ class RootCauseRecord:
         consequences: findings that follow from it on a later request.
         variants: variants its findings belong to (consequences, which are
             differences between variants, excluded).
+        count_by_variant: variant -> findings of it that it explains.
         signatures: the distinct signatures (:mod:`fuzz.signature`) it covers.
         shrunk: the shrunk reproducer, once the background shrink wrote it.
     """
@@ -159,6 +160,7 @@ class RootCauseRecord:
     facets: Counter[str] = field(default_factory=Counter)
     consequences: int = 0
     variants: set[str] = field(default_factory=set)
+    count_by_variant: Counter[str] = field(default_factory=Counter)
     signatures: set[str] = field(default_factory=set)
     shrunk: Path | None = None
 
@@ -179,6 +181,7 @@ class RootCauseRecord:
             "facets": dict(sorted(self.facets.items())),
             "consequences": self.consequences,
             "variants": sorted(self.variants),
+            "count_by_variant": dict(sorted(self.count_by_variant.items())),
             "file": str(self.path),
             "shrunk": None if self.shrunk is None else str(self.shrunk),
             "reproducer": str(reproducer) if self.new else self.known_as,
@@ -401,6 +404,7 @@ class Campaign:
         record.consequences += t.role is Role.CONSEQUENCE
         if t.role is not Role.CONSEQUENCE:
             record.variants.add(t.owner)
+            record.count_by_variant[t.owner] += 1
         record.signatures.add(signature_of(scenario, t.finding).text)
 
     def _start_shrink(self, record: RootCauseRecord) -> None:

@@ -190,13 +190,21 @@ def _merge_root_cause(causes: dict[str, dict[str, Any]], entry: dict[str, Any]) 
     """Add one worker's root-cause entry: counts summed, the first reproducer kept."""
     seen = causes.get(entry["root_cause"])
     if seen is None:
-        causes[entry["root_cause"]] = {**entry, "facets": dict(entry["facets"])}
+        causes[entry["root_cause"]] = {
+            **entry,
+            "facets": dict(entry["facets"]),
+            "count_by_variant": dict(entry.get("count_by_variant", {})),
+        }
         return
     seen["count"] += entry["count"]
     seen["consequences"] += entry["consequences"]
     for kind, n in entry["facets"].items():
         seen["facets"][kind] = seen["facets"].get(kind, 0) + n
     seen["variants"] = sorted(set(seen["variants"]) | set(entry["variants"]))
+    by_variant = dict(seen.get("count_by_variant", {}))
+    for variant, n in entry.get("count_by_variant", {}).items():
+        by_variant[variant] = by_variant.get(variant, 0) + n
+    seen["count_by_variant"] = dict(sorted(by_variant.items()))
     seen["signatures"] = sorted(set(seen["signatures"]) | set(entry["signatures"]))
     if seen["shrunk"] is None and entry["shrunk"] is not None:
         seen["shrunk"] = entry["shrunk"]

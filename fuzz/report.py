@@ -125,15 +125,18 @@ def root_cause_pictures(
 def _remaining_by_variant(summary: dict[str, Any]) -> list[str]:
     """Per variant, the root causes it still shows (known issues by name)."""
     lines = ["", "## What each variant still shows", ""]
-    lines += ["| variant | root cause | status | count |", "| --- | --- | --- | --- |"]
+    lines += [
+        "| variant | root cause | status | findings on the variant |",
+        "| --- | --- | --- | --- |",
+    ]
     rows = 0
     for variant in summary["variants"]:
         for cause in summary.get("root_causes", []):
             if variant in cause["variants"]:
                 rows += 1
+                count = cause.get("count_by_variant", {}).get(variant, cause["count"])
                 lines.append(
-                    f"| {variant} | {_cell(cause['root_cause'])} | {cause['status']} "
-                    f"| {cause['count']} |"
+                    f"| {variant} | {_cell(cause['root_cause'])} | {cause['status']} | {count} |"
                 )
     if not rows:
         lines.append("| every variant | none | clean | 0 |")

@@ -238,6 +238,7 @@ def test_parallel_jobs_merge_root_causes_by_identity() -> None:
             "facets": {"fallback": count},
             "consequences": 0,
             "variants": variants,
+            "count_by_variant": {v: count for v in variants},
             "file": f"out/root-causes/{SEED_BUG.slug}.json",
             "shrunk": shrunk,
             "reproducer": shrunk or f"out/root-causes/{SEED_BUG.slug}.json",
@@ -275,3 +276,10 @@ def test_parallel_jobs_merge_root_causes_by_identity() -> None:
         0.2,
     )
     assert cause["signatures"] == ["sig-2", "sig-3"]
+    assert cause["count_by_variant"] == {"fixed": 2, "unfixed": 3}
+    # report.md counts each variant's own findings, not the cluster's.
+    from fuzz.report import campaign_markdown
+
+    report = campaign_markdown(merged, {}, Path("out"))
+    assert f"| fixed | {SEED_BUG.text.replace('|', chr(92) + '|')} | new | 2 |" in report
+    assert f"| unfixed | {SEED_BUG.text.replace('|', chr(92) + '|')} | new | 3 |" in report
