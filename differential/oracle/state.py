@@ -245,6 +245,27 @@ def state_positions(
     return tuple(sorted(p for p in kept if p > 0))
 
 
+def _writer_proof(
+    scenario: Scenario,
+    drop: bool,
+    hash_lookahead_tokens: int,
+    reprefillable_tokens: int,
+    writer: int,
+    sibling: int,
+) -> int:
+    """What ``writer``'s attention blocks alone prove for ``sibling``, in
+    tokens (:func:`attention_dense_hit` over their common prefix)."""
+    return attention_dense_hit(
+        scenario,
+        drop,
+        hash_lookahead_tokens,
+        scenario.requests[writer].prompt_tokens - reprefillable_tokens,
+        scenario.requests[writer].prompt_tokens,
+        scenario.requests[sibling].prompt_tokens,
+        common_prefix_tokens(scenario.prompts[writer], scenario.prompts[sibling]),
+    )
+
+
 def attention_proofs(
     scenario: Scenario,
     drop: bool,
@@ -262,21 +283,12 @@ def attention_proofs(
     (vLLM ``KVCacheManager.get_computed_blocks``: the hit plus the uncached
     common prefix).
     """
-    prompts = scenario.prompts
     proofs = []
     for j in range(num_requests):
         proofs.append(
             max(
                 (
-                    attention_dense_hit(
-                        scenario,
-                        drop,
-                        hash_lookahead_tokens,
-                        scenario.requests[i].prompt_tokens - reprefillable_tokens,
-                        scenario.requests[i].prompt_tokens,
-                        scenario.requests[j].prompt_tokens,
-                        common_prefix_tokens(prompts[i], prompts[j]),
-                    )
+                    _writer_proof(scenario, drop, hash_lookahead_tokens, reprefillable_tokens, i, j)
                     for i in range(j)
                 ),
                 default=0,
@@ -343,18 +355,10 @@ def state_references(
             # Full-attention blocks are all kept, by any writer.
             reach = cap
             if scenario.sliding_window_groups:
-                reach = min(
-                    cap,
-                    attention_dense_hit(
-                        scenario,
-                        drop,
-                        hash_lookahead_tokens,
-                        scenario.requests[i].prompt_tokens - reprefillable_tokens,
-                        scenario.requests[i].prompt_tokens,
-                        scenario.requests[j].prompt_tokens,
-                        shared[i],
-                    ),
+                own = _writer_proof(
+                    scenario, drop, hash_lookahead_tokens, reprefillable_tokens, i, j
                 )
+                reach = min(cap, own)
             promised = checkpoints_for(i, junction, reach, observed_hits[i])
             mapped = {floor_state(states, c) for c in promised if c <= reach} | {0}
             mapped = {p for p in mapped if p <= dense}

@@ -218,16 +218,7 @@ def test_a_swa_tail_serves_only_as_far_as_its_writer_proves() -> None:
     assert [(r.dense_tokens, r.expected_tokens) for r in refs] == [(0, 0), (0, 0), (8, 0)]
     # Without the SWA group the full-attention blocks are all kept and the
     # state request 1 keeps at its replay boundary 2 is owed.
-    fa_only = Scenario(
-        kv_cache_groups=(KVCacheGroup(FA, 2), KVCacheGroup(MAMBA, 2)),
-        requests=s.requests,
-        shared_prefix_tokens=16,
-        retention_interval_tokens=0,
-        drafter=Drafter(DrafterKind.MTP, 1),
-        disable_lookahead_block_hashes=True,
-        prefill_chunk_tokens=1,
-        mamba_prefill=MambaPrefill.BLOCK,
-    )
+    fa_only = dataclasses.replace(s, kv_cache_groups=(KVCacheGroup(FA, 2), KVCacheGroup(MAMBA, 2)))
     assert references(fa_only, drafter_model(fa_only), [0, 0, 0])[2].expected_tokens == 2
 
 
