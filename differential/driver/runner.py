@@ -34,6 +34,12 @@ call); any other exception is kvfuzz's own failure (``InternalError``).
 
 from __future__ import annotations
 
+import os
+
+# vLLM resolves its platform once; the scheduler mode's VllmConfig needs it to
+# be the CPU (set before vLLM is imported, never overriding the caller's).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -307,7 +313,10 @@ def _build(
         "KVCacheManager",
         KVCacheManager,
         kv_cache_config=kv_cache_config(
-            scenario, resolved, pool_blocks(scenario, resolved), retention
+            scenario,
+            resolved,
+            scenario.workload.pool_blocks or pool_blocks(scenario, resolved),
+            retention,
         ),
         max_model_len=max_model_len,
         scheduler_block_size=scenario.scheduler_block_size_tokens,
