@@ -118,6 +118,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
             "literally keeps, ideal = the dense reference (default: %(default)s)"
         ),
     )
+    parser.add_argument(
+        "--mode",
+        choices=["manager", "scheduler"],
+        default=None,
+        help=(
+            "driving mode, overriding each scenario's workload.mode: manager = "
+            "KVCacheManager directly, scheduler = vLLM's real Scheduler (default: "
+            "the scenario's own)"
+        ),
+    )
     _add_limits(parser)
 
 
@@ -156,6 +166,17 @@ def _load(args: argparse.Namespace, path: Path) -> CorpusEntry:
     from differential.corpus import load_entry
 
     entry = load_entry(path)
+    mode = getattr(args, "mode", None)
+    if mode is not None:
+        from dataclasses import replace
+
+        from differential.compare import in_mode
+        from differential.scenario import DriveMode
+
+        try:
+            entry = replace(entry, scenario=in_mode(entry.scenario, DriveMode(mode)))
+        except ScenarioError as exc:
+            raise exc.with_source(str(path)) from None
     limits = Limits(
         max_requests=args.max_requests,
         max_tokens=args.max_tokens,

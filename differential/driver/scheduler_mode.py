@@ -45,6 +45,7 @@ blocks at the end of the run are counted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from collections import Counter
@@ -105,6 +106,9 @@ def _vllm_config(
 
     workload = scenario.workload
     budget = workload.max_num_batched_tokens or scenario.prefill_chunk_tokens
+    # vLLM's config notices (CPU backend, model runner choice) say nothing
+    # about the scenario: keep them off kvfuzz's stderr.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
     model = vllm_call(
         "ModelConfig",
         ModelConfig,
