@@ -104,7 +104,8 @@ def judge_engine_run(
         shared = max(
             (common_prefix_tokens(prompts[r.index], tokens[k]) for k in earlier), default=0
         )
-        ceiling = min(r.prompt_tokens - 1, max(0, shared - model.dependency_tokens))
+        length = scenario.requests[r.index].prompt_tokens
+        ceiling = min(length - 1, max(0, shared - model.dependency_tokens))
         common = {"divergence_tokens": shared, "hit_tokens": r.hit_tokens, "policy": policy}
         if r.hit_tokens > ceiling:
             findings.append(
