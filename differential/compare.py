@@ -36,6 +36,7 @@ from differential.oracle.engine import (
     eviction_collapse,
     judge_engine_run,
     mode_cross_checkable,
+    sequentially_judgeable,
 )
 from differential.scenario import DrafterKind, DriveMode, GroupKind, Scenario
 from differential.variants import FixScope, Variant, VariantRole
@@ -481,12 +482,13 @@ def compare_variants(
 
             judged = scenario_as_run(variant.name, scenario)
         engine = scenario.workload.mode is DriveMode.SCHEDULER and variant.tree is None
-        if engine:
+        if engine or scenario.workload.shares_output:
             refs, findings = judge_engine_run(judged, run, policy)
         else:
             refs, findings = judge_run(judged, run, policy)
         dense_run = None
-        if dense_cross_check and (not engine or scenario.workload.sequential):
+        sequential = scenario.workload.sequential and not scenario.workload.shares_output
+        if dense_cross_check and (not engine or sequential):
             if scenario.retention_interval_tokens is None:
                 findings += cross_check_dense(judged, run)
             else:
@@ -519,7 +521,15 @@ def compare_variants(
         )
     comparison: list[Finding] = []
     costs: list[FixCost] = []
-    supported = [r for r in results if r.run.unsupported is None]
+    # Runs through the scheduler with evictions, concurrency or answer-sharing
+    # turns keep blocks for reasons the fix's claims do not cover: compared
+    # per variant by the engine oracle only.
+    supported = [
+        r
+        for r in results
+        if r.run.unsupported is None
+        and (r.run.mode != "scheduler" or sequentially_judgeable(scenario, r.run))
+    ]
     for fixed in supported:
         if fixed.variant.role is not VariantRole.FIXED:
             continue

@@ -230,7 +230,8 @@ class Workload:
             adds each request when the previous one has finished (a sequential
             scenario). Scheduler mode only.
         max_num_seqs: ``SchedulerConfig.max_num_seqs``: requests running at
-            once.
+            once; ``None`` uses the smaller of 8 and the token budget. At
+            most the token budget (vLLM ``SchedulerConfig`` validation).
         max_num_batched_tokens: ``SchedulerConfig.max_num_batched_tokens``,
             the token budget per step, in tokens; ``None`` uses the scenario's
             ``prefill_chunk_tokens``.
@@ -246,7 +247,7 @@ class Workload:
     mode: DriveMode = DriveMode.MANAGER
     pool_blocks: int | None = None
     arrival_steps: tuple[int, ...] | None = None
-    max_num_seqs: int = 8
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     shares_output: bool = False
     accepted_drafts: tuple[int, ...] = ()
@@ -293,7 +294,7 @@ def _workload_from(raw: object) -> Workload:
         mode=_enum(DriveMode, obj.get("mode", "manager"), "workload.mode"),
         pool_blocks=obj.get("pool_blocks"),
         arrival_steps=arrivals,
-        max_num_seqs=obj.get("max_num_seqs", 8),
+        max_num_seqs=obj.get("max_num_seqs"),
         max_num_batched_tokens=obj.get("max_num_batched_tokens"),
         shares_output=obj.get("shares_output", False),
         accepted_drafts=tuple(
@@ -613,7 +614,17 @@ class Scenario:
             raise ScenarioError("workload.mode", w.mode, _allowed_enum(DriveMode))
         if w.pool_blocks is not None:
             _require_int(w.pool_blocks, "workload.pool_blocks", minimum=2)
-        _require_int(w.max_num_seqs, "workload.max_num_seqs", minimum=1)
+        budget = w.max_num_batched_tokens or self.prefill_chunk_tokens
+        if w.max_num_seqs is not None:
+            _require_int(w.max_num_seqs, "workload.max_num_seqs", minimum=1)
+            if w.max_num_seqs > budget:
+                # vLLM SchedulerConfig: max_num_batched_tokens >= max_num_seqs.
+                raise ScenarioError(
+                    "workload.max_num_seqs",
+                    w.max_num_seqs,
+                    f"null or at most the token budget per step ({budget} tokens: "
+                    "workload.max_num_batched_tokens, else prefill_chunk_tokens)",
+                )
         if w.max_num_batched_tokens is not None:
             _require_int(w.max_num_batched_tokens, "workload.max_num_batched_tokens", minimum=1)
         if not isinstance(w.shares_output, bool):

@@ -9,7 +9,10 @@ Per request, in order (vLLM ``vllm/v1/core/sched/scheduler.py``
    ``Scheduler._reserve_prefill_lookahead`` (called, not copied), with
    ``allocate_slots(..., num_lookahead_tokens=...)``; the first chunk adopts
    the hit blocks; ``num_computed_tokens`` advances after each step;
-3. ``decode_steps`` decode steps of one sampled token each;
+3. ``decode_steps`` decode steps of one sampled token each; each sampled
+   token (the one prefill samples, then one per step, ``decode_steps + 1``
+   in all) is appended as ``Scheduler.update_from_output`` appends it, with
+   its ``cache_blocks`` call under speculative decoding (:func:`_sample`);
 4. ``free``.
 
 Every step starts with ``KVCacheManager.new_step_starts`` as
@@ -465,6 +468,27 @@ def _prefill(
     return unsafe_writes
 
 
+def _sample(d: _Driver, index: int, step: int, request: Request) -> None:
+    """The token sampled by the previous step reaches the request, as in
+    ``Scheduler.update_from_output`` (vllm/v1/core/sched/scheduler.py): it is
+    appended, and with speculative decoding configured (``num_spec_tokens >
+    0``) the request's blocks are cached up to its computed tokens
+    (``KVCacheManager.cache_blocks``): blocks whose lookahead hash needed
+    that token become cached then."""
+    vllm_call(
+        "Request.append_output_token_ids",
+        request.append_output_token_ids,
+        d.scenario.output_token(index, step),
+    )
+    if d.scenario.drafter.num_speculative_tokens:
+        vllm_call(
+            "KVCacheManager.cache_blocks",
+            d.manager.cache_blocks,
+            request,
+            request.num_computed_tokens,
+        )
+
+
 def _decode(d: _Driver, index: int, request: Request, phase: list[str]) -> list[BlockWrite]:
     """Decode phase: ``decode_steps`` steps of one sampled token each."""
     manager, ledger = d.manager, d.ledger
@@ -473,11 +497,7 @@ def _decode(d: _Driver, index: int, request: Request, phase: list[str]) -> list[
     for step in range(d.scenario.decode_steps):
         phase[0] = f"request {index}: decode step {step}"
         _new_step(manager)
-        vllm_call(
-            "Request.append_output_token_ids",
-            request.append_output_token_ids,
-            d.scenario.output_token(index, step),
-        )
+        _sample(d, index, step, request)
         cached_before = (
             ledger.before_step(request.request_id, computed, computed + 1, None)
             if ledger is not None
@@ -596,6 +616,8 @@ def run_scenario(
             found = _lookup(d, index, prompt)
             unsafe_writes = _prefill(d, index, spec.prompt_tokens, found, phase)
             unsafe_writes += _decode(d, index, found.request, phase)
+            phase[0] = f"request {index}: last sampled token"
+            _sample(d, index, scenario.decode_steps, found.request)
             phase[0] = f"request {index}: free"
             observed.append(_free(d, index, found, unsafe_writes))
     except UnsupportedFeature as missing:

@@ -101,7 +101,7 @@ def _vllm_config(
     """A real ``VllmConfig`` for the scenario (see the module docstring)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
 
     workload = scenario.workload
@@ -127,7 +127,7 @@ def _vllm_config(
         "SchedulerConfig",
         SchedulerConfig,
         max_num_batched_tokens=budget,
-        max_num_seqs=workload.max_num_seqs,
+        max_num_seqs=workload.max_num_seqs or min(8, budget),
         max_model_len=max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
@@ -138,6 +138,9 @@ def _vllm_config(
         model_config=model,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
+        # Explicit, so a process that imported vLLM before kvfuzz set
+        # VLLM_TARGET_DEVICE still builds it.
+        device_config=vllm_call("DeviceConfig", DeviceConfig, device="cpu"),
     )
     # After validation (see the module docstring): what the scheduler reads.
     config.cache_config.num_gpu_blocks = num_blocks
@@ -151,6 +154,10 @@ def _vllm_config(
     config.scheduler_config.max_num_batched_tokens = budget
     config.scheduler_config.max_num_scheduled_tokens = None
     config.scheduler_config.long_prefill_token_threshold = 0
+    # Synchronous scheduling (each step's output before the next schedule()),
+    # whichever platform vLLM resolved in this process: with an unresolved one
+    # VllmConfig turns async scheduling on.
+    config.scheduler_config.async_scheduling = False
     object.__setattr__(config, "speculative_config", _speculative_config(scenario))
     if scenario.kv_connector:
         object.__setattr__(
@@ -319,6 +326,10 @@ def run_scheduler_scenario(
         num_spec = scenario.drafter.num_speculative_tokens if accepted else 0
         decode_count = 0
         idle = 0
+        total_tokens = sum(len(p) for p in scenario.prompts) + len(requests) * (
+            scenario.decode_steps + 1
+        )
+        max_steps = 1_000 + 8 * total_tokens
         while added < len(requests) or scheduler.has_requests():
             # Arrivals: by step, or (sequential) when the engine is empty.
             if workload.arrival_steps is None:
@@ -384,6 +395,12 @@ def run_scheduler_scenario(
                     f"{step[0]} ({len(scheduler.waiting)} waiting, pool {pool} blocks)"
                 )
             step[0] += 1
+            if step[0] > max_steps:
+                raise InternalError(
+                    f"the scheduler had not finished after {max_steps} steps "
+                    f"({len(scheduler.running)} running, {len(scheduler.waiting)} waiting, "
+                    f"pool {pool} blocks)"
+                )
         steps = step[0]
         num_groups = len(scenario.kv_cache_groups)
         order = sorted(admitted, key=lambda i: (admitted[i].step, i))

@@ -47,8 +47,11 @@ __all__ = [
 
 def sequentially_judgeable(scenario: Scenario, run: RunObservation) -> bool:
     """Whether the manager-mode judgement applies exactly: one request at a
-    time, no drafts, nothing evicted."""
-    return scenario.workload.sequential and not run.evicted_blocks
+    time, no drafts, nothing evicted, and later turns copying prompts only
+    (the sequential references do not model a turn that copies an earlier
+    request's answer, ``workload.shares_output``)."""
+    w = scenario.workload
+    return w.sequential and not w.shares_output and not run.evicted_blocks
 
 
 def mode_cross_checkable(scenario: Scenario) -> bool:
