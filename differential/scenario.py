@@ -449,6 +449,13 @@ class Scenario:
             prompts.append(source[: request.divergence_tokens] + own)
         return tuple(prompts)
 
+    @property
+    def step_budget_tokens(self) -> int:
+        """Tokens scheduled per step, in tokens: ``workload.max_num_batched_tokens``
+        (vLLM ``SchedulerConfig``), else ``prefill_chunk_tokens``. A prefill
+        chunk is at most this long in both driving modes."""
+        return self.workload.max_num_batched_tokens or self.prefill_chunk_tokens
+
     def sampled_tokens(self, request_index: int) -> tuple[int, ...]:
         """The ``decode_steps + 1`` tokens request ``request_index`` samples
         (its answer: the first at prefill end, one per decode step)."""
@@ -614,7 +621,7 @@ class Scenario:
             raise ScenarioError("workload.mode", w.mode, _allowed_enum(DriveMode))
         if w.pool_blocks is not None:
             _require_int(w.pool_blocks, "workload.pool_blocks", minimum=2)
-        budget = w.max_num_batched_tokens or self.prefill_chunk_tokens
+        budget = self.step_budget_tokens
         if w.max_num_seqs is not None:
             _require_int(w.max_num_seqs, "workload.max_num_seqs", minimum=1)
             if w.max_num_seqs > budget:

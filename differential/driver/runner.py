@@ -5,7 +5,8 @@ Per request, in order (vLLM ``vllm/v1/core/sched/scheduler.py``
 
 1. ``get_computed_blocks`` -> hit tokens and ``shared_prefix_boundary``, which
    is stored on the request as the scheduler stores it;
-2. prefill in chunks of ``prefill_chunk_tokens``, each chunk trimmed by
+2. prefill in chunks of ``Scenario.step_budget_tokens`` (``prefill_chunk_tokens``
+   unless the workload sets a token budget), each chunk trimmed by
    ``Scheduler._reserve_prefill_lookahead`` (called, not copied), with
    ``allocate_slots(..., num_lookahead_tokens=...)``; the first chunk adopts
    the hit blocks; ``num_computed_tokens`` advances after each step;
@@ -105,7 +106,7 @@ def _mamba_scheduler_view(
 
     ``cache_config.block_size`` is the Mamba block size (vLLM sets
     ``mamba_block_size = cache_config.block_size`` in align mode);
-    ``max_num_scheduled_tokens`` is the scenario's ``prefill_chunk_tokens``
+    ``max_num_scheduled_tokens`` is the scenario's ``step_budget_tokens``
     budget and ``long_prefill_token_threshold`` is 0. The base Mamba spec
     has no internal prefill checkpoint blocks, so
     ``mamba_has_prefill_checkpoint_blocks`` is off.
@@ -128,7 +129,7 @@ def _mamba_scheduler_view(
         num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
         mamba_has_prefill_checkpoint_blocks=False,
         mamba_prefill_checkpoint_alignment=None,
-        max_num_scheduled_tokens=scenario.prefill_chunk_tokens,
+        max_num_scheduled_tokens=scenario.step_budget_tokens,
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
         num_prefill_lookahead=resolved.num_prefill_lookahead_tokens,
     )
@@ -402,7 +403,7 @@ def _prefill(
     first = True
     while computed < prompt_tokens:
         phase[0] = f"request {index}: prefill allocate_slots at {computed} tokens"
-        num_new = min(scenario.prefill_chunk_tokens, prompt_tokens - computed)
+        num_new = min(scenario.step_budget_tokens, prompt_tokens - computed)
         if not first:
             _new_step(manager)
         if mamba_view is not None and scenario.mamba_prefill is MambaPrefill.BLOCK:
@@ -428,7 +429,7 @@ def _prefill(
         if num_new == 0:
             raise InternalError(
                 f"prefill stalled at {computed} tokens: chunk "
-                f"{scenario.prefill_chunk_tokens} cannot leave the prefill "
+                f"{scenario.step_budget_tokens} cannot leave the prefill "
                 f"lookahead of {resolved.num_prefill_lookahead_tokens} tokens"
             )
         adopted = blocks.blocks if first else None

@@ -105,7 +105,7 @@ def _vllm_config(
     from vllm.config.kv_transfer import KVTransferConfig
 
     workload = scenario.workload
-    budget = workload.max_num_batched_tokens or scenario.prefill_chunk_tokens
+    budget = scenario.step_budget_tokens
     # vLLM's config notices (CPU backend, model runner choice) say nothing
     # about the scenario: keep them off kvfuzz's stderr.
     logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -363,8 +363,9 @@ def run_scheduler_scenario(
                     continue
                 n = len(request.output_token_ids)
                 take = 1
-                if spec:
-                    take += min(len(spec), accepted[decode_count % len(accepted)])
+                if spec:  # drafts scheduled: accept the workload's count, reject the rest
+                    wanted = accepted[decode_count % len(accepted)] if accepted else 0
+                    take += min(len(spec), wanted)
                     decode_count += 1
                 sampled.append([scenario.output_token(i, n + k) for k in range(take)])
                 drafts.append([scenario.output_token(i, n + take + k) for k in range(num_spec)])
