@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from differential.errors import InternalError, ScenarioError, VariantError
 from differential.findings import SEVERITY, Policy
-from differential.scenario import GroupKind
+from differential.scenario import DriveMode, GroupKind
 from differential.variants import (
     DEFAULT_VARIANTS,
     VariantRole,
@@ -733,6 +733,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             shrink_seconds=None if args.no_shrink else args.shrink_seconds,
             known_corpus=tuple(known),
             group_kinds=kinds,
+            mode=DriveMode(args.mode or "manager"),
         ),
         args.jobs,
         quiet=args.quiet,
