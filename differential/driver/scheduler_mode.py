@@ -486,10 +486,15 @@ def _unreachable(scenario: Scenario, manager: Any, requests: list[Any]) -> tuple
     hash_block = scenario.effective_hash_block_size_tokens
     alignment = scenario.effective_hit_alignment_tokens
     reachable: set[int] = set()
+    seen: set[Any] = set()  # a prefix is named by its last block hash (chained)
     for request in requests:
         hashes = list(request.block_hashes)
         total = len(hashes) * hash_block
         for end in range(alignment, total + 1, alignment):
+            last = hashes[end // hash_block - 1]
+            if last in seen:
+                continue
+            seen.add(last)
             found = coordinator.find_longest_cache_hit(hashes[: end // hash_block], end)
             for group_blocks in found[0]:
                 reachable.update(b.block_id for b in group_blocks if not b.is_null)
