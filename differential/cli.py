@@ -644,8 +644,15 @@ def _explain(args: argparse.Namespace) -> int:
             f.request for f in result.findings if f.request is not None and f.request > 0
         )
         request = flagged[0] if flagged else len(scenario.requests) - 1
+    engine = scenario.workload.mode is DriveMode.SCHEDULER
+    if engine:
+        from differential.explain import render_timeline
+
+        sys.stdout.write(render_timeline(result, request))
     exp = explain_request(result, request)
     if exp is None:
+        if engine:  # judged per lookup as scheduled: the timeline is the picture
+            return EXIT_FOUND if result.findings else EXIT_CLEAN
         raise ScenarioError("--request", request, "a request every variant completed")
     sys.stdout.write(render_text(exp))
     if args.svg is not None:

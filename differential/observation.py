@@ -339,6 +339,10 @@ class RunObservation:
         cached_blocks: (scheduler mode) cached blocks at the end, in blocks.
         preemptions: (scheduler mode) requests the scheduler preempted.
         steps: (scheduler mode) scheduler steps run.
+        timeline: (scheduler mode, recorded with the cache map for ``kvfuzz
+            explain``) one line per scheduler step: arrivals, what each
+            request was scheduled for (tokens, prefill or decode, drafts
+            accepted), preemptions, finished requests, evicted blocks.
     """
 
     variant: str
@@ -357,6 +361,7 @@ class RunObservation:
     cached_blocks: int = 0
     preemptions: int = 0
     steps: int = 0
+    timeline: tuple[str, ...] = ()
 
     @property
     def unreachable_share(self) -> float:
@@ -384,6 +389,7 @@ class RunObservation:
             cached_blocks=data.get("cached_blocks", 0),
             preemptions=data.get("preemptions", 0),
             steps=data.get("steps", 0),
+            timeline=tuple(data.get("timeline", ())),
         )
 
     @property
@@ -403,6 +409,8 @@ class RunObservation:
             out["cached_blocks"] = self.cached_blocks
             out["preemptions"] = self.preemptions
             out["steps"] = self.steps
+        if self.timeline:
+            out["timeline"] = list(self.timeline)
         return out
 
     def _base_dict(self) -> dict[str, Any]:

@@ -269,6 +269,7 @@ def run_scheduler_scenario(
     settings = None
     evicted = 0
     preemptions = 0
+    timeline: list[str] = []
     unreachable = 0
     cached_blocks = 0
     pool = 0
@@ -331,6 +332,7 @@ def run_scheduler_scenario(
         )
         max_steps = 1_000 + 8 * total_tokens
         while added < len(requests) or scheduler.has_requests():
+            arrived = added
             # Arrivals: by step, or (sequential) when the engine is empty.
             if workload.arrival_steps is None:
                 if added < len(requests) and not scheduler.has_requests():
@@ -352,14 +354,17 @@ def run_scheduler_scenario(
             req_ids = list(out.num_scheduled_tokens)
             sampled: list[list[int]] = []
             drafts: list[list[int]] = []
+            events: list[str] = []
             for rid in req_ids:
                 request = scheduler.requests[rid]
                 i = index_of[rid]
                 spec = out.scheduled_spec_decode_tokens.get(rid) or []
+                scheduled = out.num_scheduled_tokens[rid]
                 if request.num_computed_tokens < request.num_tokens and not spec:
                     # A partial prefill chunk samples nothing.
                     sampled.append([])
                     drafts.append([])
+                    events.append(f"req-{i} +{scheduled} (prefill)")
                     continue
                 n = len(request.output_token_ids)
                 take = 1
@@ -368,6 +373,10 @@ def run_scheduler_scenario(
                     take += min(len(spec), wanted)
                     decode_count += 1
                 sampled.append([scenario.output_token(i, n + k) for k in range(take)])
+                events.append(
+                    f"req-{i} +{scheduled}"
+                    + (f" ({take - 1}/{len(spec)} drafts accepted)" if spec else "")
+                )
                 drafts.append([scenario.output_token(i, n + take + k) for k in range(num_spec)])
             phase[0] = f"step {step[0]}: update_from_output"
             output = ModelRunnerOutput(
@@ -383,12 +392,36 @@ def run_scheduler_scenario(
                     DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts),
                 )
             after = runner._cached_keys(manager)
-            evicted += sum((seen - after).values())
+            lost = sum((seen - after).values())
+            evicted += lost
             seen = after
+            done = []
             for rid in req_ids:
                 i = index_of[rid]
                 if i not in finished_at and requests[i].is_finished():
                     finished_at[i] = after
+                    done.append(f"req-{i}")
+            if record_cache_map:
+                line = f"step {step[0]}:"
+                if added > arrived:
+                    line += f" arrive {', '.join(f'req-{k}' for k in range(arrived, added))};"
+                admitted_now = [
+                    f"req-{index_of[r]} (hit {admitted[index_of[r]].hit_tokens})"
+                    for r in req_ids
+                    if admitted.get(index_of[r]) is not None
+                    and admitted[index_of[r]].step == step[0]
+                ]
+                if admitted_now:
+                    line += f" admit {', '.join(admitted_now)};"
+                line += f" run {', '.join(events) or 'nothing'}"
+                preempted = sorted(getattr(out, "preempted_req_ids", ()) or ())
+                if preempted:
+                    line += f"; preempt {', '.join(f'req-{index_of[r]}' for r in preempted)}"
+                if done:
+                    line += f"; finish {', '.join(done)}"
+                if lost:
+                    line += f"; {lost} cached blocks evicted"
+                timeline.append(line)
             idle = 0 if req_ids else idle + 1
             if idle > _MAX_IDLE_STEPS:
                 raise InternalError(
@@ -467,6 +500,7 @@ def run_scheduler_scenario(
         cached_blocks=cached_blocks,
         preemptions=preemptions,
         steps=steps,
+        timeline=tuple(timeline) if record_cache_map else (),
     )
 
 
