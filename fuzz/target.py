@@ -106,8 +106,9 @@ def build_target(
     return kvfuzz_target
 
 
-def decode(buffer: bytes) -> Scenario | None:
-    """The scenario a fuzzer's input bytes stand for (``None`` if they decode to none).
+def decode(buffer: bytes, mode: DriveMode = DriveMode.MANAGER) -> Scenario | None:
+    """The scenario a fuzzer's input bytes stand for (``None`` if they decode to none);
+    ``mode`` ``scheduler`` decodes through the engine-workload strategy.
 
     Uses the same strategy and the same ``fuzz_one_input`` path as the
     campaign and the atheris harness, without running vLLM.
@@ -115,7 +116,7 @@ def decode(buffer: bytes) -> Scenario | None:
     captured: list[Scenario] = []
 
     @settings(database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(scenarios())
+    @given(engine_scenarios() if mode is DriveMode.SCHEDULER else scenarios())
     def capture(scenario: Scenario) -> None:
         captured.append(scenario)
 

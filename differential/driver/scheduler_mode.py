@@ -335,7 +335,7 @@ def run_scheduler_scenario(
             arrived = added
             # Arrivals: by step, or (sequential) when the engine is empty.
             if workload.arrival_steps is None:
-                if added < len(requests) and not scheduler.has_requests():
+                if added < len(requests) and not scheduler.get_num_unfinished_requests():
                     phase[0] = f"step {step[0]}: add_request req-{added}"
                     vllm_call("Scheduler.add_request", scheduler.add_request, requests[added])
                     added += 1
