@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from differential.errors import InternalError, ScenarioError, VariantError
-from differential.findings import SEVERITY, Policy
+from differential.findings import SEVERITY, FindingKind, Policy
 from differential.scenario import DriveMode, GroupKind
 from differential.variants import (
     DEFAULT_VARIANTS,
@@ -512,11 +512,12 @@ def _export_test(args: argparse.Namespace) -> int:
     entry = _load(args, args.finding)
     from differential.compare import compare_variants
     from differential.export import export_test
-    from differential.findings import FindingKind
     from fuzz.signature import signature_of
 
     scenario = entry.scenario
     result = compare_variants(scenario, variants, policy=Policy(args.policy))
+    if scenario.workload.mode is DriveMode.SCHEDULER:
+        return _export_engine_test(args, entry, result)
     candidates = [
         (vr, f)
         for vr in result.results
@@ -549,6 +550,58 @@ def _export_test(args: argparse.Namespace) -> int:
         fixed_hit_tokens=fixed_hit,
     )
     sys.stdout.write(source)
+    return EXIT_CLEAN
+
+
+def _export_engine_test(args: argparse.Namespace, entry: Any, result: Any) -> int:
+    """``export-test`` for a scheduler-mode scenario: the test drives vLLM's
+    ``Scheduler`` (:mod:`differential.export_engine`)."""
+    import dataclasses
+
+    from differential.export_engine import export_engine_test
+    from fuzz.signature import signature_of
+
+    scenario = entry.scenario
+    exportable = {
+        FindingKind.EVICTION_COLLAPSE,
+        FindingKind.OVER_HIT,
+        FindingKind.MISALIGNED,
+        FindingKind.FALLBACK,
+        FindingKind.MODE_MISMATCH,
+    }
+    candidates = [
+        (vr, f)
+        for vr in result.results
+        for f in vr.findings
+        if f.kind in exportable
+        and (f.request is not None or f.kind is FindingKind.EVICTION_COLLAPSE)
+    ]
+    if not candidates:
+        raise ScenarioError(
+            "FINDING",
+            str(args.finding),
+            "a scheduler-mode scenario with an eviction-collapse, over-hit, misaligned, "
+            "fallback or mode-mismatch finding",
+        )
+    recorded = [
+        (vr, f) for vr, f in candidates if signature_of(scenario, f).text == entry.signature
+    ]
+    variant_result, finding = (recorded or candidates)[0]
+    if scenario.workload.pool_blocks is None:  # the pool the run used, in blocks
+        scenario = dataclasses.replace(
+            scenario,
+            workload=dataclasses.replace(
+                scenario.workload, pool_blocks=variant_result.run.pool_blocks
+            ),
+        )
+    sys.stdout.write(
+        export_engine_test(
+            scenario,
+            finding,
+            signature=signature_of(entry.scenario, finding).text,
+            name=scenario.name or args.finding.stem,
+        )
+    )
     return EXIT_CLEAN
 
 
