@@ -170,3 +170,89 @@ def test_manager_mode_refuses_a_concurrent_workload() -> None:
 
     with pytest.raises(ScenarioError, match=r"workload\.mode"):
         in_mode(_concurrent(200, 5, (0, 0, 1, 1, 6, 6, 7, 7), 4), DriveMode.MANAGER)
+
+
+def _exported(scenario: Scenario) -> tuple[str, str]:
+    from differential.export_engine import export_engine_test
+    from fuzz.signature import signature_of
+
+    result = compare_variants(scenario, UNFIXED)
+    finding = next(f for f in result.findings if f.kind is FindingKind.EVICTION_COLLAPSE)
+    source = export_engine_test(
+        scenario, finding, signature=signature_of(scenario, finding).text, name="collapse"
+    )
+    return source, "test_kvfuzz_collapse"
+
+
+def test_exported_engine_test_reproduces_48435(tmp_path: Path) -> None:
+    entry = load_entry(CORPORA / "cases" / "eviction-collapse-48435-pool130-dense.json")
+    source, name = _exported(entry.scenario)
+    assert "from differential" not in source and "import differential" not in source
+    namespace: dict[str, object] = {}
+    exec(compile(source, "exported.py", "exec"), namespace)
+    test = namespace[name]
+    with pytest.raises(AssertionError, match=r"\[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0\]"):
+        test(tmp_path)  # type: ignore[operator]
+    # The same test with retention 0 (the fix of #48435) passes.
+    fixed = source.replace(
+        "prefix_cache_retention_interval=None", "prefix_cache_retention_interval=0"
+    )
+    namespace = {}
+    exec(compile(fixed, "exported_fixed.py", "exec"), namespace)
+    (tmp_path / "fixed").mkdir()
+    namespace[name](tmp_path / "fixed")  # type: ignore[operator]
+
+
+def test_explain_timeline_and_shrink_on_a_concurrent_collapse(tmp_path: Path) -> None:
+    from differential.explain import render_timeline
+    from fuzz.minimize import shrink
+    from fuzz.signature import signature_of
+
+    entry = load_entry(CORPORA / "cases" / "eviction-collapse-48435-pool130-dense.json")
+    # The same sessions fired concurrently: round r arrives at step 8 * r.
+    concurrent = dataclasses.replace(
+        entry.scenario,
+        workload=dataclasses.replace(
+            entry.scenario.workload,
+            arrival_steps=tuple(8 * (i // 4) for i in range(12)),
+            max_num_seqs=4,
+        ),
+    )
+    result = compare_variants(concurrent, UNFIXED)
+    tags = sorted(finding_tag(f) for f in result.findings)
+    assert tags == ["eviction-collapse@run"]
+    text = render_timeline(result, 11)
+    assert "step 0: arrive req-0, req-1, req-2, req-3; admit req-0 (hit 0)" in text
+    assert "step 8: arrive req-4, req-5, req-6, req-7" in text
+    finding = result.findings[0]
+    outcome = shrink(concurrent, signature_of(concurrent, finding), UNFIXED, seconds=60)
+    small = outcome.scenario
+    assert len(small.requests) < len(concurrent.requests)
+    assert small.workload.arrival_steps is None or len(small.workload.arrival_steps) == len(
+        small.requests
+    )
+    assert any(
+        f.kind is FindingKind.EVICTION_COLLAPSE for f in compare_variants(small, UNFIXED).findings
+    )
+
+
+def test_campaign_in_scheduler_mode_counts_the_engine(tmp_path: Path) -> None:
+    from fuzz.campaign import CampaignConfig, run_campaign
+    from fuzz.report import engine_section
+
+    summary = run_campaign(
+        CampaignConfig(
+            out=tmp_path,
+            variants=UNFIXED,
+            seed=0,
+            seconds=None,
+            max_examples=40,
+            mode=DriveMode.SCHEDULER,
+        ),
+        quiet=True,
+    )
+    engine = summary["engine"]
+    assert engine["scenarios"] == summary["examples"] == 40
+    assert engine["concurrent"] > 0 and engine["multi_turn"] > 0
+    assert engine["speculative"] > 0 and engine["with_eviction"] > 0
+    assert any("Engine scenarios (scheduler mode)" in line for line in engine_section(summary))
