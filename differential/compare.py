@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from differential.errors import ScenarioError
 from differential.findings import Finding, FindingKind, Policy
 from differential.known import label_known
 from differential.observation import RunObservation
@@ -341,6 +342,20 @@ def run_any(
     if variant.tree is not None:
         from differential.tree import run_tree
 
+        if scenario.workload.mode is DriveMode.SCHEDULER:
+            # A tree's worker drives the manager only: a sequential workload
+            # runs there in manager mode, any other is not run.
+            try:
+                scenario = in_mode(scenario, DriveMode.MANAGER)
+            except ScenarioError:
+                return RunObservation(
+                    variant=variant.name,
+                    vllm_version="",
+                    settings=None,
+                    requests=(),
+                    unsupported="scheduler mode (requests in flight together or drafts) "
+                    "on a tree variant, whose worker drives KVCacheManager only",
+                )
         return run_tree(
             variant.name,
             Path(variant.tree),
