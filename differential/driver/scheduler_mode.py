@@ -185,7 +185,6 @@ class _Admission:
     cache_map: tuple[str, ...] = ()
     before: Counter[bytes] = field(default_factory=Counter)
     step: int = -1
-    lookups: int = 0
 
 
 def _record_lookups(
@@ -194,17 +193,27 @@ def _record_lookups(
     record_cache_map: bool,
     lookups: dict[str, list[_Admission]],
     step: list[int],
+    failures: list[BaseException],
 ) -> None:
     """Wrap this manager's ``get_computed_blocks`` (an instance attribute, so
-    variant patches on the class still run inside) to record every call."""
+    variant patches on the class still run inside) to record every call.
+
+    An exception in kvfuzz's own bookkeeping is kept in ``failures`` (the
+    caller raises it as kvfuzz's failure), never passed off as vLLM's.
+    """
     real = manager.get_computed_blocks
     coordinator = manager.coordinator
 
     def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
-        cache_map = runner._cache_map(scenario, manager, request) if record_cache_map else ()
-        before = runner._cached_keys(manager)
+        try:
+            cache_map = runner._cache_map(scenario, manager, request) if record_cache_map else ()
+            before = runner._cached_keys(manager)
+        except Exception as exc:  # kvfuzz's own failure
+            failures.append(exc)
+            return real(request, *args, **kwargs)
         per_group: tuple[int, ...] = ()
         if hasattr(coordinator, "find_longest_cache_hit_per_group"):
+            # Diagnostic only, as in manager mode (a vLLM call).
             hashed = len(request.block_hashes) * scenario.effective_hash_block_size_tokens
             _, found = coordinator.find_longest_cache_hit_per_group(
                 request.block_hashes, min(request.num_tokens - 1, hashed)
@@ -313,7 +322,8 @@ def run_scheduler_scenario(
         hasher = runner.block_hasher(scenario, resolved)
         step = [0]
         lookups: dict[str, list[_Admission]] = {}
-        _record_lookups(scenario, manager, record_cache_map, lookups, step)
+        failures: list[BaseException] = []
+        _record_lookups(scenario, manager, record_cache_map, lookups, step, failures)
         requests = [
             runner.make_request(scenario, i, prompt, hasher, scenario.decode_steps + 1)
             for i, prompt in enumerate(scenario.prompts)
@@ -346,6 +356,11 @@ def run_scheduler_scenario(
                     added += 1
             phase[0] = f"step {step[0]}: schedule"
             out = vllm_call("Scheduler.schedule", scheduler.schedule)
+            if failures:
+                raise InternalError(
+                    f"recording a lookup at step {step[0]} failed: "
+                    f"{type(failures[0]).__name__}: {failures[0]}"
+                )
             for rid in out.num_scheduled_tokens:
                 i = index_of[rid]
                 if i not in admitted and lookups.get(rid):
