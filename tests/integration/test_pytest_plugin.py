@@ -67,4 +67,4 @@ def test_scheduler_mode_items_show_the_timeline(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "1 failed, 1 passed" in proc.stdout
     assert "expected checkpoint 248, hit 192" in proc.stdout
-    assert "step 6: arrive req-1; admit req-1 (hit 192)" in proc.stdout
+    assert "step 5: arrive req-1; admit req-1 (hit 192)" in proc.stdout
