@@ -151,7 +151,7 @@ def main() -> None:
             f"(the check costs {1 - checked / unchecked:.0%})" + engine
         )
 
-    sessions = load_entry(ROOT / "corpora" / "cases" / "eviction-collapse-48435-pool130-dense.json")
+    sessions = load_entry(ROOT / "known-issues" / "eviction-collapse-48435-pool130-dense.json")
     for mode in (DriveMode.MANAGER, DriveMode.SCHEDULER):
         rate, _ = _rate(
             lambda m=mode: run_variant(sessions.scenario, unfixed, mode=m), args.seconds

@@ -432,7 +432,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
         "SlidingWindowManager (blocks kept cached under dense retention) with "
         "vllm/v1/core/block_pool.py BlockPool (LRU eviction)",
-        example="corpora/cases/eviction-collapse-48435-pool130-dense.json",
+        example="known-issues/eviction-collapse-48435-pool130-dense.json",
         matches=lambda scenario, finding: finding.kind is FindingKind.EVICTION_COLLAPSE,
     ),
 )

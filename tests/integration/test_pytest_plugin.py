@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA
+from tests.factories import CORPORA, ROOT
 
 pytestmark = pytest.mark.vllm
 
@@ -59,7 +59,7 @@ def test_scheduler_mode_items_show_the_timeline(tmp_path: Path) -> None:
         "--kvfuzz-corpus",
         str(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"),
         "--kvfuzz-corpus",
-        str(CORPORA / "cases" / "eviction-collapse-48435-pool130-dense.json"),
+        str(ROOT / "known-issues" / "eviction-collapse-48435-pool130-dense.json"),
         "--kvfuzz-mode",
         "scheduler",
     )

@@ -29,13 +29,14 @@ from differential.scenario import (
     Workload,
 )
 from differential.variants import parse_variants
-from tests.factories import CORPORA
+from tests.factories import CORPORA, ROOT
 
 pytestmark = pytest.mark.vllm
 
 UNFIXED = parse_variants("unfixed")
 BOTH = parse_variants("unfixed,fixed")
 SEEDS = sorted((CORPORA / "seeds").glob("*.json"))
+KNOWN = ROOT / "known-issues"
 
 
 @pytest.mark.parametrize("path", SEEDS, ids=lambda p: p.name)
@@ -55,7 +56,8 @@ def test_seed_gives_the_same_hits_in_both_modes(path: Path) -> None:
 
 
 def _sessions(name: str) -> tuple[dict[int, list[int]], list[str], object]:
-    entry = load_entry(CORPORA / "cases" / f"{name}.json")
+    folder = KNOWN if name.endswith("pool130-dense") else CORPORA / "cases"
+    entry = load_entry(folder / f"{name}.json")
     result = compare_variants(entry.scenario, UNFIXED)
     vr = result.results[0]
     tags = sorted(finding_tag(f) for f in result.findings)
@@ -90,7 +92,7 @@ def test_48435_pool_400_dense_retention_keeps_everything() -> None:
 
 @pytest.mark.parametrize("pool", [110, 90])
 def test_48435_smaller_pools_hit_nothing_in_either_retention(pool: int) -> None:
-    entry = load_entry(CORPORA / "cases" / "eviction-collapse-48435-pool130-dense.json")
+    entry = load_entry(KNOWN / "eviction-collapse-48435-pool130-dense.json")
     scenario = dataclasses.replace(
         entry.scenario, workload=dataclasses.replace(entry.scenario.workload, pool_blocks=pool)
     )
@@ -185,7 +187,7 @@ def _exported(scenario: Scenario) -> tuple[str, str]:
 
 
 def test_exported_engine_test_reproduces_48435(tmp_path: Path) -> None:
-    entry = load_entry(CORPORA / "cases" / "eviction-collapse-48435-pool130-dense.json")
+    entry = load_entry(KNOWN / "eviction-collapse-48435-pool130-dense.json")
     source, name = _exported(entry.scenario)
     assert "from differential" not in source and "import differential" not in source
     namespace: dict[str, object] = {}
@@ -208,7 +210,7 @@ def test_explain_timeline_and_shrink_on_a_concurrent_collapse(tmp_path: Path) ->
     from fuzz.minimize import shrink
     from fuzz.signature import signature_of
 
-    entry = load_entry(CORPORA / "cases" / "eviction-collapse-48435-pool130-dense.json")
+    entry = load_entry(KNOWN / "eviction-collapse-48435-pool130-dense.json")
     # The same sessions fired concurrently: round r arrives at step 8 * r.
     concurrent = dataclasses.replace(
         entry.scenario,
