@@ -734,7 +734,7 @@ def _import_crash(args: argparse.Namespace) -> int:
 
     found = False
     for path, buffer in buffers:
-        scenario = decode(buffer)
+        scenario = decode(buffer, DriveMode(args.mode or "manager"))
         if scenario is None:
             print(f"{path}: decodes to no scenario (too short for the strategy)", file=sys.stderr)
             continue
