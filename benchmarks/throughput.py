@@ -18,7 +18,12 @@ Triton seed (block 16 / 32, window 1024, retention 8192, 16384-token prefix):
 * a ``kvfuzz fuzz`` campaign's own executions per second (generated,
   mostly toy-scale scenarios on unfixed + fixed with the dense cross-check),
   to compare with the fixed-scenario figures above, and one restricted to
-  Mamba hybrids (``--groups mamba``).
+  Mamba hybrids (``--groups mamba``);
+* scheduler mode beside manager mode at toy scale: one run of the same
+  scenario through vLLM's real ``Scheduler`` (``--mode scheduler``), vLLM
+  issue #48435's four round-robin chat sessions (pool 130 blocks) in both
+  modes, and a ``kvfuzz fuzz --mode scheduler`` campaign (generated engine
+  workloads: concurrent multi-turn sessions, drafts, eviction).
 
 These are figures to read, not assertions: nothing here fails.
 """
@@ -96,7 +101,7 @@ def main() -> None:
     seeds = ROOT / "corpora" / "seeds"
     import dataclasses
 
-    from differential.scenario import GroupKind, KVCacheGroup
+    from differential.scenario import DriveMode, GroupKind, KVCacheGroup
 
     toy = load_entry(seeds / "toy-mtp1-swa4-fa8-r64.json").scenario
     mamba_toy = dataclasses.replace(
@@ -128,6 +133,14 @@ def main() -> None:
             lambda s=scenario: judge_run(s, run_variant(s, unfixed, record_blocks=False)),
             args.seconds * 2,
         )
+        engine = ""
+        if label != "seed scale":
+            sched_rate, _ = _rate(
+                lambda s=scenario: run_variant(s, unfixed, mode=DriveMode.SCHEDULER), args.seconds
+            )
+            engine = (
+                f"\n  one run, scheduler mode:   {sched_rate:8.1f} executions/s (vLLM's Scheduler)"
+            )
         print(
             f"{label:<11} {name}: {tokens} prompt tokens in {len(scenario.requests)} requests\n"
             f"  one variant run:           {run_rate:8.1f} executions/s\n"
@@ -135,14 +148,28 @@ def main() -> None:
             f"  time inside vLLM's code:   {share:8.0%} (cProfile self time)\n"
             f"  judged run, block check on:  {checked:8.1f} executions/CPU-s\n"
             f"  judged run, block check off: {unchecked:8.1f} executions/CPU-s "
-            f"(the check costs {1 - checked / unchecked:.0%})"
+            f"(the check costs {1 - checked / unchecked:.0%})" + engine
+        )
+
+    sessions = load_entry(ROOT / "known-issues" / "eviction-collapse-48435-pool130-dense.json")
+    for mode in (DriveMode.MANAGER, DriveMode.SCHEDULER):
+        rate, _ = _rate(
+            lambda m=mode: run_variant(sessions.scenario, unfixed, mode=m), args.seconds
+        )
+        print(
+            f"#48435 sessions (12 requests, pool 130 blocks), {mode.value} mode: "
+            f"{rate:8.1f} executions/s"
         )
 
     import tempfile
 
     from fuzz.campaign import CampaignConfig, run_campaign
 
-    for label, kinds in (("campaign", frozenset()), ("mamba only", frozenset({GroupKind.MAMBA}))):
+    for label, kinds, mode in (
+        ("campaign", frozenset(), DriveMode.MANAGER),
+        ("mamba only", frozenset({GroupKind.MAMBA}), DriveMode.MANAGER),
+        ("scheduler", frozenset(), DriveMode.SCHEDULER),
+    ):
         with tempfile.TemporaryDirectory() as out:
             summary = run_campaign(
                 CampaignConfig(
@@ -151,6 +178,7 @@ def main() -> None:
                     seed=0,
                     seconds=args.seconds * 3,
                     group_kinds=kinds,
+                    mode=mode,
                 ),
                 quiet=True,
             )

@@ -79,6 +79,8 @@ def scenario_cost(scenario: Scenario) -> ScenarioCost:
     for request in scenario.requests:
         for group in scenario.kv_cache_groups:
             pool_blocks += math.ceil((request.prompt_tokens + extra) / group.block_size_tokens)
+    if scenario.workload.pool_blocks is not None:
+        pool_blocks = scenario.workload.pool_blocks
     return ScenarioCost(len(scenario.requests), prompt_tokens + decode_tokens, pool_blocks)
 
 

@@ -110,6 +110,8 @@ _LEVEL = {
     FindingKind.VARIANT_DRIFT: "warning",
     FindingKind.NEEDLESS_DROP: "warning",
     FindingKind.DENSE_MISMATCH: "warning",
+    FindingKind.MODE_MISMATCH: "warning",
+    FindingKind.EVICTION_COLLAPSE: "warning",
     FindingKind.DESIGN_GAP: "note",
     FindingKind.EVICTION: "note",
 }

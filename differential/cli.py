@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from differential.errors import InternalError, ScenarioError, VariantError
-from differential.findings import SEVERITY, Policy
-from differential.scenario import GroupKind
+from differential.findings import SEVERITY, FindingKind, Policy
+from differential.scenario import DriveMode, GroupKind
 from differential.variants import (
     DEFAULT_VARIANTS,
     VariantRole,
@@ -118,6 +118,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
             "literally keeps, ideal = the dense reference (default: %(default)s)"
         ),
     )
+    parser.add_argument(
+        "--mode",
+        choices=["manager", "scheduler"],
+        default=None,
+        help=(
+            "driving mode, overriding each scenario's workload.mode: manager = "
+            "KVCacheManager directly, scheduler = vLLM's real Scheduler (default: "
+            "the scenario's own)"
+        ),
+    )
     _add_limits(parser)
 
 
@@ -156,6 +166,17 @@ def _load(args: argparse.Namespace, path: Path) -> CorpusEntry:
     from differential.corpus import load_entry
 
     entry = load_entry(path)
+    mode = getattr(args, "mode", None)
+    if mode is not None:
+        from dataclasses import replace
+
+        from differential.compare import in_mode
+        from differential.scenario import DriveMode
+
+        try:
+            entry = replace(entry, scenario=in_mode(entry.scenario, DriveMode(mode)))
+        except ScenarioError as exc:
+            raise exc.with_source(str(path)) from None
     limits = Limits(
         max_requests=args.max_requests,
         max_tokens=args.max_tokens,
@@ -491,11 +512,12 @@ def _export_test(args: argparse.Namespace) -> int:
     entry = _load(args, args.finding)
     from differential.compare import compare_variants
     from differential.export import export_test
-    from differential.findings import FindingKind
     from fuzz.signature import signature_of
 
     scenario = entry.scenario
     result = compare_variants(scenario, variants, policy=Policy(args.policy))
+    if scenario.workload.mode is DriveMode.SCHEDULER:
+        return _export_engine_test(args, entry, result)
     candidates = [
         (vr, f)
         for vr in result.results
@@ -528,6 +550,58 @@ def _export_test(args: argparse.Namespace) -> int:
         fixed_hit_tokens=fixed_hit,
     )
     sys.stdout.write(source)
+    return EXIT_CLEAN
+
+
+def _export_engine_test(args: argparse.Namespace, entry: Any, result: Any) -> int:
+    """``export-test`` for a scheduler-mode scenario: the test drives vLLM's
+    ``Scheduler`` (:mod:`differential.export_engine`)."""
+    import dataclasses
+
+    from differential.export_engine import export_engine_test
+    from fuzz.signature import signature_of
+
+    scenario = entry.scenario
+    exportable = {
+        FindingKind.EVICTION_COLLAPSE,
+        FindingKind.OVER_HIT,
+        FindingKind.MISALIGNED,
+        FindingKind.FALLBACK,
+        FindingKind.MODE_MISMATCH,
+    }
+    candidates = [
+        (vr, f)
+        for vr in result.results
+        for f in vr.findings
+        if f.kind in exportable
+        and (f.request is not None or f.kind is FindingKind.EVICTION_COLLAPSE)
+    ]
+    if not candidates:
+        raise ScenarioError(
+            "FINDING",
+            str(args.finding),
+            "a scheduler-mode scenario with an eviction-collapse, over-hit, misaligned, "
+            "fallback or mode-mismatch finding",
+        )
+    recorded = [
+        (vr, f) for vr, f in candidates if signature_of(scenario, f).text == entry.signature
+    ]
+    variant_result, finding = (recorded or candidates)[0]
+    if scenario.workload.pool_blocks is None:  # the pool the run used, in blocks
+        scenario = dataclasses.replace(
+            scenario,
+            workload=dataclasses.replace(
+                scenario.workload, pool_blocks=variant_result.run.pool_blocks
+            ),
+        )
+    sys.stdout.write(
+        export_engine_test(
+            scenario,
+            finding,
+            signature=signature_of(entry.scenario, finding).text,
+            name=scenario.name or args.finding.stem,
+        )
+    )
     return EXIT_CLEAN
 
 
@@ -623,8 +697,15 @@ def _explain(args: argparse.Namespace) -> int:
             f.request for f in result.findings if f.request is not None and f.request > 0
         )
         request = flagged[0] if flagged else len(scenario.requests) - 1
+    engine = scenario.workload.mode is DriveMode.SCHEDULER
+    if engine:
+        from differential.explain import render_timeline
+
+        sys.stdout.write(render_timeline(result, request))
     exp = explain_request(result, request)
     if exp is None:
+        if engine:  # judged per lookup as scheduled: the timeline is the picture
+            return EXIT_FOUND if result.findings else EXIT_CLEAN
         raise ScenarioError("--request", request, "a request every variant completed")
     sys.stdout.write(render_text(exp))
     if args.svg is not None:
@@ -653,7 +734,7 @@ def _import_crash(args: argparse.Namespace) -> int:
 
     found = False
     for path, buffer in buffers:
-        scenario = decode(buffer)
+        scenario = decode(buffer, DriveMode(args.mode or "manager"))
         if scenario is None:
             print(f"{path}: decodes to no scenario (too short for the strategy)", file=sys.stderr)
             continue
@@ -712,6 +793,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             shrink_seconds=None if args.no_shrink else args.shrink_seconds,
             known_corpus=tuple(known),
             group_kinds=kinds,
+            mode=DriveMode(args.mode or "manager"),
         ),
         args.jobs,
         quiet=args.quiet,

@@ -14,11 +14,13 @@ The driver (and so vLLM) is imported on first use, not at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from differential.errors import ScenarioError
 from differential.findings import Finding, FindingKind, Policy
 from differential.known import label_known
 from differential.observation import RunObservation
@@ -30,7 +32,14 @@ from differential.oracle import (
     model_from_settings,
     replay_boundaries,
 )
-from differential.scenario import DrafterKind, GroupKind, Scenario
+from differential.oracle.engine import (
+    cross_check_modes,
+    eviction_collapse,
+    judge_engine_run,
+    mode_cross_checkable,
+    sequentially_judgeable,
+)
+from differential.scenario import DrafterKind, DriveMode, GroupKind, Scenario
 from differential.variants import FixScope, Variant, VariantRole
 
 __all__ = [
@@ -40,6 +49,7 @@ __all__ = [
     "compare_pair",
     "compare_variants",
     "in_fix_domain",
+    "in_mode",
 ]
 
 
@@ -55,6 +65,11 @@ class VariantResult:
         references: what each request was owed.
         findings: the oracle's findings for this variant.
         elapsed_s: wall time of its runs (and the cross-check), in seconds.
+        manager_run: (scheduler mode, sequential scenarios) the same scenario
+            through the manager-level driver, for the mode cross-check.
+        retention0_run: (scheduler mode, dense retention with a pool size
+            and later turns) the same scenario with retention 0, for the
+            eviction-collapse rule.
     """
 
     variant: Variant
@@ -63,6 +78,8 @@ class VariantResult:
     references: tuple[SiblingReference, ...]
     findings: tuple[Finding, ...]
     elapsed_s: float = 0.0
+    manager_run: RunObservation | None = None
+    retention0_run: RunObservation | None = None
 
 
 @dataclass(frozen=True)
@@ -345,6 +362,20 @@ def run_any(
     if variant.tree is not None:
         from differential.tree import run_tree
 
+        if scenario.workload.mode is DriveMode.SCHEDULER:
+            # A tree's worker drives the manager only: a sequential workload
+            # runs there in manager mode, any other is not run.
+            try:
+                scenario = in_mode(scenario, DriveMode.MANAGER)
+            except ScenarioError:
+                return RunObservation(
+                    variant=variant.name,
+                    vllm_version="",
+                    settings=None,
+                    requests=(),
+                    unsupported="scheduler mode (requests in flight together or drafts) "
+                    "on a tree variant, whose worker drives KVCacheManager only",
+                )
         return run_tree(
             variant.name,
             Path(variant.tree),
@@ -427,6 +458,29 @@ def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -
     return findings
 
 
+def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
+    """``scenario`` driven in ``mode`` (the workload's other fields kept).
+
+    Raises:
+        ScenarioError: manager mode for a workload only the scheduler runs
+            (arrivals or drafts), naming ``workload.mode``.
+    """
+    if scenario.workload.mode is mode:
+        return scenario
+    return dataclasses.replace(scenario, workload=dataclasses.replace(scenario.workload, mode=mode))
+
+
+def _collapse_applies(scenario: Scenario) -> bool:
+    """The eviction-collapse rule applies: dense retention, a pool size, a
+    group that retention thins (sliding window or Mamba) and later turns."""
+    return (
+        scenario.retention_interval_tokens is None
+        and scenario.workload.pool_blocks is not None
+        and bool(scenario.sliding_window_groups or scenario.mamba_groups)
+        and any(r.shares_with is not None for r in scenario.requests)
+    )
+
+
 def compare_variants(
     scenario: Scenario,
     variants: Sequence[Variant],
@@ -462,20 +516,55 @@ def compare_variants(
             from differential.tree import scenario_as_run
 
             judged = scenario_as_run(variant.name, scenario)
-        refs, findings = judge_run(judged, run, policy)
+        engine = scenario.workload.mode is DriveMode.SCHEDULER and variant.tree is None
+        if engine or scenario.workload.shares_output:
+            refs, findings = judge_engine_run(judged, run, policy)
+        else:
+            refs, findings = judge_run(judged, run, policy)
         dense_run = None
-        if dense_cross_check:
+        sequential = scenario.workload.sequential and not scenario.workload.shares_output
+        if dense_cross_check and (not engine or sequential):
             if scenario.retention_interval_tokens is None:
                 findings += cross_check_dense(judged, run)
             else:
                 dense_run = run_any(scenario, variant, dense=True)
                 findings += cross_check_dense(judged, dense_run)
+        manager_run = retention0_run = None
+        if engine and mode_cross_checkable(scenario):
+            manager_run = run_any(in_mode(scenario, DriveMode.MANAGER), variant)
+            findings += cross_check_modes(scenario, run, manager_run)
+        if engine and _collapse_applies(scenario):
+            retention0_run = run_any(
+                dataclasses.replace(scenario, retention_interval_tokens=0), variant
+            )
+            collapse = eviction_collapse(scenario, run, retention0_run)
+            if collapse is not None:
+                findings += (dataclasses.replace(collapse, policy=policy),)
         findings = label_known(judged, findings, hits=run.hits)
         elapsed_s = time.perf_counter() - started
-        results.append(VariantResult(variant, run, dense_run, refs, findings, elapsed_s))
+        results.append(
+            VariantResult(
+                variant,
+                run,
+                dense_run,
+                refs,
+                findings,
+                elapsed_s,
+                manager_run=manager_run,
+                retention0_run=retention0_run,
+            )
+        )
     comparison: list[Finding] = []
     costs: list[FixCost] = []
-    supported = [r for r in results if r.run.unsupported is None]
+    # Runs through the scheduler with evictions, concurrency or answer-sharing
+    # turns keep blocks for reasons the fix's claims do not cover: compared
+    # per variant by the engine oracle only.
+    supported = [
+        r
+        for r in results
+        if r.run.unsupported is None
+        and (r.run.mode != "scheduler" or sequentially_judgeable(scenario, r.run))
+    ]
     for fixed in supported:
         if fixed.variant.role is not VariantRole.FIXED:
             continue

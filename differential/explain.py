@@ -82,6 +82,44 @@ class Explanation:
         return tuple(range(max(first, retention), self.end_tokens + 1, retention))
 
 
+def render_timeline(result: ScenarioResult, request: int) -> str:
+    """A scheduler-mode scenario as a timeline of scheduler steps, per variant.
+
+    Reruns each variant recording its timeline
+    (``RunObservation.timeline``: arrivals, admissions with their hits,
+    tokens scheduled per request, drafts accepted, preemptions, finished
+    requests, evictions), then lists each request's admitting lookup:
+    scheduler step, hit in tokens and, per KV cache group, which of its
+    prompt blocks were cached then (``1``), with the findings on it.
+    ``request`` is marked.
+    """
+    from differential.compare import run_any
+    from differential.report import engine_summary
+
+    lines: list[str] = []
+    for vr in result.results:
+        run = run_any(result.scenario, vr.variant, record_cache_map=True)
+        lines.append(f"{vr.variant.name}: {engine_summary(run)}")
+        lines += [f"  {line}" for line in run.timeline]
+        lines.append(f"  {'req':>4} {'step':>5} {'hit':>6}  cached prompt blocks per group")
+        for obs in run.requests:
+            kinds = sorted(
+                {
+                    f.kind.value
+                    for f in result.findings
+                    if f.request == obs.index and f.owner == vr.variant.name
+                }
+            )
+            mark = ">" if obs.index == request else " "
+            lines.append(
+                f" {mark}{obs.index:>4} {obs.scheduled_step!s:>5} {obs.hit_tokens:>6}  "
+                f"{' | '.join(obs.cache_map)}" + (f"  [{', '.join(kinds)}]" if kinds else "")
+            )
+        whole = [f.summary() for f in vr.findings if f.request is None]
+        lines += [f"  ! {text}" for text in whole]
+    return "\n".join(lines) + "\n"
+
+
 def explanation(
     scenario: Scenario,
     request: int,

@@ -75,6 +75,16 @@ class FindingKind(StrEnum):
     not depend on the next token."""
     DENSE_MISMATCH = "dense-mismatch"
     """vLLM's dense-retention run disagrees with the oracle's dense reference."""
+    MODE_MISMATCH = "mode-mismatch"
+    """(scheduler mode) a sequential scenario gave different hits through
+    vLLM's ``Scheduler`` than through the manager-level driver: the driver's
+    reconstruction of the scheduler's calls is wrong (or the scheduler
+    changed); the finding names the first differing call."""
+    EVICTION_COLLAPSE = "eviction-collapse"
+    """(scheduler mode) with dense retention every later turn of every
+    session hit nothing, while retention 0 at the same pool size keeps
+    hitting (vLLM issue #48435): dense retention's cached blocks crowd the
+    pool so that each session's blocks are evicted before its next turn."""
     DESIGN_GAP = "design-gap"
     """(``ideal`` policy only) a hit below the dense reference that ``vllm``
     accepts."""

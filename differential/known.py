@@ -493,6 +493,24 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         example="known-issues/single-swa-group-lookahead-hashes-index-error.json",
         matches=_single_swa_lookahead_index_error,
     ),
+    KnownIssue(
+        name="dense-retention-eviction-collapse",
+        summary=(
+            "With dense retention (prefix_cache_retention_interval None) a hybrid "
+            "sliding-window model keeps every sliding-window block of every "
+            "request, so interleaved chat sessions crowd a pool of a few times the "
+            "working set and each session's blocks are evicted before its next "
+            "turn: FA 4 + SWA 4 (window 8), 4 sessions round robin, pool 130 "
+            "blocks: every later turn hits 0, where retention 0 keeps 96 and 100. "
+            "vLLM issue #48435, closed by making retention 0 the default; dense "
+            "retention still collapses."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "SlidingWindowManager (blocks kept cached under dense retention) with "
+        "vllm/v1/core/block_pool.py BlockPool (LRU eviction)",
+        example="known-issues/eviction-collapse-48435-pool130-dense.json",
+        matches=lambda scenario, finding: finding.kind is FindingKind.EVICTION_COLLAPSE,
+    ),
 )
 
 

@@ -231,6 +231,12 @@ class RequestObservation:
             block held (empty when the run did not record blocks).
         unsafe_writes: blocks this request's ``allocate_slots`` steps handed
             out for writing that were not the request's alone.
+        scheduled_step: (scheduler mode) the scheduler step that admitted
+            the request, its lookup being the one judged; ``None`` in
+            manager mode.
+        lookup_order: (scheduler mode) the request's rank among admissions
+            (0 = first admitted); ``None`` in manager mode, where it is the
+            request index.
     """
 
     index: int
@@ -243,6 +249,8 @@ class RequestObservation:
     lookup: tuple[GroupLookup, ...] = ()
     lookup_blocks: tuple[tuple[BlockRecord | None, ...], ...] = ()
     unsafe_writes: tuple[BlockWrite, ...] = ()
+    scheduled_step: int | None = None
+    lookup_order: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
@@ -261,6 +269,8 @@ class RequestObservation:
                 for group in data.get("lookup_blocks", ())
             ),
             unsafe_writes=tuple(BlockWrite.from_dict(w) for w in data.get("unsafe_writes", ())),
+            scheduled_step=data.get("scheduled_step"),
+            lookup_order=data.get("lookup_order"),
         )
 
     @property
@@ -279,6 +289,9 @@ class RequestObservation:
             ]
         if self.unsafe_writes:
             out["unsafe_writes"] = [w.to_dict() for w in self.unsafe_writes]
+        if self.scheduled_step is not None:
+            out["scheduled_step"] = self.scheduled_step
+            out["lookup_order"] = self.lookup_order
         return out
 
     def _base_dict(self) -> dict[str, Any]:
@@ -317,6 +330,19 @@ class RunObservation:
         blocks_recorded: the driver recorded the blocks of every lookup and
             unsafe writes (``RequestObservation.lookup_blocks``), so the
             block-level check (:mod:`differential.oracle.blocks`) applies.
+        mode: ``"manager"`` or ``"scheduler"`` (the driving mode,
+            :class:`differential.scenario.DriveMode`).
+        pool_blocks: (scheduler mode) the KV cache pool, in blocks.
+        unreachable_cached_blocks: (scheduler mode) cached blocks at the end
+            of the run that no lookup of any request's tokens can reach, in
+            blocks (a cost: pool space held for nothing).
+        cached_blocks: (scheduler mode) cached blocks at the end, in blocks.
+        preemptions: (scheduler mode) requests the scheduler preempted.
+        steps: (scheduler mode) scheduler steps run.
+        timeline: (scheduler mode, recorded with the cache map for ``kvfuzz
+            explain``) one line per scheduler step: arrivals, what each
+            request was scheduled for (tokens, prefill or decode, drafts
+            accepted), preemptions, finished requests, evicted blocks.
     """
 
     variant: str
@@ -329,6 +355,18 @@ class RunObservation:
     timed_out: bool = False
     unsupported: str | None = None
     blocks_recorded: bool = False
+    mode: str = "manager"
+    pool_blocks: int = 0
+    unreachable_cached_blocks: int = 0
+    cached_blocks: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    timeline: tuple[str, ...] = ()
+
+    @property
+    def unreachable_share(self) -> float:
+        """Share of the pool holding cached blocks no lookup can reach (0..1)."""
+        return self.unreachable_cached_blocks / self.pool_blocks if self.pool_blocks else 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunObservation:
@@ -345,6 +383,13 @@ class RunObservation:
             timed_out=data.get("timed_out", False),
             unsupported=data.get("unsupported"),
             blocks_recorded=data.get("blocks_recorded", False),
+            mode=data.get("mode", "manager"),
+            pool_blocks=data.get("pool_blocks", 0),
+            unreachable_cached_blocks=data.get("unreachable_cached_blocks", 0),
+            cached_blocks=data.get("cached_blocks", 0),
+            preemptions=data.get("preemptions", 0),
+            steps=data.get("steps", 0),
+            timeline=tuple(data.get("timeline", ())),
         )
 
     @property
@@ -357,6 +402,15 @@ class RunObservation:
         out = self._base_dict()
         if self.blocks_recorded:
             out["blocks_recorded"] = True
+        if self.mode != "manager":
+            out["mode"] = self.mode
+            out["pool_blocks"] = self.pool_blocks
+            out["unreachable_cached_blocks"] = self.unreachable_cached_blocks
+            out["cached_blocks"] = self.cached_blocks
+            out["preemptions"] = self.preemptions
+            out["steps"] = self.steps
+        if self.timeline:
+            out["timeline"] = list(self.timeline)
         return out
 
     def _base_dict(self) -> dict[str, Any]:

@@ -13,6 +13,10 @@ Options (all off by default; without them the plugin imports nothing from vLLM):
   judged the same way.
 * ``--kvfuzz-variants LIST``: variants for the items (default ``unfixed``,
   i.e. the installed vLLM as is).
+* ``--kvfuzz-mode scheduler``: drive the items through vLLM's real
+  ``Scheduler`` (corpus files in scheduler mode; ``--kvfuzz-fuzz`` draws
+  engine workloads: sessions, arrivals, drafts, a pool that evicts); a
+  failing scheduler-mode item shows its timeline of scheduler steps.
 
 A maintainer adds kvfuzz to vLLM's test run with no code:
 ``pytest --kvfuzz-corpus path/to/kvfuzz/corpora``.
@@ -53,6 +57,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="add N generated kvfuzz scenarios as test items",
     )
     group.addoption("--kvfuzz-seed", type=int, default=0, help="seed for --kvfuzz-fuzz")
+    group.addoption(
+        "--kvfuzz-mode",
+        choices=["manager", "scheduler"],
+        default=None,
+        help="driving mode for kvfuzz items (default: each scenario's own)",
+    )
     group.addoption(
         "--kvfuzz-variants",
         default="unfixed",
@@ -121,6 +131,11 @@ class KvfuzzFailure(Exception):
 
         lines = [f"{self.result.source}:"] + [f"  {f.summary()}" for f in self.findings]
         requests = sorted(f.request for f in self.findings if f.request)
+        if self.scenario.workload.mode.value == "scheduler":
+            from differential.explain import render_timeline
+
+            last = len(self.scenario.requests) - 1
+            lines += ["", render_timeline(self.result, requests[0] if requests else last)]
         if requests:
             exp = explain_request(self.result, requests[0], self.findings)
             if exp is not None:
@@ -144,13 +159,24 @@ def pytest_collection_modifyitems(
         entries = [load_entry(path) for path in iter_scenario_files(corpora)]
     except (ScenarioError, VariantError) as exc:
         raise pytest.UsageError(f"kvfuzz: {exc}") from None
+    mode_name = config.getoption("--kvfuzz-mode")
     scenarios = [(str(e.path), e.scenario) for e in entries]
+    if mode_name is not None:
+        from differential.compare import in_mode
+        from differential.scenario import DriveMode
+
+        mode = DriveMode(mode_name)
+        try:
+            scenarios = [(source, in_mode(s, mode)) for source, s in scenarios]
+        except ScenarioError as exc:
+            raise pytest.UsageError(f"kvfuzz: {exc}") from None
     if examples:
+        from differential.scenario import DriveMode
         from fuzz.target import decode
 
         rng = random.Random(config.getoption("--kvfuzz-seed"))
         while len([s for s in scenarios if s[0].startswith("kvfuzz-fuzz")]) < examples:
-            scenario = decode(rng.randbytes(2048))
+            scenario = decode(rng.randbytes(2048), DriveMode(mode_name or "manager"))
             if scenario is not None:
                 index = len([s for s in scenarios if s[0].startswith("kvfuzz-fuzz")])
                 scenarios.append((f"kvfuzz-fuzz-{index}", scenario))

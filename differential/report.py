@@ -8,8 +8,17 @@ from typing import Any
 
 from differential.compare import ScenarioResult
 from differential.findings import Finding, Policy
+from differential.observation import RunObservation
 
-__all__ = ["REPORT_FORMAT", "printable", "render_json", "render_text", "summary_counts"]
+__all__ = [
+    "REPORT_FORMAT",
+    "engine_figures",
+    "engine_summary",
+    "printable",
+    "render_json",
+    "render_text",
+    "summary_counts",
+]
 
 REPORT_FORMAT = "kvfuzz.replay"
 REPORT_VERSION = 1
@@ -64,15 +73,25 @@ def render_text(
         lines.append(header)
         for vr in result.results:
             verdicts = _verdicts(result, vr.variant.name)
-            for ref, obs in zip(vr.references, vr.run.requests, strict=True):
-                kinds = verdicts.get(ref.index, [])
-                lines.append(
-                    f"  {vr.variant.name:<10} {ref.index:>3} {ref.divergence_tokens:>10} "
-                    f"{ref.expected_tokens:>9} {obs.hit_tokens:>9} {ref.dense_tokens:>9}  "
-                    f"{', '.join(dict.fromkeys(kinds)) or 'ok'}"
-                )
+            if vr.references:
+                for ref, obs in zip(vr.references, vr.run.requests, strict=True):
+                    kinds = verdicts.get(ref.index, [])
+                    lines.append(
+                        f"  {vr.variant.name:<10} {ref.index:>3} {ref.divergence_tokens:>10} "
+                        f"{ref.expected_tokens:>9} {obs.hit_tokens:>9} {ref.dense_tokens:>9}  "
+                        f"{', '.join(dict.fromkeys(kinds)) or 'ok'}"
+                    )
+            else:  # judged per lookup as scheduled: no sequential reference
+                for obs in vr.run.requests:
+                    kinds = verdicts.get(obs.index, [])
+                    lines.append(
+                        f"  {vr.variant.name:<10} {obs.index:>3} {'-':>10} {'-':>9} "
+                        f"{obs.hit_tokens:>9} {'-':>9}  {', '.join(dict.fromkeys(kinds)) or 'ok'}"
+                    )
             for kind in verdicts.get(None, []):
                 lines.append(f"  {vr.variant.name:<10} run: {kind}")
+            if vr.run.mode == "scheduler":
+                lines.append(f"  {vr.variant.name:<10} engine: {engine_summary(vr.run)}")
         for finding in result.findings:
             lines.append(f"  ! {finding.summary()}")
         for cost in result.costs:
@@ -85,6 +104,60 @@ def render_text(
     else:
         lines.append(f"{len(results)} scenario(s); no findings")
     return "\n".join(lines) + "\n"
+
+
+def engine_figures(run: RunObservation) -> dict[str, Any] | None:
+    """A scheduler-mode run's engine figures (``None`` in manager mode): pool,
+    steps, preemptions, evicted blocks, and the cost figure: cached blocks no
+    lookup can reach, in blocks and as a share of the pool."""
+    if run.mode != "scheduler":
+        return None
+    return {
+        "pool_blocks": run.pool_blocks,
+        "steps": run.steps,
+        "preemptions": run.preemptions,
+        "evicted_blocks": run.evicted_blocks,
+        "cached_blocks": run.cached_blocks,
+        "unreachable_cached_blocks": run.unreachable_cached_blocks,
+        "unreachable_share": round(run.unreachable_share, 4),
+    }
+
+
+def engine_summary(run: RunObservation) -> str:
+    """One line of :func:`engine_figures`."""
+    return (
+        f"scheduler mode, pool {run.pool_blocks} blocks, {run.steps} steps, "
+        f"{run.preemptions} preemptions, {run.evicted_blocks} evicted blocks; "
+        f"{run.unreachable_cached_blocks} cached blocks unreachable by any lookup "
+        f"({100 * run.unreachable_share:.1f}% of the pool)"
+    )
+
+
+def _siblings(vr: Any, verdicts: dict[int | None, list[str]]) -> list[dict[str, Any]]:
+    """Per request: the reference and the verdict (requests judged per lookup
+    as scheduled have no sequential reference: hit, step and verdict only)."""
+    if not vr.references:
+        return [
+            {
+                "request": obs.index,
+                "hit_tokens": obs.hit_tokens,
+                "scheduled_step": obs.scheduled_step,
+                "verdict": list(dict.fromkeys(verdicts.get(obs.index, []))) or ["ok"],
+            }
+            for obs in vr.run.requests
+        ]
+    return [
+        {
+            "request": ref.index,
+            "divergence_tokens": ref.divergence_tokens,
+            "expected_tokens": ref.expected_tokens,
+            "dense_tokens": ref.dense_tokens,
+            "hit_tokens": obs.hit_tokens,
+            "shared_prefix_boundary_tokens": obs.shared_prefix_boundary_tokens,
+            "verdict": list(dict.fromkeys(verdicts.get(ref.index, []))) or ["ok"],
+        }
+        for ref, obs in zip(vr.references, vr.run.requests, strict=True)
+    ]
 
 
 def _finding_list(findings: Sequence[Finding]) -> list[dict[str, Any]]:
@@ -108,19 +181,9 @@ def render_json(
                     "name": vr.variant.name,
                     "hits": list(vr.run.hits),
                     "dense_hits": None if vr.dense_run is None else list(vr.dense_run.hits),
-                    "siblings": [
-                        {
-                            "request": ref.index,
-                            "divergence_tokens": ref.divergence_tokens,
-                            "expected_tokens": ref.expected_tokens,
-                            "dense_tokens": ref.dense_tokens,
-                            "hit_tokens": obs.hit_tokens,
-                            "shared_prefix_boundary_tokens": obs.shared_prefix_boundary_tokens,
-                            "verdict": list(dict.fromkeys(verdicts.get(ref.index, []))) or ["ok"],
-                        }
-                        for ref, obs in zip(vr.references, vr.run.requests, strict=True)
-                    ],
+                    "siblings": _siblings(vr, verdicts),
                     "findings": _finding_list(vr.findings),
+                    "engine": engine_figures(vr.run),
                     "run": vr.run.to_dict(),
                 }
             )

@@ -31,11 +31,13 @@ __all__ = [
     "SCENARIO_VERSION",
     "Drafter",
     "DrafterKind",
+    "DriveMode",
     "GroupKind",
     "KVCacheGroup",
     "MambaPrefill",
     "RequestSpec",
     "Scenario",
+    "Workload",
 ]
 
 SCENARIO_FORMAT = "kvfuzz.scenario"
@@ -196,6 +198,111 @@ class RequestSpec:
         return self.divergence_tokens + self.suffix_tokens
 
 
+class DriveMode(StrEnum):
+    """How a scenario reaches vLLM.
+
+    ``MANAGER`` drives ``KVCacheManager`` directly, one request at a time,
+    reconstructing the scheduler's calls (:mod:`differential.driver.runner`).
+    ``SCHEDULER`` drives vLLM's real ``Scheduler``
+    (vllm/v1/core/sched/scheduler.py ``schedule`` / ``update_from_output``)
+    with kvfuzz standing in for the model runner
+    (:mod:`differential.driver.scheduler_mode`).
+    """
+
+    MANAGER = "manager"
+    SCHEDULER = "scheduler"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How the requests reach the engine: mode, pool, arrivals, turns, drafts.
+
+    Every default reproduces the manager-level run: one request at a time,
+    a pool sized so that nothing is evicted, no drafted tokens.
+
+    Attributes:
+        mode: the driving mode (:class:`DriveMode`).
+        pool_blocks: KV cache pool size in blocks, the null block included
+            (``KVCacheConfig.num_blocks`` / ``CacheConfig.num_gpu_blocks``);
+            ``None`` sizes it so that nothing is evicted. Both modes honour it.
+        arrival_steps: per request, the scheduler step (0-based) at which it
+            is added (``Scheduler.add_request``), non-decreasing; ``None``
+            adds each request when the previous one has finished (a sequential
+            scenario). Scheduler mode only.
+        max_num_seqs: ``SchedulerConfig.max_num_seqs``: requests running at
+            once; ``None`` uses the smaller of 8 and the token budget. At
+            most the token budget (vLLM ``SchedulerConfig`` validation).
+        max_num_batched_tokens: ``SchedulerConfig.max_num_batched_tokens``,
+            the token budget per step, in tokens; ``None`` uses the scenario's
+            ``prefill_chunk_tokens``.
+        shares_output: a request with ``shares_with = j`` copies from
+            request ``j``'s prompt followed by the ``decode_steps + 1`` tokens
+            ``j`` sampled (a multi-turn chat: turn n+1 = turn n's prompt + its
+            answer + new tokens), so decoded blocks are reused.
+        accepted_drafts: draft tokens accepted per decode step (cycled), each
+            at most ``drafter.num_speculative_tokens``; the rest of the drafts
+            are rejected. Empty: no drafts are proposed. Scheduler mode only.
+    """
+
+    mode: DriveMode = DriveMode.MANAGER
+    pool_blocks: int | None = None
+    arrival_steps: tuple[int, ...] | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    shares_output: bool = False
+    accepted_drafts: tuple[int, ...] = ()
+
+    @property
+    def sequential(self) -> bool:
+        """Requests run one at a time and nothing is drafted (so the
+        manager-level driver reconstructs the same calls)."""
+        return self.arrival_steps is None and not self.accepted_drafts
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (every field present)."""
+        return {
+            "mode": self.mode.value,
+            "pool_blocks": self.pool_blocks,
+            "arrival_steps": None if self.arrival_steps is None else list(self.arrival_steps),
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "shares_output": self.shares_output,
+            "accepted_drafts": list(self.accepted_drafts),
+        }
+
+
+_WORKLOAD_KEYS = frozenset(
+    {
+        "mode",
+        "pool_blocks",
+        "arrival_steps",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "shares_output",
+        "accepted_drafts",
+    }
+)
+
+
+def _workload_from(raw: object) -> Workload:
+    obj = _expect_mapping(raw, "workload")
+    _reject_unknown(obj, _WORKLOAD_KEYS, "workload.")
+    arrivals = obj.get("arrival_steps")
+    if arrivals is not None:
+        arrivals = tuple(_expect_list(arrivals, "workload.arrival_steps"))
+    return Workload(
+        mode=_enum(DriveMode, obj.get("mode", "manager"), "workload.mode"),
+        pool_blocks=obj.get("pool_blocks"),
+        arrival_steps=arrivals,
+        max_num_seqs=obj.get("max_num_seqs"),
+        max_num_batched_tokens=obj.get("max_num_batched_tokens"),
+        shares_output=obj.get("shares_output", False),
+        accepted_drafts=tuple(
+            _expect_list(obj.get("accepted_drafts", []), "workload.accepted_drafts")
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A complete, reproducible prefix-caching experiment.
@@ -257,6 +364,7 @@ class Scenario:
     description: str = ""
     enable_mamba_shared_prefix_checkpoint: bool = False
     mamba_prefill: MambaPrefill = MambaPrefill.SCHEDULER
+    workload: Workload = field(default_factory=Workload)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -334,10 +442,24 @@ class Scenario:
         prompts: list[tuple[int, ...]] = []
         for index, request in enumerate(self.requests):
             source = prefix if request.shares_with is None else prompts[request.shares_with]
+            if request.shares_with is not None and self.workload.shares_output:
+                source = source + self.sampled_tokens(request.shares_with)
             own_base = _OWN_TOKEN_BASE + index * _OWN_TOKEN_STRIDE
             own = tuple(own_base + k for k in range(request.suffix_tokens))
             prompts.append(source[: request.divergence_tokens] + own)
         return tuple(prompts)
+
+    @property
+    def step_budget_tokens(self) -> int:
+        """Tokens scheduled per step, in tokens: ``workload.max_num_batched_tokens``
+        (vLLM ``SchedulerConfig``), else ``prefill_chunk_tokens``. A prefill
+        chunk is at most this long in both driving modes."""
+        return self.workload.max_num_batched_tokens or self.prefill_chunk_tokens
+
+    def sampled_tokens(self, request_index: int) -> tuple[int, ...]:
+        """The ``decode_steps + 1`` tokens request ``request_index`` samples
+        (its answer: the first at prefill end, one per decode step)."""
+        return tuple(self.output_token(request_index, k) for k in range(self.decode_steps + 1))
 
     def output_token(self, request_index: int, step: int) -> int:
         """Token id sampled by ``request_index`` at decode ``step`` (unique)."""
@@ -450,6 +572,7 @@ class Scenario:
             if not isinstance(value, bool):
                 raise ScenarioError(name, value, "true or false")
         _require_int(self.prefill_chunk_tokens, "prefill_chunk_tokens", minimum=1)
+        self._validate_workload()
         _require_int(self.decode_steps, "decode_steps", minimum=0)
         _require_int(self.shared_prefix_tokens, "shared_prefix_tokens", minimum=0)
         if not isinstance(self.requests, tuple) or not self.requests:
@@ -470,6 +593,9 @@ class Scenario:
                     )
                 source_len = lengths[request.shares_with]
                 source = f"requests[{request.shares_with}] prompt length"
+                if self.workload.shares_output:
+                    source_len += self.decode_steps + 1
+                    source += " + its decode_steps + 1 sampled tokens"
             _require_int(request.divergence_tokens, f"{where}.divergence_tokens", minimum=0)
             if request.divergence_tokens > source_len:
                 raise ScenarioError(
@@ -487,6 +613,60 @@ class Scenario:
             if request.name is not None and not isinstance(request.name, str):
                 raise ScenarioError(f"{where}.name", request.name, "a string or null")
             lengths.append(request.prompt_tokens)
+
+    def _validate_workload(self) -> None:
+        """The workload's fields, each named on error."""
+        w = self.workload
+        if not isinstance(w.mode, DriveMode):
+            raise ScenarioError("workload.mode", w.mode, _allowed_enum(DriveMode))
+        if w.pool_blocks is not None:
+            _require_int(w.pool_blocks, "workload.pool_blocks", minimum=2)
+        budget = self.step_budget_tokens
+        if w.max_num_seqs is not None:
+            _require_int(w.max_num_seqs, "workload.max_num_seqs", minimum=1)
+            if w.max_num_seqs > budget:
+                # vLLM SchedulerConfig: max_num_batched_tokens >= max_num_seqs.
+                raise ScenarioError(
+                    "workload.max_num_seqs",
+                    w.max_num_seqs,
+                    f"null or at most the token budget per step ({budget} tokens: "
+                    "workload.max_num_batched_tokens, else prefill_chunk_tokens)",
+                )
+        if w.max_num_batched_tokens is not None:
+            _require_int(w.max_num_batched_tokens, "workload.max_num_batched_tokens", minimum=1)
+        if not isinstance(w.shares_output, bool):
+            raise ScenarioError("workload.shares_output", w.shares_output, "true or false")
+        if w.arrival_steps is not None:
+            if not isinstance(w.arrival_steps, tuple) or len(w.arrival_steps) != len(self.requests):
+                raise ScenarioError(
+                    "workload.arrival_steps",
+                    w.arrival_steps,
+                    f"null or a list of {len(self.requests)} steps (one per request)",
+                )
+            last = 0
+            for i, step in enumerate(w.arrival_steps):
+                _require_int(step, f"workload.arrival_steps[{i}]", minimum=last)
+                last = step
+        limit = self.drafter.num_speculative_tokens
+        if w.accepted_drafts and limit == 0:
+            raise ScenarioError(
+                "workload.accepted_drafts", list(w.accepted_drafts), "[] without a drafter"
+            )
+        for i, n in enumerate(w.accepted_drafts):
+            _require_int(n, f"workload.accepted_drafts[{i}]", minimum=0)
+            if n > limit:
+                raise ScenarioError(
+                    f"workload.accepted_drafts[{i}]",
+                    n,
+                    f"at most drafter.num_speculative_tokens ({limit})",
+                )
+        if w.mode is DriveMode.MANAGER and not w.sequential:
+            raise ScenarioError(
+                "workload.mode",
+                w.mode.value,
+                "'scheduler' when arrival_steps or accepted_drafts are set "
+                "(the manager-level driver runs one request at a time, without drafts)",
+            )
 
     def _validate_mamba(self, scheduler_block_tokens: int) -> None:
         """What vLLM accepts for Mamba groups (prefix caching on, align mode).
@@ -572,6 +752,8 @@ class Scenario:
             data["enable_mamba_shared_prefix_checkpoint"] = True
         if self.mamba_prefill is not MambaPrefill.SCHEDULER:
             data["mamba_prefill"] = self.mamba_prefill.value
+        if self.workload != Workload():
+            data["workload"] = self.workload.to_dict()
         return data
 
     def to_json(self) -> str:
@@ -625,6 +807,7 @@ class Scenario:
             mamba_prefill=_enum(
                 MambaPrefill, obj.get("mamba_prefill", "scheduler"), "mamba_prefill"
             ),
+            workload=_workload_from(obj.get("workload", {})),
         )
 
     @classmethod
@@ -677,6 +860,7 @@ _TOP_KEYS = frozenset(
         "decode_steps",
         "shared_prefix_tokens",
         "requests",
+        "workload",
         # Documents that embed a scenario (corpus entries, campaign findings)
         # may carry these; they are not part of the scenario value.
         "expect",

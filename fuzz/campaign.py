@@ -49,7 +49,7 @@ from differential.compare import ScenarioResult
 from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
 from differential.known import KNOWN_ISSUES
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import DriveMode, GroupKind, Scenario
 from differential.triage import Role, RootCause, Triaged, triage
 from differential.variants import Variant
 from fuzz.progress import CampaignStats, Progress
@@ -94,6 +94,9 @@ class CampaignConfig:
             known (replayed once before the clock starts).
         group_kinds: KV cache group kinds every scenario contains
             (``--groups``; empty: any layout).
+        mode: the driving mode; ``scheduler`` draws engine workloads
+            (:func:`fuzz.strategies.engine_scenarios`) through vLLM's
+            ``Scheduler``.
     """
 
     out: Path
@@ -109,6 +112,33 @@ class CampaignConfig:
     shrink_seconds: float | None = None
     known_corpus: tuple[Path, ...] = ()
     group_kinds: frozenset[GroupKind] = frozenset()
+    mode: DriveMode = DriveMode.MANAGER
+
+
+def engine_counts(scenario: Scenario, result: ScenarioResult) -> Counter[str]:
+    """What one scheduler-mode scenario exercised (see ``CampaignStats.engine``);
+    empty for a manager-mode scenario."""
+    counts: Counter[str] = Counter()
+    if scenario.workload.mode is not DriveMode.SCHEDULER:
+        return counts
+    w = scenario.workload
+    counts["scenarios"] += 1
+    counts["concurrent"] += w.arrival_steps is not None
+    counts["multi_turn"] += any(r.shares_with is not None for r in scenario.requests)
+    counts["answer_reused"] += w.shares_output and any(
+        r.shares_with is not None for r in scenario.requests
+    )
+    counts["speculative"] += bool(w.accepted_drafts)
+    runs = [vr.run for vr in result.results if vr.run.mode == "scheduler"]
+    counts["with_eviction"] += any(r.evicted_blocks for r in runs)
+    counts["with_preemption"] += any(r.preemptions for r in runs)
+    for run in runs:
+        counts["runs"] += 1
+        counts["evicted_blocks"] += run.evicted_blocks
+        counts["preemptions"] += run.preemptions
+        counts["unreachable_cached_blocks"] += run.unreachable_cached_blocks
+        counts["pool_blocks"] += run.pool_blocks
+    return +counts
 
 
 @dataclass
@@ -446,6 +476,7 @@ class Campaign:
     def _on_result(self, scenario: Scenario, result: ScenarioResult) -> None:
         self.stats.examples += 1
         self.stats.coverage.update(coverage_keys(scenario))
+        self.stats.engine.update(engine_counts(scenario, result))
         for cost in result.costs:
             totals = self.fix_costs.setdefault(f"{cost.variant} vs {cost.baseline}", [0, 0, 0])
             totals[0] += 1
@@ -510,6 +541,7 @@ class Campaign:
             "interrupted": self.interrupted,
             "findings_by_kind": dict(sorted(stats.findings_by_kind.items())),
             "coverage": dict(sorted(stats.coverage.items())),
+            "engine": dict(sorted(stats.engine.items())),
             "fix_costs": fix_cost_entries(self.fix_costs),
             "root_causes": [
                 r.to_dict()
@@ -543,6 +575,7 @@ class Campaign:
             dense_cross_check=self.config.dense_cross_check,
             phases=[Phase.reuse],
             kinds=self.config.group_kinds,
+            mode=self.config.mode,
         )
         with contextlib.suppress(FindingRaised, BaseExceptionGroup):
             replay()
@@ -582,6 +615,7 @@ class Campaign:
                 database=database,
                 dense_cross_check=config.dense_cross_check,
                 kinds=config.group_kinds,
+                mode=config.mode,
             )
             rng = random.Random(config.seed)
             self._example = 0

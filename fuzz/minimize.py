@@ -13,7 +13,10 @@ repeated until nothing more can be removed or the time budget is spent:
 4. shrink the sliding window, then the retention interval (positions keep
    their offset inside their retention period);
 5. cut the shared prefix to what requests use, shrink each suffix, and pull
-   each divergence point to the nearest alignment boundary.
+   each divergence point to the nearest alignment boundary;
+6. (scheduler mode) a simpler workload: requests one at a time, no accepted
+   drafts, one running sequence (a dropped request takes its arrival step
+   with it).
 
 Every candidate is a valid :class:`~differential.scenario.Scenario`, run on the
 real manager; a step is kept only if a finding with the *same signature*
@@ -86,7 +89,24 @@ def _drop_requests(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
             if shares is not None and shares > index:
                 shares -= 1
             kept.append(dataclasses.replace(r, shares_with=shares))
-        yield f"drop request {index}", _replace(s, requests=tuple(kept))
+        workload = s.workload
+        if workload.arrival_steps is not None:
+            arrivals = workload.arrival_steps[:index] + workload.arrival_steps[index + 1 :]
+            workload = dataclasses.replace(workload, arrival_steps=arrivals)
+        yield f"drop request {index}", _replace(s, requests=tuple(kept), workload=workload)
+
+
+def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    w = s.workload
+    if w.arrival_steps is not None:
+        yield (
+            "requests one at a time",
+            _replace(s, workload=dataclasses.replace(w, arrival_steps=None)),
+        )
+    if w.accepted_drafts:
+        yield "no drafts", _replace(s, workload=dataclasses.replace(w, accepted_drafts=()))
+    if w.max_num_seqs is None or w.max_num_seqs > 1:
+        yield "one running sequence", _replace(s, workload=dataclasses.replace(w, max_num_seqs=1))
 
 
 _PLAIN = {
@@ -142,8 +162,18 @@ def _scaled(s: Scenario, num: int, den: int) -> Scenario | None:
         for r in s.requests
     )
     retention = s.retention_interval_tokens
+    workload = s.workload
+    if workload.max_num_batched_tokens is not None:
+        budget = max(1, f(workload.max_num_batched_tokens))
+        seqs = workload.max_num_seqs
+        workload = dataclasses.replace(
+            workload,
+            max_num_batched_tokens=budget,
+            max_num_seqs=None if seqs is None else min(seqs, budget),
+        )
     return _replace(
         s,
+        workload=workload,
         kv_cache_groups=tuple(groups),
         requests=requests,
         shared_prefix_tokens=f(s.shared_prefix_tokens),
@@ -228,7 +258,7 @@ def _numbers(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
                 yield f"request {index} divergence {target}", _replace(s, requests=tuple(requests))
 
 
-_PASSES = (_drop_requests, _simplify, _scale_down, _windows, _retention, _numbers)
+_PASSES = (_drop_requests, _simplify, _scale_down, _windows, _retention, _numbers, _workload)
 
 
 def _size(s: Scenario) -> tuple[int, ...]:
@@ -242,6 +272,9 @@ def _size(s: Scenario) -> tuple[int, ...]:
         s.decode_steps,
         len(s.kv_cache_groups),
         s.drafter.num_speculative_tokens,
+        s.workload.arrival_steps is not None,
+        len(s.workload.accepted_drafts),
+        s.workload.max_num_seqs or 8,
     )
 
 

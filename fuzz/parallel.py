@@ -133,6 +133,7 @@ def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> 
     causes: dict[str, dict[str, Any]] = {}
     kinds: dict[str, int] = {}
     coverage: dict[str, int] = {}
+    engine: dict[str, int] = {}
     costs: dict[str, list[int]] = {}
     for summary in summaries:
         for entry in summary.get("fix_costs", ()):
@@ -144,6 +145,8 @@ def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> 
             kinds[kind] = kinds.get(kind, 0) + n
         for key, n in summary.get("coverage", {}).items():
             coverage[key] = coverage.get(key, 0) + n
+        for key, n in summary.get("engine", {}).items():
+            engine[key] = engine.get(key, 0) + n
         for entry in summary["distinct"]:
             seen = distinct.get(entry["signature"])
             if seen is None:
@@ -172,6 +175,7 @@ def merge_summaries(summaries: list[dict[str, Any]], config: CampaignConfig) -> 
         "interrupted": any(s["interrupted"] for s in summaries),
         "findings_by_kind": dict(sorted(kinds.items())),
         "coverage": dict(sorted(coverage.items())),
+        "engine": dict(sorted(engine.items())),
         "fix_costs": fix_cost_entries(costs),
         # Ordered by what the seed decides (example index, then name), not by
         # which worker's clock ran first: the same seed lists them alike.

@@ -24,6 +24,11 @@ class CampaignStats:
         first_finding_s: seconds from start to the first finding, if any.
         coverage: scenarios run per ``class:value`` of the scenario space
             (drafter, protection, retention class, geometry scale).
+        engine: (scheduler mode) what the scheduler-mode scenarios exercised:
+            counts of scenarios that were concurrent, multi-turn (answer
+            reused), speculative (drafts accepted / rejected), evicting and
+            preempting, and sums of evicted blocks, preemptions, unreachable
+            cached blocks and pool blocks, over every variant run.
     """
 
     examples: int = 0
@@ -32,6 +37,7 @@ class CampaignStats:
     distinct: int = 0
     first_finding_s: float | None = None
     coverage: Counter[str] = field(default_factory=Counter)
+    engine: Counter[str] = field(default_factory=Counter)
 
     @property
     def elapsed_s(self) -> float:

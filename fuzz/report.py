@@ -161,6 +161,40 @@ def _fix_costs(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def engine_section(summary: dict[str, Any]) -> list[str]:
+    """The scheduler-mode counts (``summary["engine"]``) as a Markdown table:
+    what the engine scenarios exercised and the unreachable-cache cost."""
+    engine = summary.get("engine") or {}
+    if not engine.get("scenarios"):
+        return []
+    pool = engine.get("pool_blocks", 0)
+    share = engine.get("unreachable_cached_blocks", 0) / pool if pool else 0.0
+    rows = [
+        ("scenarios through vLLM's Scheduler", engine.get("scenarios", 0)),
+        ("concurrent (requests in flight together)", engine.get("concurrent", 0)),
+        ("multi-turn sessions", engine.get("multi_turn", 0)),
+        ("multi-turn reusing the previous answer", engine.get("answer_reused", 0)),
+        ("speculative decoding (drafts accepted / rejected)", engine.get("speculative", 0)),
+        ("with eviction", engine.get("with_eviction", 0)),
+        ("with preemption", engine.get("with_preemption", 0)),
+        ("variant runs", engine.get("runs", 0)),
+        ("evicted blocks (all runs)", engine.get("evicted_blocks", 0)),
+        ("preemptions (all runs)", engine.get("preemptions", 0)),
+        (
+            "cached blocks no lookup can reach at run end, share of the pool (pooled over runs)",
+            f"{100 * share:.1f}%",
+        ),
+    ]
+    return [
+        "",
+        "## Engine scenarios (scheduler mode)",
+        "",
+        "| what | count |",
+        "| --- | --- |",
+        *(f"| {what} | {n} |" for what, n in rows),
+    ]
+
+
 def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: Path) -> str:
     """The report as Markdown (links relative to ``out``).
 
@@ -190,6 +224,7 @@ def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: P
     lines += [f"| {k} | {n} |" for k, n in summary["findings_by_kind"].items()] or ["| none | 0 |"]
     lines += _remaining_by_variant(summary)
     lines += _fix_costs(summary)
+    lines += engine_section(summary)
     lines += ["", "## Root causes", ""]
     for index, cause in enumerate(summary.get("root_causes", []), 1):
         facets = ", ".join(f"{k} x{n}" for k, n in cause["facets"].items())

@@ -21,14 +21,16 @@ from differential.errors import ScenarioError
 from differential.scenario import (
     Drafter,
     DrafterKind,
+    DriveMode,
     GroupKind,
     KVCacheGroup,
     MambaPrefill,
     RequestSpec,
     Scenario,
+    Workload,
 )
 
-__all__ = ["Scale", "geometries", "mamba_geometries", "scenarios"]
+__all__ = ["Scale", "engine_scenarios", "geometries", "mamba_geometries", "scenarios"]
 
 # Prefill modes for Mamba hybrids: vLLM's chunking mostly.
 _MAMBA_PREFILLS = (MambaPrefill.SCHEDULER, MambaPrefill.SCHEDULER, MambaPrefill.BLOCK)
@@ -276,3 +278,89 @@ def _fine_alignment(groups: tuple[KVCacheGroup, ...], hash_block: int) -> int:
         hash_block_size_tokens=hash_block,
     )
     return probe.effective_hit_alignment_tokens
+
+
+@st.composite
+def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
+    """A scheduler-mode scenario: chat sessions through vLLM's ``Scheduler``.
+
+    One to four sessions of one to three turns fired round robin (vLLM issue
+    #48435's pattern), turn n+1 copying turn n's prompt (and, with
+    ``shares_output``, its answer) plus new tokens; arrivals either
+    sequential or by step (several requests in flight); decode lengths;
+    drafters with accepted / rejected drafts per step; a pool from a third
+    of the working set (eviction, preemption) to four times it, never below
+    what the longest request needs alone. ``scale`` is ``toy`` (the only
+    scale drawn so far).
+    """
+    del scale  # toy scale first
+    groups = draw(geometries("toy"))
+    alignment = math.lcm(*(g.block_size_tokens for g in groups))
+    retention = draw(st.sampled_from((None, None, 0, alignment, 4 * alignment)))
+    if retention and not any(g.kind is not GroupKind.FULL_ATTENTION for g in groups):
+        retention = 0
+    kind = draw(st.sampled_from((DrafterKind.NONE, DrafterKind.EAGLE, DrafterKind.MTP)))
+    drafter = Drafter() if kind is DrafterKind.NONE else Drafter(kind, draw(st.integers(1, 3)))
+    decode_steps = draw(st.sampled_from((0, 1, 3, 6)))
+    shares_output = draw(st.booleans())
+    sessions = draw(st.integers(1, 4))
+    turns = draw(st.integers(1, 3))
+    prefix = draw(st.sampled_from((0, alignment, 4 * alignment)))
+    base = st.integers(1, 8 * alignment)
+    new_tokens = st.sampled_from((1, alignment, alignment + 1, 2 * alignment))
+    requests: list[RequestSpec] = []
+    lengths: list[int] = []
+    for turn in range(turns):
+        for session in range(sessions):
+            if turn == 0:
+                shared = draw(st.sampled_from((0, prefix)))
+                spec = RequestSpec(shared, draw(base), name=f"s{session}t1")
+            else:
+                previous = (turn - 1) * sessions + session
+                source = lengths[previous] + (decode_steps + 1 if shares_output else 0)
+                spec = RequestSpec(source, draw(new_tokens), previous, f"s{session}t{turn + 1}")
+            requests.append(spec)
+            lengths.append(spec.prompt_tokens)
+    arrivals: tuple[int, ...] | None = None
+    if draw(st.integers(0, 2)):
+        gap = draw(st.sampled_from((0, 1, 4, 16)))
+        arrivals = tuple((i // sessions) * gap for i in range(len(requests)))
+    accepted: tuple[int, ...] = ()
+    if drafter.num_speculative_tokens and draw(st.booleans()):
+        limit = drafter.num_speculative_tokens
+        accepted = tuple(draw(st.lists(st.integers(0, limit), min_size=1, max_size=3)))
+    chunk = draw(st.sampled_from((alignment, 2 * alignment, 16, 32, 64)))
+    reserve = decode_steps + 2 * drafter.num_speculative_tokens + 2
+    need = 2 + sum(math.ceil((max(lengths) + reserve) / g.block_size_tokens) for g in groups)
+    working = 1 + sum(
+        math.ceil((lengths[-sessions + s] + reserve) / g.block_size_tokens)
+        for s in range(sessions)
+        for g in groups
+    )
+    factor = draw(st.sampled_from((0.3, 0.6, 1.0, 2.0, 4.0)))
+    budget = draw(st.sampled_from((None, 2 * chunk)))
+    pool = max(need, int(working * factor))
+    workload = Workload(
+        mode=DriveMode.SCHEDULER,
+        pool_blocks=pool,
+        arrival_steps=arrivals,
+        max_num_seqs=min(draw(st.sampled_from((1, 2, 4, 8))), budget or chunk),
+        max_num_batched_tokens=budget,
+        shares_output=shares_output,
+        accepted_drafts=accepted,
+    )
+    try:
+        return Scenario(
+            kv_cache_groups=groups,
+            requests=tuple(requests),
+            shared_prefix_tokens=prefix,
+            retention_interval_tokens=retention,
+            drafter=drafter,
+            disable_lookahead_block_hashes=draw(st.booleans()),
+            prefill_chunk_tokens=chunk,
+            decode_steps=decode_steps,
+            name="engine",
+            workload=workload,
+        )
+    except ScenarioError as exc:  # pragma: no cover - the generator's own bug
+        raise AssertionError(f"the engine generator produced an invalid scenario: {exc}") from exc

@@ -19,10 +19,10 @@ from hypothesis.database import ExampleDatabase
 
 from differential.compare import ScenarioResult, compare_variants
 from differential.findings import Policy
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import DriveMode, GroupKind, Scenario
 from differential.variants import Variant
 from fuzz.signature import Signature, signature_of
-from fuzz.strategies import scenarios
+from fuzz.strategies import engine_scenarios, scenarios
 
 __all__ = ["FindingRaised", "Target", "build_target", "decode"]
 
@@ -59,6 +59,7 @@ def build_target(
     raise_on_known: bool = False,
     phases: Sequence[Phase] | None = None,
     kinds: frozenset[GroupKind] = frozenset(),
+    mode: DriveMode = DriveMode.MANAGER,
 ) -> Target:
     """A Hypothesis test over :func:`fuzz.strategies.scenarios`.
 
@@ -76,6 +77,9 @@ def build_target(
             Hypothesis's default); ``fuzz_one_input`` ignores them.
         kinds: KV cache group kinds every generated scenario contains
             (``kvfuzz fuzz --groups``; empty: any layout).
+        mode: ``scheduler`` draws engine workloads
+            (:func:`fuzz.strategies.engine_scenarios`; ``kinds`` does not
+            apply) run through vLLM's ``Scheduler``.
     """
     extra = {} if phases is None else {"phases": tuple(phases)}
 
@@ -86,7 +90,7 @@ def build_target(
         report_multiple_bugs=True,
         **extra,
     )
-    @given(scenarios(kinds=kinds))
+    @given(engine_scenarios() if mode is DriveMode.SCHEDULER else scenarios(kinds=kinds))
     def kvfuzz_target(scenario: Scenario) -> None:
         result = compare_variants(
             scenario, variants, policy=policy, dense_cross_check=dense_cross_check
@@ -102,8 +106,9 @@ def build_target(
     return kvfuzz_target
 
 
-def decode(buffer: bytes) -> Scenario | None:
-    """The scenario a fuzzer's input bytes stand for (``None`` if they decode to none).
+def decode(buffer: bytes, mode: DriveMode = DriveMode.MANAGER) -> Scenario | None:
+    """The scenario a fuzzer's input bytes stand for (``None`` if they decode to none);
+    ``mode`` ``scheduler`` decodes through the engine-workload strategy.
 
     Uses the same strategy and the same ``fuzz_one_input`` path as the
     campaign and the atheris harness, without running vLLM.
@@ -111,7 +116,7 @@ def decode(buffer: bytes) -> Scenario | None:
     captured: list[Scenario] = []
 
     @settings(database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(scenarios())
+    @given(engine_scenarios() if mode is DriveMode.SCHEDULER else scenarios())
     def capture(scenario: Scenario) -> None:
         captured.append(scenario)
 

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from differential.observation import RunObservation
-from differential.scenario import Scenario
+from differential.scenario import DriveMode, Scenario
 from differential.variants import Variant
 
 if TYPE_CHECKING:
@@ -63,8 +63,14 @@ def run_variant(
     dense: bool = False,
     record_cache_map: bool = False,
     record_blocks: bool = True,
+    mode: DriveMode | None = None,
 ) -> RunObservation:
     """Run ``scenario`` on ``variant`` with its patches installed only for the run.
+
+    The scenario's ``workload.mode`` picks the driver (manager-level
+    :mod:`differential.driver.runner`, or vLLM's ``Scheduler`` in
+    :mod:`differential.driver.scheduler_mode`); ``mode`` overrides it. Both
+    run under the same patches.
 
     Args:
         scenario: the scenario.
@@ -73,12 +79,25 @@ def run_variant(
             retention interval (the oracle's dense cross-check).
         record_cache_map: record which prompt blocks were cached at each
             lookup (see ``RequestObservation.cache_map``).
+        mode: the driving mode, overriding the scenario's.
 
     Raises:
         InternalError: kvfuzz's driver failed (not vLLM).
     """
     from differential.driver.runner import run_scenario
 
+    if (mode or scenario.workload.mode) is DriveMode.SCHEDULER:
+        from differential.driver.scheduler_mode import run_scheduler_scenario
+
+        with _patch_factory(variant)():
+            if dense:
+                return run_scheduler_scenario(
+                    scenario,
+                    variant.name,
+                    retention_interval_tokens=_DENSE,
+                    record_cache_map=record_cache_map,
+                )
+            return run_scheduler_scenario(scenario, variant.name, record_cache_map=record_cache_map)
     with _patch_factory(variant)():
         if dense:
             return run_scenario(

@@ -5,11 +5,15 @@ Per request, in order (vLLM ``vllm/v1/core/sched/scheduler.py``
 
 1. ``get_computed_blocks`` -> hit tokens and ``shared_prefix_boundary``, which
    is stored on the request as the scheduler stores it;
-2. prefill in chunks of ``prefill_chunk_tokens``, each chunk trimmed by
+2. prefill in chunks of ``Scenario.step_budget_tokens`` (``prefill_chunk_tokens``
+   unless the workload sets a token budget), each chunk trimmed by
    ``Scheduler._reserve_prefill_lookahead`` (called, not copied), with
    ``allocate_slots(..., num_lookahead_tokens=...)``; the first chunk adopts
    the hit blocks; ``num_computed_tokens`` advances after each step;
-3. ``decode_steps`` decode steps of one sampled token each;
+3. ``decode_steps`` decode steps of one sampled token each; each sampled
+   token (the one prefill samples, then one per step, ``decode_steps + 1``
+   in all) is appended as ``Scheduler.update_from_output`` appends it, with
+   its ``cache_blocks`` call under speculative decoding (:func:`_sample`);
 4. ``free``.
 
 Every step starts with ``KVCacheManager.new_step_starts`` as
@@ -34,8 +38,17 @@ call); any other exception is kvfuzz's own failure (``InternalError``).
 
 from __future__ import annotations
 
+import os
+
+# vLLM resolves its platform once; the scheduler mode's VllmConfig needs it to
+# be the CPU (set before vLLM is imported, never overriding the caller's).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import vllm
 from vllm.sampling_params import SamplingParams
@@ -93,7 +106,7 @@ def _mamba_scheduler_view(
 
     ``cache_config.block_size`` is the Mamba block size (vLLM sets
     ``mamba_block_size = cache_config.block_size`` in align mode);
-    ``max_num_scheduled_tokens`` is the scenario's ``prefill_chunk_tokens``
+    ``max_num_scheduled_tokens`` is the scenario's ``step_budget_tokens``
     budget and ``long_prefill_token_threshold`` is 0. The base Mamba spec
     has no internal prefill checkpoint blocks, so
     ``mamba_has_prefill_checkpoint_blocks`` is off.
@@ -116,7 +129,7 @@ def _mamba_scheduler_view(
         num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
         mamba_has_prefill_checkpoint_blocks=False,
         mamba_prefill_checkpoint_alignment=None,
-        max_num_scheduled_tokens=scenario.prefill_chunk_tokens,
+        max_num_scheduled_tokens=scenario.step_budget_tokens,
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
         num_prefill_lookahead=resolved.num_prefill_lookahead_tokens,
     )
@@ -186,6 +199,361 @@ def _blocks_per_group(keys: Counter[bytes], num_groups: int) -> list[int]:
     return counts
 
 
+@dataclass
+class _Driver:
+    """What the build phase made: the manager and the scheduler-side views
+    every later phase reads (one per run; mutable only in ``seen`` and
+    ``evicted``)."""
+
+    scenario: Scenario
+    resolved: ResolvedDrafter
+    manager: KVCacheManager
+    settings: ManagerSettings
+    hasher: Any
+    mamba_view: SimpleNamespace | None
+    scheduler_view: SimpleNamespace
+    ledger: BlockLedger | None
+    record_cache_map: bool
+    seen: Counter[bytes] = field(default_factory=Counter)
+    evicted: int = 0
+
+
+@dataclass
+class _Lookup:
+    """One request's lookup (``KVCacheManager.get_computed_blocks``) and what
+    was recorded around it; ``hit_tokens`` and ``junction_tokens`` in tokens."""
+
+    request: Request
+    before: Counter[bytes]
+    blocks: Any
+    hit_tokens: int
+    junction_tokens: int
+    per_group: tuple[int, ...]
+    traced: list[Any]
+    lookup_blocks: tuple[Any, ...]
+    cache_map: tuple[str, ...]
+
+
+def manager_settings(
+    manager: KVCacheManager, scenario: Scenario, resolved: ResolvedDrafter
+) -> ManagerSettings:
+    """The settings ``manager`` was built with, as the observation records them."""
+    coordinator = manager.coordinator
+    alignment = getattr(
+        coordinator, "_cache_hit_alignment_tokens", scenario.scheduler_block_size_tokens
+    )
+    return ManagerSettings(
+        use_eagle_block_drop=resolved.use_eagle_block_drop,
+        num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
+        num_lookahead_tokens=resolved.num_lookahead_tokens,
+        num_prefill_lookahead_tokens=resolved.num_prefill_lookahead_tokens,
+        hit_alignment_tokens=alignment,
+        hash_block_size_tokens=manager.block_pool.hash_block_size,
+        partial_hash_hits=bool(getattr(coordinator, "enable_partial_hash_hits", False)),
+    )
+
+
+def block_hasher(scenario: Scenario, resolved: ResolvedDrafter) -> Any:
+    """vLLM's request block hasher for the scenario's hash block size
+    (``get_request_block_hasher``, vllm/v1/core/kv_cache_utils.py)."""
+    hash_lookahead = (
+        (resolved.num_hash_lookahead_tokens,)
+        if "num_hash_lookahead_tokens" in _HASHER_PARAMETERS
+        else ()
+    )
+    return vllm_call(
+        "get_request_block_hasher",
+        get_request_block_hasher,
+        scenario.effective_hash_block_size_tokens,
+        sha256,
+        *hash_lookahead,
+    )
+
+
+def make_request(
+    scenario: Scenario, index: int, prompt: Sequence[int], hasher: Any, max_tokens: int
+) -> Request:
+    """vLLM's ``Request`` for request ``index`` (id ``req-<index>``), with at
+    most ``max_tokens`` sampled tokens."""
+    request_args = {
+        "request_id": f"req-{index}",
+        "prompt_token_ids": list(prompt),
+        "sampling_params": vllm_call("SamplingParams", SamplingParams, max_tokens=max_tokens),
+        "pooling_params": None,
+        "block_hasher": hasher,
+    }
+    return vllm_call(  # type: ignore[no-any-return]
+        "Request",
+        Request,
+        **{k: v for k, v in request_args.items() if k in _REQUEST_PARAMETERS},
+    )
+
+
+def _build(
+    scenario: Scenario,
+    retention: int | None,
+    phase: list[str],
+    *,
+    record_cache_map: bool,
+    record_blocks: bool,
+) -> _Driver:
+    """Build phase: resolve the drafter, build ``KVCacheManager`` and the views."""
+    resolved = resolve_drafter(scenario)
+    phase[0] = "build KVCacheManager"
+    longest = max(r.prompt_tokens for r in scenario.requests)
+    max_model_len = longest + scenario.decode_steps + resolved.num_lookahead_tokens + 1
+    if not has(Feature.SCHEDULER_BLOCK_SIZE):
+        raise UnsupportedFeature(Feature.SCHEDULER_BLOCK_SIZE)
+    optional: dict[str, int | bool] = {}
+    if "num_hash_lookahead_tokens" in _MANAGER_PARAMETERS:
+        optional["num_hash_lookahead_tokens"] = resolved.num_hash_lookahead_tokens
+    if has(Feature.PREFILL_LOOKAHEAD):
+        optional["num_prefill_lookahead"] = resolved.num_prefill_lookahead_tokens
+    elif resolved.num_prefill_lookahead_tokens:
+        raise UnsupportedFeature(Feature.PREFILL_LOOKAHEAD)
+    if scenario.enable_mamba_shared_prefix_checkpoint:
+        optional["enable_mamba_shared_prefix_checkpoint"] = True
+    manager = vllm_call(
+        "KVCacheManager",
+        KVCacheManager,
+        kv_cache_config=kv_cache_config(
+            scenario,
+            resolved,
+            scenario.workload.pool_blocks or pool_blocks(scenario, resolved),
+            retention,
+        ),
+        max_model_len=max_model_len,
+        scheduler_block_size=scenario.scheduler_block_size_tokens,
+        hash_block_size=scenario.effective_hash_block_size_tokens,
+        enable_caching=True,
+        use_eagle=resolved.use_eagle_block_drop,
+        **optional,
+    )
+    return _Driver(
+        scenario=scenario,
+        resolved=resolved,
+        manager=manager,
+        settings=manager_settings(manager, scenario, resolved),
+        hasher=block_hasher(scenario, resolved),
+        mamba_view=_mamba_scheduler_view(scenario, manager, resolved),
+        # Scheduler._reserve_prefill_lookahead reads only this attribute.
+        scheduler_view=SimpleNamespace(num_prefill_lookahead=resolved.num_prefill_lookahead_tokens),
+        ledger=BlockLedger.for_manager(manager) if record_blocks else None,
+        record_cache_map=record_cache_map,
+    )
+
+
+def _lookup(d: _Driver, index: int, prompt: Sequence[int]) -> _Lookup:
+    """Lookup phase: a new step, then ``get_computed_blocks`` (junction stored
+    on the request as the scheduler stores it)."""
+    scenario, manager = d.scenario, d.manager
+    coordinator = manager.coordinator
+    request = make_request(scenario, index, prompt, d.hasher, scenario.decode_steps + 1)
+    before = _cached_keys(manager)
+    _new_step(manager)
+    cache_map = _cache_map(scenario, manager, request) if d.record_cache_map else ()
+    if hasattr(coordinator, "find_longest_cache_hit_per_group"):
+        # Diagnostic only (the scheduler calls it just for connectors
+        # on Mamba hybrids): cap at the hashed tokens, which lookahead
+        # hashes make shorter than the prompt, as the combined lookup's
+        # full-attention bound does.
+        hashed = len(request.block_hashes) * scenario.effective_hash_block_size_tokens
+        _, per_group = vllm_call(
+            "KVCacheCoordinator.find_longest_cache_hit_per_group",
+            coordinator.find_longest_cache_hit_per_group,
+            request.block_hashes,
+            min(request.num_tokens - 1, hashed),
+        )
+    else:
+        per_group = ()
+    with trace_lookups(coordinator) as traced:
+        lookup = vllm_call(
+            "KVCacheManager.get_computed_blocks", manager.get_computed_blocks, request
+        )
+    # Releases without junction pinning return (blocks, hit tokens).
+    blocks, hit, junction = (*lookup, 0) if len(lookup) == 2 else lookup
+    request.shared_prefix_boundary = junction
+    lookup_blocks = d.ledger.lookup(blocks.blocks) if d.ledger is not None else ()
+    if not per_group:
+        per_group = (hit,) * len(scenario.kv_cache_groups)
+    return _Lookup(
+        request=request,
+        before=before,
+        blocks=blocks,
+        hit_tokens=hit,
+        junction_tokens=junction,
+        per_group=tuple(per_group),
+        traced=list(traced),
+        lookup_blocks=lookup_blocks,
+        cache_map=cache_map,
+    )
+
+
+def _prefill(
+    d: _Driver, index: int, prompt_tokens: int, found: _Lookup, phase: list[str]
+) -> list[BlockWrite]:
+    """Prefill phase: chunks trimmed as the scheduler trims them, each one
+    ``allocate_slots``; the first adopts the hit blocks. Returns the unsafe
+    writes the ledger saw."""
+    scenario, manager, request = d.scenario, d.manager, found.request
+    mamba_view, ledger, resolved = d.mamba_view, d.ledger, d.resolved
+    hit, blocks = found.hit_tokens, found.blocks
+    unsafe_writes: list[BlockWrite] = []
+    computed = hit
+    first = True
+    while computed < prompt_tokens:
+        phase[0] = f"request {index}: prefill allocate_slots at {computed} tokens"
+        num_new = min(scenario.step_budget_tokens, prompt_tokens - computed)
+        if not first:
+            _new_step(manager)
+        if mamba_view is not None and scenario.mamba_prefill is MambaPrefill.BLOCK:
+            num_new = _block_carved_chunk(mamba_view, computed, num_new)
+        elif mamba_view is not None:
+            num_new = vllm_call(
+                "Scheduler._mamba_block_aligned_split",
+                Scheduler._mamba_block_aligned_split,
+                mamba_view,  # type: ignore[arg-type]
+                request,
+                num_new,
+                hit if first else 0,
+            )
+        if has(Feature.PREFILL_LOOKAHEAD):
+            num_new = vllm_call(
+                "Scheduler._reserve_prefill_lookahead",
+                Scheduler._reserve_prefill_lookahead,
+                d.scheduler_view,  # type: ignore[arg-type]
+                request,
+                computed,
+                num_new,
+            )
+        if num_new == 0:
+            raise InternalError(
+                f"prefill stalled at {computed} tokens: chunk "
+                f"{scenario.step_budget_tokens} cannot leave the prefill "
+                f"lookahead of {resolved.num_prefill_lookahead_tokens} tokens"
+            )
+        adopted = blocks.blocks if first else None
+        cached_before = (
+            ledger.before_step(request.request_id, computed, computed + num_new, adopted)
+            if ledger is not None
+            else {}
+        )
+        if first:
+            allocated = vllm_call(
+                "KVCacheManager.allocate_slots",
+                manager.allocate_slots,
+                request,
+                num_new,
+                num_new_computed_tokens=hit,
+                new_computed_blocks=blocks,
+                num_lookahead_tokens=resolved.num_lookahead_tokens,
+            )
+            request.status = RequestStatus.RUNNING
+            first = False
+        else:
+            allocated = vllm_call(
+                "KVCacheManager.allocate_slots",
+                manager.allocate_slots,
+                request,
+                num_new,
+                num_lookahead_tokens=resolved.num_lookahead_tokens,
+            )
+        if allocated is None:
+            raise InternalError(f"the block pool ran out at {computed} tokens")
+        if ledger is not None:
+            unsafe_writes += ledger.after_step(
+                index, request.request_id, computed, computed + num_new, cached_before
+            )
+        computed += num_new
+        request.num_computed_tokens = computed
+    return unsafe_writes
+
+
+def _sample(d: _Driver, index: int, step: int, request: Request) -> None:
+    """The token sampled by the previous step reaches the request, as in
+    ``Scheduler.update_from_output`` (vllm/v1/core/sched/scheduler.py): it is
+    appended, and with speculative decoding configured (``num_spec_tokens >
+    0``) the request's blocks are cached up to its computed tokens
+    (``KVCacheManager.cache_blocks``): blocks whose lookahead hash needed
+    that token become cached then."""
+    vllm_call(
+        "Request.append_output_token_ids",
+        request.append_output_token_ids,
+        d.scenario.output_token(index, step),
+    )
+    if d.scenario.drafter.num_speculative_tokens:
+        vllm_call(
+            "KVCacheManager.cache_blocks",
+            d.manager.cache_blocks,
+            request,
+            request.num_computed_tokens,
+        )
+
+
+def _decode(d: _Driver, index: int, request: Request, phase: list[str]) -> list[BlockWrite]:
+    """Decode phase: ``decode_steps`` steps of one sampled token each."""
+    manager, ledger = d.manager, d.ledger
+    unsafe_writes: list[BlockWrite] = []
+    computed = request.num_computed_tokens
+    for step in range(d.scenario.decode_steps):
+        phase[0] = f"request {index}: decode step {step}"
+        _new_step(manager)
+        _sample(d, index, step, request)
+        cached_before = (
+            ledger.before_step(request.request_id, computed, computed + 1, None)
+            if ledger is not None
+            else {}
+        )
+        allocated = vllm_call(
+            "KVCacheManager.allocate_slots",
+            manager.allocate_slots,
+            request,
+            1,
+            num_lookahead_tokens=d.resolved.num_lookahead_tokens,
+        )
+        if allocated is None:
+            raise InternalError(f"the block pool ran out at decode step {step}")
+        if ledger is not None:
+            unsafe_writes += ledger.after_step(
+                index, request.request_id, computed, computed + 1, cached_before
+            )
+        computed += 1
+        request.num_computed_tokens = computed
+    return unsafe_writes
+
+
+def _free(
+    d: _Driver, index: int, found: _Lookup, unsafe_writes: list[BlockWrite]
+) -> RequestObservation:
+    """Free phase: ``free``, count evictions and what the request retained."""
+    manager = d.manager
+    vllm_call("KVCacheManager.free", manager.free, found.request)
+    after = _cached_keys(manager)
+    d.evicted += sum((d.seen - after).values())
+    d.seen = after
+    num_groups = len(d.scenario.kv_cache_groups)
+    added = [
+        a - b
+        for a, b in zip(
+            _blocks_per_group(after, num_groups),
+            _blocks_per_group(found.before, num_groups),
+            strict=True,
+        )
+    ]
+    return RequestObservation(
+        index=index,
+        prompt_tokens=found.request.num_prompt_tokens,
+        hit_tokens=found.hit_tokens,
+        shared_prefix_boundary_tokens=found.junction_tokens,
+        per_group_hit_tokens=found.per_group,
+        retained_blocks_per_group=tuple(added),
+        cache_map=found.cache_map,
+        lookup=tuple(found.traced),
+        lookup_blocks=found.lookup_blocks,
+        unsafe_writes=tuple(unsafe_writes),
+    )
+
+
 def run_scenario(
     scenario: Scenario,
     variant: str,
@@ -232,241 +600,27 @@ def run_scenario(
     assert retention is None or isinstance(retention, int)
     phase = ["resolve drafter settings"]
     observed: list[RequestObservation] = []
-    settings: ManagerSettings | None = None
-    ledger: BlockLedger | None = None
-    evicted = 0
+    d: _Driver | None = None
     error: str | None = None
     try:
-        resolved = resolve_drafter(scenario)
-        phase[0] = "build KVCacheManager"
-        num_groups = len(scenario.kv_cache_groups)
-        longest = max(r.prompt_tokens for r in scenario.requests)
-        max_model_len = longest + scenario.decode_steps + resolved.num_lookahead_tokens + 1
-        if not has(Feature.SCHEDULER_BLOCK_SIZE):
-            raise UnsupportedFeature(Feature.SCHEDULER_BLOCK_SIZE)
-        optional: dict[str, int | bool] = {}
-        if "num_hash_lookahead_tokens" in _MANAGER_PARAMETERS:
-            optional["num_hash_lookahead_tokens"] = resolved.num_hash_lookahead_tokens
-        if has(Feature.PREFILL_LOOKAHEAD):
-            optional["num_prefill_lookahead"] = resolved.num_prefill_lookahead_tokens
-        elif resolved.num_prefill_lookahead_tokens:
-            raise UnsupportedFeature(Feature.PREFILL_LOOKAHEAD)
-        if scenario.enable_mamba_shared_prefix_checkpoint:
-            optional["enable_mamba_shared_prefix_checkpoint"] = True
-        manager = vllm_call(
-            "KVCacheManager",
-            KVCacheManager,
-            kv_cache_config=kv_cache_config(
-                scenario, resolved, pool_blocks(scenario, resolved), retention
-            ),
-            max_model_len=max_model_len,
-            scheduler_block_size=scenario.scheduler_block_size_tokens,
-            hash_block_size=scenario.effective_hash_block_size_tokens,
-            enable_caching=True,
-            use_eagle=resolved.use_eagle_block_drop,
-            **optional,
+        d = _build(
+            scenario,
+            retention,
+            phase,
+            record_cache_map=record_cache_map,
+            record_blocks=record_blocks,
         )
-        coordinator = manager.coordinator
-        mamba_view = _mamba_scheduler_view(scenario, manager, resolved)
-        alignment = getattr(
-            coordinator, "_cache_hit_alignment_tokens", scenario.scheduler_block_size_tokens
-        )
-        settings = ManagerSettings(
-            use_eagle_block_drop=resolved.use_eagle_block_drop,
-            num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
-            num_lookahead_tokens=resolved.num_lookahead_tokens,
-            num_prefill_lookahead_tokens=resolved.num_prefill_lookahead_tokens,
-            hit_alignment_tokens=alignment,
-            hash_block_size_tokens=manager.block_pool.hash_block_size,
-            partial_hash_hits=bool(getattr(coordinator, "enable_partial_hash_hits", False)),
-        )
-        hash_lookahead = (
-            (resolved.num_hash_lookahead_tokens,)
-            if "num_hash_lookahead_tokens" in _HASHER_PARAMETERS
-            else ()
-        )
-        hasher = vllm_call(
-            "get_request_block_hasher",
-            get_request_block_hasher,
-            scenario.effective_hash_block_size_tokens,
-            sha256,
-            *hash_lookahead,
-        )
-        # Scheduler._reserve_prefill_lookahead reads only this attribute.
-        scheduler_view = SimpleNamespace(
-            num_prefill_lookahead=resolved.num_prefill_lookahead_tokens
-        )
-        seen: Counter[bytes] = Counter()
-        ledger = BlockLedger.for_manager(manager) if record_blocks else None
         for index, (spec, prompt) in enumerate(
             zip(scenario.requests, scenario.prompts, strict=True)
         ):
             phase[0] = f"request {index}: lookup"
-            request_args = {
-                "request_id": f"req-{index}",
-                "prompt_token_ids": list(prompt),
-                "sampling_params": vllm_call(
-                    "SamplingParams", SamplingParams, max_tokens=scenario.decode_steps + 1
-                ),
-                "pooling_params": None,
-                "block_hasher": hasher,
-            }
-            request = vllm_call(
-                "Request",
-                Request,
-                **{k: v for k, v in request_args.items() if k in _REQUEST_PARAMETERS},
-            )
-            before = _cached_keys(manager)
-            _new_step(manager)
-            cache_map = _cache_map(scenario, manager, request) if record_cache_map else ()
-            if hasattr(coordinator, "find_longest_cache_hit_per_group"):
-                # Diagnostic only (the scheduler calls it just for connectors
-                # on Mamba hybrids): cap at the hashed tokens, which lookahead
-                # hashes make shorter than the prompt, as the combined lookup's
-                # full-attention bound does.
-                hashed = len(request.block_hashes) * scenario.effective_hash_block_size_tokens
-                _, per_group = vllm_call(
-                    "KVCacheCoordinator.find_longest_cache_hit_per_group",
-                    coordinator.find_longest_cache_hit_per_group,
-                    request.block_hashes,
-                    min(request.num_tokens - 1, hashed),
-                )
-            else:
-                per_group = ()
-            with trace_lookups(coordinator) as traced:
-                lookup = vllm_call(
-                    "KVCacheManager.get_computed_blocks", manager.get_computed_blocks, request
-                )
-            # Releases without junction pinning return (blocks, hit tokens).
-            blocks, hit, junction = (*lookup, 0) if len(lookup) == 2 else lookup
-            request.shared_prefix_boundary = junction
-            lookup_blocks = ledger.lookup(blocks.blocks) if ledger is not None else ()
-            unsafe_writes: list[BlockWrite] = []
-            if not per_group:
-                per_group = (hit,) * num_groups
-
-            computed = hit
-            first = True
-            while computed < spec.prompt_tokens:
-                phase[0] = f"request {index}: prefill allocate_slots at {computed} tokens"
-                num_new = min(scenario.prefill_chunk_tokens, spec.prompt_tokens - computed)
-                if not first:
-                    _new_step(manager)
-                if mamba_view is not None and scenario.mamba_prefill is MambaPrefill.BLOCK:
-                    num_new = _block_carved_chunk(mamba_view, computed, num_new)
-                elif mamba_view is not None:
-                    num_new = vllm_call(
-                        "Scheduler._mamba_block_aligned_split",
-                        Scheduler._mamba_block_aligned_split,
-                        mamba_view,  # type: ignore[arg-type]
-                        request,
-                        num_new,
-                        hit if first else 0,
-                    )
-                if has(Feature.PREFILL_LOOKAHEAD):
-                    num_new = vllm_call(
-                        "Scheduler._reserve_prefill_lookahead",
-                        Scheduler._reserve_prefill_lookahead,
-                        scheduler_view,  # type: ignore[arg-type]
-                        request,
-                        computed,
-                        num_new,
-                    )
-                if num_new == 0:
-                    raise InternalError(
-                        f"prefill stalled at {computed} tokens: chunk "
-                        f"{scenario.prefill_chunk_tokens} cannot leave the prefill "
-                        f"lookahead of {resolved.num_prefill_lookahead_tokens} tokens"
-                    )
-                adopted = blocks.blocks if first else None
-                cached_before = (
-                    ledger.before_step(request.request_id, computed, computed + num_new, adopted)
-                    if ledger is not None
-                    else {}
-                )
-                if first:
-                    allocated = vllm_call(
-                        "KVCacheManager.allocate_slots",
-                        manager.allocate_slots,
-                        request,
-                        num_new,
-                        num_new_computed_tokens=hit,
-                        new_computed_blocks=blocks,
-                        num_lookahead_tokens=resolved.num_lookahead_tokens,
-                    )
-                    request.status = RequestStatus.RUNNING
-                    first = False
-                else:
-                    allocated = vllm_call(
-                        "KVCacheManager.allocate_slots",
-                        manager.allocate_slots,
-                        request,
-                        num_new,
-                        num_lookahead_tokens=resolved.num_lookahead_tokens,
-                    )
-                if allocated is None:
-                    raise InternalError(f"the block pool ran out at {computed} tokens")
-                if ledger is not None:
-                    unsafe_writes += ledger.after_step(
-                        index, request.request_id, computed, computed + num_new, cached_before
-                    )
-                computed += num_new
-                request.num_computed_tokens = computed
-            for step in range(scenario.decode_steps):
-                phase[0] = f"request {index}: decode step {step}"
-                _new_step(manager)
-                vllm_call(
-                    "Request.append_output_token_ids",
-                    request.append_output_token_ids,
-                    scenario.output_token(index, step),
-                )
-                cached_before = (
-                    ledger.before_step(request.request_id, computed, computed + 1, None)
-                    if ledger is not None
-                    else {}
-                )
-                allocated = vllm_call(
-                    "KVCacheManager.allocate_slots",
-                    manager.allocate_slots,
-                    request,
-                    1,
-                    num_lookahead_tokens=resolved.num_lookahead_tokens,
-                )
-                if allocated is None:
-                    raise InternalError(f"the block pool ran out at decode step {step}")
-                if ledger is not None:
-                    unsafe_writes += ledger.after_step(
-                        index, request.request_id, computed, computed + 1, cached_before
-                    )
-                computed += 1
-                request.num_computed_tokens = computed
+            found = _lookup(d, index, prompt)
+            unsafe_writes = _prefill(d, index, spec.prompt_tokens, found, phase)
+            unsafe_writes += _decode(d, index, found.request, phase)
+            phase[0] = f"request {index}: last sampled token"
+            _sample(d, index, scenario.decode_steps, found.request)
             phase[0] = f"request {index}: free"
-            vllm_call("KVCacheManager.free", manager.free, request)
-            after = _cached_keys(manager)
-            evicted += sum((seen - after).values())
-            seen = after
-            added = [
-                a - b
-                for a, b in zip(
-                    _blocks_per_group(after, num_groups),
-                    _blocks_per_group(before, num_groups),
-                    strict=True,
-                )
-            ]
-            observed.append(
-                RequestObservation(
-                    index=index,
-                    prompt_tokens=spec.prompt_tokens,
-                    hit_tokens=hit,
-                    shared_prefix_boundary_tokens=junction,
-                    per_group_hit_tokens=tuple(per_group),
-                    retained_blocks_per_group=tuple(added),
-                    cache_map=cache_map,
-                    lookup=tuple(traced),
-                    lookup_blocks=lookup_blocks,
-                    unsafe_writes=tuple(unsafe_writes),
-                )
-            )
+            observed.append(_free(d, index, found, unsafe_writes))
     except UnsupportedFeature as missing:
         return RunObservation(
             variant=variant,
@@ -487,10 +641,10 @@ def run_scenario(
     return RunObservation(
         variant=variant,
         vllm_version=VLLM_VERSION,
-        settings=settings,
+        settings=None if d is None else d.settings,
         requests=tuple(observed),
-        evicted_blocks=evicted,
+        evicted_blocks=0 if d is None else d.evicted,
         error=error,
         retention_interval_tokens=retention,
-        blocks_recorded=ledger is not None,
+        blocks_recorded=d is not None and d.ledger is not None,
     )

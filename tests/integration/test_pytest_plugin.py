@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA
+from tests.factories import CORPORA, ROOT
 
 pytestmark = pytest.mark.vllm
 
@@ -51,3 +51,20 @@ def test_bad_corpus_path_is_a_usage_error(tmp_path: Path) -> None:
     proc = _pytest(tmp_path, "--kvfuzz-corpus", str(tmp_path / "missing"))
     assert proc.returncode == 4
     assert "kvfuzz:" in proc.stderr and "missing" in proc.stderr
+
+
+def test_scheduler_mode_items_show_the_timeline(tmp_path: Path) -> None:
+    proc = _pytest(
+        tmp_path,
+        "--kvfuzz-corpus",
+        str(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"),
+        "--kvfuzz-corpus",
+        str(ROOT / "known-issues" / "eviction-collapse-48435-pool130-dense.json"),
+        "--kvfuzz-mode",
+        "scheduler",
+    )
+    # The toy seed's fallback fails the item; #48435's collapse is a known issue.
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "1 failed, 1 passed" in proc.stdout
+    assert "expected checkpoint 248, hit 192" in proc.stdout
+    assert "step 5: arrive req-1; admit req-1 (hit 192)" in proc.stdout

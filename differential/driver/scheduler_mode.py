@@ -1,0 +1,554 @@
+"""Drive a scenario through vLLM's real ``Scheduler``, kvfuzz as the model runner.
+
+vLLM code driven: vllm/v1/core/sched/scheduler.py ``Scheduler`` (``__init__``,
+``add_request``, ``schedule``, ``update_from_output``,
+``update_draft_token_ids``), built from a real ``VllmConfig``
+(vllm/config/vllm.py) whose ``ModelConfig`` reads a tiny HF-style
+``config.json`` kvfuzz writes to a temporary directory (no hub access, no
+weights, no tokenizer), with ``CacheConfig`` (block size, prefix caching,
+``num_gpu_blocks`` = the pool in blocks) and ``SchedulerConfig`` (token budget,
+max sequences, chunked prefill). The KV cache groups come from
+:func:`differential.driver.specs.kv_cache_config`, exactly as in manager mode,
+so both modes run the same ``KVCacheConfig``.
+
+The model runner is replaced: after every ``schedule()`` kvfuzz builds the
+``ModelRunnerOutput`` (vllm/v1/outputs.py) itself. A request whose scheduled
+tokens reach its end samples the next tokens of its deterministic stream
+(:meth:`differential.scenario.Scenario.output_token`); with drafts, ``1 +
+accepted`` tokens, the accepted count taken from the workload's
+``accepted_drafts``; the next drafts are handed back with
+``Scheduler.update_draft_token_ids`` as the engine core does.
+
+Offline work-arounds (stated, not hidden):
+
+* ``SpeculativeConfig`` cannot be validated offline (it loads a draft model
+  config from the hub). The instance :mod:`differential.driver.settings`
+  builds (a real ``SpeculativeConfig``, its validators skipped) is set on the
+  built ``VllmConfig`` after validation, so ``Scheduler.__init__`` reads the
+  same ``num_speculative_tokens``, ``use_eagle_block_drop`` and lookahead
+  settings through vLLM's own properties.
+* The KV connector (``kv_connector: true``) is set the same way: vLLM's
+  ``KVConnectorFactory`` builds :class:`differential.driver.connector.EmptyRemoteConnector`
+  (an external connector with an empty remote store; vLLM's bundled
+  ``ExampleConnector`` refuses hybrid models) on the scheduler side.
+
+Observation: one :class:`~differential.observation.RequestObservation` per
+request, in scenario order, with the hit of the lookup that admitted it (the
+``get_computed_blocks`` call followed by a successful ``allocate_slots``; a
+preempted request's later lookups are counted in ``preemptions`` but not
+judged), ``scheduled_step`` (the step it was admitted in) and
+``lookup_order``. Blocks are not recorded (no block-level check in this
+mode). Evictions (cached keys that disappear) and the unreachable cached
+blocks at the end of the run are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import cache
+from typing import Any
+
+from differential.driver import runner
+from differential.driver.features import UnsupportedFeature, VllmCallError, describe, vllm_call
+from differential.driver.settings import ResolvedDrafter, _speculative_config, resolve_drafter
+from differential.driver.specs import kv_cache_config, pool_blocks
+from differential.driver.trace import trace_lookups
+from differential.errors import InternalError
+from differential.observation import RequestObservation, RunObservation
+from differential.scenario import Scenario
+
+__all__ = ["run_scheduler_scenario"]
+
+_UNSET = object()
+
+# Steps without progress after which a run is declared stuck (kvfuzz's failure).
+_MAX_IDLE_STEPS = 64
+
+
+@cache
+def _model_dir() -> str:
+    """A directory holding a tiny HF-style ``config.json`` (one per process).
+
+    Only ``ModelConfig`` reads it (architecture, context length, dtype); no
+    layer is ever built, so its sizes are placeholders.
+    """
+    path = tempfile.mkdtemp(prefix="kvfuzz-model-")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 2,
+        "vocab_size": 32_000,
+        "max_position_embeddings": 1 << 20,
+        "torch_dtype": "float16",
+    }
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return path
+
+
+def _vllm_config(
+    scenario: Scenario, resolved: ResolvedDrafter, num_blocks: int, max_model_len: int
+) -> Any:
+    """A real ``VllmConfig`` for the scenario (see the module docstring)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    workload = scenario.workload
+    budget = scenario.step_budget_tokens
+    # vLLM's config notices (CPU backend, model runner choice) say nothing
+    # about the scenario: keep them off kvfuzz's stderr.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    model = vllm_call(
+        "ModelConfig",
+        ModelConfig,
+        model=_model_dir(),
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        dtype="float16",
+    )
+    cache_config = vllm_call(
+        "CacheConfig",
+        CacheConfig,
+        block_size=scenario.scheduler_block_size_tokens,
+        enable_prefix_caching=True,
+    )
+    scheduler_config = vllm_call(
+        "SchedulerConfig",
+        SchedulerConfig,
+        max_num_batched_tokens=budget,
+        max_num_seqs=workload.max_num_seqs or min(8, budget),
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    config = vllm_call(
+        "VllmConfig",
+        VllmConfig,
+        model_config=model,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        # Explicit, so a process that imported vLLM before kvfuzz set
+        # VLLM_TARGET_DEVICE still builds it.
+        device_config=vllm_call("DeviceConfig", DeviceConfig, device="cpu"),
+    )
+    # After validation (see the module docstring): what the scheduler reads.
+    config.cache_config.num_gpu_blocks = num_blocks
+    config.cache_config.enable_prefix_caching = True
+    if scenario.mamba_groups:
+        # Prefix caching with Mamba runs in align mode (vllm/config/cache.py).
+        config.cache_config.mamba_cache_mode = "align"
+        config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens
+    if scenario.enable_mamba_shared_prefix_checkpoint:
+        config.cache_config.enable_mamba_shared_prefix_checkpoint = True
+    config.scheduler_config.max_num_batched_tokens = budget
+    config.scheduler_config.max_num_scheduled_tokens = None
+    config.scheduler_config.long_prefill_token_threshold = 0
+    # Synchronous scheduling (each step's output before the next schedule()),
+    # whichever platform vLLM resolved in this process: with an unresolved one
+    # VllmConfig turns async scheduling on.
+    config.scheduler_config.async_scheduling = False
+    object.__setattr__(config, "speculative_config", _speculative_config(scenario))
+    if scenario.kv_connector:
+        object.__setattr__(
+            config,
+            "kv_transfer_config",
+            vllm_call(
+                "KVTransferConfig",
+                KVTransferConfig,
+                kv_connector="EmptyRemoteConnector",
+                kv_connector_module_path="differential.driver.connector",
+                kv_role="kv_both",
+            ),
+        )
+    return config
+
+
+@dataclass
+class _Admission:
+    """A request's admitting lookup (tokens), recorded around the real call."""
+
+    hit_tokens: int = 0
+    junction_tokens: int = 0
+    per_group: tuple[int, ...] = ()
+    traced: tuple[Any, ...] = ()
+    cache_map: tuple[str, ...] = ()
+    before: Counter[bytes] = field(default_factory=Counter)
+    step: int = -1
+
+
+def _record_lookups(
+    scenario: Scenario,
+    manager: Any,
+    record_cache_map: bool,
+    lookups: dict[str, list[_Admission]],
+    step: list[int],
+    failures: list[BaseException],
+) -> None:
+    """Wrap this manager's ``get_computed_blocks`` (an instance attribute, so
+    variant patches on the class still run inside) to record every call.
+
+    An exception in kvfuzz's own bookkeeping is kept in ``failures`` (the
+    caller raises it as kvfuzz's failure), never passed off as vLLM's.
+    """
+    real = manager.get_computed_blocks
+    coordinator = manager.coordinator
+
+    def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            cache_map = runner._cache_map(scenario, manager, request) if record_cache_map else ()
+            before = runner._cached_keys(manager)
+        except Exception as exc:  # kvfuzz's own failure
+            failures.append(exc)
+            return real(request, *args, **kwargs)
+        per_group: tuple[int, ...] = ()
+        if hasattr(coordinator, "find_longest_cache_hit_per_group"):
+            # Diagnostic only, as in manager mode (a vLLM call).
+            hashed = len(request.block_hashes) * scenario.effective_hash_block_size_tokens
+            _, found = coordinator.find_longest_cache_hit_per_group(
+                request.block_hashes, min(request.num_tokens - 1, hashed)
+            )
+            per_group = tuple(found)
+        with trace_lookups(coordinator) as traced:
+            result = real(request, *args, **kwargs)
+        hit = result[1]
+        junction = result[2] if len(result) > 2 else 0
+        lookups.setdefault(request.request_id, []).append(
+            _Admission(
+                hit_tokens=hit,
+                junction_tokens=junction,
+                per_group=per_group or (hit,) * len(scenario.kv_cache_groups),
+                traced=tuple(traced),
+                cache_map=cache_map,
+                before=before,
+                step=step[0],
+            )
+        )
+        return result
+
+    manager.get_computed_blocks = get_computed_blocks
+
+
+def run_scheduler_scenario(
+    scenario: Scenario,
+    variant: str,
+    *,
+    retention_interval_tokens: int | object | None = _UNSET,
+    record_cache_map: bool = False,
+) -> RunObservation:
+    """Run ``scenario`` through vLLM's ``Scheduler`` (see the module docstring).
+
+    Args:
+        scenario: the scenario (any workload; a sequential one reproduces
+            manager mode's calls).
+        variant: the variant name recorded in the observation (the caller
+            installs its patches around this call).
+        retention_interval_tokens: overrides the scenario's retention
+            interval (``None``: dense); defaults to the scenario's own.
+        record_cache_map: record each admitting lookup's cache map.
+
+    Returns:
+        The observation (``mode="scheduler"``). If vLLM raised, ``error``
+        names the step and the exception and ``requests`` holds the requests
+        admitted before it.
+
+    Raises:
+        InternalError: kvfuzz's own driver failed, or the run stopped making
+            progress.
+    """
+    retention = (
+        scenario.retention_interval_tokens
+        if retention_interval_tokens is _UNSET
+        else retention_interval_tokens
+    )
+    assert retention is None or isinstance(retention, int)
+    phase = ["resolve drafter settings"]
+    error: str | None = None
+    observed: list[RequestObservation] = []
+    settings = None
+    evicted = 0
+    preemptions = 0
+    timeline: list[str] = []
+    unreachable = 0
+    cached_blocks = 0
+    pool = 0
+    steps = 0
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        resolved = resolve_drafter(scenario)
+        workload = scenario.workload
+        pool = workload.pool_blocks or pool_blocks(scenario, resolved)
+        longest = max(r.prompt_tokens for r in scenario.requests)
+        max_model_len = (
+            longest
+            + scenario.decode_steps
+            + resolved.num_lookahead_tokens
+            + scenario.drafter.num_speculative_tokens
+            + 2
+        )
+        phase[0] = "build VllmConfig"
+        config = _vllm_config(scenario, resolved, pool, max_model_len)
+        phase[0] = "build Scheduler"
+        scheduler = vllm_call(
+            "Scheduler",
+            Scheduler,
+            vllm_config=config,
+            kv_cache_config=kv_cache_config(scenario, resolved, pool, retention),
+            structured_output_manager=vllm_call(
+                "StructuredOutputManager", StructuredOutputManager, config
+            ),
+            block_size=scenario.scheduler_block_size_tokens,
+            hash_block_size=scenario.effective_hash_block_size_tokens,
+        )
+        manager = scheduler.kv_cache_manager
+        settings = runner.manager_settings(
+            manager,
+            scenario,
+            replace(resolved, use_eagle_block_drop=bool(scheduler.use_eagle_block_drop)),
+        )
+        hasher = runner.block_hasher(scenario, resolved)
+        step = [0]
+        lookups: dict[str, list[_Admission]] = {}
+        failures: list[BaseException] = []
+        _record_lookups(scenario, manager, record_cache_map, lookups, step, failures)
+        requests = [
+            runner.make_request(scenario, i, prompt, hasher, scenario.decode_steps + 1)
+            for i, prompt in enumerate(scenario.prompts)
+        ]
+        index_of = {r.request_id: i for i, r in enumerate(requests)}
+        admitted: dict[int, _Admission] = {}
+        finished_at: dict[int, Counter[bytes]] = {}
+        added = 0
+        seen: Counter[bytes] = Counter()
+        accepted = workload.accepted_drafts
+        num_spec = scenario.drafter.num_speculative_tokens if accepted else 0
+        decode_count = 0
+        idle = 0
+        total_tokens = sum(len(p) for p in scenario.prompts) + len(requests) * (
+            scenario.decode_steps + 1
+        )
+        max_steps = 1_000 + 8 * total_tokens
+        while added < len(requests) or scheduler.has_requests():
+            arrived = added
+            # Arrivals: by step, or (sequential) when the engine is empty.
+            if workload.arrival_steps is None:
+                if added < len(requests) and not scheduler.get_num_unfinished_requests():
+                    phase[0] = f"step {step[0]}: add_request req-{added}"
+                    vllm_call("Scheduler.add_request", scheduler.add_request, requests[added])
+                    added += 1
+            else:
+                while added < len(requests) and workload.arrival_steps[added] <= step[0]:
+                    phase[0] = f"step {step[0]}: add_request req-{added}"
+                    vllm_call("Scheduler.add_request", scheduler.add_request, requests[added])
+                    added += 1
+            phase[0] = f"step {step[0]}: schedule"
+            out = vllm_call("Scheduler.schedule", scheduler.schedule)
+            if failures:
+                raise InternalError(
+                    f"recording a lookup at step {step[0]} failed: "
+                    f"{type(failures[0]).__name__}: {failures[0]}"
+                )
+            for rid in out.num_scheduled_tokens:
+                i = index_of[rid]
+                if i not in admitted and lookups.get(rid):
+                    admitted[i] = lookups[rid][-1]
+            preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
+            req_ids = list(out.num_scheduled_tokens)
+            sampled: list[list[int]] = []
+            drafts: list[list[int]] = []
+            events: list[str] = []
+            for rid in req_ids:
+                request = scheduler.requests[rid]
+                i = index_of[rid]
+                spec = out.scheduled_spec_decode_tokens.get(rid) or []
+                scheduled = out.num_scheduled_tokens[rid]
+                if request.num_computed_tokens < request.num_tokens and not spec:
+                    # A partial prefill chunk samples nothing.
+                    sampled.append([])
+                    drafts.append([])
+                    events.append(f"req-{i} +{scheduled} (prefill)")
+                    continue
+                n = len(request.output_token_ids)
+                take = 1
+                if spec:  # drafts scheduled: accept the workload's count, reject the rest
+                    wanted = accepted[decode_count % len(accepted)] if accepted else 0
+                    take += min(len(spec), wanted)
+                    decode_count += 1
+                sampled.append([scenario.output_token(i, n + k) for k in range(take)])
+                events.append(
+                    f"req-{i} +{scheduled}"
+                    + (f" ({take - 1}/{len(spec)} drafts accepted)" if spec else "")
+                )
+                drafts.append([scenario.output_token(i, n + take + k) for k in range(num_spec)])
+            phase[0] = f"step {step[0]}: update_from_output"
+            output = ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={rid: k for k, rid in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+            )
+            vllm_call("Scheduler.update_from_output", scheduler.update_from_output, out, output)
+            if num_spec:
+                vllm_call(
+                    "Scheduler.update_draft_token_ids",
+                    scheduler.update_draft_token_ids,
+                    DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts),
+                )
+            after = runner._cached_keys(manager)
+            lost = sum((seen - after).values())
+            evicted += lost
+            seen = after
+            done = []
+            for rid in req_ids:
+                i = index_of[rid]
+                if i not in finished_at and requests[i].is_finished():
+                    finished_at[i] = after
+                    done.append(f"req-{i}")
+            if record_cache_map:
+                line = f"step {step[0]}:"
+                if added > arrived:
+                    line += f" arrive {', '.join(f'req-{k}' for k in range(arrived, added))};"
+                admitted_now = [
+                    f"req-{index_of[r]} (hit {admitted[index_of[r]].hit_tokens})"
+                    for r in req_ids
+                    if admitted.get(index_of[r]) is not None
+                    and admitted[index_of[r]].step == step[0]
+                ]
+                if admitted_now:
+                    line += f" admit {', '.join(admitted_now)};"
+                line += f" run {', '.join(events) or 'nothing'}"
+                preempted = sorted(getattr(out, "preempted_req_ids", ()) or ())
+                if preempted:
+                    line += f"; preempt {', '.join(f'req-{index_of[r]}' for r in preempted)}"
+                if done:
+                    line += f"; finish {', '.join(done)}"
+                if lost:
+                    line += f"; {lost} cached blocks evicted"
+                timeline.append(line)
+            idle = 0 if req_ids else idle + 1
+            if idle > _MAX_IDLE_STEPS:
+                raise InternalError(
+                    f"the scheduler made no progress for {_MAX_IDLE_STEPS} steps at step "
+                    f"{step[0]} ({len(scheduler.waiting)} waiting, pool {pool} blocks)"
+                )
+            step[0] += 1
+            if step[0] > max_steps:
+                raise InternalError(
+                    f"the scheduler had not finished after {max_steps} steps "
+                    f"({len(scheduler.running)} running, {len(scheduler.waiting)} waiting, "
+                    f"pool {pool} blocks)"
+                )
+        steps = step[0]
+        num_groups = len(scenario.kv_cache_groups)
+        order = sorted(admitted, key=lambda i: (admitted[i].step, i))
+        for i in range(len(requests)):
+            if i not in admitted:
+                continue
+            a = admitted[i]
+            end = finished_at.get(i, seen)
+            kept = [
+                x - y
+                for x, y in zip(
+                    runner._blocks_per_group(end, num_groups),
+                    runner._blocks_per_group(a.before, num_groups),
+                    strict=True,
+                )
+            ]
+            observed.append(
+                RequestObservation(
+                    index=i,
+                    prompt_tokens=scenario.requests[i].prompt_tokens,
+                    hit_tokens=a.hit_tokens,
+                    shared_prefix_boundary_tokens=a.junction_tokens,
+                    per_group_hit_tokens=a.per_group,
+                    retained_blocks_per_group=tuple(kept),
+                    cache_map=a.cache_map,
+                    lookup=a.traced,
+                    scheduled_step=a.step,
+                    lookup_order=order.index(i),
+                )
+            )
+        phase[0] = "count unreachable cached blocks"
+        unreachable, cached_blocks = _unreachable(scenario, manager, requests)
+    except UnsupportedFeature as missing:
+        return RunObservation(
+            variant=variant,
+            vllm_version=runner.VLLM_VERSION,
+            settings=None,
+            requests=(),
+            retention_interval_tokens=retention,
+            unsupported=describe(missing.feature),
+            mode="scheduler",
+        )
+    except VllmCallError as exc:
+        error = f"{phase[0]}: {exc}"
+    except InternalError:
+        raise
+    except Exception as exc:  # kvfuzz's driver failed: never a finding.
+        raise InternalError(
+            f"the scheduler-mode driver failed at {phase[0]!r} on vLLM "
+            f"{runner.VLLM_VERSION}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return RunObservation(
+        variant=variant,
+        vllm_version=runner.VLLM_VERSION,
+        settings=settings,
+        requests=tuple(observed),
+        evicted_blocks=evicted,
+        error=error,
+        retention_interval_tokens=retention,
+        mode="scheduler",
+        pool_blocks=pool,
+        unreachable_cached_blocks=unreachable,
+        cached_blocks=cached_blocks,
+        preemptions=preemptions,
+        steps=steps,
+        timeline=tuple(timeline) if record_cache_map else (),
+    )
+
+
+def _unreachable(scenario: Scenario, manager: Any, requests: list[Any]) -> tuple[int, int]:
+    """(cached blocks no lookup can reach, cached blocks), in blocks, at the end.
+
+    A block is reachable when some lookup of some request's tokens (prompt +
+    sampled tokens, every prefix ending on the hit alignment) returns it:
+    vLLM's own ``KVCacheCoordinator.find_longest_cache_hit``
+    (vllm/v1/core/kv_cache_coordinator.py) on the final cache, non-null
+    blocks only. Every other cached block (``BlockPool`` prefix-cache
+    entries) holds pool space no lookup can use, e.g. full-attention blocks
+    above the last surviving sliding-window tail, or sliding-window blocks
+    below every reachable window.
+    """
+    coordinator = manager.coordinator
+    hash_block = scenario.effective_hash_block_size_tokens
+    alignment = scenario.effective_hit_alignment_tokens
+    reachable: set[int] = set()
+    seen: set[Any] = set()  # a prefix is named by its last block hash (chained)
+    for request in requests:
+        hashes = list(request.block_hashes)
+        total = len(hashes) * hash_block
+        for end in range(alignment, total + 1, alignment):
+            last = hashes[end // hash_block - 1]
+            if last in seen:
+                continue
+            seen.add(last)
+            found = coordinator.find_longest_cache_hit(hashes[: end // hash_block], end)
+            for group_blocks in found[0]:
+                reachable.update(b.block_id for b in group_blocks if not b.is_null)
+    cached: set[int] = set()
+    for entry in manager.block_pool.cached_block_hash_to_block._cache.values():
+        blocks = entry.values() if isinstance(entry, dict) else (entry,)
+        cached.update(b.block_id for b in blocks)
+    return len(cached - reachable), len(cached)

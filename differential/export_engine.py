@@ -1,0 +1,329 @@
+"""``kvfuzz export-test`` for scheduler-mode scenarios: a standalone pytest
+that drives vLLM's real ``Scheduler``.
+
+The generated test imports only vLLM and the standard library: it writes a
+tiny HF-style ``config.json`` to pytest's ``tmp_path`` (no hub, no weights),
+builds ``VllmConfig`` (``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
+CPU ``DeviceConfig``) and ``Scheduler`` with the scenario's KV cache groups
+and pool, adds the requests at their arrival steps, and plays the model
+runner (``ModelRunnerOutput`` with the sampled tokens, drafts handed back with
+``update_draft_token_ids``), as kvfuzz's scheduler mode does
+(differential/driver/scheduler_mode.py). It records each request's admitting
+lookup and asserts what the oracle expects.
+
+Scenarios with a KV connector are not exported (the connector kvfuzz uses,
+an empty remote store, is kvfuzz's own code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from differential.errors import ScenarioError
+from differential.export import _METHOD, _groups, _test_name
+from differential.findings import Finding, FindingKind
+from differential.scenario import Scenario
+
+__all__ = ["export_engine_test"]
+
+_TEMPLATE = '''\
+# SPDX-License-Identifier: Apache-2.0
+"""{title}
+
+Exported by kvfuzz ({signature}), scheduler mode.
+Geometry: {geometry}.
+Expected: {expectation}
+"""
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+init_none_hash(sha256)
+
+
+def _speculative_config():
+    """A real SpeculativeConfig, its validators (which load the draft model)
+    skipped; None without a drafter."""
+    method, model_type = {method!r}, {model_type!r}
+    if method is None:
+        return None
+    spec = object.__new__(SpeculativeConfig)
+    draft = None
+    if model_type is not None:
+        draft = SimpleNamespace(
+            model="draft",
+            architectures=[],
+            hf_config=SimpleNamespace(
+                model_type=model_type, num_nextn_predict_layers={modules}, sample_from_anchor=True
+            ),
+        )
+    for name, value in dict(
+        method=method,
+        num_speculative_tokens={num_spec},
+        num_speculative_tokens_per_batch_size=None,
+        disable_eagle_block_drop={disable_drop},
+        disable_lookahead_block_hashes={disable_lookahead},
+        parallel_drafting=False,
+        draft_model_config=draft,
+    ).items():
+        object.__setattr__(spec, name, value)
+    return spec
+
+
+def _tokens(runs):
+    """Token ids from (first, count) runs of consecutive ids."""
+    return [first + k for first, count in runs for k in range(count)]
+
+
+def _sampled(index, n):
+    """The n-th token request `index` samples (a deterministic stream)."""
+    return 1_000_000 + index * 1_000_000 + 500_000 + n
+
+
+def {name}(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+        intermediate_size=128, num_attention_heads=1, num_key_value_heads=1,
+        num_hidden_layers=2, vocab_size=32000, max_position_embeddings=1 << 20,
+        torch_dtype="float16",
+    )))
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(tmp_path), skip_tokenizer_init=True,
+            max_model_len={max_model_len}, dtype="float16",
+        ),
+        cache_config=CacheConfig(block_size={scheduler_block_size}, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens={budget}, max_num_seqs={max_num_seqs},
+            max_model_len={max_model_len}, enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    config.cache_config.num_gpu_blocks = {pool}
+    config.scheduler_config.long_prefill_token_threshold = 0
+    config.scheduler_config.async_scheduling = False
+    if {has_mamba}:
+        config.cache_config.mamba_cache_mode = "align"
+        config.cache_config.mamba_block_size = {scheduler_block_size}
+    object.__setattr__(config, "speculative_config", _speculative_config())
+    extra_retained = max(0, config.num_prefill_lookahead_tokens - 1)
+    groups = [
+{groups}
+    ]
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=KVCacheConfig(
+            num_blocks={pool}, kv_cache_tensors=[], kv_cache_groups=groups,
+            prefix_cache_retention_interval={retention},
+        ),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size={scheduler_block_size},
+        hash_block_size={hash_block_size},
+    )
+    manager = scheduler.kv_cache_manager
+    lookups = {{}}
+    real_lookup = manager.get_computed_blocks
+
+    def get_computed_blocks(request, *args, **kwargs):
+        result = real_lookup(request, *args, **kwargs)
+        lookups[request.request_id] = result[1]
+        return result
+
+    manager.get_computed_blocks = get_computed_blocks
+    hasher = get_request_block_hasher(
+        {hash_block_size}, sha256, config.num_hash_lookahead_tokens
+    )
+    prompts = [_tokens(runs) for runs in {prompts!r}]
+    requests = [
+        Request(
+            request_id=f"req-{{i}}",
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens={max_tokens}),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    arrivals = {arrivals!r}  # None: each request once the previous one finished
+    accepted = {accepted!r}  # drafts accepted per decode step, cycled
+    num_spec = {num_spec} if accepted else 0
+    hits = {{}}
+    added = step = decode_count = 0
+    while added < len(requests) or scheduler.has_requests():
+        if arrivals is None:
+            if added < len(requests) and not scheduler.get_num_unfinished_requests():
+                scheduler.add_request(requests[added])
+                added += 1
+        else:
+            while added < len(requests) and arrivals[added] <= step:
+                scheduler.add_request(requests[added])
+                added += 1
+        out = scheduler.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        sampled, drafts = [], []
+        for rid in req_ids:
+            index = int(rid.split("-")[1])
+            hits.setdefault(index, lookups.get(rid, 0))
+            request = scheduler.requests[rid]
+            spec = out.scheduled_spec_decode_tokens.get(rid) or []
+            if request.num_computed_tokens < request.num_tokens and not spec:
+                sampled.append([])
+                drafts.append([])
+                continue
+            n = len(request.output_token_ids)
+            take = 1
+            if spec:
+                take += min(len(spec), accepted[decode_count % len(accepted)] if accepted else 0)
+                decode_count += 1
+            sampled.append([_sampled(index, n + k) for k in range(take)])
+            drafts.append([_sampled(index, n + take + k) for k in range(num_spec)])
+        scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={{rid: k for k, rid in enumerate(req_ids)}},
+                sampled_token_ids=sampled,
+            ),
+        )
+        if num_spec:
+            scheduler.update_draft_token_ids(DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts))
+        step += 1
+        assert step < {max_steps}, "the scheduler did not finish"
+    hits = [hits[i] for i in range(len(requests))]
+
+{assertion}
+'''
+
+
+def _runs(tokens: Sequence[int]) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive token ids."""
+    runs: list[tuple[int, int]] = []
+    for token in tokens:
+        if runs and runs[-1][0] + runs[-1][1] == token:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((token, 1))
+    return runs
+
+
+def _assertion(scenario: Scenario, finding: Finding) -> tuple[str, str]:
+    """The assertion lines and the sentence saying what they expect."""
+    alignment = scenario.effective_hit_alignment_tokens
+    request = finding.request
+    if finding.kind is FindingKind.EVICTION_COLLAPSE:
+        later = [i for i, r in enumerate(scenario.requests) if r.shares_with is not None]
+        return (
+            f"    # Later turns {later}: retention 0 at this pool keeps some of them hitting.\n"
+            f"    assert any(hits[i] for i in {later}), hits",
+            "dense retention must not lose every later turn's hit at this pool size "
+            "while retention 0 keeps some (vLLM issue #48435).",
+        )
+    if request is None:
+        raise ScenarioError(
+            "FINDING", finding.kind.value, "a per-request finding or eviction-collapse"
+        )
+    if finding.kind is FindingKind.MISALIGNED:
+        return (
+            f"    assert hits[{request}] % {alignment} == 0, hits",
+            f"request {request}'s hit is a multiple of the hit alignment {alignment}.",
+        )
+    if finding.kind is FindingKind.OVER_HIT:
+        ceiling = finding.expected_tokens or 0
+        return (
+            f"    assert hits[{request}] <= {ceiling}, hits",
+            f"request {request} must not reuse more than {ceiling} tokens.",
+        )
+    expected = finding.expected_tokens or 0
+    operator = "==" if finding.kind is FindingKind.MODE_MISMATCH else ">="
+    return (
+        f"    assert hits[{request}] {operator} {expected}, hits",
+        f"request {request} hits {expected} tokens"
+        + (" (as the manager-level run does)." if operator == "==" else " at least."),
+    )
+
+
+def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, name: str) -> str:
+    """The pytest source asserting ``finding``'s expectation through vLLM's
+    ``Scheduler`` (see the module docstring).
+
+    Raises:
+        ScenarioError: the scenario has a KV connector, or the finding is
+            whole-run and not ``eviction-collapse``.
+    """
+    if scenario.kv_connector:
+        raise ScenarioError(
+            "kv_connector", True, "false for a scheduler-mode export (kvfuzz's own connector)"
+        )
+    check, expectation = _assertion(scenario, finding)
+    method, model_type, modules = _METHOD.get(scenario.drafter.kind, (None, None, 1))
+    longest = max(r.prompt_tokens for r in scenario.requests)
+    max_model_len = (
+        longest + scenario.decode_steps + 3 * scenario.drafter.num_speculative_tokens + 2
+    )
+    groups = ", ".join(
+        f"{g.kind.value} block {g.block_size_tokens}"
+        + (f" window {g.sliding_window_tokens}" if g.sliding_window_tokens else "")
+        for g in scenario.kv_cache_groups
+    )
+    w = scenario.workload
+    geometry = (
+        f"{groups}; retention {scenario.retention_interval_tokens}; drafter "
+        f"{scenario.drafter.kind.value} x{scenario.drafter.num_speculative_tokens}; pool "
+        f"{w.pool_blocks} blocks; {len(scenario.requests)} requests"
+    )
+    total = sum(r.prompt_tokens for r in scenario.requests)
+    budget = scenario.step_budget_tokens
+    return _TEMPLATE.format(
+        title=f"Engine-level prefix-cache regression: {finding.kind.value}.",
+        signature=signature,
+        geometry=geometry,
+        expectation=expectation,
+        method=method,
+        model_type=model_type,
+        modules=scenario.drafter.num_speculative_tokens if modules is None else modules,
+        num_spec=scenario.drafter.num_speculative_tokens,
+        disable_drop=scenario.disable_eagle_block_drop,
+        disable_lookahead=scenario.disable_lookahead_block_hashes,
+        name=_test_name(name),
+        max_model_len=max_model_len,
+        scheduler_block_size=scenario.scheduler_block_size_tokens,
+        hash_block_size=scenario.effective_hash_block_size_tokens,
+        budget=budget,
+        max_num_seqs=w.max_num_seqs or min(8, budget),
+        pool=w.pool_blocks,
+        has_mamba=bool(scenario.mamba_groups),
+        groups=_groups(scenario),
+        retention=scenario.retention_interval_tokens,
+        prompts=[_runs(p) for p in scenario.prompts],
+        max_tokens=scenario.decode_steps + 1,
+        arrivals=None if w.arrival_steps is None else list(w.arrival_steps),
+        accepted=list(w.accepted_drafts),
+        max_steps=1_000 + 8 * (total + len(scenario.requests) * (scenario.decode_steps + 1)),
+        assertion=check,
+    )

@@ -1,0 +1,230 @@
+"""The oracle for runs through vLLM's ``Scheduler`` (scheduler mode).
+
+Three rules on top of the per-lookup invariants of
+:mod:`differential.oracle.core`:
+
+* **Per lookup, as scheduled.** A sequential run without evictions is judged
+  exactly as manager mode judges it (:func:`~differential.oracle.core.judge_run`).
+  Otherwise (requests in flight together, drafts, evictions) a request's hit
+  is judged against what could have been cached when it was *scheduled*
+  (admitted), not when it arrived: it may not exceed, in tokens, the longest
+  common prefix of its prompt with the tokens (prompt + sampled tokens) of a
+  request admitted before it, less the drafter-dependent tokens, nor
+  ``L - 1``; and it must be a multiple of the hit alignment. Evictions and
+  concurrency may lower hits freely, so no shortfall is judged there.
+* **Mode cross-check** (:func:`cross_check_modes`): a sequential scenario
+  gives the same hits through the scheduler as through the manager-level
+  driver, else ``mode-mismatch`` naming the first differing call.
+* **Eviction collapse** (:func:`eviction_collapse`): with dense retention
+  every later turn of every session hits 0 while retention 0 at the same pool
+  keeps hitting (vLLM issue #48435).
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from differential.findings import Finding, FindingKind, Policy
+from differential.observation import RunObservation
+from differential.oracle.core import (
+    SiblingReference,
+    common_prefix_tokens,
+    drafter_model,
+    judge_run,
+)
+from differential.scenario import MambaPrefill, Scenario
+
+__all__ = [
+    "cross_check_modes",
+    "eviction_collapse",
+    "judge_engine_run",
+    "mode_cross_checkable",
+    "sequentially_judgeable",
+    "session_hits",
+    "session_of",
+]
+
+
+def sequentially_judgeable(scenario: Scenario, run: RunObservation) -> bool:
+    """Whether the manager-mode judgement applies exactly: one request at a
+    time, no drafts, nothing evicted, and later turns copying prompts only
+    (the sequential references do not model a turn that copies an earlier
+    request's answer, ``workload.shares_output``)."""
+    w = scenario.workload
+    return w.sequential and not w.shares_output and not run.evicted_blocks
+
+
+def mode_cross_checkable(scenario: Scenario) -> bool:
+    """Whether both modes must give the same hits: a sequential workload and
+    vLLM's own prefill chunking (a block-carved Mamba prefill,
+    ``mamba_prefill: block``, is not what the scheduler does)."""
+    return scenario.workload.sequential and scenario.mamba_prefill is MambaPrefill.SCHEDULER
+
+
+def session_of(scenario: Scenario, index: int) -> int:
+    """The first turn (request index) of request ``index``'s session: the root
+    of its ``shares_with`` chain."""
+    while (source := scenario.requests[index].shares_with) is not None:
+        index = source
+    return index
+
+
+def session_hits(scenario: Scenario, run: RunObservation) -> dict[int, list[int]]:
+    """Per session (its first request's index), the hits of its turns in
+    request order, in tokens."""
+    out: dict[int, list[int]] = {}
+    for r in run.requests:
+        out.setdefault(session_of(scenario, r.index), []).append(r.hit_tokens)
+    return out
+
+
+def judge_engine_run(
+    scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
+) -> tuple[tuple[SiblingReference, ...], tuple[Finding, ...]]:
+    """Judge a scheduler-mode run (see the module docstring).
+
+    Returns:
+        The references (only when judged sequentially) and the findings.
+    """
+    if run.unsupported is not None:
+        return (), ()
+    if sequentially_judgeable(scenario, run):
+        return judge_run(scenario, run, policy)
+    findings: list[Finding] = []
+    if run.error is not None:
+        findings.append(
+            Finding(FindingKind.CRASH, run.variant, len(run.requests), run.error, policy=policy)
+        )
+    model = drafter_model(scenario)
+    alignment = scenario.effective_hit_alignment_tokens
+    prompts = scenario.prompts
+    tokens = [p + scenario.sampled_tokens(i) for i, p in enumerate(prompts)]
+    order = {
+        r.index: (r.lookup_order if r.lookup_order is not None else r.index) for r in run.requests
+    }
+    for r in run.requests:
+        earlier = [k for k, rank in order.items() if rank < order[r.index]]
+        shared = max(
+            (common_prefix_tokens(prompts[r.index], tokens[k]) for k in earlier), default=0
+        )
+        length = scenario.requests[r.index].prompt_tokens
+        ceiling = min(length - 1, max(0, shared - model.dependency_tokens))
+        common = {"divergence_tokens": shared, "hit_tokens": r.hit_tokens, "policy": policy}
+        if r.hit_tokens > ceiling:
+            findings.append(
+                Finding(
+                    FindingKind.OVER_HIT,
+                    run.variant,
+                    r.index,
+                    f"hit {r.hit_tokens} exceeds what requests admitted before it (step "
+                    f"{r.scheduled_step}) could have cached: {shared} shared tokens"
+                    + (
+                        f" minus {model.dependency_tokens} drafter-dependent token(s)"
+                        if model.dependency_tokens
+                        else ""
+                    ),
+                    expected_tokens=ceiling,
+                    **common,
+                )
+            )
+        if r.hit_tokens % alignment:
+            findings.append(
+                Finding(
+                    FindingKind.MISALIGNED,
+                    run.variant,
+                    r.index,
+                    f"hit {r.hit_tokens} is not a multiple of the hit alignment {alignment}",
+                    expected_tokens=r.hit_tokens // alignment * alignment,
+                    **common,
+                )
+            )
+    return (), tuple(findings)
+
+
+def cross_check_modes(
+    scenario: Scenario, scheduler_run: RunObservation, manager_run: RunObservation
+) -> tuple[Finding, ...]:
+    """``mode-mismatch`` if a sequential scenario's hits differ between modes.
+
+    The finding names the first request whose hit differs and, within its
+    lookup, the first differing call: a single-type manager
+    ``find_longest_cache_hit`` (group, length cap, result) when the traces
+    differ there, else ``KVCacheManager.get_computed_blocks``.
+    """
+    if not mode_cross_checkable(scenario):
+        return ()
+    if scheduler_run.unsupported is not None or manager_run.unsupported is not None:
+        return ()
+    variant = scheduler_run.variant
+    for s, m in zip(scheduler_run.requests, manager_run.requests, strict=False):
+        if s.hit_tokens == m.hit_tokens:
+            continue
+        call = f"KVCacheManager.get_computed_blocks of request {s.index}"
+        for k, (a, b) in enumerate(zip(s.lookup, m.lookup, strict=False)):
+            if a != b:
+                call = (
+                    f"single-type find_longest_cache_hit #{k} of request {s.index} "
+                    f"(group {a.group}, max_length {a.max_length_tokens} vs "
+                    f"{b.max_length_tokens}, hit {a.hit_tokens} vs {b.hit_tokens})"
+                )
+                break
+        return (
+            Finding(
+                FindingKind.MODE_MISMATCH,
+                variant,
+                s.index,
+                f"hit {s.hit_tokens} through vLLM's Scheduler, {m.hit_tokens} through the "
+                f"manager-level driver; first differing call: {call}; hits "
+                f"{list(scheduler_run.hits)} (scheduler) vs {list(manager_run.hits)} (manager)",
+                expected_tokens=m.hit_tokens,
+                hit_tokens=s.hit_tokens,
+            ),
+        )
+    if len(scheduler_run.requests) != len(manager_run.requests) or (
+        (scheduler_run.error is None) != (manager_run.error is None)
+    ):
+        return (
+            Finding(
+                FindingKind.MODE_MISMATCH,
+                variant,
+                None,
+                f"{len(scheduler_run.requests)} requests completed through the Scheduler "
+                f"(error: {scheduler_run.error}), {len(manager_run.requests)} through the "
+                f"manager-level driver (error: {manager_run.error})",
+            ),
+        )
+    return ()
+
+
+def eviction_collapse(
+    scenario: Scenario, dense_run: RunObservation, retention0_run: RunObservation
+) -> Finding | None:
+    """``eviction-collapse`` when dense retention loses every cross-request hit
+    that retention 0 at the same pool size keeps (vLLM issue #48435).
+
+    Only later turns count (requests with ``shares_with``); the rule needs at
+    least one. ``None`` when the pattern is absent or a run failed.
+    """
+    later = [r for r in dense_run.requests if scenario.requests[r.index].shares_with is not None]
+    if not later or dense_run.error is not None or retention0_run.error is not None:
+        return None
+    if any(r.hit_tokens for r in later):
+        return None
+    kept = [
+        r
+        for r in retention0_run.requests
+        if scenario.requests[r.index].shares_with is not None and r.hit_tokens
+    ]
+    if not kept:
+        return None
+    dense_hits = session_hits(scenario, dense_run)
+    r0_hits = session_hits(scenario, retention0_run)
+    return Finding(
+        FindingKind.EVICTION_COLLAPSE,
+        dense_run.variant,
+        None,
+        f"pool {dense_run.pool_blocks} blocks: dense retention hits per session "
+        f"{list(dense_hits.values())}, retention 0 {list(r0_hits.values())}; dense "
+        f"retention evicted {dense_run.evicted_blocks} cached blocks, "
+        f"{dense_run.unreachable_cached_blocks} cached blocks left unreachable",
+    )

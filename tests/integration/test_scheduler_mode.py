@@ -1,0 +1,260 @@
+"""Scenarios through vLLM 0.33.0's real ``Scheduler`` (scheduler mode).
+
+Exact hits from real runs: the seed corpus in both modes, vLLM issue #48435's
+round-robin sessions at three pool sizes, and a concurrent multi-turn workload
+with drafts, eviction and preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from differential.compare import compare_variants, in_mode
+from differential.corpus import finding_tag, load_entry
+from differential.driver import run_variant
+from differential.findings import FindingKind
+from differential.oracle.engine import session_hits
+from differential.report import render_json, render_text
+from differential.scenario import (
+    Drafter,
+    DrafterKind,
+    DriveMode,
+    GroupKind,
+    KVCacheGroup,
+    RequestSpec,
+    Scenario,
+    Workload,
+)
+from differential.variants import parse_variants
+from tests.factories import CORPORA, ROOT
+
+pytestmark = pytest.mark.vllm
+
+UNFIXED = parse_variants("unfixed")
+BOTH = parse_variants("unfixed,fixed")
+SEEDS = sorted((CORPORA / "seeds").glob("*.json"))
+KNOWN = ROOT / "known-issues"
+
+
+@pytest.mark.parametrize("path", SEEDS, ids=lambda p: p.name)
+def test_seed_gives_the_same_hits_in_both_modes(path: Path) -> None:
+    scenario = load_entry(path).scenario
+    for variant in BOTH:
+        manager = run_variant(scenario, variant, mode=DriveMode.MANAGER)
+        scheduler = run_variant(scenario, variant, mode=DriveMode.SCHEDULER)
+        assert scheduler.mode == "scheduler" and manager.mode == "manager"
+        assert scheduler.error is None, scheduler.error
+        assert scheduler.hits == manager.hits, (variant.name, scheduler.hits, manager.hits)
+        assert scheduler.settings == manager.settings
+    # The comparison runs the cross-check itself and finds no mode-mismatch.
+    result = compare_variants(in_mode(scenario, DriveMode.SCHEDULER), UNFIXED)
+    assert result.results[0].manager_run is not None
+    assert not [f for f in result.findings if f.kind is FindingKind.MODE_MISMATCH]
+
+
+def _sessions(name: str) -> tuple[dict[int, list[int]], list[str], object]:
+    folder = KNOWN if name.endswith("pool130-dense") else CORPORA / "cases"
+    entry = load_entry(folder / f"{name}.json")
+    result = compare_variants(entry.scenario, UNFIXED)
+    vr = result.results[0]
+    tags = sorted(finding_tag(f) for f in result.findings)
+    return session_hits(entry.scenario, vr.run), tags, vr
+
+
+def test_48435_pool_130_dense_retention_collapses() -> None:
+    hits, tags, vr = _sessions("eviction-collapse-48435-pool130-dense")
+    assert hits == {0: [0, 0, 0], 1: [0, 0, 0], 2: [0, 0, 0], 3: [0, 0, 0]}
+    assert tags == ["eviction-collapse@run"]
+    # The rule's own retention-0 run at the same pool keeps hitting.
+    assert vr.retention0_run is not None
+    assert vr.retention0_run.hits == (0, 0, 0, 0, 96, 96, 96, 96, 100, 100, 100, 100)
+    assert vr.run.pool_blocks == 130 and vr.run.evicted_blocks > 0
+    assert vr.run.unreachable_cached_blocks == 21
+    # The same sequential scenario through the manager-level driver agrees.
+    assert vr.manager_run is not None and vr.manager_run.hits == vr.run.hits
+
+
+def test_48435_pool_130_retention_0_keeps_hits() -> None:
+    hits, tags, _ = _sessions("eviction-collapse-48435-pool130-retention0")
+    assert hits == {0: [0, 96, 100], 1: [0, 96, 100], 2: [0, 96, 100], 3: [0, 96, 100]}
+    assert tags == []
+
+
+def test_48435_pool_400_dense_retention_keeps_everything() -> None:
+    hits, tags, vr = _sessions("eviction-collapse-48435-pool400-dense")
+    assert hits == {0: [0, 100, 104], 1: [0, 100, 104], 2: [0, 100, 104], 3: [0, 100, 104]}
+    assert tags == []
+    assert vr.run.evicted_blocks == 0 and vr.run.unreachable_cached_blocks == 0
+
+
+@pytest.mark.parametrize("pool", [110, 90])
+def test_48435_smaller_pools_hit_nothing_in_either_retention(pool: int) -> None:
+    entry = load_entry(KNOWN / "eviction-collapse-48435-pool130-dense.json")
+    scenario = dataclasses.replace(
+        entry.scenario, workload=dataclasses.replace(entry.scenario.workload, pool_blocks=pool)
+    )
+    result = compare_variants(scenario, UNFIXED)
+    vr = result.results[0]
+    assert set(vr.run.hits) == {0}
+    assert vr.retention0_run is not None and set(vr.retention0_run.hits) == {0}
+    # Retention 0 does not keep hitting: no collapse to blame on dense retention.
+    assert not [f for f in result.findings if f.kind is FindingKind.EVICTION_COLLAPSE]
+
+
+def _concurrent(pool: int, decode_steps: int, arrivals: tuple[int, ...], seqs: int) -> Scenario:
+    """Four two-turn chat sessions (turn 2 = turn 1's prompt + its answer + 8
+    tokens), EAGLE with 2 drafted tokens accepted 1, 0, 2, ... per step."""
+    requests = (
+        RequestSpec(0, 40, name="s0t1"),
+        RequestSpec(0, 36, name="s1t1"),
+        RequestSpec(20, 30, name="s2t1"),
+        RequestSpec(0, 44, name="s3t1"),
+        RequestSpec(46, 8, 0, "s0t2"),
+        RequestSpec(42, 8, 1, "s1t2"),
+        RequestSpec(56, 8, 2, "s2t2"),
+        RequestSpec(50, 8, 3, "s3t2"),
+    )
+    return Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 8),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8),
+        ),
+        requests=requests,
+        shared_prefix_tokens=32,
+        drafter=Drafter(DrafterKind.EAGLE, 2),
+        prefill_chunk_tokens=16,
+        decode_steps=decode_steps,
+        workload=Workload(
+            mode=DriveMode.SCHEDULER,
+            pool_blocks=pool,
+            arrival_steps=arrivals,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=24,
+            shares_output=True,
+            accepted_drafts=(1, 0, 2),
+        ),
+    )
+
+
+def test_concurrent_multi_turn_with_drafts_reuses_decoded_blocks() -> None:
+    scenario = _concurrent(200, 5, (0, 0, 1, 1, 6, 6, 7, 7), 4)
+    result = compare_variants(scenario, UNFIXED)
+    run = result.results[0].run
+    # Turn 2 of session 0 reuses turn 1's prompt (40) and decoded tokens up to
+    # the full-attention block boundary; session 2's turn 1 wrote 50 tokens + 5.
+    assert run.hits == (0, 0, 0, 0, 40, 40, 48, 48)
+    assert [r.scheduled_step for r in run.requests] == [0, 1, 3, 5, 8, 8, 9, 11]
+    assert run.evicted_blocks == 0 and run.preemptions == 0
+    assert result.findings == ()
+
+
+def test_small_pool_evicts_and_preempts_and_stays_sound() -> None:
+    scenario = _concurrent(26, 24, (0, 0, 0, 0, 1, 1, 1, 1), 8)
+    result = compare_variants(scenario, UNFIXED)
+    run = result.results[0].run
+    assert run.error is None
+    assert run.preemptions == 2
+    assert run.evicted_blocks > 0
+    assert run.hits == (0,) * 8
+    assert result.findings == ()
+    text = render_text([result], "0.33.0")
+    assert "2 preemptions" in text and "of the pool" in text
+    figures = render_json([result], "0.33.0", result.policy)["scenarios"][0]["variants"][0]
+    assert figures["engine"]["preemptions"] == 2
+    assert figures["engine"]["pool_blocks"] == 26
+
+
+def test_manager_mode_refuses_a_concurrent_workload() -> None:
+    from differential.errors import ScenarioError
+
+    with pytest.raises(ScenarioError, match=r"workload\.mode"):
+        in_mode(_concurrent(200, 5, (0, 0, 1, 1, 6, 6, 7, 7), 4), DriveMode.MANAGER)
+
+
+def _exported(scenario: Scenario) -> tuple[str, str]:
+    from differential.export_engine import export_engine_test
+    from fuzz.signature import signature_of
+
+    result = compare_variants(scenario, UNFIXED)
+    finding = next(f for f in result.findings if f.kind is FindingKind.EVICTION_COLLAPSE)
+    source = export_engine_test(
+        scenario, finding, signature=signature_of(scenario, finding).text, name="collapse"
+    )
+    return source, "test_kvfuzz_collapse"
+
+
+def test_exported_engine_test_reproduces_48435(tmp_path: Path) -> None:
+    entry = load_entry(KNOWN / "eviction-collapse-48435-pool130-dense.json")
+    source, name = _exported(entry.scenario)
+    assert "from differential" not in source and "import differential" not in source
+    namespace: dict[str, object] = {}
+    exec(compile(source, "exported.py", "exec"), namespace)
+    test = namespace[name]
+    with pytest.raises(AssertionError, match=r"\[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0\]"):
+        test(tmp_path)  # type: ignore[operator]
+    # The same test with retention 0 (the fix of #48435) passes.
+    fixed = source.replace(
+        "prefix_cache_retention_interval=None", "prefix_cache_retention_interval=0"
+    )
+    namespace = {}
+    exec(compile(fixed, "exported_fixed.py", "exec"), namespace)
+    (tmp_path / "fixed").mkdir()
+    namespace[name](tmp_path / "fixed")  # type: ignore[operator]
+
+
+def test_explain_timeline_and_shrink_on_a_concurrent_collapse(tmp_path: Path) -> None:
+    from differential.explain import render_timeline
+    from fuzz.minimize import shrink
+    from fuzz.signature import signature_of
+
+    entry = load_entry(KNOWN / "eviction-collapse-48435-pool130-dense.json")
+    # The same sessions fired concurrently: round r arrives at step 8 * r.
+    concurrent = dataclasses.replace(
+        entry.scenario,
+        workload=dataclasses.replace(
+            entry.scenario.workload,
+            arrival_steps=tuple(8 * (i // 4) for i in range(12)),
+            max_num_seqs=4,
+        ),
+    )
+    result = compare_variants(concurrent, UNFIXED)
+    tags = sorted(finding_tag(f) for f in result.findings)
+    assert tags == ["eviction-collapse@run"]
+    text = render_timeline(result, 11)
+    assert "step 0: arrive req-0, req-1, req-2, req-3; admit req-0 (hit 0)" in text
+    assert "step 8: arrive req-4, req-5, req-6, req-7" in text
+    finding = result.findings[0]
+    outcome = shrink(concurrent, signature_of(concurrent, finding), UNFIXED, seconds=60)
+    small = outcome.scenario
+    assert len(small.requests) < len(concurrent.requests)
+    assert small.workload.arrival_steps is None or len(small.workload.arrival_steps) == len(
+        small.requests
+    )
+    assert any(
+        f.kind is FindingKind.EVICTION_COLLAPSE for f in compare_variants(small, UNFIXED).findings
+    )
+
+
+def test_campaign_in_scheduler_mode_counts_the_engine(tmp_path: Path) -> None:
+    from fuzz.campaign import CampaignConfig, run_campaign
+    from fuzz.report import engine_section
+
+    summary = run_campaign(
+        CampaignConfig(
+            out=tmp_path,
+            variants=UNFIXED,
+            seed=0,
+            seconds=None,
+            max_examples=40,
+            mode=DriveMode.SCHEDULER,
+        ),
+        quiet=True,
+    )
+    engine = summary["engine"]
+    assert engine["scenarios"] == summary["examples"] == 40
+    assert engine["concurrent"] > 0 and engine["multi_turn"] > 0
+    assert engine["speculative"] > 0 and engine["with_eviction"] > 0
+    assert any("Engine scenarios (scheduler mode)" in line for line in engine_section(summary))

@@ -1,0 +1,177 @@
+"""The scheduler-mode oracle and the workload part of the scenario model, by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from differential.errors import ScenarioError
+from differential.findings import FindingKind
+from differential.observation import GroupLookup, RequestObservation, RunObservation
+from differential.oracle.engine import (
+    cross_check_modes,
+    eviction_collapse,
+    judge_engine_run,
+    session_hits,
+    session_of,
+)
+from differential.scenario import (
+    DriveMode,
+    GroupKind,
+    KVCacheGroup,
+    RequestSpec,
+    Scenario,
+    Workload,
+)
+
+
+def _sessions(workload: Workload) -> Scenario:
+    """Two sessions of two turns each (FA 4 + SWA 4, window 8)."""
+    return Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8),
+        ),
+        requests=(
+            RequestSpec(0, 20),
+            RequestSpec(0, 24),
+            RequestSpec(20, 4, 0),
+            RequestSpec(24, 4, 1),
+        ),
+        shared_prefix_tokens=0,
+        prefill_chunk_tokens=16,
+        decode_steps=2,
+        workload=workload,
+    )
+
+
+def _run(
+    hits: tuple[int, ...],
+    *,
+    variant: str = "unfixed",
+    mode: str = "scheduler",
+    order: tuple[int, ...] | None = None,
+    lookups: tuple[tuple[GroupLookup, ...], ...] = (),
+) -> RunObservation:
+    return RunObservation(
+        variant=variant,
+        vllm_version="0.33.0",
+        settings=None,
+        requests=tuple(
+            RequestObservation(
+                index=i,
+                prompt_tokens=0,
+                hit_tokens=h,
+                shared_prefix_boundary_tokens=0,
+                per_group_hit_tokens=(h, h),
+                retained_blocks_per_group=(0, 0),
+                lookup=lookups[i] if lookups else (),
+                scheduled_step=None if order is None else order[i],
+                lookup_order=None if order is None else order[i],
+            )
+            for i, h in enumerate(hits)
+        ),
+        mode=mode,
+        pool_blocks=130,
+    )
+
+
+def test_workload_round_trips_and_old_files_stay_identical() -> None:
+    workload = Workload(
+        mode=DriveMode.SCHEDULER,
+        pool_blocks=130,
+        arrival_steps=(0, 0, 3, 3),
+        max_num_seqs=2,
+        max_num_batched_tokens=24,
+        shares_output=True,
+    )
+    scenario = _sessions(workload)
+    assert Scenario.from_json(scenario.to_json()) == scenario
+    plain = _sessions(Workload())
+    assert "workload" not in plain.to_dict()
+
+
+def test_shares_output_copies_the_answer_into_the_next_turn() -> None:
+    base = _sessions(Workload(mode=DriveMode.SCHEDULER, shares_output=True))
+    scenario = dataclasses.replace(
+        base, requests=(*base.requests[:2], RequestSpec(23, 1, 0), base.requests[3])
+    )
+    first, turn2 = scenario.prompts[0], scenario.prompts[2]
+    answer = scenario.sampled_tokens(0)
+    assert len(answer) == 3  # decode_steps + 1 sampled tokens
+    assert turn2[:23] == first + answer and len(turn2) == 24
+    # The source is the prompt (20) + 3 sampled tokens: 24 is past it.
+    with pytest.raises(ScenarioError, match=r"requests\[2\]\.divergence_tokens"):
+        dataclasses.replace(
+            base, requests=(*base.requests[:2], RequestSpec(24, 1, 0), base.requests[3])
+        )
+
+
+@pytest.mark.parametrize(
+    ("workload", "field"),
+    [
+        ({"mode": "engine"}, "workload.mode"),
+        ({"pool_blocks": 1}, "workload.pool_blocks"),
+        ({"mode": "scheduler", "arrival_steps": [0, 2, 1, 3]}, r"workload.arrival_steps\[2\]"),
+        ({"mode": "scheduler", "arrival_steps": [0]}, "workload.arrival_steps"),
+        ({"mode": "scheduler", "accepted_drafts": [1]}, "workload.accepted_drafts"),
+        ({"arrival_steps": [0, 0, 0, 0]}, "workload.mode"),
+        ({"threads": 2}, "workload.threads"),
+    ],
+)
+def test_bad_workload_is_named(workload: dict[str, object], field: str) -> None:
+    data = _sessions(Workload()).to_dict()
+    data["workload"] = workload
+    with pytest.raises(ScenarioError, match=field):
+        Scenario.from_json(json.dumps(data))
+
+
+def test_sessions_follow_shares_with_chains() -> None:
+    scenario = _sessions(Workload())
+    assert [session_of(scenario, i) for i in range(4)] == [0, 1, 0, 1]
+    assert session_hits(scenario, _run((0, 0, 20, 24))) == {0: [0, 20], 1: [0, 24]}
+
+
+def test_mode_mismatch_names_the_first_differing_call() -> None:
+    scenario = _sessions(Workload(mode=DriveMode.SCHEDULER))
+    same = GroupLookup(0, 23, False, 20, 0)
+    manager = _run((0, 0, 20, 24), mode="manager", lookups=((), (), (same,), ()))
+    scheduler = _run((0, 0, 16, 24), lookups=((), (), (GroupLookup(0, 23, False, 16, 0),), ()))
+    (finding,) = cross_check_modes(scenario, scheduler, manager)
+    assert finding.kind is FindingKind.MODE_MISMATCH and finding.request == 2
+    assert finding.hit_tokens == 16 and finding.expected_tokens == 20
+    assert "find_longest_cache_hit #0 of request 2" in finding.detail
+    assert cross_check_modes(scenario, manager, manager) == ()
+    # A concurrent workload is not cross-checked (the calls differ by design).
+    concurrent = _sessions(Workload(mode=DriveMode.SCHEDULER, arrival_steps=(0, 0, 0, 0)))
+    assert cross_check_modes(concurrent, scheduler, manager) == ()
+
+
+def test_eviction_collapse_needs_zero_dense_and_hitting_retention_0() -> None:
+    scenario = _sessions(Workload(mode=DriveMode.SCHEDULER, pool_blocks=130))
+    collapse = eviction_collapse(scenario, _run((0, 0, 0, 0)), _run((0, 0, 16, 20)))
+    assert collapse is not None and collapse.kind is FindingKind.EVICTION_COLLAPSE
+    assert "[[0, 0], [0, 0]]" in collapse.detail and "[[0, 16], [0, 20]]" in collapse.detail
+    # One later turn still hits under dense retention: no collapse.
+    assert eviction_collapse(scenario, _run((0, 0, 0, 20)), _run((0, 0, 16, 20))) is None
+    # Retention 0 hits nothing either (capacity): no collapse.
+    assert eviction_collapse(scenario, _run((0, 0, 0, 0)), _run((0, 0, 0, 0))) is None
+
+
+def test_concurrent_hit_is_judged_against_requests_admitted_before_it() -> None:
+    scenario = _sessions(
+        Workload(mode=DriveMode.SCHEDULER, arrival_steps=(0, 0, 0, 0), shares_output=True)
+    )
+    # Request 2 admitted before its session's first turn: nothing could be cached.
+    run = _run((0, 0, 20, 0), order=(1, 2, 0, 3))
+    _, findings = judge_engine_run(scenario, run)
+    assert [(f.kind, f.request, f.expected_tokens) for f in findings] == [
+        (FindingKind.OVER_HIT, 2, 0)
+    ]
+    # Admitted after it: 20 tokens (a multiple of A = 4) are sound; 18 is misaligned.
+    _, findings = judge_engine_run(scenario, _run((0, 0, 20, 24), order=(0, 1, 2, 3)))
+    assert findings == ()
+    _, findings = judge_engine_run(scenario, _run((0, 0, 18, 24), order=(0, 1, 2, 3)))
+    assert [(f.kind, f.request) for f in findings] == [(FindingKind.MISALIGNED, 2)]
