@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from differential.errors import ScenarioError
-from differential.findings import Finding, Policy
+from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
 
 if TYPE_CHECKING:
@@ -145,11 +145,19 @@ def load_entry(path: Path) -> CorpusEntry:
     return CorpusEntry(path, scenario, Expectation(expect.hits, expect.findings, notes), signature)
 
 
+_COMPARISON_TAGS = (
+    f"{FindingKind.VARIANT_REGRESSION.value}@",
+    f"{FindingKind.VARIANT_DRIFT.value}@",
+)
+
+
 def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str]:
     """How a replay of ``entry`` contradicts its ``expect`` block.
 
     Hits are checked for every variant that ran and has recorded hits;
-    findings only under the ``vllm`` policy (the one they are recorded for).
+    findings only under the ``vllm`` policy (the one they are recorded for),
+    and comparisons between variants only when every variant recorded in
+    the block ran.
 
     Returns:
         One line per contradiction, naming the variant, the observed and the
@@ -157,13 +165,21 @@ def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str
     """
     expect = entry.expect
     problems: list[str] = []
+    ran = {vr.variant.name for vr in result.results}
+    # Comparisons between variants (regression, drift) exist only when the
+    # variants recorded beside it ran too.
+    compared = set(expect.hits) <= ran
+
+    def judged(tags: Sequence[str]) -> list[str]:
+        return sorted(t for t in tags if compared or not t.startswith(_COMPARISON_TAGS))
+
     for vr in result.results:
         name = vr.variant.name
         if name in expect.hits and tuple(vr.run.hits) != tuple(expect.hits[name]):
             problems.append(f"{name}: hits {list(vr.run.hits)}, expected {list(expect.hits[name])}")
         if name in expect.findings and result.policy is Policy.VLLM:
-            got = sorted(finding_tag(f) for f in result.findings if f.owner == name)
-            if got != list(expect.findings[name]):
+            got = judged([finding_tag(f) for f in result.findings if f.owner == name])
+            if got != judged(expect.findings[name]):
                 problems.append(f"{name}: findings {got}, expected {list(expect.findings[name])}")
     return problems
 

@@ -370,7 +370,7 @@ STATE_BELOW = "unit-below-retained-state-discarded"
 def test_state_below_a_periodic_checkpoint_with_sparse_states() -> None:
     # States every 8 tokens (the chunk), not every Mamba block: the state owed
     # below 48 - A = 47 is the one at 40.
-    path = "corpora/cases/mamba-state-below-periodic-checkpoint-chunk8.json"
+    path = "known-issues/unit-below-retained-state-discarded--periodic-checkpoint-chunk8.json"
     assert _corpus_labels(path) == [(1, 40, STATE_BELOW)]
     # Near miss: a fallback from the state at a retained boundary itself.
     scenario, _ = _corpus_scenario(path)
@@ -379,11 +379,11 @@ def test_state_below_a_periodic_checkpoint_with_sparse_states() -> None:
 
 
 def test_state_below_a_pinned_junction() -> None:
-    path = "corpora/cases/mamba-state-below-pinned-junction-gdn2.json"
+    path = "known-issues/unit-below-retained-state-discarded--pinned-junction-gdn2.json"
     assert _corpus_labels(path) == [(1, 96, STATE_BELOW), (2, 64, STATE_BELOW)]
-    assert _corpus_labels("corpora/cases/mamba-state-below-junction-eagle.json") == [
-        (2, 40, STATE_BELOW)
-    ]
+    assert _corpus_labels(
+        "known-issues/unit-below-retained-state-discarded--junction-eagle.json"
+    ) == [(2, 40, STATE_BELOW)]
     # Near miss: request 1 hit its proof, so it pinned no junction and
     # computed nothing below 96; a shortfall of request 2 from 64 is then
     # owed to no boundary vLLM retains.
@@ -393,7 +393,7 @@ def test_state_below_a_pinned_junction() -> None:
 
 
 def test_fine_grained_replay_loses_the_swa_tail() -> None:
-    path = "corpora/cases/fine-grained-replay-swa-tail-discarded.json"
+    path = "known-issues/fine-grained-replay-swa-tail-discarded.json"
     assert _corpus_labels(path) == [(2, 162, "fine-grained-replay-state-discarded")]
     # Near miss: without the drop vLLM's replay boundary is L - 1 on any grid.
     assert _corpus_labels(path, disable_eagle_block_drop=True) == [(2, 162, None)]
@@ -401,7 +401,7 @@ def test_fine_grained_replay_loses_the_swa_tail() -> None:
 
 def test_state_below_a_periodic_checkpoint_past_the_prompt() -> None:
     # b = 536 lies past the writer's 469-token prompt; 469 = b - A is owed.
-    path = "corpora/cases/mamba-state-below-periodic-past-prompt.json"
+    path = "known-issues/unit-below-retained-state-discarded--periodic-past-prompt.json"
     assert _corpus_labels(path) == [(1, 469, STATE_BELOW)]
     # Near miss: a fallback from the replay boundary 335 itself (a boundary
     # vLLM keeps a state at) is some other mechanism.

@@ -7,6 +7,8 @@ same identities on real runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 from differential.compare import ScenarioResult, VariantResult
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import (
@@ -283,3 +285,32 @@ def test_parallel_jobs_merge_root_causes_by_identity() -> None:
     report = campaign_markdown(merged, {}, Path("out"))
     assert f"| fixed | {SEED_BUG.text.replace('|', chr(92) + '|')} | new | 2 |" in report
     assert f"| unfixed | {SEED_BUG.text.replace('|', chr(92) + '|')} | new | 3 |" in report
+
+
+def test_expectations_judge_comparisons_only_when_both_variants_ran() -> None:
+    from pathlib import Path
+
+    from differential.corpus import CorpusEntry, Expectation, expectation_problems
+
+    unfixed = _run("unfixed", _request(0, 0), _request(1, 16352))
+    fixed = _run("fixed", _request(0, 0), _request(1, 8192))
+    regression = Finding(FindingKind.VARIANT_REGRESSION, "fixed vs unfixed", 1, "")
+    both = _result(unfixed, fixed, regression)
+    entry = CorpusEntry(
+        Path("case.json"),
+        triton(),
+        Expectation(
+            hits={"unfixed": (0, 16352), "fixed": (0, 8192)},
+            findings={"unfixed": (), "fixed": ("variant-regression@1",)},
+        ),
+    )
+    assert expectation_problems(entry, both) == []
+    # Replayed on `fixed` alone there is nothing to compare with: not a
+    # contradiction; a hit that changed still is.
+    alone = ScenarioResult(both.scenario, None, Policy.VLLM, both.results[1:])
+    assert expectation_problems(entry, alone) == []
+    moved = _run("fixed", _request(0, 0), _request(1, 0))
+    alone = ScenarioResult(
+        both.scenario, None, Policy.VLLM, (dataclasses.replace(both.results[1], run=moved),)
+    )
+    assert expectation_problems(entry, alone) == ["fixed: hits [0, 0], expected [0, 8192]"]
