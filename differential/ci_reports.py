@@ -111,6 +111,7 @@ _LEVEL = {
     FindingKind.NEEDLESS_DROP: "warning",
     FindingKind.DENSE_MISMATCH: "warning",
     FindingKind.DESIGN_GAP: "note",
+    FindingKind.ALIGNMENT_BLOWUP: "note",
     FindingKind.EVICTION: "note",
 }
 

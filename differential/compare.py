@@ -30,6 +30,7 @@ from differential.oracle import (
     model_from_settings,
     replay_boundaries,
 )
+from differential.oracle.layout import alignment_blowup
 from differential.scenario import DrafterKind, GroupKind, Scenario
 from differential.variants import FixScope, Variant, VariantRole
 
@@ -454,6 +455,9 @@ def compare_variants(
         elapsed_s = time.perf_counter() - started
         results.append(VariantResult(variant, run, dense_run, refs, findings, elapsed_s))
     comparison: list[Finding] = []
+    blowup = alignment_blowup(scenario)
+    if blowup is not None:
+        comparison.append(blowup)
     costs: list[FixCost] = []
     supported = [r for r in results if r.run.unsupported is None]
     for fixed in supported:

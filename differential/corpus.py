@@ -149,7 +149,9 @@ def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str
     """How a replay of ``entry`` contradicts its ``expect`` block.
 
     Hits are checked for every variant that ran and has recorded hits;
-    findings only under the ``vllm`` policy (the one they are recorded for).
+    findings only under the ``vllm`` policy (the one they are recorded for),
+    per variant and, under the pseudo-variant ``layout``, the layout findings
+    (``alignment-blowup``).
 
     Returns:
         One line per contradiction, naming the variant, the observed and the
@@ -157,6 +159,11 @@ def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str
     """
     expect = entry.expect
     problems: list[str] = []
+    if "layout" in expect.findings and result.policy is Policy.VLLM:
+        # Layout findings (differential.oracle.layout) belong to no variant.
+        got = sorted(finding_tag(f) for f in result.findings if f.owner == "layout")
+        if got != list(expect.findings["layout"]):
+            problems.append(f"layout: findings {got}, expected {list(expect.findings['layout'])}")
     for vr in result.results:
         name = vr.variant.name
         if name in expect.hits and tuple(vr.run.hits) != tuple(expect.hits[name]):

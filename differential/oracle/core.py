@@ -162,6 +162,7 @@ def dense_hit(
     sibling: int,
     writer: int,
     shared_tokens: int,
+    alignment_tokens: int | None = None,
 ) -> int:
     """Hit, in tokens, that a cache keeping every block of ``writer`` gives ``sibling``.
 
@@ -170,17 +171,43 @@ def dense_hit(
     size ``B``, the blocks up to the hit (plus one more under the drop) are
     full blocks the writer cached and whose hashes, including any lookahead
     tokens, match.
+
+    Per group kind: full attention and MLA (``FullAttentionManager``),
+    sliding window and sliding-window MLA (``SlidingWindowManager``) need
+    their proven prefix as above (a dense cache keeps every window). Only the
+    groups that take the EAGLE drop (:attr:`Scenario.drop_group_indices`:
+    the ``is_eagle_group`` groups, or every group under
+    ``KVCacheCoordinator.__init__``'s fallback) need the extra block, and
+    only they leave the re-prefillable tail uncached in a hybrid
+    (``HybridKVCacheCoordinator.get_num_cacheable_tokens``). A chunked-local
+    group of chunk ``C`` needs only the blocks of the chunk the hit ends in
+    (``ChunkedLocalAttentionManager.find_longest_cache_hit`` pads earlier
+    chunks with null blocks): it accepts a hit within its proven prefix or on
+    a chunk boundary, and the hit is the largest multiple of ``A`` every
+    group accepts. ``alignment_tokens`` replaces ``A`` (to price a layout's
+    alignment, :mod:`differential.oracle.layout`).
     """
-    alignment = scenario.effective_hit_alignment_tokens
+    alignment = alignment_tokens or scenario.effective_hit_alignment_tokens
     cached, total = _writer_extent(scenario, model, writer)
     lookahead = model.hash_lookahead_tokens
     limit = scenario.requests[sibling].prompt_tokens - 1
-    for group in scenario.kv_cache_groups:
+    drops = scenario.drop_group_indices if model.drop else frozenset()
+    hybrid = len(scenario.kv_cache_groups) > 1
+    chunked: list[tuple[int, int]] = []  # (proven tokens, chunk tokens)
+    for index, group in enumerate(scenario.kv_cache_groups):
         block = group.block_size_tokens
-        proven = min(shared_tokens - lookahead, cached, total - lookahead)
+        group_cached = total if model.drop and hybrid and index not in drops else cached
+        proven = min(shared_tokens - lookahead, group_cached, total - lookahead)
         proven = max(0, proven) // block * block
-        limit = min(limit, proven - (block if model.drop else 0))
-    return max(0, limit) // alignment * alignment
+        if group.attention_chunk_size_tokens is not None:
+            chunked.append((proven, group.attention_chunk_size_tokens))
+            continue
+        limit = min(limit, proven - (block if index in drops else 0))
+    hit = max(0, limit) // alignment * alignment
+    for proven, chunk in chunked:
+        if hit > proven:
+            hit = max(proven // alignment * alignment, hit // chunk * chunk)
+    return hit
 
 
 def replay_boundaries(scenario: Scenario, model: DrafterModel, writer: int) -> tuple[int, ...]:
