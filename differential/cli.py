@@ -284,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         metavar="KINDS",
         help="comma-separated KV cache group kinds every scenario contains "
-        "(full_attention, sliding_window, mamba; e.g. --groups mamba for Mamba "
+        f"({', '.join(k.value for k in GroupKind)}; e.g. --groups mamba for Mamba "
         "hybrids only; default: any layout)",
     )
     fuzz.add_argument("--quiet", action="store_true", help="no progress display")

@@ -437,12 +437,20 @@ class Scenario:
     @property
     def group_mix(self) -> str:
         """The layout's group mix, e.g. ``mla+3xsliding_window_mla``: kinds in
-        first-seen order with counts, draft groups marked ``draft:``."""
-        counts: dict[str, int] = {}
+        :class:`GroupKind` order (whatever the groups' order) with counts,
+        draft groups marked ``draft:`` after the target groups."""
+        order = {kind: rank for rank, kind in enumerate(GroupKind)}
+        counts: dict[tuple[bool, int, str], int] = {}
         for g in self.kv_cache_groups:
-            key = ("draft:" if g.is_eagle_group else "") + g.kind.value
+            key = (
+                g.is_eagle_group,
+                order[g.kind],
+                ("draft:" if g.is_eagle_group else "") + g.kind.value,
+            )
             counts[key] = counts.get(key, 0) + 1
-        return "+".join(k if n == 1 else f"{n}x{k}" for k, n in counts.items())
+        return "+".join(
+            name if n == 1 else f"{n}x{name}" for (_, _, name), n in sorted(counts.items())
+        )
 
     @property
     def draft_groups(self) -> DraftGroups:
