@@ -31,7 +31,7 @@ from differential.oracle import (
     replay_boundaries,
 )
 from differential.oracle.layout import alignment_blowup
-from differential.scenario import DrafterKind, GroupKind, Scenario
+from differential.scenario import DrafterKind, Scenario
 from differential.variants import FixScope, Variant, VariantRole
 
 __all__ = [
@@ -229,7 +229,7 @@ def compare_pair(
     swa = [
         (gi, g.block_size_tokens, g.sliding_window_tokens or 0)
         for gi, g in enumerate(scenario.kv_cache_groups)
-        if g.kind is GroupKind.SLIDING_WINDOW
+        if g.kind.sliding_window_family
     ]
     divergence = divergence_points(scenario)
     for b, f in zip(base.requests, fixed.requests, strict=False):
@@ -305,7 +305,7 @@ def fix_cost(scenario: Scenario, base: RunObservation, fixed: RunObservation) ->
     swa = [
         (gi, g.sliding_window_tokens or 0)
         for gi, g in enumerate(scenario.kv_cache_groups)
-        if g.kind is GroupKind.SLIDING_WINDOW
+        if g.kind.sliding_window_family
     ]
     extra = [0] * len(swa)
     boundaries = 0

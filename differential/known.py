@@ -21,7 +21,7 @@ from differential.oracle import (
     drafter_model,
     references,
 )
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
 
@@ -128,7 +128,7 @@ def _single_swa_lookahead_index_error(scenario: Scenario, finding: Finding) -> b
     if finding.kind is not FindingKind.CRASH or "IndexError" not in finding.detail:
         return False
     groups = scenario.kv_cache_groups
-    if len(groups) != 1 or groups[0].kind is not GroupKind.SLIDING_WINDOW:
+    if len(groups) != 1 or not groups[0].kind.sliding_window_family:
         return False
     return drafter_model(scenario).hash_lookahead_tokens >= 2 and "get_computed_blocks" in (
         finding.detail

@@ -56,7 +56,7 @@ from differential.compare import ScenarioResult, VariantResult
 from differential.findings import SEVERITY, Finding, FindingKind
 from differential.observation import GroupLookup, RequestObservation, RunObservation
 from differential.oracle import DrafterModel, drafter_model, replay_boundaries
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import Scenario
 
 __all__ = [
     "Boundary",
@@ -252,7 +252,7 @@ def _branch(scenario: Scenario, call: GroupLookup, owed_tokens: int | None = Non
     group = scenario.kv_cache_groups[call.group]
     block = group.block_size_tokens
     drop = 1 if call.drop_eagle_block else 0
-    if group.kind is GroupKind.SLIDING_WINDOW:
+    if group.kind.sliding_window_family:
         window = group.sliding_window_tokens or 1
         need = -(-(window - 1) // block) + drop
         if owed_tokens is None:
