@@ -886,6 +886,7 @@ def _replay(args: argparse.Namespace) -> int:
             notices.append(
                 f"the installed vLLM {VLLM_VERSION} already has part of the seed fix ({part})"
             )
+    notices += [f"{entry.path}: {entry.plan}" for entry in entries if entry.plan]
     results = []
     for index, entry in enumerate(entries, 1):
         # Progress on stderr, one line per scenario, its cost stated before it runs.
