@@ -74,3 +74,12 @@ def test_llama4_chunked_local_and_single_mla() -> None:
     hits, tags, _ = replay("mla-single-group")
     assert hits == {"unfixed": [0, 448, 448], "fixed": [0, 448, 448]}
     assert tags == {"unfixed": [], "fixed": [], "layout": []}
+
+
+def test_small_draft_block_under_multi_module_mtp_over_hits() -> None:
+    # Only the marked draft group (2-token blocks) drops, one block: the hit
+    # (8) keeps draft KV at positions 6 and 7, which read 4 tokens ahead,
+    # past the divergence point 10 (ceiling 10 - 4 = 6).
+    hits, tags, _ = replay("draft-group-multi-module-mtp-small-draft-block")
+    assert hits == {"unfixed": [0, 8], "fixed": [0, 8]}
+    assert tags == {"unfixed": ["over-hit@1"], "fixed": ["over-hit@1"], "layout": []}
