@@ -251,3 +251,30 @@ def test_commensurate_blocks_are_no_blowup() -> None:
     )
     assert alignment_blowup(s) is None
     assert alignment_losses(s) == (0, 0)
+
+
+def test_shrink_steps_keep_chunks_and_draft_marks() -> None:
+    from fuzz.minimize import _scaled, _simplify
+
+    s = scenario(
+        G(K.MLA, 16),
+        G(K.SLIDING_WINDOW, 8, 32),
+        G(K.SLIDING_WINDOW_MLA, 8, 64),
+        G(K.CHUNKED_LOCAL_ATTENTION, 16, attention_chunk_size_tokens=64),
+        G(K.FULL_ATTENTION, 8, is_eagle_group=True),
+        drafter=EAGLE,
+        requests=(RequestSpec(64, 16), RequestSpec(48, 16)),
+    )
+    half = _scaled(s, 1, 2)
+    assert half is not None
+    assert half.kv_cache_groups == (
+        G(K.MLA, 8),
+        G(K.SLIDING_WINDOW, 4, 16),
+        G(K.SLIDING_WINDOW_MLA, 4, 32),
+        G(K.CHUNKED_LOCAL_ATTENTION, 8, attention_chunk_size_tokens=32),
+        G(K.FULL_ATTENTION, 4, is_eagle_group=True),
+    )
+    steps = dict(_simplify(s))
+    one = steps["one sliding-window group"]
+    assert one is not None
+    assert one.group_mix == "sliding_window+mla+chunked_local_attention+draft:full_attention"
