@@ -457,7 +457,7 @@ def compare_variants(
     comparison: list[Finding] = []
     blowup = alignment_blowup(scenario)
     if blowup is not None:
-        comparison.append(blowup)
+        comparison += label_known(scenario, [blowup])
     costs: list[FixCost] = []
     supported = [r for r in results if r.run.unsupported is None]
     for fixed in supported:

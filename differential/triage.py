@@ -56,7 +56,7 @@ from differential.compare import ScenarioResult, VariantResult
 from differential.findings import SEVERITY, Finding, FindingKind
 from differential.observation import GroupLookup, RequestObservation, RunObservation
 from differential.oracle import DrafterModel, drafter_model, replay_boundaries
-from differential.scenario import Scenario
+from differential.scenario import GroupKind, Scenario
 
 __all__ = [
     "Boundary",
@@ -333,7 +333,14 @@ def _shortfall(
     call, passes = binding_lookup(run.requests[request])
     group_kind = branch = ""
     if call is not None and call.group < len(scenario.kv_cache_groups):
-        group_kind = scenario.kv_cache_groups[call.group].kind.value
+        kind = scenario.kv_cache_groups[call.group].kind
+        # One root cause per manager code path: MLA runs on the full-attention
+        # manager, sliding-window MLA on the sliding-window one.
+        if kind.full_attention_family:
+            kind = GroupKind.FULL_ATTENTION
+        elif kind.sliding_window_family:
+            kind = GroupKind.SLIDING_WINDOW
+        group_kind = kind.value
         branch = _branch(scenario, call, finding.expected_tokens)
     else:
         group_kind, branch = "untraced", "-"

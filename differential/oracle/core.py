@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
 from differential.oracle.blocks import check_blocks
-from differential.scenario import DrafterKind, Scenario
+from differential.scenario import DrafterKind, GroupKind, Scenario
 
 __all__ = [
     "DrafterModel",
@@ -256,13 +256,25 @@ def checkpoints(
     ``b`` also promises ``b - A``, for every drafter and protection. Under
     ``retained`` only what vLLM 0.33.0 keeps: ``b - A`` below periodic
     checkpoints (the seed PR) and junctions
-    (``SingleTypeKVCacheManager.cache_blocks``) under the EAGLE drop only.
+    (``SingleTypeKVCacheManager.cache_blocks``) under the EAGLE drop only,
+    and only when a sliding-window or Mamba group takes it (with the
+    drafter's groups marked ``is_eagle_group`` they may not).
     Dense retention (``R`` ``None`` or ``A``) makes every multiple of ``A``
     one. Returns sorted positions; 0 is always included.
     """
     alignment = scenario.effective_hit_alignment_tokens
     retention = scenario.retention_interval_tokens
     one_unit = promise_policy(policy) is Policy.VLLM
+    # vLLM keeps the tail below a periodic checkpoint or a junction in the
+    # groups that drop (SlidingWindowManager.use_eagle): with the drafter's
+    # groups marked is_eagle_group, sliding-window groups may not drop at all.
+    tails = [
+        i
+        for i, g in enumerate(scenario.kv_cache_groups)
+        if g.kind.sliding_window_family or g.kind is GroupKind.MAMBA
+    ]
+    drops = scenario.drop_group_indices
+    tail_drop = model.drop and (not tails or any(i in drops for i in tails))
     points: set[int] = {0}
     if retention is None or retention == alignment:
         points.update(range(0, up_to_tokens + 1, alignment))
@@ -270,14 +282,14 @@ def checkpoints(
     if retention > 0:
         for c in range(retention, up_to_tokens + alignment + 1, retention):
             points.add(c)
-            if model.drop or one_unit:
+            if tail_drop or one_unit:
                 points.add(c - alignment)
     own = set(replay_boundaries(scenario, model, writer))
     if one_unit:
         own.update(max(b - alignment, 0) for b in tuple(own))
     if junction_tokens:
         own.add(junction_tokens)
-        if model.drop or one_unit:
+        if tail_drop or one_unit:
             own.add(junction_tokens - alignment)
     points.update(p for p in own if p >= writer_hit_tokens)
     return tuple(sorted(p for p in points if p <= up_to_tokens))
