@@ -274,7 +274,7 @@ def checkpoints(
         if g.kind.sliding_window_family or g.kind is GroupKind.MAMBA
     ]
     drops = scenario.drop_group_indices
-    tail_drop = model.drop and (not tails or any(i in drops for i in tails))
+    tail_drop = model.drop and all(i in drops for i in tails)
     points: set[int] = {0}
     if retention is None or retention == alignment:
         points.update(range(0, up_to_tokens + 1, alignment))
