@@ -683,17 +683,19 @@ class Scenario:
                     )
         alignment = self.effective_hit_alignment_tokens
         dropping = self.drop_group_indices if self.drop_applies else frozenset()
-        if all(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in self.kv_cache_groups):
-            # vLLM accepts it, but no released model has only local chunks
-            # (Llama-4 interleaves full attention), and such a model may
-            # reuse positions no earlier request shared: the oracle does not
-            # judge it.
+        chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in self.kv_cache_groups)
+        if chunked and not any(g.kind.full_attention_family for g in self.kv_cache_groups):
+            # vLLM accepts it, but no released model has chunked local
+            # attention without full attention (Llama-4 interleaves it), and
+            # without a full-attention bound ChunkedLocalAttentionManager's
+            # null-padded hit reaches positions no earlier request shared
+            # (and inflates the shared-prefix junction vLLM pins): the
+            # oracle does not judge it.
             raise ScenarioError(
                 "kv_cache_groups",
                 self.group_mix,
-                "at least one group that is not chunked_local_attention "
-                "(kvfuzz judges chunked local attention beside other groups, "
-                "as in Llama-4)",
+                "a full_attention or mla group beside chunked_local_attention "
+                "(kvfuzz judges chunked local attention as Llama-4 has it)",
             )
         if self.mamba_groups and (
             mode is DraftGroups.ANNOTATED

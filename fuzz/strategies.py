@@ -134,7 +134,11 @@ def mixed_geometries(
         if win is not None and draw(st.booleans()):
             win = max(1, win // 2)
         groups.append(KVCacheGroup(kind, size, win))
-    if not groups:  # chunked local attention never alone (Llama-4 interleaves)
+    if chunked and not any(g.kind.full_attention_family for g in groups):
+        # Chunked local attention beside full attention, as Llama-4 has it
+        # (``block`` divides every block: the alignment stays).
+        groups.append(KVCacheGroup(GroupKind.FULL_ATTENTION, block))
+    if not groups:
         groups.append(KVCacheGroup(GroupKind.FULL_ATTENTION, full))
     lcm = math.lcm(*(g.block_size_tokens for g in groups))
     for _ in range(chunked):
@@ -184,18 +188,16 @@ def _pin(groups: tuple[KVCacheGroup, ...], kinds: frozenset[GroupKind]) -> tuple
     have = {g.kind for g in groups}
     if kinds <= have:
         return groups
-    if all(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups):
-        groups = (KVCacheGroup(GroupKind.FULL_ATTENTION, groups[0].block_size_tokens), *groups)
     block = math.lcm(*(g.block_size_tokens for g in groups))
+    if GroupKind.CHUNKED_LOCAL_ATTENTION in kinds | have and not any(
+        g.kind.full_attention_family for g in groups
+    ):
+        kinds = kinds | {GroupKind.FULL_ATTENTION}
     added = []
     for kind in sorted(kinds - have - {GroupKind.MAMBA}):
         window = 4 * block if kind.sliding_window_family else None
         chunk = 4 * block if kind is GroupKind.CHUNKED_LOCAL_ATTENTION else None
         added.append(KVCacheGroup(kind, block, window, chunk))
-    if GroupKind.CHUNKED_LOCAL_ATTENTION in kinds - have:
-        # A chunked-local group's block is the hit alignment: keep the others
-        # dividing it (chunked groups already present have it too).
-        pass
     return (*groups, *added)
 
 

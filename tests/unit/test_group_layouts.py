@@ -119,7 +119,7 @@ def test_any_mix_in_any_order() -> None:
             (G(K.CHUNKED_LOCAL_ATTENTION, 16, attention_chunk_size_tokens=64),),
             Drafter(),
             "kv_cache_groups",
-            "not chunked_local_attention",
+            "full_attention or mla group beside",
         ),
         (
             (G(K.FULL_ATTENTION, 16, is_eagle_group=True),),
