@@ -113,6 +113,7 @@ _LEVEL = {
     FindingKind.MODE_MISMATCH: "warning",
     FindingKind.EVICTION_COLLAPSE: "warning",
     FindingKind.DESIGN_GAP: "note",
+    FindingKind.ALIGNMENT_BLOWUP: "note",
     FindingKind.EVICTION: "note",
 }
 

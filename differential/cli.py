@@ -305,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         metavar="KINDS",
         help="comma-separated KV cache group kinds every scenario contains "
-        "(full_attention, sliding_window, mamba; e.g. --groups mamba for Mamba "
+        f"({', '.join(k.value for k in GroupKind)}; e.g. --groups mamba for Mamba "
         "hybrids only; default: any layout)",
     )
     fuzz.add_argument("--quiet", action="store_true", help="no progress display")
@@ -968,6 +968,7 @@ def _replay(args: argparse.Namespace) -> int:
             notices.append(
                 f"the installed vLLM {VLLM_VERSION} already has part of the seed fix ({part})"
             )
+    notices += [f"{entry.path}: {entry.plan}" for entry in entries if entry.plan]
     results = []
     for index, entry in enumerate(entries, 1):
         # Progress on stderr, one line per scenario, its cost stated before it runs.

@@ -39,7 +39,8 @@ from differential.oracle.engine import (
     mode_cross_checkable,
     sequentially_judgeable,
 )
-from differential.scenario import DrafterKind, DriveMode, GroupKind, Scenario
+from differential.oracle.layout import alignment_blowup
+from differential.scenario import DrafterKind, DriveMode, Scenario
 from differential.variants import FixScope, Variant, VariantRole
 
 __all__ = [
@@ -263,7 +264,7 @@ def compare_pair(
     swa = [
         (gi, g.block_size_tokens, g.sliding_window_tokens or 0)
         for gi, g in enumerate(scenario.kv_cache_groups)
-        if g.kind is GroupKind.SLIDING_WINDOW
+        if g.kind.sliding_window_family
     ]
     divergence = divergence_points(scenario)
     for b, f in zip(base.requests, fixed.requests, strict=False):
@@ -341,7 +342,7 @@ def fix_cost(scenario: Scenario, base: RunObservation, fixed: RunObservation) ->
     swa = [
         (gi, g.sliding_window_tokens or 0)
         for gi, g in enumerate(scenario.kv_cache_groups)
-        if g.kind is GroupKind.SLIDING_WINDOW
+        if g.kind.sliding_window_family
     ]
     extra = [0] * len(swa)
     boundaries = 0
@@ -555,6 +556,9 @@ def compare_variants(
             )
         )
     comparison: list[Finding] = []
+    blowup = alignment_blowup(scenario)
+    if blowup is not None:
+        comparison += label_known(scenario, [blowup])
     costs: list[FixCost] = []
     # Runs through the scheduler with evictions, concurrency or answer-sharing
     # turns keep blocks for reasons the fix's claims do not cover: compared

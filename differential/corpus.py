@@ -72,12 +72,16 @@ class CorpusEntry:
         expect: its ``expect`` block (empty when absent).
         signature: the ``finding.signature`` a campaign finding file records
             (``None`` for a plain scenario).
+        plan: for a model-level scenario (a ``model`` instead of
+            ``kv_cache_groups``), the groups and block sizes vLLM's planner
+            chose (:mod:`differential.driver.planner`); empty otherwise.
     """
 
     path: Path
     scenario: Scenario
     expect: Expectation
     signature: str | None = None
+    plan: str = ""
 
 
 def _expectation(raw: object, source: str) -> Expectation:
@@ -128,7 +132,20 @@ def load_entry(path: Path) -> CorpusEntry:
             "UTF-8 text",
             source=source,
         ) from None
-    scenario = Scenario.from_json(text, source=source)
+    plan = ""
+    model_level = _model_level(text)
+    if model_level is not None:
+        # A model description instead of groups: vLLM's planner lays it out
+        # (imports vLLM).
+        from differential.driver.planner import resolve_model_scenario
+
+        try:
+            scenario, layout = resolve_model_scenario(model_level, path.parent)
+        except ScenarioError as exc:
+            raise exc.with_source(source) from None
+        plan = layout.describe()
+    else:
+        scenario = Scenario.from_json(text, source=source)
     data: dict[str, Any] = json.loads(text)  # parsed once already: cannot fail
     expect = _expectation(data.get("expect"), source)
     notes = data.get("notes", "")
@@ -142,7 +159,20 @@ def load_entry(path: Path) -> CorpusEntry:
     signature = (record or {}).get("signature")
     if signature is not None and not isinstance(signature, str):
         raise ScenarioError("finding.signature", signature, "a string", source=source)
-    return CorpusEntry(path, scenario, Expectation(expect.hits, expect.findings, notes), signature)
+    return CorpusEntry(
+        path, scenario, Expectation(expect.hits, expect.findings, notes), signature, plan
+    )
+
+
+def _model_level(text: str) -> dict[str, Any] | None:
+    """The JSON object of a model-level scenario (``model``, no groups), else ``None``."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None  # Scenario.from_json names the problem
+    if isinstance(data, dict) and "model" in data and "kv_cache_groups" not in data:
+        return data
+    return None
 
 
 _COMPARISON_TAGS = (
@@ -156,8 +186,9 @@ def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str
 
     Hits are checked for every variant that ran and has recorded hits;
     findings only under the ``vllm`` policy (the one they are recorded for),
-    and comparisons between variants only when every variant recorded in
-    the block ran.
+    per variant and, under the pseudo-variant ``layout``, the layout findings
+    (``alignment-blowup``); comparisons between variants only when every
+    variant recorded in the block ran.
 
     Returns:
         One line per contradiction, naming the variant, the observed and the
@@ -173,6 +204,11 @@ def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str
     def judged(tags: Sequence[str]) -> list[str]:
         return sorted(t for t in tags if compared or not t.startswith(_COMPARISON_TAGS))
 
+    if "layout" in expect.findings and result.policy is Policy.VLLM:
+        # Layout findings (differential.oracle.layout) belong to no variant.
+        got = sorted(finding_tag(f) for f in result.findings if f.owner == "layout")
+        if got != list(expect.findings["layout"]):
+            problems.append(f"layout: findings {got}, expected {list(expect.findings['layout'])}")
     for vr in result.results:
         name = vr.variant.name
         if name in expect.hits and tuple(vr.run.hits) != tuple(expect.hits[name]):

@@ -213,7 +213,13 @@ def _column_tokens(scenario: Scenario) -> int:
 
 
 def _group_kind_label(group: KVCacheGroup) -> str:
-    return {GroupKind.FULL_ATTENTION: "full", GroupKind.MAMBA: "mamba"}.get(group.kind, "swa")
+    return {
+        GroupKind.FULL_ATTENTION: "full",
+        GroupKind.MAMBA: "mamba",
+        GroupKind.MLA: "mla",
+        GroupKind.SLIDING_WINDOW_MLA: "swmla",
+        GroupKind.CHUNKED_LOCAL_ATTENTION: "chunk",
+    }.get(group.kind, "swa") + ("*" if group.is_eagle_group else "")
 
 
 def _state_cells(exp: Explanation, state_map: str, column: int, width: int) -> str:
@@ -269,6 +275,11 @@ def render_text(exp: Explanation) -> str:
         "█ cached at lookup  · not cached  | periodic checkpoint  e expected checkpoint  "
         "D divergence point"
         + ("  ◆ Mamba state cached (ends in that column)" if scenario.mamba_groups else "")
+        + (
+            "  * draft group (is_eagle_group)"
+            if any(g.is_eagle_group for g in scenario.kv_cache_groups)
+            else ""
+        )
     )
     lines += _block_lines(exp)
     return "\n".join(lines) + "\n"

@@ -208,11 +208,23 @@ def _groups(scenario: Scenario) -> str:
         common = (
             f"block_size={g.block_size_tokens}, num_kv_heads=1, head_size=8, dtype=torch.float16"
         )
-        if g.kind is GroupKind.SLIDING_WINDOW:
+        if g.kind.sliding_window_family:
+            cls = (
+                "SlidingWindowMLASpec"
+                if g.kind is GroupKind.SLIDING_WINDOW_MLA
+                else ("SlidingWindowSpec")
+            )
             spec = (
-                f"SlidingWindowSpec({common}, sliding_window={g.sliding_window_tokens}, "
+                f"{cls}({common}, sliding_window={g.sliding_window_tokens}, "
                 "extra_retained_tokens=extra_retained)"
             )
+        elif g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
+            spec = (
+                f"ChunkedLocalAttentionSpec({common}, "
+                f"attention_chunk_size={g.attention_chunk_size_tokens})"
+            )
+        elif g.kind is GroupKind.MLA:
+            spec = f"MLAAttentionSpec({common})"
         elif g.kind is GroupKind.MAMBA:
             spec = (
                 f"MambaSpec(block_size={g.block_size_tokens}, shapes=((8,),), "
@@ -221,8 +233,9 @@ def _groups(scenario: Scenario) -> str:
             )
         else:
             spec = f"FullAttentionSpec({common})"
+        eagle = ", is_eagle_group=True" if g.is_eagle_group else ""
         lines.append(
-            f'        KVCacheGroupSpec(layer_names=["layer.{index}"], kv_cache_spec={spec}),'
+            f'        KVCacheGroupSpec(layer_names=["layer.{index}"], kv_cache_spec={spec}{eagle}),'
         )
     return "\n".join(lines)
 
@@ -242,7 +255,7 @@ def _wrong_kv_check(scenario: Scenario, request: int) -> tuple[str, str]:
         f"    assert block_counts[{request}] == [{counts}], (hits, block_counts)",
     ]
     for gid, g in enumerate(scenario.kv_cache_groups):
-        if g.kind is GroupKind.SLIDING_WINDOW:
+        if g.kind.sliding_window_family:
             window, size = g.sliding_window_tokens, g.block_size_tokens
             first = f"max(0, hits[{request}] - {window} + 1) // {size}"
             lines.append(
@@ -366,6 +379,23 @@ def export_test(
         decode_steps=scenario.decode_steps,
         assertion=check,
     )
+    extra = sorted(
+        {
+            GroupKind.MLA: "MLAAttentionSpec",
+            GroupKind.SLIDING_WINDOW_MLA: "SlidingWindowMLASpec",
+            GroupKind.CHUNKED_LOCAL_ATTENTION: "ChunkedLocalAttentionSpec",
+        }[g.kind]
+        for g in scenario.kv_cache_groups
+        if g.kind
+        in (GroupKind.MLA, GroupKind.SLIDING_WINDOW_MLA, GroupKind.CHUNKED_LOCAL_ATTENTION)
+    )
+    if extra:  # the spec classes of the newer group kinds, imported when used
+        names = "".join(f"    {n},\n" for n in dict.fromkeys(extra))
+        source = source.replace(
+            "from vllm.v1.kv_cache_interface import (\n",
+            "from vllm.v1.kv_cache_interface import (\n" + names,
+            1,
+        )
     return _with_mamba_steps(source, scenario) if scenario.mamba_groups else source
 
 

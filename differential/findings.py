@@ -88,6 +88,11 @@ class FindingKind(StrEnum):
     DESIGN_GAP = "design-gap"
     """(``ideal`` policy only) a hit below the dense reference that ``vllm``
     accepts."""
+    ALIGNMENT_BLOWUP = "alignment-blowup"
+    """The layout costs hits by construction: the hit alignment (the LCM of
+    block sizes that do not divide one another) exceeds the largest group
+    block size (vLLM PR #52804). Reported once per scenario, as variant
+    ``layout`` (:mod:`differential.oracle.layout`)."""
     EVICTION = "eviction"
     """Cached blocks were evicted, so the run cannot be judged."""
 

@@ -23,7 +23,7 @@ from differential.oracle import (
     replay_boundaries,
     state,
 )
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
 
@@ -130,7 +130,7 @@ def _single_swa_lookahead_index_error(scenario: Scenario, finding: Finding) -> b
     if finding.kind is not FindingKind.CRASH or "IndexError" not in finding.detail:
         return False
     groups = scenario.kv_cache_groups
-    if len(groups) != 1 or groups[0].kind is not GroupKind.SLIDING_WINDOW:
+    if len(groups) != 1 or not groups[0].kind.sliding_window_family:
         return False
     return drafter_model(scenario).hash_lookahead_tokens >= 2 and "get_computed_blocks" in (
         finding.detail
@@ -306,6 +306,29 @@ def _window_one_spiral(scenario: Scenario, finding: Finding) -> bool:
     return len(scenario.kv_cache_groups) >= 3 and 1 in windows
 
 
+def _alignment_blowup(scenario: Scenario, finding: Finding) -> bool:
+    """The layout's hit alignment exceeds every group block size."""
+    return finding.kind is FindingKind.ALIGNMENT_BLOWUP
+
+
+def _draft_drop_shorter_than_lookahead(scenario: Scenario, finding: Finding) -> bool:
+    """An over-hit under multi-module MTP with the drafter's groups marked
+    ``is_eagle_group``, every dropping group's block smaller than the
+    drafter's reach: the one dropped block does not cover the positions whose
+    draft KV read tokens past the divergence point."""
+    if finding.kind is not FindingKind.OVER_HIT:
+        return False
+    if scenario.draft_groups.value != "annotated":
+        return False
+    model = drafter_model(scenario)
+    if not model.drop:
+        return False
+    groups = scenario.kv_cache_groups
+    return all(
+        groups[i].block_size_tokens < model.dependency_tokens for i in scenario.drop_group_indices
+    )
+
+
 @dataclass(frozen=True)
 class KnownIssue:
     """A documented vLLM behaviour that kvfuzz reports as a finding.
@@ -329,6 +352,41 @@ class KnownIssue:
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        name="alignment-lcm-blowup",
+        summary=(
+            "Group block sizes that do not divide one another make the hit "
+            "alignment, their LCM, exceed every block, so every hit is rounded "
+            "down to it: a drafter KV block of 3456 tokens beside a target block "
+            "of 1536 aligns hits to 13824 tokens, about 7K tokens lost per request "
+            "(vLLM PR #52804). A property of the block sizes vLLM's planner chose, "
+            "not of the managers."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_utils.py resolve_kv_cache_block_sizes with "
+        "vllm/v1/core/kv_cache_coordinator.py HybridKVCacheCoordinator._cache_hit_alignment_tokens",
+        example="known-issues/alignment-blowup-1536-3456.json",
+        matches=_alignment_blowup,
+    ),
+    KnownIssue(
+        name="draft-group-drop-shorter-than-lookahead",
+        summary=(
+            "Multi-module MTP reads num_speculative_tokens ahead, and "
+            "KVCacheCoordinator.__init__ only checks scheduler_block_size >= "
+            "num_speculative_tokens, assuming a whole scheduler block is dropped. "
+            "With the drafter's layers in their own group, marked is_eagle_group, "
+            "only that group drops, one of its blocks: when that block is smaller "
+            "than the drafter's reach, the hit keeps draft KV that read tokens "
+            "past the divergence point (full 4 + sliding window 2 + a draft group "
+            "of 2-token blocks, 4 speculative tokens: a sibling sharing 10 tokens "
+            "hits 8 where at most 6 may be reused). Found by kvfuzz; under the "
+            "fallback (no group marked) the 4-token full-attention block drops and "
+            "the hit is 4."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py KVCacheCoordinator.__init__ "
+        "(eagle_group_ids) with HybridKVCacheCoordinator.find_longest_cache_hit",
+        example="known-issues/draft-group-multi-module-mtp-small-draft-block.json",
+        matches=_draft_drop_shorter_than_lookahead,
+    ),
     KnownIssue(
         name="fine-grained-replay-state-discarded",
         summary=(

@@ -29,6 +29,7 @@ from differential.errors import ScenarioError
 __all__ = [
     "SCENARIO_FORMAT",
     "SCENARIO_VERSION",
+    "DraftGroups",
     "Drafter",
     "DrafterKind",
     "DriveMode",
@@ -62,6 +63,54 @@ class GroupKind(StrEnum):
     #: mode with prefix caching (vllm/config/cache.py). One block holds one
     #: state: the recurrent state after exactly the tokens up to its end.
     MAMBA = "mamba"
+    #: Multi-head latent attention (DeepSeek-V2/V3/V4): vLLM's
+    #: ``MLAAttentionSpec``, a ``FullAttentionSpec`` subclass driven by
+    #: ``FullAttentionManager`` (vllm/v1/core/single_type_kv_cache_manager.py
+    #: registers it so); for hits it behaves exactly like full attention.
+    MLA = "mla"
+    #: Sliding-window MLA (DeepSeek-V4's compressed local layers): vLLM's
+    #: ``SlidingWindowMLASpec``, a ``SlidingWindowSpec`` subclass driven by
+    #: ``SlidingWindowManager``; for hits it behaves like a sliding window.
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    #: Chunked local attention (Llama-4's ``attention_chunk_size`` layers):
+    #: vLLM's ``ChunkedLocalAttentionSpec`` driven by
+    #: ``ChunkedLocalAttentionManager``: a token attends only to the tokens of
+    #: its own chunk, so blocks of earlier chunks are never needed for a hit.
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+
+    @property
+    def full_attention_family(self) -> bool:
+        """Driven by vLLM's ``FullAttentionManager`` (full attention, MLA)."""
+        return self in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
+
+    @property
+    def sliding_window_family(self) -> bool:
+        """Driven by vLLM's ``SlidingWindowManager`` (sliding window, SW-MLA)."""
+        return self in (GroupKind.SLIDING_WINDOW, GroupKind.SLIDING_WINDOW_MLA)
+
+
+class DraftGroups(StrEnum):
+    """Which KV cache groups take the EAGLE block drop, and why.
+
+    ``NONE``: the scenario's drafter never drops (no drafter, or one whose
+    draft KV does not read the next token). ``ANNOTATED``: some groups are
+    marked ``is_eagle_group`` as vLLM's planner marks the drafter's own KV
+    groups (vllm/v1/core/kv_cache_planning.py), and only they (and groups
+    sharing their spec, batched together by
+    ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups``) drop.
+    ``FALLBACK``: no group is marked, so ``KVCacheCoordinator.__init__``
+    conservatively flags every group (vllm/v1/core/kv_cache_coordinator.py).
+    """
+
+    NONE = "none"
+    ANNOTATED = "annotated"
+    FALLBACK = "fallback"
+
+
+# Drafters whose draft KV reads the next token(s): vLLM
+# SpeculativeConfig.needs_eagle_block_drop (use_eagle and not DFlash/DSpark);
+# Gemma-4 MTP counts as stock vLLM 0.33.0 drops for it.
+_DROPPING_DRAFTERS = frozenset({"eagle", "eagle3", "mtp", "multi_module_mtp", "gemma4_mtp"})
 
 
 class MambaPrefill(StrEnum):
@@ -112,21 +161,31 @@ class KVCacheGroup:
     """One KV cache group: layers sharing a spec (vLLM ``KVCacheGroupSpec``).
 
     Attributes:
-        kind: full attention, sliding window or Mamba.
+        kind: the attention type (:class:`GroupKind`).
         block_size_tokens: the group's block size, in tokens (for a Mamba
             group vLLM's ``mamba_block_size``: one state per block).
         sliding_window_tokens: the attention window in tokens (sliding-window
-            groups only; ``None`` for full attention and Mamba).
+            and sliding-window MLA groups only; ``None`` otherwise).
+        attention_chunk_size_tokens: the attention chunk in tokens (chunked
+            local attention only, vLLM's ``attention_chunk_size``; ``None``
+            otherwise). Written to JSON only when set.
+        is_eagle_group: the group holds the drafter's own layers and takes the
+            EAGLE block drop, as vLLM's planner sets
+            ``KVCacheGroupSpec.is_eagle_group``. Written to JSON only when true.
     """
 
     kind: GroupKind
     block_size_tokens: int
     sliding_window_tokens: int | None = None
+    attention_chunk_size_tokens: int | None = None
+    is_eagle_group: bool = False
 
     def validate(self, where: str) -> None:
         """Raise :class:`ScenarioError` naming ``where`` if the group is invalid."""
+        if not isinstance(self.kind, GroupKind):
+            raise ScenarioError(f"{where}.kind", self.kind, _allowed_enum(GroupKind))
         _require_int(self.block_size_tokens, f"{where}.block_size_tokens", minimum=1)
-        if self.kind is GroupKind.SLIDING_WINDOW:
+        if self.kind.sliding_window_family:
             _require_int(self.sliding_window_tokens, f"{where}.sliding_window_tokens", minimum=1)
         elif self.sliding_window_tokens is not None:
             raise ScenarioError(
@@ -134,6 +193,43 @@ class KVCacheGroup:
                 self.sliding_window_tokens,
                 f"null for a {self.kind.value} group",
             )
+        if self.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
+            _require_int(
+                self.attention_chunk_size_tokens,
+                f"{where}.attention_chunk_size_tokens",
+                minimum=1,
+            )
+        elif self.attention_chunk_size_tokens is not None:
+            raise ScenarioError(
+                f"{where}.attention_chunk_size_tokens",
+                self.attention_chunk_size_tokens,
+                f"null for a {self.kind.value} group",
+            )
+        if not isinstance(self.is_eagle_group, bool):
+            raise ScenarioError(f"{where}.is_eagle_group", self.is_eagle_group, "true or false")
+        if self.is_eagle_group and self.kind is GroupKind.MAMBA:
+            # HybridKVCacheCoordinator.find_longest_cache_hit: draft models
+            # have no Mamba layers (the Mamba finder never drops).
+            raise ScenarioError(
+                f"{where}.is_eagle_group",
+                True,
+                "false for a mamba group (a drafter has no Mamba layers)",
+            )
+
+    @property
+    def spec_key(self) -> tuple[object, ...]:
+        """What makes two groups' vLLM specs equal (kind, block, window, chunk).
+
+        ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` looks up
+        groups of equal spec together and decides the EAGLE drop for all of
+        them at once.
+        """
+        return (
+            self.kind,
+            self.block_size_tokens,
+            self.sliding_window_tokens,
+            self.attention_chunk_size_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -308,10 +404,13 @@ class Scenario:
     """A complete, reproducible prefix-caching experiment.
 
     Attributes:
-        kv_cache_groups: one full-attention group and zero or more
-            sliding-window and Mamba groups, or a single group of any kind
-            (vLLM's ``UnitaryKVCacheCoordinator``). Mamba groups share one
-            block size, the scheduler block size (see :meth:`_validate`).
+        kv_cache_groups: any mix of group kinds in any order, each with its
+            own block size: one group runs on vLLM's
+            ``UnitaryKVCacheCoordinator``, several on the
+            ``HybridKVCacheCoordinator``. Mamba groups share one block size,
+            the scheduler block size; a chunked-local group's block is the hit
+            alignment and never takes the EAGLE drop; ``is_eagle_group`` needs
+            a dropping drafter (see :meth:`_validate_draft_groups`).
         requests: the requests, run in order; each is prefilled, decoded for
             ``decode_steps`` tokens and freed before the next starts.
         shared_prefix_tokens: length of the common prefix requests copy from.
@@ -394,8 +493,9 @@ class Scenario:
         As ``vllm/v1/core/kv_cache_utils.py`` ``partial_hash_hits_enabled``
         decides for ``HybridKVCacheCoordinator``: some Mamba group (align
         mode) has a block larger than the hash block, and every other group
-        either supports fine-grained lookup (full attention, Mamba) or has a
-        block equal to the hash block (a sliding-window group). A single
+        either supports fine-grained lookup (full attention, MLA, Mamba:
+        ``supports_fine_grained_hash_lookup``) or has a block equal to the hash
+        block (sliding window, sliding-window MLA, chunked local attention). A single
         group runs on ``UnitaryKVCacheCoordinator``, which never does.
         """
         if len(self.kv_cache_groups) < 2:
@@ -407,7 +507,9 @@ class Scenario:
         ):
             return False
         return all(
-            g.kind is not GroupKind.SLIDING_WINDOW or g.block_size_tokens == hash_block
+            g.kind.full_attention_family
+            or g.kind is GroupKind.MAMBA
+            or g.block_size_tokens == hash_block
             for g in self.kv_cache_groups
         )
 
@@ -427,13 +529,85 @@ class Scenario:
 
     @property
     def full_attention_group(self) -> KVCacheGroup:
-        """The single full-attention group."""
-        return next(g for g in self.kv_cache_groups if g.kind is GroupKind.FULL_ATTENTION)
+        """The first full-attention-family group (full attention or MLA).
+
+        Raises:
+            StopIteration: the model has none.
+        """
+        return next(g for g in self.kv_cache_groups if g.kind.full_attention_family)
 
     @property
     def sliding_window_groups(self) -> tuple[KVCacheGroup, ...]:
-        """The sliding-window groups, in order."""
-        return tuple(g for g in self.kv_cache_groups if g.kind is GroupKind.SLIDING_WINDOW)
+        """The sliding-window-family groups (sliding window, sliding-window
+        MLA: both run on ``SlidingWindowManager``), in order."""
+        return tuple(g for g in self.kv_cache_groups if g.kind.sliding_window_family)
+
+    @property
+    def group_mix(self) -> str:
+        """The layout's group mix, e.g. ``mla+3xsliding_window_mla``: kinds in
+        :class:`GroupKind` order (whatever the groups' order) with counts,
+        draft groups marked ``draft:`` after the target groups."""
+        order = {kind: rank for rank, kind in enumerate(GroupKind)}
+        counts: dict[tuple[bool, int, str], int] = {}
+        for g in self.kv_cache_groups:
+            key = (
+                g.is_eagle_group,
+                order[g.kind],
+                ("draft:" if g.is_eagle_group else "") + g.kind.value,
+            )
+            counts[key] = counts.get(key, 0) + 1
+        return "+".join(
+            name if n == 1 else f"{n}x{name}" for (_, _, name), n in sorted(counts.items())
+        )
+
+    @property
+    def draft_groups(self) -> DraftGroups:
+        """Which groups the EAGLE block drop applies to (:class:`DraftGroups`).
+
+        ``NONE`` when the drafter never asks for the drop
+        (``SpeculativeConfig.use_eagle_block_drop`` in stock vLLM 0.33.0:
+        EAGLE, EAGLE3, MTP, multi-module and Gemma-4 MTP, unless
+        ``disable_eagle_block_drop``); else ``ANNOTATED`` when some group is
+        marked ``is_eagle_group``, ``FALLBACK`` otherwise. Lookahead block
+        hashes may still clear the drop at run time (``Scheduler.__init__``).
+        """
+        if (
+            self.drafter.kind.value not in _DROPPING_DRAFTERS
+            or self.disable_eagle_block_drop is True
+        ):
+            return DraftGroups.NONE
+        if any(g.is_eagle_group for g in self.kv_cache_groups):
+            return DraftGroups.ANNOTATED
+        return DraftGroups.FALLBACK
+
+    @property
+    def drop_group_indices(self) -> frozenset[int]:
+        """Indices of the groups that take the EAGLE drop when the manager
+        drops (``KVCacheCoordinator.eagle_group_ids``).
+
+        Annotated: the ``is_eagle_group`` groups and, with several groups,
+        every group whose spec equals one of theirs
+        (``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` decides
+        the drop per spec). Fallback: every group. None: no group.
+        """
+        mode = self.draft_groups
+        if mode is DraftGroups.NONE:
+            return frozenset()
+        groups = self.kv_cache_groups
+        if mode is DraftGroups.FALLBACK:
+            return frozenset(range(len(groups)))
+        keys = {g.spec_key for g in groups if g.is_eagle_group}
+        return frozenset(i for i, g in enumerate(groups) if g.spec_key in keys)
+
+    @property
+    def drop_applies(self) -> bool:
+        """Whether stock vLLM 0.33.0 runs with the EAGLE drop on: a dropping
+        drafter (:attr:`draft_groups` not ``NONE``) and lookahead block hashes
+        off (disabled, or a KV connector configured;
+        ``VllmConfig.num_hash_lookahead_tokens``)."""
+        return self.draft_groups is not DraftGroups.NONE and (
+            self.disable_lookahead_block_hashes is True or self.kv_connector is True
+        )
 
     @cached_property
     def prompts(self) -> tuple[tuple[int, ...], ...]:
@@ -482,15 +656,9 @@ class Scenario:
             )
         for i, group in enumerate(self.kv_cache_groups):
             group.validate(f"kv_cache_groups[{i}]")
-        n_full = sum(g.kind is GroupKind.FULL_ATTENTION for g in self.kv_cache_groups)
-        if n_full != 1 and len(self.kv_cache_groups) > 1:
-            # One group of any kind runs on vLLM's UnitaryKVCacheCoordinator.
-            raise ScenarioError(
-                "kv_cache_groups",
-                [g.kind.value for g in self.kv_cache_groups],
-                "a single group of any kind, or exactly one full_attention group "
-                "plus any number of sliding_window and mamba groups",
-            )
+        # Any mix of kinds, in any order, is accepted: one group runs on
+        # vLLM's UnitaryKVCacheCoordinator, several on the
+        # HybridKVCacheCoordinator (which needs no full-attention group).
         sbs = self.scheduler_block_size_tokens
         self._validate_mamba(sbs)
         if self.hash_block_size_tokens is not None:
@@ -540,6 +708,7 @@ class Scenario:
                     "(retention only applies to sliding-window and Mamba groups)",
                 )
         self.drafter.validate()
+        self._validate_draft_groups()
         if (
             self.drafter.kind is DrafterKind.MULTI_MODULE_MTP
             and sbs < self.drafter.num_speculative_tokens
@@ -668,6 +837,91 @@ class Scenario:
                 "(the manager-level driver runs one request at a time, without drafts)",
             )
 
+    def _validate_draft_groups(self) -> None:
+        """What vLLM accepts for draft groups and chunked local attention.
+
+        Refused: ``is_eagle_group`` without a drafter that asks for the EAGLE
+        drop (vLLM's planner, ``get_global_kv_cache_groups`` in
+        vllm/v1/core/kv_cache_planning.py, marks draft groups only when
+        ``SpeculativeConfig.use_eagle_block_drop()``); a chunked-local group
+        that would take the drop, or whose block size is not the hit
+        alignment (``ChunkedLocalAttentionManager.find_longest_cache_hit``
+        asserts both: "eagle + chunked local attention" is unsupported and
+        groups of different block sizes are "not compatible with chunked
+        local attention").
+        """
+        mode = self.draft_groups
+        if mode is DraftGroups.NONE:
+            for i, g in enumerate(self.kv_cache_groups):
+                if g.is_eagle_group:
+                    raise ScenarioError(
+                        f"kv_cache_groups[{i}].is_eagle_group",
+                        True,
+                        "false unless the drafter takes the EAGLE block drop "
+                        f"(drafter.kind one of {sorted(_DROPPING_DRAFTERS)} and "
+                        "disable_eagle_block_drop false)",
+                    )
+        alignment = self.effective_hit_alignment_tokens
+        dropping = self.drop_group_indices if self.drop_applies else frozenset()
+        chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in self.kv_cache_groups)
+        if chunked and not any(g.kind.full_attention_family for g in self.kv_cache_groups):
+            # vLLM accepts it, but no released model has chunked local
+            # attention without full attention (Llama-4 interleaves it), and
+            # without a full-attention bound ChunkedLocalAttentionManager's
+            # null-padded hit reaches positions no earlier request shared
+            # (and inflates the shared-prefix junction vLLM pins): the
+            # oracle does not judge it.
+            raise ScenarioError(
+                "kv_cache_groups",
+                self.group_mix,
+                "a full_attention or mla group beside chunked_local_attention "
+                "(kvfuzz judges chunked local attention as Llama-4 has it)",
+            )
+        if self.mamba_groups and (
+            mode is DraftGroups.ANNOTATED
+            or any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in self.kv_cache_groups)
+        ):
+            # kvfuzz's own restriction: the state-group oracle
+            # (differential/oracle/state.py) models the drop on every
+            # attention group and no chunked local attention.
+            raise ScenarioError(
+                "kv_cache_groups",
+                self.group_mix,
+                "no is_eagle_group and no chunked_local_attention group beside "
+                "mamba groups (kvfuzz's state-group oracle does not judge them yet)",
+            )
+        for i, g in enumerate(self.kv_cache_groups):
+            if g.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION:
+                continue
+            chunk = g.attention_chunk_size_tokens
+            assert chunk is not None
+            if chunk % g.block_size_tokens:
+                # kvfuzz's own restriction (every released chunk size, e.g.
+                # Llama-4's 8192, is a multiple of the block size): the
+                # oracle's chunk rule assumes chunks start on a block.
+                raise ScenarioError(
+                    f"kv_cache_groups[{i}].attention_chunk_size_tokens",
+                    chunk,
+                    f"a multiple of the group's block size {g.block_size_tokens}",
+                )
+            if g.block_size_tokens != alignment:
+                raise ScenarioError(
+                    f"kv_cache_groups[{i}].block_size_tokens",
+                    g.block_size_tokens,
+                    f"the hit alignment {alignment} for a chunked_local_attention group "
+                    "(vLLM's ChunkedLocalAttentionManager needs every group's block size "
+                    "to divide it)",
+                )
+            if i in dropping:
+                raise ScenarioError(
+                    "kv_cache_groups",
+                    self.group_mix,
+                    "no chunked_local_attention group taking the EAGLE block drop "
+                    "(vLLM does not support EAGLE with chunked local attention): mark "
+                    "the drafter's groups is_eagle_group, turn on lookahead block "
+                    "hashes, or use a drafter that does not drop",
+                )
+
     def _validate_mamba(self, scheduler_block_tokens: int) -> None:
         """What vLLM accepts for Mamba groups (prefix caching on, align mode).
 
@@ -717,14 +971,7 @@ class Scenario:
             "version": SCENARIO_VERSION,
             "name": self.name,
             "description": self.description,
-            "kv_cache_groups": [
-                {
-                    "kind": g.kind.value,
-                    "block_size_tokens": g.block_size_tokens,
-                    "sliding_window_tokens": g.sliding_window_tokens,
-                }
-                for g in self.kv_cache_groups
-            ],
+            "kv_cache_groups": [_group_dict(g) for g in self.kv_cache_groups],
             "hash_block_size_tokens": self.hash_block_size_tokens,
             "hit_alignment_tokens": self.hit_alignment_tokens,
             "retention_interval_tokens": self.retention_interval_tokens,
@@ -916,13 +1163,41 @@ def _string(value: object, where: str) -> str:
     return value
 
 
+_GROUP_KEYS = frozenset(
+    {
+        "kind",
+        "block_size_tokens",
+        "sliding_window_tokens",
+        "attention_chunk_size_tokens",
+        "is_eagle_group",
+    }
+)
+
+
+def _group_dict(g: KVCacheGroup) -> dict[str, Any]:
+    """A group's JSON form; the chunk size and the draft mark only when set,
+    so files written before those fields existed stay byte-identical."""
+    data: dict[str, Any] = {
+        "kind": g.kind.value,
+        "block_size_tokens": g.block_size_tokens,
+        "sliding_window_tokens": g.sliding_window_tokens,
+    }
+    if g.attention_chunk_size_tokens is not None:
+        data["attention_chunk_size_tokens"] = g.attention_chunk_size_tokens
+    if g.is_eagle_group:
+        data["is_eagle_group"] = True
+    return data
+
+
 def _group_from(raw: object, where: str) -> KVCacheGroup:
     obj = _expect_mapping(raw, where)
-    _reject_unknown(obj, {"kind", "block_size_tokens", "sliding_window_tokens"}, f"{where}.")
+    _reject_unknown(obj, _GROUP_KEYS, f"{where}.")
     return KVCacheGroup(
         kind=_enum(GroupKind, _required(obj, "kind", f"{where}."), f"{where}.kind"),
         block_size_tokens=_required(obj, "block_size_tokens", f"{where}."),
         sliding_window_tokens=obj.get("sliding_window_tokens"),
+        attention_chunk_size_tokens=obj.get("attention_chunk_size_tokens"),
+        is_eagle_group=obj.get("is_eagle_group", False),
     )
 
 

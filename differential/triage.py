@@ -252,7 +252,7 @@ def _branch(scenario: Scenario, call: GroupLookup, owed_tokens: int | None = Non
     group = scenario.kv_cache_groups[call.group]
     block = group.block_size_tokens
     drop = 1 if call.drop_eagle_block else 0
-    if group.kind is GroupKind.SLIDING_WINDOW:
+    if group.kind.sliding_window_family:
         window = group.sliding_window_tokens or 1
         need = -(-(window - 1) // block) + drop
         if owed_tokens is None:
@@ -333,7 +333,14 @@ def _shortfall(
     call, passes = binding_lookup(run.requests[request])
     group_kind = branch = ""
     if call is not None and call.group < len(scenario.kv_cache_groups):
-        group_kind = scenario.kv_cache_groups[call.group].kind.value
+        kind = scenario.kv_cache_groups[call.group].kind
+        # One root cause per manager code path: MLA runs on the full-attention
+        # manager, sliding-window MLA on the sliding-window one.
+        if kind.full_attention_family:
+            kind = GroupKind.FULL_ATTENTION
+        elif kind.sliding_window_family:
+            kind = GroupKind.SLIDING_WINDOW
+        group_kind = kind.value
         branch = _branch(scenario, call, finding.expected_tokens)
     else:
         group_kind, branch = "untraced", "-"

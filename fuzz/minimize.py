@@ -37,8 +37,6 @@ from differential.findings import FindingKind, Policy
 from differential.scenario import (
     Drafter,
     DrafterKind,
-    GroupKind,
-    KVCacheGroup,
     Scenario,
 )
 from differential.variants import Variant
@@ -129,7 +127,14 @@ def _simplify(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         )
     swa = s.sliding_window_groups
     if len(swa) > 1:
-        groups = (s.full_attention_group, swa[0])
+        # Keep every other group (and the order); drop all sliding-window
+        # groups but the first.
+        first = next(i for i, g in enumerate(s.kv_cache_groups) if g.kind.sliding_window_family)
+        groups = tuple(
+            g
+            for i, g in enumerate(s.kv_cache_groups)
+            if i == first or not g.kind.sliding_window_family
+        )
         yield "one sliding-window group", _replace(s, kv_cache_groups=groups)
     minimum = 2 if s.drafter.kind is DrafterKind.MULTI_MODULE_MTP else 1
     if s.drafter.num_speculative_tokens > minimum:
@@ -154,7 +159,15 @@ def _scaled(s: Scenario, num: int, den: int) -> Scenario | None:
         if g.block_size_tokens * num % den:
             return None
         window = None if g.sliding_window_tokens is None else max(2, f(g.sliding_window_tokens))
-        groups.append(KVCacheGroup(g.kind, f(g.block_size_tokens), window))
+        chunk = g.attention_chunk_size_tokens
+        groups.append(
+            dataclasses.replace(
+                g,
+                block_size_tokens=f(g.block_size_tokens),
+                sliding_window_tokens=window,
+                attention_chunk_size_tokens=None if chunk is None else f(chunk),
+            )
+        )
     requests = tuple(
         dataclasses.replace(
             r, divergence_tokens=f(r.divergence_tokens), suffix_tokens=f(r.suffix_tokens)
@@ -190,13 +203,13 @@ def _scale_down(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
 def _with_window(s: Scenario, index: int, window: int) -> Scenario | None:
     groups = list(s.kv_cache_groups)
     g = groups[index]
-    groups[index] = KVCacheGroup(g.kind, g.block_size_tokens, window)
+    groups[index] = dataclasses.replace(g, sliding_window_tokens=window)
     return _replace(s, kv_cache_groups=tuple(groups))
 
 
 def _windows(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
     for index, g in enumerate(s.kv_cache_groups):
-        if g.kind is not GroupKind.SLIDING_WINDOW or g.sliding_window_tokens is None:
+        if not g.kind.sliding_window_family or g.sliding_window_tokens is None:
             continue
         window, block = g.sliding_window_tokens, g.block_size_tokens
         # Windows stay >= 2 tokens: a 1-token window is degenerate (and has a

@@ -262,6 +262,8 @@ def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: P
         name, _, value = key.partition(":")
         groups[name].append((value, count))
     for name, values in groups.items():
+        if name == "group-mix":
+            lines += [f"{len(values)} distinct group mixes.", ""]
         lines += [f"| {name} | scenarios |", "| --- | --- |"]
         lines += [f"| {value} | {count} |" for value, count in sorted(values)]
         lines.append("")

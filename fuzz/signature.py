@@ -129,7 +129,10 @@ def _geometry_class(scenario: Scenario) -> str:
 
 
 def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
-    """The scenario-space classes a scenario covers, as ``class:value`` keys."""
+    """The scenario-space classes a scenario covers, as ``class:value`` keys
+    (``group-mix``: :attr:`Scenario.group_mix`; ``draft-groups``: whether the
+    EAGLE drop is annotated, falls back to every group, or never applies,
+    :attr:`Scenario.draft_groups`)."""
     model = drafter_model(scenario)
     protection = "drop" if model.drop else ("lookahead" if model.hash_lookahead_tokens else "none")
     return (
@@ -138,4 +141,6 @@ def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
         f"retention:{_retention_class(scenario)}",
         f"geometry:{_geometry_class(scenario)}",
         f"swa-groups:{len(scenario.sliding_window_groups)}",
+        f"group-mix:{scenario.group_mix}",
+        f"draft-groups:{scenario.draft_groups.value}",
     )

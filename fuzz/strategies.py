@@ -65,7 +65,8 @@ _DRAFTERS = (
 def geometries(draw: st.DrawFn, scale: Scale) -> tuple[KVCacheGroup, ...]:
     """KV cache groups: one full-attention group and one or two SWA groups,
     or a single group (full attention or sliding window alone: vLLM's
-    ``UnitaryKVCacheCoordinator``).
+    ``UnitaryKVCacheCoordinator``), or, two times in seven, any other mix
+    (:func:`mixed_geometries`).
 
     Covers equal and unequal full / SWA block sizes and hit alignments larger
     than the SWA block.
@@ -82,7 +83,9 @@ def geometries(draw: st.DrawFn, scale: Scale) -> tuple[KVCacheGroup, ...]:
         swa = draw(st.sampled_from((16, 64)))
         full = swa * draw(st.sampled_from((1, 2)))
         window = draw(st.sampled_from((512, 1024)))
-    layout = draw(st.integers(0, 9))
+    layout = draw(st.integers(0, 13))
+    if layout >= 10:  # any other mix vLLM accepts
+        return draw(mixed_geometries(swa, full, window))
     if layout == 1:  # a full-attention-only model
         return (KVCacheGroup(GroupKind.FULL_ATTENTION, full),)
     if layout == 2:  # a sliding-window-only model
@@ -93,6 +96,60 @@ def geometries(draw: st.DrawFn, scale: Scale) -> tuple[KVCacheGroup, ...]:
     ]
     if layout == 0:  # occasionally a second SWA group
         groups.append(KVCacheGroup(GroupKind.SLIDING_WINDOW, swa, max(1, window // 2)))
+    return tuple(groups)
+
+
+# Attention kinds a mixed layout draws from (each has a single-type manager
+# in vLLM 0.33.0 and a released model using it).
+_MIXED_KINDS = (
+    GroupKind.FULL_ATTENTION,
+    GroupKind.MLA,
+    GroupKind.SLIDING_WINDOW,
+    GroupKind.SLIDING_WINDOW_MLA,
+    GroupKind.CHUNKED_LOCAL_ATTENTION,
+)
+
+
+@st.composite
+def mixed_geometries(
+    draw: st.DrawFn, block: int, full: int, window: int
+) -> tuple[KVCacheGroup, ...]:
+    """Any attention mix: one to five groups of full attention, MLA, sliding
+    window, sliding-window MLA and chunked local attention, in any order,
+    each with its own block size (multiples of ``block``; one time in eight
+    a 3x block, whose LCM with a 2x or 4x block exceeds every block: an
+    alignment blowup). A chunked-local group's block is the LCM of the
+    others, as vLLM's ``ChunkedLocalAttentionManager`` requires; its chunk a
+    multiple of it. Window in tokens.
+    """
+    count = draw(st.integers(1, 5))
+    factors = (1, 2, 4, full // block) + ((3,) if draw(st.integers(0, 7)) == 0 else ())
+    groups: list[KVCacheGroup] = []
+    chunked = 0
+    for _ in range(count):
+        kind = draw(st.sampled_from(_MIXED_KINDS))
+        if kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
+            chunked += 1
+            continue
+        size = block * draw(st.sampled_from(factors))
+        win = window if kind.sliding_window_family else None
+        if win is not None and draw(st.booleans()):
+            win = max(1, win // 2)
+        groups.append(KVCacheGroup(kind, size, win))
+    if chunked and not any(g.kind.full_attention_family for g in groups):
+        # Chunked local attention beside full attention, as Llama-4 has it
+        # (``block`` divides every block: the alignment stays).
+        groups.append(KVCacheGroup(GroupKind.FULL_ATTENTION, block))
+    if not groups:
+        groups.append(KVCacheGroup(GroupKind.FULL_ATTENTION, full))
+    lcm = math.lcm(*(g.block_size_tokens for g in groups))
+    for _ in range(chunked):
+        chunk = lcm * draw(st.sampled_from((1, 2, 4)))
+        at = draw(st.integers(0, len(groups)))
+        groups.insert(
+            at,
+            KVCacheGroup(GroupKind.CHUNKED_LOCAL_ATTENTION, lcm, attention_chunk_size_tokens=chunk),
+        )
     return tuple(groups)
 
 
@@ -128,16 +185,58 @@ def mamba_geometries(draw: st.DrawFn, scale: Scale) -> tuple[tuple[KVCacheGroup,
 
 def _pin(groups: tuple[KVCacheGroup, ...], kinds: frozenset[GroupKind]) -> tuple[KVCacheGroup, ...]:
     """Attention groups with every pinned attention kind present (adds a
-    full-attention or sliding-window group beside a lone group)."""
+    group of each missing kind, at the layout's hit alignment, so no
+    block size changes the alignment)."""
     have = {g.kind for g in groups}
     if kinds <= have:
         return groups
-    full = next((g.block_size_tokens for g in groups if g.kind is GroupKind.FULL_ATTENTION), None)
-    swa = next((g for g in groups if g.kind is GroupKind.SLIDING_WINDOW), None)
-    block = full or (swa.block_size_tokens if swa else groups[0].block_size_tokens)
-    return (
-        KVCacheGroup(GroupKind.FULL_ATTENTION, block),
-        swa or KVCacheGroup(GroupKind.SLIDING_WINDOW, block, 4 * block),
+    block = math.lcm(*(g.block_size_tokens for g in groups))
+    if GroupKind.CHUNKED_LOCAL_ATTENTION in kinds | have and not any(
+        g.kind.full_attention_family for g in groups
+    ):
+        kinds = kinds | {GroupKind.FULL_ATTENTION}
+    added = []
+    for kind in sorted(kinds - have - {GroupKind.MAMBA}):
+        window = 4 * block if kind.sliding_window_family else None
+        chunk = 4 * block if kind is GroupKind.CHUNKED_LOCAL_ATTENTION else None
+        added.append(KVCacheGroup(kind, block, window, chunk))
+    return (*groups, *added)
+
+
+@st.composite
+def _draft_groups(
+    draw: st.DrawFn, groups: tuple[KVCacheGroup, ...], may_drop: bool
+) -> tuple[KVCacheGroup, ...]:
+    """Mark the drafter's own KV groups as vLLM's planner does
+    (``is_eagle_group``), half the time when the drafter drops: a new draft
+    full-attention group (its block one of the layout's), or an existing
+    non-chunked group. A chunked-local layout whose drop would fall back to
+    every group always gets a draft group (vLLM refuses EAGLE's drop on
+    chunked local attention)."""
+    chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups)
+    if not may_drop or (not chunked and draw(st.booleans())):
+        return groups
+    blocks = sorted({g.block_size_tokens for g in groups})
+    candidates = [
+        i for i, g in enumerate(groups) if g.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION
+    ]
+    if draw(st.booleans()) or not candidates:
+        draft = KVCacheGroup(
+            GroupKind.FULL_ATTENTION, draw(st.sampled_from(blocks)), is_eagle_group=True
+        )
+        return (*groups, draft)
+    mark = draw(st.sampled_from(candidates))
+    return tuple(
+        KVCacheGroup(
+            g.kind,
+            g.block_size_tokens,
+            g.sliding_window_tokens,
+            g.attention_chunk_size_tokens,
+            True,
+        )
+        if i == mark
+        else g
+        for i, g in enumerate(groups)
     )
 
 
@@ -186,7 +285,9 @@ def scenarios(
     )
     if mamba:  # vLLM's default retention (0) for Mamba hybrids two times in three
         retention = draw(st.sampled_from((0, 0, retention)))
-    if retention and not any(g.kind is not GroupKind.FULL_ATTENTION for g in groups):
+    if retention and not any(
+        g.kind.sliding_window_family or g.kind is GroupKind.MAMBA for g in groups
+    ):
         retention = 0  # vLLM accepts only None or 0 without SWA or Mamba groups
     period = retention if retention else alignment * units[0]
     if mamba and hash_block is not None and len(groups) > 1:
@@ -202,6 +303,20 @@ def scenarios(
     else:
         drafter = Drafter(kind, draw(st.integers(1, 4)))
     protection = draw(st.sampled_from(("disabled", "disabled", "connector", "lookahead")))
+    disable_drop = draw(st.integers(0, 19)) == 0
+    if not mamba:  # the state-group oracle models the drop on every group
+        dropping = drafter.kind in (
+            DrafterKind.EAGLE,
+            DrafterKind.EAGLE3,
+            DrafterKind.MTP,
+            DrafterKind.MULTI_MODULE_MTP,
+            DrafterKind.GEMMA4_MTP,
+        )
+        groups = draw(_draft_groups(groups, dropping and not disable_drop))
+        if any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups) and (
+            math.lcm(*(g.block_size_tokens for g in groups)) != alignment
+        ):  # pragma: no cover - draft blocks are drawn from the layout's own
+            raise AssertionError("a draft group changed a chunked layout's alignment")
 
     # The shared prefix spans a few checkpoint periods, capped by scale.
     max_prefix = {"toy": 512, "medium": 2048, "real": 16384}[scale]
@@ -259,7 +374,7 @@ def scenarios(
             drafter=drafter,
             kv_connector=protection == "connector",
             disable_lookahead_block_hashes=protection == "disabled",
-            disable_eagle_block_drop=draw(st.integers(0, 19)) == 0,
+            disable_eagle_block_drop=disable_drop,
             prefill_chunk_tokens=chunk,
             decode_steps=draw(st.sampled_from((0, 0, 0, 1, 3))),
             **mamba_options,  # type: ignore[arg-type]

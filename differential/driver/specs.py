@@ -11,11 +11,14 @@ import math
 
 import torch
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
@@ -28,24 +31,49 @@ __all__ = ["attention_spec", "group_spec", "kv_cache_config", "mamba_spec", "poo
 
 
 def attention_spec(
-    block_size: int, kind: GroupKind, window: int | None, extra_retained: int
+    block_size: int,
+    kind: GroupKind,
+    window: int | None,
+    extra_retained: int,
+    chunk: int | None = None,
 ) -> KVCacheSpec:
     """An attention group's spec (block size in tokens; window in tokens for
-    sliding window; ``extra_retained`` tokens kept below the window, see
+    the sliding-window family; ``chunk`` in tokens for chunked local
+    attention; ``extra_retained`` tokens kept below the window, see
     :func:`kv_cache_config`). Layer shapes are placeholders: no tensor is
     ever allocated.
+
+    Kinds map to vllm/v1/kv_cache_interface.py: full attention
+    ``FullAttentionSpec``, MLA ``MLAAttentionSpec`` (one latent head, no V),
+    sliding window ``SlidingWindowSpec``, sliding-window MLA
+    ``SlidingWindowMLASpec``, chunked local attention
+    ``ChunkedLocalAttentionSpec``.
 
     Raises:
         UnsupportedFeature: ``extra_retained`` is set on a release without it.
     """
     common = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
-    if kind is GroupKind.SLIDING_WINDOW:
+    if kind.sliding_window_family:
         assert window is not None
         if has(Feature.EXTRA_RETAINED_TOKENS):
             common["extra_retained_tokens"] = extra_retained
         elif extra_retained:
             raise UnsupportedFeature(Feature.EXTRA_RETAINED_TOKENS)
+        if kind is GroupKind.SLIDING_WINDOW_MLA:
+            return vllm_call(
+                "SlidingWindowMLASpec", SlidingWindowMLASpec, sliding_window=window, **common
+            )
         return vllm_call("SlidingWindowSpec", SlidingWindowSpec, sliding_window=window, **common)
+    if kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
+        assert chunk is not None
+        return vllm_call(
+            "ChunkedLocalAttentionSpec",
+            ChunkedLocalAttentionSpec,
+            attention_chunk_size=chunk,
+            **common,
+        )
+    if kind is GroupKind.MLA:
+        return vllm_call("MLAAttentionSpec", MLAAttentionSpec, **common)
     return vllm_call("FullAttentionSpec", FullAttentionSpec, **common)
 
 
@@ -75,7 +103,13 @@ def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSp
     g = scenario.kv_cache_groups[index]
     if g.kind is GroupKind.MAMBA:
         return mamba_spec(g.block_size_tokens, scenario.drafter.num_speculative_tokens)
-    return attention_spec(g.block_size_tokens, g.kind, g.sliding_window_tokens, extra_retained)
+    return attention_spec(
+        g.block_size_tokens,
+        g.kind,
+        g.sliding_window_tokens,
+        extra_retained,
+        g.attention_chunk_size_tokens,
+    )
 
 
 def pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
@@ -99,9 +133,12 @@ def kv_cache_config(
 
     Sliding-window specs get ``extra_retained_tokens = num_prefill_lookahead - 1``
     as ``vllm/v1/core/kv_cache_planning.py`` tags them for multi-module MTP.
-    Drafter layers are not modelled separately, so no group is marked
-    ``is_eagle_group`` and the coordinator applies the EAGLE drop to every
-    group (``KVCacheCoordinator.__init__``'s conservative fallback). For a
+    A group the scenario marks ``is_eagle_group`` (the drafter's own layers)
+    is marked as vLLM's planner marks it (``get_global_kv_cache_groups`` in
+    vllm/v1/core/kv_cache_planning.py, only when the drafter asks for the
+    drop), and only those groups drop; with none marked the coordinator
+    applies the EAGLE drop to every group (``KVCacheCoordinator.__init__``'s
+    conservative fallback). For a
     Mamba group vLLM's own code then decides what the drop means: its finder
     never drops and gets no EAGLE margin
     (``HybridKVCacheCoordinator.find_longest_cache_hit``: ``drop_eagle_block
@@ -115,6 +152,7 @@ def kv_cache_config(
             KVCacheGroupSpec,
             layer_names=[f"{g.kind.value}.{i}"],
             kv_cache_spec=group_spec(scenario, i, extra_retained),
+            **({"is_eagle_group": True} if g.is_eagle_group else {}),
         )
         for i, g in enumerate(scenario.kv_cache_groups)
     ]

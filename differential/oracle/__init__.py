@@ -11,6 +11,16 @@ KV cache group kind adds one module here:
 * :mod:`differential.oracle.state` -- the rules for state groups (Mamba):
   where a writer's states exist, what a sibling is owed, the one-unit rule on
   states.
+* :mod:`differential.oracle.layout` -- what a layout costs before any manager
+  runs (``alignment-blowup``: a hit alignment above every block size).
+
+Group kinds map onto the rules by the manager vLLM drives them with: MLA is
+full attention for hits (``FullAttentionManager``), sliding-window MLA a
+sliding window (``SlidingWindowManager``); chunked local attention needs only
+the blocks of the chunk a hit ends in (``ChunkedLocalAttentionManager``). The
+EAGLE drop applies per group: to the ``is_eagle_group`` groups when the
+drafter's groups are marked, else to every group
+(:attr:`differential.scenario.Scenario.drop_group_indices`).
 
 The public names below are the package's face; the rest is internal.
 """

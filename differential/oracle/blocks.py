@@ -222,9 +222,14 @@ def attention_violations(
                 f"tokens ({owed} blocks of {size}){extra}",
             )
         )
-    if group.kind is GroupKind.SLIDING_WINDOW:
+    if group.kind.sliding_window_family:
         window = group.sliding_window_tokens or 1
         first_read = max(0, hit_tokens - window + 1) // size
+    elif group.attention_chunk_size_tokens is not None:
+        # Chunked local attention reads only the chunk the hit ends in
+        # (ChunkedLocalAttentionManager.get_num_skipped_tokens).
+        first_read = hit_tokens // group.attention_chunk_size_tokens
+        first_read = first_read * group.attention_chunk_size_tokens // size
     else:
         first_read = 0
     for index, held in enumerate(blocks[:owed]):
@@ -319,6 +324,9 @@ GROUP_CHECKS: dict[GroupKind, GroupCheck] = {
     GroupKind.FULL_ATTENTION: attention_violations,
     GroupKind.SLIDING_WINDOW: attention_violations,
     GroupKind.MAMBA: state_group_violations,
+    GroupKind.MLA: attention_violations,
+    GroupKind.SLIDING_WINDOW_MLA: attention_violations,
+    GroupKind.CHUNKED_LOCAL_ATTENTION: attention_violations,
 }
 """The check for each group kind (a state kind: :func:`state_group_violations`)."""
 

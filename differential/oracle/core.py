@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
 from differential.oracle.blocks import check_blocks
-from differential.scenario import DrafterKind, Scenario
+from differential.scenario import DrafterKind, GroupKind, Scenario
 
 __all__ = [
     "DrafterModel",
@@ -162,6 +162,7 @@ def dense_hit(
     sibling: int,
     writer: int,
     shared_tokens: int,
+    alignment_tokens: int | None = None,
 ) -> int:
     """Hit, in tokens, that a cache keeping every block of ``writer`` gives ``sibling``.
 
@@ -170,17 +171,43 @@ def dense_hit(
     size ``B``, the blocks up to the hit (plus one more under the drop) are
     full blocks the writer cached and whose hashes, including any lookahead
     tokens, match.
+
+    Per group kind: full attention and MLA (``FullAttentionManager``),
+    sliding window and sliding-window MLA (``SlidingWindowManager``) need
+    their proven prefix as above (a dense cache keeps every window). Only the
+    groups that take the EAGLE drop (:attr:`Scenario.drop_group_indices`:
+    the ``is_eagle_group`` groups, or every group under
+    ``KVCacheCoordinator.__init__``'s fallback) need the extra block, and
+    only they leave the re-prefillable tail uncached in a hybrid
+    (``HybridKVCacheCoordinator.get_num_cacheable_tokens``). A chunked-local
+    group of chunk ``C`` needs only the blocks of the chunk the hit ends in
+    (``ChunkedLocalAttentionManager.find_longest_cache_hit`` pads earlier
+    chunks with null blocks): it accepts a hit within its proven prefix or on
+    a chunk boundary, and the hit is the largest multiple of ``A`` every
+    group accepts. ``alignment_tokens`` replaces ``A`` (to price a layout's
+    alignment, :mod:`differential.oracle.layout`).
     """
-    alignment = scenario.effective_hit_alignment_tokens
+    alignment = alignment_tokens or scenario.effective_hit_alignment_tokens
     cached, total = _writer_extent(scenario, model, writer)
     lookahead = model.hash_lookahead_tokens
     limit = scenario.requests[sibling].prompt_tokens - 1
-    for group in scenario.kv_cache_groups:
+    drops = scenario.drop_group_indices if model.drop else frozenset()
+    hybrid = len(scenario.kv_cache_groups) > 1
+    chunked: list[tuple[int, int]] = []  # (proven tokens, chunk tokens)
+    for index, group in enumerate(scenario.kv_cache_groups):
         block = group.block_size_tokens
-        proven = min(shared_tokens - lookahead, cached, total - lookahead)
+        group_cached = total if model.drop and hybrid and index not in drops else cached
+        proven = min(shared_tokens - lookahead, group_cached, total - lookahead)
         proven = max(0, proven) // block * block
-        limit = min(limit, proven - (block if model.drop else 0))
-    return max(0, limit) // alignment * alignment
+        if group.attention_chunk_size_tokens is not None:
+            chunked.append((proven, group.attention_chunk_size_tokens))
+            continue
+        limit = min(limit, proven - (block if index in drops else 0))
+    hit = max(0, limit) // alignment * alignment
+    for proven, chunk in chunked:
+        if hit > proven:
+            hit = max(proven // alignment * alignment, hit // chunk * chunk)
+    return hit
 
 
 def replay_boundaries(scenario: Scenario, model: DrafterModel, writer: int) -> tuple[int, ...]:
@@ -229,13 +256,25 @@ def checkpoints(
     ``b`` also promises ``b - A``, for every drafter and protection. Under
     ``retained`` only what vLLM 0.33.0 keeps: ``b - A`` below periodic
     checkpoints (the seed PR) and junctions
-    (``SingleTypeKVCacheManager.cache_blocks``) under the EAGLE drop only.
+    (``SingleTypeKVCacheManager.cache_blocks``) under the EAGLE drop only,
+    and only when a sliding-window or Mamba group takes it (with the
+    drafter's groups marked ``is_eagle_group`` they may not).
     Dense retention (``R`` ``None`` or ``A``) makes every multiple of ``A``
     one. Returns sorted positions; 0 is always included.
     """
     alignment = scenario.effective_hit_alignment_tokens
     retention = scenario.retention_interval_tokens
     one_unit = promise_policy(policy) is Policy.VLLM
+    # vLLM keeps the tail below a periodic checkpoint or a junction in the
+    # groups that drop (SlidingWindowManager.use_eagle): with the drafter's
+    # groups marked is_eagle_group, sliding-window groups may not drop at all.
+    tails = [
+        i
+        for i, g in enumerate(scenario.kv_cache_groups)
+        if g.kind.sliding_window_family or g.kind is GroupKind.MAMBA
+    ]
+    drops = scenario.drop_group_indices
+    tail_drop = model.drop and all(i in drops for i in tails)
     points: set[int] = {0}
     if retention is None or retention == alignment:
         points.update(range(0, up_to_tokens + 1, alignment))
@@ -243,14 +282,14 @@ def checkpoints(
     if retention > 0:
         for c in range(retention, up_to_tokens + alignment + 1, retention):
             points.add(c)
-            if model.drop or one_unit:
+            if tail_drop or one_unit:
                 points.add(c - alignment)
     own = set(replay_boundaries(scenario, model, writer))
     if one_unit:
         own.update(max(b - alignment, 0) for b in tuple(own))
     if junction_tokens:
         own.add(junction_tokens)
-        if model.drop or one_unit:
+        if tail_drop or one_unit:
             own.add(junction_tokens - alignment)
     points.update(p for p in own if p >= writer_hit_tokens)
     return tuple(sorted(p for p in points if p <= up_to_tokens))

@@ -121,7 +121,7 @@ def attention_dense_hit(
             # token).
             last = total_tokens if drop else total_tokens - 1
             tail_key = min(last, total_tokens - hash_lookahead_tokens) // alignment * alignment
-            if group.kind is GroupKind.FULL_ATTENTION and proven < tail_key <= reach:
+            if group.kind.full_attention_family and proven < tail_key <= reach:
                 proven = tail_key
         limit = min(limit, proven - (unit if drop else 0))
     return max(0, limit) // alignment * alignment

@@ -408,3 +408,44 @@ def test_state_below_a_periodic_checkpoint_past_the_prompt() -> None:
     scenario, _ = _corpus_scenario(path)
     at_boundary = Finding(FindingKind.FALLBACK, "v", 1, "", expected_tokens=335, hit_tokens=268)
     assert label_known(scenario, [at_boundary], hits=[0, 268])[0].known_issue is None
+
+
+def _small_draft_block(marked: bool) -> Scenario:
+    return Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 2),
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 2, is_eagle_group=marked),
+        ),
+        requests=(RequestSpec(20, 0), RequestSpec(10, 0)),
+        shared_prefix_tokens=20,
+        retention_interval_tokens=8,
+        drafter=Drafter(DrafterKind.MULTI_MODULE_MTP, 4),
+        kv_connector=True,
+        prefill_chunk_tokens=2048,
+    )
+
+
+def test_small_draft_block_over_hit_label_needs_the_marked_group() -> None:
+    # The real run's hits (known-issues/draft-group-multi-module-mtp-small-draft-block.json).
+    drop = ManagerSettings(True, 0, 4, 4, 4)
+    over = Finding(FindingKind.OVER_HIT, "unfixed", 1, "x", 10, 6, 8)
+    (marked,) = label_known(_small_draft_block(True), [over])
+    assert marked.known_issue == "draft-group-drop-shorter-than-lookahead"
+    # Unmarked, the fallback drops the 4-token full-attention block: the
+    # same over-hit would be something else.
+    (unmarked,) = label_known(_small_draft_block(False), [over])
+    assert unmarked.known_issue is None
+    # And the fallback's own hit (4) is judged clean.
+    assert [
+        f.kind for f in judge_run(_small_draft_block(False), run([0, 4], settings=drop))[1]
+    ] == []
+
+
+def test_alignment_blowup_label_is_the_layout_finding_only() -> None:
+    s = _small_draft_block(True)
+    blowup = Finding(FindingKind.ALIGNMENT_BLOWUP, "layout", None, "x", None, 3456, 13824)
+    fallback = Finding(FindingKind.FALLBACK, "unfixed", 1, "x", 10, 8, 4)
+    labels = [f.known_issue for f in label_known(s, [blowup, fallback])]
+    assert labels[0] == "alignment-lcm-blowup"
+    assert labels[1] != "alignment-lcm-blowup"

@@ -106,7 +106,10 @@ def test_fine_grained_hash_block_sets_the_hit_alignment() -> None:
             (KVCacheGroup(FA, 16), KVCacheGroup(MAMBA, 32), KVCacheGroup(MAMBA, 16)),
             "kv_cache_groups",
         ),
-        ((KVCacheGroup(MAMBA, 16), KVCacheGroup(MAMBA, 16)), "kv_cache_groups"),
+        (
+            (KVCacheGroup(FA, 16), KVCacheGroup(MAMBA, 16), KVCacheGroup(MAMBA, 32)),
+            "kv_cache_groups",
+        ),
     ],
 )
 def test_refused_mamba_layouts_name_the_field(groups, field) -> None:

@@ -138,15 +138,17 @@ def test_group_rules() -> None:
             requests=(RequestSpec(1, 1),),
             shared_prefix_tokens=1,
         )
-    with pytest.raises(ScenarioError, match="exactly one full_attention group"):
-        Scenario(
-            kv_cache_groups=(
-                KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 64),
-                KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 32),
-            ),
-            requests=(RequestSpec(1, 1),),
-            shared_prefix_tokens=1,
-        )
+    # Any mix runs on vLLM's HybridKVCacheCoordinator, even with no
+    # full-attention group.
+    two_windows = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 64),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 32),
+        ),
+        requests=(RequestSpec(1, 1),),
+        shared_prefix_tokens=1,
+    )
+    assert two_windows.group_mix == "2xsliding_window"
     # A single group of any kind runs on vLLM's UnitaryKVCacheCoordinator.
     alone = Scenario(
         kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 64),),

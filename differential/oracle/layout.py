@@ -1,0 +1,81 @@
+"""Layout findings: what a KV cache layout costs before any manager runs.
+
+Nothing here imports vLLM. vLLM aligns every hybrid cache hit to the
+scheduler block size, the LCM of the group block sizes
+(``HybridKVCacheCoordinator._cache_hit_alignment_tokens`` in
+vllm/v1/core/kv_cache_coordinator.py; ``resolve_kv_cache_block_sizes`` in
+vllm/v1/core/kv_cache_utils.py). When the block sizes divide one another the
+LCM is the largest block and nothing is lost; when they do not, the LCM
+exceeds every block and each hit is rounded down to it. vLLM PR #52804: a
+drafter KV block of 3456 tokens beside a target block of 1536 makes the
+alignment 13824 tokens, about 7K tokens lost per request.
+
+:func:`alignment_blowup` prices that on the scenario's own requests: per
+sibling, the dense-reference hit at the granularity of the largest group
+block against the dense-reference hit at the alignment, in tokens.
+"""
+
+from __future__ import annotations
+
+from differential.findings import Finding, FindingKind
+from differential.oracle.core import common_prefix_tokens, dense_hit, drafter_model
+from differential.scenario import Scenario
+
+__all__ = ["LAYOUT_VARIANT", "alignment_blowup", "alignment_losses"]
+
+#: The ``variant`` of a layout finding: it belongs to the layout, not to a
+#: manager, so it is reported once per scenario.
+LAYOUT_VARIANT = "layout"
+
+
+def alignment_losses(scenario: Scenario) -> tuple[int, ...]:
+    """Tokens each request loses to the hit alignment, per request (0 for the first).
+
+    For request ``j`` the best dense-reference hit over the earlier requests
+    at the granularity of the largest group block, minus the same at the hit
+    alignment ``A`` (:func:`differential.oracle.core.dense_hit`), in tokens.
+    """
+    model = drafter_model(scenario)
+    largest = max(g.block_size_tokens for g in scenario.kv_cache_groups)
+    prompts = scenario.prompts
+    losses = [0]
+    for j in range(1, len(prompts)):
+        at_block, at_alignment = 0, 0
+        for i in range(j):
+            shared = common_prefix_tokens(prompts[i], prompts[j])
+            at_block = max(at_block, dense_hit(scenario, model, j, i, shared, largest))
+            at_alignment = max(at_alignment, dense_hit(scenario, model, j, i, shared))
+        losses.append(max(0, at_block - at_alignment))
+    return tuple(losses)
+
+
+def alignment_blowup(scenario: Scenario) -> Finding | None:
+    """An ``alignment-blowup`` finding when the hit alignment exceeds the
+    largest group block size, else ``None``.
+
+    The finding names the groups (index, kind, block size in tokens, draft
+    mark), the alignment in tokens and the tokens each sibling loses to it
+    (:func:`alignment_losses`); ``expected_tokens`` is the largest block,
+    ``hit_tokens`` the alignment. Fine-grained Mamba hits align to the hash
+    block instead, which never exceeds a block: no finding.
+    """
+    alignment = scenario.effective_hit_alignment_tokens
+    largest = max(g.block_size_tokens for g in scenario.kv_cache_groups)
+    if alignment <= largest:
+        return None
+    groups = ", ".join(
+        f"group {i} {'draft ' if g.is_eagle_group else ''}{g.kind.value} "
+        f"block {g.block_size_tokens}"
+        for i, g in enumerate(scenario.kv_cache_groups)
+    )
+    losses = alignment_losses(scenario)
+    return Finding(
+        FindingKind.ALIGNMENT_BLOWUP,
+        LAYOUT_VARIANT,
+        None,
+        f"hit alignment {alignment} tokens (LCM of {groups}) exceeds the largest "
+        f"block {largest}: siblings lose {list(losses[1:])} tokens "
+        f"(total {sum(losses)}) against hits at the largest block's granularity",
+        expected_tokens=largest,
+        hit_tokens=alignment,
+    )
