@@ -105,7 +105,7 @@ def _unit_below_retained_boundary(
         if dense_hit(scenario, model, index, writer, shared) < expected:
             continue  # this writer's data cannot serve the sibling there at all
         pinned = hits is None or hits[writer] < dense[writer]
-        junctions = {0, dense[writer]} if len(scenario.kv_cache_groups) > 1 and pinned else {0}
+        junctions = {0, dense[writer]} if scenario.pins_junctions and pinned else {0}
         # A writer keeps its own boundaries only where it computed blocks,
         # at or above its own hit (unknown without the run: 0).
         writer_hit = 0 if hits is None else hits[writer]
@@ -157,7 +157,7 @@ def _writer_states(
     out = []
     for writer in range(request):
         writer_hit = 0 if hits is None else hits[writer]
-        pinned = len(scenario.kv_cache_groups) > 1 and (hits is None or writer_hit < proofs[writer])
+        pinned = scenario.pins_junctions and (hits is None or writer_hit < proofs[writer])
         for junction in {0, proofs[writer]} if pinned else {0}:
             states = state.state_positions(
                 scenario,

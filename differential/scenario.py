@@ -609,6 +609,29 @@ class Scenario:
             self.disable_lookahead_block_hashes is True or self.kv_connector is True
         )
 
+    @property
+    def pins_junctions(self) -> bool:
+        """Whether vLLM can report an uncached common prefix for this layout,
+        which ``KVCacheManager.get_computed_blocks`` pins as the request's
+        shared-prefix junction.
+
+        ``HybridKVCacheCoordinator.find_longest_cache_hit``
+        (vllm/v1/core/kv_cache_coordinator.py) reports the longest hit an
+        attention type found before the reconciled one; types are groups of
+        equal spec (:attr:`KVCacheGroup.spec_key`), a full-attention-family
+        type first. kvfuzz models that longest hit as the dense hit, which the
+        downward-closed full-attention type finds, so junctions are modelled
+        for layouts of two or more types with a full-attention-family group.
+        A single type (one group, or groups of equal spec) reports none; a
+        layout without full attention reports its first sliding-window
+        type's own hit, which kvfuzz does not promise (it owes less there,
+        never more).
+        """
+        groups = self.kv_cache_groups
+        return len({g.spec_key for g in groups}) > 1 and any(
+            g.kind.full_attention_family for g in groups
+        )
+
     @cached_property
     def prompts(self) -> tuple[tuple[int, ...], ...]:
         """Every request's prompt token ids, generated deterministically."""

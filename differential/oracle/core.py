@@ -348,10 +348,10 @@ def references(
             h = dense_hit(scenario, model, j, i, shared)
             best_dense = max(best_dense, h)
             # A request pins its dense hit as a junction when its own hit fell
-            # short of it; a single group never does (vLLM
-            # UnitaryKVCacheCoordinator.find_longest_cache_hit reports nothing
-            # uncached, so get_computed_blocks returns no shared_prefix_boundary).
-            pins = len(scenario.kv_cache_groups) > 1 and observed_hits[i] < dense_by_request[i]
+            # short of it, on layouts where vLLM reports an uncached common
+            # prefix (Scenario.pins_junctions: not a single group or a single
+            # attention type, UnitaryKVCacheCoordinator reports nothing).
+            pins = scenario.pins_junctions and observed_hits[i] < dense_by_request[i]
             junction = dense_by_request[i] if pins else 0
             writer_points = checkpoints(scenario, model, i, junction, h, observed_hits[i], policy)
             points.update(writer_points)

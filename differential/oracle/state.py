@@ -333,9 +333,9 @@ def state_references(
         best_dense, best_expected, best_writer = 0, 0, None
         points: set[int] = {0}
         for i in range(j):
-            # Only the hybrid coordinator pins junctions (a single group has no
-            # lagging group: UnitaryKVCacheCoordinator reports none).
-            pins = len(scenario.kv_cache_groups) > 1 and observed_hits[i] < attention_by_request[i]
+            # Only layouts with a lagging attention type pin junctions
+            # (Scenario.pins_junctions).
+            pins = scenario.pins_junctions and observed_hits[i] < attention_by_request[i]
             junction = attention_by_request[i] if pins else 0
             states = state_positions(
                 scenario,

@@ -400,3 +400,35 @@ def test_known_issue_labels() -> None:
     # Losing two units is not explained by the issue.
     worse = judge_run(scenario, run([0, 64], settings=ManagerSettings(True, 0, 1, 1, 32)))[1]
     assert [f.known_issue for f in label_known(scenario, worse)] == [None]
+
+
+def test_junctions_need_a_lagging_attention_type() -> None:
+    # Two sliding-window groups of equal spec are one attention type: vLLM's
+    # hybrid lookup reports no uncached common prefix, so request 1 (hit 0,
+    # dense 2) pins no junction; the writers' own boundaries (replay
+    # boundaries 8 and 6, one unit below them 6 and 4) lie above request 2's
+    # dense 2: nothing is owed.
+    swa = KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 2)
+    scenario = Scenario(
+        kv_cache_groups=(swa, swa),
+        requests=(
+            RequestSpec(8, 1, name="writer"),
+            RequestSpec(2, 6, shares_with=0),
+            RequestSpec(2, 1, shares_with=0),
+        ),
+        shared_prefix_tokens=8,
+        retention_interval_tokens=0,
+        disable_eagle_block_drop=True,
+        prefill_chunk_tokens=2,
+    )
+    assert not scenario.pins_junctions
+    refs = references(scenario, drafter_model(scenario), [0, 0, 0])
+    assert [(r.dense_tokens, r.expected_tokens) for r in refs] == [(0, 0), (2, 0), (2, 0)]
+    # A full-attention group beside them is a second, downward-closed type:
+    # request 1 pins its dense hit 2 as a junction and owes it to request 2.
+    with_fa = dataclasses.replace(
+        scenario, kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 2), swa, swa)
+    )
+    assert with_fa.pins_junctions
+    refs = references(with_fa, drafter_model(with_fa), [0, 0, 0])
+    assert [(r.expected_tokens, r.writer) for r in refs][2] == (2, 1)
