@@ -410,10 +410,13 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     """
     del scale  # toy scale first
     groups = draw(geometries("toy"))
+    chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups)
     alignment = math.lcm(*(g.block_size_tokens for g in groups))
     retention = draw(st.sampled_from((None, None, 0, alignment, 4 * alignment)))
-    if retention and not any(g.kind is not GroupKind.FULL_ATTENTION for g in groups):
-        retention = 0
+    if retention and not any(
+        g.kind.sliding_window_family or g.kind is GroupKind.MAMBA for g in groups
+    ):
+        retention = 0  # vLLM accepts only None or 0 without SWA or Mamba groups
     kind = draw(st.sampled_from((DrafterKind.NONE, DrafterKind.EAGLE, DrafterKind.MTP)))
     drafter = Drafter() if kind is DrafterKind.NONE else Drafter(kind, draw(st.integers(1, 3)))
     decode_steps = draw(st.sampled_from((0, 1, 3, 6)))
@@ -471,7 +474,9 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
             shared_prefix_tokens=prefix,
             retention_interval_tokens=retention,
             drafter=drafter,
-            disable_lookahead_block_hashes=draw(st.booleans()),
+            # vLLM runs no EAGLE drop on chunked local attention: such layouts
+            # keep lookahead block hashes on (the drop off).
+            disable_lookahead_block_hashes=not chunked and draw(st.booleans()),
             prefill_chunk_tokens=chunk,
             decode_steps=decode_steps,
             name="engine",

@@ -126,8 +126,9 @@ def test_campaign_reports_new_root_causes_first_with_shrunk_reproducers(tmp_path
 def test_fail_on_new_is_clean_when_every_root_cause_is_known(tmp_path: Path) -> None:
     # corpora/ holds the seed class (its first file in path order, the
     # Gemma-4 EAGLE3 layout under the drop fallback, ahead of the shrunk
-    # seed in corpora/regressions/) and the Gemma-4 seed, known-issues/ the
-    # one-unit class: on attention layouts (Mamba hybrids still have causes
+    # seed in corpora/regressions/) and Gemma-4 MTP's needless protection
+    # (first shown by a corpus case, ahead of the Gemma-4 seed), known-issues/
+    # the one-unit class: on attention layouts (Mamba hybrids still have causes
     # kvfuzz has not explained) every cause is known.
     code, summary = _fuzz(tmp_path, "--no-shrink", "--fail-on", "new", "--groups", "full_attention")
     assert code == 0, [c["root_cause"] for c in summary["root_causes"]]
@@ -136,7 +137,7 @@ def test_fail_on_new_is_clean_when_every_root_cause_is_known(tmp_path: Path) -> 
     for reproducer in (
         "known-issues/unit-below-replay-boundary-toy.json",
         "corpora/cases/gemma4-eagle3-draft-group--fallback.json",
-        "corpora/seeds/gemma4-mtp3-swa16-fa32-r8192.json",
+        "corpora/cases/mamba-needless-drop-makes-a-state.json",
     ):
         assert reproducer in causes
     assert not (tmp_path / "shrunk").exists()
