@@ -223,6 +223,22 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_replay_parser(sub)
+    _add_calibrate_parser(sub)
+    _add_fuzz_parser(sub)
+    _add_import_crash_parser(sub)
+    _add_explain_parser(sub)
+    _add_shrink_parser(sub)
+    from differential.mutate import add_mutate_parser
+
+    add_mutate_parser(sub)
+    _add_export_parser(sub)
+    _add_diff_parser(sub)
+    return parser
+
+
+def _add_replay_parser(sub: Any) -> None:
+    """``kvfuzz replay``: scenario files in, per-sibling verdicts out."""
     replay = sub.add_parser(
         "replay",
         help="run scenario files or folders and print per-sibling verdicts",
@@ -245,6 +261,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the dense-retention cross-check runs (about halves the run time)",
     )
+
+
+def _add_calibrate_parser(sub: Any) -> None:
+    """``kvfuzz calibrate``: which scenarios catch each calibration mutant."""
     calibrate = sub.add_parser(
         "calibrate",
         help="print which scenarios catch each calibration mutant",
@@ -262,6 +282,10 @@ def _parser() -> argparse.ArgumentParser:
         help="scenario files or folders (default: corpora)",
     )
     _add_limits(calibrate)
+
+
+def _add_fuzz_parser(sub: Any) -> None:
+    """``kvfuzz fuzz``: a campaign over the scenario space."""
     fuzz = sub.add_parser(
         "fuzz",
         help="run a fuzz campaign over the scenario space",
@@ -345,6 +369,10 @@ def _parser() -> argparse.ArgumentParser:
         "under test (default: %(default)s)",
     )
     _add_ci_reports(fuzz)
+
+
+def _add_import_crash_parser(sub: Any) -> None:
+    """``kvfuzz import-crash``: atheris crash files to scenario JSON."""
     crash = sub.add_parser(
         "import-crash",
         help="turn atheris/libFuzzer crash files into scenario JSON",
@@ -362,6 +390,10 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("kvfuzz-out/imported"),
         help="folder for the scenario files (default: %(default)s)",
     )
+
+
+def _add_explain_parser(sub: Any) -> None:
+    """``kvfuzz explain``: one sibling's blocks, per group and variant."""
     explain = sub.add_parser(
         "explain",
         help="draw the blocks each variant kept around one sibling's divergence point",
@@ -380,6 +412,10 @@ def _parser() -> argparse.ArgumentParser:
         help="the sibling to explain (default: the first with a finding, else the last)",
     )
     explain.add_argument("--svg", type=Path, metavar="FILE", help="also write the picture as SVG")
+
+
+def _add_shrink_parser(sub: Any) -> None:
+    """``kvfuzz shrink``: a failing scenario to a minimal reproducer."""
     shrink = sub.add_parser(
         "shrink",
         help="shrink a failing scenario to a minimal reproducer in corpora/regressions",
@@ -408,9 +444,10 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("corpora/regressions"),
         help="folder for the reproducer (default: %(default)s)",
     )
-    from differential.mutate import add_mutate_parser
 
-    add_mutate_parser(sub)
+
+def _add_export_parser(sub: Any) -> None:
+    """``kvfuzz export-test``: a standalone vLLM-style pytest."""
     export = sub.add_parser(
         "export-test",
         help="print a standalone vLLM-style pytest reproducing a finding",
@@ -423,8 +460,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("finding", type=Path, metavar="FINDING")
     _add_common(export)
-    _add_diff_parser(sub)
-    return parser
 
 
 def _add_diff_parser(sub: Any) -> None:
