@@ -134,7 +134,10 @@ def mixed_geometries(
         size = block * draw(st.sampled_from(factors))
         win = window if kind.sliding_window_family else None
         if win is not None and draw(st.booleans()):
-            win = max(1, win // 2)
+            # Never a 1-token window: no released model has one, and its
+            # degenerate lookups (window-one-multi-group-spiral; a dense run
+            # that hits nothing) would crowd out real layouts.
+            win = max(2, win // 2)
         groups.append(KVCacheGroup(kind, size, win))
     if chunked and not any(g.kind.full_attention_family for g in groups):
         # Chunked local attention beside full attention, as Llama-4 has it
