@@ -94,7 +94,17 @@ _MANAGER_PARAMETERS = parameters(KVCacheManager.__init__)
 _HASHER_PARAMETERS = parameters(get_request_block_hasher)
 _REQUEST_PARAMETERS = parameters(Request.__init__)
 
-_UNSET = object()
+#: Marks "no override": the scenario's own retention interval applies.
+UNSET = object()
+
+
+def resolve_retention(scenario: Scenario, override: int | object | None) -> int | None:
+    """The retention interval a run uses, in tokens: ``override`` (``None``
+    for the dense cross-check run), or the scenario's own when it is
+    :data:`UNSET`."""
+    retention = scenario.retention_interval_tokens if override is UNSET else override
+    assert retention is None or isinstance(retention, int)
+    return retention
 
 
 def _mamba_scheduler_view(
@@ -558,7 +568,7 @@ def run_scenario(
     scenario: Scenario,
     variant: str,
     *,
-    retention_interval_tokens: int | object | None = _UNSET,
+    retention_interval_tokens: int | object | None = UNSET,
     record_cache_map: bool = False,
     record_blocks: bool = True,
 ) -> RunObservation:
@@ -592,12 +602,7 @@ def run_scenario(
         InternalError: kvfuzz's driver failed (an exception outside vLLM's
             calls), naming the phase.
     """
-    retention = (
-        scenario.retention_interval_tokens
-        if retention_interval_tokens is _UNSET
-        else retention_interval_tokens
-    )
-    assert retention is None or isinstance(retention, int)
+    retention = resolve_retention(scenario, retention_interval_tokens)
     phase = ["resolve drafter settings"]
     observed: list[RequestObservation] = []
     d: _Driver | None = None

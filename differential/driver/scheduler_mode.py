@@ -55,6 +55,7 @@ from typing import Any
 
 from differential.driver import runner
 from differential.driver.features import UnsupportedFeature, VllmCallError, describe, vllm_call
+from differential.driver.runner import UNSET, resolve_retention
 from differential.driver.settings import ResolvedDrafter, _speculative_config, resolve_drafter
 from differential.driver.specs import kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
@@ -64,7 +65,6 @@ from differential.scenario import Scenario
 
 __all__ = ["run_scheduler_scenario"]
 
-_UNSET = object()
 
 # Steps without progress after which a run is declared stuck (kvfuzz's failure).
 _MAX_IDLE_STEPS = 64
@@ -243,7 +243,7 @@ def run_scheduler_scenario(
     scenario: Scenario,
     variant: str,
     *,
-    retention_interval_tokens: int | object | None = _UNSET,
+    retention_interval_tokens: int | object | None = UNSET,
     record_cache_map: bool = False,
 ) -> RunObservation:
     """Run ``scenario`` through vLLM's ``Scheduler`` (see the module docstring).
@@ -266,12 +266,7 @@ def run_scheduler_scenario(
         InternalError: kvfuzz's own driver failed, or the run stopped making
             progress.
     """
-    retention = (
-        scenario.retention_interval_tokens
-        if retention_interval_tokens is _UNSET
-        else retention_interval_tokens
-    )
-    assert retention is None or isinstance(retention, int)
+    retention = resolve_retention(scenario, retention_interval_tokens)
     phase = ["resolve drafter settings"]
     error: str | None = None
     observed: list[RequestObservation] = []
