@@ -145,7 +145,8 @@ def _writer_states(
     (:func:`differential.oracle.state.state_positions`).
 
     A writer pins its attention proof as a junction when its own hit fell
-    short of it (only the hybrid coordinator pins). Without the run's hits
+    short of it, on layouts where vLLM reports an uncached common prefix
+    (:attr:`Scenario.pins_junctions`). Without the run's hits
     (``None``) both the pinned and the unpinned writer are listed, and every
     writer is taken to have computed its prompt from 0.
     """
@@ -391,7 +392,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         name="fine-grained-replay-state-discarded",
         summary=(
             "On a Mamba hybrid with fine-grained hits (hash block finer than the "
-            "Mamba block), the EAGLE drop and retention 0, vLLM 0.33.0 computes "
+            "Mamba block), the EAGLE drop and sparse retention, vLLM 0.33.0 computes "
             "the replay boundaries every group retains on the scheduler block, "
             "one whole block below the prompt's aligned length, so a state (or an "
             "SWA tail) the writer materialized where the sibling resumes is "
