@@ -26,75 +26,20 @@ vLLM's mask moves the candidate too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from differential.driver.fixes import patched, seed_pr_fix, union_with_wider_window
+from differential.driver.fixes import patched, seed_pr_fix, widening_mask
 
 __all__ = ["candidate_fix", "mutant_no_replay_widening"]
 
 
-def _one_unit_wider(
-    current: Callable[..., list[bool] | None],
-    original: Callable[..., list[bool] | None],
-    *,
-    boundaries: bool,
-) -> Callable[..., list[bool] | None]:
-    """A ``reachable_block_mask`` whose sparse-retention tails are ``A / B`` blocks wider.
-
-    ``current`` is the mask installed when the wrapper is built (the seed
-    PR's); ``original`` is vLLM's own, asked for the tails of a window ``A``
-    tokens wider (so the seed PR's periodic widening is not applied twice).
-    ``boundaries``: also widen the replay-boundary and junction tails
-    (``reachable_boundaries``), not only the periodic ones.
-    """
-
-    def mask(
-        cls: type[SlidingWindowManager],
-        start_block: int,
-        end_block: int,
-        alignment_tokens: int | None,
-        kv_cache_spec: KVCacheSpec,
-        use_eagle: bool,
-        retention_interval: int | None = None,
-        reachable_boundaries: Sequence[int] = (),
-        dcp_world_size: int = 1,
-        final_segment_end_block: int | None = None,
-    ) -> list[bool] | None:
-        kept = current(
-            cls,
-            start_block,
-            end_block,
-            alignment_tokens,
-            kv_cache_spec,
-            use_eagle,
-            retention_interval,
-            reachable_boundaries,
-            dcp_world_size,
-            final_segment_end_block,
-        )
-        sparse = retention_interval is not None and retention_interval != alignment_tokens
-        if kept is None or not sparse or alignment_tokens is None:
-            return kept
-        return union_with_wider_window(
-            kept,
-            original,
-            cls,
-            start_block,
-            end_block,
-            alignment_tokens,
-            kv_cache_spec,
-            use_eagle,
-            retention_interval,
-            reachable_boundaries if boundaries else (),
-            dcp_world_size,
-            final_segment_end_block if boundaries else None,
-        )
-
-    return mask
+def _one_unit_widens(retention: int | None, alignment: int | None, use_eagle: bool) -> bool:
+    """Sparse retention (an interval other than ``None`` and the hit
+    alignment), whatever the drafter."""
+    return retention is not None and retention != alignment
 
 
 def _installed_mask() -> Callable[..., list[bool] | None]:
@@ -106,7 +51,15 @@ def _seed_fix_widened(*, boundaries: bool) -> Iterator[None]:
     """The seed PR's fix with the one-unit widening installed over its mask."""
     original = _installed_mask()
     with seed_pr_fix():
-        wider = _one_unit_wider(_installed_mask(), original, boundaries=boundaries)
+        # ``original`` answers for the wider window, so the seed PR's periodic
+        # widening is not applied twice.
+        wider = widening_mask(
+            _installed_mask(),
+            original,
+            widens=_one_unit_widens,
+            boundaries=boundaries,
+            final_segment=boundaries,
+        )
         with patched(((SlidingWindowManager, "reachable_block_mask", classmethod(wider)),)):
             yield
 

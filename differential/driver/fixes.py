@@ -34,7 +34,14 @@ from vllm.config import SpeculativeConfig
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 
-__all__ = ["FixStatus", "fix_status", "patched", "seed_pr_fix", "union_with_wider_window"]
+__all__ = [
+    "FixStatus",
+    "fix_status",
+    "patched",
+    "seed_pr_fix",
+    "union_with_wider_window",
+    "widening_mask",
+]
 
 _LOCK = threading.RLock()
 
@@ -48,47 +55,80 @@ def _needs_eagle_block_drop(self: SpeculativeConfig) -> bool:
     return _original_needs_drop(self) and not self.use_gemma4_mtp()
 
 
-def _widened_mask(
-    cls: type[SlidingWindowManager],
-    start_block: int,
-    end_block: int,
-    alignment_tokens: int | None,
-    kv_cache_spec: KVCacheSpec,
-    use_eagle: bool,
-    retention_interval: int | None = None,
-    reachable_boundaries: Sequence[int] = (),
-    dcp_world_size: int = 1,
-    final_segment_end_block: int | None = None,
-) -> list[bool] | None:
-    current = _original_mask(
-        cls,
-        start_block,
-        end_block,
-        alignment_tokens,
-        kv_cache_spec,
-        use_eagle,
-        retention_interval,
-        reachable_boundaries,
-        dcp_world_size,
-        final_segment_end_block,
-    )
-    sparse = bool(retention_interval) and retention_interval != alignment_tokens
-    if current is None or not use_eagle or not sparse or alignment_tokens is None:
-        return current
-    return union_with_wider_window(
-        current,
-        _original_mask,
-        cls,
-        start_block,
-        end_block,
-        alignment_tokens,
-        kv_cache_spec,
-        use_eagle,
-        retention_interval,
-        (),  # periodic tails only
-        dcp_world_size,
-        final_segment_end_block,
-    )
+def widening_mask(
+    current: Callable[..., list[bool] | None],
+    original: Callable[..., list[bool] | None],
+    *,
+    widens: Callable[[int | None, int | None, bool], bool],
+    boundaries: bool,
+    final_segment: bool,
+) -> Callable[..., list[bool] | None]:
+    """A ``reachable_block_mask`` whose tails are ``A / B`` blocks wider where ``widens``.
+
+    ``current`` is the mask answered first; where ``widens(retention_interval,
+    alignment_tokens, use_eagle)`` holds, its answer is ORed with
+    ``original``'s (vLLM's own) for a window ``A`` tokens wider
+    (:func:`union_with_wider_window`). ``boundaries``: also widen the
+    replay-boundary and junction tails (``reachable_boundaries``), not only
+    the periodic ones; ``final_segment``: pass ``final_segment_end_block`` on
+    to the wider call (else ``None``).
+    """
+
+    def mask(
+        cls: type[SlidingWindowManager],
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
+        kept = current(
+            cls,
+            start_block,
+            end_block,
+            alignment_tokens,
+            kv_cache_spec,
+            use_eagle,
+            retention_interval,
+            reachable_boundaries,
+            dcp_world_size,
+            final_segment_end_block,
+        )
+        if kept is None or alignment_tokens is None:
+            return kept
+        if not widens(retention_interval, alignment_tokens, use_eagle):
+            return kept
+        return union_with_wider_window(
+            kept,
+            original,
+            cls,
+            start_block,
+            end_block,
+            alignment_tokens,
+            kv_cache_spec,
+            use_eagle,
+            retention_interval,
+            reachable_boundaries if boundaries else (),
+            dcp_world_size,
+            final_segment_end_block if final_segment else None,
+        )
+
+    return mask
+
+
+def _seed_pr_widens(retention: int | None, alignment: int | None, use_eagle: bool) -> bool:
+    """The seed PR widens periodic tails under the EAGLE drop and sparse
+    retention (a positive interval other than the hit alignment)."""
+    return use_eagle and bool(retention) and retention != alignment
+
+
+_widened_mask = widening_mask(
+    _original_mask, _original_mask, widens=_seed_pr_widens, boundaries=False, final_segment=True
+)
 
 
 def union_with_wider_window(
