@@ -63,6 +63,7 @@ from vllm.v1.kv_cache_interface import (
 
 from differential.driver.features import vllm_call
 from differential.driver.settings import _speculative_config
+from differential.driver.specs import spec_for_kind
 from differential.errors import InternalError, ScenarioError
 from differential.models import LayerSpec, ModelDescription
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
@@ -142,30 +143,12 @@ def _layer_spec(model: ModelDescription, layer: LayerSpec, num_spec_tokens: int)
     }
     if layer.tokens_per_state != 1:
         common["tokens_per_state"] = layer.tokens_per_state
-    if layer.kind is GroupKind.SLIDING_WINDOW:
-        return vllm_call(
-            "SlidingWindowSpec",
-            SlidingWindowSpec,
-            sliding_window=layer.sliding_window_tokens,
-            **common,
-        )
-    if layer.kind is GroupKind.SLIDING_WINDOW_MLA:
-        return vllm_call(
-            "SlidingWindowMLASpec",
-            SlidingWindowMLASpec,
-            sliding_window=layer.sliding_window_tokens,
-            **common,
-        )
-    if layer.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
-        return vllm_call(
-            "ChunkedLocalAttentionSpec",
-            ChunkedLocalAttentionSpec,
-            attention_chunk_size=layer.attention_chunk_size_tokens,
-            **common,
-        )
-    if layer.kind is GroupKind.MLA:
-        return vllm_call("MLAAttentionSpec", MLAAttentionSpec, **common)
-    return vllm_call("FullAttentionSpec", FullAttentionSpec, **common)
+    return spec_for_kind(
+        layer.kind,
+        window=layer.sliding_window_tokens,
+        chunk=layer.attention_chunk_size_tokens,
+        **common,
+    )
 
 
 def layer_specs(model: ModelDescription, num_spec_tokens: int = 0) -> dict[str, KVCacheSpec]:

@@ -8,6 +8,7 @@ A new group kind adds its spec here; both driving modes build from it.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -27,7 +28,14 @@ from differential.driver.features import UnsupportedFeature, has, vllm_call
 from differential.driver.settings import ResolvedDrafter
 from differential.scenario import GroupKind, Scenario
 
-__all__ = ["attention_spec", "group_spec", "kv_cache_config", "mamba_spec", "pool_blocks"]
+__all__ = [
+    "attention_spec",
+    "group_spec",
+    "kv_cache_config",
+    "mamba_spec",
+    "pool_blocks",
+    "spec_for_kind",
+]
 
 
 def attention_spec(
@@ -54,11 +62,25 @@ def attention_spec(
     """
     common = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
     if kind.sliding_window_family:
-        assert window is not None
         if has(Feature.EXTRA_RETAINED_TOKENS):
             common["extra_retained_tokens"] = extra_retained
         elif extra_retained:
             raise UnsupportedFeature(Feature.EXTRA_RETAINED_TOKENS)
+    return spec_for_kind(kind, window=window, chunk=chunk, **common)
+
+
+def spec_for_kind(
+    kind: GroupKind, *, window: int | None = None, chunk: int | None = None, **common: Any
+) -> KVCacheSpec:
+    """vLLM's spec class for an attention ``kind``, built with ``common``
+    (block size, heads, head size, dtype, ...) plus the kind's own field:
+    ``window`` tokens for the sliding-window family, ``chunk`` tokens for
+    chunked local attention (vllm/v1/kv_cache_interface.py: full attention
+    ``FullAttentionSpec``, MLA ``MLAAttentionSpec``, sliding window
+    ``SlidingWindowSpec``, sliding-window MLA ``SlidingWindowMLASpec``,
+    chunked local attention ``ChunkedLocalAttentionSpec``)."""
+    if kind.sliding_window_family:
+        assert window is not None
         if kind is GroupKind.SLIDING_WINDOW_MLA:
             return vllm_call(
                 "SlidingWindowMLASpec", SlidingWindowMLASpec, sliding_window=window, **common
