@@ -48,6 +48,25 @@ def _candidate_unexplained(scenario: Scenario) -> list[str]:
 
 @given(scenarios(scale="toy"))
 @example(triton())
+@example(
+    # Found by this test: a marked draft SWA group beside full attention that
+    # skips the drop; vLLM pins full attention's undropped hit as a junction,
+    # which the oracle does not promise (Scenario.pins_junctions).
+    Scenario.from_json(
+        '{"format":"kvfuzz.scenario","version":1,"kv_cache_groups":['
+        '{"kind":"sliding_window","block_size_tokens":2,"sliding_window_tokens":2,'
+        '"is_eagle_group":true},{"kind":"full_attention","block_size_tokens":2},'
+        '{"kind":"full_attention","block_size_tokens":2},'
+        '{"kind":"full_attention","block_size_tokens":2},'
+        '{"kind":"full_attention","block_size_tokens":2}],'
+        '"retention_interval_tokens":0,"drafter":{"kind":"mtp","num_speculative_tokens":1},'
+        '"disable_lookahead_block_hashes":true,"prefill_chunk_tokens":2,"decode_steps":0,'
+        '"shared_prefix_tokens":12,"requests":['
+        '{"name":"writer","divergence_tokens":12,"suffix_tokens":1},'
+        '{"divergence_tokens":11,"suffix_tokens":0},'
+        '{"shares_with":0,"divergence_tokens":8,"suffix_tokens":0}]}'
+    )
+)
 def test_fixed_is_clean_at_toy_scale(scenario: Scenario) -> None:
     assert _unexplained(scenario) == [], scenario.to_json()
 

@@ -432,3 +432,31 @@ def test_junctions_need_a_lagging_attention_type() -> None:
     assert with_fa.pins_junctions
     refs = references(with_fa, drafter_model(with_fa), [0, 0, 0])
     assert [(r.expected_tokens, r.writer) for r in refs][2] == (2, 1)
+
+
+def test_no_junction_is_promised_where_full_attention_skips_the_drop() -> None:
+    # A marked draft SWA group takes the EAGLE drop, the full-attention groups
+    # do not: vLLM pins full attention's undropped hit, which kvfuzz does not
+    # model, so it promises no junction there (found by the fixed-variant
+    # property test: SWA 2 is_eagle_group + 4 x FA 2, retention 0, MTP).
+    swa = KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 2, is_eagle_group=True)
+    full = KVCacheGroup(GroupKind.FULL_ATTENTION, 2)
+    scenario = Scenario(
+        kv_cache_groups=(swa, full, full, full, full),
+        requests=(
+            RequestSpec(12, 1, name="writer"),
+            RequestSpec(11, 0),
+            RequestSpec(8, 0, shares_with=0),
+        ),
+        shared_prefix_tokens=12,
+        retention_interval_tokens=0,
+        drafter=Drafter(DrafterKind.MTP, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=2,
+    )
+    assert scenario.drop_applies and not scenario.pins_junctions
+    # Unmarked, every group drops (the coordinator's fallback): junctions again.
+    fallback = dataclasses.replace(
+        scenario, kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 2), full)
+    )
+    assert fallback.pins_junctions
