@@ -24,7 +24,9 @@ A root cause is *new* when no known vLLM issue explains it and no scenario of
 the known corpus (``known_corpus``, e.g. ``corpora``) shows it; the summary
 lists new root causes before known ones.
 
-Ctrl-C stops after the current scenario and keeps everything found so far.
+Ctrl-C or SIGTERM (under :func:`fuzz.lifetime.stop_on_signals`) stops after the
+current scenario, stops a running background shrink, and keeps everything
+found so far.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import os
 import random
 import time
 from collections import Counter
@@ -52,6 +55,7 @@ from differential.known import KNOWN_ISSUES
 from differential.scenario import DriveMode, GroupKind, Scenario
 from differential.triage import Role, RootCause, Triaged, triage
 from differential.variants import Variant
+from fuzz.lifetime import die_with_parent, stop_requested, terminate_pool
 from fuzz.progress import CampaignStats, Progress
 from fuzz.signature import Signature, coverage_keys, signature_of
 from fuzz.target import FindingRaised, build_target
@@ -443,7 +447,10 @@ class Campaign:
             return
         if self._shrinker is None:
             self._shrinker = ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn")
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=die_with_parent,
+                initargs=(os.getpid(),),
             )
         self._shrinks[record.root_cause] = self._shrinker.submit(
             shrink_root_cause,
@@ -624,6 +631,9 @@ class Campaign:
                     break
                 if config.seconds is not None and self.stats.elapsed_s >= config.seconds:
                     break
+                if stop_requested():  # a signal whose KeyboardInterrupt was swallowed
+                    self.interrupted = True
+                    break
                 buffer = rng.randbytes(rng.choice(_BUFFER_SIZES))
                 with contextlib.suppress(FindingRaised):
                     target.hypothesis.fuzz_one_input(buffer)
@@ -634,13 +644,13 @@ class Campaign:
             self._fuzzed_s = self.stats.elapsed_s
             if self._shrinker is not None:
                 if self.interrupted:
-                    self._shrinker.shutdown(wait=False, cancel_futures=True)
+                    terminate_pool(self._shrinker)  # else exit waits for a running shrink
                 else:
                     if progress is not None and self._shrinks:
                         progress.note(f"waiting for {len(self._shrinks)} background shrink(s)")
                     with contextlib.suppress(KeyboardInterrupt):
                         self._collect_shrinks(wait=True)
-                    self._shrinker.shutdown(wait=False, cancel_futures=True)
+                    terminate_pool(self._shrinker)  # what outlived its budget
             self._write_summary()
             if progress is not None:
                 progress.tick(force=True)

@@ -18,69 +18,29 @@ campaign's exit code says kvfuzz failed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import math
 import multiprocessing
 import os
-import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from differential.corpus import write_atomic
 from fuzz.campaign import CampaignConfig, fix_cost_entries, run_campaign
+from fuzz.lifetime import EXIT_WORKER_FAILED, die_with_parent, stop_on_signals
 
 __all__ = [
-    "die_with_parent",
     "merge_summaries",
     "run_parallel",
-    "stop_on_signals",
     "worker_configs",
 ]
 
-EXIT_WORKER_FAILED = 3
 _STOP_GRACE_S = 3.0  # how long stopped workers get to save their summaries
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to send this process SIGTERM when its parent dies.
-
-    No-op elsewhere. Exits at once if the parent is already gone.
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(EXIT_WORKER_FAILED)
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """SIGTERM is handled like Ctrl-C: the first SIGINT or SIGTERM raises
-    ``KeyboardInterrupt``; later ones are ignored, so saving what was found
-    is not itself interrupted."""
-    stopping = False
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def worker_configs(config: CampaignConfig, jobs: int) -> list[CampaignConfig]:

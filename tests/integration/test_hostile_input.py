@@ -8,6 +8,7 @@ happened, and nothing already found lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,7 +25,8 @@ from differential.compare import compare_variants
 from differential.corpus import load_entry
 from differential.driver import VLLM_VERSION
 from differential.variants import parse_variants
-from fuzz.campaign import finding_document
+from fuzz.campaign import Campaign, CampaignConfig, finding_document
+from fuzz.lifetime import stop_on_signals
 from fuzz.signature import signature_of
 from tests.factories import CORPORA, ROOT, kvfuzz_cli
 
@@ -54,16 +56,66 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _spawned(pid: int, generation: int) -> set[int]:
+    """``multiprocessing`` spawn children (not its resource trackers) ``generation``
+    levels below ``pid``: 1 for children, 2 for grandchildren."""
+    level = {pid}
+    for _ in range(generation):
+        level = {child for parent in level for child in _children(parent)}
+    spawned = set()
+    for child in level:
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                spawned.add(child)
+    return spawned
+
+
+def _descendants(pid: int) -> set[int]:
+    """Children, grandchildren and so on of ``pid``, from /proc."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in _children(todo.pop()) - found:
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+# With a known corpus of one clean scenario and a mutant, root causes are new
+# at once, so a background shrink is running (120 s box) when the signal arrives.
+_SHRINKING = (
+    "--variants",
+    "unfixed,mutant-double-drop",
+    "--shrink-seconds",
+    "120",
+    "--known-corpus",
+    str(CORPORA / "cases" / "unit-below-replay-boundary-near-miss.json"),
+)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize(
-    ("jobs", "signum"),
-    [(2, signal.SIGTERM), (2, signal.SIGINT), (1, signal.SIGTERM)],
-    ids=["jobs2-sigterm", "jobs2-sigint-to-parent-only", "jobs1-sigterm"],
+    ("jobs", "signum", "shrinking"),
+    [
+        (2, signal.SIGTERM, False),
+        (2, signal.SIGINT, False),
+        (1, signal.SIGTERM, False),
+        (1, signal.SIGTERM, True),
+        (2, signal.SIGTERM, True),
+    ],
+    ids=[
+        "jobs2-sigterm",
+        "jobs2-sigint-to-parent-only",
+        "jobs1-sigterm",
+        "jobs1-sigterm-while-shrinking",
+        "jobs2-sigterm-while-shrinking",
+    ],
 )
 def test_signal_stops_every_worker_and_keeps_the_reports(
-    tmp_path: Path, jobs: int, signum: int
+    tmp_path: Path, jobs: int, signum: int, shrinking: bool
 ) -> None:
     out = tmp_path / "out"
+    extra = _SHRINKING if shrinking else ()
     parent = subprocess.Popen(
         [
             sys.executable,
@@ -78,6 +130,7 @@ def test_signal_stops_every_worker_and_keeps_the_reports(
             "--quiet",
             "--out",
             str(out),
+            *extra,
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -85,23 +138,31 @@ def test_signal_stops_every_worker_and_keeps_the_reports(
         text=True,
         start_new_session=True,  # a signal to the parent only, not to its group
     )
+    # Every process the campaign started: workers, and shrinkers (the
+    # parent's children with one job, the workers' children with two).
+    started: set[int] = set()
     try:
         deadline = time.monotonic() + 240
-        while not list((out / "findings").glob("*.json")):
+        # A shrinker is the parent's spawn child with one job, a worker's with two.
+        while not list((out / "findings").glob("*.json")) or (
+            shrinking and len(_spawned(parent.pid, 1 if jobs == 1 else 2)) < jobs
+        ):
             assert parent.poll() is None, parent.communicate()
-            assert time.monotonic() < deadline, "no finding within 240 s"
+            assert time.monotonic() < deadline, "no finding (or no shrink) within 240 s"
             time.sleep(0.5)
-        children = _children(parent.pid)
+        started = _descendants(parent.pid)
         if jobs > 1:
-            assert len(children) >= jobs
+            assert len(_children(parent.pid)) >= jobs
         os.kill(parent.pid, signum)
         killed = time.monotonic()
         stdout, stderr = parent.communicate(timeout=30)
         time.sleep(max(0.0, killed + 5.0 - time.monotonic()))
-        assert not [pid for pid in children if _alive(pid)], "workers outlived the campaign"
+        assert not [pid for pid in started if _alive(pid)], "processes outlived the campaign"
     finally:
-        if parent.poll() is None:
-            parent.kill()
+        for pid in [parent.pid, *started]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.communicate()  # reaps the parent and closes its pipes
     assert parent.returncode in (0, 1), stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["failed_jobs"] == []
@@ -110,6 +171,8 @@ def test_signal_stops_every_worker_and_keeps_the_reports(
     report = (out / "report.md").read_text()
     assert f"{summary['examples']} scenarios" in report
     assert "[interrupted]" in stdout
+    if shrinking and jobs == 1:  # signalled as the first shrink started: stopped, not awaited
+        assert not list((out / "shrunk").glob("*.json"))
 
 
 def test_campaign_whose_workers_die_exits_3(tmp_path: Path) -> None:
@@ -253,3 +316,24 @@ def test_atheris_instruments_vllm_core_from_a_fresh_clone(tmp_path: Path) -> Non
         assert f"vllm.v1.core.{module}" in listed
     covs = [int(c) for c in re.findall(r"cov: (\d+)", proc.stderr)]
     assert covs and max(covs) >= 10 * 33, covs  # 33: kvfuzz's own modules only
+
+
+def test_campaign_stops_on_a_signal_whose_interrupt_was_swallowed(tmp_path: Path) -> None:
+    """Code that swallows the handler's ``KeyboardInterrupt`` (a ``__del__``, a
+    broad ``except``) does not keep the campaign running: the loop polls
+    :func:`fuzz.lifetime.stop_requested`."""
+    config = CampaignConfig(
+        out=tmp_path,
+        variants=parse_variants("unfixed,fixed"),
+        seed=3,
+        seconds=None,
+        max_examples=200,
+        dense_cross_check=False,
+    )
+    with stop_on_signals():
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+        summary = Campaign(config).run()
+    assert summary["interrupted"] is True
+    assert summary["examples"] == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["interrupted"] is True
