@@ -6,8 +6,11 @@ not its ``--jobs`` workers, not the background shrinker's process.
 
 - :func:`stop_on_signals` turns the first SIGINT or SIGTERM into
   ``KeyboardInterrupt`` and records the request, so a loop that polls
-  :func:`stop_requested` still stops when the exception was swallowed (Python
-  ignores exceptions raised while a ``__del__`` or weakref callback runs).
+  :func:`stop_requested` still stops when the exception was swallowed: Python
+  drops exceptions raised while a ``__del__``, weakref or ``gc`` callback
+  runs, and Hypothesis installs a ``gc`` callback
+  (``hypothesis/internal/conjecture/junkdrawer.py``, ``gc_cumulative_time``)
+  that swallowed a SIGTERM in about one campaign in twenty.
 - :func:`die_with_parent` (a ``multiprocessing`` initializer or first call)
   asks Linux to SIGTERM the process when its parent dies.
 - :func:`terminate_pool` stops a ``ProcessPoolExecutor`` now, running work

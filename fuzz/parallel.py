@@ -32,7 +32,7 @@ from typing import Any
 
 from differential.corpus import write_atomic
 from fuzz.campaign import CampaignConfig, fix_cost_entries, run_campaign
-from fuzz.lifetime import EXIT_WORKER_FAILED, die_with_parent, stop_on_signals
+from fuzz.lifetime import EXIT_WORKER_FAILED, die_with_parent, stop_on_signals, stop_requested
 
 __all__ = [
     "merge_summaries",
@@ -267,6 +267,8 @@ def run_parallel(
             shown = time.monotonic()
             while any(w.is_alive() for w in workers):
                 time.sleep(0.25)
+                if stop_requested():  # a signal whose KeyboardInterrupt was swallowed
+                    raise KeyboardInterrupt
                 if not quiet and time.monotonic() - shown >= 2.0:
                     shown = time.monotonic()
                     partial = _read(paths)
