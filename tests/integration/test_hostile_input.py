@@ -323,14 +323,7 @@ def test_campaign_stops_on_a_signal_whose_interrupt_was_swallowed(tmp_path: Path
     campaign running: the loop polls :func:`fuzz.lifetime.stop_requested`.
     (Hypothesis's ``gc`` callback swallowed one in about one SIGTERMed
     campaign in twenty, which then ran out its whole time budget.)"""
-    config = CampaignConfig(
-        out=tmp_path,
-        variants=parse_variants("unfixed,fixed"),
-        seed=3,
-        seconds=None,
-        max_examples=200,
-        dense_cross_check=False,
-    )
+    config = CampaignConfig(out=tmp_path, variants=parse_variants("unfixed"), seed=3)
     with stop_on_signals():
         with contextlib.suppress(KeyboardInterrupt):
             signal.raise_signal(signal.SIGTERM)
