@@ -11,21 +11,27 @@ and ``get_computed_blocks``, ``vllm/v1/core/kv_cache_utils.py``
 :func:`vllm_call` marks a call into vLLM: an exception raised inside it is
 vLLM's (a ``crash`` finding naming the call); any other exception in the
 driver is kvfuzz's own failure (:class:`~differential.errors.InternalError`).
+:func:`classified_run` sorts the exception that ends a driven run into those
+classes, the same way for every driving mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from differential.capabilities import DESCRIPTIONS, Feature
 from differential.errors import InternalError
 
 __all__ = [
+    "RunEnd",
     "UnsupportedFeature",
     "VllmCallError",
+    "classified_run",
     "describe",
     "detect",
     "has",
@@ -75,6 +81,57 @@ def vllm_call(call: str, function: Callable[P, T], *args: P.args, **kwargs: P.kw
         raise
     except Exception as exc:
         raise VllmCallError(call, exc) from exc
+
+
+@dataclass
+class RunEnd:
+    """How a driven run ended, filled in by :func:`classified_run`.
+
+    Attributes:
+        phase: one item, what the driver is doing; the driver updates
+            ``phase[0]`` as it goes, and errors name it.
+        error: ``"<phase>: <vLLM call>: <exception>"`` when vLLM raised (the
+            run's ``crash`` finding); ``None`` otherwise.
+        unsupported: what the running vLLM lacks, when the scenario needs it
+            and nothing could run; ``None`` otherwise.
+    """
+
+    phase: list[str]
+    error: str | None = None
+    unsupported: str | None = None
+
+
+@contextlib.contextmanager
+def classified_run(driver: str, phase: list[str], vllm_version: str) -> Iterator[RunEnd]:
+    """Run a driving mode's body and sort out the exception that ends it.
+
+    :class:`UnsupportedFeature` sets ``unsupported``; :class:`VllmCallError`
+    (vLLM raised) sets ``error``; both end the block normally, so the caller
+    returns what ran.
+
+    Args:
+        driver: the driver's name in messages, e.g. ``"scheduler-mode driver"``.
+        phase: the driver's phase cell (see :attr:`RunEnd.phase`).
+        vllm_version: the running vLLM's version, for messages.
+
+    Raises:
+        InternalError: any other exception: kvfuzz's driver failed (never a
+            finding), naming the phase.
+    """
+    end = RunEnd(phase)
+    try:
+        yield end
+    except UnsupportedFeature as missing:
+        end.unsupported = describe(missing.feature)
+    except VllmCallError as exc:  # vLLM raised: a finding, not our failure.
+        end.error = f"{phase[0]}: {exc}"
+    except InternalError:
+        raise
+    except Exception as exc:  # kvfuzz's driver failed: never a finding.
+        raise InternalError(
+            f"the {driver} failed at {phase[0]!r} on vLLM {vllm_version}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def parameters(function: Callable[..., object]) -> frozenset[str]:

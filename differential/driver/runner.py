@@ -66,8 +66,7 @@ from differential.capabilities import Feature
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import (
     UnsupportedFeature,
-    VllmCallError,
-    describe,
+    classified_run,
     has,
     parameters,
     vllm_call,
@@ -606,8 +605,7 @@ def run_scenario(
     phase = ["resolve drafter settings"]
     observed: list[RequestObservation] = []
     d: _Driver | None = None
-    error: str | None = None
-    try:
+    with classified_run("driver", phase, VLLM_VERSION) as outcome:
         d = _build(
             scenario,
             retention,
@@ -626,30 +624,22 @@ def run_scenario(
             _sample(d, index, scenario.decode_steps, found.request)
             phase[0] = f"request {index}: free"
             observed.append(_free(d, index, found, unsafe_writes))
-    except UnsupportedFeature as missing:
+    if outcome.unsupported is not None:
         return RunObservation(
             variant=variant,
             vllm_version=VLLM_VERSION,
             settings=None,
             requests=(),
             retention_interval_tokens=retention,
-            unsupported=describe(missing.feature),
+            unsupported=outcome.unsupported,
         )
-    except VllmCallError as exc:  # vLLM raised: a finding, not our failure.
-        error = f"{phase[0]}: {exc}"
-    except InternalError:
-        raise
-    except Exception as exc:  # kvfuzz's driver failed: never a finding.
-        raise InternalError(
-            f"the driver failed at {phase[0]!r} on vLLM {VLLM_VERSION}: {type(exc).__name__}: {exc}"
-        ) from exc
     return RunObservation(
         variant=variant,
         vllm_version=VLLM_VERSION,
         settings=None if d is None else d.settings,
         requests=tuple(observed),
         evicted_blocks=0 if d is None else d.evicted,
-        error=error,
+        error=outcome.error,
         retention_interval_tokens=retention,
         blocks_recorded=d is not None and d.ledger is not None,
     )

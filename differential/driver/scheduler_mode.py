@@ -54,7 +54,7 @@ from functools import cache
 from typing import Any
 
 from differential.driver import runner
-from differential.driver.features import UnsupportedFeature, VllmCallError, describe, vllm_call
+from differential.driver.features import classified_run, vllm_call
 from differential.driver.runner import UNSET, resolve_retention
 from differential.driver.settings import ResolvedDrafter, _speculative_config, resolve_drafter
 from differential.driver.specs import kv_cache_config, pool_blocks
@@ -268,7 +268,6 @@ def run_scheduler_scenario(
     """
     retention = resolve_retention(scenario, retention_interval_tokens)
     phase = ["resolve drafter settings"]
-    error: str | None = None
     observed: list[RequestObservation] = []
     settings = None
     evicted = 0
@@ -278,7 +277,7 @@ def run_scheduler_scenario(
     cached_blocks = 0
     pool = 0
     steps = 0
-    try:
+    with classified_run("scheduler-mode driver", phase, runner.VLLM_VERSION) as outcome:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
         from vllm.v1.structured_output import StructuredOutputManager
@@ -477,32 +476,23 @@ def run_scheduler_scenario(
             )
         phase[0] = "count unreachable cached blocks"
         unreachable, cached_blocks = _unreachable(scenario, manager, requests)
-    except UnsupportedFeature as missing:
+    if outcome.unsupported is not None:
         return RunObservation(
             variant=variant,
             vllm_version=runner.VLLM_VERSION,
             settings=None,
             requests=(),
             retention_interval_tokens=retention,
-            unsupported=describe(missing.feature),
+            unsupported=outcome.unsupported,
             mode="scheduler",
         )
-    except VllmCallError as exc:
-        error = f"{phase[0]}: {exc}"
-    except InternalError:
-        raise
-    except Exception as exc:  # kvfuzz's driver failed: never a finding.
-        raise InternalError(
-            f"the scheduler-mode driver failed at {phase[0]!r} on vLLM "
-            f"{runner.VLLM_VERSION}: {type(exc).__name__}: {exc}"
-        ) from exc
     return RunObservation(
         variant=variant,
         vllm_version=runner.VLLM_VERSION,
         settings=settings,
         requests=tuple(observed),
         evicted_blocks=evicted,
-        error=error,
+        error=outcome.error,
         retention_interval_tokens=retention,
         mode="scheduler",
         pool_blocks=pool,
