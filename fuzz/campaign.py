@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -463,15 +463,19 @@ class Campaign:
         )
 
     def _collect_shrinks(self, *, wait: bool) -> None:
-        """Note finished background shrinks; with ``wait``, wait for the rest (bounded)."""
+        """Note finished background shrinks; with ``wait``, wait for the rest
+        (each for its time box plus a minute, until a stop is requested)."""
         budget = (self.config.shrink_seconds or 0.0) + 60.0  # + importing vLLM once
         for cause, future in list(self._shrinks.items()):
-            if not wait and not future.done():
+            deadline = time.monotonic() + budget
+            while wait and not future.done() and time.monotonic() < deadline:
+                if stop_requested():
+                    return
+                futures_wait([future], timeout=0.5)
+            if not future.done():
                 continue
             try:
-                path = future.result(timeout=budget if wait else 0)
-            except FutureTimeout:
-                continue
+                path = future.result()
             except Exception as exc:  # the shrink's own failure must not lose the campaign
                 if self._progress is not None:
                     self._progress.note(f"shrinking {cause.text} failed: {exc!r}")
