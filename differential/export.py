@@ -31,6 +31,38 @@ _METHOD = {
     DrafterKind.NGRAM: ("ngram", None, 1),
 }
 
+# The generated helper both exported tests share (this module's and
+# differential/export_engine.py's), filled in by speculative_config_source.
+_SPECULATIVE_CONFIG = '''\
+def _speculative_config():
+    """A real SpeculativeConfig, its validators (which load the draft model)
+    skipped; None without a drafter."""
+    method, model_type = {method!r}, {model_type!r}
+    if method is None:
+        return None
+    spec = object.__new__(SpeculativeConfig)
+    draft = None
+    if model_type is not None:
+        draft = SimpleNamespace(
+            model="draft",
+            architectures=[],
+            hf_config=SimpleNamespace(
+                model_type=model_type, num_nextn_predict_layers={modules}, sample_from_anchor=True
+            ),
+        )
+    for name, value in dict(
+        method=method,
+        num_speculative_tokens={num_spec},
+        num_speculative_tokens_per_batch_size=None,
+        disable_eagle_block_drop={disable_drop},
+        disable_lookahead_block_hashes={disable_lookahead},
+        parallel_drafting=False,
+        draft_model_config=draft,
+    ).items():
+        object.__setattr__(spec, name, value)
+    return spec
+'''
+
 _TEMPLATE = '''\
 # SPDX-License-Identifier: Apache-2.0
 """{title}
@@ -61,34 +93,12 @@ from vllm.v1.request import Request, RequestStatus
 init_none_hash(sha256)
 
 
+{speculative_config}
+
 def _drafter_settings():
     """(use_eagle, num_hash_lookahead_tokens, num_lookahead_tokens,
     num_prefill_lookahead) as vLLM's config code resolves them."""
-    spec = None
-    method, model_type = {method!r}, {model_type!r}
-    if method is not None:
-        spec = object.__new__(SpeculativeConfig)
-        draft = None
-        if model_type is not None:
-            draft = SimpleNamespace(
-                model="draft",
-                architectures=[],
-                hf_config=SimpleNamespace(
-                    model_type=model_type,
-                    num_nextn_predict_layers={modules},
-                    sample_from_anchor=True,
-                ),
-            )
-        for name, value in dict(
-            method=method,
-            num_speculative_tokens={num_spec},
-            num_speculative_tokens_per_batch_size=None,
-            disable_eagle_block_drop={disable_drop},
-            disable_lookahead_block_hashes={disable_lookahead},
-            parallel_drafting=False,
-            draft_model_config=draft,
-        ).items():
-            object.__setattr__(spec, name, value)
+    spec = _speculative_config()
     config = object.__new__(VllmConfig)
     connector = (
         KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
@@ -198,6 +208,28 @@ def {name}():
 
 {assertion}
 '''
+
+
+def _speculative_config_source(scenario: Scenario) -> str:
+    """The generated ``_speculative_config()`` helper for ``scenario``'s drafter."""
+    method, model_type, modules = _METHOD.get(scenario.drafter.kind, (None, None, 1))
+    return _SPECULATIVE_CONFIG.format(
+        method=method,
+        model_type=model_type,
+        modules=scenario.drafter.num_speculative_tokens if modules is None else modules,
+        num_spec=scenario.drafter.num_speculative_tokens,
+        disable_drop=scenario.disable_eagle_block_drop,
+        disable_lookahead=scenario.disable_lookahead_block_hashes,
+    )
+
+
+def _layout_text(scenario: Scenario) -> str:
+    """The KV cache groups in words, for a docstring: ``full_attention block 16, ...``."""
+    return ", ".join(
+        f"{g.kind.value} block {g.block_size_tokens}"
+        + (f" window {g.sliding_window_tokens}" if g.sliding_window_tokens else "")
+        for g in scenario.kv_cache_groups
+    )
 
 
 def _groups(scenario: Scenario) -> str:
@@ -329,7 +361,6 @@ def export_test(
         )
     elif fixed_hit_tokens is not None and fixed_hit_tokens < expected:
         expectation += f" With the fix: {fixed_hit_tokens}, so this test fails with the fix too."
-    method, model_type, modules = _METHOD.get(scenario.drafter.kind, (None, None, 1))
     longest = max(r.prompt_tokens for r in scenario.requests)
     num_blocks = 16 + sum(
         (
@@ -342,14 +373,9 @@ def export_test(
         for r in scenario.requests
         for g in scenario.kv_cache_groups
     )
-    groups = ", ".join(
-        f"{g.kind.value} block {g.block_size_tokens}"
-        + (f" window {g.sliding_window_tokens}" if g.sliding_window_tokens else "")
-        for g in scenario.kv_cache_groups
-    )
     geometry = (
-        f"{groups}; hit alignment {scenario.effective_hit_alignment_tokens}; retention "
-        f"{scenario.retention_interval_tokens}; drafter {scenario.drafter.kind.value} "
+        f"{_layout_text(scenario)}; hit alignment {scenario.effective_hit_alignment_tokens}; "
+        f"retention {scenario.retention_interval_tokens}; drafter {scenario.drafter.kind.value} "
         f"x{scenario.drafter.num_speculative_tokens}"
     )
     shapes = [(r.shares_with, r.divergence_tokens, r.suffix_tokens) for r in scenario.requests]
@@ -358,12 +384,7 @@ def export_test(
         signature=signature,
         geometry=geometry,
         expectation=expectation,
-        method=method,
-        model_type=model_type,
-        modules=scenario.drafter.num_speculative_tokens if modules is None else modules,
-        num_spec=scenario.drafter.num_speculative_tokens,
-        disable_drop=scenario.disable_eagle_block_drop,
-        disable_lookahead=scenario.disable_lookahead_block_hashes,
+        speculative_config=_speculative_config_source(scenario),
         kv_connector=scenario.kv_connector,
         name=_test_name(name),
         groups=_groups(scenario),

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from differential.errors import ScenarioError
-from differential.export import _METHOD, _groups, _test_name
+from differential.export import _groups, _layout_text, _speculative_config_source, _test_name
 from differential.findings import Finding, FindingKind
 from differential.scenario import Scenario
 
@@ -66,34 +66,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 init_none_hash(sha256)
 
 
-def _speculative_config():
-    """A real SpeculativeConfig, its validators (which load the draft model)
-    skipped; None without a drafter."""
-    method, model_type = {method!r}, {model_type!r}
-    if method is None:
-        return None
-    spec = object.__new__(SpeculativeConfig)
-    draft = None
-    if model_type is not None:
-        draft = SimpleNamespace(
-            model="draft",
-            architectures=[],
-            hf_config=SimpleNamespace(
-                model_type=model_type, num_nextn_predict_layers={modules}, sample_from_anchor=True
-            ),
-        )
-    for name, value in dict(
-        method=method,
-        num_speculative_tokens={num_spec},
-        num_speculative_tokens_per_batch_size=None,
-        disable_eagle_block_drop={disable_drop},
-        disable_lookahead_block_hashes={disable_lookahead},
-        parallel_drafting=False,
-        draft_model_config=draft,
-    ).items():
-        object.__setattr__(spec, name, value)
-    return spec
-
+{speculative_config}
 
 def _tokens(runs):
     """Token ids from (first, count) runs of consecutive ids."""
@@ -281,19 +254,13 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
             "kv_connector", True, "false for a scheduler-mode export (kvfuzz's own connector)"
         )
     check, expectation = _assertion(scenario, finding)
-    method, model_type, modules = _METHOD.get(scenario.drafter.kind, (None, None, 1))
     longest = max(r.prompt_tokens for r in scenario.requests)
     max_model_len = (
         longest + scenario.decode_steps + 3 * scenario.drafter.num_speculative_tokens + 2
     )
-    groups = ", ".join(
-        f"{g.kind.value} block {g.block_size_tokens}"
-        + (f" window {g.sliding_window_tokens}" if g.sliding_window_tokens else "")
-        for g in scenario.kv_cache_groups
-    )
     w = scenario.workload
     geometry = (
-        f"{groups}; retention {scenario.retention_interval_tokens}; drafter "
+        f"{_layout_text(scenario)}; retention {scenario.retention_interval_tokens}; drafter "
         f"{scenario.drafter.kind.value} x{scenario.drafter.num_speculative_tokens}; pool "
         f"{w.pool_blocks} blocks; {len(scenario.requests)} requests"
     )
@@ -304,12 +271,8 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         signature=signature,
         geometry=geometry,
         expectation=expectation,
-        method=method,
-        model_type=model_type,
-        modules=scenario.drafter.num_speculative_tokens if modules is None else modules,
+        speculative_config=_speculative_config_source(scenario),
         num_spec=scenario.drafter.num_speculative_tokens,
-        disable_drop=scenario.disable_eagle_block_drop,
-        disable_lookahead=scenario.disable_lookahead_block_hashes,
         name=_test_name(name),
         max_model_len=max_model_len,
         scheduler_block_size=scenario.scheduler_block_size_tokens,
