@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
-from vllm.config.kv_transfer import KVTransferConfig
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -62,7 +61,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from differential.driver.features import vllm_call
-from differential.driver.settings import _speculative_config
+from differential.driver.settings import _kv_transfer_config, _speculative_config
 from differential.driver.specs import spec_for_kind
 from differential.errors import InternalError, ScenarioError
 from differential.models import LayerSpec, ModelDescription
@@ -184,16 +183,7 @@ def _vllm_config(model: ModelDescription, settings: Scenario) -> VllmConfig:
             "SchedulerConfig", SchedulerConfig, max_model_len=1 << 20, is_encoder_decoder=False
         ),
         "speculative_config": _speculative_config(settings),
-        "kv_transfer_config": (
-            vllm_call(
-                "KVTransferConfig",
-                KVTransferConfig,
-                kv_connector="ExampleConnector",
-                kv_role="kv_both",
-            )
-            if settings.kv_connector
-            else None
-        ),
+        "kv_transfer_config": _kv_transfer_config(settings.kv_connector),
         "attention_config": None,
         "diffusion_config": None,
         "model_config": SimpleNamespace(supports_kv_cache_grouping=False),

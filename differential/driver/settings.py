@@ -100,6 +100,16 @@ def _speculative_config(scenario: Scenario) -> SpeculativeConfig | None:
     return config
 
 
+def _kv_transfer_config(kv_connector: bool) -> KVTransferConfig | None:
+    """vLLM's ``KVTransferConfig`` for a scenario with a KV connector (its
+    bundled ``ExampleConnector``, both roles), else ``None``."""
+    if not kv_connector:
+        return None
+    return vllm_call(
+        "KVTransferConfig", KVTransferConfig, kv_connector="ExampleConnector", kv_role="kv_both"
+    )
+
+
 def resolve_drafter(scenario: Scenario) -> ResolvedDrafter:
     """Ask vLLM's config classes how the scenario's drafter reaches the manager.
 
@@ -113,16 +123,7 @@ def resolve_drafter(scenario: Scenario) -> ResolvedDrafter:
     view = {
         "speculative_config": speculative,
         "cache_config": vllm_call("CacheConfig", CacheConfig, enable_prefix_caching=True),
-        "kv_transfer_config": (
-            vllm_call(
-                "KVTransferConfig",
-                KVTransferConfig,
-                kv_connector="ExampleConnector",
-                kv_role="kv_both",
-            )
-            if scenario.kv_connector
-            else None
-        ),
+        "kv_transfer_config": _kv_transfer_config(scenario.kv_connector),
         "diffusion_config": None,
     }
     for name, value in view.items():
