@@ -201,6 +201,24 @@ def _cache_map(scenario: Scenario, manager: KVCacheManager, request: Request) ->
     return tuple(maps)
 
 
+def _per_group_hits(scenario: Scenario, coordinator: Any, request: Request) -> tuple[int, ...]:
+    """Each group's longest cache hit for ``request``, in tokens, in group order;
+    ``()`` where the coordinator has no ``find_longest_cache_hit_per_group``.
+
+    Diagnostic only (vLLM's scheduler calls it just for connectors on Mamba
+    hybrids): capped at the hashed tokens, which lookahead hashes make
+    shorter than the prompt, as the combined lookup's full-attention bound
+    is (vllm/v1/core/kv_cache_coordinator.py).
+    """
+    if not hasattr(coordinator, "find_longest_cache_hit_per_group"):
+        return ()
+    hashed = len(request.block_hashes) * scenario.effective_hash_block_size_tokens
+    _, found = coordinator.find_longest_cache_hit_per_group(
+        request.block_hashes, min(request.num_tokens - 1, hashed)
+    )
+    return tuple(found)
+
+
 def _blocks_per_group(keys: Counter[bytes], num_groups: int) -> list[int]:
     counts = [0] * num_groups
     for key, n in keys.items():
@@ -361,20 +379,13 @@ def _lookup(d: _Driver, index: int, prompt: Sequence[int]) -> _Lookup:
     before = _cached_keys(manager)
     _new_step(manager)
     cache_map = _cache_map(scenario, manager, request) if d.record_cache_map else ()
-    if hasattr(coordinator, "find_longest_cache_hit_per_group"):
-        # Diagnostic only (the scheduler calls it just for connectors
-        # on Mamba hybrids): cap at the hashed tokens, which lookahead
-        # hashes make shorter than the prompt, as the combined lookup's
-        # full-attention bound does.
-        hashed = len(request.block_hashes) * scenario.effective_hash_block_size_tokens
-        _, per_group = vllm_call(
-            "KVCacheCoordinator.find_longest_cache_hit_per_group",
-            coordinator.find_longest_cache_hit_per_group,
-            request.block_hashes,
-            min(request.num_tokens - 1, hashed),
-        )
-    else:
-        per_group = ()
+    per_group = vllm_call(
+        "KVCacheCoordinator.find_longest_cache_hit_per_group",
+        _per_group_hits,
+        scenario,
+        coordinator,
+        request,
+    )
     with trace_lookups(coordinator) as traced:
         lookup = vllm_call(
             "KVCacheManager.get_computed_blocks", manager.get_computed_blocks, request

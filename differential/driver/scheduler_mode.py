@@ -211,14 +211,7 @@ def _record_lookups(
         except Exception as exc:  # kvfuzz's own failure
             failures.append(exc)
             return real(request, *args, **kwargs)
-        per_group: tuple[int, ...] = ()
-        if hasattr(coordinator, "find_longest_cache_hit_per_group"):
-            # Diagnostic only, as in manager mode (a vLLM call).
-            hashed = len(request.block_hashes) * scenario.effective_hash_block_size_tokens
-            _, found = coordinator.find_longest_cache_hit_per_group(
-                request.block_hashes, min(request.num_tokens - 1, hashed)
-            )
-            per_group = tuple(found)
+        per_group = runner._per_group_hits(scenario, coordinator, request)  # diagnostic only
         with trace_lookups(coordinator) as traced:
             result = real(request, *args, **kwargs)
         hit = result[1]
