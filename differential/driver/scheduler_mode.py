@@ -232,6 +232,146 @@ def _record_lookups(
     manager.get_computed_blocks = get_computed_blocks
 
 
+def _arrive(
+    scheduler: Any,
+    requests: list[Any],
+    arrival_steps: tuple[int, ...] | None,
+    added: int,
+    step: int,
+    phase: list[str],
+) -> int:
+    """Add the requests that arrive at ``step``: by their arrival step, or
+    (``arrival_steps`` ``None``: sequential) the next one when the engine is
+    empty. Returns how many requests have been added in all."""
+    while added < len(requests):
+        if arrival_steps is None:
+            if scheduler.get_num_unfinished_requests():
+                break
+        elif arrival_steps[added] > step:
+            break
+        phase[0] = f"step {step}: add_request req-{added}"
+        vllm_call("Scheduler.add_request", scheduler.add_request, requests[added])
+        added += 1
+        if arrival_steps is None:
+            break
+    return added
+
+
+class _ModelRunner:
+    """kvfuzz in the model runner's place: what each scheduled request samples
+    and drafts after a ``schedule()`` (see the module docstring)."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.accepted = scenario.workload.accepted_drafts
+        # Drafts handed back per request (none when the workload accepts none).
+        self.num_spec = scenario.drafter.num_speculative_tokens if self.accepted else 0
+        self.decode_count = 0
+
+    def step(
+        self, scheduler: Any, out: Any, index_of: dict[str, int]
+    ) -> tuple[list[list[int]], list[list[int]], list[str]]:
+        """(sampled token ids, next drafts, timeline events), one each per
+        request of ``out.num_scheduled_tokens``, in its order."""
+        sampled: list[list[int]] = []
+        drafts: list[list[int]] = []
+        events: list[str] = []
+        for rid, scheduled in out.num_scheduled_tokens.items():
+            request = scheduler.requests[rid]
+            i = index_of[rid]
+            spec = out.scheduled_spec_decode_tokens.get(rid) or []
+            if request.num_computed_tokens < request.num_tokens and not spec:
+                # A partial prefill chunk samples nothing.
+                sampled.append([])
+                drafts.append([])
+                events.append(f"req-{i} +{scheduled} (prefill)")
+                continue
+            n = len(request.output_token_ids)
+            take = 1
+            if spec:  # drafts scheduled: accept the workload's count, reject the rest
+                accepted = self.accepted
+                wanted = accepted[self.decode_count % len(accepted)] if accepted else 0
+                take += min(len(spec), wanted)
+                self.decode_count += 1
+            sampled.append([self.scenario.output_token(i, n + k) for k in range(take)])
+            events.append(
+                f"req-{i} +{scheduled}"
+                + (f" ({take - 1}/{len(spec)} drafts accepted)" if spec else "")
+            )
+            drafts.append(
+                [self.scenario.output_token(i, n + take + k) for k in range(self.num_spec)]
+            )
+        return sampled, drafts, events
+
+
+def _timeline_line(
+    step: int,
+    *,
+    arrivals: range,
+    admitted: dict[int, int],
+    events: list[str],
+    preempted: list[int],
+    done: list[str],
+    lost: int,
+) -> str:
+    """One step of ``kvfuzz explain``'s timeline; ``admitted`` maps each
+    request admitted this step to its hit, in tokens; ``lost`` counts
+    evicted cached blocks."""
+    line = f"step {step}:"
+    if arrivals:
+        line += f" arrive {', '.join(f'req-{k}' for k in arrivals)};"
+    if admitted:
+        line += f" admit {', '.join(f'req-{i} (hit {h})' for i, h in admitted.items())};"
+    line += f" run {', '.join(events) or 'nothing'}"
+    if preempted:
+        line += f"; preempt {', '.join(f'req-{i}' for i in preempted)}"
+    if done:
+        line += f"; finish {', '.join(done)}"
+    if lost:
+        line += f"; {lost} cached blocks evicted"
+    return line
+
+
+def _observations(
+    scenario: Scenario,
+    admitted: dict[int, _Admission],
+    finished_at: dict[int, Counter[bytes]],
+    seen: Counter[bytes],
+) -> list[RequestObservation]:
+    """One observation per admitted request, in scenario order: its admitting
+    lookup, and the blocks per group it left cached (at its finish, or at the
+    end of the run: ``seen``)."""
+    num_groups = len(scenario.kv_cache_groups)
+    order = sorted(admitted, key=lambda i: (admitted[i].step, i))
+    observed = []
+    for i in sorted(admitted):
+        a = admitted[i]
+        end = finished_at.get(i, seen)
+        kept = [
+            x - y
+            for x, y in zip(
+                runner._blocks_per_group(end, num_groups),
+                runner._blocks_per_group(a.before, num_groups),
+                strict=True,
+            )
+        ]
+        observed.append(
+            RequestObservation(
+                index=i,
+                prompt_tokens=scenario.requests[i].prompt_tokens,
+                hit_tokens=a.hit_tokens,
+                shared_prefix_boundary_tokens=a.junction_tokens,
+                per_group_hit_tokens=a.per_group,
+                retained_blocks_per_group=tuple(kept),
+                cache_map=a.cache_map,
+                lookup=a.traced,
+                scheduled_step=a.step,
+                lookup_order=order.index(i),
+            )
+        )
+    return observed
+
+
 def run_scheduler_scenario(
     scenario: Scenario,
     variant: str,
@@ -320,9 +460,8 @@ def run_scheduler_scenario(
         finished_at: dict[int, Counter[bytes]] = {}
         added = 0
         seen: Counter[bytes] = Counter()
-        accepted = workload.accepted_drafts
-        num_spec = scenario.drafter.num_speculative_tokens if accepted else 0
-        decode_count = 0
+        model_runner = _ModelRunner(scenario)
+        num_spec = model_runner.num_spec
         idle = 0
         total_tokens = sum(len(p) for p in scenario.prompts) + len(requests) * (
             scenario.decode_steps + 1
@@ -330,17 +469,7 @@ def run_scheduler_scenario(
         max_steps = 1_000 + 8 * total_tokens
         while added < len(requests) or scheduler.has_requests():
             arrived = added
-            # Arrivals: by step, or (sequential) when the engine is empty.
-            if workload.arrival_steps is None:
-                if added < len(requests) and not scheduler.get_num_unfinished_requests():
-                    phase[0] = f"step {step[0]}: add_request req-{added}"
-                    vllm_call("Scheduler.add_request", scheduler.add_request, requests[added])
-                    added += 1
-            else:
-                while added < len(requests) and workload.arrival_steps[added] <= step[0]:
-                    phase[0] = f"step {step[0]}: add_request req-{added}"
-                    vllm_call("Scheduler.add_request", scheduler.add_request, requests[added])
-                    added += 1
+            added = _arrive(scheduler, requests, workload.arrival_steps, added, step[0], phase)
             phase[0] = f"step {step[0]}: schedule"
             out = vllm_call("Scheduler.schedule", scheduler.schedule)
             if failures:
@@ -354,32 +483,7 @@ def run_scheduler_scenario(
                     admitted[i] = lookups[rid][-1]
             preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
             req_ids = list(out.num_scheduled_tokens)
-            sampled: list[list[int]] = []
-            drafts: list[list[int]] = []
-            events: list[str] = []
-            for rid in req_ids:
-                request = scheduler.requests[rid]
-                i = index_of[rid]
-                spec = out.scheduled_spec_decode_tokens.get(rid) or []
-                scheduled = out.num_scheduled_tokens[rid]
-                if request.num_computed_tokens < request.num_tokens and not spec:
-                    # A partial prefill chunk samples nothing.
-                    sampled.append([])
-                    drafts.append([])
-                    events.append(f"req-{i} +{scheduled} (prefill)")
-                    continue
-                n = len(request.output_token_ids)
-                take = 1
-                if spec:  # drafts scheduled: accept the workload's count, reject the rest
-                    wanted = accepted[decode_count % len(accepted)] if accepted else 0
-                    take += min(len(spec), wanted)
-                    decode_count += 1
-                sampled.append([scenario.output_token(i, n + k) for k in range(take)])
-                events.append(
-                    f"req-{i} +{scheduled}"
-                    + (f" ({take - 1}/{len(spec)} drafts accepted)" if spec else "")
-                )
-                drafts.append([scenario.output_token(i, n + take + k) for k in range(num_spec)])
+            sampled, drafts, events = model_runner.step(scheduler, out, index_of)
             phase[0] = f"step {step[0]}: update_from_output"
             output = ModelRunnerOutput(
                 req_ids=req_ids,
@@ -404,26 +508,23 @@ def run_scheduler_scenario(
                     finished_at[i] = after
                     done.append(f"req-{i}")
             if record_cache_map:
-                line = f"step {step[0]}:"
-                if added > arrived:
-                    line += f" arrive {', '.join(f'req-{k}' for k in range(arrived, added))};"
                 admitted_now = [
-                    f"req-{index_of[r]} (hit {admitted[index_of[r]].hit_tokens})"
+                    index_of[r]
                     for r in req_ids
-                    if admitted.get(index_of[r]) is not None
-                    and admitted[index_of[r]].step == step[0]
+                    if index_of[r] in admitted and admitted[index_of[r]].step == step[0]
                 ]
-                if admitted_now:
-                    line += f" admit {', '.join(admitted_now)};"
-                line += f" run {', '.join(events) or 'nothing'}"
                 preempted = sorted(getattr(out, "preempted_req_ids", ()) or ())
-                if preempted:
-                    line += f"; preempt {', '.join(f'req-{index_of[r]}' for r in preempted)}"
-                if done:
-                    line += f"; finish {', '.join(done)}"
-                if lost:
-                    line += f"; {lost} cached blocks evicted"
-                timeline.append(line)
+                timeline.append(
+                    _timeline_line(
+                        step[0],
+                        arrivals=range(arrived, added),
+                        admitted={i: admitted[i].hit_tokens for i in admitted_now},
+                        events=events,
+                        preempted=[index_of[r] for r in preempted],
+                        done=done,
+                        lost=lost,
+                    )
+                )
             idle = 0 if req_ids else idle + 1
             if idle > _MAX_IDLE_STEPS:
                 raise InternalError(
@@ -438,35 +539,7 @@ def run_scheduler_scenario(
                     f"pool {pool} blocks)"
                 )
         steps = step[0]
-        num_groups = len(scenario.kv_cache_groups)
-        order = sorted(admitted, key=lambda i: (admitted[i].step, i))
-        for i in range(len(requests)):
-            if i not in admitted:
-                continue
-            a = admitted[i]
-            end = finished_at.get(i, seen)
-            kept = [
-                x - y
-                for x, y in zip(
-                    runner._blocks_per_group(end, num_groups),
-                    runner._blocks_per_group(a.before, num_groups),
-                    strict=True,
-                )
-            ]
-            observed.append(
-                RequestObservation(
-                    index=i,
-                    prompt_tokens=scenario.requests[i].prompt_tokens,
-                    hit_tokens=a.hit_tokens,
-                    shared_prefix_boundary_tokens=a.junction_tokens,
-                    per_group_hit_tokens=a.per_group,
-                    retained_blocks_per_group=tuple(kept),
-                    cache_map=a.cache_map,
-                    lookup=a.traced,
-                    scheduled_step=a.step,
-                    lookup_order=order.index(i),
-                )
-            )
+        observed = _observations(scenario, admitted, finished_at, seen)
         phase[0] = "count unreachable cached blocks"
         unreachable, cached_blocks = _unreachable(scenario, manager, requests)
     if outcome.unsupported is not None:
