@@ -361,7 +361,7 @@ def run_any(
 ) -> RunObservation:
     """Run ``variant``: in this process, or in its tree's worker process."""
     if variant.tree is not None:
-        from differential.tree import run_tree
+        from differential.variants.tree import run_tree
 
         if scenario.workload.mode is DriveMode.SCHEDULER:
             # A tree's worker drives the manager only: a sequential workload
@@ -514,7 +514,7 @@ def compare_variants(
         # A tree of an older release judges the scenario it means there.
         judged = scenario
         if variant.tree is not None:
-            from differential.tree import scenario_as_run
+            from differential.variants.tree import scenario_as_run
 
             judged = scenario_as_run(variant.name, scenario)
         engine = scenario.workload.mode is DriveMode.SCHEDULER and variant.tree is None

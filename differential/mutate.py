@@ -1,7 +1,7 @@
 """``kvfuzz mutate``: the mutation score of kvfuzz on vLLM's cache-manager code.
 
 Mutants of vLLM's prefix-cache logic are generated mechanically, each is run
-as a tree variant (:mod:`differential.tree`) next to the installed, stock vLLM
+as a tree variant (:mod:`differential.variants.tree`) next to the installed, stock vLLM
 (``unfixed``) on the corpus and on the first scenarios of a seeded campaign,
 and kvfuzz's own pairwise comparison decides: a mutant is **killed** when any
 finding appears on it that stock does not have, or any ``disagreement``,
@@ -650,8 +650,8 @@ def run_mutant(
     Stops at the first scenario that kills it. Leaves no worker running.
     """
     from differential.compare import compare_variants
-    from differential.tree import shutdown_workers
     from differential.variants import parse_variants
+    from differential.variants.tree import shutdown_workers
 
     started = time.perf_counter()
     original, mutated = mutant_source(vllm_root, mutant)

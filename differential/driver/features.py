@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-from differential.capabilities import DESCRIPTIONS, Feature
 from differential.errors import InternalError
+from differential.variants.capabilities import DESCRIPTIONS, Feature
 
 __all__ = [
     "RunEnd",

@@ -62,7 +62,6 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from differential.capabilities import Feature
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import (
     UnsupportedFeature,
@@ -82,6 +81,7 @@ from differential.observation import (
     RunObservation,
 )
 from differential.scenario import GroupKind, MambaPrefill, Scenario
+from differential.variants.capabilities import Feature
 
 __all__ = ["VLLM_VERSION", "run_scenario"]
 

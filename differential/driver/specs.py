@@ -23,10 +23,10 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from differential.capabilities import Feature
 from differential.driver.features import UnsupportedFeature, has, vllm_call
 from differential.driver.settings import ResolvedDrafter
 from differential.scenario import GroupKind, Scenario
+from differential.variants.capabilities import Feature
 
 __all__ = [
     "attention_spec",

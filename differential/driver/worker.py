@@ -1,6 +1,6 @@
 """A long-lived worker that runs scenarios on one vLLM source tree.
 
-Started by :mod:`differential.tree` as ``python -m differential.driver.worker``
+Started by :mod:`differential.variants.tree` as ``python -m differential.driver.worker``
 with the tree first on ``PYTHONPATH``, it imports that tree's vLLM once and
 then serves requests, one JSON object per line (protocol version 1):
 
@@ -16,7 +16,7 @@ other print of vLLM (Python or C) cannot corrupt the protocol. The parent
 keeps the tail of stderr and shows it when the worker dies.
 
 The scenario each run uses is the one the release means for the scenario's
-intent (:func:`differential.capabilities.equivalent_scenario`); one that
+intent (:func:`differential.variants.capabilities.equivalent_scenario`); one that
 needs a feature the tree lacks is answered with a run whose ``unsupported``
 field names the missing piece (the driver decides, see
 :mod:`differential.driver.runner`).
@@ -43,10 +43,10 @@ def capabilities() -> dict[str, bool]:
 def _serve(stdin: IO[str], stdout: IO[str]) -> None:
     import vllm
 
-    from differential.capabilities import equivalent_scenario
     from differential.driver.runner import run_scenario
     from differential.errors import InternalError
     from differential.scenario import Scenario
+    from differential.variants.capabilities import equivalent_scenario
 
     caps = capabilities()
 

@@ -17,8 +17,8 @@ from differential.compare import compare_variants
 from differential.corpus import load_entry
 from differential.diff import ChangeKind, run_diff
 from differential.errors import VariantError
-from differential.tree import _WORKERS, shutdown_workers
 from differential.variants import Variant, parse_variants
+from differential.variants.tree import _WORKERS, shutdown_workers
 from tests.factories import CORPORA
 
 pytestmark = pytest.mark.vllm

@@ -13,8 +13,8 @@ import pytest
 from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
 from differential.errors import InternalError, VariantError
-from differential.tree import _WORKERS, resolve_tree, run_tree, shutdown_workers
 from differential.variants import parse_variants
+from differential.variants.tree import _WORKERS, resolve_tree, run_tree, shutdown_workers
 from tests.factories import CORPORA, kvfuzz_cli, triton
 from tests.trees import (
     BANNER,

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from differential.capabilities import Feature, equivalent_scenario
 from differential.cli import main
 from differential.errors import VariantError
 from differential.findings import Finding, FindingKind
 from differential.observation import ManagerSettings, RequestObservation, RunObservation
-from differential.releases import CACHE_ENV, cache_dir, release_tree
 from differential.scenario import Drafter, DrafterKind
 from differential.variants import file_label, parse_variants
+from differential.variants.capabilities import Feature, equivalent_scenario
+from differential.variants.releases import CACHE_ENV, cache_dir, release_tree
 from fuzz.signature import signature_of
 from tests.factories import triton
 

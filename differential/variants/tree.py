@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from differential.capabilities import equivalent_scenario
 from differential.errors import InternalError, KvfuzzError, VariantError
 from differential.observation import RunObservation
 from differential.scenario import Scenario
+from differential.variants.capabilities import equivalent_scenario
 
 __all__ = [
     "TreeWorker",
@@ -365,7 +365,7 @@ def run_tree(
 def scenario_as_run(name: str, scenario: Scenario) -> Scenario:
     """The scenario tree variant ``name`` ran for ``scenario`` (its release's equivalent).
 
-    See :func:`differential.capabilities.equivalent_scenario`; ``scenario``
+    See :func:`differential.variants.capabilities.equivalent_scenario`; ``scenario``
     itself before the worker has started.
     """
     worker = _WORKERS.get(name)

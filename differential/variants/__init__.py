@@ -12,9 +12,9 @@ says *how*. Built in:
 * ``mutant-*`` -- ``fixed`` with one deliberate breakage, to prove the oracle
   catches it (:mod:`differential.driver.mutations`).
 * ``tree:PATH[@REF]`` -- a vLLM source tree, run in a worker process
-  (:mod:`differential.tree`).
+  (:mod:`differential.variants.tree`).
 * ``release:X.Y.Z`` -- that vLLM release's wheel, fetched once and run as a
-  tree (:mod:`differential.releases`).
+  tree (:mod:`differential.variants.releases`).
 
 New kinds of variant register a :class:`Variant` with :func:`register`; the
 ``patch`` is a ``"module:function"`` path to a context manager factory, so
@@ -202,7 +202,7 @@ def parse_variants(text: str, *, timeout_s: float = 60.0) -> tuple[Variant, ...]
 
     ``tree:PATH[@REF]`` names a vLLM source tree, ``release:X.Y.Z`` a vLLM
     release (its wheel fetched once into a cache folder, see
-    :mod:`differential.releases`); ``timeout_s`` is their per-scenario
+    :mod:`differential.variants.releases`); ``timeout_s`` is their per-scenario
     timeout, in seconds.
 
     Raises:
@@ -217,7 +217,7 @@ def parse_variants(text: str, *, timeout_s: float = 60.0) -> tuple[Variant, ...]
     variants: list[Variant] = []
     for name in names:
         if name.startswith("tree:"):
-            from differential.tree import resolve_tree
+            from differential.variants.tree import resolve_tree
 
             path = resolve_tree(name.removeprefix("tree:"))
             if any(v.name == name for v in variants):
@@ -233,7 +233,7 @@ def parse_variants(text: str, *, timeout_s: float = 60.0) -> tuple[Variant, ...]
             )
             continue
         if name.startswith("release:"):
-            from differential.releases import release_tree
+            from differential.variants.releases import release_tree
 
             version = name.removeprefix("release:")
             if any(v.name == name for v in variants):
