@@ -6,7 +6,7 @@
   checkpoint.
 * SARIF 2.1.0 (GitHub code scanning): one result per finding, rule = kind,
   located at the scenario file, with the root cause
-  (:mod:`differential.triage`) as its ``partialFingerprints`` so code
+  (:mod:`differential.triage.identity`) as its ``partialFingerprints`` so code
   scanning groups the findings of one cause.
 
 Entries come in the order of ``results`` (a campaign passes its root causes'
@@ -24,7 +24,7 @@ from typing import Any
 
 from differential.compare import ScenarioResult
 from differential.findings import Finding, FindingKind
-from differential.triage import Role, RootCause, Triaged, triage
+from differential.triage.identity import Role, RootCause, Triaged, triage
 
 __all__ = ["github_annotations", "junit_xml", "sarif"]
 

@@ -921,7 +921,7 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
     """
     from differential.compare import compare_variants
     from differential.corpus import load_entry, write_atomic
-    from differential.triage import RootCause, triage
+    from differential.triage.identity import RootCause, triage
     from fuzz.report import campaign_markdown, root_cause_pictures
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)

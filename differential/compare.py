@@ -22,7 +22,6 @@ from pathlib import Path
 
 from differential.errors import ScenarioError
 from differential.findings import Finding, FindingKind, Policy
-from differential.known import label_known
 from differential.observation import RunObservation
 from differential.oracle import (
     SiblingReference,
@@ -41,6 +40,7 @@ from differential.oracle.engine import (
 )
 from differential.oracle.layout import alignment_blowup
 from differential.scenario import DrafterKind, DriveMode, Scenario
+from differential.triage.known import label_known
 from differential.variants import FixScope, Variant, VariantRole
 
 __all__ = [

@@ -13,7 +13,7 @@ Output folder layout::
     OUT/hypothesis-db/         Hypothesis's example database: a rerun into
                                the same folder replays earlier failures first
     OUT/root-causes/<slug>.json  the first scenario of each root cause
-                               (:mod:`differential.triage`), written once
+                               (:mod:`differential.triage.identity`), written once
     OUT/shrunk/<slug>.json     each new root cause shrunk in the background
                                (time-boxed; ``shrink_seconds``)
     OUT/summary.json           counts per root cause and per signature,
@@ -51,9 +51,9 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from differential.compare import ScenarioResult
 from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
-from differential.known import KNOWN_ISSUES
 from differential.scenario import DriveMode, GroupKind, Scenario
-from differential.triage import Role, RootCause, Triaged, triage
+from differential.triage.identity import Role, RootCause, Triaged, triage
+from differential.triage.known import KNOWN_ISSUES
 from differential.variants import Variant
 from fuzz.lifetime import die_with_parent, stop_requested, terminate_pool
 from fuzz.progress import CampaignStats, Progress
@@ -169,7 +169,7 @@ class RootCauseRecord:
     """One root cause seen by the campaign.
 
     Attributes:
-        root_cause: the identity (:class:`differential.triage.RootCause`).
+        root_cause: the identity (:class:`differential.triage.identity.RootCause`).
         path: the finding file of its first scenario (``OUT/root-causes``).
         first_example: index of the example that first showed it.
         first_seen_s: seconds from the campaign start to that example.
@@ -251,7 +251,7 @@ def corpus_root_causes(
     """Root causes the known corpus shows, each with the first file showing it.
 
     Every file under ``paths`` is replayed on ``variants``; known issues
-    count with their reproducer (:data:`differential.known.KNOWN_ISSUES`).
+    count with their reproducer (:data:`differential.triage.known.KNOWN_ISSUES`).
     Unreadable files are skipped (the corpus replay test reports them).
     """
     from differential.compare import compare_variants

@@ -306,7 +306,7 @@ def shrink(
 
     Args:
         keep: instead of the signature, keep a candidate when this holds for
-            its result (e.g. a root cause of :mod:`differential.triage` is
+            its result (e.g. a root cause of :mod:`differential.triage.identity` is
             still shown); ``signature`` then only labels the result.
         dense_cross_check: run the dense cross-check for every candidate;
             default: only when ``signature`` is a ``dense-mismatch``.

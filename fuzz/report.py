@@ -1,6 +1,6 @@
 """The one-page campaign report (``OUT/report.md``) and its pictures.
 
-It opens with one table of root causes (:mod:`differential.triage`), new ones
+It opens with one table of root causes (:mod:`differential.triage.identity`), new ones
 (no known vLLM issue, not in the known corpus) before known ones, each with
 its count, its reproducer (the shrunk one when the background shrink made
 it) and the variants it affects; then each root cause with its facets and

@@ -1,6 +1,6 @@
 """Record how vLLM's coordinator found a request's cache hit, group by group.
 
-The root-cause identity of a finding (:mod:`differential.triage`) needs to
+The root-cause identity of a finding (:mod:`differential.triage.identity`) needs to
 know where the lookup came up short: which KV cache group's
 ``find_longest_cache_hit`` bound the hit, with which length cap, whether it
 dropped the EAGLE block, and where its matched run starts. This module wraps

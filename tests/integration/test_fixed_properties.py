@@ -2,7 +2,7 @@
 
 The fixed variant must show no ``fallback``, ``over-hit`` or ``misaligned``
 finding on any generated scenario, except the vLLM issues kvfuzz has already
-explained (:mod:`differential.known`), which the seed PR does not touch. The
+explained (:mod:`differential.triage.known`), which the seed PR does not touch. The
 candidate must not show even the one-unit class it closes.
 Bounded and derandomized under the CI profile (``fuzz/profiles.py``).
 """

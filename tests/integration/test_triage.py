@@ -11,7 +11,7 @@ from differential.compare import compare_variants
 from differential.corpus import load_entry
 from differential.findings import FindingKind
 from differential.observation import GroupLookup
-from differential.triage import Role, RootCause, triage
+from differential.triage.identity import Role, RootCause, triage
 from differential.variants import parse_variants
 from tests.factories import CORPORA, ROOT, kvfuzz_cli
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.known import label_known
 from differential.observation import ManagerSettings
 from differential.oracle import judge_run
 from differential.scenario import (
@@ -16,6 +15,7 @@ from differential.scenario import (
     RequestSpec,
     Scenario,
 )
+from differential.triage.known import label_known
 from tests.factories import hybrid
 from tests.unit.test_oracle import run
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from differential.known import KNOWN_ISSUES
+from differential.triage.known import KNOWN_ISSUES
 
 README = Path(__file__).parents[2] / "README.md"
 

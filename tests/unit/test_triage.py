@@ -19,7 +19,7 @@ from differential.observation import (
 )
 from differential.oracle import drafter_model
 from differential.scenario import DrafterKind, RequestSpec
-from differential.triage import (
+from differential.triage.identity import (
     Boundary,
     Role,
     RootCause,

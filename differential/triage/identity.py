@@ -25,7 +25,7 @@ None of these depend on the drafter, the retention interval's size or the
 geometry's scale, so the Triton seed (block 16/32, R = 8192), its shrunk
 reproducer and the FlashInfer geometry (block 64/128) share one identity.
 
-A finding a known vLLM issue explains (:mod:`differential.known`) takes the
+A finding a known vLLM issue explains (:mod:`differential.triage.known`) takes the
 issue as its root cause. A run that protects a drafter needing no protection
 (``needless-drop``, or lookahead hashes for it) is the root cause of every
 shortfall on that run (``needless-protection``: what the fix removes). Whole-run and comparison
