@@ -202,8 +202,8 @@ def _add_ci_reports(parser: argparse.ArgumentParser) -> None:
 
 
 def _write_ci_reports(args: argparse.Namespace, results: Sequence[object]) -> None:
-    from differential.ci_reports import dumps_sarif, github_annotations, junit_xml
     from differential.corpus import write_atomic
+    from differential.reports.ci import dumps_sarif, github_annotations, junit_xml
 
     if args.junit_xml is not None:
         write_atomic(args.junit_xml, junit_xml(results))  # type: ignore[arg-type]
@@ -517,7 +517,7 @@ def _diff(args: argparse.Namespace) -> int:
     import math
 
     from differential.corpus import iter_scenario_files, load_entry
-    from differential.diff import run_diff
+    from differential.reports.diff import run_diff
 
     for option, value in (("--seconds", args.seconds), ("--timeout", args.timeout)):
         if not math.isfinite(value) or value < 0 or (option == "--timeout" and value == 0):
@@ -646,7 +646,7 @@ def _shrink(args: argparse.Namespace) -> int:
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     entry = _load(args, args.finding)
     wanted = args.signature or entry.signature
-    from differential.outputs import check_output_folder
+    from differential.reports.outputs import check_output_folder
 
     check_output_folder(args.out, "--out")
     from differential.compare import compare_variants
@@ -715,7 +715,7 @@ def _explain(args: argparse.Namespace) -> int:
     entry = _load(args, args.scenario)
     scenario = entry.scenario
     if args.svg is not None:
-        from differential.outputs import check_output_file
+        from differential.reports.outputs import check_output_file
 
         check_output_file(args.svg, "--svg")
     if args.request is not None and not 0 <= args.request < len(scenario.requests):
@@ -757,7 +757,7 @@ def _import_crash(args: argparse.Namespace) -> int:
             buffers.append((path, path.read_bytes()))
         except OSError as exc:
             raise ScenarioError("CRASH", str(path), f"a readable file ({exc.strerror})") from None
-    from differential.outputs import check_output_folder
+    from differential.reports.outputs import check_output_folder
 
     check_output_folder(args.out, "--out")
     from differential.compare import compare_variants
@@ -806,7 +806,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     from differential.corpus import iter_scenario_files
 
     iter_scenario_files([str(p) for p in known])  # bad paths are usage errors, now
-    from differential.outputs import check_output_folder
+    from differential.reports.outputs import check_output_folder
 
     check_output_folder(args.out, "--out")
     for sub in ("findings", "hypothesis-db", "pictures"):
@@ -889,7 +889,7 @@ def _keep_earlier_run(out: Path) -> None:
 
 
 def _check_ci_outputs(args: argparse.Namespace) -> None:
-    from differential.outputs import check_output_file
+    from differential.reports.outputs import check_output_file
 
     if args.junit_xml is not None:
         check_output_file(args.junit_xml, "--junit-xml")
@@ -962,7 +962,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from differential.corpus import iter_scenario_files
 
     entries = [_load(args, path) for path in iter_scenario_files(args.paths)]
-    from differential.calibrate import mutation_table, render_table
+    from differential.reports.calibration import mutation_table, render_table
 
     rows, noisy = mutation_table(entries)
     sys.stdout.write(render_table(rows, noisy))
@@ -979,13 +979,13 @@ def _replay(args: argparse.Namespace) -> int:
     entries = [_load(args, path) for path in iter_scenario_files(args.paths)]
     _check_ci_outputs(args)
     if args.report is not None:
-        from differential.outputs import check_output_file
+        from differential.reports.outputs import check_output_file
 
         check_output_file(args.report, "--report")
 
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION, fix_status
-    from differential.report import printable, render_json, render_text
+    from differential.reports.table import printable, render_json, render_text
 
     started = time.perf_counter()  # after the vLLM import, as the summary line says
 

@@ -94,7 +94,7 @@ def render_timeline(result: ScenarioResult, request: int) -> str:
     ``request`` is marked.
     """
     from differential.compare import run_any
-    from differential.report import engine_summary
+    from differential.reports.table import engine_summary
 
     lines: list[str] = []
     for vr in result.results:

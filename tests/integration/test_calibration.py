@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from differential.calibrate import mutation_table
 from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
+from differential.reports.calibration import mutation_table
 from differential.scenario import DrafterKind, RequestSpec
 from differential.variants import parse_variants
 from tests.factories import CORPORA, hybrid

@@ -128,7 +128,7 @@ def test_effective_hash_block_size_is_reported() -> None:
     import dataclasses
 
     from differential.compare import compare_variants
-    from differential.report import render_json, render_text
+    from differential.reports.table import render_json, render_text
     from differential.variants import parse_variants
     from tests.factories import hybrid
 

@@ -15,8 +15,8 @@ import pytest
 
 from differential.compare import compare_variants
 from differential.corpus import load_entry
-from differential.diff import ChangeKind, run_diff
 from differential.errors import VariantError
+from differential.reports.diff import ChangeKind, run_diff
 from differential.variants import Variant, parse_variants
 from differential.variants.tree import _WORKERS, shutdown_workers
 from tests.factories import CORPORA

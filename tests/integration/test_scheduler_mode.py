@@ -17,7 +17,7 @@ from differential.corpus import finding_tag, load_entry
 from differential.driver import run_variant
 from differential.findings import FindingKind
 from differential.oracle.engine import session_hits
-from differential.report import render_json, render_text
+from differential.reports.table import render_json, render_text
 from differential.scenario import (
     Drafter,
     DrafterKind,

@@ -140,8 +140,8 @@ def _run(
 
 def test_diff_groups_hits_cost_findings_and_unsupported_by_cause() -> None:
     from differential.compare import ScenarioResult, VariantResult
-    from differential.diff import ChangeKind, DiffReport, changes_of
     from differential.findings import Policy
+    from differential.reports.diff import ChangeKind, DiffReport, changes_of
 
     (old,) = parse_variants("unfixed")
     old = dataclasses.replace(old, name="old")
