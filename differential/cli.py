@@ -546,7 +546,7 @@ def _export_test(args: argparse.Namespace) -> int:
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     entry = _load(args, args.finding)
     from differential.compare import compare_variants
-    from differential.export import export_test
+    from differential.exports.manager_test import export_test
     from fuzz.signature import signature_of
 
     scenario = entry.scenario
@@ -590,10 +590,10 @@ def _export_test(args: argparse.Namespace) -> int:
 
 def _export_engine_test(args: argparse.Namespace, entry: Any, result: Any) -> int:
     """``export-test`` for a scheduler-mode scenario: the test drives vLLM's
-    ``Scheduler`` (:mod:`differential.export_engine`)."""
+    ``Scheduler`` (:mod:`differential.exports.scheduler_test`)."""
     import dataclasses
 
-    from differential.export_engine import export_engine_test
+    from differential.exports.scheduler_test import export_engine_test
     from fuzz.signature import signature_of
 
     scenario = entry.scenario
@@ -723,7 +723,7 @@ def _explain(args: argparse.Namespace) -> int:
             "--request", args.request, f"0..{len(scenario.requests) - 1} (the scenario's requests)"
         )
     from differential.compare import compare_variants
-    from differential.explain import explain_request, render_svg, render_text
+    from differential.exports.explain import explain_request, render_svg, render_text
 
     result = compare_variants(scenario, variants, policy=Policy(args.policy))
     request = args.request
@@ -734,7 +734,7 @@ def _explain(args: argparse.Namespace) -> int:
         request = flagged[0] if flagged else len(scenario.requests) - 1
     engine = scenario.workload.mode is DriveMode.SCHEDULER
     if engine:
-        from differential.explain import render_timeline
+        from differential.exports.explain import render_timeline
 
         sys.stdout.write(render_timeline(result, request))
     exp = explain_request(result, request)

@@ -127,12 +127,12 @@ class KvfuzzFailure(Exception):
         self.scenario, self.result, self.findings = scenario, result, findings
 
     def describe(self) -> str:
-        from differential.explain import explain_request, render_text
+        from differential.exports.explain import explain_request, render_text
 
         lines = [f"{self.result.source}:"] + [f"  {f.summary()}" for f in self.findings]
         requests = sorted(f.request for f in self.findings if f.request)
         if self.scenario.workload.mode.value == "scheduler":
-            from differential.explain import render_timeline
+            from differential.exports.explain import render_timeline
 
             last = len(self.scenario.requests) - 1
             lines += ["", render_timeline(self.result, requests[0] if requests else last)]

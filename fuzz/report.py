@@ -36,7 +36,7 @@ def explain_pictures(
     Returns:
         slug -> SVG path, for the pictures written.
     """
-    from differential.explain import explain_request, render_svg
+    from differential.exports.explain import explain_request, render_svg
 
     pictures: dict[str, Path] = {}
     for slug, _scenario, result in items:
@@ -108,7 +108,7 @@ def root_cause_pictures(
     """
     import hashlib
 
-    from differential.explain import explain_request, render_svg
+    from differential.exports.explain import explain_request, render_svg
 
     pictures: dict[str, Path] = {}
     for text, result, request in items[:limit]:

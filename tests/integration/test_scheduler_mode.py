@@ -175,7 +175,7 @@ def test_manager_mode_refuses_a_concurrent_workload() -> None:
 
 
 def _exported(scenario: Scenario) -> tuple[str, str]:
-    from differential.export_engine import export_engine_test
+    from differential.exports.scheduler_test import export_engine_test
     from fuzz.signature import signature_of
 
     result = compare_variants(scenario, UNFIXED)
@@ -206,7 +206,7 @@ def test_exported_engine_test_reproduces_48435(tmp_path: Path) -> None:
 
 
 def test_explain_timeline_and_shrink_on_a_concurrent_collapse(tmp_path: Path) -> None:
-    from differential.explain import render_timeline
+    from differential.exports.explain import render_timeline
     from fuzz.minimize import shrink
     from fuzz.signature import signature_of
 

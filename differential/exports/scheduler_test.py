@@ -20,7 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from differential.errors import ScenarioError
-from differential.export import _groups, _layout_text, _speculative_config_source, _test_name
+from differential.exports.manager_test import (
+    _groups,
+    _layout_text,
+    _speculative_config_source,
+    _test_name,
+)
 from differential.findings import Finding, FindingKind
 from differential.scenario import Scenario
 

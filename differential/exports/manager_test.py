@@ -32,7 +32,7 @@ _METHOD = {
 }
 
 # The generated helper both exported tests share (this module's and
-# differential/export_engine.py's), filled in by speculative_config_source.
+# differential/exports/scheduler_test.py's), filled in by speculative_config_source.
 _SPECULATIVE_CONFIG = '''\
 def _speculative_config():
     """A real SpeculativeConfig, its validators (which load the draft model)
