@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from differential.corpus import iter_scenario_files, load_entry
-    from differential.mutate import (
+    from differential.variants.mutation import (
         MODULES,
         MutantStatus,
         campaign_scenarios,

@@ -229,7 +229,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_import_crash_parser(sub)
     _add_explain_parser(sub)
     _add_shrink_parser(sub)
-    from differential.mutate import add_mutate_parser
+    from differential.variants.mutation import add_mutate_parser
 
     add_mutate_parser(sub)
     _add_export_parser(sub)
@@ -1091,7 +1091,7 @@ def internal_failure(exc: BaseException, argv: Sequence[str] | None = None) -> i
 
 
 def _mutate(args: argparse.Namespace) -> int:
-    from differential.mutate import run_mutate_command
+    from differential.variants.mutation import run_mutate_command
 
     return run_mutate_command(args)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from differential.corpus import load_entry
-from differential.mutate import (
+from differential.variants.mutation import (
     MODULES,
     MutantStatus,
     enumerate_mutants,

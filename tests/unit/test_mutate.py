@@ -10,7 +10,7 @@ import pytest
 
 from differential.cli import main
 from differential.errors import VariantError
-from differential.mutate import (
+from differential.variants.mutation import (
     MODULES,
     ModuleScope,
     Mutant,
