@@ -773,7 +773,7 @@ def run_mutation(
     )
 
 
-def _pct(value: float | None) -> str:
+def pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
@@ -782,7 +782,7 @@ def render_markdown(run: MutationRun) -> str:
     lines = [
         f"# Mutation score of kvfuzz on vLLM {run.vllm_version}",
         "",
-        f"Score: **{_pct(run.score())}** killed ({len(run.outcomes)} mutants sampled with seed "
+        f"Score: **{pct(run.score())}** killed ({len(run.outcomes)} mutants sampled with seed "
         f"{run.seed} from {sum(run.generated.values())} generated; "
         f"{len(run.scenarios)} scenarios; {run.elapsed_s:.0f} s, "
         f"{run.elapsed_s / max(1, len(run.outcomes)):.1f} s per mutant).",
@@ -797,7 +797,7 @@ def render_markdown(run: MutationRun) -> str:
             f"| `{scope.path}` | {run.generated.get(scope.path, 0)} | {sum(c.values())} "
             f"| {c[MutantStatus.KILLED]} | {c[MutantStatus.TIMED_OUT]} "
             f"| {c[MutantStatus.SURVIVED]} | {c[MutantStatus.EQUIVALENT_SUSPECT]} "
-            f"| {_pct(run.score(scope.path))} |"
+            f"| {pct(run.score(scope.path))} |"
         )
     lines += [
         "",
@@ -866,160 +866,3 @@ def select_modules(text: str | None) -> tuple[ModuleScope, ...]:
             f"allowed: {', '.join(by_stem)}"
         )
     return tuple(by_stem[n] for n in dict.fromkeys(names))
-
-
-def add_mutate_parser(sub: Any) -> None:
-    """Register ``kvfuzz mutate`` on the command line's subparsers."""
-    from argparse import ArgumentParser
-
-    parser: ArgumentParser = sub.add_parser(
-        "mutate",
-        help="mutation score: run mutants of vLLM's cache-manager code as tree variants",
-        description=(
-            "Generate mutants (cosmic-ray operators) of vLLM's prefix-cache modules, "
-            "sample them with --seed, run each as a tree variant next to stock vLLM on "
-            "PATH... and the first --campaign-examples scenarios of a --seed campaign, and "
-            "report killed / timed out / survived / equivalent-suspect per module and "
-            "function, with every survivor's diff. Exit 0 when the score is at least "
-            "--fail-under, 1 below it."
-        ),
-    )
-    parser.add_argument(
-        "paths",
-        nargs="*",
-        default=["corpora"],
-        metavar="PATH",
-        help="scenario files or folders (default: corpora)",
-    )
-    parser.add_argument(
-        "--sample",
-        type=int,
-        default=40,
-        metavar="N",
-        help="mutants to run, spread evenly over the modules (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="sampling and campaign seed (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--campaign-examples",
-        type=int,
-        default=40,
-        metavar="K",
-        help="scenarios of the seeded campaign run after PATH... (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--modules",
-        default=None,
-        help="comma-separated module stems (default: all of "
-        + ", ".join(m.short for m in MODULES)
-        + ")",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="per-scenario timeout of a mutant's worker (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--policy",
-        choices=[p.value for p in Policy],
-        default=Policy.VLLM.value,
-        help="checkpoint policy the oracle judges with (default: %(default)s)",
-    )
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the run as JSON")
-    parser.add_argument(
-        "--markdown", type=Path, metavar="FILE", help="write the report as Markdown"
-    )
-    parser.add_argument(
-        "--fail-under",
-        type=float,
-        default=0.0,
-        metavar="PERCENT",
-        help="exit 1 when the score is below PERCENT (default: %(default)s)",
-    )
-
-
-def _check_output(option: str, path: Path | None) -> None:
-    if path is None:
-        return
-    if path.is_dir():
-        raise VariantError(f"{option} {path} is a folder; allowed: a file path")
-    if not path.parent.is_dir():
-        raise VariantError(f"{option} {path}: folder {path.parent} does not exist")
-
-
-def run_mutate_command(args: Any) -> int:
-    """``kvfuzz mutate``: validate every input, then run and report; returns the exit code."""
-    from differential.corpus import iter_scenario_files, load_entry
-
-    modules = select_modules(args.modules)
-    if args.sample < 1:
-        raise VariantError(f"--sample must be >= 1, got {args.sample}")
-    if args.campaign_examples < 0:
-        raise VariantError(f"--campaign-examples must be >= 0, got {args.campaign_examples}")
-    if args.timeout <= 0:
-        raise VariantError(f"--timeout must be > 0, got {args.timeout}")
-    if not 0 <= args.fail_under <= 100:
-        raise VariantError(f"--fail-under must be within 0..100, got {args.fail_under}")
-    _check_output("--json", args.json)
-    _check_output("--markdown", args.markdown)
-    entries = [load_entry(p) for p in iter_scenario_files(args.paths)] if args.paths else []
-    vllm_root = installed_vllm()
-    generated_by = enumerate_mutants(vllm_root, modules)
-    mutants = sample_mutants(generated_by, args.sample, args.seed)
-    scenarios = [(str(e.path), e.scenario) for e in entries]
-    scenarios += [
-        (f"campaign seed {args.seed} example {i}", s)
-        for i, s in enumerate(campaign_scenarios(args.seed, args.campaign_examples))
-    ]
-    if not scenarios:
-        raise VariantError("no scenarios: give PATH... or --campaign-examples above 0")
-    print(
-        f"{sum(len(v) for v in generated_by.values())} mutants generated, {len(mutants)} "
-        f"sampled (seed {args.seed}); {len(scenarios)} scenarios",
-        flush=True,
-    )
-
-    def show(outcome: MutantOutcome, done: int, total: int) -> None:
-        print(
-            f"[{done}/{total}] {outcome.status.value:<18} {outcome.mutant.ident:<48} "
-            f"{outcome.elapsed_s:5.1f} s  {outcome.evidence[:100]}",
-            flush=True,
-        )
-
-    work = default_work_dir()
-    try:
-        run = run_mutation(
-            mutants,
-            scenarios,
-            vllm_root=vllm_root,
-            work=work,
-            seed=args.seed,
-            generated={m: len(v) for m, v in generated_by.items()},
-            timeout_s=args.timeout,
-            policy=Policy(args.policy),
-            progress=show,
-        )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if args.json is not None:
-        write_json(run, args.json)
-    if args.markdown is not None:
-        from differential.corpus import write_atomic
-
-        write_atomic(args.markdown, render_markdown(run))
-    for scope in modules:
-        c = run.counts(scope.path)
-        print(
-            f"{scope.path:<42} {_pct(run.score(scope.path)):>5}  killed {c[MutantStatus.KILLED]}"
-            f", timed out {c[MutantStatus.TIMED_OUT]}, survived {c[MutantStatus.SURVIVED]}, "
-            f"equivalent-suspect {c[MutantStatus.EQUIVALENT_SUSPECT]}"
-        )
-    score = run.score() or 0.0
-    print(
-        f"mutation score {100 * score:.1f}% ({len(run.outcomes)} mutants, "
-        f"{run.elapsed_s:.0f} s, {run.elapsed_s / max(1, len(run.outcomes)):.1f} s per mutant)"
-    )
-    return 0 if 100 * score >= args.fail_under else 1

@@ -1,0 +1,100 @@
+"""``kvfuzz diff A B``: what changed in prefix-cache behaviour between two variants."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from differential.commands.options import (
+    EXIT_CLEAN,
+    EXIT_FOUND,
+)
+from differential.errors import VariantError
+from differential.findings import Policy
+from differential.variants import (
+    parse_variants,
+)
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    diff = sub.add_parser(
+        "diff",
+        help="show what changed in prefix-cache behaviour between two variants",
+        description=(
+            "Run the corpus and a bounded campaign on variants A and B (e.g. "
+            "release:0.32.0 unfixed) and print, grouped by root cause, the hits "
+            "that differ (with the oracle's blame), the blocks kept that differ, "
+            "findings on one side only and scenarios one side cannot run. Exit 0 "
+            "when nothing differs, 1 otherwise."
+        ),
+    )
+    diff.add_argument("a", metavar="A", help="the 'before' variant (any --variants name)")
+    diff.add_argument("b", metavar="B", help="the 'after' variant")
+    diff.add_argument(
+        "--corpus",
+        nargs="*",
+        default=["corpora"],
+        metavar="PATH",
+        help="scenario files or folders to replay (default: corpora)",
+    )
+    diff.add_argument(
+        "--seconds",
+        type=float,
+        default=30.0,
+        help="campaign budget in seconds; 0 for no campaign (default: %(default)s)",
+    )
+    diff.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="campaign: stop after N generated inputs (default: only --seconds bounds it)",
+    )
+    diff.add_argument("--seed", type=int, default=1, help="campaign seed (default: %(default)s)")
+    diff.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="per-scenario timeout for tree and release variants (default: %(default)s)",
+    )
+    diff.add_argument(
+        "--policy",
+        choices=[p.value for p in Policy],
+        default=Policy.VLLM.value,
+        help="checkpoint policy the oracle judges with (default: %(default)s)",
+    )
+    diff.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+
+    from differential.corpus import iter_scenario_files, load_entry
+    from differential.reports.diff import run_diff
+
+    for option, value in (("--seconds", args.seconds), ("--timeout", args.timeout)):
+        if not math.isfinite(value) or value < 0 or (option == "--timeout" and value == 0):
+            raise VariantError(f"{option} = {value!r} is invalid: allowed a positive number")
+    if args.max_examples is not None and args.max_examples < 0:
+        raise VariantError(f"--max-examples = {args.max_examples} is invalid: allowed N >= 0")
+    a, b = parse_variants(f"{args.a},{args.b}", timeout_s=args.timeout)
+    entries = [(str(path), load_entry(path).scenario) for path in iter_scenario_files(args.corpus)]
+    report = run_diff(
+        a,
+        b,
+        entries,
+        seconds=args.seconds,
+        max_examples=args.max_examples,
+        seed=args.seed,
+        policy=Policy(args.policy),
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        sys.stdout.write(report.render())
+    return EXIT_FOUND if report.changes else EXIT_CLEAN

@@ -1,0 +1,86 @@
+"""``kvfuzz explain``: the blocks each variant kept around one sibling's divergence."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from differential.commands.options import (
+    EXIT_CLEAN,
+    EXIT_FOUND,
+    add_common,
+    load_scenario,
+)
+from differential.errors import ScenarioError
+from differential.findings import Policy
+from differential.scenario import DriveMode
+from differential.variants import (
+    parse_variants,
+)
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    """``kvfuzz explain``: one sibling's blocks, per group and variant."""
+    explain = sub.add_parser(
+        "explain",
+        help="draw the blocks each variant kept around one sibling's divergence point",
+        description=(
+            "Run SCENARIO on the variants and show, for one sibling, which blocks of "
+            "each KV cache group were cached when it looked up, with the divergence "
+            "point, the expected checkpoint and each variant's hit; optionally as SVG."
+        ),
+    )
+    explain.add_argument("scenario", type=Path, metavar="SCENARIO")
+    add_common(explain)
+    explain.add_argument(
+        "--request",
+        type=int,
+        default=None,
+        help="the sibling to explain (default: the first with a finding, else the last)",
+    )
+    explain.add_argument("--svg", type=Path, metavar="FILE", help="also write the picture as SVG")
+
+
+def run(args: argparse.Namespace) -> int:
+    from differential.corpus import write_atomic
+
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
+    entry = load_scenario(args, args.scenario)
+    scenario = entry.scenario
+    if args.svg is not None:
+        from differential.reports.outputs import check_output_file
+
+        check_output_file(args.svg, "--svg")
+    if args.request is not None and not 0 <= args.request < len(scenario.requests):
+        raise ScenarioError(
+            "--request", args.request, f"0..{len(scenario.requests) - 1} (the scenario's requests)"
+        )
+    from differential.compare import compare_variants
+    from differential.exports.explain import explain_request, render_svg, render_text
+
+    result = compare_variants(scenario, variants, policy=Policy(args.policy))
+    request = args.request
+    if request is None:
+        flagged = sorted(
+            f.request for f in result.findings if f.request is not None and f.request > 0
+        )
+        request = flagged[0] if flagged else len(scenario.requests) - 1
+    engine = scenario.workload.mode is DriveMode.SCHEDULER
+    if engine:
+        from differential.exports.explain import render_timeline
+
+        sys.stdout.write(render_timeline(result, request))
+    exp = explain_request(result, request)
+    if exp is None:
+        if engine:  # judged per lookup as scheduled: the timeline is the picture
+            return EXIT_FOUND if result.findings else EXIT_CLEAN
+        raise ScenarioError("--request", request, "a request every variant completed")
+    sys.stdout.write(render_text(exp))
+    if args.svg is not None:
+        write_atomic(args.svg, render_svg(exp))
+        print(f"SVG: {args.svg}")
+    return EXIT_FOUND if result.findings else EXIT_CLEAN

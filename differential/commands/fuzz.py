@@ -1,0 +1,271 @@
+"""``kvfuzz fuzz``: a campaign of generated scenarios, its report and CI reports."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from differential.commands.options import (
+    EXIT_CLEAN,
+    EXIT_FOUND,
+    EXIT_INTERNAL,
+    MAX_JOBS,
+    add_ci_reports,
+    add_common,
+    check_ci_outputs,
+    jobs,
+    positive_int,
+    seconds_budget,
+    write_ci_reports,
+)
+from differential.errors import VariantError
+from differential.findings import Policy
+from differential.scenario import DriveMode, GroupKind
+from differential.variants import (
+    parse_variants,
+)
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    """``kvfuzz fuzz``: a campaign over the scenario space."""
+    fuzz = sub.add_parser(
+        "fuzz",
+        help="run a fuzz campaign over the scenario space",
+        description=(
+            "Generate scenarios (Hypothesis strategies, driven by bytes from --seed), "
+            "run them on the variants and keep one file per distinct finding in "
+            "OUT/findings. The same seed and versions give the same findings. "
+            "Ctrl-C or SIGTERM stops cleanly and keeps what was found."
+        ),
+    )
+    add_common(fuzz)
+    fuzz.add_argument("--seed", type=int, default=0, help="campaign seed (default: %(default)s)")
+    fuzz.add_argument(
+        "--seconds",
+        type=seconds_budget,
+        default=60.0,
+        help="wall-time budget in seconds, after vLLM is imported; 0 for none "
+        "(default: %(default)s)",
+    )
+    fuzz.add_argument(
+        "--max-examples",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="stop after N scenarios (default: no limit)",
+    )
+    fuzz.add_argument(
+        "--out",
+        type=Path,
+        default=Path("kvfuzz-out"),
+        help="output folder for findings, the example database and summary.json "
+        "(default: %(default)s)",
+    )
+    fuzz.add_argument(
+        "--no-dense-check",
+        action="store_true",
+        help="skip the dense-retention cross-check runs (about twice as fast)",
+    )
+    fuzz.add_argument(
+        "--groups",
+        default="",
+        metavar="KINDS",
+        help="comma-separated KV cache group kinds every scenario contains "
+        f"({', '.join(k.value for k in GroupKind)}; e.g. --groups mamba for Mamba "
+        "hybrids only; default: any layout)",
+    )
+    fuzz.add_argument("--quiet", action="store_true", help="no progress display")
+    fuzz.add_argument(
+        "--jobs",
+        type=jobs,
+        default=1,
+        metavar="N",
+        help=f"worker processes, each importing vLLM once, 1..{MAX_JOBS} (default: %(default)s)",
+    )
+    fuzz.add_argument(
+        "--no-shrink",
+        action="store_true",
+        help="do not shrink new root causes in the background",
+    )
+    fuzz.add_argument(
+        "--shrink-seconds",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="time box, in seconds, of each background shrink (default: %(default)s)",
+    )
+    fuzz.add_argument(
+        "--known-corpus",
+        action="append",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="scenario files or folders whose root causes count as known, not new "
+        "(repeatable; default: corpora and known-issues, where they exist)",
+    )
+    fuzz.add_argument(
+        "--fail-on",
+        choices=("any", "new"),
+        default="any",
+        help="exit 1 for any finding, or only for new root causes on the variants "
+        "under test (default: %(default)s)",
+    )
+    add_ci_reports(fuzz)
+
+
+def run(args: argparse.Namespace) -> int:
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
+    kinds = _group_kinds(args.groups)
+    if args.shrink_seconds <= 0:
+        raise VariantError(f"--shrink-seconds must be > 0, got {args.shrink_seconds}")
+    known = args.known_corpus
+    if known is None:
+        known = [p for p in (Path("corpora"), Path("known-issues")) if p.is_dir()]
+    from differential.corpus import iter_scenario_files
+
+    iter_scenario_files([str(p) for p in known])  # bad paths are usage errors, now
+    from differential.reports.outputs import check_output_folder
+
+    check_output_folder(args.out, "--out")
+    for sub in ("findings", "hypothesis-db", "pictures"):
+        check_output_folder(args.out / sub, f"--out ({sub}/)")
+    check_ci_outputs(args)
+    _keep_earlier_run(args.out)
+    from fuzz.campaign import CampaignConfig
+    from fuzz.parallel import run_parallel
+
+    summary = run_parallel(
+        CampaignConfig(
+            out=args.out,
+            variants=variants,
+            seed=args.seed,
+            seconds=args.seconds or None,
+            max_examples=args.max_examples,
+            policy=Policy(args.policy),
+            dense_cross_check=not args.no_dense_check,
+            shrink_seconds=None if args.no_shrink else args.shrink_seconds,
+            known_corpus=tuple(known),
+            group_kinds=kinds,
+            mode=DriveMode(args.mode or "manager"),
+        ),
+        args.jobs,
+        quiet=args.quiet,
+    )
+    _campaign_reports(args, summary)
+    first = summary["first_finding_s"]
+    print(
+        f"{summary['examples']} examples in {summary['elapsed_s']:.1f} s "
+        f"({summary['executions_per_s']:.1f} executions/s); "
+        f"{len(summary['distinct'])} distinct finding(s)"
+        + (f", first after {first:.2f} s" if first is not None else "")
+        + (" [interrupted]" if summary["interrupted"] else "")
+    )
+    causes = summary.get("root_causes", [])
+    new = [c for c in causes if c["status"] == "new"]
+    print(f"{len(causes)} root cause(s), {len(new)} new:")
+    for cause in causes:
+        status = "NEW  " if cause["status"] == "new" else "known"
+        print(
+            f"  {status} {cause['count']:>5} x {cause['root_cause']} "
+            f"[{', '.join(cause['variants'])}]\n          {cause['reproducer']}"
+        )
+    print(f"summary: {args.out / 'summary.json'}; report: {args.out / 'report.md'}")
+    failed = summary.get("failed_jobs") or []
+    for job in failed:
+        where = f"traceback in {job['traceback']}" if job["traceback"] else "no traceback saved"
+        print(
+            f"kvfuzz: internal error: job {job['job']} died without finishing "
+            f"(exit status {job['exit_status']}; {where})",
+            file=sys.stderr,
+        )
+    if failed:
+        return EXIT_INTERNAL
+    if args.fail_on == "new":
+        tested = {v.name for v in variants}
+        return EXIT_FOUND if any(tested & set(c["variants"]) for c in new) else EXIT_CLEAN
+    return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
+
+
+def _keep_earlier_run(out: Path) -> None:
+    """Move an earlier campaign's summary.json and report.md (a rerun into the
+    same folder) to ``OUT/earlier-runs/<n>/`` instead of overwriting them."""
+    earlier = [out / name for name in ("summary.json", "report.md") if (out / name).is_file()]
+    if not earlier:
+        return
+    runs = out / "earlier-runs"
+    number = 1
+    while (runs / str(number)).exists():
+        number += 1
+    (runs / str(number)).mkdir(parents=True)
+    for path in earlier:
+        path.rename(runs / str(number) / path.name)
+    print(
+        f"kvfuzz: {out} holds an earlier run: its summary and report moved to "
+        f"{runs / str(number)}; its findings stay in {out / 'findings'}",
+        file=sys.stderr,
+    )
+
+
+def _group_kinds(text: str) -> frozenset[GroupKind]:
+    """``--groups``: comma-separated ``GroupKind`` values (empty: none pinned).
+
+    Raises:
+        VariantError: an unknown kind (exit 2, naming the allowed values).
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    allowed = ", ".join(k.value for k in GroupKind)
+    for name in names:
+        if name not in {k.value for k in GroupKind}:
+            raise VariantError(f"--groups: unknown group kind {name!r}; allowed: {allowed}")
+    return frozenset(GroupKind(n) for n in names)
+
+
+def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> None:
+    """report.md (with explain pictures) and the CI reports for a campaign.
+
+    Each root cause's reproducer (the shrunk one if there is one, else its
+    first scenario) is replayed (finding files are self-contained), so the
+    reports are the same for one job or many. The CI reports list the root
+    causes in the summary's order: new ones first.
+    """
+    from differential.compare import compare_variants
+    from differential.corpus import load_entry, write_atomic
+    from differential.triage.identity import RootCause, triage
+    from fuzz.report import campaign_markdown, root_cause_pictures
+
+    variants = parse_variants(args.variants, timeout_s=args.timeout)
+    if summary["interrupted"] or summary.get("failed_jobs"):
+        # Stopping must be quick, and a failed campaign must not fail again
+        # here: no replays (nor a vLLM import in the parent).
+        write_atomic(args.out / "report.md", campaign_markdown(summary, {}, args.out))
+        if args.junit_xml is not None or args.sarif is not None:
+            why = "interrupted" if summary["interrupted"] else "a job failed"
+            print(
+                f"kvfuzz: {why}: JUnit/SARIF not written; "
+                f"`kvfuzz replay {args.out / 'findings'}` writes them",
+                file=sys.stderr,
+            )
+        return
+    items = []
+    results = []
+    for cause in summary.get("root_causes", []):  # type: ignore[attr-defined]
+        path = Path(cause["shrunk"] or cause["file"])
+        if not path.exists():
+            continue
+        loaded = load_entry(path)
+        result = compare_variants(
+            loaded.scenario, variants, policy=Policy(args.policy), source=str(path)
+        )
+        target = RootCause.from_dict(cause["identity"])
+        shown = [t for t in triage(result) if t.root_cause == target]
+        request = next((t.finding.request for t in shown if t.finding.request), None)
+        if request is not None:
+            items.append((cause["root_cause"], result, request))
+        results.append(result)
+    pictures = root_cause_pictures(items, args.out / "pictures")
+    write_atomic(args.out / "report.md", campaign_markdown(summary, pictures, args.out))
+    write_ci_reports(args, results)

@@ -1,0 +1,269 @@
+"""Options and helpers every ``kvfuzz`` subcommand shares.
+
+Exit codes, typed option parsers (a bad value is an argparse error: exit 2
+naming the option and what is allowed), the options common to the commands
+that run scenarios, loading a scenario file under the limits, the CI
+reports, and kvfuzz's own failure reported in one line (exit 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from differential.errors import InternalError, ScenarioError
+from differential.findings import Policy
+from differential.variants import (
+    DEFAULT_VARIANTS,
+    known_variants,
+)
+
+if TYPE_CHECKING:
+    from differential.corpus import CorpusEntry
+
+EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+
+
+MESSAGE_CHARS = 500  # longest error message printed (the rest is elided)
+
+
+MAX_JOBS = 256  # --jobs above this is a typo, not a machine
+
+
+def number(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number: allowed {what}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed {what}")
+    return value
+
+
+def seconds_budget(text: str) -> float:
+    """A finite time budget in seconds, >= 0 (0: none)."""
+    value = number(text, "a finite number of seconds >= 0 (0: no limit)")
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: allowed a finite number of seconds >= 0 (0: no limit)"
+        )
+    return value
+
+
+def timeout_seconds(text: str) -> float:
+    """A finite timeout in seconds, > 0."""
+    value = number(text, "a finite number of seconds > 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: allowed a finite number of seconds > 0"
+        )
+    return value
+
+
+def positive_int(text: str, *, maximum: int | None = None) -> int:
+    allowed = "an integer >= 1" if maximum is None else f"an integer 1..{maximum}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed {allowed}") from None
+    if value < 1 or (maximum is not None and value > maximum):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed {allowed}")
+    return value
+
+
+def jobs(text: str) -> int:
+    """Worker processes: 1..``MAX_JOBS``."""
+    return positive_int(text, maximum=MAX_JOBS)
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=(
+            "comma-separated variants to run side by side "
+            f"(known: {', '.join(known_variants())}; default: %(default)s)"
+        ),
+    )
+    parser.add_argument(
+        "--timeout",
+        type=timeout_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="per-scenario timeout for tree:PATH variants (default: %(default)s)",
+    )
+    add_policy(parser)
+    parser.add_argument(
+        "--mode",
+        choices=["manager", "scheduler"],
+        default=None,
+        help=(
+            "driving mode, overriding each scenario's workload.mode: manager = "
+            "KVCacheManager directly, scheduler = vLLM's real Scheduler (default: "
+            "the scenario's own)"
+        ),
+    )
+    add_limits(parser)
+
+
+POLICY_HELP = (
+    "checkpoint policy the oracle judges with: vllm = the one-unit rule "
+    "(every retained boundary b and b - A), retained = what vLLM 0.33.0 "
+    "literally keeps, ideal = the dense reference (default: %(default)s)"
+)
+
+
+def add_policy(parser: argparse.ArgumentParser, help_text: str = POLICY_HELP) -> None:
+    """``--policy``: the checkpoint policy the oracle judges with (default ``vllm``)."""
+    parser.add_argument(
+        "--policy",
+        choices=[p.value for p in Policy],
+        default=Policy.VLLM.value,
+        help=help_text,
+    )
+
+
+def add_limits(parser: argparse.ArgumentParser) -> None:
+    from differential.bounds import DEFAULT_LIMITS
+
+    limits = parser.add_argument_group(
+        "limits", "a scenario file over a limit is rejected (exit 2) before anything runs"
+    )
+    limits.add_argument(
+        "--max-requests",
+        type=positive_int,
+        default=DEFAULT_LIMITS.max_requests,
+        metavar="N",
+        help="requests per scenario (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=DEFAULT_LIMITS.max_tokens,
+        metavar="N",
+        help="prompt plus decode tokens per scenario (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-pool-blocks",
+        type=positive_int,
+        default=DEFAULT_LIMITS.max_pool_blocks,
+        metavar="N",
+        help="block-pool size per scenario, in blocks (default: %(default)s)",
+    )
+
+
+def load_scenario(args: argparse.Namespace, path: Path) -> CorpusEntry:
+    """Load a scenario file and check its cost against the limits (exit 2 over one)."""
+    from differential.bounds import Limits, check_cost
+    from differential.corpus import load_entry
+
+    entry = load_entry(path)
+    mode = getattr(args, "mode", None)
+    if mode is not None:
+        from dataclasses import replace
+
+        from differential.compare import in_mode
+        from differential.scenario import DriveMode
+
+        try:
+            entry = replace(entry, scenario=in_mode(entry.scenario, DriveMode(mode)))
+        except ScenarioError as exc:
+            raise exc.with_source(str(path)) from None
+    limits = Limits(
+        max_requests=args.max_requests,
+        max_tokens=args.max_tokens,
+        max_pool_blocks=args.max_pool_blocks,
+    )
+    check_cost(entry.scenario, limits, source=str(path))
+    return entry
+
+
+def add_ci_reports(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--junit-xml",
+        type=Path,
+        metavar="FILE",
+        help="write JUnit XML: a test case per scenario and variant, findings as failures",
+    )
+    parser.add_argument("--sarif", type=Path, metavar="FILE", help="write findings as SARIF 2.1.0")
+    parser.add_argument(
+        "--github-annotations",
+        action="store_true",
+        help="print a GitHub Actions ::error/::warning line per finding",
+    )
+
+
+def write_ci_reports(args: argparse.Namespace, results: Sequence[object]) -> None:
+    from differential.corpus import write_atomic
+    from differential.reports.ci import dumps_sarif, github_annotations, junit_xml
+
+    if args.junit_xml is not None:
+        write_atomic(args.junit_xml, junit_xml(results))  # type: ignore[arg-type]
+    if args.sarif is not None:
+        write_atomic(args.sarif, dumps_sarif(results))  # type: ignore[arg-type]
+    if args.github_annotations:
+        sys.stdout.write(github_annotations(results))  # type: ignore[arg-type]
+
+
+def check_ci_outputs(args: argparse.Namespace) -> None:
+    from differential.reports.outputs import check_output_file
+
+    if args.junit_xml is not None:
+        check_output_file(args.junit_xml, "--junit-xml")
+    if args.sarif is not None:
+        check_output_file(args.sarif, "--sarif")
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line, at most about ``MESSAGE_CHARS`` characters.
+
+    Keeps both ends: the start says what failed, the end of a traceback (a
+    tree worker's stderr) says why.
+    """
+    flat = " ".join(text.split())
+    if len(flat) > MESSAGE_CHARS:
+        half = (MESSAGE_CHARS - 40) // 2
+        flat = f"{flat[:half]} ... ({len(flat)} chars) ... {flat[-half:]}"
+    return flat
+
+
+def save_traceback(exc: BaseException, argv: Sequence[str] | None = None) -> Path | None:
+    """Write ``exc``'s full traceback to a new file in the temporary folder.
+
+    Returns:
+        The file, or ``None`` if it could not be written.
+    """
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except RecursionError:
+        text = f"{type(exc).__name__} (traceback too deep to format)\n"
+    header = f"kvfuzz {' '.join(sys.argv[1:] if argv is None else argv)}\n\n"
+    try:
+        fd, name = tempfile.mkstemp(prefix="kvfuzz-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as handle:
+            handle.write(header + text)
+    except OSError:
+        return None
+    return Path(name)
+
+
+def internal_failure(exc: BaseException, argv: Sequence[str] | None = None) -> int:
+    """Report kvfuzz's own failure in one line (traceback saved to a file): exit 3."""
+    saved = save_traceback(exc, argv)
+    where = f"full traceback in {saved}" if saved else "the traceback could not be saved"
+    if isinstance(exc, InternalError):
+        detail = str(exc).removeprefix("kvfuzz ")
+    else:
+        detail = f"internal error (please report): {type(exc).__name__}: {exc}"
+    print(f"kvfuzz: {one_line(detail)} [{where}]", file=sys.stderr, flush=True)
+    return EXIT_INTERNAL
