@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
-from differential.driver import runner
+import differential.driver.runner as runner
 from differential.driver.features import classified_run, vllm_call
 from differential.driver.runner import UNSET, resolve_retention
 from differential.driver.settings import ResolvedDrafter, _speculative_config, resolve_drafter

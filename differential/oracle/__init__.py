@@ -31,7 +31,6 @@ from differential.oracle.core import (
     DrafterModel,
     SiblingReference,
     checkpoints,
-    common_prefix_tokens,
     cross_check_dense,
     dense_hit,
     divergence_points,
@@ -42,6 +41,7 @@ from differential.oracle.core import (
     references,
     replay_boundaries,
 )
+from differential.oracle.prefix import common_prefix_tokens
 from differential.oracle.state import (
     attention_dense_hit,
     state_group_indices,

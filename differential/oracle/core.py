@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
 from differential.oracle.blocks import check_blocks
+from differential.oracle.prefix import common_prefix_tokens
+from differential.oracle.state import state_references
 from differential.scenario import DrafterKind, GroupKind, Scenario
 
 __all__ = [
@@ -127,18 +129,6 @@ def model_from_settings(settings: ManagerSettings, num_groups: int) -> DrafterMo
         reprefillable_tokens=reprefillable,
         dependency_tokens=0,
     )
-
-
-def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length, in tokens, of the longest common prefix of two token sequences."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:  # binary search on slice equality (compared in C)
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def divergence_points(scenario: Scenario) -> tuple[int, ...]:
@@ -381,12 +371,10 @@ def _state_group_references(
     """:func:`references` for a scenario with state groups: the attention
     proof, the writer's states and the one-unit rule mapped onto states
     (:mod:`differential.oracle.state`)."""
-    from differential.oracle import state
-
     def promised(writer: int, junction: int, up_to: int, writer_hit: int) -> tuple[int, ...]:
         return checkpoints(scenario, model, writer, junction, up_to, writer_hit, policy)
 
-    rows = state.state_references(
+    rows = state_references(
         scenario,
         model.drop,
         model.hash_lookahead_tokens,

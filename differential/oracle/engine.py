@@ -28,10 +28,10 @@ from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RunObservation
 from differential.oracle.core import (
     SiblingReference,
-    common_prefix_tokens,
     drafter_model,
     judge_run,
 )
+from differential.oracle.prefix import common_prefix_tokens
 from differential.scenario import MambaPrefill, Scenario
 
 __all__ = [

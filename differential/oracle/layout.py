@@ -18,7 +18,8 @@ block against the dense-reference hit at the alignment, in tokens.
 from __future__ import annotations
 
 from differential.findings import Finding, FindingKind
-from differential.oracle.core import common_prefix_tokens, dense_hit, drafter_model
+from differential.oracle.core import dense_hit, drafter_model
+from differential.oracle.prefix import common_prefix_tokens
 from differential.scenario import Scenario
 
 __all__ = ["LAYOUT_VARIANT", "alignment_blowup", "alignment_losses"]

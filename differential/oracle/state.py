@@ -58,7 +58,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from differential.findings import Policy
-from differential.oracle.core import common_prefix_tokens
+from differential.oracle.prefix import common_prefix_tokens
 from differential.scenario import GroupKind, MambaPrefill, Scenario
 
 __all__ = [
