@@ -467,7 +467,12 @@ def run_scheduler_scenario(
             scenario.decode_steps + 1
         )
         max_steps = 1_000 + 8 * total_tokens
+        executed = 0  # steps run, not counting the idle gaps skipped to an arrival
         while added < len(requests) or scheduler.has_requests():
+            if workload.arrival_steps is not None and not scheduler.has_requests():
+                # Nothing to schedule until the next arrival: an idle gap is
+                # time passing, not a stall, so go straight to that step.
+                step[0] = max(step[0], workload.arrival_steps[added])
             arrived = added
             added = _arrive(scheduler, requests, workload.arrival_steps, added, step[0], phase)
             phase[0] = f"step {step[0]}: schedule"
@@ -532,7 +537,8 @@ def run_scheduler_scenario(
                     f"{step[0]} ({len(scheduler.waiting)} waiting, pool {pool} blocks)"
                 )
             step[0] += 1
-            if step[0] > max_steps:
+            executed += 1
+            if executed > max_steps:
                 raise InternalError(
                     f"the scheduler had not finished after {max_steps} steps "
                     f"({len(scheduler.running)} running, {len(scheduler.waiting)} waiting, "

@@ -151,6 +151,19 @@ def test_concurrent_multi_turn_with_drafts_reuses_decoded_blocks() -> None:
     assert result.findings == ()
 
 
+def test_an_idle_gap_before_an_arrival_is_time_passing_not_a_stall() -> None:
+    # The second turns arrive 300 steps after the first (the engine idle for
+    # most of them, more than the 64 steps of no progress that mean a stall):
+    # the run goes on at the arrival step and is judged like a short gap.
+    scenario = _concurrent(200, 5, (0, 0, 1, 1, 300, 300, 301, 301), 4)
+    result = compare_variants(scenario, UNFIXED)
+    run = result.results[0].run
+    assert run.error is None
+    assert run.hits == (0, 0, 0, 0, 40, 40, 48, 48)
+    assert [r.scheduled_step for r in run.requests] == [0, 1, 3, 5, 300, 300, 301, 301]
+    assert result.findings == ()
+
+
 def test_small_pool_evicts_and_preempts_and_stays_sound() -> None:
     scenario = _concurrent(26, 24, (0, 0, 0, 0, 1, 1, 1, 1), 8)
     result = compare_variants(scenario, UNFIXED)
