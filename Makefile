@@ -14,9 +14,11 @@ replay: setup
 	@$(VENV)/bin/kvfuzz replay corpora/seeds; rc=$$?; \
 	    if [ $$rc -ne 0 ] && [ $$rc -ne 1 ]; then exit $$rc; fi
 
-# Tests (unit, oracle, real-vLLM integration) and lint.
+# Tests (unit, oracle, real-vLLM integration), lint and the type checker
+# (mypy, strict on differential/ and fuzz/: [tool.mypy] in pyproject.toml).
 test: setup
 	@$(VENV)/bin/ruff check differential fuzz tests benchmarks
+	@$(VENV)/bin/mypy
 	@KVFUZZ_REQUIRE_VLLM=1 $(VENV)/bin/python -m pytest -n 2 || { rc=$$?; \
 	    if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): nothing to fail"; \
 	    else exit $$rc; fi; }

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from differential.commands import COMMANDS, command_module
 from differential.commands.options import (
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command not in COMMANDS:
         return internal_failure(InternalError(f"unhandled command {args.command!r}"), argv)
-    command = command_module(args.command).run
+    command: Callable[[argparse.Namespace], int] = command_module(args.command).run
     try:
         return command(args)
     except (ScenarioError, VariantError) as exc:

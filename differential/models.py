@@ -267,7 +267,7 @@ def _layer_from(raw: object, where: str) -> LayerSpec:
                 f"{where}.{key}", raw[key], f"no such field; known: {sorted(_LAYER_KEYS)}"
             )
     try:
-        kind = GroupKind(raw.get("kind"))
+        kind = GroupKind(raw.get("kind"))  # type: ignore[arg-type]  # a non-string raises
     except ValueError:
         raise ScenarioError(
             f"{where}.kind", raw.get("kind"), ", ".join(k.value for k in GroupKind)

@@ -1182,7 +1182,7 @@ def _reject_unknown(obj: Mapping[str, Any], known: frozenset[str] | set[str], pr
 
 def _enum(enum: type[_E], value: object, where: str) -> _E:
     try:
-        return enum(value)
+        return enum(value)  # type: ignore[arg-type]  # any JSON value: a wrong one raises
     except ValueError:
         raise ScenarioError(where, value, _allowed_enum(enum)) from None
 

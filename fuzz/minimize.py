@@ -236,8 +236,9 @@ def _retention(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         if new >= old:
             break
         positions = [s.shared_prefix_tokens] + [r.divergence_tokens for r in s.requests]
-        mapped = [_remap(p, old, new) for p in positions]
-        if any(m is None for m in mapped):
+        remapped = [_remap(p, old, new) for p in positions]
+        mapped = [m for m in remapped if m is not None]
+        if len(mapped) < len(remapped):
             continue
         requests = tuple(
             dataclasses.replace(r, divergence_tokens=m)

@@ -12,12 +12,13 @@ if the ``CI`` environment variable is set, ``local`` otherwise.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 
 __all__ = ["PROFILES", "load_profile"]
 
-_COMMON = {
+_COMMON: dict[str, Any] = {
     "deadline": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
 }

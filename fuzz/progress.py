@@ -7,7 +7,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 __all__ = ["CampaignStats", "Progress"]
 
@@ -84,7 +87,7 @@ class Progress:
                 console=Console(file=self.stream), refresh_per_second=4, transient=False
             )
 
-    def _render(self) -> object:
+    def _render(self) -> Table:
         from rich.table import Table
 
         stats = self.stats

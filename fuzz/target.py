@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.database import ExampleDatabase
 
 from differential.compare import ScenarioResult, compare_variants
-from differential.findings import Policy
+from differential.findings import FindingKind, Policy
 from differential.scenario import DriveMode, GroupKind, Scenario
 from differential.variants import Variant
 from fuzz.signature import Signature, signature_of
@@ -81,7 +81,7 @@ def build_target(
             (:func:`fuzz.strategies.engine_scenarios`; ``kinds`` does not
             apply) run through vLLM's ``Scheduler``.
     """
-    extra = {} if phases is None else {"phases": tuple(phases)}
+    extra: dict[str, Any] = {} if phases is None else {"phases": tuple(phases)}
 
     @settings(
         database=database,
@@ -99,7 +99,7 @@ def build_target(
             on_result(scenario, result)
         failing = [f for f in result.findings if raise_on_known or f.known_issue is None]
         if raise_on_finding and failing:
-            first = min(failing, key=lambda f: list(type(f.kind)).index(f.kind))
+            first = min(failing, key=lambda f: list(FindingKind).index(f.kind))
             signature = signature_of(scenario, first)
             raise _exception_for(signature)(f"{signature.text}: {first.summary()}")
 
@@ -120,5 +120,6 @@ def decode(buffer: bytes, mode: DriveMode = DriveMode.MANAGER) -> Scenario | Non
     def capture(scenario: Scenario) -> None:
         captured.append(scenario)
 
-    capture.hypothesis.fuzz_one_input(buffer)
+    # @given sets .hypothesis on the test function, which its type does not declare.
+    capture.hypothesis.fuzz_one_input(buffer)  # type: ignore[attr-defined]
     return captured[0] if captured else None

@@ -66,18 +66,20 @@ def run(args: argparse.Namespace) -> int:
         (vr, f) for vr, f in candidates if signature_of(scenario, f).text == entry.signature
     ]
     variant_result, finding = (recorded or candidates)[0]
+    request = finding.request
+    assert request is not None  # candidates hold per-request findings only
     fixed_hit = next(
         (
-            vr.run.hits[finding.request]
+            vr.run.hits[request]
             for vr in result.results
-            if vr.variant.role is VariantRole.FIXED and finding.request < len(vr.run.hits)
+            if vr.variant.role is VariantRole.FIXED and request < len(vr.run.hits)
         ),
         None,
     )
     source = export_test(
         scenario,
         finding,
-        variant_result.references[finding.request],
+        variant_result.references[request],
         signature=signature_of(scenario, finding).text,
         name=scenario.name or args.finding.stem,
         fixed_hit_tokens=fixed_hit,

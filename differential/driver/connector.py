@@ -28,7 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 __all__ = ["EmptyRemoteConnector"]
 
 
-class EmptyRemoteConnector(KVConnectorBase_V1, SupportsHMA):
+# vLLM is not type-checked (pyproject.toml), so its base classes are Any here.
+class EmptyRemoteConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """A KV connector whose remote store holds nothing (scheduler side only)."""
 
     def get_num_new_matched_tokens(

@@ -48,7 +48,7 @@ _LOCK = threading.RLock()
 _original_needs_drop: Callable[[SpeculativeConfig], bool] = SpeculativeConfig.needs_eagle_block_drop
 _original_mask: Callable[..., list[bool] | None] = (
     SlidingWindowManager.reachable_block_mask.__func__
-)  # type: ignore[attr-defined]
+)
 
 
 def _needs_eagle_block_drop(self: SpeculativeConfig) -> bool:

@@ -316,26 +316,26 @@ def resolve_model_scenario(data: Mapping[str, Any], base: Path) -> tuple[Scenari
         raise ScenarioError("kv_cache_groups", body["kv_cache_groups"], "absent with a model")
     # The drafter settings alone, on a throwaway one-group scenario.
     probe_block = max(
-        model.block_size_tokens, int(data.get("drafter", {}).get("num_speculative_tokens", 0) or 0)
+        model.block_size_tokens,
+        int(data.get("drafter", {}).get("num_speculative_tokens", 0) or 0),
     )
-    probe = Scenario.from_dict(
-        {
-            "kv_cache_groups": [{"kind": "full_attention", "block_size_tokens": probe_block}],
-            "requests": [{"divergence_tokens": 0, "suffix_tokens": 1}],
-            "shared_prefix_tokens": 0,
-            "prefill_chunk_tokens": max(probe_block, 1),
-            **{
-                k: body[k]
-                for k in (
-                    "drafter",
-                    "kv_connector",
-                    "disable_lookahead_block_hashes",
-                    "disable_eagle_block_drop",
-                )
-                if k in body
-            },
-        }
-    )
+    probe_data: dict[str, Any] = {
+        "kv_cache_groups": [{"kind": "full_attention", "block_size_tokens": probe_block}],
+        "requests": [{"divergence_tokens": 0, "suffix_tokens": 1}],
+        "shared_prefix_tokens": 0,
+        "prefill_chunk_tokens": max(probe_block, 1),
+        **{
+            k: body[k]
+            for k in (
+                "drafter",
+                "kv_connector",
+                "disable_lookahead_block_hashes",
+                "disable_eagle_block_drop",
+            )
+            if k in body
+        },
+    }
+    probe = Scenario.from_dict(probe_data)
     plan = plan_model(model, probe)
     groups = [
         {

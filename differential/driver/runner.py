@@ -309,7 +309,7 @@ def make_request(
         "pooling_params": None,
         "block_hasher": hasher,
     }
-    return vllm_call(  # type: ignore[no-any-return]
+    return vllm_call(
         "Request",
         Request,
         **{k: v for k, v in request_args.items() if k in _REQUEST_PARAMETERS},
@@ -432,7 +432,7 @@ def _prefill(
             num_new = vllm_call(
                 "Scheduler._mamba_block_aligned_split",
                 Scheduler._mamba_block_aligned_split,
-                mamba_view,  # type: ignore[arg-type]
+                mamba_view,
                 request,
                 num_new,
                 hit if first else 0,
@@ -441,7 +441,7 @@ def _prefill(
             num_new = vllm_call(
                 "Scheduler._reserve_prefill_lookahead",
                 Scheduler._reserve_prefill_lookahead,
-                d.scheduler_view,  # type: ignore[arg-type]
+                d.scheduler_view,
                 request,
                 computed,
                 num_new,

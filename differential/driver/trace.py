@@ -18,7 +18,7 @@ Nothing of vLLM is changed: the wrapper calls whatever function is installed
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -90,7 +90,7 @@ def trace_lookups(coordinator: Any) -> Iterator[list[GroupLookup]]:
         finally:
             coordinator.attention_groups = groups
         return
-    managers = getattr(coordinator, "single_type_managers", ())
+    managers: Sequence[Any] = getattr(coordinator, "single_type_managers", ())
     if len(managers) == 1:
         manager = managers[0]
         # An instance attribute shadows the classmethod for this one manager.

@@ -471,7 +471,7 @@ def _with_mamba_steps(source: str, scenario: Scenario) -> str:
     chunk_line = (
         f"            num_new = min({scenario.prefill_chunk_tokens}, len(prompt) - computed)\n"
     )
-    edits = (
+    edits: tuple[tuple[str, str], ...] = (
         ("    SlidingWindowSpec,\n)", "    MambaSpec,\n    SlidingWindowSpec,\n)"),
         (
             "from vllm.v1.core.kv_cache_utils import",

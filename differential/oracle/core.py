@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
@@ -474,7 +475,11 @@ def judge_run(
             for c, r in zip(ceilings, references(scenario, as_run, hits), strict=True)
         ]
     for ref, vref, hit, dense in zip(refs, vllm_refs, hits, ceilings, strict=True):
-        common = {"divergence_tokens": ref.divergence_tokens, "hit_tokens": hit, "policy": policy}
+        common: dict[str, Any] = {
+            "divergence_tokens": ref.divergence_tokens,
+            "hit_tokens": hit,
+            "policy": policy,
+        }
         ceiling = min(dense, max(0, ref.divergence_tokens - model.dependency_tokens))
         if ref.index == 0:
             ceiling = 0

@@ -24,6 +24,8 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
+from typing import Any
+
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RunObservation
 from differential.oracle.core import (
@@ -109,7 +111,11 @@ def judge_engine_run(
         )
         length = scenario.requests[r.index].prompt_tokens
         ceiling = min(length - 1, max(0, shared - model.dependency_tokens))
-        common = {"divergence_tokens": shared, "hit_tokens": r.hit_tokens, "policy": policy}
+        common: dict[str, Any] = {
+            "divergence_tokens": shared,
+            "hit_tokens": r.hit_tokens,
+            "policy": policy,
+        }
         if r.hit_tokens > ceiling:
             findings.append(
                 Finding(

@@ -99,8 +99,8 @@ def render_text(
     counts = summary_counts(results)
     lines.append("")
     if counts:
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-        lines.append(f"{len(results)} scenario(s); findings: {kinds}")
+        kind_counts = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        lines.append(f"{len(results)} scenario(s); findings: {kind_counts}")
     else:
         lines.append(f"{len(results)} scenario(s); no findings")
     return "\n".join(lines) + "\n"

@@ -336,7 +336,7 @@ def _innermost(spans: Iterable[tuple[int, int, str]], line: int) -> str:
 
 def _excluded_ranges(tree: ast.Module) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """Source ranges of annotations and ``logger.*(...)`` calls."""
-    nodes: list[ast.AST] = []
+    nodes: list[ast.expr] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.arg) and node.annotation is not None:
             nodes.append(node.annotation)
