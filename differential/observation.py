@@ -237,6 +237,9 @@ class RequestObservation:
         lookup_order: (scheduler mode) the request's rank among admissions
             (0 = first admitted); ``None`` in manager mode, where it is the
             request index.
+        finished_step: (scheduler mode) the scheduler step at whose end the
+            request had finished and been freed (its blocks released to the
+            prefix cache); ``None`` in manager mode or if it never finished.
     """
 
     index: int
@@ -251,6 +254,7 @@ class RequestObservation:
     unsafe_writes: tuple[BlockWrite, ...] = ()
     scheduled_step: int | None = None
     lookup_order: int | None = None
+    finished_step: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
@@ -271,6 +275,7 @@ class RequestObservation:
             unsafe_writes=tuple(BlockWrite.from_dict(w) for w in data.get("unsafe_writes", ())),
             scheduled_step=data.get("scheduled_step"),
             lookup_order=data.get("lookup_order"),
+            finished_step=data.get("finished_step"),
         )
 
     @property
@@ -292,6 +297,7 @@ class RequestObservation:
         if self.scheduled_step is not None:
             out["scheduled_step"] = self.scheduled_step
             out["lookup_order"] = self.lookup_order
+            out["finished_step"] = self.finished_step
         return out
 
     def _base_dict(self) -> dict[str, Any]:

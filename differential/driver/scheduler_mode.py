@@ -336,6 +336,7 @@ def _observations(
     scenario: Scenario,
     admitted: dict[int, _Admission],
     finished_at: dict[int, Counter[bytes]],
+    finished_step: dict[int, int],
     seen: Counter[bytes],
 ) -> list[RequestObservation]:
     """One observation per admitted request, in scenario order: its admitting
@@ -367,6 +368,7 @@ def _observations(
                 lookup=a.traced,
                 scheduled_step=a.step,
                 lookup_order=order.index(i),
+                finished_step=finished_step.get(i),
             )
         )
     return observed
@@ -458,6 +460,7 @@ def run_scheduler_scenario(
         index_of = {r.request_id: i for i, r in enumerate(requests)}
         admitted: dict[int, _Admission] = {}
         finished_at: dict[int, Counter[bytes]] = {}
+        finished_step: dict[int, int] = {}
         added = 0
         seen: Counter[bytes] = Counter()
         model_runner = _ModelRunner(scenario)
@@ -511,6 +514,7 @@ def run_scheduler_scenario(
                 i = index_of[rid]
                 if i not in finished_at and requests[i].is_finished():
                     finished_at[i] = after
+                    finished_step[i] = step[0]
                     done.append(f"req-{i}")
             if record_cache_map:
                 admitted_now = [
@@ -545,7 +549,7 @@ def run_scheduler_scenario(
                     f"pool {pool} blocks)"
                 )
         steps = step[0]
-        observed = _observations(scenario, admitted, finished_at, seen)
+        observed = _observations(scenario, admitted, finished_at, finished_step, seen)
         phase[0] = "count unreachable cached blocks"
         unreachable, cached_blocks = _unreachable(scenario, manager, requests)
     if outcome.unsupported is not None:

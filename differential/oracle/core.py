@@ -316,15 +316,20 @@ def references(
     model: DrafterModel,
     observed_hits: Sequence[int],
     policy: Policy = Policy.VLLM,
+    writers: Sequence[frozenset[int]] | None = None,
 ) -> tuple[SiblingReference, ...]:
     """Reference values for every request whose hit was observed.
 
     ``observed_hits`` decides which writers pinned a junction: a request pins
     its dense hit as a junction when its own hit fell short of it (vLLM
-    ``KVCacheManager.get_computed_blocks``). A scenario with state groups
-    (Mamba) is judged by :func:`differential.oracle.state.state_references`.
+    ``KVCacheManager.get_computed_blocks``). ``writers`` (per request, the
+    earlier requests that had finished and been freed when it looked up;
+    default: every earlier one, a sequential run) limits whose cached blocks
+    a request is owed. A scenario with state groups (Mamba) is judged by
+    :func:`differential.oracle.state.state_references` (sequential only).
     """
     if scenario.mamba_groups:
+        assert writers is None, "state groups are judged for sequential runs only"
         return _state_group_references(scenario, model, observed_hits, policy)
     prompts = scenario.prompts
     dense_by_request: list[int] = []
@@ -333,7 +338,7 @@ def references(
         best_dense, best_expected, best_writer = 0, 0, None
         divergence = 0
         points: set[int] = {0}
-        for i in range(j):
+        for i in range(j) if writers is None else sorted(w for w in writers[j] if w < j):
             shared = common_prefix_tokens(prompts[i], prompts[j])
             divergence = max(divergence, shared)
             h = dense_hit(scenario, model, j, i, shared)
@@ -398,6 +403,48 @@ def _state_group_references(
     )
 
 
+def needless_drop_finding(
+    scenario: Scenario, run: RunObservation, model: DrafterModel, policy: Policy
+) -> Finding | None:
+    """``needless-drop`` when the run's manager took the EAGLE block drop
+    (``use_eagle_block_drop``) for a drafter whose draft KV does not depend on
+    the next token under the scenario's settings (``model.drop`` false)."""
+    if run.settings is None or not run.settings.use_eagle_block_drop or model.drop:
+        return None
+    return Finding(
+        FindingKind.NEEDLESS_DROP,
+        run.variant,
+        None,
+        f"the manager drops the last matched block for drafter "
+        f"{scenario.drafter.kind.value!r}, whose draft KV does not depend "
+        f"on the next token under these settings",
+        policy=policy,
+    )
+
+
+def fallback_finding(
+    variant: str, vref: SiblingReference, hit: int, common: dict[str, Any]
+) -> Finding:
+    """``fallback``: ``hit`` (tokens) fell short of the checkpoint ``vref``
+    promises; says which promised checkpoint it landed on, if any.
+    ``common`` holds the finding's divergence, hit and policy fields."""
+    landed = max(p for p in vref.checkpoints if p <= hit)
+    return Finding(
+        FindingKind.FALLBACK,
+        variant,
+        vref.index,
+        f"expected checkpoint {vref.expected_tokens}, hit {hit}: "
+        + (
+            f"fell back to checkpoint {landed}"
+            if landed == hit
+            else f"not a promised checkpoint (the highest below it is {landed})"
+        ),
+        expected_tokens=vref.expected_tokens,
+        fallback_checkpoint_tokens=landed,
+        **common,
+    )
+
+
 def judge_run(
     scenario: Scenario,
     run: RunObservation,
@@ -434,18 +481,9 @@ def judge_run(
         )
         return (), tuple(findings)
     model = drafter_model(scenario)
-    if run.settings is not None and run.settings.use_eagle_block_drop and not model.drop:
-        findings.append(
-            Finding(
-                FindingKind.NEEDLESS_DROP,
-                name,
-                None,
-                f"the manager drops the last matched block for drafter "
-                f"{scenario.drafter.kind.value!r}, whose draft KV does not depend "
-                f"on the next token under these settings",
-                policy=policy,
-            )
-        )
+    needless = needless_drop_finding(scenario, run, model, policy)
+    if needless is not None:
+        findings.append(needless)
     hits = run.hits
     alignment = scenario.effective_hit_alignment_tokens
     refs = references(scenario, model, hits, policy)
@@ -512,23 +550,7 @@ def judge_run(
                 )
             )
         if hit < vref.expected_tokens:
-            landed = max(p for p in vref.checkpoints if p <= hit)
-            findings.append(
-                Finding(
-                    FindingKind.FALLBACK,
-                    name,
-                    ref.index,
-                    f"expected checkpoint {vref.expected_tokens}, hit {hit}: "
-                    + (
-                        f"fell back to checkpoint {landed}"
-                        if landed == hit
-                        else f"not a promised checkpoint (the highest below it is {landed})"
-                    ),
-                    expected_tokens=vref.expected_tokens,
-                    fallback_checkpoint_tokens=landed,
-                    **common,
-                )
-            )
+            findings.append(fallback_finding(name, vref, hit, common))
         elif policy is Policy.IDEAL and hit < ref.expected_tokens:
             # Closing the gap means keeping one more SWA tail (the window plus
             # the peek block under the drop) at the dense hit, per SWA group.

@@ -10,8 +10,17 @@ Three rules on top of the per-lookup invariants of
   (admitted), not when it arrived: it may not exceed, in tokens, the longest
   common prefix of its prompt with the tokens (prompt + sampled tokens) of a
   request admitted before it, less the drafter-dependent tokens, nor
-  ``L - 1``; and it must be a multiple of the hit alignment. Evictions and
-  concurrency may lower hits freely, so no shortfall is judged there.
+  ``L - 1``; and it must be a multiple of the hit alignment.
+* **Owed at every lookup, from the timeline** (:func:`timeline_writers`).
+  Without evictions or preemptions, and with turns copying prompts only, a
+  request is owed what the writers that had *finished* before its lookup
+  promise, under the same policies as a sequential run: a request still in
+  flight promises nothing (it may serve more, bounded above), and a writer
+  counts only when its own lookup saw no request in flight that shared a
+  prefix with it, so the junction it pinned is the one the policy models.
+  A shortfall is a ``fallback``; the run's ``needless-drop`` is reported as
+  in a sequential run. Evictions and preemptions may still lower hits
+  freely (attention layouts; state groups are judged sequentially only).
 * **Mode cross-check** (:func:`cross_check_modes`): a sequential scenario
   gives the same hits through the scheduler as through the manager-level
   driver, else ``mode-mismatch`` naming the first differing call.
@@ -27,11 +36,15 @@ from __future__ import annotations
 from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.observation import RunObservation
+from differential.observation import RequestObservation, RunObservation
 from differential.oracle.core import (
     SiblingReference,
     drafter_model,
+    fallback_finding,
     judge_run,
+    needless_drop_finding,
+    promise_policy,
+    references,
 )
 from differential.oracle.prefix import common_prefix_tokens
 from differential.scenario import MambaPrefill, Scenario
@@ -44,6 +57,7 @@ __all__ = [
     "sequentially_judgeable",
     "session_hits",
     "session_of",
+    "timeline_writers",
 ]
 
 
@@ -54,6 +68,81 @@ def sequentially_judgeable(scenario: Scenario, run: RunObservation) -> bool:
     request's answer, ``workload.shares_output``)."""
     w = scenario.workload
     return w.sequential and not w.shares_output and not run.evicted_blocks
+
+
+def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[int]] | None:
+    """Per request, the earlier requests whose cached blocks it is owed at its
+    lookup (see the module docstring); ``None`` when the run's timeline does
+    not support an exact promise (evictions, preemptions, turns copying an
+    answer, state groups, a failed or partial run, no timeline recorded).
+
+    A writer ``i`` counts for request ``j`` when ``i < j``, ``i`` finished
+    (``finished_step``) before the step that admitted ``j``
+    (``scheduled_step``), and no request admitted before ``i`` and unfinished
+    at ``i``'s admission shares a prefix with ``i``.
+    """
+    w = scenario.workload
+    requests = run.requests
+    if (
+        w.shares_output
+        or run.evicted_blocks
+        or run.preemptions
+        or run.error is not None
+        or scenario.mamba_groups
+        or [r.index for r in requests] != list(range(len(scenario.requests)))
+        or any(r.scheduled_step is None or r.lookup_order is None for r in requests)
+    ):
+        return None
+    prompts = scenario.prompts
+
+    def finished_before(r: RequestObservation) -> list[RequestObservation]:
+        return [
+            q
+            for q in requests
+            if q.finished_step is not None
+            and r.scheduled_step is not None
+            and q.finished_step < r.scheduled_step
+        ]
+
+    def in_flight_sharers(r: RequestObservation) -> bool:
+        done = {q.index for q in finished_before(r)}
+        return any(
+            q.index not in done and common_prefix_tokens(prompts[q.index], prompts[r.index])
+            for q in requests
+            if q.lookup_order is not None
+            and r.lookup_order is not None
+            and q.lookup_order < r.lookup_order
+        )
+
+    clean = {r.index for r in requests if not in_flight_sharers(r)}
+    return [
+        frozenset(q.index for q in finished_before(r) if q.index in clean and q.index < r.index)
+        for r in requests
+    ]
+
+
+def _timeline_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> list[Finding]:
+    """``fallback`` per lookup owed by its finished writers, and the run's
+    ``needless-drop`` (empty when :func:`timeline_writers` gives ``None``)."""
+    writers = timeline_writers(scenario, run)
+    if writers is None:
+        return []
+    model = drafter_model(scenario)
+    findings: list[Finding] = []
+    needless = needless_drop_finding(scenario, run, model, policy)
+    if needless is not None:
+        findings.append(needless)
+    hits = run.hits
+    vrefs = references(scenario, model, hits, promise_policy(policy), writers=writers)
+    for vref, hit in zip(vrefs, hits, strict=True):
+        if vref.writer is not None and hit < vref.expected_tokens:
+            common: dict[str, Any] = {
+                "divergence_tokens": vref.divergence_tokens,
+                "hit_tokens": hit,
+                "policy": policy,
+            }
+            findings.append(fallback_finding(run.variant, vref, hit, common))
+    return findings
 
 
 def mode_cross_checkable(scenario: Scenario) -> bool:
@@ -144,6 +233,7 @@ def judge_engine_run(
                     **common,
                 )
             )
+    findings += _timeline_findings(scenario, run, policy)
     return (), tuple(findings)
 
 

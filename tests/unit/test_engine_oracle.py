@@ -175,3 +175,71 @@ def test_concurrent_hit_is_judged_against_requests_admitted_before_it() -> None:
     assert findings == ()
     _, findings = judge_engine_run(scenario, _run((0, 0, 18, 24), order=(0, 1, 2, 3)))
     assert [(f.kind, f.request) for f in findings] == [(FindingKind.MISALIGNED, 2)]
+
+
+def _stream() -> Scenario:
+    """Four requests sharing a 16-token prefix, full attention in blocks of 4,
+    two arriving at step 0 and two at step 3 (a stream at concurrency 2)."""
+    return Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 4),),
+        requests=tuple(RequestSpec(16, 4) for _ in range(4)),
+        shared_prefix_tokens=16,
+        prefill_chunk_tokens=32,
+        workload=Workload(mode=DriveMode.SCHEDULER, arrival_steps=(0, 0, 3, 3)),
+    )
+
+
+def _timed(hits: tuple[int, ...], admitted: tuple[int, ...], finished: tuple[int, ...]):
+    run = _run(hits, order=admitted)
+    return dataclasses.replace(
+        run,
+        requests=tuple(
+            dataclasses.replace(
+                r,
+                per_group_hit_tokens=(r.hit_tokens,),
+                retained_blocks_per_group=(0,),
+                lookup_order=k,
+                finished_step=finished[k],
+            )
+            for k, r in enumerate(run.requests)
+        ),
+    )
+
+
+def test_timeline_owes_what_finished_writers_promise() -> None:
+    from differential.oracle.engine import timeline_writers
+
+    scenario = _stream()
+    # Requests 0 and 1 are admitted at step 0 and finish at step 1; 2 and 3 at
+    # step 3. Request 1 looked up while request 0 (a sharer) was in flight, so
+    # only request 0 promises: 2 and 3 are owed its 16 shared tokens, 1 nothing.
+    run = _timed((0, 0, 12, 16), admitted=(0, 0, 3, 3), finished=(1, 1, 4, 5))
+    assert timeline_writers(scenario, run) == [
+        frozenset(),
+        frozenset(),
+        frozenset({0}),
+        frozenset({0}),
+    ]
+    _, findings = judge_engine_run(scenario, run)
+    assert [(f.kind, f.request, f.expected_tokens, f.hit_tokens) for f in findings] == [
+        (FindingKind.FALLBACK, 2, 16, 12)
+    ]
+    clean = _timed((0, 0, 16, 16), admitted=(0, 0, 3, 3), finished=(1, 1, 4, 5))
+    assert judge_engine_run(scenario, clean)[1] == ()
+
+
+def test_timeline_promises_nothing_under_eviction_or_copied_answers() -> None:
+    from differential.oracle.engine import timeline_writers
+
+    scenario = _stream()
+    run = _timed((0, 0, 12, 16), admitted=(0, 0, 3, 3), finished=(1, 1, 4, 5))
+    assert timeline_writers(scenario, dataclasses.replace(run, evicted_blocks=1)) is None
+    assert timeline_writers(scenario, dataclasses.replace(run, preemptions=1)) is None
+    copied = dataclasses.replace(
+        scenario, workload=dataclasses.replace(scenario.workload, shares_output=True)
+    )
+    assert timeline_writers(copied, run) is None
+    # A writer that had not finished before the lookup promises nothing.
+    late = _timed((0, 0, 12, 16), admitted=(0, 0, 3, 3), finished=(3, 3, 4, 5))
+    assert timeline_writers(scenario, late)[2] == frozenset()
+    assert judge_engine_run(scenario, late)[1] == ()
