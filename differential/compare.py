@@ -36,6 +36,7 @@ from differential.oracle.engine import (
     eviction_collapse,
     judge_engine_run,
     mode_cross_checkable,
+    repeated_requests,
     sequentially_judgeable,
 )
 from differential.oracle.layout import alignment_blowup
@@ -473,12 +474,13 @@ def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
 
 def _collapse_applies(scenario: Scenario) -> bool:
     """The eviction-collapse rule applies: dense retention, a pool size, a
-    group that retention thins (sliding window or Mamba) and later turns."""
+    group that retention thins (sliding window or Mamba) and a repeated prompt
+    (:func:`~differential.oracle.engine.repeated_requests`)."""
     return (
         scenario.retention_interval_tokens is None
         and scenario.workload.pool_blocks is not None
         and bool(scenario.sliding_window_groups or scenario.mamba_groups)
-        and any(r.shares_with is not None for r in scenario.requests)
+        and bool(repeated_requests(scenario))
     )
 
 

@@ -25,8 +25,10 @@ Three rules on top of the per-lookup invariants of
   gives the same hits through the scheduler as through the manager-level
   driver, else ``mode-mismatch`` naming the first differing call.
 * **Eviction collapse** (:func:`eviction_collapse`): with dense retention
-  every later turn of every session hits 0 while retention 0 at the same pool
-  keeps hitting (vLLM issue #48435).
+  every repeated prompt (a later turn of a session, or any prompt that
+  repeats an earlier request's tokens for at least one hit alignment:
+  :func:`repeated_requests`) hits 0 while retention 0 at the same pool keeps
+  hitting (vLLM issue #48435).
 
 Nothing here imports vLLM.
 """
@@ -54,6 +56,7 @@ __all__ = [
     "eviction_collapse",
     "judge_engine_run",
     "mode_cross_checkable",
+    "repeated_requests",
     "sequentially_judgeable",
     "session_hits",
     "session_of",
@@ -292,25 +295,38 @@ def cross_check_modes(
     return ()
 
 
+def repeated_requests(scenario: Scenario) -> frozenset[int]:
+    """The requests whose prompt repeats an earlier request's tokens (its
+    prompt, or its prompt and answer) for at least one hit alignment
+    (``Scenario.effective_hit_alignment_tokens``), whether written as a later
+    turn (``shares_with``) or as plain token content: what a prefix cache is
+    for, and so what an eviction collapse loses."""
+    prompts = scenario.prompts
+    tokens = [p + scenario.sampled_tokens(i) for i, p in enumerate(prompts)]
+    unit = scenario.effective_hit_alignment_tokens
+    return frozenset(
+        j
+        for j in range(1, len(prompts))
+        if max(common_prefix_tokens(prompts[j], tokens[i]) for i in range(j)) >= unit
+    )
+
+
 def eviction_collapse(
     scenario: Scenario, dense_run: RunObservation, retention0_run: RunObservation
 ) -> Finding | None:
     """``eviction-collapse`` when dense retention loses every cross-request hit
     that retention 0 at the same pool size keeps (vLLM issue #48435).
 
-    Only later turns count (requests with ``shares_with``); the rule needs at
-    least one. ``None`` when the pattern is absent or a run failed.
+    Only repeated prompts count (:func:`repeated_requests`); the rule needs
+    at least one. ``None`` when the pattern is absent or a run failed.
     """
-    later = [r for r in dense_run.requests if scenario.requests[r.index].shares_with is not None]
+    repeated = repeated_requests(scenario)
+    later = [r for r in dense_run.requests if r.index in repeated]
     if not later or dense_run.error is not None or retention0_run.error is not None:
         return None
     if any(r.hit_tokens for r in later):
         return None
-    kept = [
-        r
-        for r in retention0_run.requests
-        if scenario.requests[r.index].shares_with is not None and r.hit_tokens
-    ]
+    kept = [r for r in retention0_run.requests if r.index in repeated and r.hit_tokens]
     if not kept:
         return None
     dense_hits = session_hits(scenario, dense_run)

@@ -271,3 +271,17 @@ def test_campaign_in_scheduler_mode_counts_the_engine(tmp_path: Path) -> None:
     assert engine["concurrent"] > 0 and engine["multi_turn"] > 0
     assert engine["speculative"] > 0 and engine["with_eviction"] > 0
     assert any("Engine scenarios (scheduler mode)" in line for line in engine_section(summary))
+
+
+def test_a_prompt_repeated_as_plain_tokens_collapses_under_dense_retention() -> None:
+    # The repeated prompt is the shared prefix, written without shares_with:
+    # the collapse is recognised by tokens (vLLM PR #43447's replay, #48435).
+    entry = load_entry(KNOWN / "eviction-collapse-plain-token-repeat-pool120.json")
+    assert all(r.shares_with is None for r in entry.scenario.requests)
+    result = compare_variants(entry.scenario, UNFIXED)
+    vr = result.results[0]
+    assert vr.run.hits == (0,) * 8
+    assert vr.retention0_run is not None
+    assert vr.retention0_run.hits == (0, 0, 96, 0, 96, 0, 96, 0)
+    (collapse,) = [f for f in result.findings if f.kind is FindingKind.EVICTION_COLLAPSE]
+    assert collapse.known_issue == "dense-retention-eviction-collapse"

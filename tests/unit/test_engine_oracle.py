@@ -243,3 +243,28 @@ def test_timeline_promises_nothing_under_eviction_or_copied_answers() -> None:
     late = _timed((0, 0, 12, 16), admitted=(0, 0, 3, 3), finished=(3, 3, 4, 5))
     assert timeline_writers(scenario, late)[2] == frozenset()
     assert judge_engine_run(scenario, late)[1] == ()
+
+
+def test_repeated_requests_are_recognised_by_tokens() -> None:
+    from differential.oracle.engine import repeated_requests
+
+    # Requests 0 and 2 copy the 16-token shared prefix (2 repeats 0 as plain
+    # tokens); 1 and 3 are unique, and 4 is a later turn of 1 (shares_with).
+    scenario = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 4),),
+        requests=(
+            RequestSpec(16, 4),
+            RequestSpec(0, 20),
+            RequestSpec(16, 4),
+            RequestSpec(0, 20),
+            RequestSpec(20, 4, 1),
+        ),
+        shared_prefix_tokens=16,
+        prefill_chunk_tokens=32,
+    )
+    assert repeated_requests(scenario) == frozenset({2, 4})
+    # Three shared tokens are below the hit alignment (4): nothing repeats.
+    short = dataclasses.replace(
+        scenario, shared_prefix_tokens=3, requests=(RequestSpec(3, 4), RequestSpec(3, 4))
+    )
+    assert repeated_requests(short) == frozenset()
