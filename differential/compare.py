@@ -243,6 +243,48 @@ def _widened_tail_fills_a_segment(scenario: Scenario, block: int, window: int) -
     return tail_blocks >= retention // block
 
 
+def pool_regression(base: RunObservation, fixed: RunObservation) -> Finding | None:
+    """``pool-regression`` when, under pool pressure (evictions or preemptions
+    in either run), ``fixed`` (a variant carrying a fix) hits fewer tokens over
+    the whole workload than ``base`` at the same pool size.
+
+    Totals are compared, not single requests: under concurrency a hit that
+    comes earlier on one side moves the timing of every later lookup. The
+    summary names the requests that lost, the pool and both variants' blocks
+    kept per group (summed over requests) and evictions.
+    """
+    if base.error is not None or fixed.error is not None:
+        return None
+    if not (base.evicted_blocks or fixed.evicted_blocks or base.preemptions or fixed.preemptions):
+        return None
+    total_b, total_f = sum(base.hits), sum(fixed.hits)
+    if total_f >= total_b:
+        return None
+    lost = [
+        b.index
+        for b, f in zip(base.requests, fixed.requests, strict=False)
+        if f.hit_tokens < b.hit_tokens
+    ]
+
+    def kept(run: RunObservation) -> list[int]:
+        return [
+            sum(col)
+            for col in zip(*(r.retained_blocks_per_group for r in run.requests), strict=True)
+        ]
+
+    return Finding(
+        FindingKind.POOL_REGRESSION,
+        f"{fixed.variant} vs {base.variant}",
+        None,
+        f"pool {base.pool_blocks} blocks: {fixed.variant} hit {total_f} tokens in all, "
+        f"{base.variant} {total_b}; lower on requests {lost}: hits {list(fixed.hits)} vs "
+        f"{list(base.hits)}; blocks kept per group {kept(fixed)} vs {kept(base)}, evicted "
+        f"{fixed.evicted_blocks} vs {base.evicted_blocks}",
+        expected_tokens=total_b,
+        hit_tokens=total_f,
+    )
+
+
 def compare_pair(
     scenario: Scenario,
     base: RunObservation,
@@ -583,6 +625,21 @@ def compare_variants(
                 )
                 if sparse and scenario.sliding_window_groups and base.run.error is None:
                     costs.append(fix_cost(scenario, base.run, fixed.run))
+    pressed = [
+        r
+        for r in results
+        if r.run.unsupported is None
+        and r.run.mode == "scheduler"
+        and not sequentially_judgeable(scenario, r.run)
+    ]
+    for fixed in pressed:
+        if fixed.variant.role is not VariantRole.FIXED:
+            continue
+        for base in pressed:
+            if base.variant.role is VariantRole.BASELINE:
+                regression = pool_regression(base.run, fixed.run)
+                if regression is not None:
+                    comparison.append(regression)
     if not any(r.variant.role is VariantRole.FIXED for r in supported):
         baselines = [r for r in supported if r.variant.role is VariantRole.BASELINE]
         for i, a in enumerate(baselines):

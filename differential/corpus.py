@@ -177,6 +177,7 @@ def _model_level(text: str) -> dict[str, Any] | None:
 
 _COMPARISON_TAGS = (
     f"{FindingKind.VARIANT_REGRESSION.value}@",
+    f"{FindingKind.POOL_REGRESSION.value}@",
     f"{FindingKind.VARIANT_DRIFT.value}@",
 )
 

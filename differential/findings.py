@@ -62,6 +62,11 @@ class FindingKind(StrEnum):
     """A hit below the highest checkpoint the policy promises."""
     VARIANT_REGRESSION = "variant-regression"
     """A variant carrying the fix hits less than one without it."""
+    POOL_REGRESSION = "pool-regression"
+    """(scheduler mode) under pool pressure (evictions or preemptions on
+    either side) a variant carrying a fix hits fewer tokens in all than one
+    without it on the same workload and pool: the blocks the fix keeps crowd
+    out the hits it was meant to serve."""
     VARIANT_DRIFT = "variant-drift"
     """Two variants differ outside the fix's domain, or the fix keeps more
     blocks than it claims."""

@@ -107,6 +107,7 @@ _LEVEL = {
     FindingKind.MISALIGNED: "error",
     FindingKind.FALLBACK: "error",
     FindingKind.VARIANT_REGRESSION: "warning",
+    FindingKind.POOL_REGRESSION: "warning",
     FindingKind.VARIANT_DRIFT: "warning",
     FindingKind.NEEDLESS_DROP: "warning",
     FindingKind.DENSE_MISMATCH: "warning",

@@ -285,3 +285,54 @@ def test_a_prompt_repeated_as_plain_tokens_collapses_under_dense_retention() -> 
     assert vr.retention0_run.hits == (0, 0, 96, 0, 96, 0, 96, 0)
     (collapse,) = [f for f in result.findings if f.kind is FindingKind.EVICTION_COLLAPSE]
     assert collapse.known_issue == "dense-retention-eviction-collapse"
+
+
+def _answer_reusing_sessions(pool: int) -> Scenario:
+    """Four chat sessions of two turns (each second turn copies the first turn's
+    prompt and answer), FA block 16 + SWA block 8 (window 7), EAGLE protected by
+    lookahead hashes, retention 0 (vLLM's default), the second turns arriving
+    together at step 10."""
+    prompts = (84, 70, 84, 70)
+    decode = 8
+    requests = tuple(RequestSpec(0, p, name=f"s{i}t1") for i, p in enumerate(prompts)) + tuple(
+        RequestSpec(p + decode + 1, 8, i, f"s{i}t2") for i, p in enumerate(prompts)
+    )
+    return Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 16),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 8, 7),
+        ),
+        requests=requests,
+        shared_prefix_tokens=0,
+        drafter=Drafter(DrafterKind.EAGLE, 1),
+        retention_interval_tokens=0,
+        prefill_chunk_tokens=64,
+        decode_steps=decode,
+        workload=Workload(
+            mode=DriveMode.SCHEDULER,
+            pool_blocks=pool,
+            arrival_steps=(0, 0, 0, 0, 10, 10, 10, 10),
+            max_num_seqs=4,
+            shares_output=True,
+        ),
+    )
+
+
+def test_candidate_costs_hits_under_pool_pressure_and_says_so() -> None:
+    variants = parse_variants("unfixed,fixed,candidate")
+    result = compare_variants(_answer_reusing_sessions(30), variants)
+    hits = {vr.variant.name: vr.run.hits for vr in result.results}
+    assert hits == {
+        "unfixed": (0, 0, 0, 0, 80, 0, 0, 0),
+        "fixed": (0, 0, 0, 0, 80, 0, 0, 0),
+        "candidate": (0,) * 8,
+    }
+    regressions = [f for f in result.findings if f.kind is FindingKind.POOL_REGRESSION]
+    assert [(f.variant, f.expected_tokens, f.hit_tokens) for f in regressions] == [
+        ("candidate vs unfixed", 80, 0)
+    ]
+    assert "pool 30 blocks" in regressions[0].summary()
+    # With room for every tail (pool 60) the candidate keeps every hit.
+    roomy = compare_variants(_answer_reusing_sessions(60), variants)
+    assert {vr.run.hits for vr in roomy.results} == {(0, 0, 0, 0, 80, 64, 80, 64)}
+    assert not [f for f in roomy.findings if f.kind is FindingKind.POOL_REGRESSION]

@@ -268,3 +268,24 @@ def test_repeated_requests_are_recognised_by_tokens() -> None:
         scenario, shared_prefix_tokens=3, requests=(RequestSpec(3, 4), RequestSpec(3, 4))
     )
     assert repeated_requests(short) == frozenset()
+
+
+def test_pool_regression_compares_totals_under_pressure_only() -> None:
+    from differential.compare import pool_regression
+
+    base = dataclasses.replace(_run((0, 40, 40)), evicted_blocks=3)
+    worse = dataclasses.replace(_run((0, 40, 0), variant="candidate"), evicted_blocks=9)
+    (finding,) = [pool_regression(base, worse)]
+    assert finding is not None and finding.kind is FindingKind.POOL_REGRESSION
+    assert (finding.variant, finding.request, finding.expected_tokens, finding.hit_tokens) == (
+        "candidate vs unfixed",
+        None,
+        80,
+        40,
+    )
+    assert "lower on requests [2]" in finding.summary()
+    # More in all is no regression, whatever one request lost; and without
+    # evictions or preemptions the pool is not the cause.
+    assert pool_regression(base, dataclasses.replace(worse, requests=base.requests)) is None
+    calm = dataclasses.replace(base, evicted_blocks=0)
+    assert pool_regression(calm, dataclasses.replace(worse, evicted_blocks=0)) is None
