@@ -40,7 +40,7 @@ from differential.oracle.engine import (
     sequentially_judgeable,
 )
 from differential.oracle.layout import alignment_blowup
-from differential.scenario import DrafterKind, DriveMode, Scenario
+from differential.scenario import DrafterKind, DriveMode, MambaPrefill, Scenario
 from differential.triage.known import label_known
 from differential.variants import FixScope, Variant, VariantRole
 
@@ -505,13 +505,26 @@ def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -
 def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
     """``scenario`` driven in ``mode`` (the workload's other fields kept).
 
+    vLLM's ``Scheduler`` ends a Mamba prefill chunk where its own
+    ``_mamba_block_aligned_split`` says (``vllm/v1/core/sched/scheduler.py``),
+    so in scheduler mode a block-carved Mamba prefill (``mamba_prefill:
+    block``, manager mode's stand-in) becomes ``scheduler``: the oracle then
+    judges the chunks the run really had.
+
     Raises:
         ScenarioError: manager mode for a workload only the scheduler runs
             (arrivals or drafts), naming ``workload.mode``.
     """
     if scenario.workload.mode is mode:
         return scenario
-    return dataclasses.replace(scenario, workload=dataclasses.replace(scenario.workload, mode=mode))
+    prefill = scenario.mamba_prefill
+    if mode is DriveMode.SCHEDULER and scenario.mamba_groups:
+        prefill = MambaPrefill.SCHEDULER
+    return dataclasses.replace(
+        scenario,
+        workload=dataclasses.replace(scenario.workload, mode=mode),
+        mamba_prefill=prefill,
+    )
 
 
 def _collapse_applies(scenario: Scenario) -> bool:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from differential.errors import InternalError, ScenarioError
 from differential.findings import Policy
+from differential.scenario import DriveMode
 from differential.variants import (
     DEFAULT_VARIANTS,
     known_variants,
@@ -163,20 +164,26 @@ def add_limits(parser: argparse.ArgumentParser) -> None:
 
 
 def load_scenario(args: argparse.Namespace, path: Path) -> CorpusEntry:
-    """Load a scenario file and check its cost against the limits (exit 2 over one)."""
+    """Load a scenario file and check its cost against the limits (exit 2 over one).
+
+    ``--mode`` (when given) overrides the file's driving mode; the file's
+    ``expect`` block records what its own mode observes, so it is not checked
+    in another one.
+    """
     from differential.bounds import Limits, check_cost
-    from differential.corpus import load_entry
+    from differential.corpus import Expectation, load_entry
 
     entry = load_entry(path)
     mode = getattr(args, "mode", None)
-    if mode is not None:
+    if mode is not None and DriveMode(mode) is not entry.scenario.workload.mode:
         from dataclasses import replace
 
         from differential.compare import in_mode
-        from differential.scenario import DriveMode
 
         try:
-            entry = replace(entry, scenario=in_mode(entry.scenario, DriveMode(mode)))
+            entry = replace(
+                entry, scenario=in_mode(entry.scenario, DriveMode(mode)), expect=Expectation()
+            )
         except ScenarioError as exc:
             raise exc.with_source(str(path)) from None
     limits = Limits(

@@ -336,3 +336,18 @@ def test_candidate_costs_hits_under_pool_pressure_and_says_so() -> None:
     roomy = compare_variants(_answer_reusing_sessions(60), variants)
     assert {vr.run.hits for vr in roomy.results} == {(0, 0, 0, 0, 80, 64, 80, 64)}
     assert not [f for f in roomy.findings if f.kind is FindingKind.POOL_REGRESSION]
+
+
+def test_block_carved_mamba_prefill_is_judged_as_the_scheduler_chunks_it() -> None:
+    # Manager mode carves this Mamba prefill per block (mamba_prefill: block);
+    # vLLM's Scheduler ends its chunks elsewhere (at 80), so in scheduler mode
+    # the oracle judges the scheduler's chunks: hits of 80, no over-hit.
+    entry = load_entry(KNOWN / "fine-grained-replay-state-discarded-L100.json")
+    scenario = in_mode(entry.scenario, DriveMode.SCHEDULER)
+    assert scenario.mamba_prefill.value == "scheduler"
+    result = compare_variants(scenario, BOTH)
+    assert {vr.variant.name: vr.run.hits for vr in result.results} == {
+        "unfixed": (0, 80, 0, 80),
+        "fixed": (0, 80, 0, 80),
+    }
+    assert not [f for f in result.findings if f.kind is FindingKind.OVER_HIT]
