@@ -14,6 +14,7 @@ campaign and the atheris harness (through ``fuzz_one_input``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -44,6 +45,43 @@ _MAMBA_BLOCKS = {
 }
 
 Scale = str  # "toy" | "medium" | "real"
+
+# Drafters whose draft KV depends on the next token: vLLM protects them with
+# the EAGLE drop (lookahead hashes off) or lookahead hashes.
+_DROPPING = (
+    DrafterKind.EAGLE,
+    DrafterKind.EAGLE3,
+    DrafterKind.MTP,
+    DrafterKind.MULTI_MODULE_MTP,
+    DrafterKind.GEMMA4_MTP,
+)
+# Drafters the engine generator draws (weighted as manager mode weights them
+# less the draft model, whose second model the Scheduler does not run);
+# Mamba hybrids with the drafters their models ship (Qwen3-Next's and
+# NemotronH's MTP, EAGLE, n-gram): no Gemma-4 MTP, whose model has no Mamba
+# layer, and no multi-module MTP, whose re-prefill tail the state-group
+# oracle does not model.
+_ENGINE_DRAFTERS = (
+    DrafterKind.NONE,
+    DrafterKind.NONE,
+    DrafterKind.EAGLE,
+    DrafterKind.EAGLE3,
+    DrafterKind.MTP,
+    DrafterKind.MTP,
+    DrafterKind.MULTI_MODULE_MTP,
+    DrafterKind.GEMMA4_MTP,
+    DrafterKind.DFLASH,
+    DrafterKind.DSPARK,
+    DrafterKind.NGRAM,
+)
+_ENGINE_DRAFTERS_MAMBA = (
+    DrafterKind.NONE,
+    DrafterKind.NONE,
+    DrafterKind.MTP,
+    DrafterKind.MTP,
+    DrafterKind.EAGLE,
+    DrafterKind.NGRAM,
+)
 
 # Drafters, repeated to weight the ones whose behaviour is most intricate.
 _DRAFTERS = (
@@ -406,22 +444,41 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     #48435's pattern), turn n+1 copying turn n's prompt (and, with
     ``shares_output``, its answer) plus new tokens; arrivals either
     sequential or by step (several requests in flight); decode lengths;
-    drafters with accepted / rejected drafts per step; a pool from a third
-    of the working set (eviction, preemption) to four times it, never below
-    what the longest request needs alone. ``scale`` is ``toy`` (the only
-    scale drawn so far).
+    drafters of every kind (the drop ones with vLLM's draft KV groups, as
+    the manager-mode generator marks them) with accepted / rejected drafts
+    per step; one layout in four a Mamba hybrid (the Scheduler's own prefill
+    chunks, sometimes fine-grained hash blocks); a pool from a third of the
+    working set (eviction, preemption) to four times it, never below what
+    the longest request needs alone. ``scale`` is ``toy`` (the only scale
+    drawn so far).
     """
     del scale  # toy scale first
-    groups = draw(geometries("toy"))
+    hash_block: int | None = None
+    mamba = draw(st.integers(0, 3)) == 0
+    if mamba:
+        groups, hash_block = draw(mamba_geometries("toy"))
+        if len(groups) == 1:
+            hash_block = None
+    else:
+        groups = draw(geometries("toy"))
     chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups)
     alignment = math.lcm(*(g.block_size_tokens for g in groups))
+    # Retention is a multiple of the scheduler block, whatever the hash block.
     retention = draw(st.sampled_from((None, None, 0, alignment, 4 * alignment)))
+    if mamba and hash_block is not None:
+        alignment = _fine_alignment(groups, hash_block)
     if retention and not any(
         g.kind.sliding_window_family or g.kind is GroupKind.MAMBA for g in groups
     ):
         retention = 0  # vLLM accepts only None or 0 without SWA or Mamba groups
-    kind = draw(st.sampled_from((DrafterKind.NONE, DrafterKind.EAGLE, DrafterKind.MTP)))
-    drafter = Drafter() if kind is DrafterKind.NONE else Drafter(kind, draw(st.integers(1, 3)))
+    kinds = _ENGINE_DRAFTERS_MAMBA if mamba else _ENGINE_DRAFTERS
+    kind = draw(st.sampled_from(kinds))
+    fewest = 2 if kind is DrafterKind.MULTI_MODULE_MTP else 1  # one MTP module per token
+    drafter = Drafter() if kind is DrafterKind.NONE else Drafter(kind, draw(st.integers(fewest, 3)))
+    disable_lookahead = not chunked and draw(st.booleans())
+    if not mamba:  # the state-group oracle models the drop on every group
+        dropping = kind in _DROPPING
+        groups = draw(_draft_groups(groups, dropping and disable_lookahead))
     decode_steps = draw(st.sampled_from((0, 1, 3, 6)))
     shares_output = draw(st.booleans())
     sessions = draw(st.integers(1, 4))
@@ -452,7 +509,14 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
         accepted = tuple(draw(st.lists(st.integers(0, limit), min_size=1, max_size=3)))
     chunk = draw(st.sampled_from((alignment, 2 * alignment, 16, 32, 64)))
     reserve = decode_steps + 2 * drafter.num_speculative_tokens + 2
-    need = 2 + sum(math.ceil((max(lengths) + reserve) / g.block_size_tokens) for g in groups)
+    # A Mamba group holds a few state blocks per request (more under
+    # speculative decoding), not one per block of tokens.
+    need = 2 + sum(
+        2 + drafter.num_speculative_tokens
+        if g.kind is GroupKind.MAMBA
+        else math.ceil((max(lengths) + reserve) / g.block_size_tokens)
+        for g in groups
+    )
     working = 1 + sum(
         math.ceil((lengths[-sessions + s] + reserve) / g.block_size_tokens)
         for s in range(sessions)
@@ -470,6 +534,12 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
         shares_output=shares_output,
         accepted_drafts=accepted,
     )
+    mamba_options: dict[str, Any] = {}
+    if mamba:
+        mamba_options = {
+            "hash_block_size_tokens": hash_block,
+            "mamba_prefill": MambaPrefill.SCHEDULER,  # what vLLM's Scheduler does
+        }
     try:
         return Scenario(
             kv_cache_groups=groups,
@@ -479,11 +549,12 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
             drafter=drafter,
             # vLLM runs no EAGLE drop on chunked local attention: such layouts
             # keep lookahead block hashes on (the drop off).
-            disable_lookahead_block_hashes=not chunked and draw(st.booleans()),
+            disable_lookahead_block_hashes=disable_lookahead,
             prefill_chunk_tokens=chunk,
             decode_steps=decode_steps,
             name="engine",
             workload=workload,
+            **mamba_options,
         )
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the engine generator produced an invalid scenario: {exc}") from exc
