@@ -1,11 +1,11 @@
-"""The scenario model: one reproducible prefix-caching experiment.
+"""The scenario value: one reproducible prefix-caching experiment.
 
 A :class:`Scenario` is a frozen value describing a hybrid model's KV cache
 groups, the prefix-cache settings, the drafter and a sequence of requests that
 share prefixes. Its JSON form is versioned and round-trips exactly
-(``Scenario.from_dict(s.to_dict()) == s``). Token ids are never stored: they
-are generated deterministically from the request shapes, so a scenario file
-stays small and readable.
+(``Scenario.from_dict(s.to_dict()) == s``; :mod:`.json_form`). Token ids are
+never stored: they are generated deterministically from the request shapes,
+so a scenario file stays small and readable.
 
 Units: every length ending in ``_tokens`` is in tokens; block counts say
 ``blocks``.
@@ -18,13 +18,22 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any
 
 from differential.errors import ScenarioError
+from differential.scenario._checks import _allowed_enum, _require_int
+from differential.scenario.drafter import DROPPING_DRAFTERS, Drafter, DrafterKind
+from differential.scenario.groups import DraftGroups, GroupKind, KVCacheGroup, MambaPrefill
+from differential.scenario.json_form import (
+    SCENARIO_FORMAT,
+    SCENARIO_VERSION,
+    json_data,
+    scenario_fields,
+    scenario_to_dict,
+)
+from differential.scenario.workload import DriveMode, RequestSpec, Workload
 
 __all__ = [
     "SCENARIO_FORMAT",
@@ -41,362 +50,11 @@ __all__ = [
     "Workload",
 ]
 
-SCENARIO_FORMAT = "kvfuzz.scenario"
-SCENARIO_VERSION = 1
-
 # Token id ranges: prefix tokens and each request's own tokens never collide,
 # so two requests share exactly the tokens the scenario says they share.
 _PREFIX_TOKEN_MODULUS = 50_000
 _OWN_TOKEN_BASE = 1_000_000
 _OWN_TOKEN_STRIDE = 1_000_000
-
-_E = TypeVar("_E", bound=StrEnum)
-
-
-class GroupKind(StrEnum):
-    """Attention type of a KV cache group (vLLM ``kv_cache_interface.py``)."""
-
-    FULL_ATTENTION = "full_attention"
-    SLIDING_WINDOW = "sliding_window"
-    #: A Mamba / linear-attention (GDN, KDA) state group: vLLM's ``MambaSpec``
-    #: driven by ``MambaManager`` in ``mamba_cache_mode="align"``, the only
-    #: mode with prefix caching (vllm/config/cache.py). One block holds one
-    #: state: the recurrent state after exactly the tokens up to its end.
-    MAMBA = "mamba"
-    #: Multi-head latent attention (DeepSeek-V2/V3/V4): vLLM's
-    #: ``MLAAttentionSpec``, a ``FullAttentionSpec`` subclass driven by
-    #: ``FullAttentionManager`` (vllm/v1/core/single_type_kv_cache_manager.py
-    #: registers it so); for hits it behaves exactly like full attention.
-    MLA = "mla"
-    #: Sliding-window MLA (DeepSeek-V4's compressed local layers): vLLM's
-    #: ``SlidingWindowMLASpec``, a ``SlidingWindowSpec`` subclass driven by
-    #: ``SlidingWindowManager``; for hits it behaves like a sliding window.
-    SLIDING_WINDOW_MLA = "sliding_window_mla"
-    #: Chunked local attention (Llama-4's ``attention_chunk_size`` layers):
-    #: vLLM's ``ChunkedLocalAttentionSpec`` driven by
-    #: ``ChunkedLocalAttentionManager``: a token attends only to the tokens of
-    #: its own chunk, so blocks of earlier chunks are never needed for a hit.
-    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
-
-    @property
-    def full_attention_family(self) -> bool:
-        """Driven by vLLM's ``FullAttentionManager`` (full attention, MLA)."""
-        return self in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
-
-    @property
-    def sliding_window_family(self) -> bool:
-        """Driven by vLLM's ``SlidingWindowManager`` (sliding window, SW-MLA)."""
-        return self in (GroupKind.SLIDING_WINDOW, GroupKind.SLIDING_WINDOW_MLA)
-
-
-class DraftGroups(StrEnum):
-    """Which KV cache groups take the EAGLE block drop, and why.
-
-    ``NONE``: the scenario's drafter never drops (no drafter, or one whose
-    draft KV does not read the next token). ``ANNOTATED``: some groups are
-    marked ``is_eagle_group`` as vLLM's planner marks the drafter's own KV
-    groups (vllm/v1/core/kv_cache_planning.py), and only they (and groups
-    sharing their spec, batched together by
-    ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups``) drop.
-    ``FALLBACK``: no group is marked, so ``KVCacheCoordinator.__init__``
-    conservatively flags every group (vllm/v1/core/kv_cache_coordinator.py).
-    """
-
-    NONE = "none"
-    ANNOTATED = "annotated"
-    FALLBACK = "fallback"
-
-
-# Drafters whose draft KV reads the next token(s): vLLM
-# SpeculativeConfig.needs_eagle_block_drop (use_eagle and not DFlash/DSpark);
-# Gemma-4 MTP counts as stock vLLM 0.33.0 drops for it.
-_DROPPING_DRAFTERS = frozenset({"eagle", "eagle3", "mtp", "multi_module_mtp", "gemma4_mtp"})
-
-
-class MambaPrefill(StrEnum):
-    """Where prefill steps end for a model with Mamba groups (a Mamba state
-    exists only where a step ended).
-
-    ``SCHEDULER`` (the default) is vLLM's own chunking,
-    ``Scheduler._mamba_block_aligned_split`` in vllm/v1/core/sched/scheduler.py
-    (called by the driver): the chunk budget ends long steps on the block grid
-    and steps stop at the last cacheable block boundary, at the prompt's
-    fine-grained checkpoint and at the shared-prefix junction. ``BLOCK`` is a
-    block-carved prefill: a step ends at every Mamba block boundary and at the
-    prompt end, with no other stop; it is how vLLM's own manager tests feed
-    ``allocate_slots`` and how the upstream measurements of vLLM PR #57444
-    were taken.
-    """
-
-    SCHEDULER = "scheduler"
-    BLOCK = "block"
-
-
-class DrafterKind(StrEnum):
-    """Speculative-decoding drafter, as ``SpeculativeConfig.method`` plus model type.
-
-    ``MULTI_MODULE_MTP`` is ``method="mtp"`` with one MTP module per speculative
-    token (``num_nextn_predict_layers``); ``GEMMA4_MTP`` is ``method="mtp"``
-    with a ``gemma4_mtp`` draft model (vLLM ``config/speculative.py``).
-    """
-
-    NONE = "none"
-    EAGLE = "eagle"
-    EAGLE3 = "eagle3"
-    MTP = "mtp"
-    MULTI_MODULE_MTP = "multi_module_mtp"
-    GEMMA4_MTP = "gemma4_mtp"
-    DFLASH = "dflash"
-    DSPARK = "dspark"
-    DRAFT_MODEL = "draft_model"
-    NGRAM = "ngram"
-
-
-def _allowed_enum(enum: type[StrEnum]) -> str:
-    return "one of " + ", ".join(repr(m.value) for m in enum)
-
-
-@dataclass(frozen=True)
-class KVCacheGroup:
-    """One KV cache group: layers sharing a spec (vLLM ``KVCacheGroupSpec``).
-
-    Attributes:
-        kind: the attention type (:class:`GroupKind`).
-        block_size_tokens: the group's block size, in tokens (for a Mamba
-            group vLLM's ``mamba_block_size``: one state per block).
-        sliding_window_tokens: the attention window in tokens (sliding-window
-            and sliding-window MLA groups only; ``None`` otherwise).
-        attention_chunk_size_tokens: the attention chunk in tokens (chunked
-            local attention only, vLLM's ``attention_chunk_size``; ``None``
-            otherwise). Written to JSON only when set.
-        is_eagle_group: the group holds the drafter's own layers and takes the
-            EAGLE block drop, as vLLM's planner sets
-            ``KVCacheGroupSpec.is_eagle_group``. Written to JSON only when true.
-    """
-
-    kind: GroupKind
-    block_size_tokens: int
-    sliding_window_tokens: int | None = None
-    attention_chunk_size_tokens: int | None = None
-    is_eagle_group: bool = False
-
-    def validate(self, where: str) -> None:
-        """Raise :class:`ScenarioError` naming ``where`` if the group is invalid."""
-        if not isinstance(self.kind, GroupKind):
-            raise ScenarioError(f"{where}.kind", self.kind, _allowed_enum(GroupKind))
-        _require_int(self.block_size_tokens, f"{where}.block_size_tokens", minimum=1)
-        if self.kind.sliding_window_family:
-            _require_int(self.sliding_window_tokens, f"{where}.sliding_window_tokens", minimum=1)
-        elif self.sliding_window_tokens is not None:
-            raise ScenarioError(
-                f"{where}.sliding_window_tokens",
-                self.sliding_window_tokens,
-                f"null for a {self.kind.value} group",
-            )
-        if self.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
-            _require_int(
-                self.attention_chunk_size_tokens,
-                f"{where}.attention_chunk_size_tokens",
-                minimum=1,
-            )
-        elif self.attention_chunk_size_tokens is not None:
-            raise ScenarioError(
-                f"{where}.attention_chunk_size_tokens",
-                self.attention_chunk_size_tokens,
-                f"null for a {self.kind.value} group",
-            )
-        if not isinstance(self.is_eagle_group, bool):
-            raise ScenarioError(f"{where}.is_eagle_group", self.is_eagle_group, "true or false")
-        if self.is_eagle_group and self.kind is GroupKind.MAMBA:
-            # HybridKVCacheCoordinator.find_longest_cache_hit: draft models
-            # have no Mamba layers (the Mamba finder never drops).
-            raise ScenarioError(
-                f"{where}.is_eagle_group",
-                True,
-                "false for a mamba group (a drafter has no Mamba layers)",
-            )
-
-    @property
-    def spec_key(self) -> tuple[object, ...]:
-        """What makes two groups' vLLM specs equal (kind, block, window, chunk).
-
-        ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` looks up
-        groups of equal spec together and decides the EAGLE drop for all of
-        them at once.
-        """
-        return (
-            self.kind,
-            self.block_size_tokens,
-            self.sliding_window_tokens,
-            self.attention_chunk_size_tokens,
-        )
-
-
-@dataclass(frozen=True)
-class Drafter:
-    """The speculative-decoding drafter.
-
-    Attributes:
-        kind: which drafter (``DrafterKind.NONE`` for plain decoding).
-        num_speculative_tokens: tokens drafted per step; 0 exactly when
-            ``kind`` is ``none``.
-    """
-
-    kind: DrafterKind = DrafterKind.NONE
-    num_speculative_tokens: int = 0
-
-    def validate(self) -> None:
-        """Raise :class:`ScenarioError` if kind and token count disagree."""
-        if self.kind is DrafterKind.NONE:
-            if self.num_speculative_tokens != 0:
-                raise ScenarioError(
-                    "drafter.num_speculative_tokens",
-                    self.num_speculative_tokens,
-                    "0 when drafter.kind is 'none'",
-                )
-            return
-        # vLLM SpeculativeConfig._verify_args: num_speculative_tokens > 0.
-        _require_int(self.num_speculative_tokens, "drafter.num_speculative_tokens", minimum=1)
-        if self.kind is DrafterKind.MULTI_MODULE_MTP and self.num_speculative_tokens < 2:
-            raise ScenarioError(
-                "drafter.num_speculative_tokens",
-                self.num_speculative_tokens,
-                "at least 2 for multi_module_mtp (one MTP module per token)",
-            )
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One request of a scenario.
-
-    The request's prompt is the first ``divergence_tokens`` tokens of its
-    source (the scenario's shared prefix, or the prompt of the earlier request
-    ``shares_with``) followed by ``suffix_tokens`` tokens of its own, which no
-    other request contains.
-
-    Attributes:
-        divergence_tokens: tokens copied from the source, i.e. the divergence
-            point ``D`` in tokens.
-        suffix_tokens: the request's own tokens after ``D``.
-        shares_with: index of an earlier request to copy from, or ``None`` for
-            the shared prefix.
-        name: optional label used in reports.
-    """
-
-    divergence_tokens: int
-    suffix_tokens: int
-    shares_with: int | None = None
-    name: str | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt length ``L`` in tokens."""
-        return self.divergence_tokens + self.suffix_tokens
-
-
-class DriveMode(StrEnum):
-    """How a scenario reaches vLLM.
-
-    ``MANAGER`` drives ``KVCacheManager`` directly, one request at a time,
-    reconstructing the scheduler's calls (:mod:`differential.driver.runner`).
-    ``SCHEDULER`` drives vLLM's real ``Scheduler``
-    (vllm/v1/core/sched/scheduler.py ``schedule`` / ``update_from_output``)
-    with kvfuzz standing in for the model runner
-    (:mod:`differential.driver.scheduler_mode`).
-    """
-
-    MANAGER = "manager"
-    SCHEDULER = "scheduler"
-
-
-@dataclass(frozen=True)
-class Workload:
-    """How the requests reach the engine: mode, pool, arrivals, turns, drafts.
-
-    Every default reproduces the manager-level run: one request at a time,
-    a pool sized so that nothing is evicted, no drafted tokens.
-
-    Attributes:
-        mode: the driving mode (:class:`DriveMode`).
-        pool_blocks: KV cache pool size in blocks, the null block included
-            (``KVCacheConfig.num_blocks`` / ``CacheConfig.num_gpu_blocks``);
-            ``None`` sizes it so that nothing is evicted. Both modes honour it.
-        arrival_steps: per request, the scheduler step (0-based) at which it
-            is added (``Scheduler.add_request``), non-decreasing; ``None``
-            adds each request when the previous one has finished (a sequential
-            scenario). Scheduler mode only.
-        max_num_seqs: ``SchedulerConfig.max_num_seqs``: requests running at
-            once; ``None`` uses the smaller of 8 and the token budget. At
-            most the token budget (vLLM ``SchedulerConfig`` validation).
-        max_num_batched_tokens: ``SchedulerConfig.max_num_batched_tokens``,
-            the token budget per step, in tokens; ``None`` uses the scenario's
-            ``prefill_chunk_tokens``.
-        shares_output: a request with ``shares_with = j`` copies from
-            request ``j``'s prompt followed by the ``decode_steps + 1`` tokens
-            ``j`` sampled (a multi-turn chat: turn n+1 = turn n's prompt + its
-            answer + new tokens), so decoded blocks are reused.
-        accepted_drafts: draft tokens accepted per decode step (cycled), each
-            at most ``drafter.num_speculative_tokens``; the rest of the drafts
-            are rejected. Empty: no drafts are proposed. Scheduler mode only.
-    """
-
-    mode: DriveMode = DriveMode.MANAGER
-    pool_blocks: int | None = None
-    arrival_steps: tuple[int, ...] | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    shares_output: bool = False
-    accepted_drafts: tuple[int, ...] = ()
-
-    @property
-    def sequential(self) -> bool:
-        """Requests run one at a time and nothing is drafted (so the
-        manager-level driver reconstructs the same calls)."""
-        return self.arrival_steps is None and not self.accepted_drafts
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (every field present)."""
-        return {
-            "mode": self.mode.value,
-            "pool_blocks": self.pool_blocks,
-            "arrival_steps": None if self.arrival_steps is None else list(self.arrival_steps),
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "shares_output": self.shares_output,
-            "accepted_drafts": list(self.accepted_drafts),
-        }
-
-
-_WORKLOAD_KEYS = frozenset(
-    {
-        "mode",
-        "pool_blocks",
-        "arrival_steps",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "shares_output",
-        "accepted_drafts",
-    }
-)
-
-
-def _workload_from(raw: object) -> Workload:
-    obj = _expect_mapping(raw, "workload")
-    _reject_unknown(obj, _WORKLOAD_KEYS, "workload.")
-    arrivals = obj.get("arrival_steps")
-    if arrivals is not None:
-        arrivals = tuple(_expect_list(arrivals, "workload.arrival_steps"))
-    return Workload(
-        mode=_enum(DriveMode, obj.get("mode", "manager"), "workload.mode"),
-        pool_blocks=obj.get("pool_blocks"),
-        arrival_steps=arrivals,
-        max_num_seqs=obj.get("max_num_seqs"),
-        max_num_batched_tokens=obj.get("max_num_batched_tokens"),
-        shares_output=obj.get("shares_output", False),
-        accepted_drafts=tuple(
-            _expect_list(obj.get("accepted_drafts", []), "workload.accepted_drafts")
-        ),
-    )
 
 
 @dataclass(frozen=True)
@@ -572,7 +230,7 @@ class Scenario:
         hashes may still clear the drop at run time (``Scheduler.__init__``).
         """
         if (
-            self.drafter.kind.value not in _DROPPING_DRAFTERS
+            self.drafter.kind.value not in DROPPING_DRAFTERS
             or self.disable_eagle_block_drop is True
         ):
             return DraftGroups.NONE
@@ -888,7 +546,7 @@ class Scenario:
                         f"kv_cache_groups[{i}].is_eagle_group",
                         True,
                         "false unless the drafter takes the EAGLE block drop "
-                        f"(drafter.kind one of {sorted(_DROPPING_DRAFTERS)} and "
+                        f"(drafter.kind one of {sorted(DROPPING_DRAFTERS)} and "
                         "disable_eagle_block_drop false)",
                     )
         alignment = self.effective_hit_alignment_tokens
@@ -995,43 +653,9 @@ class Scenario:
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical, versioned JSON-ready form (every field present, except
-        ``enable_mamba_shared_prefix_checkpoint``, written only when true)."""
-        data: dict[str, Any] = {
-            "format": SCENARIO_FORMAT,
-            "version": SCENARIO_VERSION,
-            "name": self.name,
-            "description": self.description,
-            "kv_cache_groups": [_group_dict(g) for g in self.kv_cache_groups],
-            "hash_block_size_tokens": self.hash_block_size_tokens,
-            "hit_alignment_tokens": self.hit_alignment_tokens,
-            "retention_interval_tokens": self.retention_interval_tokens,
-            "drafter": {
-                "kind": self.drafter.kind.value,
-                "num_speculative_tokens": self.drafter.num_speculative_tokens,
-            },
-            "kv_connector": self.kv_connector,
-            "disable_lookahead_block_hashes": self.disable_lookahead_block_hashes,
-            "disable_eagle_block_drop": self.disable_eagle_block_drop,
-            "prefill_chunk_tokens": self.prefill_chunk_tokens,
-            "decode_steps": self.decode_steps,
-            "shared_prefix_tokens": self.shared_prefix_tokens,
-            "requests": [
-                {
-                    "name": r.name,
-                    "shares_with": r.shares_with,
-                    "divergence_tokens": r.divergence_tokens,
-                    "suffix_tokens": r.suffix_tokens,
-                }
-                for r in self.requests
-            ],
-        }
-        if self.enable_mamba_shared_prefix_checkpoint:
-            data["enable_mamba_shared_prefix_checkpoint"] = True
-        if self.mamba_prefill is not MambaPrefill.SCHEDULER:
-            data["mamba_prefill"] = self.mamba_prefill.value
-        if self.workload != Workload():
-            data["workload"] = self.workload.to_dict()
-        return data
+        ``enable_mamba_shared_prefix_checkpoint``, ``mamba_prefill`` and
+        ``workload``, written only when not their default)."""
+        return scenario_to_dict(self)
 
     def to_json(self) -> str:
         """Canonical JSON text (2-space indent, trailing newline)."""
@@ -1045,47 +669,7 @@ class Scenario:
             ScenarioError: on a wrong format or version, an unknown or missing
                 key, a value of the wrong type, or an invalid combination.
         """
-        obj = _expect_mapping(data, "scenario")
-        _reject_unknown(obj, _TOP_KEYS, "")
-        fmt = obj.get("format", SCENARIO_FORMAT)
-        if fmt != SCENARIO_FORMAT:
-            raise ScenarioError("format", fmt, repr(SCENARIO_FORMAT))
-        version = obj.get("version", SCENARIO_VERSION)
-        if version != SCENARIO_VERSION:
-            raise ScenarioError("version", version, str(SCENARIO_VERSION))
-        groups_raw = _expect_list(_required(obj, "kv_cache_groups", ""), "kv_cache_groups")
-        groups = tuple(_group_from(g, f"kv_cache_groups[{i}]") for i, g in enumerate(groups_raw))
-        drafter_raw = _expect_mapping(obj.get("drafter", {"kind": "none"}), "drafter")
-        _reject_unknown(drafter_raw, {"kind", "num_speculative_tokens"}, "drafter.")
-        drafter = Drafter(
-            kind=_enum(DrafterKind, drafter_raw.get("kind", "none"), "drafter.kind"),
-            num_speculative_tokens=drafter_raw.get("num_speculative_tokens", 0),
-        )
-        requests_raw = _expect_list(_required(obj, "requests", ""), "requests")
-        requests = tuple(_request_from(r, f"requests[{i}]") for i, r in enumerate(requests_raw))
-        return cls(
-            kv_cache_groups=groups,
-            requests=requests,
-            shared_prefix_tokens=_required(obj, "shared_prefix_tokens", ""),
-            retention_interval_tokens=obj.get("retention_interval_tokens"),
-            hash_block_size_tokens=obj.get("hash_block_size_tokens"),
-            hit_alignment_tokens=obj.get("hit_alignment_tokens"),
-            drafter=drafter,
-            kv_connector=obj.get("kv_connector", False),
-            disable_lookahead_block_hashes=obj.get("disable_lookahead_block_hashes", False),
-            disable_eagle_block_drop=obj.get("disable_eagle_block_drop", False),
-            prefill_chunk_tokens=obj.get("prefill_chunk_tokens", 2048),
-            decode_steps=obj.get("decode_steps", 0),
-            name=_string(obj.get("name", ""), "name"),
-            description=_string(obj.get("description", ""), "description"),
-            enable_mamba_shared_prefix_checkpoint=obj.get(
-                "enable_mamba_shared_prefix_checkpoint", False
-            ),
-            mamba_prefill=_enum(
-                MambaPrefill, obj.get("mamba_prefill", "scheduler"), "mamba_prefill"
-            ),
-            workload=_workload_from(obj.get("workload", {})),
-        )
+        return cls(**scenario_fields(data))
 
     @classmethod
     def from_json(cls, text: str, *, source: str | None = None) -> Scenario:
@@ -1095,148 +679,8 @@ class Scenario:
             ScenarioError: malformed or absurdly deeply nested JSON (field
                 ``<json>``) or any :meth:`from_dict` error.
         """
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ScenarioError(
-                "<json>",
-                f"line {exc.lineno} column {exc.colno}",
-                f"valid JSON ({exc.msg})",
-                source=source,
-            ) from None
-        except RecursionError:
-            raise ScenarioError(
-                "<json>",
-                "arrays or objects nested too deep to parse",
-                "JSON nested at most a few hundred levels (a scenario needs 3)",
-                source=source,
-            ) from None
+        data = json_data(text, source=source)
         try:
             return cls.from_dict(data)
         except ScenarioError as exc:
             raise exc.with_source(source) if source else exc from None
-
-
-_TOP_KEYS = frozenset(
-    {
-        "format",
-        "version",
-        "name",
-        "description",
-        "kv_cache_groups",
-        "hash_block_size_tokens",
-        "hit_alignment_tokens",
-        "retention_interval_tokens",
-        "drafter",
-        "kv_connector",
-        "disable_lookahead_block_hashes",
-        "disable_eagle_block_drop",
-        "enable_mamba_shared_prefix_checkpoint",
-        "mamba_prefill",
-        "prefill_chunk_tokens",
-        "decode_steps",
-        "shared_prefix_tokens",
-        "requests",
-        "workload",
-        # Documents that embed a scenario (corpus entries, campaign findings)
-        # may carry these; they are not part of the scenario value.
-        "expect",
-        "notes",
-        "finding",
-    }
-)
-
-
-def _require_int(value: object, where: str, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ScenarioError(where, value, f"an integer >= {minimum}")
-
-
-def _expect_mapping(value: object, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ScenarioError(where, value, "a JSON object")
-    return value
-
-
-def _expect_list(value: object, where: str) -> Sequence[Any]:
-    if not isinstance(value, list):
-        raise ScenarioError(where, value, "a JSON list")
-    return value
-
-
-def _required(obj: Mapping[str, Any], key: str, prefix: str) -> Any:
-    if key not in obj:
-        raise ScenarioError(f"{prefix}{key}", None, "a value (the field is required)")
-    return obj[key]
-
-
-def _reject_unknown(obj: Mapping[str, Any], known: frozenset[str] | set[str], prefix: str) -> None:
-    for key in obj:
-        if key not in known:
-            raise ScenarioError(
-                f"{prefix}{key}",
-                obj[key],
-                f"no such field; known fields: {', '.join(sorted(known))}",
-            )
-
-
-def _enum(enum: type[_E], value: object, where: str) -> _E:
-    try:
-        return enum(value)  # type: ignore[arg-type]  # any JSON value: a wrong one raises
-    except ValueError:
-        raise ScenarioError(where, value, _allowed_enum(enum)) from None
-
-
-def _string(value: object, where: str) -> str:
-    if not isinstance(value, str):
-        raise ScenarioError(where, value, "a string")
-    return value
-
-
-_GROUP_KEYS = frozenset(
-    {
-        "kind",
-        "block_size_tokens",
-        "sliding_window_tokens",
-        "attention_chunk_size_tokens",
-        "is_eagle_group",
-    }
-)
-
-
-def _group_dict(g: KVCacheGroup) -> dict[str, Any]:
-    """A group's JSON form; the chunk size and the draft mark only when set,
-    so files written before those fields existed stay byte-identical."""
-    data: dict[str, Any] = {
-        "kind": g.kind.value,
-        "block_size_tokens": g.block_size_tokens,
-        "sliding_window_tokens": g.sliding_window_tokens,
-    }
-    if g.attention_chunk_size_tokens is not None:
-        data["attention_chunk_size_tokens"] = g.attention_chunk_size_tokens
-    if g.is_eagle_group:
-        data["is_eagle_group"] = True
-    return data
-
-
-def _group_from(raw: object, where: str) -> KVCacheGroup:
-    obj = _expect_mapping(raw, where)
-    _reject_unknown(obj, _GROUP_KEYS, f"{where}.")
-    return KVCacheGroup(
-        kind=_enum(GroupKind, _required(obj, "kind", f"{where}."), f"{where}.kind"),
-        block_size_tokens=_required(obj, "block_size_tokens", f"{where}."),
-        sliding_window_tokens=obj.get("sliding_window_tokens"),
-        attention_chunk_size_tokens=obj.get("attention_chunk_size_tokens"),
-        is_eagle_group=obj.get("is_eagle_group", False),
-    )
-
-
-def _request_from(raw: object, where: str) -> RequestSpec:
-    obj = _expect_mapping(raw, where)
-    _reject_unknown(obj, {"name", "shares_with", "divergence_tokens", "suffix_tokens"}, f"{where}.")
-    return RequestSpec(
-        divergence_tokens=_required(obj, "divergence_tokens", f"{where}."),
-        suffix_tokens=_required(obj, "suffix_tokens", f"{where}."),
-        shares_with=obj.get("shares_with"),
-        name=obj.get("name"),
-    )
