@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from differential.errors import ScenarioError
-from differential.scenario._checks import _require_int
 
 __all__ = ["DROPPING_DRAFTERS", "Drafter", "DrafterKind"]
 
@@ -53,7 +52,13 @@ class Drafter:
     num_speculative_tokens: int = 0
 
     def validate(self) -> None:
-        """Raise :class:`ScenarioError` if kind and token count disagree."""
+        """The rule between kind and token count (types and ranges are the JSON
+        form's).
+
+        Raises:
+            ScenarioError: ``drafter.num_speculative_tokens`` not 0 without a
+                drafter, under 1 with one, under 2 for multi-module MTP.
+        """
         if self.kind is DrafterKind.NONE:
             if self.num_speculative_tokens != 0:
                 raise ScenarioError(
@@ -63,7 +68,12 @@ class Drafter:
                 )
             return
         # vLLM SpeculativeConfig._verify_args: num_speculative_tokens > 0.
-        _require_int(self.num_speculative_tokens, "drafter.num_speculative_tokens", minimum=1)
+        if self.num_speculative_tokens < 1:
+            raise ScenarioError(
+                "drafter.num_speculative_tokens",
+                self.num_speculative_tokens,
+                f"an integer >= 1 when drafter.kind is {self.kind.value!r}",
+            )
         if self.kind is DrafterKind.MULTI_MODULE_MTP and self.num_speculative_tokens < 2:
             raise ScenarioError(
                 "drafter.num_speculative_tokens",

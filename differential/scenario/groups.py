@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from differential.errors import ScenarioError
-from differential.scenario._checks import _allowed_enum, _require_int
 
 __all__ = ["DraftGroups", "GroupKind", "KVCacheGroup", "MambaPrefill"]
 
@@ -112,32 +111,39 @@ class KVCacheGroup:
     is_eagle_group: bool = False
 
     def validate(self, where: str) -> None:
-        """Raise :class:`ScenarioError` naming ``where`` if the group is invalid."""
-        if not isinstance(self.kind, GroupKind):
-            raise ScenarioError(f"{where}.kind", self.kind, _allowed_enum(GroupKind))
-        _require_int(self.block_size_tokens, f"{where}.block_size_tokens", minimum=1)
-        if self.kind.sliding_window_family:
-            _require_int(self.sliding_window_tokens, f"{where}.sliding_window_tokens", minimum=1)
-        elif self.sliding_window_tokens is not None:
+        """The rules between the group's fields (its types and ranges are the
+        JSON form's, :mod:`differential.scenario.json_form`).
+
+        Raises:
+            ScenarioError: naming ``where``: a window without a sliding-window
+                kind (or none with one), a chunk without chunked local
+                attention (or none with it), a Mamba group marked as a draft
+                group.
+        """
+        window = self.kind.sliding_window_family
+        if window and self.sliding_window_tokens is None:
+            raise ScenarioError(
+                f"{where}.sliding_window_tokens", None, f"an integer >= 1 for a {self.kind} group"
+            )
+        if not window and self.sliding_window_tokens is not None:
             raise ScenarioError(
                 f"{where}.sliding_window_tokens",
                 self.sliding_window_tokens,
                 f"null for a {self.kind.value} group",
             )
-        if self.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
-            _require_int(
-                self.attention_chunk_size_tokens,
+        chunked = self.kind is GroupKind.CHUNKED_LOCAL_ATTENTION
+        if chunked and self.attention_chunk_size_tokens is None:
+            raise ScenarioError(
                 f"{where}.attention_chunk_size_tokens",
-                minimum=1,
+                None,
+                f"an integer >= 1 for a {self.kind} group",
             )
-        elif self.attention_chunk_size_tokens is not None:
+        if not chunked and self.attention_chunk_size_tokens is not None:
             raise ScenarioError(
                 f"{where}.attention_chunk_size_tokens",
                 self.attention_chunk_size_tokens,
                 f"null for a {self.kind.value} group",
             )
-        if not isinstance(self.is_eagle_group, bool):
-            raise ScenarioError(f"{where}.is_eagle_group", self.is_eagle_group, "true or false")
         if self.is_eagle_group and self.kind is GroupKind.MAMBA:
             # HybridKVCacheCoordinator.find_longest_cache_hit: draft models
             # have no Mamba layers (the Mamba finder never drops).

@@ -1,19 +1,31 @@
-"""The scenario's JSON form: format, version, parsing and writing.
+"""The scenario's JSON form (``format`` ``kvfuzz.scenario``, ``version`` 1).
 
-The canonical form (:func:`scenario_to_dict`) writes every field except the
-ones added after version 1 shipped, which are written only when not their
-default, so older files stay byte-identical.
+The form is declared once, as pydantic models with field docs and units:
+they parse a file (:func:`scenario_fields`), check every field of a
+:class:`~differential.scenario.model.Scenario` built in Python
+(:func:`checked_document`), write the canonical form (:func:`scenario_to_dict`)
+and give the published JSON Schema (:func:`scenario_schema`). Rules between
+fields (a window for a sliding-window group, a divergence within its source)
+are the scenario's own (:mod:`differential.scenario.rules`).
+
+The canonical form writes every field except those added after version 1
+shipped (a group's chunk size and draft mark, the Mamba options, the
+workload), which are written only when not their default, so files written
+before them stay byte-identical.
+
+Units: fields ending in ``_tokens`` are tokens; ``pool_blocks`` is blocks.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from functools import cache
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from differential.errors import ScenarioError
-from differential.scenario._checks import _allowed_enum
+from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
 from differential.scenario.workload import DriveMode, RequestSpec, Workload
@@ -24,6 +36,12 @@ if TYPE_CHECKING:
 __all__ = [
     "SCENARIO_FORMAT",
     "SCENARIO_VERSION",
+    "DrafterDocument",
+    "GroupDocument",
+    "RequestDocument",
+    "ScenarioDocument",
+    "WorkloadDocument",
+    "checked_document",
     "json_data",
     "scenario_fields",
     "scenario_to_dict",
@@ -32,252 +50,313 @@ __all__ = [
 SCENARIO_FORMAT = "kvfuzz.scenario"
 SCENARIO_VERSION = 1
 
-_E = TypeVar("_E", bound=StrEnum)
-
-_WORKLOAD_KEYS = frozenset(
-    {
-        "mode",
-        "pool_blocks",
-        "arrival_steps",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "shares_output",
-        "accepted_drafts",
-    }
-)
+# Integers with a lower bound; booleans, floats and strings are refused.
+_Count = Annotated[StrictInt, Field(ge=0)]
+_Positive = Annotated[StrictInt, Field(ge=1)]
+_CONFIG = ConfigDict(extra="forbid", frozen=True, from_attributes=True)
 
 
-def _workload_from(raw: object) -> Workload:
-    obj = _expect_mapping(raw, "workload")
-    _reject_unknown(obj, _WORKLOAD_KEYS, "workload.")
-    arrivals = obj.get("arrival_steps")
-    if arrivals is not None:
-        arrivals = tuple(_expect_list(arrivals, "workload.arrival_steps"))
-    return Workload(
-        mode=_enum(DriveMode, obj.get("mode", "manager"), "workload.mode"),
-        pool_blocks=obj.get("pool_blocks"),
-        arrival_steps=arrivals,
-        max_num_seqs=obj.get("max_num_seqs"),
-        max_num_batched_tokens=obj.get("max_num_batched_tokens"),
-        shares_output=obj.get("shares_output", False),
-        accepted_drafts=tuple(
-            _expect_list(obj.get("accepted_drafts", []), "workload.accepted_drafts")
-        ),
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+def _is_false(value: object) -> bool:
+    return value is False
+
+
+class GroupDocument(BaseModel):
+    """One KV cache group: layers sharing a spec (vLLM ``KVCacheGroupSpec``)."""
+
+    model_config = _CONFIG
+
+    kind: GroupKind = Field(description="The attention type of the group's layers.")
+    block_size_tokens: _Positive = Field(
+        description="The group's block size, in tokens (a Mamba group: one state per block)."
+    )
+    sliding_window_tokens: _Positive | None = Field(
+        default=None,
+        description="The attention window, in tokens: sliding_window and sliding_window_mla "
+        "groups only, null otherwise.",
+    )
+    attention_chunk_size_tokens: _Positive | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="vLLM's attention_chunk_size, in tokens: chunked_local_attention groups "
+        "only. Written only when set.",
+    )
+    is_eagle_group: StrictBool = Field(
+        default=False,
+        exclude_if=_is_false,
+        description="The group holds the drafter's own layers and takes the EAGLE block drop "
+        "(vLLM KVCacheGroupSpec.is_eagle_group). Written only when true.",
     )
 
-
-_TOP_KEYS = frozenset(
-    {
-        "format",
-        "version",
-        "name",
-        "description",
-        "kv_cache_groups",
-        "hash_block_size_tokens",
-        "hit_alignment_tokens",
-        "retention_interval_tokens",
-        "drafter",
-        "kv_connector",
-        "disable_lookahead_block_hashes",
-        "disable_eagle_block_drop",
-        "enable_mamba_shared_prefix_checkpoint",
-        "mamba_prefill",
-        "prefill_chunk_tokens",
-        "decode_steps",
-        "shared_prefix_tokens",
-        "requests",
-        "workload",
-        # Documents that embed a scenario (corpus entries, campaign findings)
-        # may carry these; they are not part of the scenario value.
-        "expect",
-        "notes",
-        "finding",
-    }
-)
+    def value(self) -> KVCacheGroup:
+        """The group as a value."""
+        return KVCacheGroup(
+            kind=self.kind,
+            block_size_tokens=self.block_size_tokens,
+            sliding_window_tokens=self.sliding_window_tokens,
+            attention_chunk_size_tokens=self.attention_chunk_size_tokens,
+            is_eagle_group=self.is_eagle_group,
+        )
 
 
-def _require_int(value: object, where: str, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ScenarioError(where, value, f"an integer >= {minimum}")
+class DrafterDocument(BaseModel):
+    """The speculative-decoding drafter (vLLM ``SpeculativeConfig``)."""
 
+    model_config = _CONFIG
 
-def _expect_mapping(value: object, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ScenarioError(where, value, "a JSON object")
-    return value
-
-
-def _expect_list(value: object, where: str) -> Sequence[Any]:
-    if not isinstance(value, list):
-        raise ScenarioError(where, value, "a JSON list")
-    return value
-
-
-def _required(obj: Mapping[str, Any], key: str, prefix: str) -> Any:
-    if key not in obj:
-        raise ScenarioError(f"{prefix}{key}", None, "a value (the field is required)")
-    return obj[key]
-
-
-def _reject_unknown(obj: Mapping[str, Any], known: frozenset[str] | set[str], prefix: str) -> None:
-    for key in obj:
-        if key not in known:
-            raise ScenarioError(
-                f"{prefix}{key}",
-                obj[key],
-                f"no such field; known fields: {', '.join(sorted(known))}",
-            )
-
-
-def _enum(enum: type[_E], value: object, where: str) -> _E:
-    try:
-        return enum(value)  # type: ignore[arg-type]  # any JSON value: a wrong one raises
-    except ValueError:
-        raise ScenarioError(where, value, _allowed_enum(enum)) from None
-
-
-def _string(value: object, where: str) -> str:
-    if not isinstance(value, str):
-        raise ScenarioError(where, value, "a string")
-    return value
-
-
-_GROUP_KEYS = frozenset(
-    {
-        "kind",
-        "block_size_tokens",
-        "sliding_window_tokens",
-        "attention_chunk_size_tokens",
-        "is_eagle_group",
-    }
-)
-
-
-def _group_dict(g: KVCacheGroup) -> dict[str, Any]:
-    """A group's JSON form; the chunk size and the draft mark only when set,
-    so files written before those fields existed stay byte-identical."""
-    data: dict[str, Any] = {
-        "kind": g.kind.value,
-        "block_size_tokens": g.block_size_tokens,
-        "sliding_window_tokens": g.sliding_window_tokens,
-    }
-    if g.attention_chunk_size_tokens is not None:
-        data["attention_chunk_size_tokens"] = g.attention_chunk_size_tokens
-    if g.is_eagle_group:
-        data["is_eagle_group"] = True
-    return data
-
-
-def _group_from(raw: object, where: str) -> KVCacheGroup:
-    obj = _expect_mapping(raw, where)
-    _reject_unknown(obj, _GROUP_KEYS, f"{where}.")
-    return KVCacheGroup(
-        kind=_enum(GroupKind, _required(obj, "kind", f"{where}."), f"{where}.kind"),
-        block_size_tokens=_required(obj, "block_size_tokens", f"{where}."),
-        sliding_window_tokens=obj.get("sliding_window_tokens"),
-        attention_chunk_size_tokens=obj.get("attention_chunk_size_tokens"),
-        is_eagle_group=obj.get("is_eagle_group", False),
+    kind: DrafterKind = Field(
+        default=DrafterKind.NONE, description="Which drafter; 'none' for plain decoding."
+    )
+    num_speculative_tokens: _Count = Field(
+        default=0,
+        description="Tokens drafted per step: 0 exactly when kind is 'none', at least 2 for "
+        "multi_module_mtp.",
     )
 
+    def value(self) -> Drafter:
+        """The drafter as a value."""
+        return Drafter(kind=self.kind, num_speculative_tokens=self.num_speculative_tokens)
 
-def _request_from(raw: object, where: str) -> RequestSpec:
-    obj = _expect_mapping(raw, where)
-    _reject_unknown(obj, {"name", "shares_with", "divergence_tokens", "suffix_tokens"}, f"{where}.")
-    return RequestSpec(
-        divergence_tokens=_required(obj, "divergence_tokens", f"{where}."),
-        suffix_tokens=_required(obj, "suffix_tokens", f"{where}."),
-        shares_with=obj.get("shares_with"),
-        name=obj.get("name"),
+
+class RequestDocument(BaseModel):
+    """One request: the first divergence_tokens tokens of its source, then
+    suffix_tokens tokens of its own that no other request contains."""
+
+    model_config = _CONFIG
+
+    name: StrictStr | None = Field(default=None, description="A label used in reports.")
+    shares_with: _Count | None = Field(
+        default=None,
+        description="Index of an earlier request whose prompt is the source; null: the "
+        "shared prefix.",
+    )
+    divergence_tokens: _Count = Field(
+        description="Tokens copied from the source (the divergence point), in tokens; at "
+        "most the source's length."
+    )
+    suffix_tokens: _Count = Field(
+        description="The request's own tokens after the divergence point, in tokens."
     )
 
+    def value(self) -> RequestSpec:
+        """The request as a value."""
+        return RequestSpec(
+            divergence_tokens=self.divergence_tokens,
+            suffix_tokens=self.suffix_tokens,
+            shares_with=self.shares_with,
+            name=self.name,
+        )
 
-def scenario_to_dict(s: Scenario) -> dict[str, Any]:
-    """The canonical, versioned JSON-ready form (every field present, except
-    ``enable_mamba_shared_prefix_checkpoint``, written only when true)."""
-    data: dict[str, Any] = {
-        "format": SCENARIO_FORMAT,
-        "version": SCENARIO_VERSION,
-        "name": s.name,
-        "description": s.description,
-        "kv_cache_groups": [_group_dict(g) for g in s.kv_cache_groups],
-        "hash_block_size_tokens": s.hash_block_size_tokens,
-        "hit_alignment_tokens": s.hit_alignment_tokens,
-        "retention_interval_tokens": s.retention_interval_tokens,
-        "drafter": {
-            "kind": s.drafter.kind.value,
-            "num_speculative_tokens": s.drafter.num_speculative_tokens,
-        },
-        "kv_connector": s.kv_connector,
-        "disable_lookahead_block_hashes": s.disable_lookahead_block_hashes,
-        "disable_eagle_block_drop": s.disable_eagle_block_drop,
-        "prefill_chunk_tokens": s.prefill_chunk_tokens,
-        "decode_steps": s.decode_steps,
-        "shared_prefix_tokens": s.shared_prefix_tokens,
-        "requests": [
-            {
-                "name": r.name,
-                "shares_with": r.shares_with,
-                "divergence_tokens": r.divergence_tokens,
-                "suffix_tokens": r.suffix_tokens,
-            }
-            for r in s.requests
-        ],
-    }
-    if s.enable_mamba_shared_prefix_checkpoint:
-        data["enable_mamba_shared_prefix_checkpoint"] = True
-    if s.mamba_prefill is not MambaPrefill.SCHEDULER:
-        data["mamba_prefill"] = s.mamba_prefill.value
-    if s.workload != Workload():
-        data["workload"] = s.workload.to_dict()
-    return data
+
+class WorkloadDocument(BaseModel):
+    """How the requests reach the engine; every default reproduces the
+    manager-level run (one request at a time, nothing evicted, no drafts)."""
+
+    model_config = _CONFIG
+
+    mode: DriveMode = Field(
+        default=DriveMode.MANAGER,
+        description="'manager' drives KVCacheManager directly, 'scheduler' vLLM's Scheduler.",
+    )
+    pool_blocks: Annotated[StrictInt, Field(ge=2)] | None = Field(
+        default=None,
+        description="KV cache pool size in blocks, the null block included; null: sized so "
+        "that nothing is evicted.",
+    )
+    arrival_steps: tuple[_Count, ...] | None = Field(
+        default=None,
+        description="Per request, the scheduler step at which it is added, non-decreasing; "
+        "null: each request when the previous one has finished. Scheduler mode only.",
+    )
+    max_num_seqs: _Positive | None = Field(
+        default=None,
+        description="SchedulerConfig.max_num_seqs, requests running at once (at most the "
+        "token budget per step); null: the smaller of 8 and the budget.",
+    )
+    max_num_batched_tokens: _Positive | None = Field(
+        default=None,
+        description="SchedulerConfig.max_num_batched_tokens, the token budget per step, in "
+        "tokens; null: prefill_chunk_tokens.",
+    )
+    shares_output: StrictBool = Field(
+        default=False,
+        description="A request copying from request j also copies the decode_steps + 1 "
+        "tokens j sampled (a multi-turn chat).",
+    )
+    accepted_drafts: tuple[_Count, ...] = Field(
+        default=(),
+        description="Draft tokens accepted per decode step (cycled), each at most "
+        "drafter.num_speculative_tokens; empty: no drafts. Scheduler mode only.",
+    )
+
+    def value(self) -> Workload:
+        """The workload as a value."""
+        return Workload(
+            mode=self.mode,
+            pool_blocks=self.pool_blocks,
+            arrival_steps=self.arrival_steps,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            shares_output=self.shares_output,
+            accepted_drafts=self.accepted_drafts,
+        )
+
+
+class ScenarioDocument(BaseModel):
+    """A kvfuzz scenario: one reproducible prefix-caching experiment.
+
+    Fields are in the order the canonical form writes them.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, from_attributes=True, title="kvfuzz scenario"
+    )
+
+    format: Literal["kvfuzz.scenario"] = Field(
+        default=SCENARIO_FORMAT, description="Always 'kvfuzz.scenario'."
+    )
+    version: Literal[1] = Field(default=SCENARIO_VERSION, description="The format version.")
+    name: StrictStr = Field(default="", description="A short identifier, used in reports.")
+    description: StrictStr = Field(default="", description="What the scenario shows.")
+    kv_cache_groups: Annotated[tuple[GroupDocument, ...], Field(min_length=1)] = Field(
+        description="The KV cache groups, any mix of kinds in any order: one group runs on "
+        "vLLM's UnitaryKVCacheCoordinator, several on the HybridKVCacheCoordinator."
+    )
+    hash_block_size_tokens: _Positive | None = Field(
+        default=None,
+        description="Tokens per block hash (CacheConfig.prefix_match_unit), a divisor of every "
+        "group block size; null: derived as vLLM does (the GCD of the block sizes).",
+    )
+    hit_alignment_tokens: _Positive | None = Field(
+        default=None,
+        description="The hit alignment, in tokens; null: derived as vLLM does. A given value "
+        "must equal the derived one.",
+    )
+    retention_interval_tokens: _Count | None = Field(
+        default=None,
+        description="vLLM's prefix_cache_retention_interval, in tokens: null (dense), 0 "
+        "(replay boundaries and junctions only) or a positive multiple of the scheduler "
+        "block size.",
+    )
+    drafter: DrafterDocument = Field(
+        default_factory=DrafterDocument, description="The speculative-decoding drafter."
+    )
+    kv_connector: StrictBool = Field(
+        default=False,
+        description="A KV connector is configured (turns lookahead block hashes off).",
+    )
+    disable_lookahead_block_hashes: StrictBool = Field(
+        default=False, description="The SpeculativeConfig switch of that name."
+    )
+    disable_eagle_block_drop: StrictBool = Field(
+        default=False, description="The SpeculativeConfig switch of that name."
+    )
+    prefill_chunk_tokens: _Positive = Field(
+        default=2048, description="Tokens scheduled per prefill step, in tokens."
+    )
+    decode_steps: _Count = Field(
+        default=0, description="Decode steps (one sampled token each) after prefill."
+    )
+    shared_prefix_tokens: _Count = Field(
+        description="Length of the common prefix requests copy from, in tokens."
+    )
+    requests: Annotated[tuple[RequestDocument, ...], Field(min_length=1)] = Field(
+        description="The requests, run in order."
+    )
+    enable_mamba_shared_prefix_checkpoint: StrictBool = Field(
+        default=False,
+        exclude_if=_is_false,
+        description="CacheConfig.enable_mamba_shared_prefix_checkpoint: also keep a Mamba "
+        "state at the shared-prefix junction. Needs a mamba group. Written only when true.",
+    )
+    mamba_prefill: MambaPrefill = Field(
+        default=MambaPrefill.SCHEDULER,
+        exclude_if=lambda v: v is MambaPrefill.SCHEDULER,
+        description="Where prefill steps end with mamba groups: 'scheduler' (vLLM's own "
+        "chunking) or 'block' (at every Mamba block boundary). Written only when not "
+        "'scheduler'.",
+    )
+    workload: WorkloadDocument = Field(
+        default_factory=WorkloadDocument,
+        exclude_if=lambda v: v == WorkloadDocument(),
+        description="How the requests reach the engine. Written only when not the default.",
+    )
+    # Documents that embed a scenario (corpus entries, campaign findings)
+    # carry these; they are not part of the scenario value and are checked
+    # by their readers (differential/corpus.py).
+    expect: Any = Field(
+        default=None,
+        exclude=True,
+        description="What a replay must observe (a corpus entry): {'hits': {variant: "
+        "[hit tokens per request]}, 'findings': {variant: ['kind@request', ...]}}.",
+    )
+    notes: Any = Field(default=None, exclude=True, description="Free text (a corpus entry).")
+    finding: Any = Field(
+        default=None, exclude=True, description="A campaign finding's record (an object)."
+    )
+
+    def fields(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`Scenario` this document gives."""
+        return {
+            "kv_cache_groups": tuple(g.value() for g in self.kv_cache_groups),
+            "requests": tuple(r.value() for r in self.requests),
+            "shared_prefix_tokens": self.shared_prefix_tokens,
+            "retention_interval_tokens": self.retention_interval_tokens,
+            "hash_block_size_tokens": self.hash_block_size_tokens,
+            "hit_alignment_tokens": self.hit_alignment_tokens,
+            "drafter": self.drafter.value(),
+            "kv_connector": self.kv_connector,
+            "disable_lookahead_block_hashes": self.disable_lookahead_block_hashes,
+            "disable_eagle_block_drop": self.disable_eagle_block_drop,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "decode_steps": self.decode_steps,
+            "name": self.name,
+            "description": self.description,
+            "enable_mamba_shared_prefix_checkpoint": self.enable_mamba_shared_prefix_checkpoint,
+            "mamba_prefill": self.mamba_prefill,
+            "workload": self.workload.value(),
+        }
+
+
+@cache
+def _schema() -> dict[str, Any]:
+    return ScenarioDocument.model_json_schema()
 
 
 def scenario_fields(data: object) -> dict[str, Any]:
     """The keyword arguments of :class:`Scenario` a JSON form gives.
 
     Raises:
-        ScenarioError: on a wrong format or version, an unknown or missing
-            key, a value of the wrong type, or an invalid combination.
+        ScenarioError: a wrong format or version, an unknown or missing key or
+            a value of the wrong type or range, naming the field path and the
+            allowed values.
     """
-    obj = _expect_mapping(data, "scenario")
-    _reject_unknown(obj, _TOP_KEYS, "")
-    fmt = obj.get("format", SCENARIO_FORMAT)
-    if fmt != SCENARIO_FORMAT:
-        raise ScenarioError("format", fmt, repr(SCENARIO_FORMAT))
-    version = obj.get("version", SCENARIO_VERSION)
-    if version != SCENARIO_VERSION:
-        raise ScenarioError("version", version, str(SCENARIO_VERSION))
-    groups_raw = _expect_list(_required(obj, "kv_cache_groups", ""), "kv_cache_groups")
-    groups = tuple(_group_from(g, f"kv_cache_groups[{i}]") for i, g in enumerate(groups_raw))
-    drafter_raw = _expect_mapping(obj.get("drafter", {"kind": "none"}), "drafter")
-    _reject_unknown(drafter_raw, {"kind", "num_speculative_tokens"}, "drafter.")
-    drafter = Drafter(
-        kind=_enum(DrafterKind, drafter_raw.get("kind", "none"), "drafter.kind"),
-        num_speculative_tokens=drafter_raw.get("num_speculative_tokens", 0),
-    )
-    requests_raw = _expect_list(_required(obj, "requests", ""), "requests")
-    requests = tuple(_request_from(r, f"requests[{i}]") for i, r in enumerate(requests_raw))
-    return dict(
-        kv_cache_groups=groups,
-        requests=requests,
-        shared_prefix_tokens=_required(obj, "shared_prefix_tokens", ""),
-        retention_interval_tokens=obj.get("retention_interval_tokens"),
-        hash_block_size_tokens=obj.get("hash_block_size_tokens"),
-        hit_alignment_tokens=obj.get("hit_alignment_tokens"),
-        drafter=drafter,
-        kv_connector=obj.get("kv_connector", False),
-        disable_lookahead_block_hashes=obj.get("disable_lookahead_block_hashes", False),
-        disable_eagle_block_drop=obj.get("disable_eagle_block_drop", False),
-        prefill_chunk_tokens=obj.get("prefill_chunk_tokens", 2048),
-        decode_steps=obj.get("decode_steps", 0),
-        name=_string(obj.get("name", ""), "name"),
-        description=_string(obj.get("description", ""), "description"),
-        enable_mamba_shared_prefix_checkpoint=obj.get(
-            "enable_mamba_shared_prefix_checkpoint", False
-        ),
-        mamba_prefill=_enum(MambaPrefill, obj.get("mamba_prefill", "scheduler"), "mamba_prefill"),
-        workload=_workload_from(obj.get("workload", {})),
-    )
+    try:
+        document = ScenarioDocument.model_validate(data)
+    except ValidationError as exc:
+        raise scenario_error(exc, _schema()) from None
+    return document.fields()
+
+
+def checked_document(scenario: Scenario) -> ScenarioDocument:
+    """``scenario``'s fields checked against the JSON form's types and ranges
+    (enums must be enum members, lists tuples).
+
+    Raises:
+        ScenarioError: naming the first field of the wrong type or range.
+    """
+    try:
+        return ScenarioDocument.model_validate(scenario, from_attributes=True, strict=True)
+    except ValidationError as exc:
+        raise scenario_error(exc, _schema(), python=True) from None
+
+
+def scenario_to_dict(document: ScenarioDocument) -> dict[str, Any]:
+    """The canonical JSON-ready form of a checked document (see the module docstring)."""
+    return document.model_dump(mode="json")
 
 
 def json_data(text: str, *, source: str | None = None) -> object:

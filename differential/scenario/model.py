@@ -23,16 +23,18 @@ from functools import cached_property
 from typing import Any
 
 from differential.errors import ScenarioError
-from differential.scenario._checks import _allowed_enum, _require_int
 from differential.scenario.drafter import DROPPING_DRAFTERS, Drafter, DrafterKind
 from differential.scenario.groups import DraftGroups, GroupKind, KVCacheGroup, MambaPrefill
 from differential.scenario.json_form import (
     SCENARIO_FORMAT,
     SCENARIO_VERSION,
+    ScenarioDocument,
+    checked_document,
     json_data,
     scenario_fields,
     scenario_to_dict,
 )
+from differential.scenario.rules import check_scenario
 from differential.scenario.workload import DriveMode, RequestSpec, Workload
 
 __all__ = [
@@ -68,7 +70,7 @@ class Scenario:
             ``HybridKVCacheCoordinator``. Mamba groups share one block size,
             the scheduler block size; a chunked-local group's block is the hit
             alignment and never takes the EAGLE drop; ``is_eagle_group`` needs
-            a dropping drafter (see :meth:`_validate_draft_groups`).
+            a dropping drafter (see :func:`.rules.check_draft_groups`).
         requests: the requests, run in order; each is prefilled, decoded for
             ``decode_steps`` tokens and freed before the next starts.
         shared_prefix_tokens: length of the common prefix requests copy from.
@@ -124,7 +126,18 @@ class Scenario:
     workload: Workload = field(default_factory=Workload)
 
     def __post_init__(self) -> None:
-        self._validate()
+        self._document  # noqa: B018 - checks every field's type and range
+        check_scenario(self)
+
+    @cached_property
+    def _document(self) -> ScenarioDocument:
+        """The scenario as its JSON form's model (:mod:`.json_form`); building
+        it checks every field's type and range.
+
+        Raises:
+            ScenarioError: naming the first field of the wrong type or range.
+        """
+        return checked_document(self)
 
     # ----------------------------------------------------------------- derived
 
@@ -335,327 +348,13 @@ class Scenario:
         groups = "/".join(str(g.block_size_tokens) for g in self.kv_cache_groups)
         return f"blocks {groups}, R={self.retention_interval_tokens}, {self.drafter.kind.value}"
 
-    # -------------------------------------------------------------- validation
-
-    def _validate(self) -> None:
-        if not isinstance(self.kv_cache_groups, tuple) or not self.kv_cache_groups:
-            raise ScenarioError(
-                "kv_cache_groups", self.kv_cache_groups, "a non-empty list of groups"
-            )
-        for i, group in enumerate(self.kv_cache_groups):
-            group.validate(f"kv_cache_groups[{i}]")
-        # Any mix of kinds, in any order, is accepted: one group runs on
-        # vLLM's UnitaryKVCacheCoordinator, several on the
-        # HybridKVCacheCoordinator (which needs no full-attention group).
-        sbs = self.scheduler_block_size_tokens
-        self._validate_mamba(sbs)
-        if self.hash_block_size_tokens is not None:
-            _require_int(self.hash_block_size_tokens, "hash_block_size_tokens", minimum=1)
-            bad = [
-                g.block_size_tokens
-                for g in self.kv_cache_groups
-                if g.block_size_tokens % self.hash_block_size_tokens
-            ]
-            if bad or (
-                len(self.kv_cache_groups) == 1
-                and self.hash_block_size_tokens != self.kv_cache_groups[0].block_size_tokens
-            ):
-                # vLLM HybridKVCacheCoordinator.__init__ asserts divisibility;
-                # resolve_kv_cache_block_sizes rejects any other value for a
-                # single group.
-                raise ScenarioError(
-                    "hash_block_size_tokens",
-                    self.hash_block_size_tokens,
-                    "null or a divisor of every group block size "
-                    f"({[g.block_size_tokens for g in self.kv_cache_groups]}); "
-                    "with a single group, its block size",
-                )
-        alignment = self.effective_hit_alignment_tokens
-        if self.hit_alignment_tokens is not None and self.hit_alignment_tokens != alignment:
-            raise ScenarioError(
-                "hit_alignment_tokens",
-                self.hit_alignment_tokens,
-                f"null or {alignment} (vLLM derives it as the hash block size with "
-                "fine-grained Mamba hits, else the scheduler block size, the LCM of "
-                "the group block sizes)",
-            )
-        r = self.retention_interval_tokens
-        if r is not None:
-            # vLLM kv_cache_coordinator._validate_prefix_cache_retention_interval.
-            if not isinstance(r, int) or isinstance(r, bool) or r < 0 or r % sbs:
-                raise ScenarioError(
-                    "retention_interval_tokens",
-                    r,
-                    f"null, 0, or a positive multiple of the scheduler block size {sbs}",
-                )
-            if r > 0 and not self.sliding_window_groups and not self.mamba_groups:
-                raise ScenarioError(
-                    "retention_interval_tokens",
-                    r,
-                    "null or 0 for a model without sliding_window or mamba groups "
-                    "(retention only applies to sliding-window and Mamba groups)",
-                )
-        self.drafter.validate()
-        self._validate_draft_groups()
-        if (
-            self.drafter.kind is DrafterKind.MULTI_MODULE_MTP
-            and sbs < self.drafter.num_speculative_tokens
-        ):
-            # vLLM KVCacheCoordinator.__init__.
-            raise ScenarioError(
-                "drafter.num_speculative_tokens",
-                self.drafter.num_speculative_tokens,
-                f"at most the scheduler block size {sbs} for multi_module_mtp with prefix caching",
-            )
-        if (
-            self.drafter.kind is DrafterKind.MULTI_MODULE_MTP
-            and self.prefill_chunk_tokens < self.drafter.num_speculative_tokens
-        ):
-            # Scheduler._reserve_prefill_lookahead would never schedule the
-            # last chunk: a chunk must cover the prefill lookahead.
-            raise ScenarioError(
-                "prefill_chunk_tokens",
-                self.prefill_chunk_tokens,
-                f"at least drafter.num_speculative_tokens "
-                f"({self.drafter.num_speculative_tokens}) for multi_module_mtp",
-            )
-        for name in (
-            "kv_connector",
-            "disable_lookahead_block_hashes",
-            "disable_eagle_block_drop",
-            "enable_mamba_shared_prefix_checkpoint",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ScenarioError(name, value, "true or false")
-        _require_int(self.prefill_chunk_tokens, "prefill_chunk_tokens", minimum=1)
-        self._validate_workload()
-        _require_int(self.decode_steps, "decode_steps", minimum=0)
-        _require_int(self.shared_prefix_tokens, "shared_prefix_tokens", minimum=0)
-        if not isinstance(self.requests, tuple) or not self.requests:
-            raise ScenarioError("requests", self.requests, "a non-empty list of requests")
-        lengths: list[int] = []
-        for i, request in enumerate(self.requests):
-            where = f"requests[{i}]"
-            if request.shares_with is None:
-                source_len = self.shared_prefix_tokens
-                source = "shared_prefix_tokens"
-            else:
-                _require_int(request.shares_with, f"{where}.shares_with", minimum=0)
-                if request.shares_with >= i:
-                    raise ScenarioError(
-                        f"{where}.shares_with",
-                        request.shares_with,
-                        f"null or the index of an earlier request (0..{i - 1})",
-                    )
-                source_len = lengths[request.shares_with]
-                source = f"requests[{request.shares_with}] prompt length"
-                if self.workload.shares_output:
-                    source_len += self.decode_steps + 1
-                    source += " + its decode_steps + 1 sampled tokens"
-            _require_int(request.divergence_tokens, f"{where}.divergence_tokens", minimum=0)
-            if request.divergence_tokens > source_len:
-                raise ScenarioError(
-                    f"{where}.divergence_tokens",
-                    request.divergence_tokens,
-                    f"0..{source_len} ({source})",
-                )
-            _require_int(request.suffix_tokens, f"{where}.suffix_tokens", minimum=0)
-            if request.prompt_tokens < 1:
-                raise ScenarioError(
-                    f"{where}.suffix_tokens",
-                    request.suffix_tokens,
-                    "at least 1 when divergence_tokens is 0 (a prompt needs a token)",
-                )
-            if request.name is not None and not isinstance(request.name, str):
-                raise ScenarioError(f"{where}.name", request.name, "a string or null")
-            lengths.append(request.prompt_tokens)
-
-    def _validate_workload(self) -> None:
-        """The workload's fields, each named on error."""
-        w = self.workload
-        if not isinstance(w.mode, DriveMode):
-            raise ScenarioError("workload.mode", w.mode, _allowed_enum(DriveMode))
-        if w.pool_blocks is not None:
-            _require_int(w.pool_blocks, "workload.pool_blocks", minimum=2)
-        budget = self.step_budget_tokens
-        if w.max_num_seqs is not None:
-            _require_int(w.max_num_seqs, "workload.max_num_seqs", minimum=1)
-            if w.max_num_seqs > budget:
-                # vLLM SchedulerConfig: max_num_batched_tokens >= max_num_seqs.
-                raise ScenarioError(
-                    "workload.max_num_seqs",
-                    w.max_num_seqs,
-                    f"null or at most the token budget per step ({budget} tokens: "
-                    "workload.max_num_batched_tokens, else prefill_chunk_tokens)",
-                )
-        if w.max_num_batched_tokens is not None:
-            _require_int(w.max_num_batched_tokens, "workload.max_num_batched_tokens", minimum=1)
-        if not isinstance(w.shares_output, bool):
-            raise ScenarioError("workload.shares_output", w.shares_output, "true or false")
-        if w.arrival_steps is not None:
-            if not isinstance(w.arrival_steps, tuple) or len(w.arrival_steps) != len(self.requests):
-                raise ScenarioError(
-                    "workload.arrival_steps",
-                    w.arrival_steps,
-                    f"null or a list of {len(self.requests)} steps (one per request)",
-                )
-            last = 0
-            for i, step in enumerate(w.arrival_steps):
-                _require_int(step, f"workload.arrival_steps[{i}]", minimum=last)
-                last = step
-        limit = self.drafter.num_speculative_tokens
-        if w.accepted_drafts and limit == 0:
-            raise ScenarioError(
-                "workload.accepted_drafts", list(w.accepted_drafts), "[] without a drafter"
-            )
-        for i, n in enumerate(w.accepted_drafts):
-            _require_int(n, f"workload.accepted_drafts[{i}]", minimum=0)
-            if n > limit:
-                raise ScenarioError(
-                    f"workload.accepted_drafts[{i}]",
-                    n,
-                    f"at most drafter.num_speculative_tokens ({limit})",
-                )
-        if w.mode is DriveMode.MANAGER and not w.sequential:
-            raise ScenarioError(
-                "workload.mode",
-                w.mode.value,
-                "'scheduler' when arrival_steps or accepted_drafts are set "
-                "(the manager-level driver runs one request at a time, without drafts)",
-            )
-
-    def _validate_draft_groups(self) -> None:
-        """What vLLM accepts for draft groups and chunked local attention.
-
-        Refused: ``is_eagle_group`` without a drafter that asks for the EAGLE
-        drop (vLLM's planner, ``get_global_kv_cache_groups`` in
-        vllm/v1/core/kv_cache_planning.py, marks draft groups only when
-        ``SpeculativeConfig.use_eagle_block_drop()``); a chunked-local group
-        that would take the drop, or whose block size is not the hit
-        alignment (``ChunkedLocalAttentionManager.find_longest_cache_hit``
-        asserts both: "eagle + chunked local attention" is unsupported and
-        groups of different block sizes are "not compatible with chunked
-        local attention").
-        """
-        mode = self.draft_groups
-        if mode is DraftGroups.NONE:
-            for i, g in enumerate(self.kv_cache_groups):
-                if g.is_eagle_group:
-                    raise ScenarioError(
-                        f"kv_cache_groups[{i}].is_eagle_group",
-                        True,
-                        "false unless the drafter takes the EAGLE block drop "
-                        f"(drafter.kind one of {sorted(DROPPING_DRAFTERS)} and "
-                        "disable_eagle_block_drop false)",
-                    )
-        alignment = self.effective_hit_alignment_tokens
-        dropping = self.drop_group_indices if self.drop_applies else frozenset()
-        chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in self.kv_cache_groups)
-        if chunked and not any(g.kind.full_attention_family for g in self.kv_cache_groups):
-            # vLLM accepts it, but no released model has chunked local
-            # attention without full attention (Llama-4 interleaves it), and
-            # without a full-attention bound ChunkedLocalAttentionManager's
-            # null-padded hit reaches positions no earlier request shared
-            # (and inflates the shared-prefix junction vLLM pins): the
-            # oracle does not judge it.
-            raise ScenarioError(
-                "kv_cache_groups",
-                self.group_mix,
-                "a full_attention or mla group beside chunked_local_attention "
-                "(kvfuzz judges chunked local attention as Llama-4 has it)",
-            )
-        if self.mamba_groups and (
-            mode is DraftGroups.ANNOTATED
-            or any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in self.kv_cache_groups)
-        ):
-            # kvfuzz's own restriction: the state-group oracle
-            # (differential/oracle/state.py) models the drop on every
-            # attention group and no chunked local attention.
-            raise ScenarioError(
-                "kv_cache_groups",
-                self.group_mix,
-                "no is_eagle_group and no chunked_local_attention group beside "
-                "mamba groups (kvfuzz's state-group oracle does not judge them yet)",
-            )
-        for i, g in enumerate(self.kv_cache_groups):
-            if g.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION:
-                continue
-            chunk = g.attention_chunk_size_tokens
-            assert chunk is not None
-            if chunk % g.block_size_tokens:
-                # kvfuzz's own restriction (every released chunk size, e.g.
-                # Llama-4's 8192, is a multiple of the block size): the
-                # oracle's chunk rule assumes chunks start on a block.
-                raise ScenarioError(
-                    f"kv_cache_groups[{i}].attention_chunk_size_tokens",
-                    chunk,
-                    f"a multiple of the group's block size {g.block_size_tokens}",
-                )
-            if g.block_size_tokens != alignment:
-                raise ScenarioError(
-                    f"kv_cache_groups[{i}].block_size_tokens",
-                    g.block_size_tokens,
-                    f"the hit alignment {alignment} for a chunked_local_attention group "
-                    "(vLLM's ChunkedLocalAttentionManager needs every group's block size "
-                    "to divide it)",
-                )
-            if i in dropping:
-                raise ScenarioError(
-                    "kv_cache_groups",
-                    self.group_mix,
-                    "no chunked_local_attention group taking the EAGLE block drop "
-                    "(vLLM does not support EAGLE with chunked local attention): mark "
-                    "the drafter's groups is_eagle_group, turn on lookahead block "
-                    "hashes, or use a drafter that does not drop",
-                )
-
-    def _validate_mamba(self, scheduler_block_tokens: int) -> None:
-        """What vLLM accepts for Mamba groups (prefix caching on, align mode).
-
-        Refused: Mamba groups of different block sizes, or (in a hybrid) a
-        Mamba block other than the scheduler block size. vLLM sets
-        ``mamba_block_size = cache_config.block_size`` in align mode
-        (vllm/model_executor/models/config.py ``verify_and_update_config``,
-        vllm/platforms/interface.py), and ``Scheduler._mamba_block_aligned_split``
-        ends prefill chunks on that one block size for every Mamba group.
-        Also refused: ``enable_mamba_shared_prefix_checkpoint`` without a
-        Mamba group (it would silently do nothing).
-        """
-        if not isinstance(self.mamba_prefill, MambaPrefill):
-            raise ScenarioError("mamba_prefill", self.mamba_prefill, _allowed_enum(MambaPrefill))
-        mamba = self.mamba_groups
-        if not mamba:
-            if self.mamba_prefill is not MambaPrefill.SCHEDULER:
-                raise ScenarioError(
-                    "mamba_prefill",
-                    self.mamba_prefill.value,
-                    "'scheduler' for a model without mamba groups",
-                )
-            if self.enable_mamba_shared_prefix_checkpoint is True:
-                raise ScenarioError(
-                    "enable_mamba_shared_prefix_checkpoint",
-                    True,
-                    "false for a model without mamba groups (it only affects Mamba states)",
-                )
-            return
-        sizes = sorted({g.block_size_tokens for g in mamba})
-        if len(sizes) > 1 or sizes[0] != scheduler_block_tokens:
-            raise ScenarioError(
-                "kv_cache_groups",
-                [g.block_size_tokens for g in self.kv_cache_groups],
-                "mamba groups that share one block size equal to the scheduler block "
-                f"size {scheduler_block_tokens} (vLLM sets mamba_block_size to the "
-                "cache block size in align mode)",
-            )
-
     # -------------------------------------------------------------------- JSON
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical, versioned JSON-ready form (every field present, except
         ``enable_mamba_shared_prefix_checkpoint``, ``mamba_prefill`` and
         ``workload``, written only when not their default)."""
-        return scenario_to_dict(self)
+        return scenario_to_dict(self._document)
 
     def to_json(self) -> str:
         """Canonical JSON text (2-space indent, trailing newline)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 __all__ = ["DriveMode", "RequestSpec", "Workload"]
 
@@ -101,15 +100,3 @@ class Workload:
         """Requests run one at a time and nothing is drafted (so the
         manager-level driver reconstructs the same calls)."""
         return self.arrival_steps is None and not self.accepted_drafts
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (every field present)."""
-        return {
-            "mode": self.mode.value,
-            "pool_blocks": self.pool_blocks,
-            "arrival_steps": None if self.arrival_steps is None else list(self.arrival_steps),
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "shares_output": self.shares_output,
-            "accepted_drafts": list(self.accepted_drafts),
-        }
