@@ -134,7 +134,7 @@ def add_policy(parser: argparse.ArgumentParser, help_text: str = POLICY_HELP) ->
 
 
 def add_limits(parser: argparse.ArgumentParser) -> None:
-    from differential.bounds import DEFAULT_LIMITS
+    from differential.scenario.bounds import DEFAULT_LIMITS
 
     limits = parser.add_argument_group(
         "limits", "a scenario file over a limit is rejected (exit 2) before anything runs"
@@ -164,8 +164,8 @@ def add_limits(parser: argparse.ArgumentParser) -> None:
 
 def load_scenario(args: argparse.Namespace, path: Path) -> CorpusEntry:
     """Load a scenario file and check its cost against the limits (exit 2 over one)."""
-    from differential.bounds import Limits, check_cost
     from differential.corpus import load_entry
+    from differential.scenario.bounds import Limits, check_cost
 
     entry = load_entry(path)
     mode = getattr(args, "mode", None)
