@@ -28,6 +28,7 @@ from differential.errors import ScenarioError
 from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
+from differential.scenario.models import ModelDocument
 from differential.scenario.workload import DriveMode, RequestSpec, Workload
 
 if TYPE_CHECKING:
@@ -40,15 +41,18 @@ __all__ = [
     "GroupDocument",
     "RequestDocument",
     "ScenarioDocument",
+    "ScenarioFileDocument",
     "WorkloadDocument",
     "checked_document",
     "json_data",
     "scenario_fields",
+    "scenario_file_schema",
     "scenario_to_dict",
 ]
 
 SCENARIO_FORMAT = "kvfuzz.scenario"
 SCENARIO_VERSION = 1
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 # Integers with a lower bound; booleans, floats and strings are refused.
 _Count = Annotated[StrictInt, Field(ge=0)]
@@ -112,7 +116,7 @@ class DrafterDocument(BaseModel):
     )
     num_speculative_tokens: _Count = Field(
         default=0,
-        description="Tokens drafted per step: 0 exactly when kind is 'none', at least 2 for "
+        description="Draft tokens proposed per step: 0 exactly when kind is 'none', at least 2 for "
         "multi_module_mtp.",
     )
 
@@ -227,8 +231,9 @@ class ScenarioDocument(BaseModel):
     )
     hash_block_size_tokens: _Positive | None = Field(
         default=None,
-        description="Tokens per block hash (CacheConfig.prefix_match_unit), a divisor of every "
-        "group block size; null: derived as vLLM does (the GCD of the block sizes).",
+        description="The block hash size, in tokens (CacheConfig.prefix_match_unit), a "
+        "divisor of every group block size; null: derived as vLLM does (the GCD of the "
+        "block sizes).",
     )
     hit_alignment_tokens: _Positive | None = Field(
         default=None,
@@ -319,6 +324,80 @@ class ScenarioDocument(BaseModel):
             "mamba_prefill": self.mamba_prefill,
             "workload": self.workload.value(),
         }
+
+
+def _no_default(schema: dict[str, Any]) -> None:
+    """A field that is absent rather than null when unused: no ``default`` shown."""
+    schema.pop("default", None)
+
+
+class ExpectDocument(BaseModel):
+    """What a replay of a corpus entry must observe."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hits: dict[str, tuple[StrictInt, ...]] = Field(
+        default_factory=dict, description="Variant name -> hit tokens per request, in tokens."
+    )
+    findings: dict[str, tuple[StrictStr, ...]] = Field(
+        default_factory=dict,
+        description="Variant name -> 'kind@request' (or 'kind@run') tags of the findings "
+        "under the vllm policy.",
+    )
+
+
+class FindingRecord(BaseModel):
+    """A campaign finding's record (``format`` ``kvfuzz.finding``)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    signature: StrictStr | None = Field(
+        default=None, description="The root-cause signature the finding was filed under."
+    )
+
+
+class ScenarioFileDocument(ScenarioDocument):
+    """A kvfuzz scenario file: a scenario with either its KV cache groups or a
+    model description vLLM's planner lays out (``model``), and, in a corpus
+    entry or a campaign finding, what a replay must observe."""
+
+    # The published schema's model only: scenario_fields parses with
+    # ScenarioDocument, and corpus.py reads expect, notes and finding.
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        title="kvfuzz scenario",
+        json_schema_extra={"oneOf": [{"required": ["kv_cache_groups"]}, {"required": ["model"]}]},
+    )
+
+    kv_cache_groups: Annotated[tuple[GroupDocument, ...], Field(min_length=1)] = Field(
+        default=None,
+        json_schema_extra=_no_default,
+        description="The KV cache groups, any mix of kinds in any order: one group runs on "
+        "vLLM's UnitaryKVCacheCoordinator, several on the HybridKVCacheCoordinator. Absent "
+        "with a model.",
+    )
+    model: StrictStr | ModelDocument = Field(
+        default=None,
+        json_schema_extra=_no_default,
+        description="Instead of kv_cache_groups: a model description (a file path relative "
+        "to the scenario file, or the description itself) vLLM's planner lays out into "
+        "groups, block sizes and the hash block size.",
+    )
+    expect: ExpectDocument | None = Field(
+        default=None, description="What a replay must observe (a corpus entry)."
+    )
+    notes: StrictStr = Field(default="", description="Free text (a corpus entry).")
+    finding: FindingRecord | None = Field(
+        default=None, description="A campaign finding's record (a finding file)."
+    )
+
+
+def scenario_file_schema() -> dict[str, Any]:
+    """The JSON Schema of a scenario file (draft 2020-12), as published in
+    ``schema/scenario.schema.json``."""
+    return {"$schema": JSON_SCHEMA_DIALECT, **ScenarioFileDocument.model_json_schema()}
 
 
 @cache
