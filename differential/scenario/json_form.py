@@ -4,7 +4,7 @@ The form is declared once, as pydantic models with field docs and units:
 they parse a file (:func:`scenario_fields`), check every field of a
 :class:`~differential.scenario.model.Scenario` built in Python
 (:func:`checked_document`), write the canonical form (:func:`scenario_to_dict`)
-and give the published JSON Schema (:func:`scenario_schema`). Rules between
+and give the published JSON Schema (:func:`scenario_file_schema`). Rules between
 fields (a window for a sliding-window group, a divergence within its source)
 are the scenario's own (:mod:`differential.scenario.rules`).
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from differential.scenario.model import Scenario
 
 __all__ = [
+    "JSON_SCHEMA_DIALECT",
     "SCENARIO_FORMAT",
     "SCENARIO_VERSION",
     "DrafterDocument",
@@ -50,8 +51,8 @@ __all__ = [
     "scenario_to_dict",
 ]
 
-SCENARIO_FORMAT = "kvfuzz.scenario"
-SCENARIO_VERSION = 1
+SCENARIO_FORMAT: Final = "kvfuzz.scenario"
+SCENARIO_VERSION: Final = 1
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 # Integers with a lower bound; booleans, floats and strings are refused.
@@ -326,9 +327,15 @@ class ScenarioDocument(BaseModel):
         }
 
 
-def _no_default(schema: dict[str, Any]) -> None:
-    """A field that is absent rather than null when unused: no ``default`` shown."""
+def _absent_when_unused(schema: dict[str, Any]) -> None:
+    """A field that is left out rather than null when unused: the schema
+    shows neither a default nor a null branch."""
     schema.pop("default", None)
+    branches = [b for b in schema.pop("anyOf", []) if b != {"type": "null"}]
+    if len(branches) == 1:
+        schema.update(branches[0])
+    elif branches:
+        schema["anyOf"] = branches
 
 
 class ExpectDocument(BaseModel):
@@ -371,16 +378,18 @@ class ScenarioFileDocument(ScenarioDocument):
         json_schema_extra={"oneOf": [{"required": ["kv_cache_groups"]}, {"required": ["model"]}]},
     )
 
-    kv_cache_groups: Annotated[tuple[GroupDocument, ...], Field(min_length=1)] = Field(
+    # Widened from the parsed form's required groups: a model-level file names
+    # a model instead (the schema's oneOf), which the planner resolves.
+    kv_cache_groups: Annotated[tuple[GroupDocument, ...], Field(min_length=1)] | None = Field(  # type: ignore[assignment]
         default=None,
-        json_schema_extra=_no_default,
+        json_schema_extra=_absent_when_unused,
         description="The KV cache groups, any mix of kinds in any order: one group runs on "
         "vLLM's UnitaryKVCacheCoordinator, several on the HybridKVCacheCoordinator. Absent "
         "with a model.",
     )
-    model: StrictStr | ModelDocument = Field(
+    model: StrictStr | ModelDocument | None = Field(
         default=None,
-        json_schema_extra=_no_default,
+        json_schema_extra=_absent_when_unused,
         description="Instead of kv_cache_groups: a model description (a file path relative "
         "to the scenario file, or the description itself) vLLM's planner lays out into "
         "groups, block sizes and the hash block size.",

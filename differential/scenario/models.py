@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -48,7 +48,7 @@ __all__ = [
     "model_schema",
 ]
 
-MODEL_FORMAT = "kvfuzz.model"
+MODEL_FORMAT: Final = "kvfuzz.model"
 
 _Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "uint8"]
 _Layout = Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
