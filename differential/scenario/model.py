@@ -63,6 +63,10 @@ _OWN_TOKEN_STRIDE = 1_000_000
 class Scenario:
     """A complete, reproducible prefix-caching experiment.
 
+    Building one checks each field's type and range against the JSON form
+    (:mod:`.json_form`), then the rules between fields (:mod:`.rules`), and
+    raises :class:`ScenarioError` naming the first field that breaks one.
+
     Attributes:
         kv_cache_groups: any mix of group kinds in any order, each with its
             own block size: one group runs on vLLM's
