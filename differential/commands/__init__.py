@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "mutate": "mutate",
     "export-test": "export",
     "diff": "diff",
+    "schema": "schema",
 }
 
 __all__ = ["COMMANDS", "command_module"]

@@ -135,7 +135,7 @@ def add_policy(parser: argparse.ArgumentParser, help_text: str = POLICY_HELP) ->
 
 
 def add_limits(parser: argparse.ArgumentParser) -> None:
-    from differential.bounds import DEFAULT_LIMITS
+    from differential.scenario.bounds import DEFAULT_LIMITS
 
     limits = parser.add_argument_group(
         "limits", "a scenario file over a limit is rejected (exit 2) before anything runs"
@@ -170,8 +170,8 @@ def load_scenario(args: argparse.Namespace, path: Path) -> CorpusEntry:
     ``expect`` block records what its own mode observes, so it is not checked
     in another one.
     """
-    from differential.bounds import Limits, check_cost
     from differential.corpus import Expectation, load_entry
+    from differential.scenario.bounds import Limits, check_cost
 
     entry = load_entry(path)
     mode = getattr(args, "mode", None)

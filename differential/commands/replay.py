@@ -54,8 +54,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from differential.bounds import scenario_cost
     from differential.corpus import expectation_problems, iter_scenario_files, write_atomic
+    from differential.scenario.bounds import scenario_cost
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     policy = Policy(args.policy)

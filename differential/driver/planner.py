@@ -1,6 +1,6 @@
 """Model-level scenarios: vLLM's own KV cache planner turns a model into groups.
 
-A model-level scenario names a :class:`~differential.models.ModelDescription`
+A model-level scenario names a :class:`~differential.scenario.models.ModelDescription`
 instead of listing KV cache groups. Here each layer becomes the
 ``KVCacheSpec`` its attention layer would report
 (``AttentionLayerBase.get_kv_cache_spec``: ``FullAttentionSpec``,
@@ -64,8 +64,8 @@ from differential.driver.features import vllm_call
 from differential.driver.settings import _kv_transfer_config, _speculative_config
 from differential.driver.specs import spec_for_kind
 from differential.errors import InternalError, ScenarioError
-from differential.models import LayerSpec, ModelDescription
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
+from differential.scenario.models import LayerSpec, ModelDescription
 
 __all__ = ["PlannedLayout", "layer_specs", "plan_model", "resolve_model_scenario"]
 

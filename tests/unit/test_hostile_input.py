@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from differential.bounds import DEFAULT_LIMITS, Limits, check_cost, scenario_cost
 from differential.errors import ScenarioError
 from differential.scenario import RequestSpec, Scenario
+from differential.scenario.bounds import DEFAULT_LIMITS, Limits, check_cost, scenario_cost
 from differential.variants import parse_variants
 from fuzz.campaign import CampaignConfig
 from fuzz.parallel import run_parallel

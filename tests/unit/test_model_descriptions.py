@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from differential.errors import ScenarioError
-from differential.models import LayerSpec, ModelDescription
 from differential.scenario import GroupKind
+from differential.scenario.models import LayerSpec, ModelDescription
 from tests.factories import ROOT
 
 MODELS = sorted((ROOT / "models").glob("*.json"))

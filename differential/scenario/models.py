@@ -26,55 +26,123 @@ Mamba state shapes are elements.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Final, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from differential.errors import ScenarioError
-from differential.scenario import GroupKind
+from differential.scenario._errors import scenario_error
+from differential.scenario.groups import GroupKind
 
-__all__ = ["DTYPES", "KV_CACHE_LAYOUTS", "MODEL_FORMAT", "LayerSpec", "ModelDescription"]
+__all__ = [
+    "DTYPES",
+    "KV_CACHE_LAYOUTS",
+    "MODEL_FORMAT",
+    "LayerDocument",
+    "LayerSpec",
+    "ModelDescription",
+    "ModelDocument",
+    "model_schema",
+]
 
-MODEL_FORMAT = "kvfuzz.model"
+MODEL_FORMAT: Final = "kvfuzz.model"
+
+_Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "uint8"]
+_Layout = Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
 
 #: dtype names a layer may use (``torch`` attribute names).
-DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "uint8")
+DTYPES: tuple[str, ...] = get_args(_Dtype)
 
 #: vLLM ``KVCacheLayout`` names (vllm/v1/kv_cache_layout.py): ``LB...``
 #: layouts keep layers outermost (the planner unifies page sizes by scaling
 #: block sizes); ``BL...``/``BH...`` are block-outermost (the planner packs
 #: mixed page sizes, as DeepSeek-V4 runs by default).
-KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+KV_CACHE_LAYOUTS: tuple[str, ...] = get_args(_Layout)
 
-_LAYER_KEYS = frozenset(
-    {
-        "kind",
-        "count",
-        "num_kv_heads",
-        "head_size",
-        "dtype",
-        "sliding_window_tokens",
-        "attention_chunk_size_tokens",
-        "block_size_tokens",
-        "tokens_per_state",
-        "mamba_state_shapes",
-        "mamba_state_dtypes",
-        "draft",
-    }
-)
-_MODEL_KEYS = frozenset(
-    {
-        "format",
-        "version",
-        "name",
-        "description",
-        "block_size_tokens",
-        "kv_cache_layout",
-        "mamba_block_size_tokens",
-        "layers",
-    }
-)
+_Positive = Annotated[StrictInt, Field(ge=1)]
+_CONFIG = ConfigDict(extra="forbid", frozen=True, from_attributes=True)
+
+
+class LayerDocument(BaseModel):
+    """``count`` consecutive identical layers of a model (one JSON layer entry)."""
+
+    model_config = _CONFIG
+
+    kind: GroupKind = Field(description="The layers' attention type.")
+    count: _Positive = Field(default=1, description="How many such layers.")
+    num_kv_heads: _Positive = Field(default=1, description="KV heads per layer (MLA: 1).")
+    head_size: _Positive = Field(
+        default=128,
+        description="Elements per head (MLA: latent rank plus rope dimension).",
+    )
+    dtype: _Dtype = Field(default="bfloat16", description="The KV cache dtype (torch name).")
+    sliding_window_tokens: _Positive | None = Field(
+        default=None, description="The window, in tokens (sliding-window kinds only)."
+    )
+    attention_chunk_size_tokens: _Positive | None = Field(
+        default=None, description="The chunk, in tokens (chunked_local_attention only)."
+    )
+    block_size_tokens: _Positive | None = Field(
+        default=None,
+        description="The layer's own block size, in tokens, when its attention backend fixes "
+        "one; null: the model's block_size_tokens.",
+    )
+    tokens_per_state: _Positive = Field(
+        default=1, description="Tokens one stored state covers (compressed MLA); 1 otherwise."
+    )
+    mamba_state_shapes: tuple[tuple[_Positive, ...], ...] = Field(
+        default=(), description="Mamba / linear-attention state shapes, in elements (mamba only)."
+    )
+    mamba_state_dtypes: tuple[_Dtype, ...] = Field(
+        default=(), description="One dtype per state shape (mamba only)."
+    )
+    draft: StrictBool = Field(
+        default=False, description="The layers belong to the drafter (vLLM KVCacheSpec.is_draft)."
+    )
+
+
+class ModelDocument(BaseModel):
+    """A kvfuzz model description: a model's attention layers, target and
+    drafter, as vLLM's planner sees them."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, from_attributes=True, title="kvfuzz model description"
+    )
+
+    format: Literal["kvfuzz.model"] = Field(
+        default=MODEL_FORMAT, description="Always 'kvfuzz.model'."
+    )
+    version: Literal[1] = Field(default=1, description="The format version.")
+    name: StrictStr = Field(default="", description="A short identifier.")
+    description: StrictStr = Field(default="", description="What the numbers are taken from.")
+    block_size_tokens: _Positive = Field(
+        default=16,
+        description="CacheConfig.block_size, in tokens (before the planner unifies page sizes).",
+    )
+    kv_cache_layout: _Layout = Field(
+        default="LBNHC", description="CacheConfig.kv_cache_layout (vLLM KVCacheLayout)."
+    )
+    mamba_block_size_tokens: _Positive | None = Field(
+        default=None,
+        description="The Mamba block size, in tokens; null: the model's block_size_tokens.",
+    )
+    layers: Annotated[tuple[LayerDocument, ...], Field(min_length=1)] = Field(
+        description="The layers, target and drafter, in order."
+    )
+
+
+@cache
+def model_schema() -> dict[str, Any]:
+    """The JSON Schema of a model description file."""
+    return ModelDocument.model_json_schema()
+
+
+@cache
+def _layer_schema() -> dict[str, Any]:
+    return LayerDocument.model_json_schema()
 
 
 @dataclass(frozen=True)
@@ -114,23 +182,30 @@ class LayerSpec:
     draft: bool = False
 
     def validate(self, where: str) -> None:
-        """Raise :class:`ScenarioError` naming ``where`` if the layer is invalid."""
-        if not isinstance(self.kind, GroupKind):
-            raise ScenarioError(f"{where}.kind", self.kind, "a group kind")
-        for name in ("count", "num_kv_heads", "head_size", "tokens_per_state"):
-            _positive(getattr(self, name), f"{where}.{name}")
-        if self.block_size_tokens is not None:
-            _positive(self.block_size_tokens, f"{where}.block_size_tokens")
-        if self.dtype not in DTYPES:
-            raise ScenarioError(f"{where}.dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        """Check the layer: each field's type and range (:class:`LayerDocument`),
+        then the rules between fields.
+
+        Raises:
+            ScenarioError: naming ``where`` and the field.
+        """
+        try:
+            LayerDocument.model_validate(self, from_attributes=True, strict=True)
+        except ValidationError as exc:
+            raise scenario_error(exc, _layer_schema(), prefix=where, python=True) from None
+        self._check_kind(where)
+
+    def _check_kind(self, where: str) -> None:
+        """The fields each kind needs, and those it must leave empty."""
         if self.kind.sliding_window_family:
-            _positive(self.sliding_window_tokens, f"{where}.sliding_window_tokens")
+            if self.sliding_window_tokens is None:
+                raise ScenarioError(f"{where}.sliding_window_tokens", None, "an integer >= 1")
         elif self.sliding_window_tokens is not None:
             raise ScenarioError(
                 f"{where}.sliding_window_tokens", self.sliding_window_tokens, "null"
             )
         if self.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
-            _positive(self.attention_chunk_size_tokens, f"{where}.attention_chunk_size_tokens")
+            if self.attention_chunk_size_tokens is None:
+                raise ScenarioError(f"{where}.attention_chunk_size_tokens", None, "an integer >= 1")
         elif self.attention_chunk_size_tokens is not None:
             raise ScenarioError(
                 f"{where}.attention_chunk_size_tokens", self.attention_chunk_size_tokens, "null"
@@ -144,20 +219,10 @@ class LayerSpec:
                     [list(s) for s in self.mamba_state_shapes],
                     "one or more shapes, one per mamba_state_dtypes entry",
                 )
-            for shape in self.mamba_state_shapes:
-                for n in shape:
-                    _positive(n, f"{where}.mamba_state_shapes")
-            for dtype in self.mamba_state_dtypes:
-                if dtype not in DTYPES:
-                    raise ScenarioError(
-                        f"{where}.mamba_state_dtypes", dtype, f"one of {', '.join(DTYPES)}"
-                    )
             if self.draft:
                 raise ScenarioError(f"{where}.draft", True, "false for mamba layers")
         elif self.mamba_state_shapes or self.mamba_state_dtypes:
             raise ScenarioError(f"{where}.mamba_state_shapes", "set", "empty for attention layers")
-        if not isinstance(self.draft, bool):
-            raise ScenarioError(f"{where}.draft", self.draft, "true or false")
 
 
 @dataclass(frozen=True)
@@ -184,19 +249,12 @@ class ModelDescription:
     description: str = ""
 
     def __post_init__(self) -> None:
-        _positive(self.block_size_tokens, "model.block_size_tokens")
-        if self.mamba_block_size_tokens is not None:
-            _positive(self.mamba_block_size_tokens, "model.mamba_block_size_tokens")
-        if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
-            raise ScenarioError(
-                "model.kv_cache_layout",
-                self.kv_cache_layout,
-                f"one of {', '.join(KV_CACHE_LAYOUTS)}",
-            )
-        if not self.layers:
-            raise ScenarioError("model.layers", [], "a non-empty list of layers")
+        try:
+            ModelDocument.model_validate(self, from_attributes=True, strict=True)
+        except ValidationError as exc:
+            raise scenario_error(exc, model_schema(), prefix="model", python=True) from None
         for i, layer in enumerate(self.layers):
-            layer.validate(f"model.layers[{i}]")
+            layer._check_kind(f"model.layers[{i}]")
 
     @property
     def num_layers(self) -> int:
@@ -209,29 +267,20 @@ class ModelDescription:
 
         Raises:
             ScenarioError: a wrong format or version, an unknown key or an
-                invalid value, naming the field.
+                invalid value, naming the field (``model.layers[2].dtype``)
+                and the allowed values.
         """
-        if not isinstance(data, Mapping):
-            raise ScenarioError("model", data, "a JSON object")
-        for key in data:
-            if key not in _MODEL_KEYS:
-                raise ScenarioError(
-                    f"model.{key}", data[key], f"no such field; known: {sorted(_MODEL_KEYS)}"
-                )
-        if data.get("format", MODEL_FORMAT) != MODEL_FORMAT or data.get("version", 1) != 1:
-            raise ScenarioError("model.format", data.get("format"), f"{MODEL_FORMAT!r} version 1")
-        layers_raw = data.get("layers")
-        if not isinstance(layers_raw, list):
-            raise ScenarioError("model.layers", layers_raw, "a JSON list")
+        try:
+            doc = ModelDocument.model_validate(data)
+        except ValidationError as exc:
+            raise scenario_error(exc, model_schema(), prefix="model", root="model") from None
         return cls(
-            name=str(data.get("name", "")),
-            description=str(data.get("description", "")),
-            block_size_tokens=data.get("block_size_tokens", 16),
-            kv_cache_layout=data.get("kv_cache_layout", "LBNHC"),
-            mamba_block_size_tokens=data.get("mamba_block_size_tokens"),
-            layers=tuple(
-                _layer_from(raw, f"model.layers[{i}]") for i, raw in enumerate(layers_raw)
-            ),
+            name=doc.name,
+            description=doc.description,
+            block_size_tokens=doc.block_size_tokens,
+            kv_cache_layout=doc.kv_cache_layout,
+            mamba_block_size_tokens=doc.mamba_block_size_tokens,
+            layers=tuple(LayerSpec(**dict(layer)) for layer in doc.layers),
         )
 
     @classmethod
@@ -251,41 +300,3 @@ class ModelDescription:
             return cls.from_dict(data)
         except ScenarioError as exc:
             raise exc.with_source(str(path)) from None
-
-
-def _positive(value: object, where: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ScenarioError(where, value, "an integer >= 1")
-
-
-def _layer_from(raw: object, where: str) -> LayerSpec:
-    if not isinstance(raw, Mapping):
-        raise ScenarioError(where, raw, "a JSON object")
-    for key in raw:
-        if key not in _LAYER_KEYS:
-            raise ScenarioError(
-                f"{where}.{key}", raw[key], f"no such field; known: {sorted(_LAYER_KEYS)}"
-            )
-    try:
-        kind = GroupKind(raw.get("kind"))  # type: ignore[arg-type]  # a non-string raises
-    except ValueError:
-        raise ScenarioError(
-            f"{where}.kind", raw.get("kind"), ", ".join(k.value for k in GroupKind)
-        ) from None
-    shapes: Any = raw.get("mamba_state_shapes", [])
-    if not isinstance(shapes, list) or not all(isinstance(s, list) for s in shapes):
-        raise ScenarioError(f"{where}.mamba_state_shapes", shapes, "a list of shapes (lists)")
-    return LayerSpec(
-        kind=kind,
-        count=raw.get("count", 1),
-        num_kv_heads=raw.get("num_kv_heads", 1),
-        head_size=raw.get("head_size", 128),
-        dtype=raw.get("dtype", "bfloat16"),
-        sliding_window_tokens=raw.get("sliding_window_tokens"),
-        attention_chunk_size_tokens=raw.get("attention_chunk_size_tokens"),
-        block_size_tokens=raw.get("block_size_tokens"),
-        tokens_per_state=raw.get("tokens_per_state", 1),
-        mamba_state_shapes=tuple(tuple(s) for s in shapes),
-        mamba_state_dtypes=tuple(raw.get("mamba_state_dtypes", [])),
-        draft=raw.get("draft", False),
-    )

@@ -1,0 +1,48 @@
+"""The scenario model: one reproducible prefix-caching experiment.
+
+:class:`Scenario` is a frozen value (KV cache groups, prefix-cache settings,
+drafter, workload, requests) with a versioned JSON form. The package does not
+import vLLM. Its modules:
+
+* :mod:`.model`: the scenario value and what it derives (block sizes, hit
+  alignment, draft groups, prompts);
+* :mod:`.groups`, :mod:`.drafter`, :mod:`.workload`: its parts;
+* :mod:`.rules`: the rules between fields, split by concern;
+* :mod:`.json_form`: the JSON form on pydantic (field docs and units,
+  parsing, the canonical form, the published JSON Schema);
+* :mod:`.bounds`: what a scenario costs to run, and the limits;
+* :mod:`.models`: model descriptions for model-level scenarios.
+
+Every invalid scenario raises :class:`~differential.errors.ScenarioError`
+naming the field path and the allowed values.
+"""
+
+from differential.scenario.model import (
+    SCENARIO_FORMAT,
+    SCENARIO_VERSION,
+    Drafter,
+    DrafterKind,
+    DraftGroups,
+    DriveMode,
+    GroupKind,
+    KVCacheGroup,
+    MambaPrefill,
+    RequestSpec,
+    Scenario,
+    Workload,
+)
+
+__all__ = [
+    "SCENARIO_FORMAT",
+    "SCENARIO_VERSION",
+    "DraftGroups",
+    "Drafter",
+    "DrafterKind",
+    "DriveMode",
+    "GroupKind",
+    "KVCacheGroup",
+    "MambaPrefill",
+    "RequestSpec",
+    "Scenario",
+    "Workload",
+]

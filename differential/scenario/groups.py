@@ -1,0 +1,169 @@
+"""KV cache groups: their kinds, their validation, which take the EAGLE drop.
+
+Units: lengths ending in ``_tokens`` are tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from differential.errors import ScenarioError
+
+__all__ = ["DraftGroups", "GroupKind", "KVCacheGroup", "MambaPrefill"]
+
+
+class GroupKind(StrEnum):
+    """Attention type of a KV cache group (vLLM ``kv_cache_interface.py``)."""
+
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    #: A Mamba / linear-attention (GDN, KDA) state group: vLLM's ``MambaSpec``
+    #: driven by ``MambaManager`` in ``mamba_cache_mode="align"``, the only
+    #: mode with prefix caching (vllm/config/cache.py). One block holds one
+    #: state: the recurrent state after exactly the tokens up to its end.
+    MAMBA = "mamba"
+    #: Multi-head latent attention (DeepSeek-V2/V3/V4): vLLM's
+    #: ``MLAAttentionSpec``, a ``FullAttentionSpec`` subclass driven by
+    #: ``FullAttentionManager`` (vllm/v1/core/single_type_kv_cache_manager.py
+    #: registers it so); for hits it behaves exactly like full attention.
+    MLA = "mla"
+    #: Sliding-window MLA (DeepSeek-V4's compressed local layers): vLLM's
+    #: ``SlidingWindowMLASpec``, a ``SlidingWindowSpec`` subclass driven by
+    #: ``SlidingWindowManager``; for hits it behaves like a sliding window.
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    #: Chunked local attention (Llama-4's ``attention_chunk_size`` layers):
+    #: vLLM's ``ChunkedLocalAttentionSpec`` driven by
+    #: ``ChunkedLocalAttentionManager``: a token attends only to the tokens of
+    #: its own chunk, so blocks of earlier chunks are never needed for a hit.
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+
+    @property
+    def full_attention_family(self) -> bool:
+        """Driven by vLLM's ``FullAttentionManager`` (full attention, MLA)."""
+        return self in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
+
+    @property
+    def sliding_window_family(self) -> bool:
+        """Driven by vLLM's ``SlidingWindowManager`` (sliding window, SW-MLA)."""
+        return self in (GroupKind.SLIDING_WINDOW, GroupKind.SLIDING_WINDOW_MLA)
+
+
+class DraftGroups(StrEnum):
+    """Which KV cache groups take the EAGLE block drop, and why.
+
+    ``NONE``: the scenario's drafter never drops (no drafter, or one whose
+    draft KV does not read the next token). ``ANNOTATED``: some groups are
+    marked ``is_eagle_group`` as vLLM's planner marks the drafter's own KV
+    groups (vllm/v1/core/kv_cache_planning.py), and only they (and groups
+    sharing their spec, batched together by
+    ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups``) drop.
+    ``FALLBACK``: no group is marked, so ``KVCacheCoordinator.__init__``
+    conservatively flags every group (vllm/v1/core/kv_cache_coordinator.py).
+    """
+
+    NONE = "none"
+    ANNOTATED = "annotated"
+    FALLBACK = "fallback"
+
+
+class MambaPrefill(StrEnum):
+    """Where prefill steps end for a model with Mamba groups (a Mamba state
+    exists only where a step ended).
+
+    ``SCHEDULER`` (the default) is vLLM's own chunking,
+    ``Scheduler._mamba_block_aligned_split`` in vllm/v1/core/sched/scheduler.py
+    (called by the driver): the chunk budget ends long steps on the block grid
+    and steps stop at the last cacheable block boundary, at the prompt's
+    fine-grained checkpoint and at the shared-prefix junction. ``BLOCK`` is a
+    block-carved prefill: a step ends at every Mamba block boundary and at the
+    prompt end, with no other stop; it is how vLLM's own manager tests feed
+    ``allocate_slots`` and how the upstream measurements of vLLM PR #57444
+    were taken.
+    """
+
+    SCHEDULER = "scheduler"
+    BLOCK = "block"
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """One KV cache group: layers sharing a spec (vLLM ``KVCacheGroupSpec``).
+
+    Attributes:
+        kind: the attention type (:class:`GroupKind`).
+        block_size_tokens: the group's block size, in tokens (for a Mamba
+            group vLLM's ``mamba_block_size``: one state per block).
+        sliding_window_tokens: the attention window in tokens (sliding-window
+            and sliding-window MLA groups only; ``None`` otherwise).
+        attention_chunk_size_tokens: the attention chunk in tokens (chunked
+            local attention only, vLLM's ``attention_chunk_size``; ``None``
+            otherwise). Written to JSON only when set.
+        is_eagle_group: the group holds the drafter's own layers and takes the
+            EAGLE block drop, as vLLM's planner sets
+            ``KVCacheGroupSpec.is_eagle_group``. Written to JSON only when true.
+    """
+
+    kind: GroupKind
+    block_size_tokens: int
+    sliding_window_tokens: int | None = None
+    attention_chunk_size_tokens: int | None = None
+    is_eagle_group: bool = False
+
+    def validate(self, where: str) -> None:
+        """The rules between the group's fields (its types and ranges are the
+        JSON form's, :mod:`differential.scenario.json_form`).
+
+        Raises:
+            ScenarioError: naming ``where``: a window without a sliding-window
+                kind (or none with one), a chunk without chunked local
+                attention (or none with it), a Mamba group marked as a draft
+                group.
+        """
+        window = self.kind.sliding_window_family
+        if window and self.sliding_window_tokens is None:
+            raise ScenarioError(
+                f"{where}.sliding_window_tokens", None, f"an integer >= 1 for a {self.kind} group"
+            )
+        if not window and self.sliding_window_tokens is not None:
+            raise ScenarioError(
+                f"{where}.sliding_window_tokens",
+                self.sliding_window_tokens,
+                f"null for a {self.kind.value} group",
+            )
+        chunked = self.kind is GroupKind.CHUNKED_LOCAL_ATTENTION
+        if chunked and self.attention_chunk_size_tokens is None:
+            raise ScenarioError(
+                f"{where}.attention_chunk_size_tokens",
+                None,
+                f"an integer >= 1 for a {self.kind} group",
+            )
+        if not chunked and self.attention_chunk_size_tokens is not None:
+            raise ScenarioError(
+                f"{where}.attention_chunk_size_tokens",
+                self.attention_chunk_size_tokens,
+                f"null for a {self.kind.value} group",
+            )
+        if self.is_eagle_group and self.kind is GroupKind.MAMBA:
+            # HybridKVCacheCoordinator.find_longest_cache_hit: draft models
+            # have no Mamba layers (the Mamba finder never drops).
+            raise ScenarioError(
+                f"{where}.is_eagle_group",
+                True,
+                "false for a mamba group (a drafter has no Mamba layers)",
+            )
+
+    @property
+    def spec_key(self) -> tuple[object, ...]:
+        """What makes two groups' vLLM specs equal (kind, block, window, chunk).
+
+        ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` looks up
+        groups of equal spec together and decides the EAGLE drop for all of
+        them at once.
+        """
+        return (
+            self.kind,
+            self.block_size_tokens,
+            self.sliding_window_tokens,
+            self.attention_chunk_size_tokens,
+        )

@@ -1,0 +1,472 @@
+"""The scenario's JSON form (``format`` ``kvfuzz.scenario``, ``version`` 1).
+
+The form is declared once, as pydantic models with field docs and units:
+they parse a file (:func:`scenario_fields`), check every field of a
+:class:`~differential.scenario.model.Scenario` built in Python
+(:func:`checked_document`), write the canonical form (:func:`scenario_to_dict`)
+and give the published JSON Schema (:func:`scenario_file_schema`). Rules between
+fields (a window for a sliding-window group, a divergence within its source)
+are the scenario's own (:mod:`differential.scenario.rules`).
+
+The canonical form writes every field except those added after version 1
+shipped (a group's chunk size and draft mark, the Mamba options, the
+workload), which are written only when not their default, so files written
+before them stay byte-identical.
+
+Units: fields ending in ``_tokens`` are tokens; ``pool_blocks`` is blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from differential.errors import ScenarioError
+from differential.scenario._errors import scenario_error
+from differential.scenario.drafter import Drafter, DrafterKind
+from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
+from differential.scenario.models import ModelDocument
+from differential.scenario.workload import DriveMode, RequestSpec, Workload
+
+if TYPE_CHECKING:
+    from differential.scenario.model import Scenario
+
+__all__ = [
+    "JSON_SCHEMA_DIALECT",
+    "SCENARIO_FORMAT",
+    "SCENARIO_VERSION",
+    "DrafterDocument",
+    "GroupDocument",
+    "RequestDocument",
+    "ScenarioDocument",
+    "ScenarioFileDocument",
+    "WorkloadDocument",
+    "checked_document",
+    "json_data",
+    "scenario_fields",
+    "scenario_file_schema",
+    "scenario_to_dict",
+]
+
+SCENARIO_FORMAT: Final = "kvfuzz.scenario"
+SCENARIO_VERSION: Final = 1
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+# Integers with a lower bound; booleans, floats and strings are refused.
+_Count = Annotated[StrictInt, Field(ge=0)]
+_Positive = Annotated[StrictInt, Field(ge=1)]
+_CONFIG = ConfigDict(extra="forbid", frozen=True, from_attributes=True)
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+def _is_false(value: object) -> bool:
+    return value is False
+
+
+class GroupDocument(BaseModel):
+    """One KV cache group: layers sharing a spec (vLLM ``KVCacheGroupSpec``)."""
+
+    model_config = _CONFIG
+
+    kind: GroupKind = Field(description="The attention type of the group's layers.")
+    block_size_tokens: _Positive = Field(
+        description="The group's block size, in tokens (a Mamba group: one state per block)."
+    )
+    sliding_window_tokens: _Positive | None = Field(
+        default=None,
+        description="The attention window, in tokens: sliding_window and sliding_window_mla "
+        "groups only, null otherwise.",
+    )
+    attention_chunk_size_tokens: _Positive | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="vLLM's attention_chunk_size, in tokens: chunked_local_attention groups "
+        "only. Written only when set.",
+    )
+    is_eagle_group: StrictBool = Field(
+        default=False,
+        exclude_if=_is_false,
+        description="The group holds the drafter's own layers and takes the EAGLE block drop "
+        "(vLLM KVCacheGroupSpec.is_eagle_group). Written only when true.",
+    )
+
+    def value(self) -> KVCacheGroup:
+        """The group as a value."""
+        return KVCacheGroup(
+            kind=self.kind,
+            block_size_tokens=self.block_size_tokens,
+            sliding_window_tokens=self.sliding_window_tokens,
+            attention_chunk_size_tokens=self.attention_chunk_size_tokens,
+            is_eagle_group=self.is_eagle_group,
+        )
+
+
+class DrafterDocument(BaseModel):
+    """The speculative-decoding drafter (vLLM ``SpeculativeConfig``)."""
+
+    model_config = _CONFIG
+
+    kind: DrafterKind = Field(
+        default=DrafterKind.NONE, description="Which drafter; 'none' for plain decoding."
+    )
+    num_speculative_tokens: _Count = Field(
+        default=0,
+        description="Draft tokens proposed per step: 0 exactly when kind is 'none', at least 2 for "
+        "multi_module_mtp.",
+    )
+
+    def value(self) -> Drafter:
+        """The drafter as a value."""
+        return Drafter(kind=self.kind, num_speculative_tokens=self.num_speculative_tokens)
+
+
+class RequestDocument(BaseModel):
+    """One request: the first divergence_tokens tokens of its source, then
+    suffix_tokens tokens of its own that no other request contains."""
+
+    model_config = _CONFIG
+
+    name: StrictStr | None = Field(default=None, description="A label used in reports.")
+    shares_with: _Count | None = Field(
+        default=None,
+        description="Index of an earlier request whose prompt is the source; null: the "
+        "shared prefix.",
+    )
+    divergence_tokens: _Count = Field(
+        description="Tokens copied from the source (the divergence point), in tokens; at "
+        "most the source's length."
+    )
+    suffix_tokens: _Count = Field(
+        description="The request's own tokens after the divergence point, in tokens."
+    )
+
+    def value(self) -> RequestSpec:
+        """The request as a value."""
+        return RequestSpec(
+            divergence_tokens=self.divergence_tokens,
+            suffix_tokens=self.suffix_tokens,
+            shares_with=self.shares_with,
+            name=self.name,
+        )
+
+
+class WorkloadDocument(BaseModel):
+    """How the requests reach the engine; every default reproduces the
+    manager-level run (one request at a time, nothing evicted, no drafts)."""
+
+    model_config = _CONFIG
+
+    mode: DriveMode = Field(
+        default=DriveMode.MANAGER,
+        description="'manager' drives KVCacheManager directly, 'scheduler' vLLM's Scheduler.",
+    )
+    pool_blocks: Annotated[StrictInt, Field(ge=2)] | None = Field(
+        default=None,
+        description="KV cache pool size in blocks, the null block included; null: sized so "
+        "that nothing is evicted.",
+    )
+    arrival_steps: tuple[_Count, ...] | None = Field(
+        default=None,
+        description="Per request, the scheduler step at which it is added, non-decreasing; "
+        "null: each request when the previous one has finished. Scheduler mode only.",
+    )
+    max_num_seqs: _Positive | None = Field(
+        default=None,
+        description="SchedulerConfig.max_num_seqs, requests running at once (at most the "
+        "token budget per step); null: the smaller of 8 and the budget.",
+    )
+    max_num_batched_tokens: _Positive | None = Field(
+        default=None,
+        description="SchedulerConfig.max_num_batched_tokens, the token budget per step, in "
+        "tokens; null: prefill_chunk_tokens.",
+    )
+    shares_output: StrictBool = Field(
+        default=False,
+        description="A request copying from request j also copies the decode_steps + 1 "
+        "tokens j sampled (a multi-turn chat).",
+    )
+    accepted_drafts: tuple[_Count, ...] = Field(
+        default=(),
+        description="Draft tokens accepted per decode step (cycled), each at most "
+        "drafter.num_speculative_tokens; empty: no drafts. Scheduler mode only.",
+    )
+
+    def value(self) -> Workload:
+        """The workload as a value."""
+        return Workload(
+            mode=self.mode,
+            pool_blocks=self.pool_blocks,
+            arrival_steps=self.arrival_steps,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            shares_output=self.shares_output,
+            accepted_drafts=self.accepted_drafts,
+        )
+
+
+class ScenarioDocument(BaseModel):
+    """A kvfuzz scenario: one reproducible prefix-caching experiment.
+
+    Fields are in the order the canonical form writes them.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, from_attributes=True, title="kvfuzz scenario"
+    )
+
+    format: Literal["kvfuzz.scenario"] = Field(
+        default=SCENARIO_FORMAT, description="Always 'kvfuzz.scenario'."
+    )
+    version: Literal[1] = Field(default=SCENARIO_VERSION, description="The format version.")
+    name: StrictStr = Field(default="", description="A short identifier, used in reports.")
+    description: StrictStr = Field(default="", description="What the scenario shows.")
+    kv_cache_groups: Annotated[tuple[GroupDocument, ...], Field(min_length=1)] = Field(
+        description="The KV cache groups, any mix of kinds in any order: one group runs on "
+        "vLLM's UnitaryKVCacheCoordinator, several on the HybridKVCacheCoordinator."
+    )
+    hash_block_size_tokens: _Positive | None = Field(
+        default=None,
+        description="The block hash size, in tokens (CacheConfig.prefix_match_unit), a "
+        "divisor of every group block size; null: derived as vLLM does (the GCD of the "
+        "block sizes).",
+    )
+    hit_alignment_tokens: _Positive | None = Field(
+        default=None,
+        description="The hit alignment, in tokens; null: derived as vLLM does. A given value "
+        "must equal the derived one.",
+    )
+    retention_interval_tokens: _Count | None = Field(
+        default=None,
+        description="vLLM's prefix_cache_retention_interval, in tokens: null (dense), 0 "
+        "(replay boundaries and junctions only) or a positive multiple of the scheduler "
+        "block size.",
+    )
+    drafter: DrafterDocument = Field(
+        default_factory=DrafterDocument, description="The speculative-decoding drafter."
+    )
+    kv_connector: StrictBool = Field(
+        default=False,
+        description="A KV connector is configured (turns lookahead block hashes off).",
+    )
+    disable_lookahead_block_hashes: StrictBool = Field(
+        default=False, description="The SpeculativeConfig switch of that name."
+    )
+    disable_eagle_block_drop: StrictBool = Field(
+        default=False, description="The SpeculativeConfig switch of that name."
+    )
+    prefill_chunk_tokens: _Positive = Field(
+        default=2048, description="Tokens scheduled per prefill step, in tokens."
+    )
+    decode_steps: _Count = Field(
+        default=0, description="Decode steps (one sampled token each) after prefill."
+    )
+    shared_prefix_tokens: _Count = Field(
+        description="Length of the common prefix requests copy from, in tokens."
+    )
+    requests: Annotated[tuple[RequestDocument, ...], Field(min_length=1)] = Field(
+        description="The requests, run in order."
+    )
+    enable_mamba_shared_prefix_checkpoint: StrictBool = Field(
+        default=False,
+        exclude_if=_is_false,
+        description="CacheConfig.enable_mamba_shared_prefix_checkpoint: also keep a Mamba "
+        "state at the shared-prefix junction. Needs a mamba group. Written only when true.",
+    )
+    mamba_prefill: MambaPrefill = Field(
+        default=MambaPrefill.SCHEDULER,
+        exclude_if=lambda v: v is MambaPrefill.SCHEDULER,
+        description="Where prefill steps end with mamba groups: 'scheduler' (vLLM's own "
+        "chunking) or 'block' (at every Mamba block boundary). Written only when not "
+        "'scheduler'.",
+    )
+    workload: WorkloadDocument = Field(
+        default_factory=WorkloadDocument,
+        exclude_if=lambda v: v == WorkloadDocument(),
+        description="How the requests reach the engine. Written only when not the default.",
+    )
+    # Documents that embed a scenario (corpus entries, campaign findings)
+    # carry these; they are not part of the scenario value and are checked
+    # by their readers (differential/corpus.py).
+    expect: Any = Field(
+        default=None,
+        exclude=True,
+        description="What a replay must observe (a corpus entry): {'hits': {variant: "
+        "[hit tokens per request]}, 'findings': {variant: ['kind@request', ...]}}.",
+    )
+    notes: Any = Field(default=None, exclude=True, description="Free text (a corpus entry).")
+    finding: Any = Field(
+        default=None, exclude=True, description="A campaign finding's record (an object)."
+    )
+
+    def fields(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`Scenario` this document gives."""
+        return {
+            "kv_cache_groups": tuple(g.value() for g in self.kv_cache_groups),
+            "requests": tuple(r.value() for r in self.requests),
+            "shared_prefix_tokens": self.shared_prefix_tokens,
+            "retention_interval_tokens": self.retention_interval_tokens,
+            "hash_block_size_tokens": self.hash_block_size_tokens,
+            "hit_alignment_tokens": self.hit_alignment_tokens,
+            "drafter": self.drafter.value(),
+            "kv_connector": self.kv_connector,
+            "disable_lookahead_block_hashes": self.disable_lookahead_block_hashes,
+            "disable_eagle_block_drop": self.disable_eagle_block_drop,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "decode_steps": self.decode_steps,
+            "name": self.name,
+            "description": self.description,
+            "enable_mamba_shared_prefix_checkpoint": self.enable_mamba_shared_prefix_checkpoint,
+            "mamba_prefill": self.mamba_prefill,
+            "workload": self.workload.value(),
+        }
+
+
+def _absent_when_unused(schema: dict[str, Any]) -> None:
+    """A field that is left out rather than null when unused: the schema
+    shows neither a default nor a null branch."""
+    schema.pop("default", None)
+    branches = [b for b in schema.pop("anyOf", []) if b != {"type": "null"}]
+    if len(branches) == 1:
+        schema.update(branches[0])
+    elif branches:
+        schema["anyOf"] = branches
+
+
+class ExpectDocument(BaseModel):
+    """What a replay of a corpus entry must observe."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hits: dict[str, tuple[StrictInt, ...]] = Field(
+        default_factory=dict, description="Variant name -> hit tokens per request, in tokens."
+    )
+    findings: dict[str, tuple[StrictStr, ...]] = Field(
+        default_factory=dict,
+        description="Variant name -> 'kind@request' (or 'kind@run') tags of the findings "
+        "under the vllm policy.",
+    )
+
+
+class FindingRecord(BaseModel):
+    """A campaign finding's record (``format`` ``kvfuzz.finding``)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    signature: StrictStr | None = Field(
+        default=None, description="The root-cause signature the finding was filed under."
+    )
+
+
+class ScenarioFileDocument(ScenarioDocument):
+    """A kvfuzz scenario file: a scenario with either its KV cache groups or a
+    model description vLLM's planner lays out (``model``), and, in a corpus
+    entry or a campaign finding, what a replay must observe."""
+
+    # The published schema's model only: scenario_fields parses with
+    # ScenarioDocument, and corpus.py reads expect, notes and finding.
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        title="kvfuzz scenario",
+        json_schema_extra={"oneOf": [{"required": ["kv_cache_groups"]}, {"required": ["model"]}]},
+    )
+
+    # Widened from the parsed form's required groups: a model-level file names
+    # a model instead (the schema's oneOf), which the planner resolves.
+    kv_cache_groups: Annotated[tuple[GroupDocument, ...], Field(min_length=1)] | None = Field(  # type: ignore[assignment]
+        default=None,
+        json_schema_extra=_absent_when_unused,
+        description="The KV cache groups, any mix of kinds in any order: one group runs on "
+        "vLLM's UnitaryKVCacheCoordinator, several on the HybridKVCacheCoordinator. Absent "
+        "with a model.",
+    )
+    model: StrictStr | ModelDocument | None = Field(
+        default=None,
+        json_schema_extra=_absent_when_unused,
+        description="Instead of kv_cache_groups: a model description (a file path relative "
+        "to the scenario file, or the description itself) vLLM's planner lays out into "
+        "groups, block sizes and the hash block size.",
+    )
+    expect: ExpectDocument | None = Field(
+        default=None, description="What a replay must observe (a corpus entry)."
+    )
+    notes: StrictStr = Field(default="", description="Free text (a corpus entry).")
+    finding: FindingRecord | None = Field(
+        default=None, description="A campaign finding's record (a finding file)."
+    )
+
+
+def scenario_file_schema() -> dict[str, Any]:
+    """The JSON Schema of a scenario file (draft 2020-12), as published in
+    ``schema/scenario.schema.json``."""
+    return {"$schema": JSON_SCHEMA_DIALECT, **ScenarioFileDocument.model_json_schema()}
+
+
+@cache
+def _schema() -> dict[str, Any]:
+    return ScenarioDocument.model_json_schema()
+
+
+def scenario_fields(data: object) -> dict[str, Any]:
+    """The keyword arguments of :class:`Scenario` a JSON form gives.
+
+    Raises:
+        ScenarioError: a wrong format or version, an unknown or missing key or
+            a value of the wrong type or range, naming the field path and the
+            allowed values.
+    """
+    try:
+        document = ScenarioDocument.model_validate(data)
+    except ValidationError as exc:
+        raise scenario_error(exc, _schema()) from None
+    return document.fields()
+
+
+def checked_document(scenario: Scenario) -> ScenarioDocument:
+    """``scenario``'s fields checked against the JSON form's types and ranges
+    (enums must be enum members, lists tuples).
+
+    Raises:
+        ScenarioError: naming the first field of the wrong type or range.
+    """
+    try:
+        return ScenarioDocument.model_validate(scenario, from_attributes=True, strict=True)
+    except ValidationError as exc:
+        raise scenario_error(exc, _schema(), python=True) from None
+
+
+def scenario_to_dict(document: ScenarioDocument) -> dict[str, Any]:
+    """The canonical JSON-ready form of a checked document (see the module docstring)."""
+    return document.model_dump(mode="json")
+
+
+def json_data(text: str, *, source: str | None = None) -> object:
+    """Parse JSON text; ``source`` (a file name) is added to error messages.
+
+    Raises:
+        ScenarioError: malformed or absurdly deeply nested JSON (field
+            ``<json>``).
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ScenarioError(
+            "<json>",
+            f"line {exc.lineno} column {exc.colno}",
+            f"valid JSON ({exc.msg})",
+            source=source,
+        ) from None
+    except RecursionError:
+        raise ScenarioError(
+            "<json>",
+            "arrays or objects nested too deep to parse",
+            "JSON nested at most a few hundred levels (a scenario needs 3)",
+            source=source,
+        ) from None

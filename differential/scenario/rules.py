@@ -1,0 +1,338 @@
+"""The rules between a scenario's fields, split by concern.
+
+Each field's type and range is the JSON form's
+(:mod:`differential.scenario.json_form`, checked first); what is left here is
+what one field allows given another: the geometry of the groups, retention,
+the drafter, the draft groups, Mamba, the workload and the requests. Where a
+rule mirrors vLLM's own validation the vLLM function is named. Every check
+raises :class:`ScenarioError` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from differential.errors import ScenarioError
+from differential.scenario.drafter import DROPPING_DRAFTERS, DrafterKind
+from differential.scenario.groups import DraftGroups, GroupKind, MambaPrefill
+from differential.scenario.workload import DriveMode
+
+if TYPE_CHECKING:
+    from differential.scenario.model import Scenario
+
+__all__ = [
+    "check_draft_groups",
+    "check_drafter",
+    "check_geometry",
+    "check_mamba",
+    "check_requests",
+    "check_retention",
+    "check_scenario",
+    "check_workload",
+]
+
+
+def check_scenario(s: Scenario) -> None:
+    """Every rule, in the order their errors are reported.
+
+    Raises:
+        ScenarioError: the first rule ``s`` breaks.
+    """
+    for i, group in enumerate(s.kv_cache_groups):
+        group.validate(f"kv_cache_groups[{i}]")
+    # Any mix of kinds, in any order, is accepted: one group runs on
+    # vLLM's UnitaryKVCacheCoordinator, several on the
+    # HybridKVCacheCoordinator (which needs no full-attention group).
+    check_mamba(s)
+    check_geometry(s)
+    check_retention(s)
+    check_drafter(s)
+    check_draft_groups(s)
+    check_workload(s)
+    check_requests(s)
+
+
+def check_geometry(s: Scenario) -> None:
+    """The hash block size divides every group block (a single group: equals
+    it); a given hit alignment equals the derived one."""
+    groups = s.kv_cache_groups
+    hash_block = s.hash_block_size_tokens
+    if hash_block is not None and (
+        any(g.block_size_tokens % hash_block for g in groups)
+        or (len(groups) == 1 and hash_block != groups[0].block_size_tokens)
+    ):
+        # vLLM HybridKVCacheCoordinator.__init__ asserts divisibility;
+        # resolve_kv_cache_block_sizes rejects any other value for a
+        # single group.
+        raise ScenarioError(
+            "hash_block_size_tokens",
+            hash_block,
+            "null or a divisor of every group block size "
+            f"({[g.block_size_tokens for g in groups]}); with a single group, its block size",
+        )
+    alignment = s.effective_hit_alignment_tokens
+    if s.hit_alignment_tokens is not None and s.hit_alignment_tokens != alignment:
+        raise ScenarioError(
+            "hit_alignment_tokens",
+            s.hit_alignment_tokens,
+            f"null or {alignment} (vLLM derives it as the hash block size with "
+            "fine-grained Mamba hits, else the scheduler block size, the LCM of "
+            "the group block sizes)",
+        )
+
+
+def check_retention(s: Scenario) -> None:
+    """vLLM ``kv_cache_coordinator._validate_prefix_cache_retention_interval``:
+    null, 0 or a positive multiple of the scheduler block size; positive only
+    with sliding-window or Mamba groups."""
+    r = s.retention_interval_tokens
+    if r is None:
+        return
+    sbs = s.scheduler_block_size_tokens
+    if r % sbs:
+        raise ScenarioError(
+            "retention_interval_tokens",
+            r,
+            f"null, 0, or a positive multiple of the scheduler block size {sbs}",
+        )
+    if r > 0 and not s.sliding_window_groups and not s.mamba_groups:
+        raise ScenarioError(
+            "retention_interval_tokens",
+            r,
+            "null or 0 for a model without sliding_window or mamba groups "
+            "(retention only applies to sliding-window and Mamba groups)",
+        )
+
+
+def check_drafter(s: Scenario) -> None:
+    """The drafter's kind and token count agree; multi-module MTP fits the
+    scheduler block (vLLM ``KVCacheCoordinator.__init__``) and the prefill
+    chunk (``Scheduler._reserve_prefill_lookahead`` would never schedule the
+    last chunk otherwise)."""
+    drafter = s.drafter
+    drafter.validate()
+    if drafter.kind is not DrafterKind.MULTI_MODULE_MTP:
+        return
+    sbs = s.scheduler_block_size_tokens
+    if sbs < drafter.num_speculative_tokens:
+        raise ScenarioError(
+            "drafter.num_speculative_tokens",
+            drafter.num_speculative_tokens,
+            f"at most the scheduler block size {sbs} for multi_module_mtp with prefix caching",
+        )
+    if s.prefill_chunk_tokens < drafter.num_speculative_tokens:
+        raise ScenarioError(
+            "prefill_chunk_tokens",
+            s.prefill_chunk_tokens,
+            f"at least drafter.num_speculative_tokens "
+            f"({drafter.num_speculative_tokens}) for multi_module_mtp",
+        )
+
+
+def check_workload(s: Scenario) -> None:
+    """The workload against the requests, the step budget and the drafter."""
+    w = s.workload
+    budget = s.step_budget_tokens
+    if w.max_num_seqs is not None and w.max_num_seqs > budget:
+        # vLLM SchedulerConfig: max_num_batched_tokens >= max_num_seqs.
+        raise ScenarioError(
+            "workload.max_num_seqs",
+            w.max_num_seqs,
+            f"null or at most the token budget per step ({budget} tokens: "
+            "workload.max_num_batched_tokens, else prefill_chunk_tokens)",
+        )
+    if w.arrival_steps is not None:
+        if len(w.arrival_steps) != len(s.requests):
+            raise ScenarioError(
+                "workload.arrival_steps",
+                list(w.arrival_steps),
+                f"null or a list of {len(s.requests)} steps (one per request)",
+            )
+        last = 0
+        for i, step in enumerate(w.arrival_steps):
+            if step < last:
+                raise ScenarioError(
+                    f"workload.arrival_steps[{i}]",
+                    step,
+                    f"an integer >= {last} (arrival steps never decrease)",
+                )
+            last = step
+    limit = s.drafter.num_speculative_tokens
+    if w.accepted_drafts and limit == 0:
+        raise ScenarioError(
+            "workload.accepted_drafts", list(w.accepted_drafts), "[] without a drafter"
+        )
+    for i, n in enumerate(w.accepted_drafts):
+        if n > limit:
+            raise ScenarioError(
+                f"workload.accepted_drafts[{i}]",
+                n,
+                f"at most drafter.num_speculative_tokens ({limit})",
+            )
+    if w.mode is DriveMode.MANAGER and not w.sequential:
+        raise ScenarioError(
+            "workload.mode",
+            w.mode.value,
+            "'scheduler' when arrival_steps or accepted_drafts are set "
+            "(the manager-level driver runs one request at a time, without drafts)",
+        )
+
+
+def check_requests(s: Scenario) -> None:
+    """Each request copies from an earlier one (or the shared prefix), at
+    most its source's length, and has at least one token."""
+    lengths: list[int] = []
+    for i, request in enumerate(s.requests):
+        where = f"requests[{i}]"
+        if request.shares_with is None:
+            source_len = s.shared_prefix_tokens
+            source = "shared_prefix_tokens"
+        else:
+            if request.shares_with >= i:
+                raise ScenarioError(
+                    f"{where}.shares_with",
+                    request.shares_with,
+                    f"null or the index of an earlier request (0..{i - 1})",
+                )
+            source_len = lengths[request.shares_with]
+            source = f"requests[{request.shares_with}] prompt length"
+            if s.workload.shares_output:
+                source_len += s.decode_steps + 1
+                source += " + its decode_steps + 1 sampled tokens"
+        if request.divergence_tokens > source_len:
+            raise ScenarioError(
+                f"{where}.divergence_tokens",
+                request.divergence_tokens,
+                f"0..{source_len} ({source})",
+            )
+        if request.prompt_tokens < 1:
+            raise ScenarioError(
+                f"{where}.suffix_tokens",
+                request.suffix_tokens,
+                "at least 1 when divergence_tokens is 0 (a prompt needs a token)",
+            )
+        lengths.append(request.prompt_tokens)
+
+
+def check_draft_groups(s: Scenario) -> None:
+    """What vLLM accepts for draft groups and chunked local attention.
+
+    Refused: ``is_eagle_group`` without a drafter that asks for the EAGLE
+    drop (vLLM's planner, ``get_global_kv_cache_groups`` in
+    vllm/v1/core/kv_cache_planning.py, marks draft groups only when
+    ``SpeculativeConfig.use_eagle_block_drop()``); a chunked-local group
+    that would take the drop, or whose block size is not the hit
+    alignment (``ChunkedLocalAttentionManager.find_longest_cache_hit``
+    asserts both: "eagle + chunked local attention" is unsupported and
+    groups of different block sizes are "not compatible with chunked
+    local attention").
+    """
+    mode = s.draft_groups
+    if mode is DraftGroups.NONE:
+        for i, g in enumerate(s.kv_cache_groups):
+            if g.is_eagle_group:
+                raise ScenarioError(
+                    f"kv_cache_groups[{i}].is_eagle_group",
+                    True,
+                    "false unless the drafter takes the EAGLE block drop "
+                    f"(drafter.kind one of {sorted(DROPPING_DRAFTERS)} and "
+                    "disable_eagle_block_drop false)",
+                )
+    alignment = s.effective_hit_alignment_tokens
+    dropping = s.drop_group_indices if s.drop_applies else frozenset()
+    chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in s.kv_cache_groups)
+    if chunked and not any(g.kind.full_attention_family for g in s.kv_cache_groups):
+        # vLLM accepts it, but no released model has chunked local
+        # attention without full attention (Llama-4 interleaves it), and
+        # without a full-attention bound ChunkedLocalAttentionManager's
+        # null-padded hit reaches positions no earlier request shared
+        # (and inflates the shared-prefix junction vLLM pins): the
+        # oracle does not judge it.
+        raise ScenarioError(
+            "kv_cache_groups",
+            s.group_mix,
+            "a full_attention or mla group beside chunked_local_attention "
+            "(kvfuzz judges chunked local attention as Llama-4 has it)",
+        )
+    if s.mamba_groups and (
+        mode is DraftGroups.ANNOTATED
+        or any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in s.kv_cache_groups)
+    ):
+        # kvfuzz's own restriction: the state-group oracle
+        # (differential/oracle/state.py) models the drop on every
+        # attention group and no chunked local attention.
+        raise ScenarioError(
+            "kv_cache_groups",
+            s.group_mix,
+            "no is_eagle_group and no chunked_local_attention group beside "
+            "mamba groups (kvfuzz's state-group oracle does not judge them yet)",
+        )
+    for i, g in enumerate(s.kv_cache_groups):
+        if g.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION:
+            continue
+        chunk = g.attention_chunk_size_tokens
+        assert chunk is not None
+        if chunk % g.block_size_tokens:
+            # kvfuzz's own restriction (every released chunk size, e.g.
+            # Llama-4's 8192, is a multiple of the block size): the
+            # oracle's chunk rule assumes chunks start on a block.
+            raise ScenarioError(
+                f"kv_cache_groups[{i}].attention_chunk_size_tokens",
+                chunk,
+                f"a multiple of the group's block size {g.block_size_tokens}",
+            )
+        if g.block_size_tokens != alignment:
+            raise ScenarioError(
+                f"kv_cache_groups[{i}].block_size_tokens",
+                g.block_size_tokens,
+                f"the hit alignment {alignment} for a chunked_local_attention group "
+                "(vLLM's ChunkedLocalAttentionManager needs every group's block size "
+                "to divide it)",
+            )
+        if i in dropping:
+            raise ScenarioError(
+                "kv_cache_groups",
+                s.group_mix,
+                "no chunked_local_attention group taking the EAGLE block drop "
+                "(vLLM does not support EAGLE with chunked local attention): mark "
+                "the drafter's groups is_eagle_group, turn on lookahead block "
+                "hashes, or use a drafter that does not drop",
+            )
+
+
+def check_mamba(s: Scenario) -> None:
+    """What vLLM accepts for Mamba groups (prefix caching on, align mode).
+
+    Refused: Mamba groups of different block sizes, or (in a hybrid) a
+    Mamba block other than the scheduler block size. vLLM sets
+    ``mamba_block_size = cache_config.block_size`` in align mode
+    (vllm/model_executor/models/config.py ``verify_and_update_config``,
+    vllm/platforms/interface.py), and ``Scheduler._mamba_block_aligned_split``
+    ends prefill chunks on that one block size for every Mamba group.
+    Also refused: ``enable_mamba_shared_prefix_checkpoint`` without a
+    Mamba group (it would silently do nothing).
+    """
+    mamba = s.mamba_groups
+    if not mamba:
+        if s.mamba_prefill is not MambaPrefill.SCHEDULER:
+            raise ScenarioError(
+                "mamba_prefill",
+                s.mamba_prefill.value,
+                "'scheduler' for a model without mamba groups",
+            )
+        if s.enable_mamba_shared_prefix_checkpoint is True:
+            raise ScenarioError(
+                "enable_mamba_shared_prefix_checkpoint",
+                True,
+                "false for a model without mamba groups (it only affects Mamba states)",
+            )
+        return
+    sizes = sorted({g.block_size_tokens for g in mamba})
+    if len(sizes) > 1 or sizes[0] != s.scheduler_block_size_tokens:
+        raise ScenarioError(
+            "kv_cache_groups",
+            [g.block_size_tokens for g in s.kv_cache_groups],
+            "mamba groups that share one block size equal to the scheduler block "
+            f"size {s.scheduler_block_size_tokens} (vLLM sets mamba_block_size to the "
+            "cache block size in align mode)",
+        )

@@ -1,0 +1,102 @@
+"""The requests of a scenario and how they reach the engine.
+
+Units: lengths ending in ``_tokens`` are tokens; ``pool_blocks`` is blocks;
+arrival steps are scheduler steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = ["DriveMode", "RequestSpec", "Workload"]
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a scenario.
+
+    The request's prompt is the first ``divergence_tokens`` tokens of its
+    source (the scenario's shared prefix, or the prompt of the earlier request
+    ``shares_with``) followed by ``suffix_tokens`` tokens of its own, which no
+    other request contains.
+
+    Attributes:
+        divergence_tokens: tokens copied from the source, i.e. the divergence
+            point ``D`` in tokens.
+        suffix_tokens: the request's own tokens after ``D``.
+        shares_with: index of an earlier request to copy from, or ``None`` for
+            the shared prefix.
+        name: optional label used in reports.
+    """
+
+    divergence_tokens: int
+    suffix_tokens: int
+    shares_with: int | None = None
+    name: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length ``L`` in tokens."""
+        return self.divergence_tokens + self.suffix_tokens
+
+
+class DriveMode(StrEnum):
+    """How a scenario reaches vLLM.
+
+    ``MANAGER`` drives ``KVCacheManager`` directly, one request at a time,
+    reconstructing the scheduler's calls (:mod:`differential.driver.runner`).
+    ``SCHEDULER`` drives vLLM's real ``Scheduler``
+    (vllm/v1/core/sched/scheduler.py ``schedule`` / ``update_from_output``)
+    with kvfuzz standing in for the model runner
+    (:mod:`differential.driver.scheduler_mode`).
+    """
+
+    MANAGER = "manager"
+    SCHEDULER = "scheduler"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How the requests reach the engine: mode, pool, arrivals, turns, drafts.
+
+    Every default reproduces the manager-level run: one request at a time,
+    a pool sized so that nothing is evicted, no drafted tokens.
+
+    Attributes:
+        mode: the driving mode (:class:`DriveMode`).
+        pool_blocks: KV cache pool size in blocks, the null block included
+            (``KVCacheConfig.num_blocks`` / ``CacheConfig.num_gpu_blocks``);
+            ``None`` sizes it so that nothing is evicted. Both modes honour it.
+        arrival_steps: per request, the scheduler step (0-based) at which it
+            is added (``Scheduler.add_request``), non-decreasing; ``None``
+            adds each request when the previous one has finished (a sequential
+            scenario). Scheduler mode only.
+        max_num_seqs: ``SchedulerConfig.max_num_seqs``: requests running at
+            once; ``None`` uses the smaller of 8 and the token budget. At
+            most the token budget (vLLM ``SchedulerConfig`` validation).
+        max_num_batched_tokens: ``SchedulerConfig.max_num_batched_tokens``,
+            the token budget per step, in tokens; ``None`` uses the scenario's
+            ``prefill_chunk_tokens``.
+        shares_output: a request with ``shares_with = j`` copies from
+            request ``j``'s prompt followed by the ``decode_steps + 1`` tokens
+            ``j`` sampled (a multi-turn chat: turn n+1 = turn n's prompt + its
+            answer + new tokens), so decoded blocks are reused.
+        accepted_drafts: draft tokens accepted per decode step (cycled), each
+            at most ``drafter.num_speculative_tokens``; the rest of the drafts
+            are rejected. Empty: no drafts are proposed. Scheduler mode only.
+    """
+
+    mode: DriveMode = DriveMode.MANAGER
+    pool_blocks: int | None = None
+    arrival_steps: tuple[int, ...] | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    shares_output: bool = False
+    accepted_drafts: tuple[int, ...] = ()
+
+    @property
+    def sequential(self) -> bool:
+        """Requests run one at a time and nothing is drafted (so the
+        manager-level driver reconstructs the same calls)."""
+        return self.arrival_steps is None and not self.accepted_drafts
