@@ -509,12 +509,11 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
         accepted = tuple(draw(st.lists(st.integers(0, limit), min_size=1, max_size=3)))
     chunk = draw(st.sampled_from((alignment, 2 * alignment, 16, 32, 64)))
     reserve = decode_steps + 2 * drafter.num_speculative_tokens + 2
-    # A Mamba group holds a few state blocks per request (more under
-    # speculative decoding), not one per block of tokens.
+    # A Mamba group in align mode holds a block per block of tokens while a
+    # request runs, and state blocks for its speculative tokens besides.
     need = 2 + sum(
-        2 + drafter.num_speculative_tokens
-        if g.kind is GroupKind.MAMBA
-        else math.ceil((max(lengths) + reserve) / g.block_size_tokens)
+        math.ceil((max(lengths) + reserve) / g.block_size_tokens)
+        + (2 + drafter.num_speculative_tokens if g.kind is GroupKind.MAMBA else 0)
         for g in groups
     )
     working = 1 + sum(
