@@ -15,7 +15,12 @@ design note (``semantics.md``, "Invariants"):
    literal promise, ``ideal`` the dense reference (:class:`Policy`).
 3. **No fallback**: the hit reaches the highest intended checkpoint at or
    below ``h_dense``.
-4. **No over-hit**: ``hit <= h_dense`` and ``hit <= D - dependency``.
+4. **No over-hit**: ``hit <= h_dense`` and ``hit <= D - dependency``. A run
+   that protected a drafter needing no protection (Gemma-4 MTP on stock
+   vLLM: the drop, or lookahead hashes) is also judged with the protection
+   it used (:func:`needless_protection_model`): its junctions and states
+   are made of that protection, and a hit either model allows reuses
+   nothing stale.
 5. **Alignment**: every hit is a multiple of ``A``.
 6. **Right blocks**: every block a hit hands out is the right one
    (:mod:`differential.oracle.blocks`, ``wrong-kv``).
@@ -483,6 +488,12 @@ def judge_run(
     policy: Policy = Policy.VLLM,
 ) -> tuple[tuple[SiblingReference, ...], tuple[Finding, ...]]:
     """Judge one run of one variant against the invariants.
+
+    Fallbacks are judged against what the drafter's own protection
+    (:func:`drafter_model`) owes; the over-hit ceiling is the larger of that
+    model's dense reference and, when the run protected more than the drafter
+    needs (a needless drop or needless lookahead hashes, read off
+    ``run.settings``), the dense reference under the protection it used.
 
     Returns:
         The references for the requests the run completed, and the findings

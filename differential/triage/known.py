@@ -411,8 +411,11 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "alignment, their LCM, exceed every block, so every hit is rounded "
             "down to it: a drafter KV block of 3456 tokens beside a target block "
             "of 1536 aligns hits to 13824 tokens, about 7K tokens lost per request "
-            "(vLLM PR #52804). A property of the block sizes vLLM's planner chose, "
-            "not of the managers."
+            "(vLLM PR #52804). Likewise an alignment that is one group's block far "
+            "above the full-attention block: a scheduler block of 4096 tokens beside "
+            "a full-attention block of 128 gives every prompt shorter than 4096 "
+            "tokens 0 (vllm-ascend issue #16270). A property of the block sizes "
+            "vLLM's planner chose, not of the managers."
         ),
         vllm_source="vllm/v1/core/kv_cache_utils.py resolve_kv_cache_block_sizes with "
         "vllm/v1/core/kv_cache_coordinator.py HybridKVCacheCoordinator._cache_hit_alignment_tokens",
