@@ -61,9 +61,9 @@ def _short_swa_run_drop(scenario: Scenario, finding: Finding) -> bool:
     pass. With one sliding-window group that is at most one unit per short
     group; with several, the hybrid coordinator's fixed-point loop repeats
     the loss on every pass, down to 0 (one mechanism, whatever the group
-    count). A multi-unit loss from one unit below a periodic checkpoint to a
-    periodic checkpoint is the seed PR's class instead (its short-prefix
-    form), not this one."""
+    count). A multi-unit loss one unit below a periodic checkpoint whose kept
+    tail misses the run's first blocks is the seed PR's class instead (its
+    short-prefix form, :func:`_seed_tail_missing`), not this one."""
     if not _short_run_applies(scenario, finding):
         return False
     expected, hit = finding.expected_tokens or 0, finding.hit_tokens or 0
@@ -72,11 +72,29 @@ def _short_swa_run_drop(scenario: Scenario, finding: Finding) -> bool:
         return True
     if len(scenario.sliding_window_groups) < 2:
         return False
+    return not _seed_tail_missing(scenario, expected)
+
+
+def _seed_tail_missing(scenario: Scenario, expected_tokens: int) -> bool:
+    """Whether ``expected_tokens`` is one unit below a periodic checkpoint ``c``
+    whose kept SWA tail (the window plus the peek block) starts above token 0
+    in some short-run group: the run from block 0 to ``c - A`` then misses
+    blocks below the tail, the seed PR's mechanism. Where every tail reaches
+    token 0 the whole run is retained, and a loss there is the short-run
+    lookup's own."""
     retention = scenario.retention_interval_tokens
-    seed_like = (
-        bool(retention) and (expected + alignment) % retention == 0 and not (hit % retention)
-    )
-    return not seed_like
+    alignment = scenario.effective_hit_alignment_tokens
+    boundary = expected_tokens + alignment
+    if not retention or boundary % retention:
+        return False
+    for group in scenario.sliding_window_groups:
+        block = group.block_size_tokens
+        if block >= alignment or group.sliding_window_tokens is None:
+            continue
+        need = -(-(group.sliding_window_tokens - 1) // block) + 1
+        if expected_tokens + block < need * block < boundary:
+            return True
+    return False
 
 
 def _unit_below_retained_boundary(

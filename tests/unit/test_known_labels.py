@@ -127,26 +127,38 @@ def test_short_run_label_needs_the_short_run() -> None:
 
 
 def test_short_prefix_seed_form_is_not_the_short_run_spiral() -> None:
-    # Near miss: two SWA groups under periodic retention 64, owed 48 = 64 - A
-    # and fallen back to the periodic checkpoint 0: the seed PR's class in
-    # its short-prefix form, not the short-run loss repeated.
+    # Near miss: two SWA groups of block 4 (windows 50 and 20) under periodic
+    # retention 64, owed 48 = 64 - A: the tail kept at 64 for window 50 is 14
+    # blocks from 8, so the run from block 0 to 48 misses blocks 0 and 1 and
+    # the fall to 0 is the seed PR's class in its short-prefix form.
     scenario = Scenario(
         kv_cache_groups=(
             KVCacheGroup(GroupKind.FULL_ATTENTION, 16),
-            KVCacheGroup(GroupKind.SLIDING_WINDOW, 8, 128),
-            KVCacheGroup(GroupKind.SLIDING_WINDOW, 8, 64),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 50),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 20),
         ),
-        requests=(RequestSpec(80, 0), RequestSpec(66, 8)),
-        shared_prefix_tokens=80,
+        requests=(RequestSpec(64, 20), RequestSpec(64, 0)),
+        shared_prefix_tokens=64,
         retention_interval_tokens=64,
-        drafter=Drafter(DrafterKind.MTP, 1),
+        drafter=Drafter(DrafterKind.EAGLE, 1),
         disable_lookahead_block_hashes=True,
-        prefill_chunk_tokens=32,
+        prefill_chunk_tokens=16,
     )
     finding = Finding(FindingKind.FALLBACK, "v", 1, "", expected_tokens=48, hit_tokens=0)
     assert label_known(scenario, [finding])[0].known_issue is None
+    # One unit per short group is the short-run loss whatever the tails.
     spiral = Finding(FindingKind.FALLBACK, "v", 1, "", expected_tokens=48, hit_tokens=16)
     assert label_known(scenario, [spiral])[0].known_issue == "swa-short-run-align-before-drop"
+
+
+def test_spiral_below_a_periodic_checkpoint_whose_tails_reach_token_0() -> None:
+    # The known reproducer's shape: windows 128 and 64 (blocks 8) under
+    # retention 128 keep tails from token 0, so 112 -> 0 is the spiral.
+    import dataclasses
+
+    scenario = dataclasses.replace(_two_swa_short_run(), retention_interval_tokens=128)
+    finding = Finding(FindingKind.FALLBACK, "v", 2, "", expected_tokens=112, hit_tokens=0)
+    assert label_known(scenario, [finding])[0].known_issue == "swa-short-run-align-before-drop"
 
 
 def _single_fa(length: int, drafter: DrafterKind = DrafterKind.EAGLE) -> Scenario:
