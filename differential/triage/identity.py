@@ -407,7 +407,7 @@ def _shortfall(
         group_kind = manager_family(scenario.kv_cache_groups[call.group].kind).value
         branch = _branch(scenario, call)
     else:
-        group_kind, branch = "untraced", "-"
+        group_kind, branch = "untraced", ""
     boundary, below = (
         missing_checkpoint(
             scenario,
