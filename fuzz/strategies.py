@@ -82,6 +82,8 @@ _ENGINE_DRAFTERS_MAMBA = (
     DrafterKind.EAGLE,
     DrafterKind.NGRAM,
 )
+# Drafters with draft attention layers of their own that take the EAGLE drop.
+_ATTENTION_DRAFTERS = frozenset({DrafterKind.EAGLE, DrafterKind.EAGLE3, DrafterKind.MTP})
 
 # Drafters, repeated to weight the ones whose behaviour is most intricate.
 _DRAFTERS = (
@@ -132,8 +134,8 @@ def geometries(draw: st.DrawFn, scale: Scale) -> tuple[KVCacheGroup, ...]:
         KVCacheGroup(GroupKind.FULL_ATTENTION, full),
         KVCacheGroup(GroupKind.SLIDING_WINDOW, swa, window),
     ]
-    if layout == 0:  # occasionally a second SWA group
-        groups.append(KVCacheGroup(GroupKind.SLIDING_WINDOW, swa, max(1, window // 2)))
+    if layout == 0:  # occasionally a second SWA group (never a 1-token window)
+        groups.append(KVCacheGroup(GroupKind.SLIDING_WINDOW, swa, max(2, window // 2)))
     return tuple(groups)
 
 
@@ -337,6 +339,13 @@ def scenarios(
     kind = draw(st.sampled_from(_DRAFTERS))
     if mamba and kind is DrafterKind.MULTI_MODULE_MTP:
         kind = DrafterKind.MTP  # its re-prefill tail is not modelled for state groups
+    if mamba and len(groups) == 1 and kind in _ATTENTION_DRAFTERS:
+        # A Mamba-only model's EAGLE or MTP drafter brings its own attention
+        # layer: vLLM's planner makes it a full-attention group (and warns
+        # about such a drafter without one), so there is no Mamba-only layout.
+        groups = (KVCacheGroup(GroupKind.FULL_ATTENTION, groups[0].block_size_tokens), *groups)
+        if hash_block is not None:
+            alignment = _fine_alignment(groups, hash_block)
     if kind is DrafterKind.NONE:
         drafter = Drafter()
     elif kind is DrafterKind.MULTI_MODULE_MTP:
@@ -345,14 +354,27 @@ def scenarios(
         drafter = Drafter(kind, draw(st.integers(1, 4)))
     protection = draw(st.sampled_from(("disabled", "disabled", "connector", "lookahead")))
     disable_drop = draw(st.integers(0, 19)) == 0
-    if not mamba:  # the state-group oracle models the drop on every group
-        dropping = drafter.kind in (
-            DrafterKind.EAGLE,
-            DrafterKind.EAGLE3,
-            DrafterKind.MTP,
-            DrafterKind.MULTI_MODULE_MTP,
-            DrafterKind.GEMMA4_MTP,
-        )
+    # Gemma-4 MTP writes no draft KV: it has no draft layer, so no draft
+    # group (vLLM's planner marks the groups holding draft layers); beside
+    # chunked local attention, where stock vLLM's drop would be refused, it
+    # runs with lookahead hashes.
+    if drafter.kind is DrafterKind.GEMMA4_MTP and any(
+        g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups
+    ):
+        protection, disable_drop = "lookahead", False
+    dropping = drafter.kind in _ATTENTION_DRAFTERS or drafter.kind is DrafterKind.MULTI_MODULE_MTP
+    drops = dropping and not disable_drop and protection != "lookahead"
+    if mamba:
+        if drops and not any(g.kind.sliding_window_family for g in groups) and draw(st.booleans()):
+            # The drafter's full-attention layer shares the target's spec:
+            # the planner puts it in the target's group and marks that group.
+            groups = tuple(
+                KVCacheGroup(g.kind, g.block_size_tokens, is_eagle_group=True)
+                if g.kind is GroupKind.FULL_ATTENTION
+                else g
+                for g in groups
+            )
+    else:
         groups = draw(_draft_groups(groups, dropping and not disable_drop))
         if any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups) and (
             math.lcm(*(g.block_size_tokens for g in groups)) != alignment
@@ -487,7 +509,8 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
         drafter = Drafter(kind, draw(st.integers(1, 3)))
     disable_lookahead = not chunked and draw(st.booleans())
     if not mamba:  # the state-group oracle models the drop on every group
-        dropping = kind in _DROPPING
+        # Gemma-4 MTP has no draft layer, so no draft group.
+        dropping = kind in _DROPPING and kind is not DrafterKind.GEMMA4_MTP
         groups = draw(_draft_groups(groups, dropping and disable_lookahead))
     decode_steps = draw(st.sampled_from((0, 1, 3, 6)))
     shares_output = draw(st.booleans())

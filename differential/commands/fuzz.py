@@ -105,7 +105,8 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="PATH",
         help="scenario files or folders whose root causes count as known, not new "
-        "(repeatable; default: corpora and known-issues, where they exist)",
+        "(repeatable; default: the project's corpora/ and known-issues/, found beside "
+        "the installed differential package whatever the working directory)",
     )
     fuzz.add_argument(
         "--fail-on",
@@ -124,7 +125,14 @@ def run(args: argparse.Namespace) -> int:
         raise VariantError(f"--shrink-seconds must be > 0, got {args.shrink_seconds}")
     known = args.known_corpus
     if known is None:
-        known = [p for p in (Path("corpora"), Path("known-issues")) if p.is_dir()]
+        known = default_known_corpus()
+        if not known:
+            print(
+                "kvfuzz: warning: no known corpus found (looked for corpora/ and "
+                f"known-issues/ in {project_root()}): every root cause will show as NEW; "
+                "pass --known-corpus PATH",
+                file=sys.stderr,
+            )
     from differential.corpus import iter_scenario_files
 
     iter_scenario_files([str(p) for p in known])  # bad paths are usage errors, now
@@ -188,6 +196,26 @@ def run(args: argparse.Namespace) -> int:
         tested = {v.name for v in variants}
         return EXIT_FOUND if any(tested & set(c["variants"]) for c in new) else EXIT_CLEAN
     return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
+
+
+def project_root() -> Path:
+    """The folder holding the ``differential`` package: the project checkout
+    (or, for an installed wheel, its site-packages folder)."""
+    import differential
+
+    return Path(differential.__file__).resolve().parents[1]
+
+
+def default_known_corpus() -> list[Path]:
+    """``--known-corpus``'s default: the project's ``corpora/`` and
+    ``known-issues/`` folders, resolved from the package (not from the working
+    directory), those that exist; empty when neither does."""
+    root = project_root()
+    found = [p for p in (root / "corpora", root / "known-issues") if p.is_dir()]
+    cwd = Path.cwd().resolve()
+    # Relative to the working directory where they lie under it (reproducers
+    # then read as ``corpora/...``), absolute elsewhere.
+    return [p.relative_to(cwd) if p.is_relative_to(cwd) else p for p in found]
 
 
 def _keep_earlier_run(out: Path) -> None:

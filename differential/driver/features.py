@@ -54,7 +54,27 @@ class VllmCallError(Exception):
     def __init__(self, call: str, error: BaseException) -> None:
         self.call = call
         self.error = error
-        super().__init__(f"{call}: {type(error).__name__}: {error}")
+        where = raised_in(error)
+        suffix = f" [raised in {where[0]} ({where[1]})]" if where is not None else ""
+        super().__init__(f"{call}: {type(error).__name__}: {error}{suffix}")
+
+
+def raised_in(error: BaseException) -> tuple[str, str] | None:
+    """The innermost vLLM frame of ``error``'s traceback: ``(qualified
+    function name, file path from the ``vllm/`` package folder)``, e.g.
+    ``("SlidingWindowManager.find_longest_cache_hit",
+    "vllm/v1/core/single_type_kv_cache_manager.py")``; ``None`` when no
+    frame lies in vLLM."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        marker = path.rfind("/vllm/")
+        if marker >= 0:
+            found = (code.co_qualname, path[marker + 1 :])
+        tb = tb.tb_next
+    return found
 
 
 class UnsupportedFeature(Exception):

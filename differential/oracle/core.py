@@ -15,7 +15,12 @@ design note (``semantics.md``, "Invariants"):
    literal promise, ``ideal`` the dense reference (:class:`Policy`).
 3. **No fallback**: the hit reaches the highest intended checkpoint at or
    below ``h_dense``.
-4. **No over-hit**: ``hit <= h_dense`` and ``hit <= D - dependency``.
+4. **No over-hit**: ``hit <= h_dense`` and ``hit <= D - dependency``. A run
+   that protected a drafter needing no protection (Gemma-4 MTP on stock
+   vLLM: the drop, or lookahead hashes) is also judged with the protection
+   it used (:func:`needless_protection_model`): its junctions and states
+   are made of that protection, and a hit either model allows reuses
+   nothing stale.
 5. **Alignment**: every hit is a multiple of ``A``.
 6. **Right blocks**: every block a hit hands out is the right one
    (:mod:`differential.oracle.blocks`, ``wrong-kv``).
@@ -56,6 +61,7 @@ __all__ = [
     "drafter_model",
     "judge_run",
     "model_from_settings",
+    "needless_protection_model",
     "promise_policy",
     "references",
     "replay_boundaries",
@@ -129,6 +135,36 @@ def model_from_settings(settings: ManagerSettings, num_groups: int) -> DrafterMo
         hash_lookahead_tokens=settings.num_hash_lookahead_tokens,
         reprefillable_tokens=reprefillable,
         dependency_tokens=0,
+    )
+
+
+def needless_protection_model(
+    model: DrafterModel, settings: ManagerSettings | None
+) -> DrafterModel | None:
+    """``model`` with the protection a run used where it exceeds ``model``'s.
+
+    vLLM 0.33.0 protects Gemma-4 MTP (``SpeculativeConfig.needs_eagle_block_drop``)
+    with the EAGLE drop or, when lookahead hashes are on
+    (``VllmConfig.num_hash_lookahead_tokens``), with lookahead block hashes,
+    although its drafter writes no draft KV. Such a run's hits are judged for
+    reuse with the protection it used (what its junctions and states are
+    made of) as well as with the drafter's own.
+
+    Returns:
+        ``model`` with ``drop`` and ``hash_lookahead_tokens`` (in tokens) as
+        the run used them, or ``None`` when the run used no protection beyond
+        ``model``'s (or its settings are unknown).
+    """
+    if settings is None:
+        return None
+    drop = settings.use_eagle_block_drop and not model.drop
+    lookahead = settings.num_hash_lookahead_tokens > model.hash_lookahead_tokens
+    if not (drop or lookahead):
+        return None
+    return dataclasses.replace(
+        model,
+        drop=model.drop or settings.use_eagle_block_drop,
+        hash_lookahead_tokens=max(model.hash_lookahead_tokens, settings.num_hash_lookahead_tokens),
     )
 
 
@@ -377,6 +413,7 @@ def _state_group_references(
     """:func:`references` for a scenario with state groups: the attention
     proof, the writer's states and the one-unit rule mapped onto states
     (:mod:`differential.oracle.state`)."""
+
     def promised(writer: int, junction: int, up_to: int, writer_hit: int) -> tuple[int, ...]:
         return checkpoints(scenario, model, writer, junction, up_to, writer_hit, policy)
 
@@ -452,6 +489,12 @@ def judge_run(
 ) -> tuple[tuple[SiblingReference, ...], tuple[Finding, ...]]:
     """Judge one run of one variant against the invariants.
 
+    Fallbacks are judged against what the drafter's own protection
+    (:func:`drafter_model`) owes; the over-hit ceiling is the larger of that
+    model's dense reference and, when the run protected more than the drafter
+    needs (a needless drop or needless lookahead hashes, read off
+    ``run.settings``), the dense reference under the protection it used.
+
     Returns:
         The references for the requests the run completed, and the findings
         (empty when the run is clean).
@@ -499,15 +542,16 @@ def judge_run(
         if liberal is model
         else [r.dense_tokens for r in references(scenario, liberal, hits)]
     )
-    needless_drop = run.settings is not None and run.settings.use_eagle_block_drop
-    if scenario.mamba_groups and needless_drop and not liberal.drop:
-        # A needless drop moves where the run's prefill steps ended (the
+    as_run = needless_protection_model(liberal, run.settings)
+    if as_run is not None:
+        # Needless protection (a drop, or lookahead hashes, the drafter's KV
+        # does not need) moves where the run's junctions and prefill steps
+        # ended (lookahead hashes pin a junction one proof lower; the
         # scheduler stops at the drop's resume positions), so states exist
         # there that the drafter's own model never makes; a state is the
-        # exact recurrent state wherever it was taken, and the drop only
-        # makes the attention proof stricter: such a hit reuses nothing
-        # stale.
-        as_run = dataclasses.replace(liberal, drop=True)
+        # exact recurrent state wherever it was taken, and the protection
+        # only makes the attention proof stricter: such a hit reuses nothing
+        # stale. Judge the ceiling with the protection the run used as well.
         ceilings = [
             max(c, r.dense_tokens)
             for c, r in zip(ceilings, references(scenario, as_run, hits), strict=True)

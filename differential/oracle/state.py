@@ -97,11 +97,13 @@ def attention_dense_hit(
     under the EAGLE drop. ``total_tokens`` is the writer's prompt length. A
     state group only bounds the hit by the tokens its state's hash covers
     (the shared tokens less the lookahead); it takes no drop, since the
-    drafter's KV lives in attention layers.
+    drafter's KV lives in attention layers. Under the drop only the groups
+    that take it (:attr:`Scenario.drop_group_indices`) prove the extra unit.
     """
     alignment = scenario.effective_hit_alignment_tokens
     limit = sibling_prompt_tokens - 1
-    for group in scenario.kv_cache_groups:
+    drops = scenario.drop_group_indices
+    for index, group in enumerate(scenario.kv_cache_groups):
         if group.kind is GroupKind.MAMBA:
             limit = min(
                 limit,
@@ -123,7 +125,10 @@ def attention_dense_hit(
             tail_key = min(last, total_tokens - hash_lookahead_tokens) // alignment * alignment
             if group.kind.full_attention_family and proven < tail_key <= reach:
                 proven = tail_key
-        limit = min(limit, proven - (unit if drop else 0))
+        # Only the groups that take the drop prove one more unit
+        # (``KVCacheCoordinator.eagle_group_ids``: the drafter's groups when
+        # they are marked ``is_eagle_group``).
+        limit = min(limit, proven - (unit if drop and index in drops else 0))
     return max(0, limit) // alignment * alignment
 
 

@@ -6,30 +6,45 @@ sibling's hit came up short. For a shortfall (``fallback``, ``dense-mismatch``,
 driver traced (:class:`~differential.observation.GroupLookup`, recorded around
 ``KVCacheManager.get_computed_blocks``):
 
-* the **binding group**: the first single-type ``find_longest_cache_hit``
-  call that returned the final hit (``vllm/v1/core/kv_cache_coordinator.py``
-  ``HybridKVCacheCoordinator.find_longest_cache_hit`` takes the minimum), by
-  its group kind;
-* the **branch** its lookup stopped in (``vllm/v1/core/single_type_kv_cache_manager.py``):
-  for a sliding window, ``full-window run`` (the ``match_found`` path: a run
-  of ``ceil((window - 1) / B) (+1 under the drop)`` blocks was found, but
-  below the checkpoint), ``short run`` (no full-window run: the run from
-  block 0, the ``not match_found`` path) or ``no run``; for full attention,
-  ``prefix stopped`` (an uncached block) or ``prefix capped`` (the length cap);
+* the **vLLM function** that lost the hit: the single-type
+  ``find_longest_cache_hit`` of the binding group (the first call that
+  returned the final hit: ``vllm/v1/core/kv_cache_coordinator.py``
+  ``HybridKVCacheCoordinator.find_longest_cache_hit`` takes the minimum),
+  named by its manager (``vllm/v1/core/single_type_kv_cache_manager.py``:
+  ``FullAttentionManager`` for full attention and MLA,
+  ``SlidingWindowManager`` for sliding windows and sliding-window MLA,
+  ``ChunkedLocalAttentionManager``, ``MambaManager``);
+* the **branch**, where one names a mechanism: for full attention
+  ``prefix stopped`` (an uncached block) or ``prefix capped`` (the length
+  cap). A sliding window's ``match_found`` and ``not match_found`` paths are
+  not told apart: which one serves a sibling depends only on whether the
+  owed checkpoint lies within one window of token 0, a matter of scale, and
+  the ``not match_found`` path's own loss is a known issue
+  (``swa-short-run-align-before-drop``);
 * the **missing retained run**: the checkpoint that was owed
   (``Finding.expected_tokens``), by the boundary that makes it one
   (``periodic`` ``k*R``, ``junction``, ``replay``, ``dense``, ``start``) and
   how many hit-alignment units ``A`` it sits below that boundary.
 
-None of these depend on the drafter, the retention interval's size or the
-geometry's scale, so the Triton seed (block 16/32, R = 8192), its shrunk
-reproducer and the FlashInfer geometry (block 64/128) share one identity.
+None of these depend on the drafter, the retention interval's size, the
+number of groups or the geometry's scale, so the Triton seed (block 16/32,
+R = 8192), its shrunk reproducer, its short-prefix form, the same layout with
+the drafter's group annotated and the FlashInfer geometry (block 64/128) share
+one identity, ``shortfall | SlidingWindowManager.find_longest_cache_hit |
+missing periodic - 1A``. An ``over-hit`` is named after the group whose lookup
+over-reached (a state or window group before full attention, which only
+matches hashes); a ``crash`` after the vLLM function that raised and the
+exception type (``crash | lookup | SlidingWindowManager.find_longest_cache_hit:
+IndexError``).
 
 A finding a known vLLM issue explains (:mod:`differential.triage.known`) takes the
 issue as its root cause. A run that protects a drafter needing no protection
-(``needless-drop``, or lookahead hashes for it) is the root cause of every
-shortfall on that run (``needless-protection``: what the fix removes). Whole-run and comparison
-findings of other kinds get a root cause per kind.
+(``needless-drop``, or lookahead hashes for it) is the root cause of the
+shortfalls that protection brings (``needless-protection``: what the fix
+removes); a shortfall the run would show even judged with the protection it
+used has a cause of its own, triaged on the scenario as the run protected it
+(:func:`protected_as_run`). Whole-run and comparison findings of other kinds
+get a root cause per kind.
 
 **Facets**: the findings of one variant on one sibling (``fallback`` and
 ``dense-mismatch``, say) are one finding; the most severe gives the root
@@ -45,6 +60,7 @@ regression of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Sequence
@@ -53,19 +69,25 @@ from enum import StrEnum
 from typing import Any
 
 from differential.compare import ScenarioResult, VariantResult
-from differential.findings import SEVERITY, Finding, FindingKind
+from differential.errors import ScenarioError
+from differential.findings import SEVERITY, Finding, FindingKind, Policy
 from differential.observation import GroupLookup, RequestObservation, RunObservation
-from differential.oracle import DrafterModel, drafter_model, replay_boundaries
-from differential.scenario import GroupKind, Scenario
+from differential.oracle import DrafterModel, drafter_model, judge_run, replay_boundaries
+from differential.scenario import Drafter, DrafterKind, GroupKind, Scenario
+from differential.triage.known import label_known
 
 __all__ = [
+    "MANAGER_FUNCTION",
     "Boundary",
     "Role",
     "RootCause",
     "Triaged",
     "binding_lookup",
+    "manager_family",
     "missing_checkpoint",
     "needless_protection",
+    "over_reaching_lookup",
+    "protected_as_run",
     "root_causes",
     "triage",
 ]
@@ -82,6 +104,35 @@ _SHORTFALL = frozenset(
 # lookahead hash explains them. The dense cross-check judges with the
 # protection the run used, so a dense mismatch is never one of them.
 _NEEDLESS_FACETS = frozenset({FindingKind.FALLBACK, FindingKind.DESIGN_GAP})
+
+
+MANAGER_FUNCTION: dict[str, str] = {
+    GroupKind.FULL_ATTENTION.value: "FullAttentionManager.find_longest_cache_hit",
+    GroupKind.SLIDING_WINDOW.value: "SlidingWindowManager.find_longest_cache_hit",
+    GroupKind.CHUNKED_LOCAL_ATTENTION.value: "ChunkedLocalAttentionManager.find_longest_cache_hit",
+    GroupKind.MAMBA.value: "MambaManager.find_longest_cache_hit",
+}
+"""Manager family -> the vLLM function a root cause names
+(``vllm/v1/core/single_type_kv_cache_manager.py``)."""
+
+# Which group over-reached when several returned an over-hit: the ones whose
+# lookup judges more than hashes first.
+_OVER_REACH_ORDER = (
+    GroupKind.MAMBA,
+    GroupKind.SLIDING_WINDOW,
+    GroupKind.CHUNKED_LOCAL_ATTENTION,
+    GroupKind.FULL_ATTENTION,
+)
+
+
+def manager_family(kind: GroupKind) -> GroupKind:
+    """The single-type manager a group kind runs on: MLA on the full-attention
+    one, sliding-window MLA on the sliding-window one."""
+    if kind.full_attention_family:
+        return GroupKind.FULL_ATTENTION
+    if kind.sliding_window_family:
+        return GroupKind.SLIDING_WINDOW
+    return kind
 
 
 class Boundary(StrEnum):
@@ -120,9 +171,13 @@ class RootCause:
         family: ``shortfall``, ``variant-regression``, ``needless-drop``,
             ``over-hit``, ``crash``, ... (the cause's class).
         known_issue: the known vLLM issue that explains it, or ``""``.
-        group_kind: the binding KV cache group's kind (``full_attention``,
-            ``sliding_window``), or ``""``.
-        branch: where that group's lookup stopped (see the module docstring).
+        group_kind: the binding KV cache group's manager family
+            (``full_attention``, ``sliding_window``, ``mamba``,
+            ``chunked_local_attention``; ``untraced``), or ``""``; the text
+            names its manager's ``find_longest_cache_hit``
+            (:data:`MANAGER_FUNCTION`).
+        branch: where that group's lookup stopped, for full attention
+            (``prefix stopped``, ``prefix capped``); ``""`` otherwise.
         boundary: the boundary of the missing retained run (:class:`Boundary`).
         units_below: how many hit-alignment units ``A`` the owed checkpoint
             sits below that boundary (0 or 1 for every promise kvfuzz knows).
@@ -140,15 +195,16 @@ class RootCause:
 
     @property
     def text(self) -> str:
-        """One line, e.g. ``shortfall | sliding_window: full-window run | missing periodic - 1A``.
-
-        (A known issue: ``shortfall | known:NAME``.)
+        """One line, e.g. ``shortfall |
+        SlidingWindowManager.find_longest_cache_hit | missing periodic - 1A``
+        (a known issue: ``shortfall | known:NAME``).
         """
         if self.known_issue:
             return f"{self.family} | known:{self.known_issue}"
         parts = [self.family]
         if self.group_kind:
-            parts.append(f"{self.group_kind}: {self.branch}")
+            function = MANAGER_FUNCTION.get(self.group_kind, self.group_kind)
+            parts.append(f"{function}: {self.branch}" if self.branch else function)
         if self.boundary:
             below = f" - {self.units_below}A" if self.units_below else ""
             parts.append(f"missing {self.boundary}{below}")
@@ -239,28 +295,41 @@ def binding_lookup(
     return None, 0
 
 
-def _branch(scenario: Scenario, call: GroupLookup, owed_tokens: int | None = None) -> str:
-    """The branch of the group's lookup that serves ``owed_tokens`` (else the call's hit).
+def over_reaching_lookup(scenario: Scenario, request: RequestObservation) -> GroupLookup | None:
+    """The lookup whose group over-reached on an over-hit ``request``.
 
-    Sliding window (``SlidingWindowManager.find_longest_cache_hit``): a hit
-    whose run, plus the dropped peek block, is shorter than the window needs
-    comes from the run starting at block 0 (``short run``, the
-    ``not match_found`` path); any other from a ``full-window run``. Full
-    attention (``FullAttentionManager.find_longest_cache_hit``): the prefix
-    either ``stopped`` at an uncached block or was ``capped`` by the length.
+    Every group's last call accepted the final hit (the coordinator takes the
+    minimum); of those, the group whose manager judges more than matching
+    hashes (a state group, then a sliding window, then chunked local
+    attention) is the one that let it through; full attention only when it
+    alone returned the hit.
+
+    Returns:
+        The call, or ``None`` when no lookup was traced.
     """
+    accepted = [
+        c
+        for c in request.lookup
+        if c.hit_tokens == request.hit_tokens and c.group < len(scenario.kv_cache_groups)
+    ]
+    if not accepted:
+        return binding_lookup(request)[0]
+
+    def rank(call: GroupLookup) -> int:
+        return _OVER_REACH_ORDER.index(manager_family(scenario.kv_cache_groups[call.group].kind))
+
+    return min(accepted, key=rank)
+
+
+def _branch(scenario: Scenario, call: GroupLookup) -> str:
+    """The branch of a full-attention lookup (``FullAttentionManager.find_longest_cache_hit``):
+    the prefix either ``stopped`` at an uncached block or was ``capped`` by the
+    length; ``""`` for every other manager (see the module docstring)."""
     group = scenario.kv_cache_groups[call.group]
+    if not group.kind.full_attention_family:
+        return ""
     block = group.block_size_tokens
     drop = 1 if call.drop_eagle_block else 0
-    if group.kind.sliding_window_family:
-        window = group.sliding_window_tokens or 1
-        need = -(-(window - 1) // block) + drop
-        if owed_tokens is None:
-            if call.hit_tokens == 0:
-                return "no run"
-            run = call.hit_tokens // block + drop
-            return "short run" if call.run_start_block == 0 and run < need else "full-window run"
-        return "short run" if owed_tokens // block + drop < need else "full-window run"
     alignment = scenario.effective_hit_alignment_tokens
     capped = max(0, call.max_length_tokens - drop * block) // alignment * alignment
     return "prefix capped" if call.hit_tokens >= capped else "prefix stopped"
@@ -333,17 +402,12 @@ def _shortfall(
     call, passes = binding_lookup(run.requests[request])
     group_kind = branch = ""
     if call is not None and call.group < len(scenario.kv_cache_groups):
-        kind = scenario.kv_cache_groups[call.group].kind
         # One root cause per manager code path: MLA runs on the full-attention
         # manager, sliding-window MLA on the sliding-window one.
-        if kind.full_attention_family:
-            kind = GroupKind.FULL_ATTENTION
-        elif kind.sliding_window_family:
-            kind = GroupKind.SLIDING_WINDOW
-        group_kind = kind.value
-        branch = _branch(scenario, call, finding.expected_tokens)
+        group_kind = manager_family(scenario.kv_cache_groups[call.group].kind).value
+        branch = _branch(scenario, call)
     else:
-        group_kind, branch = "untraced", "-"
+        group_kind, branch = "untraced", ""
     boundary, below = (
         missing_checkpoint(
             scenario,
@@ -365,12 +429,24 @@ def _history(run: RunObservation, upto: int) -> list[tuple[int, int]]:
 
 
 def _crash_detail(finding: Finding) -> str:
-    """The phase kind and exception type of a crash, without numbers."""
-    phase, _, rest = finding.detail.partition(": ")
-    exc = rest.partition(":")[0]
-    phase = re.sub(r"request \d+: ", "", phase)
+    """The phase kind, the vLLM function that raised and the exception type
+    of a crash, without numbers: ``lookup | SlidingWindowManager.find_longest_cache_hit:
+    IndexError``. The driver's error reads ``request N: PHASE: CALL: TYPE:
+    message [raised in FUNCTION (FILE)]``
+    (:class:`differential.driver.features.VllmCallError`); without the
+    ``raised in`` part the called function stands in."""
+    text = finding.detail
+    raised = re.search(r"\[raised in ([\w.<>]+)", text)
+    text = re.sub(r" \[raised in [^\]]*\]$", "", text)
+    text = re.sub(r"^request \d+: ", "", text)
+    phase, _, rest = text.partition(": ")
+    call, _, rest = rest.partition(": ")
+    exc = rest.partition(":")[0].strip()
+    if not exc:  # no call named: "PHASE: TYPE: message"
+        call, exc = "", call
+    where = raised.group(1) if raised else call
     phase = re.sub(r"\d+", "N", phase)
-    return f"{phase}: {exc}".strip(": ")
+    return " | ".join(p for p in (phase, f"{where}: {exc}" if where else exc) if p)
 
 
 def needless_protection(scenario: Scenario, run: RunObservation) -> bool:
@@ -391,6 +467,60 @@ def needless_protection(scenario: Scenario, run: RunObservation) -> bool:
     return settings.use_eagle_block_drop or settings.num_hash_lookahead_tokens > 0
 
 
+def protected_as_run(scenario: Scenario, run: RunObservation) -> Scenario | None:
+    """``scenario`` with a drafter the oracle protects as ``run`` protected it.
+
+    A run that protects a drafter needing no protection (Gemma-4 MTP on stock
+    vLLM 0.33.0) is judged by the oracle as if the drafter's KV needed the
+    protection it got: single-module MTP with the drop (lookahead hashes
+    off) when the run dropped, with one-token lookahead hashes when it used
+    them (multi-module MTP for wider ones). Its shortfalls are then those of
+    the run's own mechanism, not of the needless protection.
+
+    Returns:
+        The scenario so protected, or ``None`` when ``run`` protects no more
+        than the drafter needs (or the scenario cannot be so described).
+    """
+    if not needless_protection(scenario, run) or run.settings is None:
+        return None
+    settings = run.settings
+    tokens = max(1, scenario.drafter.num_speculative_tokens)
+    if settings.use_eagle_block_drop:
+        drafter = Drafter(DrafterKind.MTP, tokens)
+        protection: dict[str, bool] = {"disable_lookahead_block_hashes": True}
+    else:
+        lookahead = settings.num_hash_lookahead_tokens
+        drafter = (
+            Drafter(DrafterKind.MTP, tokens)
+            if lookahead == 1
+            else Drafter(DrafterKind.MULTI_MODULE_MTP, lookahead)
+        )
+        protection = {"disable_lookahead_block_hashes": False, "kv_connector": False}
+    try:
+        as_run = dataclasses.replace(scenario, drafter=drafter, **protection)  # type: ignore[arg-type]
+    except ScenarioError:
+        return None
+    model = drafter_model(as_run)
+    if model.drop != settings.use_eagle_block_drop or (
+        model.hash_lookahead_tokens != settings.num_hash_lookahead_tokens
+    ):
+        return None
+    return as_run
+
+
+def _own_shortfalls(
+    scenario: Scenario, vr: VariantResult, policy: Policy
+) -> tuple[Scenario | None, dict[tuple[FindingKind, int | None], Finding]]:
+    """The shortfalls ``vr``'s run shows judged with the protection it used
+    (:func:`protected_as_run`), labelled with known issues, by kind and request."""
+    as_run = protected_as_run(scenario, vr.run)
+    if as_run is None or vr.run.error is not None:
+        return None, {}
+    _, findings = judge_run(as_run, vr.run, policy)
+    labelled = label_known(as_run, findings, hits=vr.run.hits)
+    return as_run, {(f.kind, f.request): f for f in labelled if f.kind in _NEEDLESS_FACETS}
+
+
 def _needless_cause(scenario: Scenario) -> RootCause:
     return RootCause("needless-protection", detail=f"drafter {scenario.drafter.kind.value}")
 
@@ -405,11 +535,11 @@ def _other_cause(scenario: Scenario, vr: VariantResult, finding: Finding) -> Roo
     if finding.kind is FindingKind.OVER_HIT and request is not None:
         call = None
         if request < len(vr.run.requests):
-            call, _ = binding_lookup(vr.run.requests[request])
+            call = over_reaching_lookup(scenario, vr.run.requests[request])
         if call is None:
-            return RootCause("over-hit", detail="untraced")
-        kind = scenario.kv_cache_groups[call.group].kind.value
-        return RootCause("over-hit", detail=f"{kind}: {_branch(scenario, call)}")
+            return RootCause("over-hit", group_kind="untraced")
+        kind = manager_family(scenario.kv_cache_groups[call.group].kind).value
+        return RootCause("over-hit", group_kind=kind, branch=_branch(scenario, call))
     return RootCause(finding.kind.value)
 
 
@@ -423,10 +553,26 @@ def _variant_triage(scenario: Scenario, vr: VariantResult) -> list[Triaged]:
     needless = needless_protection(scenario, vr.run) or any(
         f.kind is FindingKind.NEEDLESS_DROP for f in findings
     )
+    as_run, own = (
+        _own_shortfalls(scenario, vr, findings[0].policy) if needless and findings else (None, {})
+    )
     out: list[Triaged] = []
     primary_by_request: dict[int | None, RootCause] = {}
     for finding in findings:
         request = finding.request
+        mine = own.get((finding.kind, request))
+        if (
+            as_run is not None
+            and mine is not None
+            and finding.kind in _NEEDLESS_FACETS
+            and not finding.known_issue
+            and request not in primary_by_request
+        ):
+            # Short even with the protection the run used: a cause of its own.
+            cause, passes, units = _shortfall(as_run, vr.run, mine)
+            primary_by_request[request] = cause
+            out.append(Triaged(finding, cause, Role.PRIMARY, name, passes, units))
+            continue
         if finding.kind is FindingKind.NEEDLESS_DROP or (
             needless and finding.kind in _NEEDLESS_FACETS and not finding.known_issue
         ):

@@ -57,23 +57,44 @@ def _short_run_applies(scenario: Scenario, finding: Finding) -> bool:
 
 def _short_swa_run_drop(scenario: Scenario, finding: Finding) -> bool:
     """The SWA lookup aligns before the EAGLE drop when the run is shorter
-    than the window, losing one alignment unit per such SWA group."""
+    than the window, losing one alignment unit per such SWA group and lookup
+    pass. With one sliding-window group that is at most one unit per short
+    group; with several, the hybrid coordinator's fixed-point loop repeats
+    the loss on every pass, down to 0 (one mechanism, whatever the group
+    count). A multi-unit loss one unit below a periodic checkpoint whose kept
+    tail misses the run's first blocks is the seed PR's class instead (its
+    short-prefix form, :func:`_seed_tail_missing`), not this one."""
     if not _short_run_applies(scenario, finding):
         return False
-    lost = (finding.expected_tokens or 0) - (finding.hit_tokens or 0)
+    expected, hit = finding.expected_tokens or 0, finding.hit_tokens or 0
     alignment = scenario.effective_hit_alignment_tokens
-    return lost <= _short_groups(scenario, finding.hit_tokens or 0) * alignment
-
-
-def _short_run_spiral(scenario: Scenario, finding: Finding) -> bool:
-    """The same short run with two or more SWA groups: the fixed-point lookup
-    repeats the loss on every pass, so more than one unit per short group is
-    lost (a single unit per short group is the plain short-run loss)."""
-    if len(scenario.sliding_window_groups) < 2 or not _short_run_applies(scenario, finding):
+    if expected - hit <= _short_groups(scenario, hit) * alignment:
+        return True
+    if len(scenario.sliding_window_groups) < 2:
         return False
-    lost = (finding.expected_tokens or 0) - (finding.hit_tokens or 0)
+    return not _seed_tail_missing(scenario, expected)
+
+
+def _seed_tail_missing(scenario: Scenario, expected_tokens: int) -> bool:
+    """Whether ``expected_tokens`` is one unit below a periodic checkpoint ``c``
+    whose kept SWA tail (the window plus the peek block) starts above token 0
+    in some short-run group: the run from block 0 to ``c - A`` then misses
+    blocks below the tail, the seed PR's mechanism. Where every tail reaches
+    token 0 the whole run is retained, and a loss there is the short-run
+    lookup's own."""
+    retention = scenario.retention_interval_tokens
     alignment = scenario.effective_hit_alignment_tokens
-    return lost > _short_groups(scenario, finding.hit_tokens or 0) * alignment
+    boundary = expected_tokens + alignment
+    if not retention or boundary % retention:
+        return False
+    for group in scenario.sliding_window_groups:
+        block = group.block_size_tokens
+        if block >= alignment or group.sliding_window_tokens is None:
+            continue
+        need = -(-(group.sliding_window_tokens - 1) // block) + 1
+        if expected_tokens + block < need * block < boundary:
+            return True
+    return False
 
 
 def _unit_below_retained_boundary(
@@ -93,6 +114,12 @@ def _unit_below_retained_boundary(
         return False
     model = drafter_model(scenario)
     alignment = scenario.effective_hit_alignment_tokens
+    retention = scenario.retention_interval_tokens
+    if model.drop and retention and (expected + alignment) % retention == 0:
+        # One unit below a periodic checkpoint under the drop: the seed PR's
+        # class, whichever groups drop (annotating the drafter's group keeps
+        # the sliding-window groups from dropping, not the mechanism).
+        return False
     index = finding.request
     # Junctions depend on earlier hits: a request pins its dense hit when its
     # own hit fell short of it. Without the run's hits, any earlier request may
@@ -124,17 +151,28 @@ def _unit_below_retained_boundary(
     return expected not in literal and expected + alignment in literal
 
 
-def _single_swa_lookahead_index_error(scenario: Scenario, finding: Finding) -> bool:
-    """vLLM raised IndexError in the lookup of a single SWA group whose block
-    hashes lookahead hashes left shorter than ``L - 1`` tokens."""
+_LOOKUP_FINDERS = (
+    "SlidingWindowManager.find_longest_cache_hit",
+    "MambaManager.find_longest_cache_hit",
+)
+
+
+def _lookahead_index_error_without_full_attention(scenario: Scenario, finding: Finding) -> bool:
+    """vLLM raised IndexError in a sliding-window or Mamba group's
+    ``find_longest_cache_hit`` on a layout with no full-attention group,
+    under lookahead hashes of two or more tokens: nothing capped the lookup
+    at the hashed blocks (one group alone, or sliding-window and Mamba
+    groups only). The crash's ``raised in`` part names the function; an
+    error without it is matched on the lookup phase."""
     if finding.kind is not FindingKind.CRASH or "IndexError" not in finding.detail:
         return False
-    groups = scenario.kv_cache_groups
-    if len(groups) != 1 or not groups[0].kind.sliding_window_family:
+    if any(g.kind.full_attention_family for g in scenario.kv_cache_groups):
         return False
-    return drafter_model(scenario).hash_lookahead_tokens >= 2 and "get_computed_blocks" in (
-        finding.detail
-    )
+    if drafter_model(scenario).hash_lookahead_tokens < 2:
+        return False
+    if "[raised in " in finding.detail:
+        return any(f"[raised in {name}" in finding.detail for name in _LOOKUP_FINDERS)
+    return "get_computed_blocks" in finding.detail
 
 
 def _writer_states(
@@ -300,11 +338,42 @@ def _single_group_drop_after_cap(scenario: Scenario, finding: Finding) -> bool:
 
 
 def _window_one_spiral(scenario: Scenario, finding: Finding) -> bool:
-    """Three or more groups, one a 1-token sliding window, under the drop."""
+    """Two or more sliding-window groups, one of a 1-token window, under the
+    drop: the window-1 group needs only the peek block and drops it, and the
+    hybrid coordinator's fixed-point loop takes the other groups down with
+    it, pass after pass (with or without a full-attention group)."""
     if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
         return False
+    if finding.expected_tokens is None or finding.hit_tokens is None:
+        return False
+    if finding.hit_tokens >= finding.expected_tokens:
+        return False
+    if finding.kind is FindingKind.FALLBACK and not drafter_model(scenario).drop:
+        return False
     windows = [g.sliding_window_tokens for g in scenario.sliding_window_groups]
-    return len(scenario.kv_cache_groups) >= 3 and 1 in windows
+    return len(windows) >= 2 and 1 in windows
+
+
+def _state_cached_one_token_short(scenario: Scenario, finding: Finding) -> bool:
+    """A fallback on a Mamba hybrid with fine-grained hits, the EAGLE drop and
+    a re-prefillable tail (multi-module MTP) from a state off the Mamba
+    block grid that the writer's prefill step ended at: vLLM caches the
+    blocks up to the step's end minus the tail
+    (``HybridKVCacheCoordinator.get_num_cacheable_tokens``), so
+    ``MambaManager.cache_blocks`` never sees the step's end and the state
+    there is lost when the next step overwrites it (a dense-retention run's
+    cross-check shows the same loss)."""
+    if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
+        return False
+    if not scenario.mamba_groups:
+        return False
+    expected, hit = finding.expected_tokens, finding.hit_tokens
+    if expected is None or hit is None or hit >= expected:
+        return False
+    model = drafter_model(scenario)
+    if not (model.drop and model.reprefillable_tokens and scenario.partial_hash_hits):
+        return False
+    return any(expected % g.block_size_tokens for g in scenario.mamba_groups)
 
 
 def _alignment_blowup(scenario: Scenario, finding: Finding) -> bool:
@@ -360,8 +429,11 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "alignment, their LCM, exceed every block, so every hit is rounded "
             "down to it: a drafter KV block of 3456 tokens beside a target block "
             "of 1536 aligns hits to 13824 tokens, about 7K tokens lost per request "
-            "(vLLM PR #52804). A property of the block sizes vLLM's planner chose, "
-            "not of the managers."
+            "(vLLM PR #52804). Likewise an alignment that is one group's block far "
+            "above the full-attention block: a scheduler block of 4096 tokens beside "
+            "a full-attention block of 128 gives every prompt shorter than 4096 "
+            "tokens 0 (vllm-ascend issue #16270). A property of the block sizes "
+            "vLLM's planner chose, not of the managers."
         ),
         vllm_source="vllm/v1/core/kv_cache_utils.py resolve_kv_cache_block_sizes with "
         "vllm/v1/core/kv_cache_coordinator.py HybridKVCacheCoordinator._cache_hit_alignment_tokens",
@@ -445,22 +517,6 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         matches=_mamba_finder_ignores_drop,
     ),
     KnownIssue(
-        name="short-swa-run-multi-group-spiral",
-        summary=(
-            "The swa-short-run-align-before-drop loss, with two or more sliding-"
-            "window groups: HybridKVCacheCoordinator.find_longest_cache_hit "
-            "re-runs every group whenever one shrinks the candidate, clears its "
-            "record of verified EAGLE drops, and the short-run group loses another "
-            "alignment unit on each pass, down to 0 (112 -> 0 for full block 16, "
-            "SWA blocks 8 with windows 128 and 64)."
-        ),
-        vllm_source="vllm/v1/core/kv_cache_coordinator.py "
-        "HybridKVCacheCoordinator.find_longest_cache_hit with "
-        "SlidingWindowManager.find_longest_cache_hit",
-        example="known-issues/short-swa-run-multi-group-spiral.json",
-        matches=_short_run_spiral,
-    ),
-    KnownIssue(
         name="swa-short-run-align-before-drop",
         summary=(
             "Under the EAGLE drop, when a sibling's shared prefix is shorter than "
@@ -469,23 +525,33 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "hit alignment *before* dropping the peek block, then drops a real "
             "block and rounds down again: with SWA blocks smaller than the "
             "alignment the sibling loses one extra alignment unit (96 instead of "
-            "128 for full block 32, SWA block 16, window 512). The seed PR does "
-            "not touch this path."
+            "128 for full block 32, SWA block 16, window 512). With several "
+            "sliding-window groups HybridKVCacheCoordinator.find_longest_cache_hit "
+            "re-runs every group whenever one shrinks the candidate, clears its "
+            "record of verified EAGLE drops, and the short-run group loses another "
+            "unit on each pass, down to 0 (112 -> 0 for full block 16, SWA blocks 8 "
+            "with windows 128 and 64): the same loss repeated, not another cause. "
+            "The seed PR does not touch this path."
         ),
         vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
-        "SlidingWindowManager.find_longest_cache_hit (the `not match_found` branch)",
+        "SlidingWindowManager.find_longest_cache_hit (the `not match_found` branch), "
+        "repeated by vllm/v1/core/kv_cache_coordinator.py "
+        "HybridKVCacheCoordinator.find_longest_cache_hit",
         example="known-issues/swa-short-run-align-before-drop.json",
         matches=_short_swa_run_drop,
     ),
     KnownIssue(
         name="window-one-multi-group-spiral",
         summary=(
-            "With three or more KV cache groups, one of them a sliding window of "
+            "With two or more sliding-window groups, one of them a window of "
             "a single token, and the EAGLE drop on, the hybrid lookup's "
-            "fixed-point loop shrinks every sibling's hit to 0 (the window-1 "
+            "fixed-point loop shrinks the sibling's hit to 0 (the window-1 "
             "group needs only the peek block, drops it, and the other groups "
-            "follow it down). Degenerate geometry: no known model has a 1-token "
-            "window."
+            "follow it down): FA 4 + SWA 2 (window 2) + SWA 2 (window 1), or SWA 4 "
+            "(window 4) + SWA 2 (window 1) alone, a sibling sharing 14 tokens of a "
+            "16-token writer gets 0 where 8 is due. A single sliding-window "
+            "group beside full attention does not spiral. Degenerate geometry: "
+            "no known model has a 1-token window, and kvfuzz's generator draws none."
         ),
         vllm_source="vllm/v1/core/kv_cache_coordinator.py "
         "HybridKVCacheCoordinator.find_longest_cache_hit",
@@ -532,25 +598,49 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         uses_hits=True,
     ),
     KnownIssue(
-        name="single-swa-group-lookahead-hashes-index-error",
+        name="lookahead-hashes-index-error-without-full-attention",
         summary=(
-            "A sliding-window-only model (one KV cache group) with lookahead "
+            "A layout with no full-attention group (one sliding-window or Mamba "
+            "group alone, or sliding-window and Mamba groups only) and lookahead "
             "block hashes of two or more tokens (multi-module MTP) crashes in "
-            "get_computed_blocks on any prompt whose last full block ends at "
-            "L - 1: UnitaryKVCacheCoordinator passes max_cache_hit_length = L - 1 "
-            "uncapped, and SlidingWindowManager.find_longest_cache_hit indexes "
-            "block_hashes[i] for every block below it, but lookahead hashes stop "
-            "num_hash_lookahead_tokens before the end (IndexError; SWA block 2, "
-            "window 2, a 19-token prompt, two speculative tokens). The hybrid "
-            "coordinator caps the length at the hashed tokens; full attention "
-            "uses islice and does not crash."
+            "get_computed_blocks: nothing caps the lookup at the hashed blocks "
+            "(UnitaryKVCacheCoordinator passes max_cache_hit_length = L - 1, and "
+            "HybridKVCacheCoordinator caps it only by a full-attention group's "
+            "match), and SlidingWindowManager.find_longest_cache_hit (and "
+            "MambaManager's) index block_hashes[i] for every block below it, "
+            "but lookahead hashes stop num_hash_lookahead_tokens before the end "
+            "(IndexError: SWA block 2 alone, window 2, a 19-token prompt; two SWA "
+            "groups of block 4, windows 4 and 8, a 5-token prompt; both with two "
+            "speculative tokens). Full attention uses islice and caps the others. "
+            "Found by kvfuzz."
         ),
         vllm_source="vllm/v1/core/kv_cache_coordinator.py "
-        "UnitaryKVCacheCoordinator.find_longest_cache_hit with "
+        "UnitaryKVCacheCoordinator.find_longest_cache_hit and "
+        "HybridKVCacheCoordinator.find_longest_cache_hit with "
         "vllm/v1/core/single_type_kv_cache_manager.py "
-        "SlidingWindowManager.find_longest_cache_hit",
+        "SlidingWindowManager.find_longest_cache_hit, MambaManager.find_longest_cache_hit",
         example="known-issues/single-swa-group-lookahead-hashes-index-error.json",
-        matches=_single_swa_lookahead_index_error,
+        matches=_lookahead_index_error_without_full_attention,
+    ),
+    KnownIssue(
+        name="mamba-state-cached-one-token-short",
+        summary=(
+            "On a Mamba hybrid with fine-grained hits, the EAGLE drop and "
+            "multi-module MTP (a re-prefillable tail of num_speculative_tokens - 1 "
+            "tokens), vLLM's Scheduler ends a prefill step at the EAGLE resume "
+            "position, off the Mamba block grid, but the coordinator caches only up "
+            "to the step's end minus the tail, so MambaManager.cache_blocks is "
+            "called with 55 where the step ended at 56, the state at 56 is never "
+            "cached and the next step overwrites it: FA 4 + Mamba 16, hash block 4, "
+            "MTP with 2 modules, dense retention, a 61-token prompt prefilled in "
+            "chunks of 16 and resent gets 48 where 56 is owed (single-module MTP "
+            "gets 56). Also on vLLM 0.31.0 and 0.32.0. Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py "
+        "HybridKVCacheCoordinator.get_num_cacheable_tokens with "
+        "vllm/v1/core/single_type_kv_cache_manager.py MambaManager.cache_blocks",
+        example="known-issues/mamba-state-cached-one-token-short.json",
+        matches=_state_cached_one_token_short,
     ),
     KnownIssue(
         name="dense-retention-eviction-collapse",

@@ -95,3 +95,56 @@ def test_single_group_drop_after_length_cap() -> None:
         ),
     )
     assert compare_variants(hybrid, variants).results[0].run.hits == (0, 48)
+
+
+def test_lookahead_index_error_without_full_attention_two_swa_groups() -> None:
+    # Two SWA groups of block 4 (windows 4 and 8), 2-token lookahead hashes,
+    # one 5-token prompt: max_cache_hit_length 4 is one block, and there is
+    # no block hash (hashes stop 2 tokens before the end).
+    entry = load_entry(ROOT / "known-issues/lookahead-hashes-index-error-two-swa-groups.json")
+    result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"))
+    for vr in result.results:
+        assert vr.run.hits == ()
+        (crash,) = vr.findings
+        assert crash.kind.value == "crash" and crash.request == 0
+        assert crash.detail == (
+            "request 0: lookup: KVCacheManager.get_computed_blocks: IndexError: list index out "
+            "of range [raised in SlidingWindowManager.find_longest_cache_hit "
+            "(vllm/v1/core/single_type_kv_cache_manager.py)]"
+        )
+        assert crash.known_issue == "lookahead-hashes-index-error-without-full-attention"
+    # Near miss: a full-attention group beside them caps the lookup.
+    import dataclasses
+
+    from differential.scenario import GroupKind, KVCacheGroup
+
+    capped = dataclasses.replace(
+        entry.scenario,
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
+            *entry.scenario.kv_cache_groups,
+        ),
+    )
+    assert compare_variants(capped, parse_variants("unfixed")).results[0].run.error is None
+
+
+def test_mamba_state_cached_one_token_short() -> None:
+    # FA 4 + Mamba 16, hash block 4, two MTP modules under the drop, dense
+    # retention, a 61-token prompt in chunks of 16: the resend gets 48, the
+    # state at 56 (the last chunk's end) is owed.
+    import dataclasses
+
+    from differential.scenario import Drafter, DrafterKind
+
+    entry = load_entry(ROOT / "known-issues/mamba-state-cached-one-token-short.json")
+    result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"))
+    for vr in result.results:
+        assert vr.run.hits == (0, 48)
+        fallback = next(f for f in vr.findings if f.kind.value == "fallback")
+        assert (fallback.expected_tokens, fallback.hit_tokens) == (56, 48)
+        assert fallback.known_issue == "mamba-state-cached-one-token-short"
+    # Near miss: single-module MTP leaves no tail uncached and gets 56.
+    single = dataclasses.replace(entry.scenario, drafter=Drafter(DrafterKind.MTP, 1))
+    control = compare_variants(single, parse_variants("unfixed"))
+    assert control.results[0].run.hits == (0, 56)
+    assert control.findings == ()

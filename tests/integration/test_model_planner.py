@@ -45,6 +45,13 @@ LAYOUTS = {
         544,
         544,
     ),
+    # The MTP draft layer shares the target's full-attention spec: the
+    # planner puts it in that group (13 layers) and marks it.
+    "qwen3-next-gdn-mtp": (
+        [(K.MAMBA, 544, None, False)] * 3 + [(K.FULL_ATTENTION, 544, None, True)],
+        544,
+        544,
+    ),
 }
 
 
@@ -83,6 +90,17 @@ def test_gpt_oss_draft_layer_is_marked_by_the_planner() -> None:
     assert entry.scenario.draft_groups is DraftGroups.ANNOTATED
     assert entry.scenario.drop_group_indices == frozenset({1})
     assert "13 layer(s) (is_eagle_group)" in entry.plan
+
+
+def test_gdn_with_an_mtp_draft_layer_replays() -> None:
+    # A draft group beside Mamba groups: only the marked full-attention group
+    # takes the drop; the hits are those of the unmarked layout.
+    entry = load_entry(SCENARIOS / "qwen3-next-gdn-mtp.json")
+    assert entry.scenario.draft_groups is DraftGroups.ANNOTATED
+    assert entry.scenario.drop_group_indices == frozenset({3})
+    result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"))
+    assert [list(r.run.hits) for r in result.results] == [[0, 3808, 0]] * 2
+    assert result.findings == ()
 
 
 def test_cli_replay_prints_the_plan() -> None:

@@ -243,6 +243,36 @@ def test_alignment_blowup_1536_3456() -> None:
     assert "[3456, 3456]" in finding.detail
 
 
+def _scheduler_block_4096(*lengths: int) -> Scenario:
+    # vllm-ascend issue #16270: a scheduler block (the hit alignment) of 4096
+    # tokens, another group's block, beside a full-attention block of 128.
+    return Scenario(
+        kv_cache_groups=(G(K.FULL_ATTENTION, 128), G(K.SLIDING_WINDOW, 4096, 4096)),
+        requests=tuple(
+            RequestSpec(n, 0, shares_with=0 if i else None) for i, n in enumerate(lengths)
+        ),
+        shared_prefix_tokens=lengths[0],
+        retention_interval_tokens=0,
+    )
+
+
+def test_a_scheduler_block_above_the_full_attention_block_starves_short_prompts() -> None:
+    s = _scheduler_block_4096(3000, 3000, 2000)
+    assert s.effective_hit_alignment_tokens == 4096  # the largest block: no LCM blowup
+    finding = alignment_blowup(s)
+    assert finding is not None
+    assert (finding.expected_tokens, finding.hit_tokens) == (128, 4096)
+    # A resend of 3000 tokens proves 2999 -> 2944 at the 128-token block and
+    # a 2000-token sibling 1999 -> 1920; both get 0 at 4096.
+    assert "requests [1, 2], shorter than 4096 tokens, get 0" in finding.detail
+    assert "[2944, 1920]" in finding.detail
+
+
+def test_prompts_above_the_scheduler_block_are_not_starved() -> None:
+    # Near miss: every sibling is longer than the alignment.
+    assert alignment_blowup(_scheduler_block_4096(9000, 9000)) is None
+
+
 def test_commensurate_blocks_are_no_blowup() -> None:
     s = Scenario(
         kv_cache_groups=(G(K.FULL_ATTENTION, 1536), G(K.FULL_ATTENTION, 3072)),

@@ -23,10 +23,18 @@ def test_shipped_descriptions_load() -> None:
         "gpt-oss-20b-eagle3",
         "llama4-scout",
         "qwen3-next-gdn",
+        "qwen3-next-gdn-mtp",
     }
     gpt_oss = ModelDescription.load(ROOT / "models" / "gpt-oss-20b-eagle3.json")
     assert gpt_oss.num_layers == 25
     assert [layer.draft for layer in gpt_oss.layers] == [False, False, True]
+    gdn_mtp = ModelDescription.load(ROOT / "models" / "qwen3-next-gdn-mtp.json")
+    assert gdn_mtp.num_layers == 49
+    assert [(layer.kind, layer.draft) for layer in gdn_mtp.layers] == [
+        (GroupKind.MAMBA, False),
+        (GroupKind.FULL_ATTENTION, False),
+        (GroupKind.FULL_ATTENTION, True),
+    ]
 
 
 @pytest.mark.parametrize(
