@@ -493,7 +493,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
         g.kind.sliding_window_family or g.kind is GroupKind.MAMBA for g in groups
     ):
         retention = 0  # vLLM accepts only None or 0 without SWA or Mamba groups
-    kinds = _ENGINE_DRAFTERS_MAMBA if mamba else _ENGINE_DRAFTERS
+    kinds: tuple[DrafterKind, ...] = _ENGINE_DRAFTERS_MAMBA if mamba else _ENGINE_DRAFTERS
     if mamba and len(groups) == 1:
         # A Mamba-only model has no attention layer for a drafter's KV
         # (vLLM's planner warns): no drafter that drops.
