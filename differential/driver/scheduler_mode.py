@@ -54,7 +54,7 @@ from functools import cache
 from typing import Any
 
 import differential.driver.runner as runner
-from differential.driver.features import classified_run, vllm_call
+from differential.driver.features import VllmCallError, classified_run, vllm_call
 from differential.driver.runner import UNSET, resolve_retention
 from differential.driver.settings import ResolvedDrafter, _speculative_config, resolve_drafter
 from differential.driver.specs import kv_cache_config, pool_blocks
@@ -535,6 +535,19 @@ def run_scheduler_scenario(
                     )
                 )
             idle = 0 if req_ids else idle + 1
+            if idle > _MAX_IDLE_STEPS and not scheduler.running:
+                # Requests wait and none runs: vLLM's Scheduler never admits
+                # them with this pool (vllm/v1/core/sched/scheduler.py
+                # schedule). That is this scenario's outcome, not kvfuzz's
+                # failure: the run ends here, the requests before it judged.
+                raise VllmCallError(
+                    "Scheduler.schedule",
+                    RuntimeError(
+                        f"admitted nothing for {_MAX_IDLE_STEPS} steps with "
+                        f"{len(scheduler.waiting)} waiting and none running "
+                        f"(pool {pool} blocks)"
+                    ),
+                )
             if idle > _MAX_IDLE_STEPS:
                 raise InternalError(
                     f"the scheduler made no progress for {_MAX_IDLE_STEPS} steps at step "

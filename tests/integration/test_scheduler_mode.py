@@ -351,3 +351,33 @@ def test_block_carved_mamba_prefill_is_judged_as_the_scheduler_chunks_it() -> No
         "fixed": (0, 80, 0, 80),
     }
     assert not [f for f in result.findings if f.kind is FindingKind.OVER_HIT]
+
+
+def test_a_pool_the_scheduler_never_admits_into_costs_the_scenario_not_the_run() -> None:
+    # FA 64 + Mamba 64 with EAGLE (2 tokens): pool 9 holds the first turns but
+    # never admits the third request; the run ends with that as its error
+    # (a crash finding naming the Scheduler), not kvfuzz's failure.
+    scenario = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 64),
+            KVCacheGroup(GroupKind.MAMBA, 64),
+        ),
+        requests=(RequestSpec(64, 2), RequestSpec(73, 32, 0), RequestSpec(112, 32, 1)),
+        shared_prefix_tokens=64,
+        drafter=Drafter(DrafterKind.EAGLE, 2),
+        hash_block_size_tokens=16,
+        prefill_chunk_tokens=32,
+        decode_steps=6,
+        workload=Workload(
+            mode=DriveMode.SCHEDULER,
+            pool_blocks=9,
+            arrival_steps=(0, 16, 32),
+            max_num_seqs=2,
+            shares_output=True,
+            accepted_drafts=(2, 1, 1),
+        ),
+    )
+    result = compare_variants(scenario, UNFIXED)
+    run = result.results[0].run
+    assert run.error is not None and "admitted nothing for 64 steps" in run.error
+    assert [f.kind for f in result.findings if f.kind is FindingKind.CRASH]
