@@ -212,6 +212,8 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
                 "model": draft,
                 "num_speculative_tokens": n,
             }
+            if drafter.get("disable_eagle_block_drop"):
+                kwargs["speculative_config"]["disable_eagle_block_drop"] = True
         elif method == "ngram":
             kwargs["speculative_config"] = {
                 "method": "ngram",
@@ -563,6 +565,10 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
             "use_eagle": bool(getattr(core.scheduler.kv_cache_manager, "use_eagle", False)),
             "speculative_method": None if spec_config is None else spec_config.method,
             "num_blocks": core.scheduler.kv_cache_config.num_blocks,
+            "num_lookahead_tokens": getattr(engine.vllm_config, "num_lookahead_tokens", 0),
+            "num_prefill_lookahead_tokens": getattr(
+                engine.vllm_config, "num_prefill_lookahead_tokens", 0
+            ),
             "start_s": round(start_s, 3),
             "run_s": round(time.perf_counter() - started, 3),
             "steps": instruments.step,

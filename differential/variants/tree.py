@@ -189,17 +189,13 @@ class TreeWorker:
             InternalError: the worker died or hung while importing its vLLM
                 (the message ends with the worker's stderr).
         """
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(self.tree), str(_ROOT), *filter(None, [env.get("PYTHONPATH")])]
-        )
         self.stderr_tail.clear()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "differential.driver.worker"],
+            self.command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=env,
+            env=self.environment(),
             text=True,
             encoding="utf-8",
             errors="replace",
@@ -225,9 +221,25 @@ class TreeWorker:
                 f"{self.name}: the worker for {self.tree} did not start within {limit:g} s "
                 f"(importing vLLM; {START_TIMEOUT_ENV} sets the limit){tail}"
             )
-        commit = _commit(self.tree)
-        self.vllm_version = hello["vllm_version"] + (f" ({commit})" if commit else "")
+        self.vllm_version = self.version(hello)
         self.capabilities = hello["capabilities"]
+
+    def command(self) -> list[str]:
+        """The worker's command line: this Python running the tree worker."""
+        return [sys.executable, "-m", "differential.driver.worker"]
+
+    def environment(self) -> dict[str, str]:
+        """The worker's environment: the tree, then kvfuzz, first on ``PYTHONPATH``."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(self.tree), str(_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        return env
+
+    def version(self, hello: dict[str, Any]) -> str:
+        """The version a run records: the hello's vLLM version and the tree's commit."""
+        commit = _commit(self.tree)
+        return hello["vllm_version"] + (f" ({commit})" if commit else "")
 
     def stop(self) -> None:
         """Kill the process (if any)."""
