@@ -299,7 +299,12 @@ class TreeWorker:
                 return reply
 
     def run(
-        self, scenario: Scenario, *, dense: bool = False, record_cache_map: bool = False
+        self,
+        scenario: Scenario,
+        *,
+        dense: bool = False,
+        record_cache_map: bool = False,
+        scheduler: bool = False,
     ) -> RunObservation:
         """Run ``scenario`` in the worker; timeouts and deaths become runs, not errors.
 
@@ -316,6 +321,8 @@ class TreeWorker:
             "dense": dense,
             "record_cache_map": record_cache_map,
         }
+        if scheduler:
+            request["mode"] = "scheduler"
         retention = None if dense else scenario.retention_interval_tokens
         try:
             reply = self._ask(request, self.timeout_s)
@@ -351,6 +358,9 @@ class TreeWorker:
             run.retention_interval_tokens,
             run.timed_out,
             run.unsupported,
+            mode=run.mode,
+            pool_blocks=run.pool_blocks,
+            steps=run.steps,
         )
 
 
@@ -365,13 +375,15 @@ def run_tree(
     dense: bool = False,
     record_cache_map: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    scheduler: bool = False,
 ) -> RunObservation:
-    """Run ``scenario`` on the tree variant ``name``, starting its worker once."""
+    """Run ``scenario`` on the tree variant ``name``, starting its worker once
+    (``scheduler``: through that tree's vLLM ``Scheduler``, scheduler mode)."""
     worker = _WORKERS.get(name)
     if worker is None:
         worker = _WORKERS[name] = TreeWorker(name, tree, timeout_s)
     worker.timeout_s = timeout_s
-    return worker.run(scenario, dense=dense, record_cache_map=record_cache_map)
+    return worker.run(scenario, dense=dense, record_cache_map=record_cache_map, scheduler=scheduler)
 
 
 def scenario_as_run(name: str, scenario: Scenario) -> Scenario:
