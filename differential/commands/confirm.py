@@ -193,16 +193,28 @@ def release_runs(
     except VariantError as exc:
         return f"release:{version} skipped: {exc}"
     assert variant.tree is not None
-    return {
-        mode: run_tree(
+    from differential.compare import in_mode
+    from differential.scenario import DriveMode
+
+    runs: dict[str, RunObservation] = {}
+    for mode in (DriveMode.MANAGER, DriveMode.SCHEDULER):
+        if mode is DriveMode.MANAGER and not scenario.workload.sequential:
+            runs[mode.value] = RunObservation(
+                variant.name,
+                version,
+                None,
+                (),
+                unsupported="manager mode: requests in flight together or drafts",
+            )
+            continue
+        runs[mode.value] = run_tree(
             variant.name,
             Path(variant.tree),
-            scenario,
+            in_mode(scenario, mode),
             timeout_s=300.0,
-            scheduler=mode == "scheduler",
+            scheduler=mode is DriveMode.SCHEDULER,
         )
-        for mode in ("manager", "scheduler")
-    }
+    return runs
 
 
 def _release_findings(
