@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(rows))
     print()
     print(
-        f"{len(files)} scenario(s); {len(ran)} ran on the engine, {len(matched)} match both drivers "
-        f"on release:0.32.0, {len([r for r in ran if r['status'] == 'mismatch'])} mismatch, "
+        f"{len(files)} scenario(s); {len(ran)} ran on the engine, {len(matched)} match both "
+        f"drivers on release:0.32.0, {len([r for r in ran if r['status'] == 'mismatch'])} mismatch, "
         f"{len(wrong)} with wrong-output"
     )
     reasons: dict[str, int] = {}
