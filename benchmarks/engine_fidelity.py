@@ -168,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     ran = [r for r in rows if "engine_hits" in r]
     matched = [r for r in ran if r["status"] == "match"]
     wrong = [r for r in ran if r.get("wrong_output")]
+    mismatched = [r for r in ran if r["status"] == "mismatch"]
     print(_table(rows))
     print()
     print(
         f"{len(files)} scenario(s); {len(ran)} ran on the engine, {len(matched)} match both "
-        f"drivers on release:0.32.0, {len([r for r in ran if r['status'] == 'mismatch'])} mismatch, "
+        f"drivers on release:0.32.0, {len(mismatched)} mismatch, "
         f"{len(wrong)} with wrong-output"
     )
     reasons: dict[str, int] = {}
