@@ -46,6 +46,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         EngineUnsupported,
         engine_plan,
         geometry_scale,
+        mamba_steps,
         scaled,
     )
     from differential.findings import FindingKind, Policy
@@ -53,7 +54,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"file": str(path.relative_to(ROOT) if path.is_absolute() else path)}
     entry = load_entry(path)
     factor = geometry_scale(entry.scenario)
-    mapped = scaled(entry.scenario, factor)
+    mapped = mamba_steps(scaled(entry.scenario, factor))
     row["scale"] = factor
     try:
         engine_plan(mapped)
