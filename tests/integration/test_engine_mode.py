@@ -136,3 +136,22 @@ def test_confirm_says_confirmed_on_the_engine() -> None:
         assert any("manager mode: hits [0, 0, 0, 256]" in line for line in release)
         assert any("scheduler mode: hits [0, 0, 0, 256]" in line for line in release)
         assert any("not a driver artefact" in line for line in lines)
+
+
+def test_replay_mode_engine_prints_the_engine_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from differential.cli import main
+
+    assert main(["replay", "--mode", "engine", str(EAGLE), str(NO_DRAFTER)]) == 1
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    engine_rows = [r for r in rows if r and r[0] == "engine"]
+    # variant, request, divergence, expected, hit, dense, verdict
+    assert engine_rows == [
+        ["engine", "0", "0", "0", "0", "0", "ok"],
+        ["engine", "1", "256", "224", "0", "224", "fallback"],
+        ["engine", "2", "0", "0", "0", "0", "ok"],
+        ["engine", "3", "512", "480", "256", "480", "fallback"],
+        ["engine", "0", "0", "0", "0", "0", "ok"],
+        ["engine", "1", "256", "256", "256", "256", "ok"],
+        ["engine", "2", "0", "0", "0", "0", "ok"],
+        ["engine", "3", "512", "512", "512", "512", "ok"],
+    ]
