@@ -151,18 +151,24 @@ def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -
         and r.engine.run.unsupported is None
         and r.engine.run.hits != r.recorded
     ]
+    from differential.commands.options import write_ci_reports
+    from differential.corpus import write_atomic
+
+    write_ci_reports(args, results)
+    report = render_json(results, version, policy, [])
+    report["engine"] = [
+        {
+            "file": str(r.entry.path),
+            "scale": r.engine.scale,
+            "on": r.engine.raw,
+            "off": r.engine.raw_off,
+        }
+        for r in replays
+    ]
+    report["expectations_failed"] = [{"file": str(p), "problem": m} for p, m in problems]
+    if args.report is not None:
+        write_atomic(args.report, json.dumps(report, indent=2) + "\n")
     if args.json:
-        report = render_json(results, version, policy, [])
-        report["engine"] = [
-            {
-                "file": str(r.entry.path),
-                "scale": r.engine.scale,
-                "on": r.engine.raw,
-                "off": r.engine.raw_off,
-            }
-            for r in replays
-        ]
-        report["expectations_failed"] = [{"file": str(p), "problem": m} for p, m in problems]
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
         sys.stdout.write(render_text(results, version))

@@ -60,10 +60,13 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "engine":
         from differential.commands.confirm import replay_on_engine
 
+        entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
         check_ci_outputs(args)
-        return replay_on_engine(
-            args, [load_scenario(args, p) for p in iter_scenario_files(args.paths)]
-        )
+        if args.report is not None:
+            from differential.reports.outputs import check_output_file
+
+            check_output_file(args.report, "--report")
+        return replay_on_engine(args, entries)
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     policy = Policy(args.policy)
     # Validate every input (and its cost) and every output path before running anything.
