@@ -83,13 +83,14 @@ def engine_replay(
 ) -> EngineReplay:
     """Run ``entry`` on the engine (cache on and off) and judge it."""
     from differential.compare import ScenarioResult, VariantResult
-    from differential.driver.engine_mode import engine_variant as variant
     from differential.driver.engine_mode import (
+        LOGPROB_TOLERANCE,
         file_geometry,
         judge,
         max_logprob_difference,
         run_engine,
     )
+    from differential.driver.engine_mode import engine_variant as variant
 
     started = time.perf_counter()
     outcome = run_engine(
@@ -106,7 +107,7 @@ def engine_replay(
         notices.append(
             f"engine, prefix cache off: hits {list(outcome.off_run.hits)}; sampled tokens "
             f"compared, largest logprob difference {max_logprob_difference(outcome):.1e} "
-            "(tolerance 1e-03)"
+            f"(tolerance {LOGPROB_TOLERANCE:g})"
         )
     result = ScenarioResult(
         scenario=outcome.scenario,
