@@ -474,8 +474,8 @@ class EngineResult:
 def observation(scenario: Scenario, raw: dict[str, Any], version: str) -> RunObservation:
     """The worker's reply as a :class:`RunObservation` (variant ``engine``, mode
     ``engine``): per request ``num_cached_tokens`` as the hit, the junction
-    ``get_computed_blocks`` reported, the step of its last lookup and the
-    rank of that step (``lookup_order``); per-group hits are not exposed by
+    ``get_computed_blocks`` reported, the step of its last lookup, the rank
+    of that step (``lookup_order``) and the step it finished at; per-group hits are not exposed by
     the engine and repeat the hit."""
     groups = len(scenario.kv_cache_groups)
     info = raw.get("engine", {})
@@ -494,6 +494,7 @@ def observation(scenario: Scenario, raw: dict[str, Any], version: str) -> RunObs
             retained_blocks_per_group=(0,) * groups,
             scheduled_step=r["lookup_step"],
             lookup_order=order[r["index"]],
+            finished_step=r.get("finished_step"),
         )
         for r in rows
     )

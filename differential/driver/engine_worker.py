@@ -282,7 +282,7 @@ def _install_weight_redraw() -> None:
         _redraw_weights(model)
 
     load_weights.kvfuzz_redraw = True  # type: ignore[attr-defined]
-    DummyModelLoader.load_weights = load_weights  # type: ignore[method-assign]
+    DummyModelLoader.load_weights = load_weights
 
 
 class _Engines:
@@ -440,7 +440,8 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
         ``{"engine": {vllm_version, block_size, hash_block_size, groups,
         use_eagle, num_blocks, start_s, run_s, steps, evicted_blocks,
         kwargs}, "requests": [per request: index, prompt_tokens,
-        num_cached_tokens, boundary_tokens, lookup_step, arrival_step,
+        num_cached_tokens, boundary_tokens, lookup_step, finished_step (the
+        engine step at whose end it finished), arrival_step,
         shared_tokens (longest common prefix with the tokens of every request
         added before it), output_token_ids, logprobs (the sampled token's),
         runner_up_logprobs (the best other token's, or null)], "broken":
@@ -461,6 +462,7 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
     run_id = f"{time.monotonic_ns()}"
     prompts: list[list[int] | None] = [None] * len(specs)
     outputs: dict[int, Any] = {}
+    finished_at: dict[int, int] = {}
     added: list[int] = []
     rows: dict[int, dict[str, Any]] = {}
     error: str | None = None
@@ -507,6 +509,7 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
         for out in engine.step():
             if out.finished:
                 outputs[_index(out.request_id)] = out
+                finished_at[_index(out.request_id)] = instruments.step
         instruments.step += 1
 
     with instruments:
@@ -550,6 +553,7 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
             lookup_hit_tokens=hit,
             boundary_tokens=boundary,
             lookup_step=lookup_step,
+            finished_step=finished_at.get(i),
             output_token_ids=list(completion.token_ids),
             logprobs=logprobs,
             runner_up_logprobs=runner_up,

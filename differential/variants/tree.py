@@ -239,7 +239,7 @@ class TreeWorker:
     def version(self, hello: dict[str, Any]) -> str:
         """The version a run records: the hello's vLLM version and the tree's commit."""
         commit = _commit(self.tree)
-        return hello["vllm_version"] + (f" ({commit})" if commit else "")
+        return str(hello["vllm_version"]) + (f" ({commit})" if commit else "")
 
     def stop(self) -> None:
         """Kill the process (if any)."""
