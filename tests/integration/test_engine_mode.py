@@ -24,9 +24,9 @@ import pytest
 
 from differential.commands.confirm import engine_replay
 from differential.corpus import finding_tag, load_entry
-from differential.driver.engine_mode import run_engine, shutdown_engine, wrong_outputs
+from differential.driver.engine_mode import judge, run_engine, shutdown_engine, wrong_outputs
 from differential.findings import FindingKind, Policy
-from differential.scenario import KVCacheGroup
+from differential.scenario import DriveMode, KVCacheGroup
 from tests.factories import CORPORA
 
 pytestmark = pytest.mark.engine
@@ -81,6 +81,29 @@ def test_wrong_output_catches_a_wrong_block_on_a_hit() -> None:
     first = found[0]
     assert first.request == 1
     assert "position 304" in first.detail and "256 cached tokens" in first.detail
+
+
+def test_concurrent_arrivals_with_decode_tokens_step_by_step() -> None:
+    """Writer and sibling added at engine step 0, the second pair at step 3,
+    four sampled tokens each: a request scheduled in the same step as its
+    writer hits the writer's blocks (vLLM caches a block when it allocates it
+    for tokens scheduled in that step), and the outputs equal cache-off."""
+    scenario = load_entry(NO_DRAFTER).scenario
+    concurrent = dataclasses.replace(
+        scenario,
+        decode_steps=3,
+        workload=dataclasses.replace(
+            scenario.workload, mode=DriveMode.SCHEDULER, arrival_steps=(0, 0, 3, 3)
+        ),
+    )
+    outcome = run_engine(concurrent)
+    assert outcome.run.error is None
+    assert outcome.run.hits == (0, 256, 0, 512)
+    steps = [(r.scheduled_step, r.finished_step) for r in outcome.run.requests]
+    assert steps == [(0, 3), (0, 3), (3, 6), (3, 6)]
+    assert all(len(r["output_token_ids"]) == 4 for r in outcome.raw["requests"])
+    assert wrong_outputs(outcome) == []
+    assert judge(outcome)[1] == ()
 
 
 def test_block_16_is_unsupported_naming_why_and_runs_scaled() -> None:
