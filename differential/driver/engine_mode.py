@@ -151,7 +151,17 @@ class EngineWorker(TreeWorker):
 
     def run_plan(self, plan: dict[str, Any]) -> dict[str, Any]:
         """Run one plan; a worker that dies or hangs is a run with ``error``
-        (and ``timed_out``) set, and is restarted on the next plan."""
+        (and ``timed_out``) set, and is restarted on the next plan. A worker
+        that could not start another engine (``retry``) is replaced and the
+        plan rerun once in the fresh one."""
+        run = self._run_plan(plan)
+        if "retry" in run:
+            run = self._run_plan(plan)
+            if "retry" in run:
+                run = {"error": f"engine start: {run['retry']}", "requests": []}
+        return run
+
+    def _run_plan(self, plan: dict[str, Any]) -> dict[str, Any]:
         if self.process is None:
             self.start()
         try:
@@ -166,7 +176,10 @@ class EngineWorker(TreeWorker):
                 "timed_out": True,
                 "requests": [],
             }
-        return dict(reply["run"])
+        run = dict(reply["run"])
+        if run.get("restart"):
+            self.stop()  # a fresh worker for the next plan
+        return run
 
 
 _WORKER: list[EngineWorker] = []

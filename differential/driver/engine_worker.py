@@ -60,6 +60,15 @@ class PlanError(Exception):
     """The plan asks for something this engine cannot run (an *unsupported* run)."""
 
 
+class RetryInFreshWorker(Exception):
+    """Starting an engine failed in a worker that had started others: the
+    parent reruns the plan in a fresh worker."""
+
+
+class EngineStartError(Exception):
+    """``vllm.LLM(...)`` raised in a fresh worker: the run's error (a crash)."""
+
+
 # ------------------------------------------------------------------ model configs
 
 
@@ -142,7 +151,7 @@ def _eagle_config(num_target_layers: int, eagle3: bool) -> dict[str, Any]:
         config["architectures"] = ["LlamaForCausalLMEagle3"]
         config["draft_vocab_size"] = _VOCAB
         last = num_target_layers - 1
-        config["eagle_aux_hidden_state_layer_ids"] = [min(1, last), num_target_layers // 2, last]
+        config["eagle_aux_hidden_state_layer_ids"] = [1, num_target_layers // 2, last]
     return config
 
 
@@ -173,8 +182,14 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
     engine = plan["engine"]
     arch = engine["architecture"]
     if arch == "llama":
-        target = _llama_config(list(engine["layer_types"]), engine.get("sliding_window"))
-        num_layers = len(engine["layer_types"])
+        layer_types = list(engine["layer_types"])
+        drafter = engine.get("drafter") or {}
+        if drafter.get("method") == "eagle3":
+            # EAGLE-3 reads three distinct auxiliary layers of the target: the
+            # layer pattern is repeated (layers of one spec share a group).
+            layer_types = layer_types * -(-4 // len(layer_types))
+        target = _llama_config(layer_types, engine.get("sliding_window"))
+        num_layers = len(layer_types)
     elif arch == "nemotron_h":
         target = _nemotron_h_config(engine["pattern"])
         num_layers = len(engine["pattern"])
@@ -291,7 +306,7 @@ class _Engines:
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="kvfuzz-engine-models-"))
         self.engines: dict[str, Any] = {}
-        self.start_s: dict[str, float] = {}
+        self.created = 0
 
     def get(self, kwargs: dict[str, Any]) -> tuple[Any, float]:
         """The engine for ``kwargs`` (started if new) and its start-up seconds
@@ -311,7 +326,16 @@ class _Engines:
             gc.collect()
         started = time.perf_counter()
         _install_weight_redraw()
-        llm = LLM(**kwargs)
+        try:
+            llm = LLM(**kwargs)
+        except Exception as exc:
+            if self.created:
+                # vLLM's CPU platform re-registers its kernel overrides for every
+                # engine, which can fail after other engines' imports: a fresh
+                # worker retries the plan.
+                raise RetryInFreshWorker(f"{type(exc).__name__}: {exc}") from exc
+            raise EngineStartError(f"{type(exc).__name__}: {exc}") from exc
+        self.created += 1
         elapsed = time.perf_counter() - started
         self.engines[key] = llm
         return llm, elapsed
@@ -534,7 +558,9 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
                     step()
         except Exception as exc:  # the engine raised: a crash of the run
             error = f"engine step {instruments.step}: {type(exc).__name__}: {exc}"
-            engines.engines.clear()  # an engine that raised is not reused
+            # vLLM's process-wide state (kernel registrations) does not survive a
+            # failed engine: the parent restarts this worker before the next plan.
+            engines.engines.clear()
             gc.collect()
     requests = []
     for i in sorted(outputs):
@@ -582,6 +608,7 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
         "requests": requests,
         "broken": sorted(set(instruments.broken)),
         "error": error,
+        "restart": error is not None,
     }
 
 
@@ -618,6 +645,20 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
                     reply({"run": run_plan(engines, request["plan"])})
                 except PlanError as exc:
                     reply({"run": {"unsupported": str(exc)}})
+                except RetryInFreshWorker as exc:
+                    reply({"run": {"retry": str(exc), "restart": True, "requests": []}})
+                    return
+                except EngineStartError as exc:
+                    reply(
+                        {
+                            "run": {
+                                "error": f"engine start: {exc}",
+                                "restart": True,
+                                "requests": [],
+                            }
+                        }
+                    )
+                    return
             elif request["op"] == "exit":
                 return
             else:
