@@ -181,7 +181,8 @@ def load_scenario(args: argparse.Namespace, path: Path) -> CorpusEntry:
 
     entry = load_entry(path)
     mode = getattr(args, "mode", None)
-    if mode is not None and mode != "engine" and DriveMode(mode) is not entry.scenario.workload.mode:
+    engine = mode == "engine"  # replay --mode engine runs the file as written
+    if mode is not None and not engine and DriveMode(mode) is not entry.scenario.workload.mode:
         from dataclasses import replace
 
         from differential.compare import in_mode
