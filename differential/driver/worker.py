@@ -6,7 +6,10 @@ then serves requests, one JSON object per line (protocol version 1):
 
 * in ``{"v": 1, "op": "hello"}`` -> out ``{"v": 1, "vllm_version": ..., "capabilities": {...}}``
 * in ``{"v": 1, "op": "run", "variant": NAME, "scenario": {...}, "dense": bool,
-  "record_cache_map": bool}`` -> out ``{"v": 1, "run": <RunObservation dict>}``
+  "record_cache_map": bool}`` -> out ``{"v": 1, "run": <RunObservation dict>}``;
+  with ``"mode": "scheduler"`` the scenario runs through that vLLM's
+  ``Scheduler`` (:mod:`differential.driver.scheduler_mode`), else the manager
+  driver
 * a failure of kvfuzz's own driver code -> out ``{"v": 1, "internal_error": MESSAGE,
   "traceback": TEXT}`` (the parent raises ``InternalError`` with MESSAGE)
 
@@ -66,7 +69,12 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
                 kwargs: dict[str, Any] = {"record_cache_map": bool(request.get("record_cache_map"))}
                 if request.get("dense"):
                     kwargs["retention_interval_tokens"] = None
-                run = run_scenario(scenario, request["variant"], **kwargs)
+                if request.get("mode") == "scheduler":
+                    from differential.driver.scheduler_mode import run_scheduler_scenario
+
+                    run = run_scheduler_scenario(scenario, request["variant"], **kwargs)
+                else:
+                    run = run_scenario(scenario, request["variant"], **kwargs)
                 reply({"run": run.to_dict()})
             elif request["op"] == "exit":
                 return

@@ -101,6 +101,7 @@ def junit_xml(results: Sequence[ScenarioResult], *, suite_name: str = "kvfuzz") 
 
 
 _LEVEL = {
+    FindingKind.WRONG_OUTPUT: "error",
     FindingKind.WRONG_KV: "error",
     FindingKind.OVER_HIT: "error",
     FindingKind.CRASH: "error",
@@ -112,6 +113,7 @@ _LEVEL = {
     FindingKind.NEEDLESS_DROP: "warning",
     FindingKind.DENSE_MISMATCH: "warning",
     FindingKind.MODE_MISMATCH: "warning",
+    FindingKind.DRIVER_MISMATCH: "warning",
     FindingKind.EVICTION_COLLAPSE: "warning",
     FindingKind.DESIGN_GAP: "note",
     FindingKind.ALIGNMENT_BLOWUP: "note",

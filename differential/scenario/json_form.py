@@ -303,6 +303,12 @@ class ScenarioDocument(BaseModel):
     finding: Any = Field(
         default=None, exclude=True, description="A campaign finding's record (an object)."
     )
+    engine: Any = Field(
+        default=None,
+        exclude=True,
+        description="How engine mode maps the scenario, and what the engine measured "
+        "(an object).",
+    )
 
     def fields(self) -> dict[str, Any]:
         """The keyword arguments of :class:`Scenario` this document gives."""
@@ -363,6 +369,25 @@ class FindingRecord(BaseModel):
     )
 
 
+class EngineDocument(BaseModel):
+    """How engine mode (differential/driver/engine_mode.py) maps a scenario to
+    vLLM's real CPU engine, and what the engine measured for it."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    geometry: Literal["exact", "scale"] = Field(
+        default="exact",
+        description="'exact': blocks must be multiples of 32 tokens (the CPU attention "
+        "kernels'); 'scale': every token length is multiplied by the smallest factor that "
+        "makes them so, and the report says so.",
+    )
+    hits: tuple[StrictInt, ...] | None = Field(
+        default=None,
+        description="The engine's hit tokens per request (replay --mode engine checks "
+        "them like an expect block).",
+    )
+
+
 class ScenarioFileDocument(ScenarioDocument):
     """A kvfuzz scenario file: a scenario with either its KV cache groups or a
     model description vLLM's planner lays out (``model``), and, in a corpus
@@ -400,6 +425,11 @@ class ScenarioFileDocument(ScenarioDocument):
     notes: StrictStr = Field(default="", description="Free text (a corpus entry).")
     finding: FindingRecord | None = Field(
         default=None, description="A campaign finding's record (a finding file)."
+    )
+    engine: EngineDocument | None = Field(
+        default=None,
+        description="How engine mode maps the scenario to vLLM's real engine, and what the "
+        "engine measured (docs/engine.md).",
     )
 
 

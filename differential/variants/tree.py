@@ -189,17 +189,13 @@ class TreeWorker:
             InternalError: the worker died or hung while importing its vLLM
                 (the message ends with the worker's stderr).
         """
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(self.tree), str(_ROOT), *filter(None, [env.get("PYTHONPATH")])]
-        )
         self.stderr_tail.clear()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "differential.driver.worker"],
+            self.command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=env,
+            env=self.environment(),
             text=True,
             encoding="utf-8",
             errors="replace",
@@ -225,9 +221,25 @@ class TreeWorker:
                 f"{self.name}: the worker for {self.tree} did not start within {limit:g} s "
                 f"(importing vLLM; {START_TIMEOUT_ENV} sets the limit){tail}"
             )
-        commit = _commit(self.tree)
-        self.vllm_version = hello["vllm_version"] + (f" ({commit})" if commit else "")
+        self.vllm_version = self.version(hello)
         self.capabilities = hello["capabilities"]
+
+    def command(self) -> list[str]:
+        """The worker's command line: this Python running the tree worker."""
+        return [sys.executable, "-m", "differential.driver.worker"]
+
+    def environment(self) -> dict[str, str]:
+        """The worker's environment: the tree, then kvfuzz, first on ``PYTHONPATH``."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(self.tree), str(_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        return env
+
+    def version(self, hello: dict[str, Any]) -> str:
+        """The version a run records: the hello's vLLM version and the tree's commit."""
+        commit = _commit(self.tree)
+        return str(hello["vllm_version"]) + (f" ({commit})" if commit else "")
 
     def stop(self) -> None:
         """Kill the process (if any)."""
@@ -287,7 +299,12 @@ class TreeWorker:
                 return reply
 
     def run(
-        self, scenario: Scenario, *, dense: bool = False, record_cache_map: bool = False
+        self,
+        scenario: Scenario,
+        *,
+        dense: bool = False,
+        record_cache_map: bool = False,
+        scheduler: bool = False,
     ) -> RunObservation:
         """Run ``scenario`` in the worker; timeouts and deaths become runs, not errors.
 
@@ -304,6 +321,8 @@ class TreeWorker:
             "dense": dense,
             "record_cache_map": record_cache_map,
         }
+        if scheduler:
+            request["mode"] = "scheduler"
         retention = None if dense else scenario.retention_interval_tokens
         try:
             reply = self._ask(request, self.timeout_s)
@@ -339,6 +358,9 @@ class TreeWorker:
             run.retention_interval_tokens,
             run.timed_out,
             run.unsupported,
+            mode=run.mode,
+            pool_blocks=run.pool_blocks,
+            steps=run.steps,
         )
 
 
@@ -353,13 +375,15 @@ def run_tree(
     dense: bool = False,
     record_cache_map: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    scheduler: bool = False,
 ) -> RunObservation:
-    """Run ``scenario`` on the tree variant ``name``, starting its worker once."""
+    """Run ``scenario`` on the tree variant ``name``, starting its worker once
+    (``scheduler``: through that tree's vLLM ``Scheduler``, scheduler mode)."""
     worker = _WORKERS.get(name)
     if worker is None:
         worker = _WORKERS[name] = TreeWorker(name, tree, timeout_s)
     worker.timeout_s = timeout_s
-    return worker.run(scenario, dense=dense, record_cache_map=record_cache_map)
+    return worker.run(scenario, dense=dense, record_cache_map=record_cache_map, scheduler=scheduler)
 
 
 def scenario_as_run(name: str, scenario: Scenario) -> Scenario:

@@ -161,7 +161,10 @@ def test_wrong_kv_finding_is_most_severe_and_round_trips() -> None:
         (None,) * 8 + (208, 209, 210, None),
     )
     assert Finding.from_dict(json.loads(json.dumps(finding.to_dict()))) == finding
-    assert min(SEVERITY, key=SEVERITY.__getitem__) is FindingKind.WRONG_KV
+    # Only the engine's wrong-output (outputs that differ from a cache-off
+    # run) ranks above wrong-kv.
+    assert min(SEVERITY, key=SEVERITY.__getitem__) is FindingKind.WRONG_OUTPUT
+    assert SEVERITY[FindingKind.WRONG_OUTPUT] < SEVERITY[FindingKind.WRONG_KV]
     assert SEVERITY[FindingKind.WRONG_KV] < SEVERITY[FindingKind.OVER_HIT]
 
 

