@@ -36,6 +36,7 @@ import json
 import multiprocessing
 import os
 import random
+import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -252,7 +253,7 @@ def corpus_root_causes(
 
     Every file under ``paths`` is replayed on ``variants``; known issues
     count with their reproducer (:data:`differential.triage.known.KNOWN_ISSUES`).
-    Unreadable files are skipped (the corpus replay test reports them).
+    An unreadable or invalid file is skipped with a warning on stderr naming it.
     """
     from differential.compare import compare_variants
     from differential.corpus import iter_scenario_files, load_entry
@@ -263,9 +264,11 @@ def corpus_root_causes(
     for path in iter_scenario_files([str(p) for p in existing]) if existing else ():
         try:
             entry = load_entry(path)
-        except ScenarioError:
+            result = compare_variants(entry.scenario, variants, policy=policy, source=str(path))
+        except ScenarioError as exc:
+            # One bad file costs that file: said, then skipped.
+            print(f"kvfuzz: warning: known corpus file skipped: {exc}", file=sys.stderr)
             continue
-        result = compare_variants(entry.scenario, variants, policy=policy)
         for t in triage(result):
             known.setdefault(t.root_cause, str(path))
     return known

@@ -7,22 +7,28 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from differential.commands.options import (
     EXIT_CLEAN,
     EXIT_FOUND,
+    EXIT_USAGE,
     add_ci_reports,
     add_common,
     check_ci_outputs,
     load_scenario,
+    one_line,
     write_ci_reports,
 )
+from differential.errors import ScenarioError
 from differential.findings import Policy
 from differential.variants import (
     VariantRole,
     parse_variants,
 )
+
+if TYPE_CHECKING:
+    from differential.corpus import CorpusEntry
 
 __all__ = ["add_parser", "run"]
 
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             )
     notices += [f"{entry.path}: {entry.plan}" for entry in entries if entry.plan]
     results = []
+    ran: list[CorpusEntry] = []
+    rejected: list[ScenarioError] = []
     for index, entry in enumerate(entries, 1):
         # Progress on stderr, one line per scenario, its cost stated before it runs.
         print(
@@ -96,19 +104,25 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        results.append(
-            compare_variants(
+        try:
+            result = compare_variants(
                 entry.scenario,
                 variants,
                 policy=policy,
                 source=str(entry.path),
                 dense_cross_check=not args.no_dense_check,
             )
-        )
+        except ScenarioError as exc:
+            # Bad input only running could show costs that scenario, not the run.
+            print(f"kvfuzz: error: {one_line(str(exc))}", file=sys.stderr, flush=True)
+            rejected.append(exc)
+            continue
+        results.append(result)
+        ran.append(entry)
     # A corpus file's `expect` block is checked too: a contradiction fails like a finding.
     contradictions = [
         (entry.path, problem)
-        for entry, result in zip(entries, results, strict=True)
+        for entry, result in zip(ran, results, strict=True)
         for problem in expectation_problems(entry, result)
     ]
     report = render_json(results, VLLM_VERSION, policy, notices)
@@ -125,5 +139,7 @@ def run(args: argparse.Namespace) -> int:
         for path, problem in contradictions:
             sys.stdout.write(f"! expectation not met: {printable(str(path))}: {problem}\n")
         sys.stdout.write(f"({time.perf_counter() - started:.1f} s after importing vLLM)\n")
+    if rejected:
+        return EXIT_USAGE  # each named on stderr as it happened; the reports hold the rest
     found = any(r.findings for r in results) or bool(contradictions)
     return EXIT_FOUND if found else EXIT_CLEAN

@@ -40,6 +40,7 @@ from differential.scenario.groups import GroupKind
 __all__ = [
     "DTYPES",
     "KV_CACHE_LAYOUTS",
+    "MAX_LAYERS",
     "MODEL_FORMAT",
     "LayerDocument",
     "LayerSpec",
@@ -49,6 +50,10 @@ __all__ = [
 ]
 
 MODEL_FORMAT: Final = "kvfuzz.model"
+
+#: Most layers a description may list, target and drafter together (the
+#: largest public models have a few hundred).
+MAX_LAYERS: Final = 4096
 
 _Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "uint8"]
 _Layout = Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
@@ -253,8 +258,18 @@ class ModelDescription:
             ModelDocument.model_validate(self, from_attributes=True, strict=True)
         except ValidationError as exc:
             raise scenario_error(exc, model_schema(), prefix="model", python=True) from None
+        total = 0
         for i, layer in enumerate(self.layers):
             layer._check_kind(f"model.layers[{i}]")
+            # Every layer becomes a vLLM KVCacheSpec before any scenario limit
+            # is checked: the layer count is bounded here, before one is built.
+            total += layer.count
+            if total > MAX_LAYERS:
+                raise ScenarioError(
+                    f"model.layers[{i}].count",
+                    layer.count,
+                    f"at most {MAX_LAYERS} layers in all ({total - layer.count} before this entry)",
+                )
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,138 @@
+"""Hostile sizes, corpus files and environments that need real runs.
+
+Each case ends with the documented exit code and one line naming what
+happened (the file, the field), never a traceback, and nothing already due
+lost: a scenario that cannot run costs that scenario, not the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.factories import CORPORA, ROOT
+
+pytestmark = pytest.mark.vllm
+
+TOY = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
+
+_MEMORY_BYTES = 4 << 30  # address space a run may take: a regression fails fast
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_BYTES, _MEMORY_BYTES))
+
+
+def _kvfuzz(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "differential.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=_limit_memory,
+        check=False,
+        timeout=300,
+    )
+
+
+def _toy(tmp: Path, name: str = "toy.json", **changes: object) -> Path:
+    data = json.loads(TOY.read_text())
+    data.pop("expect")
+    data["requests"] = data["requests"][:2]
+    data.update(changes)
+    path = tmp / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("kvfuzz:")]
+
+
+def test_an_unused_shared_prefix_of_2_63_tokens_costs_nothing(tmp_path: Path) -> None:
+    # 2 requests copy 256 tokens of a 2**63-token prefix: the limits count the
+    # 544 tokens run, and only those are built (it used to exhaust memory).
+    path = _toy(tmp_path, shared_prefix_tokens=2**63)
+    proc = _kvfuzz("replay", str(path), "--variants", "unfixed", "--no-dense-check")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"{path}: 2 requests, 544 tokens, 217 pool blocks" in proc.stderr
+    assert "1 scenario(s); findings: 1 fallback" in proc.stdout
+    assert _error_lines(proc.stderr) == []
+
+
+def test_a_pool_too_small_for_one_request_is_named_before_anything_runs(
+    tmp_path: Path,
+) -> None:
+    # Longest prompt 272 tokens: 34 full-attention blocks of 8, one SWA block
+    # and the null block.
+    (tmp_path / "corpus").mkdir()
+    good = _toy(tmp_path / "corpus", "a-good.json")
+    bad = _toy(tmp_path / "corpus", "b-bad.json", workload={"pool_blocks": 2})
+    message = (
+        f"kvfuzz: error: {bad}: workload.pool_blocks = 2 is invalid: allowed null or at "
+        "least 36 blocks (the null block, the longest prompt of 272 tokens in each "
+        "full-attention group's blocks, one block per other group)"
+    )
+    assert good.exists()
+    for args in (
+        ["replay", str(tmp_path / "corpus"), "--junit-xml", str(tmp_path / "j.xml")],
+        ["calibrate", str(tmp_path / "corpus")],
+        ["diff", "unfixed", "fixed", "--corpus", str(tmp_path / "corpus"), "--seconds", "1"],
+    ):
+        proc = _kvfuzz(*args)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert _error_lines(proc.stderr) == [message], args
+        assert "Traceback" not in proc.stderr
+
+
+def test_a_pool_that_runs_out_costs_that_scenario_and_the_reports_are_written(
+    tmp_path: Path,
+) -> None:
+    # 36 blocks pass the check but leave no room for the lookahead: the run
+    # finds out, names the file, runs the next one and writes the reports.
+    (tmp_path / "corpus").mkdir()
+    bad = _toy(tmp_path / "corpus", "a-bad.json", workload={"pool_blocks": 36})
+    good = _toy(tmp_path / "corpus", "b-good.json")
+    junit = tmp_path / "j.xml"
+    report = tmp_path / "r.json"
+    proc = _kvfuzz(
+        "replay",
+        str(tmp_path / "corpus"),
+        "--variants",
+        "unfixed",
+        "--no-dense-check",
+        "--junit-xml",
+        str(junit),
+        "--report",
+        str(report),
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = _error_lines(proc.stderr)
+    assert line.startswith(f"kvfuzz: error: {bad}: workload.pool_blocks = 36 is invalid: ")
+    assert "ran out at 64 tokens of request 0" in line
+    assert str(good) in junit.read_text()
+    assert [s["source"] for s in json.loads(report.read_text())["scenarios"]] == [str(good)]
+    assert "1 scenario(s); findings: 1 fallback" in proc.stdout
+
+
+def test_a_model_of_a_billion_layers_is_rejected_before_one_is_built(tmp_path: Path) -> None:
+    model = json.loads((ROOT / "models" / "gemma4-mtp.json").read_text())
+    model["layers"][0]["count"] = 10**9
+    (tmp_path / "big.json").write_text(json.dumps(model))
+    scenario = json.loads((ROOT / "models" / "scenarios" / "gemma4-mtp.json").read_text())
+    scenario["model"] = "big.json"
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(scenario))
+    proc = _kvfuzz("replay", str(path))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == [
+        f"kvfuzz: error: {path}: model.layers[0].count = 1000000000 is invalid: "
+        "allowed at most 4096 layers in all (0 before this entry)"
+    ]
