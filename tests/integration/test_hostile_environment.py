@@ -136,3 +136,33 @@ def test_a_model_of_a_billion_layers_is_rejected_before_one_is_built(tmp_path: P
         f"kvfuzz: error: {path}: model.layers[0].count = 1000000000 is invalid: "
         "allowed at most 4096 layers in all (0 before this entry)"
     ]
+
+
+def test_a_corrupted_example_database_does_not_stop_the_campaign(tmp_path: Path) -> None:
+    # Random bytes under a key of no target, and under an unreadable entry
+    # name: the replay of earlier failures has nothing to run (it used to end
+    # every later campaign with "SkipTest: Hypothesis has been told to run no
+    # test cases", exit 3).
+    database = tmp_path / "out" / "hypothesis-db"
+    (database / "0123456789abcdef").mkdir(parents=True)
+    (database / "0123456789abcdef" / "fedcba9876543210").write_bytes(os.urandom(64))
+    (database / "fedcba9876543210").write_bytes(os.urandom(64))
+    known = tmp_path / "known"
+    known.mkdir()
+    (known / "toy.json").write_text(TOY.read_text())
+    proc = _kvfuzz(
+        "fuzz",
+        "--out",
+        str(tmp_path / "out"),
+        "--max-examples",
+        "2",
+        "--known-corpus",
+        str(known),
+        "--no-dense-check",
+        "--no-shrink",
+        "--quiet",
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == []
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["examples"] == 2 and summary["failed_jobs"] == []
