@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from differential.driver.worker import PARENT_ENV
 from differential.errors import InternalError, KvfuzzError, VariantError
 from differential.observation import RunObservation
 from differential.scenario import Scenario
@@ -193,6 +194,7 @@ class TreeWorker:
         env["PYTHONPATH"] = os.pathsep.join(
             [str(self.tree), str(_ROOT), *filter(None, [env.get("PYTHONPATH")])]
         )
+        env[PARENT_ENV] = str(os.getpid())  # the worker dies with this process
         self.stderr_tail.clear()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "differential.driver.worker"],

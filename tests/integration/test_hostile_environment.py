@@ -166,3 +166,91 @@ def test_a_corrupted_example_database_does_not_stop_the_campaign(tmp_path: Path)
     assert _error_lines(proc.stderr) == []
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["examples"] == 2 and summary["failed_jobs"] == []
+
+
+def _workers_of(parent: int) -> set[int]:
+    """Tree workers (``python -m differential.driver.worker``) ``parent`` started
+    that are alive now, from /proc."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z" and b"differential.driver.worker" in argv:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return -1
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _idle_after_importing(pids: set[int]) -> bool:
+    """Every process in ``pids`` has spent over a second of CPU (vLLM imported)
+    and spends none now (asleep in the hung scenario)."""
+    import time
+
+    before = {pid: _cpu_ticks(pid) for pid in pids}
+    time.sleep(1.0)
+    hz = os.sysconf("SC_CLK_TCK")
+    return all(ticks > hz and _cpu_ticks(pid) == ticks for pid, ticks in before.items())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [15, 9], ids=["sigterm", "sigkill"])
+def test_a_tree_worker_in_a_hung_scenario_dies_with_its_replay(tmp_path: Path, signum: int) -> None:
+    import signal
+    import time
+
+    from tests.trees import HANGING_LOOKUP, make_tree
+
+    tree = make_tree(tmp_path / "hang", HANGING_LOOKUP)
+    workers: set[int] = set()
+    parent = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "differential.cli", "replay", str(_toy(tmp_path))),
+            *("--variants", f"tree:{tree}", "--timeout", "300", "--no-dense-check"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the signal reaches the parent only, not its group
+    )
+    try:
+        deadline = time.monotonic() + 240
+        # Hung: the worker has imported vLLM and sleeps inside the scenario.
+        while not ((workers := _workers_of(parent.pid)) and _idle_after_importing(workers)):
+            assert parent.poll() is None, parent.communicate()
+            assert time.monotonic() < deadline, "the worker never reached the hung scenario"
+            time.sleep(0.5)
+        os.kill(parent.pid, signum)
+        _, stderr = parent.communicate(timeout=30)
+        time.sleep(5)
+        assert not [pid for pid in workers if _alive(pid)], "a tree worker outlived its replay"
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if parent.poll() is None:
+            parent.kill()
+            parent.communicate()
+    if signum == 15:
+        assert parent.returncode == 143
+        assert stderr.strip().splitlines()[-1] == "kvfuzz: terminated (SIGTERM)"
+    assert not list(tmp_path.glob("kvfuzz-*")), "a temporary folder was left behind"
