@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ __all__ = [
     "Expectation",
     "expectation_problems",
     "finding_tag",
+    "is_stream",
     "iter_scenario_files",
     "load_entry",
     "write_atomic",
@@ -242,11 +244,17 @@ def iter_scenario_files(paths: Iterable[str | Path]) -> list[Path]:
     return files
 
 
-def _synced_temp(path: Path, text: str) -> Path:
-    """A fully written, fsynced temporary file beside ``path``."""
+def _synced_temp(path: Path, text: str, mode: int | None = None) -> Path:
+    """A fully written, fsynced temporary file beside ``path`` (``mode``: its
+    permission bits; ``None``: the umask's default for a new file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
@@ -257,11 +265,52 @@ def _synced_temp(path: Path, text: str) -> Path:
     return Path(tmp)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename)."""
-    tmp = _synced_temp(path, text)
+def is_stream(path: Path) -> bool:
+    """Whether ``path`` is written as a stream, never replaced: a device, pipe
+    or socket (``/dev/null``, a FIFO, a terminal), or a file descriptor link
+    (``/dev/stdout``, ``/proc/self/fd/1``), possibly through symlinks."""
     try:
-        os.replace(tmp, path)
+        st = os.stat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return not stat.S_ISDIR(st.st_mode)
+    # A regular file reached through a descriptor link is the file behind a
+    # redirection: replacing it would detach the shell's descriptor.
+    current = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on a symlink chain
+        if current.startswith(("/dev/fd/", "/dev/stdout", "/dev/stderr", "/proc/")):
+            return True
+        if not os.path.islink(current):
+            return False
+        current = os.path.join(os.path.dirname(current), os.readlink(current))
+    return False
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, replacing only regular files.
+
+    A regular file (or a new one) is written atomically: a temporary file
+    beside it, fsync, rename, with the old file's permissions; through a
+    symlink, the link's target is replaced, not the link. A device, pipe or
+    file descriptor link (:func:`is_stream`) is written as a stream (appended:
+    ``--sarif /dev/stdout`` adds to what stdout already holds).
+
+    Raises:
+        OSError: the write failed (the old file, if any, is left whole).
+    """
+    if is_stream(path):
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(text)
+        return
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        mode = None
+    tmp = _synced_temp(target, text, mode)
+    try:
+        os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -223,13 +223,14 @@ def write_ci_reports(args: argparse.Namespace, results: Sequence[object]) -> Non
         sys.stdout.write(github_annotations(results))  # type: ignore[arg-type]
 
 
-def check_ci_outputs(args: argparse.Namespace) -> None:
-    from differential.reports.outputs import check_output_file
+def check_ci_outputs(args: argparse.Namespace, inputs: Sequence[Path] = ()) -> None:
+    """``--junit-xml`` and ``--sarif`` can be written and are none of ``inputs``."""
+    from differential.reports.outputs import check_not_an_input, check_output_file
 
-    if args.junit_xml is not None:
-        check_output_file(args.junit_xml, "--junit-xml")
-    if args.sarif is not None:
-        check_output_file(args.sarif, "--sarif")
+    for option, path in (("--junit-xml", args.junit_xml), ("--sarif", args.sarif)):
+        if path is not None:
+            check_output_file(path, option)
+            check_not_an_input(path, option, inputs)
 
 
 def one_line(text: str) -> str:

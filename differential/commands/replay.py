@@ -67,11 +67,13 @@ def run(args: argparse.Namespace) -> int:
     policy = Policy(args.policy)
     # Validate every input (and its cost) and every output path before running anything.
     entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
-    check_ci_outputs(args)
+    inputs = [entry.path for entry in entries]
+    check_ci_outputs(args, inputs)
     if args.report is not None:
-        from differential.reports.outputs import check_output_file
+        from differential.reports.outputs import check_not_an_input, check_output_file
 
         check_output_file(args.report, "--report")
+        check_not_an_input(args.report, "--report", inputs)
 
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION, fix_status

@@ -4,19 +4,26 @@ the temporary folder is cleaned up by the next one."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
+from differential.corpus import write_atomic
 from differential.errors import ScenarioError
 from differential.models import ModelDescription
 from differential.scenario import RequestSpec, Workload
 from differential.variants.mutation import default_work_dir
-from tests.factories import ROOT, triton
+from tests.factories import CORPORA, ROOT, triton
+
+TOY = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
 
 
 def test_only_the_shared_prefix_requests_copy_is_built() -> None:
@@ -74,3 +81,63 @@ def test_a_mutant_farm_left_by_a_killed_run_is_removed(
     alive.mkdir()
     work = default_work_dir()
     assert work.parent == tmp_path and not stale.exists() and alive.exists()
+
+
+def test_a_pipe_behind_a_descriptor_link_is_written_as_a_stream(tmp_path: Path) -> None:
+    read_end, write_end = os.pipe()
+    link = tmp_path / "out.sarif"
+    link.symlink_to(f"/proc/self/fd/{write_end}")
+    try:
+        write_atomic(link, "report\n")
+        os.close(write_end)
+        with os.fdopen(read_end) as pipe:
+            assert pipe.read() == "report\n"
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(write_end)
+    assert link.is_symlink() and os.readlink(link) == f"/proc/self/fd/{write_end}"
+
+
+def test_a_fifo_is_written_as_a_stream_not_replaced(tmp_path: Path) -> None:
+    fifo = tmp_path / "junit.xml"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    write_atomic(fifo, "<testsuites/>\n")
+    reader.join(timeout=30)
+    assert got == ["<testsuites/>\n"]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_through_a_symlink_the_target_is_replaced_with_its_permissions(tmp_path: Path) -> None:
+    target = tmp_path / "kept.json"
+    target.write_text("old")
+    target.chmod(0o640)
+    link = tmp_path / "report.json"
+    link.symlink_to(target.name)
+    write_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+
+
+@pytest.mark.parametrize("option", ["--report", "--junit-xml", "--sarif"])
+def test_an_output_that_is_an_input_is_refused(tmp_path: Path, option: str) -> None:
+    scenario = tmp_path / "s.json"
+    scenario.write_text(TOY.read_text())
+    alias = tmp_path / "alias.json"
+    alias.symlink_to(scenario.name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "differential.cli", "replay", str(scenario), option, str(alias)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"kvfuzz: error: {option} = {str(alias)!r} is invalid: allowed a file that is not "
+        f"an input (it is {scenario})"
+    ]
+    assert scenario.read_text() == TOY.read_text()
