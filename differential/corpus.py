@@ -15,7 +15,7 @@ those findings. ``notes`` is free text.
 
 from __future__ import annotations
 
-import json
+import errno
 import os
 import stat
 import tempfile
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from differential.errors import ScenarioError
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
+from differential.scenario.json_form import json_data
 
 if TYPE_CHECKING:
     from differential.compare import ScenarioResult
@@ -121,10 +122,7 @@ def load_entry(path: Path) -> CorpusEntry:
             the message names the file and the field.
     """
     source = str(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ScenarioError("<file>", source, f"a readable file ({exc.strerror})") from None
+    raw = read_regular_file(path, "<file>")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -135,20 +133,22 @@ def load_entry(path: Path) -> CorpusEntry:
             source=source,
         ) from None
     plan = ""
-    model_level = _model_level(text)
-    if model_level is not None:
+    data: Any = json_data(text, source=source)
+    if isinstance(data, dict) and "model" in data and "kv_cache_groups" not in data:
         # A model description instead of groups: vLLM's planner lays it out
         # (imports vLLM).
         from differential.driver.planner import resolve_model_scenario
 
         try:
-            scenario, layout = resolve_model_scenario(model_level, path.parent)
-        except ScenarioError as exc:
-            raise exc.with_source(source) from None
+            scenario, layout = resolve_model_scenario(data, path.parent)
+        except ScenarioError as exc:  # named by the file at fault: this one or its model's
+            raise (exc if exc.source else exc.with_source(source)) from None
         plan = layout.describe()
     else:
-        scenario = Scenario.from_json(text, source=source)
-    data: dict[str, Any] = json.loads(text)  # parsed once already: cannot fail
+        try:
+            scenario = Scenario.from_dict(data)
+        except ScenarioError as exc:
+            raise exc.with_source(source) from None
     expect = _expectation(data.get("expect"), source)
     notes = data.get("notes", "")
     if not isinstance(notes, str):
@@ -166,15 +166,26 @@ def load_entry(path: Path) -> CorpusEntry:
     )
 
 
-def _model_level(text: str) -> dict[str, Any] | None:
-    """The JSON object of a model-level scenario (``model``, no groups), else ``None``."""
+def read_regular_file(path: Path, field: str, *, limit_bytes: int = 64 << 20) -> bytes:
+    """The bytes of the regular file ``path``, read without blocking.
+
+    A FIFO, device or socket is refused before it is opened (reading a FIFO
+    waits for a writer forever), and so is a file over ``limit_bytes``.
+
+    Raises:
+        ScenarioError: not a readable regular file, naming ``field`` and the path.
+    """
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return None  # Scenario.from_json names the problem
-    if isinstance(data, dict) and "model" in data and "kv_cache_groups" not in data:
-        return data
-    return None
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ScenarioError(field, str(path), "a regular file (not a pipe, device or folder)")
+        if st.st_size > limit_bytes:
+            raise ScenarioError(
+                field, str(path), f"a file of at most {limit_bytes} bytes ({st.st_size})"
+            )
+        return path.read_bytes()
+    except OSError as exc:
+        raise ScenarioError(field, str(path), f"a readable file ({exc.strerror})") from None
 
 
 _COMPARISON_TAGS = (
@@ -232,6 +243,13 @@ def iter_scenario_files(paths: Iterable[str | Path]) -> list[Path]:
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):  # a name too long, a loop
+                raise ScenarioError(
+                    "PATH", str(path), f"a path the file system accepts ({exc.strerror})"
+                ) from None
         if path.is_dir():
             found = sorted(p for p in path.rglob("*.json") if p.is_file())
             if not found:

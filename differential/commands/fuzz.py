@@ -16,6 +16,7 @@ from differential.commands.options import (
     add_common,
     check_ci_outputs,
     jobs,
+    outputs_failed,
     positive_int,
     seconds_budget,
     write_ci_reports,
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from differential.reports.outputs import check_output_folder
 
     check_output_folder(args.out, "--out")
-    for sub in ("findings", "hypothesis-db", "pictures"):
+    for sub in ("findings", "hypothesis-db", "pictures", "earlier-runs"):
         check_output_folder(args.out / sub, f"--out ({sub}/)")
     check_ci_outputs(args)
     _keep_earlier_run(args.out)
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         args.jobs,
         quiet=args.quiet,
     )
-    _campaign_reports(args, summary)
+    problems = _campaign_reports(args, summary)
     first = summary["first_finding_s"]
     print(
         f"{summary['examples']} examples in {summary['elapsed_s']:.1f} s "
@@ -192,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if failed:
         return EXIT_INTERNAL
+    if problems:
+        raise outputs_failed(problems)  # after everything else was written and printed
     if args.fail_on == "new":
         tested = {v.name for v in variants}
         return EXIT_FOUND if any(tested & set(c["variants"]) for c in new) else EXIT_CLEAN
@@ -252,8 +255,9 @@ def _group_kinds(text: str) -> frozenset[GroupKind]:
     return frozenset(GroupKind(n) for n in names)
 
 
-def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> None:
-    """report.md (with explain pictures) and the CI reports for a campaign.
+def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> list[str]:
+    """report.md (with explain pictures) and the CI reports for a campaign;
+    returns the CI reports that could not be written.
 
     Each root cause's reproducer (the shrunk one if there is one, else its
     first scenario) is replayed (finding files are self-contained), so the
@@ -277,7 +281,7 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
                 f"`kvfuzz replay {args.out / 'findings'}` writes them",
                 file=sys.stderr,
             )
-        return
+        return []
     items = []
     results = []
     for cause in summary.get("root_causes", []):  # type: ignore[attr-defined]
@@ -296,4 +300,4 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
         results.append(result)
     pictures = root_cause_pictures(items, args.out / "pictures")
     write_atomic(args.out / "report.md", campaign_markdown(summary, pictures, args.out))
-    write_ci_reports(args, results)
+    return write_ci_reports(args, results)

@@ -18,7 +18,9 @@ from differential.commands.options import (
     check_ci_outputs,
     load_scenario,
     one_line,
+    outputs_failed,
     write_ci_reports,
+    write_output,
 )
 from differential.errors import ScenarioError
 from differential.findings import Policy
@@ -60,7 +62,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from differential.corpus import expectation_problems, iter_scenario_files, write_atomic
+    from differential.corpus import expectation_problems, iter_scenario_files
     from differential.scenario.bounds import scenario_cost
 
     variants = parse_variants(args.variants, timeout_s=args.timeout)
@@ -131,9 +133,10 @@ def run(args: argparse.Namespace) -> int:
     report["expectations_failed"] = [
         {"file": str(path), "problem": problem} for path, problem in contradictions
     ]
-    write_ci_reports(args, results)
+    problems = write_ci_reports(args, results)
     if args.report is not None:
-        write_atomic(args.report, json.dumps(report, indent=2) + "\n")
+        problem = write_output("--report", args.report, json.dumps(report, indent=2) + "\n")
+        problems += [problem] if problem else []
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
@@ -141,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         for path, problem in contradictions:
             sys.stdout.write(f"! expectation not met: {printable(str(path))}: {problem}\n")
         sys.stdout.write(f"({time.perf_counter() - started:.1f} s after importing vLLM)\n")
+    if problems:
+        raise outputs_failed(problems)
     if rejected:
         return EXIT_USAGE  # each named on stderr as it happened; the reports hold the rest
     found = any(r.findings for r in results) or bool(contradictions)

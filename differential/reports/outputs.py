@@ -9,6 +9,7 @@ the option, the path and what is allowed, which the CLI answers with exit 2.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterable
@@ -36,13 +37,26 @@ def _writable_folder(folder: Path) -> bool:
         return False
 
 
+def _accepted(path: Path, option: str) -> None:
+    """The file system accepts the name (not too long, no symlink loop)."""
+    try:
+        os.lstat(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise ScenarioError(
+                option, str(path), f"a path the file system accepts ({exc.strerror})"
+            ) from None
+
+
 def check_output_folder(path: Path, option: str) -> None:
     """``path`` is, or can be created as, a writable folder.
 
     Raises:
         ScenarioError: ``path`` (or an ancestor) is a file, or the folder
-            (or the ancestor it would be created in) is not writable.
+            (or the ancestor it would be created in) is not writable, or the
+            file system refuses the name (too long).
     """
+    _accepted(path, option)
     existing = _nearest_existing(path)
     if not existing.is_dir():
         what = "is a file" if existing == path.absolute() else f"is under the file {existing}"
@@ -56,8 +70,9 @@ def check_output_file(path: Path, option: str) -> None:
 
     Raises:
         ScenarioError: ``path`` is a folder, lies under a file, or its folder
-            is not writable.
+            is not writable, or the file system refuses the name (too long).
     """
+    _accepted(path, option)
     if path.is_dir():
         raise ScenarioError(option, str(path), "a file path (the path is a folder)")
     from differential.corpus import is_stream

@@ -25,7 +25,6 @@ Mamba state shapes are elements.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -305,12 +304,17 @@ class ModelDescription:
         Raises:
             ScenarioError: unreadable or invalid file, naming it.
         """
+        from differential.corpus import read_regular_file
+        from differential.scenario.json_form import json_data
+
+        raw = read_regular_file(path, "model")  # a FIFO is refused, not waited on
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise ScenarioError(
                 "model", str(path), f"a readable model description ({exc})"
             ) from None
+        data = json_data(text, source=str(path))
         try:
             return cls.from_dict(data)
         except ScenarioError as exc:

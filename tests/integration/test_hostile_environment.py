@@ -254,3 +254,76 @@ def test_a_tree_worker_in_a_hung_scenario_dies_with_its_replay(tmp_path: Path, s
         assert parent.returncode == 143
         assert stderr.strip().splitlines()[-1] == "kvfuzz: terminated (SIGTERM)"
     assert not list(tmp_path.glob("kvfuzz-*")), "a temporary folder was left behind"
+
+
+def test_a_reader_that_leaves_early_is_a_broken_pipe_not_a_crash(tmp_path: Path) -> None:
+    # `kvfuzz replay ... | head -1`, with the reader gone before the table.
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "differential.cli",
+            "replay",
+            str(_toy(tmp_path)),
+            "--variants",
+            "unfixed",
+            "--no-dense-check",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    with proc.stderr:
+        stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, stderr[-2000:]
+    assert _error_lines(stderr) == [
+        "kvfuzz: stdout was closed before the output was all written (broken pipe)"
+    ]
+
+
+def test_a_full_disk_loses_one_report_not_the_others_nor_the_table(tmp_path: Path) -> None:
+    junit = tmp_path / "j.xml"
+    proc = _kvfuzz(
+        *("replay", str(_toy(tmp_path)), "--variants", "unfixed", "--no-dense-check"),
+        *("--report", "/dev/full", "--junit-xml", str(junit)),
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == [
+        "kvfuzz: error: not written: --report /dev/full: No space left on device "
+        "(everything else was written; free space or choose another path and rerun)"
+    ]
+    assert "1 scenario(s); findings: 1 fallback" in proc.stdout
+    assert "<testsuites" in junit.read_text()
+
+
+def _model_scenario(tmp: Path, model: str) -> Path:
+    scenario = json.loads((ROOT / "models" / "scenarios" / "gemma4-mtp.json").read_text())
+    scenario["model"] = model
+    path = tmp / "s.json"
+    path.write_text(json.dumps(scenario))
+    return path
+
+
+def test_a_deeply_nested_model_file_is_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    proc = _kvfuzz("replay", str(_model_scenario(tmp_path, "deep.json")))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == [
+        f"kvfuzz: error: {tmp_path / 'deep.json'}: <json> = 'arrays or objects nested too "
+        "deep to parse' is invalid: allowed JSON nested at most a few hundred levels (a "
+        "scenario needs 3)"
+    ]
+
+
+def test_a_fifo_as_model_path_is_refused_not_waited_on(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo.json")
+    proc = _kvfuzz("replay", str(_model_scenario(tmp_path, "fifo.json")))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == [
+        f"kvfuzz: error: {tmp_path / 's.json'}: model = {str(tmp_path / 'fifo.json')!r} is "
+        "invalid: allowed a regular file (not a pipe, device or folder)"
+    ]

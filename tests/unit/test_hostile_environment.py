@@ -12,14 +12,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from differential.corpus import write_atomic
 from differential.errors import ScenarioError
-from differential.models import ModelDescription
 from differential.scenario import RequestSpec, Workload
+from differential.scenario.models import ModelDescription
 from differential.variants.mutation import default_work_dir
 from tests.factories import CORPORA, ROOT, triton
 
@@ -141,3 +142,87 @@ def test_an_output_that_is_an_input_is_refused(tmp_path: Path, option: str) -> N
         f"an input (it is {scenario})"
     ]
     assert scenario.read_text() == TOY.read_text()
+
+
+def _kvfuzz(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "differential.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        check=False,
+        timeout=120,
+    )
+
+
+def _digits(tmp: Path) -> list[str]:
+    text = TOY.read_text().replace('"decode_steps": 0', '"decode_steps": ' + "9" * 5000)
+    (tmp / "digits.json").write_text(text)
+    return ["replay", "digits.json"]
+
+
+def _earlier_runs_a_file(tmp: Path) -> list[str]:
+    (tmp / "out").mkdir()
+    (tmp / "out" / "summary.json").write_text("{}")
+    (tmp / "out" / "earlier-runs").write_text("")
+    return ["fuzz", "--out", "out", "--max-examples", "1"]
+
+
+@pytest.mark.parametrize(
+    ("build", "line"),
+    [
+        pytest.param(
+            _digits,
+            "kvfuzz: error: digits.json: <json> = 'an integer too long to read' is invalid: "
+            "allowed numbers of at most 4300 digits (Exceeds the limit (4300 digits) for "
+            "integer string conversion: value has 5000 digits; use "
+            "sys.set_int_max_str_digits() to increase the limit)",
+            id="5000-digit-integer",
+        ),
+        pytest.param(
+            lambda t: ["replay", "a" * 5000 + ".json"],
+            "kvfuzz: error: PATH = 'aaaaaaaa",
+            id="5000-character-path",
+        ),
+        pytest.param(
+            lambda t: ["replay", str(TOY), "--report", "r" * 5000 + ".json"],
+            "kvfuzz: error: --report = 'rrrrrrrr",
+            id="5000-character-output-path",
+        ),
+        pytest.param(
+            _earlier_runs_a_file,
+            "kvfuzz: error: --out (earlier-runs/) = 'out/earlier-runs' is invalid: allowed "
+            "a folder (the path is a file)",
+            id="earlier-runs-is-a-file",
+        ),
+    ],
+)
+def test_environment_and_size_problems_exit_2_in_one_line(
+    tmp_path: Path, build: Callable[[Path], list[str]], line: str
+) -> None:
+    proc = _kvfuzz(*build(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (only,) = proc.stderr.splitlines()
+    assert only.startswith(line)
+    assert len(only) < 700
+
+
+def test_vllm_not_installed_is_named_with_what_to_do(tmp_path: Path) -> None:
+    # A vllm package that is not importable, first on the path: what Python
+    # raises where vLLM is not installed.
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')\n"
+    )
+    proc = _kvfuzz(
+        "replay", str(TOY), cwd=tmp_path, env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == (
+        "kvfuzz: error: vllm is not importable (No module named 'vllm'): kvfuzz drives the "
+        "vLLM installed beside it; install vllm==0.33.0 (on a CPU-only machine `make "
+        "replay` sets up .venv with it) or run kvfuzz from that environment"
+    )
