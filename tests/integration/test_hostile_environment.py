@@ -327,3 +327,22 @@ def test_a_fifo_as_model_path_is_refused_not_waited_on(tmp_path: Path) -> None:
         f"kvfuzz: error: {tmp_path / 's.json'}: model = {str(tmp_path / 'fifo.json')!r} is "
         "invalid: allowed a regular file (not a pipe, device or folder)"
     ]
+
+
+def test_shrink_keeps_a_known_issue_the_fix_leaves_out_of_the_ci_corpus(tmp_path: Path) -> None:
+    # The README's flow from a finding the fix does not repair: the reproducer
+    # goes to known-issues/, so `scripts/kvfuzz-ci.sh` (which replays corpora/
+    # on candidate and expects it clean) stays green.
+    data = json.loads((ROOT / "known-issues" / "swa-short-run-align-before-drop.json").read_text())
+    data.pop("expect")
+    (tmp_path / "finding.json").write_text(json.dumps(data))
+    proc = _kvfuzz("shrink", "finding.json", "--seconds", "20", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        proc.stdout.splitlines()[-1] == "reproducer: known-issues/fallback-unfixed-b5bb1560d8.json"
+    )
+    assert not (tmp_path / "corpora").exists()
+    shrunk = json.loads(
+        (tmp_path / "known-issues" / "fallback-unfixed-b5bb1560d8.json").read_text()
+    )
+    assert shrunk["expect"]["findings"]["fixed"] == ["dense-mismatch@1", "fallback@1"]
