@@ -195,14 +195,18 @@ _COMPARISON_TAGS = (
 )
 
 
-def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str]:
+def expectation_problems(
+    entry: CorpusEntry, result: ScenarioResult, *, dense_checked: bool = True
+) -> list[str]:
     """How a replay of ``entry`` contradicts its ``expect`` block.
 
     Hits are checked for every variant that ran and has recorded hits;
     findings only under the ``vllm`` policy (the one they are recorded for),
     per variant and, under the pseudo-variant ``layout``, the layout findings
     (``alignment-blowup``); comparisons between variants only when every
-    variant recorded in the block ran.
+    variant recorded in the block ran; ``dense-mismatch`` findings only when
+    the replay ran the dense cross-check (``dense_checked``; ``replay
+    --no-dense-check`` skips it, so none can be owed).
 
     Returns:
         One line per contradiction, naming the variant, the observed and the
@@ -215,8 +219,15 @@ def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str
     # variants recorded beside it ran too.
     compared = set(expect.hits) <= ran
 
+    skipped = () if dense_checked else (f"{FindingKind.DENSE_MISMATCH.value}@",)
+
     def judged(tags: Sequence[str]) -> list[str]:
-        return sorted(t for t in tags if compared or not t.startswith(_COMPARISON_TAGS))
+        return sorted(
+            t
+            for t in tags
+            if (compared or not t.startswith(_COMPARISON_TAGS))
+            and not (skipped and t.startswith(skipped))
+        )
 
     if "layout" in expect.findings and result.policy is Policy.VLLM:
         # Layout findings (differential.oracle.layout) belong to no variant.

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     contradictions = [
         (entry.path, problem)
         for entry, result in zip(ran, results, strict=True)
-        for problem in expectation_problems(entry, result)
+        for problem in expectation_problems(entry, result, dense_checked=not args.no_dense_check)
     ]
     report = render_json(results, VLLM_VERSION, policy, notices)
     report["expectations_failed"] = [

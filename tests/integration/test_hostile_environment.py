@@ -346,3 +346,15 @@ def test_shrink_keeps_a_known_issue_the_fix_leaves_out_of_the_ci_corpus(tmp_path
         (tmp_path / "known-issues" / "fallback-unfixed-b5bb1560d8.json").read_text()
     )
     assert shrunk["expect"]["findings"]["fixed"] == ["dense-mismatch@1", "fallback@1"]
+
+
+def test_no_dense_check_owes_no_dense_mismatch_the_expect_block_records() -> None:
+    path = ROOT / "known-issues" / "window-one-multi-group-spiral.json"
+    assert "dense-mismatch@1" in json.loads(path.read_text())["expect"]["findings"]["unfixed"]
+    proc = _kvfuzz("replay", str(path), "--variants", "unfixed", "--no-dense-check", "--json")
+    assert proc.returncode == 1, proc.stderr[-2000:]  # the fallback, a finding
+    report = json.loads(proc.stdout)
+    assert report["expectations_failed"] == []
+    (scenario,) = report["scenarios"]
+    (unfixed,) = scenario["variants"]
+    assert [f["kind"] for f in unfixed["findings"]] == ["fallback"]

@@ -226,3 +226,62 @@ def test_vllm_not_installed_is_named_with_what_to_do(tmp_path: Path) -> None:
         "vLLM installed beside it; install vllm==0.33.0 (on a CPU-only machine `make "
         "replay` sets up .venv with it) or run kvfuzz from that environment"
     )
+
+
+def _malformed_known_corpus(tmp: Path) -> list[str]:
+    (tmp / "known").mkdir()
+    (tmp / "known" / "bad.json").write_text('{"format": "kvfuzz.scenario", "version": 1}')
+    return ["fuzz", "--out", "out", "--known-corpus", "known", "--max-examples", "1"]
+
+
+@pytest.mark.parametrize(
+    ("build", "line"),
+    [
+        pytest.param(
+            lambda t: ["diff", "unfixed", "fixed", "--corpus", "--seconds", "0"],
+            "kvfuzz: error: --corpus with no PATH and --seconds 0 would compare nothing: "
+            "give a corpus PATH, or a campaign budget (--seconds S > 0 or --max-examples N)",
+            id="diff-of-nothing",
+        ),
+        pytest.param(
+            lambda t: ["fuzz", "--groups", "", "--out", "out"],
+            "kvfuzz: error: --groups '' names no group kind; allowed: full_attention, "
+            "sliding_window, mamba, mla, sliding_window_mla, chunked_local_attention",
+            id="groups-empty",
+        ),
+        pytest.param(
+            lambda t: ["fuzz", "--shrink-seconds", "nan", "--out", "out"],
+            "kvfuzz fuzz: error: argument --shrink-seconds: 'nan' is invalid: allowed a "
+            "finite number of seconds > 0",
+            id="shrink-seconds-nan",
+        ),
+        pytest.param(
+            _malformed_known_corpus,
+            "kvfuzz: error: known/bad.json: kv_cache_groups = None is invalid",
+            id="malformed-known-corpus-file",
+        ),
+    ],
+)
+def test_options_that_would_mean_nothing_exit_2(
+    tmp_path: Path, build: Callable[[Path], list[str]], line: str
+) -> None:
+    proc = _kvfuzz(*build(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [x for x in proc.stderr.splitlines() if not x.startswith(("usage:", " "))]
+    assert len(errors) == 1 and errors[0].startswith(line), errors
+
+
+def test_a_second_campaign_on_the_same_out_is_refused(tmp_path: Path) -> None:
+    import fcntl
+
+    (tmp_path / "out").mkdir()
+    with open(tmp_path / "out" / ".kvfuzz-campaign.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242\n")
+        held.flush()
+        proc = _kvfuzz("fuzz", "--out", "out", "--max-examples", "1", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        "kvfuzz: error: --out = 'out' is invalid: allowed a folder no other campaign is "
+        "writing (pid 4242 is)"
+    ]
