@@ -133,7 +133,7 @@ def test_a_model_of_a_billion_layers_is_rejected_before_one_is_built(tmp_path: P
     proc = _kvfuzz("replay", str(path))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert _error_lines(proc.stderr) == [
-        f"kvfuzz: error: {path}: model.layers[0].count = 1000000000 is invalid: "
+        f"kvfuzz: error: {tmp_path / 'big.json'}: model.layers[0].count = 1000000000 is invalid: "
         "allowed at most 4096 layers in all (0 before this entry)"
     ]
 
