@@ -13,18 +13,26 @@ Each subcommand lives in its own module of :mod:`differential.commands`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from types import FrameType
 
 from differential.commands import COMMANDS, command_module
 from differential.commands.options import (
+    EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
     EXIT_USAGE,
     internal_failure,
     one_line,
     save_traceback,
 )
-from differential.errors import InternalError, ScenarioError, VariantError
+from differential.errors import EnvironmentProblem, InternalError, ScenarioError, VariantError
 
 __all__ = ["internal_failure", "main", "save_traceback"]
 
@@ -48,22 +56,102 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvfuzz`` console script; returns the exit code.
 
     0 clean, 1 findings, 2 bad input or usage, 3 kvfuzz's own failure,
-    130 interrupted outside a campaign (a campaign keeps what it found).
+    130 interrupted (Ctrl-C) and 143 terminated (SIGTERM) outside a campaign
+    (a campaign keeps what it found).
     """
     args = _parser().parse_args(argv)
     if args.command not in COMMANDS:
         return internal_failure(InternalError(f"unhandled command {args.command!r}"), argv)
     command: Callable[[argparse.Namespace], int] = command_module(args.command).run
+    previous = _terminate_by_unwinding()
     try:
         return command(args)
-    except (ScenarioError, VariantError) as exc:
+    except (ScenarioError, VariantError, EnvironmentProblem) as exc:
         print(f"kvfuzz: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("kvfuzz: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print("kvfuzz: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
+    except BrokenPipeError:
+        return _broken_pipe()
     except Exception as exc:
-        return internal_failure(exc, argv)
+        problem = environment_problem(exc)
+        if problem is None:
+            return internal_failure(exc, argv)
+        print(f"kvfuzz: error: {one_line(str(problem))}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _broken_pipe() -> int:
+    """stdout was closed early (``kvfuzz replay ... | head``): say so once,
+    and send what is still buffered nowhere (a flush at exit would fail again)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    with contextlib.suppress(OSError):
+        print(
+            "kvfuzz: stdout was closed before the output was all written (broken pipe)",
+            file=sys.stderr,
+        )
+    return EXIT_BROKEN_PIPE
+
+
+def environment_problem(exc: BaseException) -> EnvironmentProblem | None:
+    """``exc`` as the environment problem it is, or ``None`` for kvfuzz's own failure.
+
+    vLLM (or torch) not importable, and any file-system error that reached
+    the command line (a full disk, a name too long, a file where a folder
+    belongs), each naming what failed and what to do.
+    """
+    if isinstance(exc, EnvironmentProblem):
+        return exc
+    module = (exc.name or "").split(".")[0] if isinstance(exc, ModuleNotFoundError) else ""
+    if module in ("vllm", "torch"):
+        return EnvironmentProblem(
+            f"{module} is not importable ({exc}): kvfuzz drives the vLLM installed "
+            "beside it; install vllm==0.33.0 (on a CPU-only machine `make replay` sets "
+            "up .venv with it) or run kvfuzz from that environment"
+        )
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        what = exc.strerror or str(exc)
+        advice = {
+            errno.ENOSPC: " (the disk is full: free space and rerun)",
+            errno.EDQUOT: " (the disk quota is used up: free space and rerun)",
+            errno.ENAMETOOLONG: " (use a shorter path)",
+            errno.EROFS: " (the file system is read-only: choose another path)",
+            errno.EACCES: " (no permission: choose another path)",
+        }.get(exc.errno or 0, "")
+        return EnvironmentProblem(f"{where}{what}{advice}")
+    return None
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwinds the command so its ``finally`` blocks and
+    ``atexit`` hooks run (tree workers stopped, temporary folders removed)."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding, not two
+    raise Terminated
+
+
+def _terminate_by_unwinding() -> signal.Handlers | Callable[..., object] | int | None:
+    """Turn SIGTERM into :class:`Terminated` (main thread only); returns the
+    handler to restore, or ``None`` where none was installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:
+        return None  # someone (a test harness, an embedding program) handles it
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    return previous
 
 
 if __name__ == "__main__":

@@ -218,11 +218,10 @@ def _periodic_tails(scenario: Scenario, request: int, block: int, window: int) -
     alignment = scenario.effective_hit_alignment_tokens
     extent = scenario.requests[request].prompt_tokens + scenario.decode_steps
     tail_blocks = -(-(window - 1) // block) + 1 + alignment // block
-    count, c = 0, retention
-    while c + block - tail_blocks * block < extent:
-        count += 1
-        c += retention
-    return count
+    # Checkpoints c = k*R, k >= 1, with c + block - tail_blocks * block < extent,
+    # counted in closed form (a window of 10^15 tokens must not loop 10^15 times).
+    reach = extent - block + tail_blocks * block
+    return max(0, (reach - 1) // retention)
 
 
 def _widened_tail_fills_a_segment(scenario: Scenario, block: int, window: int) -> bool:
@@ -556,7 +555,26 @@ def compare_variants(
         source: the file the scenario came from, for reports.
         dense_cross_check: also run each variant with retention ``None`` and
             compare it with the oracle's dense reference.
+
+    Raises:
+        ScenarioError: bad input only running could show (a pool too small for
+            a request), naming ``source``.
     """
+    try:
+        return _compare_variants(scenario, variants, policy, source, dense_cross_check)
+    except ScenarioError as exc:
+        if source is None or exc.source is not None:
+            raise
+        raise exc.with_source(source) from None
+
+
+def _compare_variants(
+    scenario: Scenario,
+    variants: Sequence[Variant],
+    policy: Policy,
+    source: str | None,
+    dense_cross_check: bool,
+) -> ScenarioResult:
     results: list[VariantResult] = []
     notices: list[str] = []
     for variant in variants:

@@ -15,8 +15,9 @@ those findings. ``notes`` is free text.
 
 from __future__ import annotations
 
-import json
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from differential.errors import ScenarioError
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
+from differential.scenario.json_form import json_data
 
 if TYPE_CHECKING:
     from differential.compare import ScenarioResult
@@ -35,6 +37,7 @@ __all__ = [
     "Expectation",
     "expectation_problems",
     "finding_tag",
+    "is_stream",
     "iter_scenario_files",
     "load_entry",
     "write_atomic",
@@ -119,10 +122,7 @@ def load_entry(path: Path) -> CorpusEntry:
             the message names the file and the field.
     """
     source = str(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ScenarioError("<file>", source, f"a readable file ({exc.strerror})") from None
+    raw = read_regular_file(path, "<file>")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -133,20 +133,22 @@ def load_entry(path: Path) -> CorpusEntry:
             source=source,
         ) from None
     plan = ""
-    model_level = _model_level(text)
-    if model_level is not None:
+    data: Any = json_data(text, source=source)
+    if isinstance(data, dict) and "model" in data and "kv_cache_groups" not in data:
         # A model description instead of groups: vLLM's planner lays it out
         # (imports vLLM).
         from differential.driver.planner import resolve_model_scenario
 
         try:
-            scenario, layout = resolve_model_scenario(model_level, path.parent)
-        except ScenarioError as exc:
-            raise exc.with_source(source) from None
+            scenario, layout = resolve_model_scenario(data, path.parent)
+        except ScenarioError as exc:  # named by the file at fault: this one or its model's
+            raise (exc if exc.source else exc.with_source(source)) from None
         plan = layout.describe()
     else:
-        scenario = Scenario.from_json(text, source=source)
-    data: dict[str, Any] = json.loads(text)  # parsed once already: cannot fail
+        try:
+            scenario = Scenario.from_dict(data)
+        except ScenarioError as exc:
+            raise exc.with_source(source) from None
     expect = _expectation(data.get("expect"), source)
     notes = data.get("notes", "")
     if not isinstance(notes, str):
@@ -164,15 +166,26 @@ def load_entry(path: Path) -> CorpusEntry:
     )
 
 
-def _model_level(text: str) -> dict[str, Any] | None:
-    """The JSON object of a model-level scenario (``model``, no groups), else ``None``."""
+def read_regular_file(path: Path, field: str, *, limit_bytes: int = 64 << 20) -> bytes:
+    """The bytes of the regular file ``path``, read without blocking.
+
+    A FIFO, device or socket is refused before it is opened (reading a FIFO
+    waits for a writer forever), and so is a file over ``limit_bytes``.
+
+    Raises:
+        ScenarioError: not a readable regular file, naming ``field`` and the path.
+    """
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return None  # Scenario.from_json names the problem
-    if isinstance(data, dict) and "model" in data and "kv_cache_groups" not in data:
-        return data
-    return None
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ScenarioError(field, str(path), "a regular file (not a pipe, device or folder)")
+        if st.st_size > limit_bytes:
+            raise ScenarioError(
+                field, str(path), f"a file of at most {limit_bytes} bytes ({st.st_size})"
+            )
+        return path.read_bytes()
+    except OSError as exc:
+        raise ScenarioError(field, str(path), f"a readable file ({exc.strerror})") from None
 
 
 _COMPARISON_TAGS = (
@@ -182,14 +195,18 @@ _COMPARISON_TAGS = (
 )
 
 
-def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str]:
+def expectation_problems(
+    entry: CorpusEntry, result: ScenarioResult, *, dense_checked: bool = True
+) -> list[str]:
     """How a replay of ``entry`` contradicts its ``expect`` block.
 
     Hits are checked for every variant that ran and has recorded hits;
     findings only under the ``vllm`` policy (the one they are recorded for),
     per variant and, under the pseudo-variant ``layout``, the layout findings
     (``alignment-blowup``); comparisons between variants only when every
-    variant recorded in the block ran.
+    variant recorded in the block ran; ``dense-mismatch`` findings only when
+    the replay ran the dense cross-check (``dense_checked``; ``replay
+    --no-dense-check`` skips it, so none can be owed).
 
     Returns:
         One line per contradiction, naming the variant, the observed and the
@@ -202,8 +219,15 @@ def expectation_problems(entry: CorpusEntry, result: ScenarioResult) -> list[str
     # variants recorded beside it ran too.
     compared = set(expect.hits) <= ran
 
+    skipped = () if dense_checked else (f"{FindingKind.DENSE_MISMATCH.value}@",)
+
     def judged(tags: Sequence[str]) -> list[str]:
-        return sorted(t for t in tags if compared or not t.startswith(_COMPARISON_TAGS))
+        return sorted(
+            t
+            for t in tags
+            if (compared or not t.startswith(_COMPARISON_TAGS))
+            and not (skipped and t.startswith(skipped))
+        )
 
     if "layout" in expect.findings and result.policy is Policy.VLLM:
         # Layout findings (differential.oracle.layout) belong to no variant.
@@ -230,6 +254,13 @@ def iter_scenario_files(paths: Iterable[str | Path]) -> list[Path]:
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):  # a name too long, a loop
+                raise ScenarioError(
+                    "PATH", str(path), f"a path the file system accepts ({exc.strerror})"
+                ) from None
         if path.is_dir():
             found = sorted(p for p in path.rglob("*.json") if p.is_file())
             if not found:
@@ -242,11 +273,17 @@ def iter_scenario_files(paths: Iterable[str | Path]) -> list[Path]:
     return files
 
 
-def _synced_temp(path: Path, text: str) -> Path:
-    """A fully written, fsynced temporary file beside ``path``."""
+def _synced_temp(path: Path, text: str, mode: int | None = None) -> Path:
+    """A fully written, fsynced temporary file beside ``path`` (``mode``: its
+    permission bits; ``None``: the umask's default for a new file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
@@ -257,11 +294,52 @@ def _synced_temp(path: Path, text: str) -> Path:
     return Path(tmp)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename)."""
-    tmp = _synced_temp(path, text)
+def is_stream(path: Path) -> bool:
+    """Whether ``path`` is written as a stream, never replaced: a device, pipe
+    or socket (``/dev/null``, a FIFO, a terminal), or a file descriptor link
+    (``/dev/stdout``, ``/proc/self/fd/1``), possibly through symlinks."""
     try:
-        os.replace(tmp, path)
+        st = os.stat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return not stat.S_ISDIR(st.st_mode)
+    # A regular file reached through a descriptor link is the file behind a
+    # redirection: replacing it would detach the shell's descriptor.
+    current = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on a symlink chain
+        if current.startswith(("/dev/fd/", "/dev/stdout", "/dev/stderr", "/proc/")):
+            return True
+        if not os.path.islink(current):
+            return False
+        current = os.path.join(os.path.dirname(current), os.readlink(current))
+    return False
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, replacing only regular files.
+
+    A regular file (or a new one) is written atomically: a temporary file
+    beside it, fsync, rename, with the old file's permissions; through a
+    symlink, the link's target is replaced, not the link. A device, pipe or
+    file descriptor link (:func:`is_stream`) is written as a stream (appended:
+    ``--sarif /dev/stdout`` adds to what stdout already holds).
+
+    Raises:
+        OSError: the write failed (the old file, if any, is left whole).
+    """
+    if is_stream(path):
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(text)
+        return
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        mode = None
+    tmp = _synced_temp(target, text, mode)
+    try:
+        os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -4,6 +4,9 @@
   malformed JSON, an unknown variant. It names the field, the value and what
   is allowed, and the CLI answers it with exit code 2.
 * :class:`InternalError` -- kvfuzz's own bug. It says so.
+* :class:`EnvironmentProblem` -- the machine, not the input and not kvfuzz:
+  a full disk, a missing vLLM, a path the file system refuses. It names what
+  failed and what to do; the CLI answers it with exit code 2, as bad input.
 * A *finding* is data, never an exception: see :mod:`differential.findings`.
 """
 
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import reprlib
 
-__all__ = ["InternalError", "KvfuzzError", "ScenarioError", "VariantError"]
+__all__ = ["EnvironmentProblem", "InternalError", "KvfuzzError", "ScenarioError", "VariantError"]
 
 
 _REPR = reprlib.Repr()
@@ -73,3 +76,8 @@ class InternalError(KvfuzzError, RuntimeError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"kvfuzz internal error (please report): {message}")
+
+
+class EnvironmentProblem(KvfuzzError):
+    """The environment stops kvfuzz (a full disk, vLLM not installed, a path
+    the file system refuses): the message names what and what to do."""

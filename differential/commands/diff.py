@@ -82,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
             raise VariantError(f"{option} = {value!r} is invalid: allowed a positive number")
     if args.max_examples is not None and args.max_examples < 0:
         raise VariantError(f"--max-examples = {args.max_examples} is invalid: allowed N >= 0")
+    if not args.corpus and args.seconds == 0 and not args.max_examples:
+        raise VariantError(
+            "--corpus with no PATH and --seconds 0 would compare nothing: give a corpus "
+            "PATH, or a campaign budget (--seconds S > 0 or --max-examples N)"
+        )
     a, b = parse_variants(f"{args.a},{args.b}", timeout_s=args.timeout)
     entries = [(str(path), load_entry(path).scenario) for path in iter_scenario_files(args.corpus)]
     report = run_diff(

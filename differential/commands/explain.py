@@ -52,9 +52,10 @@ def run(args: argparse.Namespace) -> int:
     entry = load_scenario(args, args.scenario)
     scenario = entry.scenario
     if args.svg is not None:
-        from differential.reports.outputs import check_output_file
+        from differential.reports.outputs import check_not_an_input, check_output_file
 
         check_output_file(args.svg, "--svg")
+        check_not_an_input(args.svg, "--svg", [args.scenario])
     if args.request is not None and not 0 <= args.request < len(scenario.requests):
         raise ScenarioError(
             "--request", args.request, f"0..{len(scenario.requests) - 1} (the scenario's requests)"

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from differential.commands.options import (
     EXIT_CLEAN,
@@ -16,14 +17,17 @@ from differential.commands.options import (
     add_common,
     check_ci_outputs,
     jobs,
+    outputs_failed,
     positive_int,
     seconds_budget,
+    timeout_seconds,
     write_ci_reports,
 )
-from differential.errors import VariantError
+from differential.errors import ScenarioError, VariantError
 from differential.findings import Policy
 from differential.scenario import DriveMode, GroupKind
 from differential.variants import (
+    Variant,
     parse_variants,
 )
 
@@ -72,7 +76,7 @@ def add_parser(sub: Any) -> None:
     )
     fuzz.add_argument(
         "--groups",
-        default="",
+        default=None,
         metavar="KINDS",
         help="comma-separated KV cache group kinds every scenario contains "
         f"({', '.join(k.value for k in GroupKind)}; e.g. --groups mamba for Mamba "
@@ -93,7 +97,7 @@ def add_parser(sub: Any) -> None:
     )
     fuzz.add_argument(
         "--shrink-seconds",
-        type=float,
+        type=timeout_seconds,
         default=10.0,
         metavar="S",
         help="time box, in seconds, of each background shrink (default: %(default)s)",
@@ -121,8 +125,6 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     kinds = _group_kinds(args.groups)
-    if args.shrink_seconds <= 0:
-        raise VariantError(f"--shrink-seconds must be > 0, got {args.shrink_seconds}")
     known = args.known_corpus
     if known is None:
         known = default_known_corpus()
@@ -133,16 +135,57 @@ def run(args: argparse.Namespace) -> int:
                 "pass --known-corpus PATH",
                 file=sys.stderr,
             )
-    from differential.corpus import iter_scenario_files
+    from differential.corpus import iter_scenario_files, load_entry
 
-    iter_scenario_files([str(p) for p in known])  # bad paths are usage errors, now
+    # Bad paths and bad files are usage errors, now (not skipped later).
+    for path in iter_scenario_files([str(p) for p in known]):
+        load_entry(path)
     from differential.reports.outputs import check_output_folder
 
     check_output_folder(args.out, "--out")
-    for sub in ("findings", "hypothesis-db", "pictures"):
+    for sub in ("findings", "hypothesis-db", "pictures", "earlier-runs"):
         check_output_folder(args.out / sub, f"--out ({sub}/)")
     check_ci_outputs(args)
-    _keep_earlier_run(args.out)
+    lock = _lock_out(args.out)
+    try:
+        _keep_earlier_run(args.out)
+        return _campaign(args, variants, kinds, known)
+    finally:
+        lock.close()
+
+
+def _lock_out(out: Path) -> IO[str]:
+    """Hold ``OUT/.kvfuzz-campaign.lock`` for the campaign: a second campaign
+    on the same ``--out`` would overwrite this one's summary and report.
+
+    Raises:
+        ScenarioError: another campaign holds the folder (exit 2).
+    """
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / ".kvfuzz-campaign.lock", "a+", encoding="utf-8")  # noqa: SIM115
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ScenarioError(
+            "--out", str(out), f"a folder no other campaign is writing ({holder} is)"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def _campaign(
+    args: argparse.Namespace,
+    variants: tuple[Variant, ...],
+    kinds: frozenset[GroupKind],
+    known: list[Path],
+) -> int:
     from fuzz.campaign import CampaignConfig
     from fuzz.parallel import run_parallel
 
@@ -163,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         args.jobs,
         quiet=args.quiet,
     )
-    _campaign_reports(args, summary)
+    problems = _campaign_reports(args, summary)
     first = summary["first_finding_s"]
     print(
         f"{summary['examples']} examples in {summary['elapsed_s']:.1f} s "
@@ -192,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if failed:
         return EXIT_INTERNAL
+    if problems:
+        raise outputs_failed(problems)  # after everything else was written and printed
     if args.fail_on == "new":
         tested = {v.name for v in variants}
         return EXIT_FOUND if any(tested & set(c["variants"]) for c in new) else EXIT_CLEAN
@@ -238,22 +283,27 @@ def _keep_earlier_run(out: Path) -> None:
     )
 
 
-def _group_kinds(text: str) -> frozenset[GroupKind]:
-    """``--groups``: comma-separated ``GroupKind`` values (empty: none pinned).
+def _group_kinds(text: str | None) -> frozenset[GroupKind]:
+    """``--groups``: comma-separated ``GroupKind`` values (``None``: none pinned).
 
     Raises:
         VariantError: an unknown kind (exit 2, naming the allowed values).
     """
+    if text is None:
+        return frozenset()
     names = [n.strip() for n in text.split(",") if n.strip()]
     allowed = ", ".join(k.value for k in GroupKind)
+    if not names:
+        raise VariantError(f"--groups {text!r} names no group kind; allowed: {allowed}")
     for name in names:
         if name not in {k.value for k in GroupKind}:
             raise VariantError(f"--groups: unknown group kind {name!r}; allowed: {allowed}")
     return frozenset(GroupKind(n) for n in names)
 
 
-def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> None:
-    """report.md (with explain pictures) and the CI reports for a campaign.
+def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> list[str]:
+    """report.md (with explain pictures) and the CI reports for a campaign;
+    returns the CI reports that could not be written.
 
     Each root cause's reproducer (the shrunk one if there is one, else its
     first scenario) is replayed (finding files are self-contained), so the
@@ -277,7 +327,7 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
                 f"`kvfuzz replay {args.out / 'findings'}` writes them",
                 file=sys.stderr,
             )
-        return
+        return []
     items = []
     results = []
     for cause in summary.get("root_causes", []):  # type: ignore[attr-defined]
@@ -296,4 +346,4 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> N
         results.append(result)
     pictures = root_cause_pictures(items, args.out / "pictures")
     write_atomic(args.out / "report.md", campaign_markdown(summary, pictures, args.out))
-    write_ci_reports(args, results)
+    return write_ci_reports(args, results)

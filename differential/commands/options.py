@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from differential.errors import InternalError, ScenarioError
+from differential.errors import EnvironmentProblem, InternalError, ScenarioError
 from differential.findings import Policy
 from differential.scenario import DriveMode
 from differential.variants import (
@@ -33,6 +33,8 @@ EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a pipeline reports a reader that left early
 
 
 MESSAGE_CHARS = 500  # longest error message printed (the rest is elided)
@@ -217,25 +219,56 @@ def add_ci_reports(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def write_ci_reports(args: argparse.Namespace, results: Sequence[object]) -> None:
+def write_output(option: str, path: Path, text: str) -> str | None:
+    """Write one output file; a failure (a full disk) is returned, not raised,
+    so the other outputs and the table are still written.
+
+    Returns:
+        ``None``, or ``"--report FILE: No space left on device"``.
+    """
     from differential.corpus import write_atomic
+
+    try:
+        write_atomic(path, text)
+    except OSError as exc:
+        return f"{option} {path}: {exc.strerror or exc}"
+    return None
+
+
+def outputs_failed(problems: Sequence[str]) -> EnvironmentProblem:
+    """The error for outputs that could not be written (after the rest were)."""
+    return EnvironmentProblem(
+        f"not written: {'; '.join(problems)} (everything else was written; "
+        "free space or choose another path and rerun)"
+    )
+
+
+def write_ci_reports(args: argparse.Namespace, results: Sequence[object]) -> list[str]:
+    """Write ``--junit-xml``, ``--sarif`` and the annotations.
+
+    Returns:
+        The outputs that could not be written (see :func:`write_output`).
+    """
     from differential.reports.ci import dumps_sarif, github_annotations, junit_xml
 
+    problems: list[str] = []
     if args.junit_xml is not None:
-        write_atomic(args.junit_xml, junit_xml(results))  # type: ignore[arg-type]
+        problems.append(write_output("--junit-xml", args.junit_xml, junit_xml(results)))  # type: ignore[arg-type]
     if args.sarif is not None:
-        write_atomic(args.sarif, dumps_sarif(results))  # type: ignore[arg-type]
+        problems.append(write_output("--sarif", args.sarif, dumps_sarif(results)))  # type: ignore[arg-type]
     if args.github_annotations:
         sys.stdout.write(github_annotations(results))  # type: ignore[arg-type]
+    return [p for p in problems if p is not None]
 
 
-def check_ci_outputs(args: argparse.Namespace) -> None:
-    from differential.reports.outputs import check_output_file
+def check_ci_outputs(args: argparse.Namespace, inputs: Sequence[Path] = ()) -> None:
+    """``--junit-xml`` and ``--sarif`` can be written and are none of ``inputs``."""
+    from differential.reports.outputs import check_not_an_input, check_output_file
 
-    if args.junit_xml is not None:
-        check_output_file(args.junit_xml, "--junit-xml")
-    if args.sarif is not None:
-        check_output_file(args.sarif, "--sarif")
+    for option, path in (("--junit-xml", args.junit_xml), ("--sarif", args.sarif)):
+        if path is not None:
+            check_output_file(path, option)
+            check_not_an_input(path, option, inputs)
 
 
 def one_line(text: str) -> str:

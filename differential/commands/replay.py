@@ -7,22 +7,30 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from differential.commands.options import (
     EXIT_CLEAN,
     EXIT_FOUND,
+    EXIT_USAGE,
     add_ci_reports,
     add_common,
     check_ci_outputs,
     load_scenario,
+    one_line,
+    outputs_failed,
     write_ci_reports,
+    write_output,
 )
+from differential.errors import ScenarioError
 from differential.findings import Policy
 from differential.variants import (
     VariantRole,
     parse_variants,
 )
+
+if TYPE_CHECKING:
+    from differential.corpus import CorpusEntry
 
 __all__ = ["add_parser", "run"]
 
@@ -54,7 +62,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from differential.corpus import expectation_problems, iter_scenario_files, write_atomic
+    from differential.corpus import expectation_problems, iter_scenario_files
     from differential.scenario.bounds import scenario_cost
 
     if args.mode == "engine":
@@ -71,11 +79,13 @@ def run(args: argparse.Namespace) -> int:
     policy = Policy(args.policy)
     # Validate every input (and its cost) and every output path before running anything.
     entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
-    check_ci_outputs(args)
+    inputs = [entry.path for entry in entries]
+    check_ci_outputs(args, inputs)
     if args.report is not None:
-        from differential.reports.outputs import check_output_file
+        from differential.reports.outputs import check_not_an_input, check_output_file
 
         check_output_file(args.report, "--report")
+        check_not_an_input(args.report, "--report", inputs)
 
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION, fix_status
@@ -99,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
             )
     notices += [f"{entry.path}: {entry.plan}" for entry in entries if entry.plan]
     results = []
+    ran: list[CorpusEntry] = []
+    rejected: list[ScenarioError] = []
     for index, entry in enumerate(entries, 1):
         # Progress on stderr, one line per scenario, its cost stated before it runs.
         print(
@@ -106,28 +118,35 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        results.append(
-            compare_variants(
+        try:
+            result = compare_variants(
                 entry.scenario,
                 variants,
                 policy=policy,
                 source=str(entry.path),
                 dense_cross_check=not args.no_dense_check,
             )
-        )
+        except ScenarioError as exc:
+            # Bad input only running could show costs that scenario, not the run.
+            print(f"kvfuzz: error: {one_line(str(exc))}", file=sys.stderr, flush=True)
+            rejected.append(exc)
+            continue
+        results.append(result)
+        ran.append(entry)
     # A corpus file's `expect` block is checked too: a contradiction fails like a finding.
     contradictions = [
         (entry.path, problem)
-        for entry, result in zip(entries, results, strict=True)
-        for problem in expectation_problems(entry, result)
+        for entry, result in zip(ran, results, strict=True)
+        for problem in expectation_problems(entry, result, dense_checked=not args.no_dense_check)
     ]
     report = render_json(results, VLLM_VERSION, policy, notices)
     report["expectations_failed"] = [
         {"file": str(path), "problem": problem} for path, problem in contradictions
     ]
-    write_ci_reports(args, results)
+    problems = write_ci_reports(args, results)
     if args.report is not None:
-        write_atomic(args.report, json.dumps(report, indent=2) + "\n")
+        problem = write_output("--report", args.report, json.dumps(report, indent=2) + "\n")
+        problems += [problem] if problem else []
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
@@ -135,5 +154,9 @@ def run(args: argparse.Namespace) -> int:
         for path, problem in contradictions:
             sys.stdout.write(f"! expectation not met: {printable(str(path))}: {problem}\n")
         sys.stdout.write(f"({time.perf_counter() - started:.1f} s after importing vLLM)\n")
+    if problems:
+        raise outputs_failed(problems)
+    if rejected:
+        return EXIT_USAGE  # each named on stderr as it happened; the reports hold the rest
     found = any(r.findings for r in results) or bool(contradictions)
     return EXIT_FOUND if found else EXIT_CLEAN

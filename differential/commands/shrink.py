@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from differential.commands.options import (
     EXIT_CLEAN,
@@ -18,8 +18,12 @@ from differential.errors import ScenarioError
 from differential.findings import SEVERITY, Policy
 from differential.variants import (
     DEFAULT_VARIANTS,
+    VariantRole,
     parse_variants,
 )
+
+if TYPE_CHECKING:
+    from differential.compare import ScenarioResult
 
 __all__ = ["add_parser", "run"]
 
@@ -28,7 +32,8 @@ def add_parser(sub: Any) -> None:
     """``kvfuzz shrink``: a failing scenario to a minimal reproducer."""
     shrink = sub.add_parser(
         "shrink",
-        help="shrink a failing scenario to a minimal reproducer in corpora/regressions",
+        help="shrink a failing scenario to a minimal reproducer (in corpora/regressions, "
+        "or known-issues for a known issue the fix leaves)",
         description=(
             "Reduce FINDING (a campaign finding file or any scenario file) while the "
             "same finding signature still holds, then write it with its expected "
@@ -51,9 +56,34 @@ def add_parser(sub: Any) -> None:
     shrink.add_argument(
         "--out",
         type=Path,
-        default=Path("corpora/regressions"),
-        help="folder for the reproducer (default: %(default)s)",
+        default=None,
+        help=(
+            "folder for the reproducer (default: corpora/regressions, which CI replays "
+            "clean on candidate; known-issues when the shrunk case still shows a known "
+            "vLLM issue on a fixed variant, which the fix does not repair)"
+        ),
     )
+
+
+REGRESSIONS = Path("corpora/regressions")
+KNOWN_ISSUES = Path("known-issues")
+
+
+def _default_folder(final: ScenarioResult, policy: Policy) -> Path:
+    """Where a reproducer goes without ``--out``: ``known-issues`` when a
+    fixed-role variant (fixed, or candidate, which CI replays ``corpora/`` on
+    and expects clean) still shows a known vLLM issue on it, else
+    ``corpora/regressions``."""
+    from differential.compare import compare_variants
+
+    results = list(final.results)
+    if not any(r.variant.name == "candidate" for r in results):
+        candidate = parse_variants("candidate")
+        results += compare_variants(final.scenario, candidate, policy=policy).results
+    for result in results:
+        if result.variant.role is VariantRole.FIXED and any(f.known_issue for f in result.findings):
+            return KNOWN_ISSUES
+    return REGRESSIONS
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     wanted = args.signature or entry.signature
     from differential.reports.outputs import check_output_folder
 
-    check_output_folder(args.out, "--out")
+    for folder in (args.out,) if args.out is not None else (REGRESSIONS, KNOWN_ISSUES):
+        check_output_folder(folder, "--out")
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION
     from fuzz.campaign import finding_document
@@ -106,10 +137,11 @@ def run(args: argparse.Namespace) -> int:
         small, final, signature, seed=None, example=None, vllm_version=VLLM_VERSION
     )
     text = json.dumps(document, indent=2) + "\n"
-    out = args.out / f"{signature.slug}.json"
+    folder = args.out if args.out is not None else _default_folder(final, policy)
+    out = folder / f"{signature.slug}.json"
     counter = 2
     while out.exists() and out.read_text(encoding="utf-8") != text:
-        out = args.out / f"{signature.slug}-{counter}.json"
+        out = folder / f"{signature.slug}-{counter}.json"
         counter += 1
     write_atomic(out, text)
     s = small

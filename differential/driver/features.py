@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-from differential.errors import InternalError
+from differential.errors import InternalError, ScenarioError
 from differential.variants.capabilities import DESCRIPTIONS, Feature
 
 __all__ = [
@@ -145,8 +145,8 @@ def classified_run(driver: str, phase: list[str], vllm_version: str) -> Iterator
         end.unsupported = describe(missing.feature)
     except VllmCallError as exc:  # vLLM raised: a finding, not our failure.
         end.error = f"{phase[0]}: {exc}"
-    except InternalError:
-        raise
+    except (InternalError, ScenarioError):
+        raise  # kvfuzz's own failure, or bad input only running could show
     except Exception as exc:  # kvfuzz's driver failed: never a finding.
         raise InternalError(
             f"the {driver} failed at {phase[0]!r} on vLLM {vllm_version}: "

@@ -73,7 +73,7 @@ from differential.driver.features import (
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
 from differential.driver.specs import kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
-from differential.errors import InternalError
+from differential.errors import InternalError, ScenarioError
 from differential.observation import (
     BlockWrite,
     ManagerSettings,
@@ -479,7 +479,7 @@ def _prefill(
                 num_lookahead_tokens=resolved.num_lookahead_tokens,
             )
         if allocated is None:
-            raise InternalError(f"the block pool ran out at {computed} tokens")
+            raise _pool_ran_out(d.scenario, f"at {computed} tokens of request {index}")
         if ledger is not None:
             unsafe_writes += ledger.after_step(
                 index, request.request_id, computed, computed + num_new, cached_before
@@ -487,6 +487,22 @@ def _prefill(
         computed += num_new
         request.num_computed_tokens = computed
     return unsafe_writes
+
+
+def _pool_ran_out(scenario: Scenario, where: str) -> Exception:
+    """The error for a pool that ran out ``where``: bad input when the scenario
+    sized the pool (the manager-level driver never evicts a running request),
+    else kvfuzz's own sizing bug (:func:`differential.driver.specs.pool_blocks`
+    leaves room for every request)."""
+    pool = scenario.workload.pool_blocks
+    if pool is None:
+        return InternalError(f"the block pool ran out {where}")
+    return ScenarioError(
+        "workload.pool_blocks",
+        pool,
+        f"enough blocks to hold each request on its own (it ran out {where}; the "
+        "manager-level driver never evicts a running request), or null",
+    )
 
 
 def _sample(d: _Driver, index: int, step: int, request: Request) -> None:
@@ -532,7 +548,7 @@ def _decode(d: _Driver, index: int, request: Request, phase: list[str]) -> list[
             num_lookahead_tokens=d.resolved.num_lookahead_tokens,
         )
         if allocated is None:
-            raise InternalError(f"the block pool ran out at decode step {step}")
+            raise _pool_ran_out(d.scenario, f"at decode step {step} of request {index}")
         if ledger is not None:
             unsafe_writes += ledger.after_step(
                 index, request.request_id, computed, computed + 1, cached_before

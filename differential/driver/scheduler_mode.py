@@ -44,13 +44,11 @@ blocks at the end of the run are counted.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from functools import cache
+from pathlib import Path
 from typing import Any
 
 import differential.driver.runner as runner
@@ -69,30 +67,17 @@ __all__ = ["run_scheduler_scenario"]
 # Steps without progress after which a run is declared stuck (kvfuzz's failure).
 _MAX_IDLE_STEPS = 64
 
+_TINY_MODEL = Path(__file__).resolve().parent / "tiny_model"
 
-@cache
+
 def _model_dir() -> str:
-    """A directory holding a tiny HF-style ``config.json`` (one per process).
+    """The folder holding a tiny HF-style ``config.json``, shipped with kvfuzz
+    (``differential/driver/tiny_model``), so no run leaves a temporary folder.
 
     Only ``ModelConfig`` reads it (architecture, context length, dtype); no
     layer is ever built, so its sizes are placeholders.
     """
-    path = tempfile.mkdtemp(prefix="kvfuzz-model-")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 1,
-        "num_key_value_heads": 1,
-        "num_hidden_layers": 2,
-        "vocab_size": 32_000,
-        "max_position_embeddings": 1 << 20,
-        "torch_dtype": "float16",
-    }
-    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f)
-    return path
+    return str(_TINY_MODEL)
 
 
 def _vllm_config(

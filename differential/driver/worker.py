@@ -92,6 +92,33 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
             reply({"internal_error": message, "traceback": traceback.format_exc()})
 
 
+PARENT_ENV = "KVFUZZ_WORKER_PARENT"  # the parent's pid, set by differential.variants.tree
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when the process that started it dies.
+
+    A worker in a hung scenario ignores its closed stdin, so without this a
+    parent killed by SIGTERM or SIGKILL (a CI cancel) leaves it running. Exits
+    at once if the parent named in :data:`PARENT_ENV` is already gone (it
+    died before the request took effect). No-op off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get(PARENT_ENV, "")
+    if parent.isdigit() and os.getppid() != int(parent):
+        os._exit(3)
+
+
 def main() -> None:
     """Serve requests on stdin until EOF or an ``exit`` request.
 
@@ -99,6 +126,7 @@ def main() -> None:
     descriptor; file descriptor 1 (and ``sys.stdout``) point at stderr from
     here on.
     """
+    _die_with_parent()
     sys.stdout.flush()
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)

@@ -394,7 +394,10 @@ def export_test(
         scheduler_block_size=scenario.scheduler_block_size_tokens,
         hash_block_size=scenario.effective_hash_block_size_tokens,
         shapes=shapes,
-        prefix_tokens=scenario.shared_prefix_tokens,
+        # Only the prefix some request copies (an unused tail costs memory, tests nothing).
+        prefix_tokens=max(
+            (r.divergence_tokens for r in scenario.requests if r.shares_with is None), default=0
+        ),
         max_tokens=scenario.decode_steps + 1,
         chunk=scenario.prefill_chunk_tokens,
         decode_steps=scenario.decode_steps,

@@ -8,13 +8,16 @@ the option, the path and what is allowed, which the CLI answers with exit 2.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from differential.errors import ScenarioError
 
-__all__ = ["check_output_file", "check_output_folder"]
+__all__ = ["check_not_an_input", "check_output_file", "check_output_folder"]
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -34,13 +37,26 @@ def _writable_folder(folder: Path) -> bool:
         return False
 
 
+def _accepted(path: Path, option: str) -> None:
+    """The file system accepts the name (not too long, no symlink loop)."""
+    try:
+        os.lstat(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise ScenarioError(
+                option, str(path), f"a path the file system accepts ({exc.strerror})"
+            ) from None
+
+
 def check_output_folder(path: Path, option: str) -> None:
     """``path`` is, or can be created as, a writable folder.
 
     Raises:
         ScenarioError: ``path`` (or an ancestor) is a file, or the folder
-            (or the ancestor it would be created in) is not writable.
+            (or the ancestor it would be created in) is not writable, or the
+            file system refuses the name (too long).
     """
+    _accepted(path, option)
     existing = _nearest_existing(path)
     if not existing.is_dir():
         what = "is a file" if existing == path.absolute() else f"is under the file {existing}"
@@ -54,10 +70,19 @@ def check_output_file(path: Path, option: str) -> None:
 
     Raises:
         ScenarioError: ``path`` is a folder, lies under a file, or its folder
-            is not writable.
+            is not writable, or the file system refuses the name (too long).
     """
+    _accepted(path, option)
     if path.is_dir():
         raise ScenarioError(option, str(path), "a file path (the path is a folder)")
+    from differential.corpus import is_stream
+
+    if is_stream(path):  # a device, pipe or descriptor link: written as a stream
+        if not os.access(path, os.W_OK):
+            raise ScenarioError(option, str(path), "a writable file, device or pipe")
+        return
+    if path.is_symlink():  # the link's target is what gets replaced
+        path = Path(os.path.realpath(path))
     existing = _nearest_existing(path.parent)
     if not existing.is_dir():
         raise ScenarioError(
@@ -65,3 +90,20 @@ def check_output_file(path: Path, option: str) -> None:
         )
     if not _writable_folder(existing):
         raise ScenarioError(option, str(path), f"a writable location ({existing} is not writable)")
+
+
+def check_not_an_input(path: Path, option: str, inputs: Iterable[Path]) -> None:
+    """``path`` is not one of the ``inputs`` (writing it would destroy one).
+
+    Raises:
+        ScenarioError: ``path`` names an input file (the same file, whatever
+            the spelling: links and relative paths are resolved).
+    """
+    if not os.path.lexists(path) or not path.is_file():
+        return
+    for source in inputs:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(path, source):
+                raise ScenarioError(
+                    option, str(path), f"a file that is not an input (it is {source})"
+                )

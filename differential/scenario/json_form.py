@@ -481,8 +481,9 @@ def json_data(text: str, *, source: str | None = None) -> object:
     """Parse JSON text; ``source`` (a file name) is added to error messages.
 
     Raises:
-        ScenarioError: malformed or absurdly deeply nested JSON (field
-            ``<json>``).
+        ScenarioError: malformed or absurdly deeply nested JSON, or an
+            integer too long to convert (Python's 4300-digit limit), field
+            ``<json>``.
     """
     try:
         return json.loads(text)
@@ -498,5 +499,12 @@ def json_data(text: str, *, source: str | None = None) -> object:
             "<json>",
             "arrays or objects nested too deep to parse",
             "JSON nested at most a few hundred levels (a scenario needs 3)",
+            source=source,
+        ) from None
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise ScenarioError(
+            "<json>",
+            "an integer too long to read",
+            f"numbers of at most 4300 digits ({exc})",
             source=source,
         ) from None

@@ -316,8 +316,13 @@ class Scenario:
 
     @cached_property
     def prompts(self) -> tuple[tuple[int, ...], ...]:
-        """Every request's prompt token ids, generated deterministically."""
-        prefix = tuple(1 + p % _PREFIX_TOKEN_MODULUS for p in range(self.shared_prefix_tokens))
+        """Every request's prompt token ids, generated deterministically.
+
+        Only the part of the shared prefix some request copies is built: an
+        unused prefix costs nothing (and is not counted against the limits).
+        """
+        used = max((r.divergence_tokens for r in self.requests if r.shares_with is None), default=0)
+        prefix = tuple(1 + p % _PREFIX_TOKEN_MODULUS for p in range(used))
         prompts: list[tuple[int, ...]] = []
         for index, request in enumerate(self.requests):
             source = prefix if request.shares_with is None else prompts[request.shares_with]

@@ -25,7 +25,6 @@ Mamba state shapes are elements.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -40,6 +39,7 @@ from differential.scenario.groups import GroupKind
 __all__ = [
     "DTYPES",
     "KV_CACHE_LAYOUTS",
+    "MAX_LAYERS",
     "MODEL_FORMAT",
     "LayerDocument",
     "LayerSpec",
@@ -49,6 +49,10 @@ __all__ = [
 ]
 
 MODEL_FORMAT: Final = "kvfuzz.model"
+
+#: Most layers a description may list, target and drafter together (the
+#: largest public models have a few hundred).
+MAX_LAYERS: Final = 4096
 
 _Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "uint8"]
 _Layout = Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
@@ -253,8 +257,18 @@ class ModelDescription:
             ModelDocument.model_validate(self, from_attributes=True, strict=True)
         except ValidationError as exc:
             raise scenario_error(exc, model_schema(), prefix="model", python=True) from None
+        total = 0
         for i, layer in enumerate(self.layers):
             layer._check_kind(f"model.layers[{i}]")
+            # Every layer becomes a vLLM KVCacheSpec before any scenario limit
+            # is checked: the layer count is bounded here, before one is built.
+            total += layer.count
+            if total > MAX_LAYERS:
+                raise ScenarioError(
+                    f"model.layers[{i}].count",
+                    layer.count,
+                    f"at most {MAX_LAYERS} layers in all ({total - layer.count} before this entry)",
+                )
 
     @property
     def num_layers(self) -> int:
@@ -290,12 +304,17 @@ class ModelDescription:
         Raises:
             ScenarioError: unreadable or invalid file, naming it.
         """
+        from differential.corpus import read_regular_file
+        from differential.scenario.json_form import json_data
+
+        raw = read_regular_file(path, "model")  # a FIFO is refused, not waited on
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise ScenarioError(
                 "model", str(path), f"a readable model description ({exc})"
             ) from None
+        data = json_data(text, source=str(path))
         try:
             return cls.from_dict(data)
         except ScenarioError as exc:

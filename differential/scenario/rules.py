@@ -25,6 +25,7 @@ __all__ = [
     "check_drafter",
     "check_geometry",
     "check_mamba",
+    "check_pool",
     "check_requests",
     "check_retention",
     "check_scenario",
@@ -50,6 +51,7 @@ def check_scenario(s: Scenario) -> None:
     check_draft_groups(s)
     check_workload(s)
     check_requests(s)
+    check_pool(s)
 
 
 def check_geometry(s: Scenario) -> None:
@@ -212,6 +214,33 @@ def check_requests(s: Scenario) -> None:
                 "at least 1 when divergence_tokens is 0 (a prompt needs a token)",
             )
         lengths.append(request.prompt_tokens)
+
+
+def check_pool(s: Scenario) -> None:
+    """A pool size must hold the longest request on its own.
+
+    vLLM's ``BlockPool`` (vllm/v1/core/block_pool.py) takes the null block
+    from the pool; a request keeps every full-attention-family block it
+    computed until it finishes, and any other group holds at least one
+    block. A smaller pool can never run the request in either mode, so it is
+    bad input, named before anything runs.
+    """
+    pool = s.workload.pool_blocks
+    if pool is None:
+        return
+    longest = max(r.prompt_tokens for r in s.requests)
+    need = 1 + sum(
+        -(-longest // g.block_size_tokens) if g.kind.full_attention_family else 1
+        for g in s.kv_cache_groups
+    )
+    if pool < need:
+        raise ScenarioError(
+            "workload.pool_blocks",
+            pool,
+            f"null or at least {need} blocks (the null block, the longest prompt of "
+            f"{longest} tokens in each full-attention group's blocks, one block per "
+            "other group)",
+        )
 
 
 def check_draft_groups(s: Scenario) -> None:

@@ -843,10 +843,29 @@ def write_json(run: MutationRun, path: Path) -> None:
 
 
 def default_work_dir() -> Path:
-    """Where mutant trees are built (``$TMPDIR/kvfuzz-mutants-<pid>``)."""
+    """Where mutant trees are built (``$TMPDIR/kvfuzz-mutants-<pid>``).
+
+    A run removes its folder when it ends, SIGTERM included; one left by a
+    run that was SIGKILLed (its pid no longer alive) is removed here.
+    """
     import tempfile
 
-    return Path(tempfile.gettempdir()) / f"kvfuzz-mutants-{os.getpid()}"
+    temp = Path(tempfile.gettempdir())
+    for stale in temp.glob("kvfuzz-mutants-*"):
+        pid = stale.name.removeprefix("kvfuzz-mutants-")
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return temp / f"kvfuzz-mutants-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process
+    return True
 
 
 def select_modules(text: str | None) -> tuple[ModuleScope, ...]:

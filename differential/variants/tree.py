@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from differential.driver.worker import PARENT_ENV
 from differential.errors import InternalError, KvfuzzError, VariantError
 from differential.observation import RunObservation
 from differential.scenario import Scenario
@@ -189,13 +190,15 @@ class TreeWorker:
             InternalError: the worker died or hung while importing its vLLM
                 (the message ends with the worker's stderr).
         """
+        env = self.environment()
+        env[PARENT_ENV] = str(os.getpid())  # the worker dies with this process
         self.stderr_tail.clear()
         self.process = subprocess.Popen(
             self.command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=self.environment(),
+            env=env,
             text=True,
             encoding="utf-8",
             errors="replace",

@@ -29,6 +29,27 @@ def test_workflow_runs_the_script_and_uploads_its_folder() -> None:
     assert True in workflow and "schedule" in workflow[True]  # YAML reads `on:` as True
 
 
+def test_workflow_installs_cpu_torch_and_publishes_every_sarif_the_script_writes() -> None:
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    job = workflow["jobs"]["kvfuzz"]
+    assert job["permissions"]["security-events"] == "write"  # upload-sarif needs it
+    (script,) = [s for s in job["steps"] if s.get("run") == "scripts/kvfuzz-ci.sh"]
+    assert script["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert script["env"]["KVFUZZ_TORCH"].endswith("+cpu")
+    written = {
+        path.replace("$out", "kvfuzz-ci-out")
+        for path in re.findall(r'--sarif "([^"]+)"', SCRIPT.read_text())
+    }
+    uploaded = {
+        s["with"]["sarif_file"]
+        for s in job["steps"]
+        if s.get("uses", "").startswith("github/codeql-action/upload-sarif")
+    }
+    assert (
+        written == uploaded == {"kvfuzz-ci-out/replay.sarif", "kvfuzz-ci-out/campaign/kvfuzz.sarif"}
+    )
+
+
 def test_script_uses_only_real_kvfuzz_options() -> None:
     text = SCRIPT.read_text()
     parser = _parser()
