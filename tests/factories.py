@@ -70,6 +70,10 @@ def triton(
 
 # Set to 0 to run every ``python -m`` of the tests in a fresh interpreter.
 FORKSERVER_SWITCH = "KVFUZZ_TEST_FORKSERVER"
+# Always fresh interpreters: pytest must import its plugins' packages itself
+# (it rewrites their asserts on import; the server's dependencies include
+# some, e.g. anyio, which pytest then refuses).
+_FRESH_MODULES = frozenset({"pytest"})
 _server: forkserver.ForkServer | None = None
 _server_failed = False
 
@@ -111,11 +115,12 @@ def python_module(
     every respect the tests see (the module run as ``__main__``, its own
     working directory, environment, ``sys.path``, file descriptors and exit
     status), in 1 CPU-second instead of 7. Its own tree workers are forked
-    from the same server. With ``KVFUZZ_TEST_FORKSERVER=0``, or when the
-    server cannot serve the request, a fresh interpreter runs it.
+    from the same server. ``python -m pytest`` always, and everything with
+    ``KVFUZZ_TEST_FORKSERVER=0`` or when the server cannot serve the request,
+    runs in a fresh interpreter.
     """
     environment = dict(os.environ if env is None else env)
-    address = forkserver_address()
+    address = None if module in _FRESH_MODULES else forkserver_address()
     if address is not None:
         environment[forkserver.ENV] = address
         try:
