@@ -25,6 +25,22 @@ Triton seed (block 16 / 32, window 1024, retention 8192, 16384-token prefix):
   modes, and a ``kvfuzz fuzz --mode scheduler`` campaign (generated engine
   workloads: concurrent multi-turn sessions, drafts, eviction).
 
+Each fixed-scenario figure is also given as a ratio:
+
+* against a bare driver doing the same vLLM calls (``KVCacheManager``
+  built the same way, then per request ``get_computed_blocks``, the same
+  prefill chunks through ``Scheduler._reserve_prefill_lookahead`` and
+  ``allocate_slots``, the decode steps with their sampled tokens and
+  ``cache_blocks``, ``free``) and nothing else: no recording, no per-group
+  lookup, no error classification. It is the limit this machine allows;
+  measured in alternating rounds of CPU time in this process, so load from
+  other processes hits both alike;
+* against the previous figures (``--previous FILE``, default
+  ``benchmarks/throughput-previous.json``; ``--save FILE`` writes this run's).
+  The figures compared are the ratios to the bare driver, which cancel most
+  of the machine's speed and load; raw rates from two runs on a shared
+  machine are not comparable.
+
 These are figures to read, not assertions: nothing here fails.
 """
 
@@ -32,10 +48,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,10 +103,115 @@ def _paired_rates(
     return counts[0] / spent[0], counts[1] / spent[1]
 
 
+def bare_run(scenario: Any) -> list[int]:
+    """The vLLM calls of one manager-mode run and nothing else; the hits, in tokens.
+
+    Attention-only scenarios without a custom pool (what this benchmark
+    drives); the same calls as :func:`differential.driver.runner.run_scenario`
+    in the same order.
+    """
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from differential.driver import runner
+    from differential.driver.settings import resolve_drafter
+    from differential.driver.specs import kv_cache_config, pool_blocks
+
+    resolved = resolve_drafter(scenario)
+    longest = max(r.prompt_tokens for r in scenario.requests)
+    manager = KVCacheManager(
+        kv_cache_config=kv_cache_config(
+            scenario,
+            resolved,
+            pool_blocks(scenario, resolved),
+            scenario.retention_interval_tokens,
+        ),
+        max_model_len=longest + scenario.decode_steps + resolved.num_lookahead_tokens + 1,
+        scheduler_block_size=scenario.scheduler_block_size_tokens,
+        hash_block_size=scenario.effective_hash_block_size_tokens,
+        enable_caching=True,
+        use_eagle=resolved.use_eagle_block_drop,
+        num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
+        num_prefill_lookahead=resolved.num_prefill_lookahead_tokens,
+    )
+    view = SimpleNamespace(num_prefill_lookahead=resolved.num_prefill_lookahead_tokens)
+    hasher = runner.block_hasher(scenario, resolved)
+    lookahead = resolved.num_lookahead_tokens
+    spec = scenario.drafter.num_speculative_tokens
+    hits = []
+    for index, (request_spec, prompt) in enumerate(
+        zip(scenario.requests, scenario.prompts, strict=True)
+    ):
+        request = runner.make_request(scenario, index, prompt, hasher, scenario.decode_steps + 1)
+        manager.new_step_starts()
+        blocks, hit, junction = manager.get_computed_blocks(request)
+        request.shared_prefix_boundary = junction
+        hits.append(hit)
+        computed, first = hit, True
+        while computed < request_spec.prompt_tokens:
+            num_new = min(scenario.step_budget_tokens, request_spec.prompt_tokens - computed)
+            if not first:
+                manager.new_step_starts()
+            num_new = Scheduler._reserve_prefill_lookahead(view, request, computed, num_new)  # type: ignore[arg-type]
+            if first:
+                manager.allocate_slots(
+                    request,
+                    num_new,
+                    num_new_computed_tokens=hit,
+                    new_computed_blocks=blocks,
+                    num_lookahead_tokens=lookahead,
+                )
+                request.status = RequestStatus.RUNNING
+                first = False
+            else:
+                manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+            computed += num_new
+            request.num_computed_tokens = computed
+        for step in range(scenario.decode_steps + 1):
+            last = step == scenario.decode_steps  # the last sampled token: no step follows
+            if not last:
+                manager.new_step_starts()
+            request.append_output_token_ids(scenario.output_token(index, step))
+            if spec:
+                manager.cache_blocks(request, request.num_computed_tokens)
+            if last:
+                break
+            manager.allocate_slots(request, 1, num_lookahead_tokens=lookahead)
+            computed += 1
+            request.num_computed_tokens = computed
+        manager.free(request)
+    return hits
+
+
+def _previous(path: Path) -> dict[str, float]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _against(figures: dict[str, float], previous: dict[str, float], key: str, value: float) -> str:
+    """``value`` recorded under ``key``, and its ratio to the previous figure."""
+    figures[key] = value
+    if key not in previous:
+        return ""
+    return f"; previous {previous[key]:.2f}: {value / previous[key]:.2f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
+    parser.add_argument(
+        "--previous",
+        type=Path,
+        default=ROOT / "benchmarks" / "throughput-previous.json",
+        help="figures to compare with (default: benchmarks/throughput-previous.json)",
+    )
+    parser.add_argument("--save", type=Path, help="write this run's figures there (JSON)")
     args = parser.parse_args()
+    previous = _previous(args.previous)
+    figures: dict[str, float] = {}
 
     started = time.perf_counter()
     from differential.compare import compare_variants
@@ -124,6 +248,28 @@ def main() -> None:
     ):
         tokens = sum(r.prompt_tokens for r in scenario.requests)
         run_rate, _ = _rate(lambda s=scenario: run_variant(s, unfixed), args.seconds)
+        bare = ""
+        if not scenario.mamba_groups:
+            assert bare_run(scenario) == list(run_variant(scenario, unfixed).hits)
+            kvfuzz_rate, bare_rate = _paired_rates(
+                lambda s=scenario: run_variant(s, unfixed),
+                lambda s=scenario: bare_run(s),
+                args.seconds * 2,
+            )
+            _, judged_cpu_rate = _paired_rates(
+                lambda s=scenario: bare_run(s),
+                lambda s=scenario: compare_variants(s, (unfixed, fixed)),
+                args.seconds * 2,
+            )
+            run_ratio = kvfuzz_rate / bare_rate
+            pair_ratio = judged_cpu_rate / bare_rate
+            bare = (
+                f"\n  bare driver, same calls:   {bare_rate:8.1f} executions/CPU-s; one run "
+                f"{run_ratio:.2f} of it"
+                + _against(figures, previous, f"{label}: run / bare", run_ratio)
+                + f"\n  judged pair / bare run:    {pair_ratio:8.3f}"
+                + _against(figures, previous, f"{label}: judged pair / bare", pair_ratio)
+            )
         judged_rate, _ = _rate(
             lambda s=scenario: compare_variants(s, (unfixed, fixed)), args.seconds
         )
@@ -148,7 +294,7 @@ def main() -> None:
             f"  time inside vLLM's code:   {share:8.0%} (cProfile self time)\n"
             f"  judged run, block check on:  {checked:8.1f} executions/CPU-s\n"
             f"  judged run, block check off: {unchecked:8.1f} executions/CPU-s "
-            f"(the check costs {1 - checked / unchecked:.0%})" + engine
+            f"(the check costs {1 - checked / unchecked:.0%})" + bare + engine
         )
 
     sessions = load_entry(ROOT / "known-issues" / "eviction-collapse-48435-pool130-dense.json")
@@ -186,6 +332,9 @@ def main() -> None:
             f"{label:<11} seed 0, {summary['examples']} generated scenarios: "
             f"{summary['executions_per_s']:.1f} judged unfixed+fixed pairs/s"
         )
+    if args.save is not None:
+        args.save.write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+        print(f"figures written to {args.save}")
 
 
 if __name__ == "__main__":

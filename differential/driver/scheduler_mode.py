@@ -44,10 +44,12 @@ blocks at the end of the run are counted.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -80,20 +82,15 @@ def _model_dir() -> str:
     return str(_TINY_MODEL)
 
 
-def _vllm_config(
-    scenario: Scenario, resolved: ResolvedDrafter, num_blocks: int, max_model_len: int
+@lru_cache(maxsize=64)
+def _validated_config(
+    block_size_tokens: int, budget_tokens: int, max_num_seqs: int, max_model_len: int
 ) -> Any:
-    """A real ``VllmConfig`` for the scenario (see the module docstring)."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """The validated ``VllmConfig`` for one layout, built once per process:
+    ``ModelConfig`` (reading the tiny ``config.json``), ``CacheConfig`` and
+    ``SchedulerConfig`` validated by vLLM, as :func:`_vllm_config` copies it."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.config.kv_transfer import KVTransferConfig
 
-    workload = scenario.workload
-    budget = scenario.step_budget_tokens
-    # vLLM's config notices (CPU backend, model runner choice) say nothing
-    # about the scenario: keep them off kvfuzz's stderr.
-    logging.getLogger("vllm").setLevel(logging.ERROR)
     model = vllm_call(
         "ModelConfig",
         ModelConfig,
@@ -105,19 +102,19 @@ def _vllm_config(
     cache_config = vllm_call(
         "CacheConfig",
         CacheConfig,
-        block_size=scenario.scheduler_block_size_tokens,
+        block_size=block_size_tokens,
         enable_prefix_caching=True,
     )
     scheduler_config = vllm_call(
         "SchedulerConfig",
         SchedulerConfig,
-        max_num_batched_tokens=budget,
-        max_num_seqs=workload.max_num_seqs or min(8, budget),
+        max_num_batched_tokens=budget_tokens,
+        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
     )
-    config = vllm_call(
+    return vllm_call(
         "VllmConfig",
         VllmConfig,
         model_config=model,
@@ -126,6 +123,32 @@ def _vllm_config(
         # Explicit, so a process that imported vLLM before kvfuzz set
         # VLLM_TARGET_DEVICE still builds it.
         device_config=vllm_call("DeviceConfig", DeviceConfig, device="cpu"),
+    )
+
+
+def _vllm_config(
+    scenario: Scenario, resolved: ResolvedDrafter, num_blocks: int, max_model_len: int
+) -> Any:
+    """A real ``VllmConfig`` for the scenario (see the module docstring): a
+    deep copy of the layout's validated one (:func:`_validated_config`; a
+    run's scheduler never sees another run's config), then set up as the
+    scheduler reads it."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    workload = scenario.workload
+    budget = scenario.step_budget_tokens
+    # vLLM's config notices (CPU backend, model runner choice) say nothing
+    # about the scenario: keep them off kvfuzz's stderr.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    config = copy.deepcopy(
+        _validated_config(
+            scenario.scheduler_block_size_tokens,
+            budget,
+            workload.max_num_seqs or min(8, budget),
+            max_model_len,
+        )
     )
     # After validation (see the module docstring): what the scheduler reads.
     config.cache_config.num_gpu_blocks = num_blocks

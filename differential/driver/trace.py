@@ -36,24 +36,59 @@ def _run_start_block(blocks: Any) -> int:
     return len(first)
 
 
+def _record(calls: list[GroupLookup], result: Any, kwargs: dict[str, Any]) -> None:
+    blocks, hit = result
+    group_ids = kwargs.get("kv_cache_group_ids", [0])
+    calls.append(
+        GroupLookup(
+            group=int(group_ids[0]) if group_ids else 0,
+            max_length_tokens=int(kwargs.get("max_length", 0)),
+            drop_eagle_block=bool(kwargs.get("drop_eagle_block", False)),
+            hit_tokens=int(hit),
+            run_start_block=_run_start_block(blocks),
+        )
+    )
+
+
 def _recorder(target: Any, calls: list[GroupLookup]) -> Any:
     """A ``find_longest_cache_hit`` with ``target``'s signature that records each call."""
 
     def find_longest_cache_hit(*args: Any, **kwargs: Any) -> Any:
-        blocks, hit = target(*args, **kwargs)
-        group_ids = kwargs.get("kv_cache_group_ids", [0])
-        calls.append(
-            GroupLookup(
-                group=int(group_ids[0]) if group_ids else 0,
-                max_length_tokens=int(kwargs.get("max_length", 0)),
-                drop_eagle_block=bool(kwargs.get("drop_eagle_block", False)),
-                hit_tokens=int(hit),
-                run_start_block=_run_start_block(blocks),
-            )
-        )
-        return blocks, hit
+        result = target(*args, **kwargs)
+        _record(calls, result, kwargs)
+        return result
 
     return find_longest_cache_hit
+
+
+# The lists the traced subclasses append to: the innermost trace_lookups block's.
+_sinks: list[list[GroupLookup]] = []
+# Base manager class -> its traced subclass, made once per process.
+_traced: dict[type, type] = {}
+
+
+def _traced_class(base: type) -> type:
+    """The subclass of ``base`` whose ``find_longest_cache_hit`` records into the
+    innermost :func:`trace_lookups` block (made once per base class).
+
+    It calls ``base.find_longest_cache_hit`` as installed at call time, so a
+    variant's patch of the base class (installed around each run) is honoured.
+    """
+    subclass = _traced.get(base)
+    if subclass is None:
+
+        def find_longest_cache_hit(*args: Any, **kwargs: Any) -> Any:
+            result = base.find_longest_cache_hit(*args, **kwargs)  # type: ignore[attr-defined]
+            if _sinks:
+                _record(_sinks[-1], result, kwargs)
+            return result
+
+        subclass = _traced[base] = type(
+            f"Traced{base.__name__}",
+            (base,),
+            {"find_longest_cache_hit": staticmethod(find_longest_cache_hit)},
+        )
+    return subclass
 
 
 @contextmanager
@@ -73,21 +108,15 @@ def trace_lookups(coordinator: Any) -> Iterator[list[GroupLookup]]:
     calls: list[GroupLookup] = []
     groups = getattr(coordinator, "attention_groups", None)
     if isinstance(groups, list) and groups and hasattr(groups[0], "manager_cls"):
-        # Hybrid: swap each group's manager class for a subclass that records.
-        traced = []
-        for group in groups:
-            base = group.manager_cls
-            record = _recorder(base.find_longest_cache_hit, calls)
-            subclass = type(
-                f"Traced{base.__name__}",
-                (base,),
-                {"find_longest_cache_hit": staticmethod(record)},
-            )
-            traced.append(group._replace(manager_cls=subclass))
-        coordinator.attention_groups = traced
+        # Hybrid: swap each group's manager class for its subclass that records.
+        coordinator.attention_groups = [
+            group._replace(manager_cls=_traced_class(group.manager_cls)) for group in groups
+        ]
+        _sinks.append(calls)
         try:
             yield calls
         finally:
+            _sinks.pop()
             coordinator.attention_groups = groups
         return
     managers: Sequence[Any] = getattr(coordinator, "single_type_managers", ())

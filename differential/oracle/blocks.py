@@ -42,6 +42,7 @@ from enum import StrEnum
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import BlockRecord, RequestObservation, RunObservation
+from differential.oracle.prefix import common_prefix_packed, common_prefix_tokens, packed_tokens
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
 
 __all__ = [
@@ -104,6 +105,7 @@ class TokenView:
         self._prompts = scenario.prompts
         self._written: dict[int, tuple[int, ...]] = {}
         self._common: dict[tuple[int, int], int] = {}
+        self._packings: dict[tuple[str, int], bytes | None] = {}
 
     def written(self, request: int) -> tuple[int, ...]:
         """Every token ``request`` computed KV for."""
@@ -118,16 +120,19 @@ class TokenView:
         """Tokens, from position 0, where ``writer``'s tokens equal ``sibling``'s prompt."""
         key = (writer, sibling)
         if key not in self._common:
-            a, b = self.written(writer), self._prompts[sibling]
-            lo, hi = 0, min(len(a), len(b))
-            while lo < hi:  # binary search on slice equality (compared in C)
-                mid = (lo + hi + 1) // 2
-                if a[:mid] == b[:mid]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            self._common[key] = lo
+            a = self._packed(("written", writer), self.written(writer))
+            b = self._packed(("prompt", sibling), self._prompts[sibling])
+            self._common[key] = (
+                common_prefix_packed(a, b)
+                if a is not None and b is not None
+                else common_prefix_tokens(self.written(writer), self._prompts[sibling])
+            )
         return self._common[key]
+
+    def _packed(self, key: tuple[str, int], tokens: tuple[int, ...]) -> bytes | None:
+        if key not in self._packings:
+            self._packings[key] = packed_tokens(tokens)
+        return self._packings[key]
 
 
 def _describe(held: BlockRecord | None) -> str:

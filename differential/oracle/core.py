@@ -46,7 +46,11 @@ from typing import Any
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
 from differential.oracle.blocks import check_blocks
-from differential.oracle.prefix import common_prefix_tokens
+from differential.oracle.prefix import (
+    common_prefix_tokens,
+    scenario_memo,
+    shared_prefixes,
+)
 from differential.oracle.state import state_references
 from differential.scenario import DrafterKind, GroupKind, Scenario
 
@@ -170,11 +174,32 @@ def needless_protection_model(
 
 def divergence_points(scenario: Scenario) -> tuple[int, ...]:
     """Per request, ``D``: the longest common prefix with any earlier request, in tokens."""
-    prompts = scenario.prompts
-    return tuple(
-        max((common_prefix_tokens(prompts[i], prompts[j]) for i in range(j)), default=0)
-        for j in range(len(prompts))
-    )
+    return tuple(max(row, default=0) for row in shared_prefixes(scenario))
+
+
+def _dense_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]]:
+    """Row ``j``: :func:`dense_hit` of request ``j`` on each earlier writer
+    ``i``, computed once per scenario and model. :func:`dense_hit` reads the
+    two requests only through their prompt lengths, so equal (lengths, shared
+    prefix) share one evaluation."""
+    memo = scenario_memo(scenario)
+    rows: list[list[int]] | None = memo.get(("dense_rows", model))
+    if rows is not None:
+        return rows
+    lengths = [r.prompt_tokens for r in scenario.requests]
+    seen: dict[tuple[int, int, int], int] = {}
+    rows = []
+    for j, shared_row in enumerate(shared_prefixes(scenario)):
+        row = []
+        for i, shared in enumerate(shared_row):
+            key = (lengths[j], lengths[i], shared)
+            h = seen.get(key)
+            if h is None:
+                h = seen[key] = dense_hit(scenario, model, j, i, shared)
+            row.append(h)
+        rows.append(row)
+    memo[("dense_rows", model)] = rows
+    return rows
 
 
 def _writer_extent(scenario: Scenario, model: DrafterModel, writer: int) -> tuple[int, int]:
@@ -367,30 +392,49 @@ def references(
     if scenario.mamba_groups:
         assert writers is None, "state groups are judged for sequential runs only"
         return _state_group_references(scenario, model, observed_hits, policy)
-    prompts = scenario.prompts
+    # Scenario-only quantities come from the per-scenario memo; checkpoints()
+    # reads its writer only through the writer's prompt length, so writers
+    # alike in (length, junction, dense hit, own hit) share one evaluation,
+    # and within one sibling a writer alike an earlier one changes nothing
+    # (the first writer owed the most is kept).
+    shared_rows = shared_prefixes(scenario)
+    dense_rows = _dense_rows(scenario, model)
+    lengths = [r.prompt_tokens for r in scenario.requests]
+    pins_junctions = scenario.pins_junctions
+    promised: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
+    junctions: list[int] = []
     dense_by_request: list[int] = []
     out: list[SiblingReference] = []
     for j in range(len(observed_hits)):
         best_dense, best_expected, best_writer = 0, 0, None
-        divergence = 0
+        shared_row, dense_row = shared_rows[j], dense_rows[j]
+        chosen = range(j) if writers is None else sorted(w for w in writers[j] if w < j)
+        divergence = max((shared_row[i] for i in chosen), default=0)
         points: set[int] = {0}
-        for i in range(j) if writers is None else sorted(w for w in writers[j] if w < j):
-            shared = common_prefix_tokens(prompts[i], prompts[j])
-            divergence = max(divergence, shared)
-            h = dense_hit(scenario, model, j, i, shared)
+        alike: set[tuple[int, int, int, int]] = set()
+        for i in chosen:
+            h = dense_row[i]
             best_dense = max(best_dense, h)
-            # A request pins its dense hit as a junction when its own hit fell
-            # short of it, on layouts where vLLM reports an uncached common
-            # prefix (Scenario.pins_junctions: not a single group or a single
-            # attention type, UnitaryKVCacheCoordinator reports nothing).
-            pins = scenario.pins_junctions and observed_hits[i] < dense_by_request[i]
-            junction = dense_by_request[i] if pins else 0
-            writer_points = checkpoints(scenario, model, i, junction, h, observed_hits[i], policy)
+            key = (lengths[i], junctions[i], h, observed_hits[i])
+            if key in alike:
+                continue
+            alike.add(key)
+            writer_points = promised.get(key)
+            if writer_points is None:
+                writer_points = promised[key] = checkpoints(
+                    scenario, model, i, junctions[i], h, observed_hits[i], policy
+                )
             points.update(writer_points)
             owed = h if policy is Policy.IDEAL else writer_points[-1]
             if owed > best_expected or best_writer is None:
                 best_expected, best_writer = owed, i
         dense_by_request.append(best_dense)
+        # A request pins its dense hit as a junction when its own hit fell
+        # short of it, on layouts where vLLM reports an uncached common
+        # prefix (Scenario.pins_junctions: not a single group or a single
+        # attention type, UnitaryKVCacheCoordinator reports nothing).
+        pins = pins_junctions and observed_hits[j] < best_dense
+        junctions.append(best_dense if pins else 0)
         out.append(
             SiblingReference(
                 index=j,

@@ -3,18 +3,59 @@
 The lowest layer of :mod:`differential.oracle`: it imports no other oracle
 module, so :mod:`~differential.oracle.core` and
 :mod:`~differential.oracle.state` both build on it without importing each
-other's internals in a circle.
+other's internals in a circle. It also holds the per-scenario memo the
+oracle keeps quantities in that depend on the scenario alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from itertools import pairwise
+from typing import Any
 
-__all__ = ["common_prefix_tokens"]
+__all__ = [
+    "common_prefix_packed",
+    "common_prefix_tokens",
+    "packed_tokens",
+    "pairwise_common_prefix_tokens",
+    "scenario_memo",
+    "shared_prefixes",
+]
+
+_TOKEN_BYTES = 8  # array typecode "q"
+
+
+def packed_tokens(tokens: Sequence[int]) -> bytes | None:
+    """``tokens`` as native 64-bit integers (for :func:`common_prefix_packed`),
+    or ``None`` if one does not fit."""
+    try:
+        return array("q", tokens).tobytes()
+    except (OverflowError, TypeError):
+        return None
+
+
+def common_prefix_packed(a: bytes, b: bytes) -> int:
+    """:func:`common_prefix_tokens` of two :func:`packed_tokens` sequences, in
+    tokens: a binary search whose comparisons are ``memcmp`` on views
+    (nothing copied)."""
+    view = memoryview(b)
+    lo, hi = 0, min(len(a), len(b)) // _TOKEN_BYTES
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(view[: mid * _TOKEN_BYTES]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
     """Length, in tokens, of the longest common prefix of two token sequences."""
+    packed_a, packed_b = packed_tokens(a), packed_tokens(b)
+    if packed_a is not None and packed_b is not None:
+        return common_prefix_packed(packed_a, packed_b)
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:  # binary search on slice equality (compared in C)
         mid = (lo + hi + 1) // 2
@@ -23,3 +64,70 @@ def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def pairwise_common_prefix_tokens(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Every pair's :func:`common_prefix_tokens`: row ``j`` holds, for each
+    ``i < j``, the tokens ``prompts[i]`` and ``prompts[j]`` share (row 0 is empty).
+
+    With the prompts in sorted order, two prompts share the minimum of the
+    prefixes shared by the neighbours between them, so only ``n - 1``
+    sequences are compared; the rest is integer minima (``n`` requests:
+    ``n log n`` comparisons of sequences, ``n^2 / 2`` of integers).
+    """
+    n = len(prompts)
+    order = sorted(range(n), key=lambda k: tuple(prompts[k]))
+    packed = [packed_tokens(prompts[k]) for k in order]
+    neighbours = [
+        common_prefix_packed(a, b)
+        if a is not None and b is not None
+        else common_prefix_tokens(prompts[order[r]], prompts[order[r + 1]])
+        for r, (a, b) in enumerate(pairwise(packed))
+    ]
+    rows = [[0] * j for j in range(n)]
+    for first in range(n):
+        low = order[first]
+        shared = -1
+        for second in range(first + 1, n):
+            step = neighbours[second - 1]
+            if shared < 0 or step < shared:
+                shared = step
+            high = order[second]
+            if low < high:
+                rows[high][low] = shared
+            else:
+                rows[low][high] = shared
+    return rows
+
+
+# Scenarios are immutable: what depends on one alone is computed once and
+# kept while it is among the most recent few (keyed by identity; the entry
+# holds the scenario, so its id cannot be reused meanwhile).
+_MEMO_SCENARIOS = 16
+_memos: OrderedDict[int, tuple[object, dict[Hashable, Any]]] = OrderedDict()
+
+
+def scenario_memo(scenario: object) -> dict[Hashable, Any]:
+    """A dict for quantities that depend on ``scenario`` alone (and the key),
+    the same dict for the same scenario object while it is among the last 16
+    asked for."""
+    key = id(scenario)
+    entry = _memos.get(key)
+    if entry is None or entry[0] is not scenario:
+        entry = _memos[key] = (scenario, {})
+        while len(_memos) > _MEMO_SCENARIOS:
+            _memos.popitem(last=False)
+    else:
+        _memos.move_to_end(key)
+    return entry[1]
+
+
+def shared_prefixes(scenario: Any) -> list[list[int]]:
+    """Row ``j``: for each earlier request ``i``, the tokens the prompts of
+    ``scenario`` (a :class:`~differential.scenario.Scenario`) ``i`` and ``j``
+    share (:func:`pairwise_common_prefix_tokens`), computed once per scenario."""
+    memo = scenario_memo(scenario)
+    rows: list[list[int]] | None = memo.get("shared_prefixes")
+    if rows is None:
+        rows = memo["shared_prefixes"] = pairwise_common_prefix_tokens(scenario.prompts)
+    return rows

@@ -58,7 +58,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from differential.findings import Policy
-from differential.oracle.prefix import common_prefix_tokens
+from differential.oracle.prefix import common_prefix_tokens, shared_prefixes
 from differential.scenario import GroupKind, MambaPrefill, Scenario
 
 __all__ = [
@@ -267,7 +267,9 @@ def _writer_proof(
         scenario.requests[writer].prompt_tokens - reprefillable_tokens,
         scenario.requests[writer].prompt_tokens,
         scenario.requests[sibling].prompt_tokens,
-        common_prefix_tokens(scenario.prompts[writer], scenario.prompts[sibling]),
+        shared_prefixes(scenario)[sibling][writer]
+        if writer < sibling
+        else common_prefix_tokens(scenario.prompts[writer], scenario.prompts[sibling]),
     )
 
 
@@ -326,14 +328,14 @@ def state_references(
     fell short of it (vLLM ``KVCacheManager.get_computed_blocks``: the hit
     plus the uncached common prefix).
     """
-    prompts = scenario.prompts
+    shared_rows = shared_prefixes(scenario)
     block = scenario.mamba_groups[0].block_size_tokens
     attention_by_request = attention_proofs(
         scenario, drop, hash_lookahead_tokens, reprefillable_tokens, len(observed_hits)
     )
     out: list[tuple[int, int, int, int | None, tuple[int, ...]]] = []
     for j in range(len(observed_hits)):
-        shared = [common_prefix_tokens(prompts[i], prompts[j]) for i in range(j)]
+        shared = shared_rows[j]
         attention = attention_by_request[j]
         best_dense, best_expected, best_writer = 0, 0, None
         points: set[int] = {0}

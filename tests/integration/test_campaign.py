@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from differential.variants import parse_variants
 from fuzz.campaign import CampaignConfig, run_campaign
-from tests.factories import CORPORA, ROOT, kvfuzz_cli
+from tests.factories import CORPORA, ROOT, kvfuzz_cli, python_module
 
 pytestmark = pytest.mark.vllm
 
@@ -64,14 +63,7 @@ def test_rerun_replays_the_example_database_first(tmp_path: Path) -> None:
 
 
 def _harness(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fuzz.atheris_harness", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-        timeout=300,
-    )
+    return python_module("fuzz.atheris_harness", *args, cwd=ROOT, timeout=300)
 
 
 def test_atheris_harness_on_fixed_exits_cleanly(tmp_path: Path) -> None:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from junitparser import Failure, JUnitXml
 
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, ROOT, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -20,24 +18,16 @@ DENSE = CORPORA / "seeds" / "dense-retention-mtp3-swa16-fa32.json"
 
 def test_junit_sarif_and_annotations(tmp_path: Path) -> None:
     junit, sarif = tmp_path / "junit.xml", tmp_path / "kvfuzz.sarif"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "differential.cli",
-            "replay",
-            str(TRITON),
-            str(DENSE),
-            "--junit-xml",
-            str(junit),
-            "--sarif",
-            str(sarif),
-            "--github-annotations",
-        ],
-        capture_output=True,
-        text=True,
+    proc = kvfuzz_cli(
+        "replay",
+        str(TRITON),
+        str(DENSE),
+        "--junit-xml",
+        str(junit),
+        "--sarif",
+        str(sarif),
+        "--github-annotations",
         cwd=ROOT,
-        check=False,
     )
     assert proc.returncode == 1, proc.stderr
     xml = JUnitXml.fromfile(str(junit))

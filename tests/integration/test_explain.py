@@ -2,34 +2,24 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, ROOT, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
 
 
 def test_explain_shows_the_two_missing_swa_blocks(tmp_path: Path) -> None:
     svg = tmp_path / "triton.svg"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "differential.cli",
-            "explain",
-            str(CORPORA / "seeds" / "triton-mtp3-swa16-fa32-r8192.json"),
-            "--svg",
-            str(svg),
-        ],
-        capture_output=True,
-        text=True,
+    proc = kvfuzz_cli(
+        "explain",
+        str(CORPORA / "seeds" / "triton-mtp3-swa16-fa32-r8192.json"),
+        "--svg",
+        str(svg),
         cwd=ROOT,
-        check=False,
     )
     assert proc.returncode == 1, proc.stderr
     lines = proc.stdout.splitlines()
@@ -46,20 +36,12 @@ def test_explain_shows_the_two_missing_swa_blocks(tmp_path: Path) -> None:
 
 
 def test_explain_lists_the_blocks_of_a_wrong_kv_lookup() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "differential.cli",
-            "explain",
-            str(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"),
-            "--variants",
-            "fixed,mutant-null-in-window",
-        ],
-        capture_output=True,
-        text=True,
+    proc = kvfuzz_cli(
+        "explain",
+        str(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"),
+        "--variants",
+        "fixed,mutant-null-in-window",
         cwd=ROOT,
-        check=False,
     )
     assert proc.returncode == 1, proc.stderr
     assert "hit 248; wrong-kv" in proc.stdout

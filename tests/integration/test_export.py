@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, ROOT, python_module
 
 pytestmark = pytest.mark.vllm
 
 
-def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, check=False
-    )
+def _run(flag: str, module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS`` (see :func:`tests.factories.python_module`)."""
+    assert flag == "-m"
+    return python_module(module, *args, cwd=cwd)
 
 
 @pytest.mark.parametrize(

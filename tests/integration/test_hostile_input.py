@@ -28,7 +28,7 @@ from differential.variants import parse_variants
 from fuzz.campaign import Campaign, CampaignConfig, finding_document
 from fuzz.lifetime import stop_on_signals
 from fuzz.signature import signature_of
-from tests.factories import CORPORA, ROOT, kvfuzz_cli
+from tests.factories import CORPORA, ROOT, kvfuzz_cli, python_module
 
 pytestmark = pytest.mark.vllm
 
@@ -289,24 +289,17 @@ def test_rerun_into_the_same_folder_keeps_the_earlier_run(tmp_path: Path) -> Non
 def test_atheris_instruments_vllm_core_from_a_fresh_clone(tmp_path: Path) -> None:
     pytest.importorskip("atheris")
     corpus = tmp_path / "kvfuzz-out" / "atheris-corpus"  # missing, as on a fresh clone
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fuzz.atheris_harness",
-            "--variants",
-            "fixed",
-            "--no-dense-check",
-            str(corpus),
-            str(CORPORA),
-            "-runs=40",
-            "-seed=1",
-            f"-artifact_prefix={tmp_path / 'kvfuzz-out'}/",
-        ],
-        capture_output=True,
-        text=True,
+    proc = python_module(
+        "fuzz.atheris_harness",
+        "--variants",
+        "fixed",
+        "--no-dense-check",
+        str(corpus),
+        str(CORPORA),
+        "-runs=40",
+        "-seed=1",
+        f"-artifact_prefix={tmp_path / 'kvfuzz-out'}/",
         cwd=ROOT,
-        check=False,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

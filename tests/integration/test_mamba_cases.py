@@ -85,12 +85,12 @@ def test_mamba_eagle_margin_mutant_is_caught() -> None:
 
 def test_exported_mamba_test_drives_the_state_group(tmp_path) -> None:
     import subprocess
-    import sys
 
-    def run(*args: str, cwd) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, *args], capture_output=True, text=True, cwd=cwd, check=False
-        )
+    from tests.factories import python_module
+
+    def run(flag: str, module: str, *args: str, cwd) -> subprocess.CompletedProcess[str]:
+        assert flag == "-m"
+        return python_module(module, *args, cwd=cwd)
 
     rel = "known-issues/fine-grained-replay-state-discarded-L100.json"
     export = run("-m", "differential.cli", "export-test", str(ROOT / rel), cwd=ROOT)

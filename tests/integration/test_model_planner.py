@@ -9,7 +9,7 @@ from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
 from differential.scenario import DraftGroups, GroupKind
 from differential.variants import parse_variants
-from tests.factories import ROOT
+from tests.factories import ROOT, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -104,16 +104,7 @@ def test_gdn_with_an_mtp_draft_layer_replays() -> None:
 
 
 def test_cli_replay_prints_the_plan() -> None:
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "differential.cli", "replay", str(SCENARIOS / "gemma4-mtp.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    proc = kvfuzz_cli("replay", str(SCENARIOS / "gemma4-mtp.json"), cwd=ROOT, timeout=300)
     assert "vLLM's planner laid out model 'gemma4-mtp' in 6 group(s)" in proc.stdout
     assert "group 5: full_attention, block 32 tokens, 10 layer(s)" in proc.stdout
     assert proc.returncode == 1  # stock vLLM: needless drop and fallbacks

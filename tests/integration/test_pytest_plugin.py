@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, ROOT, python_module
 
 pytestmark = pytest.mark.vllm
 
 
 def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        check=False,
-    )
+    return python_module("pytest", "-q", "-p", "no:cacheprovider", *args, cwd=tmp_path)
 
 
 def test_corpus_items_fail_on_stock_vllm_with_the_diagram(tmp_path: Path) -> None:

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from differential import forkserver
 from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
 from differential.errors import InternalError, VariantError
 from differential.variants import parse_variants
 from differential.variants.tree import _WORKERS, resolve_tree, run_tree, shutdown_workers
-from tests.factories import CORPORA, kvfuzz_cli, triton
+from tests.factories import CORPORA, forkserver_address, kvfuzz_cli, triton
 from tests.trees import (
     BANNER,
     BROKEN_MASK,
@@ -30,6 +31,15 @@ from tests.trees import (
 pytestmark = pytest.mark.vllm
 
 SEEDS = sorted((CORPORA / "seeds").glob("*.json"))
+
+
+@pytest.fixture(autouse=True)
+def _forked_tree_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tree workers forked from the tests' fork server, as the command line's
+    are under ``kvfuzz_cli`` (fresh interpreters: test_releases, test_mutate)."""
+    address = forkserver_address()
+    if address is not None:
+        monkeypatch.setenv(forkserver.ENV, address)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,122 @@
+"""The fork server: a forked child is ``python -m MODULE ARGS`` in every respect
+the tests read (output, exit status, argv, cwd, environment, sys.path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from differential import forkserver
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open")
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    if sys.argv[1:2] == ["raise"]:
+        raise RuntimeError("probe failed")
+    if sys.argv[1:2] == ["kill"]:
+        os.kill(os.getpid(), 9)
+    os.write(1, b"raw\\n")
+    print(json.dumps({
+        "name": __name__,
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "path": sys.path[:3],
+        "x": os.environ.get("KVFUZZ_PROBE"),
+        "stdin": sys.stdin.read(),
+        "parent": os.getppid(),
+    }))
+    print("to stderr", file=sys.stderr)
+    sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[forkserver.ForkServer, Path]]:
+    folder = tmp_path_factory.mktemp("probe")
+    (folder / "kvfuzz_probe.py").write_text(PROBE)
+    running = forkserver.ForkServer.start(["json", "textwrap"])
+    yield running, folder
+    running.close()
+
+
+def _fresh(
+    folder: Path, *args: str, env: dict[str, str], cwd: Path
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvfuzz_probe", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        input="",
+        check=False,
+    )
+
+
+def test_a_forked_child_matches_a_fresh_interpreter(server, tmp_path: Path) -> None:
+    running, folder = server
+    env = dict(os.environ, PYTHONPATH=str(folder), KVFUZZ_PROBE="seen")
+    forked = forkserver.run_module(
+        running.address, "kvfuzz_probe", ["7", "--flag"], cwd=tmp_path, env=env
+    )
+    fresh = _fresh(folder, "7", "--flag", env=env, cwd=tmp_path)
+    assert forked.returncode == fresh.returncode == 7
+    assert forked.stderr == fresh.stderr == "to stderr\n"
+    raw, line = forked.stdout.splitlines()
+    assert raw == "raw"  # a C-level write on file descriptor 1 is captured too
+    seen, expected = json.loads(line), json.loads(fresh.stdout.splitlines()[1])
+    assert seen.pop("parent") == running.pid  # forked by the server indeed
+    assert expected.pop("parent") == os.getpid()
+    assert seen == expected
+    assert seen["name"] == "__main__"
+    assert seen["argv"] == [str(folder / "kvfuzz_probe.py"), "7", "--flag"]
+    assert seen["cwd"] == str(tmp_path) and seen["path"][:2] == [str(tmp_path), str(folder)]
+    assert seen["x"] == "seen"
+
+
+def test_stdin_exceptions_and_signals_come_back_as_subprocess_reports_them(
+    server, tmp_path: Path
+) -> None:
+    running, folder = server
+    env = dict(os.environ, PYTHONPATH=str(folder))
+    done = forkserver.run_module(running.address, "kvfuzz_probe", [], env=env, input_text="abc")
+    assert done.returncode == 0 and json.loads(done.stdout.splitlines()[1])["stdin"] == "abc"
+    raised = forkserver.run_module(running.address, "kvfuzz_probe", ["raise"], env=env)
+    assert raised.returncode == 1
+    assert raised.stderr.strip().endswith("RuntimeError: probe failed")
+    killed = forkserver.run_module(running.address, "kvfuzz_probe", ["kill"], env=env)
+    assert killed.returncode == -signal.SIGKILL
+
+
+def test_a_start_up_only_variable_is_refused(server) -> None:
+    running, folder = server
+    env = dict(os.environ, PYTHONPATH=str(folder), PYTHONHASHSEED="4242")
+    with pytest.raises(forkserver.Unservable, match="PYTHONHASHSEED"):
+        forkserver.run_module(running.address, "kvfuzz_probe", [], env=env)
+
+
+def test_a_timeout_kills_the_child(server) -> None:
+    running, folder = server
+    (folder / "kvfuzz_sleeper.py").write_text("import time\ntime.sleep(600)\n")
+    env = dict(os.environ, PYTHONPATH=str(folder))
+    with pytest.raises(subprocess.TimeoutExpired):
+        forkserver.run_module(running.address, "kvfuzz_sleeper", [], env=env, timeout_s=0.5)
+
+
+def test_preload_leaves_out_vllm_and_kvfuzz() -> None:
+    names = ["torch", "torch.nn", "vllm", "vllm.config", "differential.cli", "fuzz", "tests.x"]
+    names += ["__main__", "_pytest.main", "pytest", "numpy"]
+    assert forkserver.default_preload(names) == ["torch", "torch.nn", "numpy"]
