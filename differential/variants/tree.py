@@ -161,6 +161,9 @@ def _launch(command: list[str], env: dict[str, str]) -> subprocess.Popen[str] | 
     refusal, starts a fresh process."""
     address = os.environ.get(forkserver.ENV)
     if address and command == _TREE_WORKER:
+        # A forked worker's parent is the fork server, not this process: the
+        # worker's start-up check that its parent is alive would stop it.
+        env = {k: v for k, v in env.items() if k != PARENT_ENV}
         pipes = [os.pipe() for _ in range(3)]  # (read, write) each
         ends = (pipes[0][0], pipes[1][1], pipes[2][1])
         try:
