@@ -25,13 +25,16 @@ def test_corpus_items_fail_on_stock_vllm_with_the_diagram(tmp_path: Path) -> Non
     assert "unfixed g1 swa16" in proc.stdout  # the explain diagram
 
 
-def test_corpus_and_fuzz_items_pass_on_fixed(tmp_path: Path) -> None:
+def test_corpus_and_fuzz_items_pass_on_candidate(tmp_path: Path) -> None:
+    # corpora/ replays clean on the candidate fix (known-issues/ holds what it
+    # does not fix); the seed PR's fix alone leaves the seed class where the
+    # drafter's own group is marked (corpora/cases/*draft-group*).
     proc = _pytest(
         tmp_path,
         "--kvfuzz-corpus",
         str(CORPORA),
         "--kvfuzz-variants",
-        "fixed",
+        "candidate",
         "--kvfuzz-fuzz",
         "10",
     )
