@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from differential.errors import InternalError
-from differential.variants.capabilities import DESCRIPTIONS, Feature
+from differential.variants.capabilities import DESCRIPTIONS, Feature, Unsupported
 
 __all__ = [
     "RunEnd",
@@ -77,11 +77,11 @@ def raised_in(error: BaseException) -> tuple[str, str] | None:
     return found
 
 
-class UnsupportedFeature(Exception):
+class UnsupportedFeature(Unsupported):
     """The scenario needs a feature the running vLLM lacks (no equivalent settings).
 
     Attributes:
-        feature: the missing feature.
+        feature: the missing feature; ``reason`` is its description.
     """
 
     def __init__(self, feature: Feature) -> None:
@@ -125,7 +125,9 @@ class RunEnd:
 def classified_run(driver: str, phase: list[str], vllm_version: str) -> Iterator[RunEnd]:
     """Run a driving mode's body and sort out the exception that ends it.
 
-    :class:`UnsupportedFeature` sets ``unsupported``; :class:`VllmCallError`
+    :class:`~differential.variants.capabilities.Unsupported` (a feature the
+    release lacks, an argument it does not take, a layout it refuses) sets
+    ``unsupported`` to its reason; :class:`VllmCallError`
     (vLLM raised) sets ``error``; both end the block normally, so the caller
     returns what ran.
 
@@ -141,8 +143,8 @@ def classified_run(driver: str, phase: list[str], vllm_version: str) -> Iterator
     end = RunEnd(phase)
     try:
         yield end
-    except UnsupportedFeature as missing:
-        end.unsupported = describe(missing.feature)
+    except Unsupported as missing:
+        end.unsupported = missing.reason
     except VllmCallError as exc:  # vLLM raised: a finding, not our failure.
         end.error = f"{phase[0]}: {exc}"
     except InternalError:
