@@ -9,8 +9,11 @@ and ``get_computed_blocks``, ``vllm/v1/core/kv_cache_utils.py``
 ``vllm/v1/core/kv_cache_coordinator.py``.
 
 :func:`vllm_call` marks a call into vLLM: an exception raised inside it is
-vLLM's (a ``crash`` finding naming the call); any other exception in the
-driver is kvfuzz's own failure (:class:`~differential.errors.InternalError`).
+vLLM's (a ``crash`` finding naming the call); :func:`vllm_build` marks a
+constructor, whose missing arguments and refusals make the run *unsupported*
+(:class:`~differential.variants.capabilities.Unsupported`); any other
+exception in the driver is kvfuzz's own failure
+(:class:`~differential.errors.InternalError`).
 :func:`classified_run` sorts the exception that ends a driven run into those
 classes, the same way for every driving mode.
 """
@@ -22,7 +25,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from differential.errors import InternalError
 from differential.variants.capabilities import DESCRIPTIONS, Feature, Unsupported
@@ -36,6 +39,8 @@ __all__ = [
     "detect",
     "has",
     "parameters",
+    "takes",
+    "vllm_build",
     "vllm_call",
 ]
 
@@ -97,8 +102,55 @@ def vllm_call(call: str, function: Callable[P, T], *args: P.args, **kwargs: P.kw
     """
     try:
         return function(*args, **kwargs)
-    except InternalError:
+    except (InternalError, Unsupported):
         raise
+    except Exception as exc:
+        raise VllmCallError(call, exc) from exc
+
+
+#: What a vLLM constructor raises to refuse a configuration it does not
+#: support (e.g. ``KVCacheCoordinator.__init__``'s ``ValueError`` for
+#: multi-module MTP with a small scheduler block, or
+#: ``UnitaryKVCacheCoordinator``'s assertion on the hash block size).
+REFUSALS: tuple[type[Exception], ...] = (ValueError, NotImplementedError, AssertionError)
+
+
+def takes(function: Callable[..., object], name: str) -> bool:
+    """Whether ``function`` takes a keyword argument ``name`` (``True`` when it
+    takes ``**kwargs`` or cannot be inspected)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return True
+    return name in signature.parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+    )
+
+
+def vllm_build(call: str, source: str, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Build one of vLLM's objects (``function(*args, **kwargs)``, a constructor).
+
+    A keyword argument the running release does not take, or a configuration
+    its constructor refuses (:data:`REFUSALS`), means the release cannot run
+    the scenario: *unsupported*, naming the call and ``source``, the vLLM file
+    (repository path). Any other exception is vLLM's (a ``crash``).
+
+    Raises:
+        Unsupported: an argument the release lacks, or a refusal.
+        VllmCallError: the constructor raised anything else.
+    """
+    missing = [name for name in kwargs if not takes(function, name)]
+    if missing:
+        arguments = ", ".join(f"{name}=" for name in missing)
+        raise Unsupported(f"{call}({arguments}) ({source})")
+    try:
+        return function(*args, **kwargs)
+    except (InternalError, Unsupported):
+        raise
+    except REFUSALS as refused:
+        raise Unsupported(
+            f"{call} refuses this configuration ({source}): {type(refused).__name__}: {refused}"
+        ) from refused
     except Exception as exc:
         raise VllmCallError(call, exc) from exc
 

@@ -33,7 +33,9 @@ lacks are left out when their value is the release's default, and a scenario
 that needs a missing piece comes back *unsupported*, naming it. Every call
 into vLLM goes through :func:`~differential.driver.features.vllm_call`: an
 exception inside one is vLLM's (the run's ``error`` names the phase and the
-call); any other exception is kvfuzz's own failure (``InternalError``).
+call); a constructor's missing argument or refusal, or a workload pool too
+small for manager mode, is *unsupported*; any other exception is kvfuzz's
+own failure (``InternalError``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 import vllm
 from vllm.sampling_params import SamplingParams
@@ -65,15 +67,16 @@ from vllm.v1.request import Request, RequestStatus
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import (
     UnsupportedFeature,
+    VllmCallError,
     classified_run,
     has,
     parameters,
+    vllm_build,
     vllm_call,
 )
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
 from differential.driver.specs import kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
-from differential.errors import InternalError
 from differential.observation import (
     BlockWrite,
     ManagerSettings,
@@ -81,7 +84,7 @@ from differential.observation import (
     RunObservation,
 )
 from differential.scenario import GroupKind, MambaPrefill, Scenario
-from differential.variants.capabilities import Feature
+from differential.variants.capabilities import Feature, Unsupported
 
 __all__ = ["VLLM_VERSION", "run_scenario"]
 
@@ -340,8 +343,9 @@ def _build(
         raise UnsupportedFeature(Feature.PREFILL_LOOKAHEAD)
     if scenario.enable_mamba_shared_prefix_checkpoint:
         optional["enable_mamba_shared_prefix_checkpoint"] = True
-    manager = vllm_call(
+    manager = vllm_build(
         "KVCacheManager",
+        "vllm/v1/core/kv_cache_manager.py",
         KVCacheManager,
         kv_cache_config=kv_cache_config(
             scenario,
@@ -409,6 +413,33 @@ def _lookup(d: _Driver, index: int, prompt: Sequence[int]) -> _Lookup:
     )
 
 
+def _out_of_blocks(d: _Driver, index: int, where: str) -> NoReturn:
+    """``allocate_slots`` returned ``None`` (no free blocks) for request ``index``.
+
+    Raises:
+        Unsupported: the workload sets a pool too small for it; the manager
+            driver does not preempt, as ``Scheduler.schedule`` would.
+        VllmCallError: the pool was sized so that every request takes fresh
+            blocks (:func:`~differential.driver.specs.pool_blocks`): vLLM
+            holds more blocks than the requests need.
+    """
+    pool = d.scenario.workload.pool_blocks or pool_blocks(d.scenario, d.resolved)
+    if d.scenario.workload.pool_blocks is not None:
+        raise Unsupported(
+            f"KVCacheManager.allocate_slots found no free blocks for request {index} "
+            f"{where} in the workload's pool of {pool} blocks "
+            "(vllm/v1/core/kv_cache_manager.py); the manager-level driver does not "
+            "preempt: set workload.mode to 'scheduler'"
+        )
+    raise VllmCallError(
+        "KVCacheManager.allocate_slots",
+        RuntimeError(
+            f"no free blocks for request {index} {where} in a pool of {pool} blocks "
+            "sized so that every request takes fresh blocks"
+        ),
+    )
+
+
 def _prefill(
     d: _Driver, index: int, prompt_tokens: int, found: _Lookup, phase: list[str]
 ) -> list[BlockWrite]:
@@ -424,11 +455,13 @@ def _prefill(
     while computed < prompt_tokens:
         phase[0] = f"request {index}: prefill allocate_slots at {computed} tokens"
         num_new = min(scenario.step_budget_tokens, prompt_tokens - computed)
+        stalled_by = "the prefill chunking"
         if not first:
             _new_step(manager)
         if mamba_view is not None and scenario.mamba_prefill is MambaPrefill.BLOCK:
             num_new = _block_carved_chunk(mamba_view, computed, num_new)
         elif mamba_view is not None:
+            stalled_by = "Scheduler._mamba_block_aligned_split"
             num_new = vllm_call(
                 "Scheduler._mamba_block_aligned_split",
                 Scheduler._mamba_block_aligned_split,
@@ -437,7 +470,8 @@ def _prefill(
                 num_new,
                 hit if first else 0,
             )
-        if has(Feature.PREFILL_LOOKAHEAD):
+        if has(Feature.PREFILL_LOOKAHEAD) and num_new:
+            stalled_by = "Scheduler._reserve_prefill_lookahead"
             num_new = vllm_call(
                 "Scheduler._reserve_prefill_lookahead",
                 Scheduler._reserve_prefill_lookahead,
@@ -447,10 +481,15 @@ def _prefill(
                 num_new,
             )
         if num_new == 0:
-            raise InternalError(
-                f"prefill stalled at {computed} tokens: chunk "
-                f"{scenario.step_budget_tokens} cannot leave the prefill "
-                f"lookahead of {resolved.num_prefill_lookahead_tokens} tokens"
+            # vLLM's chunking left nothing to schedule: its scheduler would
+            # never finish this prefill (a crash naming the call).
+            raise VllmCallError(
+                stalled_by,
+                RuntimeError(
+                    f"prefill stalled at {computed} tokens: nothing of a "
+                    f"{scenario.step_budget_tokens}-token chunk is scheduled (prefill "
+                    f"lookahead {resolved.num_prefill_lookahead_tokens} tokens)"
+                ),
             )
         adopted = blocks.blocks if first else None
         cached_before = (
@@ -479,7 +518,7 @@ def _prefill(
                 num_lookahead_tokens=resolved.num_lookahead_tokens,
             )
         if allocated is None:
-            raise InternalError(f"the block pool ran out at {computed} tokens")
+            _out_of_blocks(d, index, f"at {computed} tokens")
         if ledger is not None:
             unsafe_writes += ledger.after_step(
                 index, request.request_id, computed, computed + num_new, cached_before
@@ -532,7 +571,7 @@ def _decode(d: _Driver, index: int, request: Request, phase: list[str]) -> list[
             num_lookahead_tokens=d.resolved.num_lookahead_tokens,
         )
         if allocated is None:
-            raise InternalError(f"the block pool ran out at decode step {step}")
+            _out_of_blocks(d, index, f"at decode step {step}")
         if ledger is not None:
             unsafe_writes += ledger.after_step(
                 index, request.request_id, computed, computed + 1, cached_before

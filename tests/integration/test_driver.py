@@ -217,3 +217,73 @@ def test_sampled_tokens_past_a_partial_tail_entry_are_no_unsafe_write() -> None:
     assert run.hits == (0, 144)
     assert [r.unsafe_writes for r in run.requests] == [(), ()]
     assert check_blocks(scenario, run) == ()
+
+
+def _manager_arguments(hash_block_size: int) -> dict[str, object]:
+    """``KVCacheManager`` arguments for one full-attention group of block 16."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from differential.driver.specs import attention_spec
+    from differential.scenario import GroupKind
+
+    group = KVCacheGroupSpec(["fa"], attention_spec(16, GroupKind.FULL_ATTENTION, None, 0))
+    return {
+        "kv_cache_config": KVCacheConfig(
+            num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group]
+        ),
+        "max_model_len": 64,
+        "scheduler_block_size": 16,
+        "hash_block_size": hash_block_size,
+        "enable_caching": True,
+    }
+
+
+def test_a_constructor_argument_the_release_lacks_is_unsupported() -> None:
+    from differential.driver.features import VllmCallError, vllm_build
+    from differential.driver.runner import KVCacheManager
+    from differential.variants.capabilities import Unsupported
+
+    source = "vllm/v1/core/kv_cache_manager.py"
+    arguments = _manager_arguments(16)
+    with pytest.raises(Unsupported) as caught:
+        vllm_build("KVCacheManager", source, KVCacheManager, **arguments, no_such_argument=1)
+    assert caught.value.reason == (
+        "KVCacheManager(no_such_argument=) (vllm/v1/core/kv_cache_manager.py)"
+    )
+    # vLLM refusing the configuration in its constructor: one full-attention
+    # group runs on UnitaryKVCacheCoordinator, which asserts hash block ==
+    # block (vllm/v1/core/kv_cache_coordinator.py).
+    with pytest.raises(Unsupported) as caught:
+        vllm_build("KVCacheManager", source, KVCacheManager, **_manager_arguments(8))
+    assert caught.value.reason == (
+        "KVCacheManager refuses this configuration (vllm/v1/core/kv_cache_manager.py): "
+        "AssertionError: UnitaryKVCacheCoordinator assumes hash_block_size == block_size"
+    )
+    # Anything else vLLM raises is vLLM's: a crash naming the call.
+    with pytest.raises(VllmCallError) as crashed:
+        vllm_build("KVCacheManager", source, KVCacheManager, **{**arguments, "kv_cache_config": 7})
+    assert crashed.value.call == "KVCacheManager"
+    assert isinstance(crashed.value.error, AttributeError)
+    built = vllm_build("KVCacheManager", source, KVCacheManager, **arguments)
+    assert built.block_pool.hash_block_size == 16
+
+
+def test_a_workload_pool_too_small_for_manager_mode_is_unsupported() -> None:
+    """The manager-level driver does not preempt: a request the workload's pool
+    cannot hold is unsupported there (it was kvfuzz's failure, exit 3)."""
+    import dataclasses
+
+    from differential.compare import run_any
+    from differential.corpus import load_entry
+    from differential.scenario import Workload
+    from tests.factories import CORPORA
+
+    toy = load_entry(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json").scenario
+    (unfixed,) = parse_variants("unfixed")
+    run = run_any(dataclasses.replace(toy, workload=Workload(pool_blocks=6)), unfixed)
+    assert run.error is None and run.requests == ()
+    assert run.unsupported == (
+        "KVCacheManager.allocate_slots found no free blocks for request 0 at 0 tokens in "
+        "the workload's pool of 6 blocks (vllm/v1/core/kv_cache_manager.py); the "
+        "manager-level driver does not preempt: set workload.mode to 'scheduler'"
+    )
