@@ -130,15 +130,23 @@ class ManagerSettings:
     hash_block_size_tokens: int = 0
     partial_hash_hits: bool = False
 
-    def effective_hash_note(self, requested_tokens: int | None) -> str | None:
-        """A notice when vLLM does not serve hits at a requested finer hash block size."""
+    def effective_hash_note(
+        self, requested_tokens: int | None, why: str = "no Mamba group in align mode"
+    ) -> str | None:
+        """A notice when vLLM does not serve hits at a requested finer hash block size.
+
+        Args:
+            requested_tokens: the scenario's ``hash_block_size_tokens``.
+            why: why vLLM serves no partial hits for this layout (see
+                :func:`differential.compare.no_partial_hits_reason`).
+        """
         if requested_tokens is None or self.partial_hash_hits:
             return None
         if requested_tokens >= self.hit_alignment_tokens:
             return None
         return (
             f"hash block size {requested_tokens} tokens is used for hashing only: vLLM "
-            f"serves no partial hits here (no Mamba group in align mode), so hits align "
+            f"serves no partial hits here ({why}), so hits align "
             f"to A = {self.hit_alignment_tokens} tokens"
         )
 

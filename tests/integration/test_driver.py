@@ -287,3 +287,41 @@ def test_a_workload_pool_too_small_for_manager_mode_is_unsupported() -> None:
         "the workload's pool of 6 blocks (vllm/v1/core/kv_cache_manager.py); the "
         "manager-level driver does not preempt: set workload.mode to 'scheduler'"
     )
+
+
+def test_the_ignored_hash_block_notice_names_why_beside_a_mamba_group() -> None:
+    """FA 4 + SWA 4 + Mamba 4, hash block 2: the layout has a Mamba group in
+    align mode, yet vLLM serves no partial hits, because the sliding-window
+    manager needs block-aligned lookups (``partial_hash_hits_enabled`` in
+    vllm/v1/core/kv_cache_utils.py). The notice says so, not "no Mamba group"."""
+    import dataclasses
+
+    from differential.compare import compare_variants
+    from differential.corpus import load_entry
+    from tests.factories import CORPORA
+
+    case = load_entry(CORPORA / "cases" / "mamba-swa-peek-block-is-the-writers-own.json")
+    groups = tuple(
+        dataclasses.replace(g, block_size_tokens=4, sliding_window_tokens=8)
+        if g.sliding_window_tokens
+        else dataclasses.replace(g, block_size_tokens=4)
+        for g in case.scenario.kv_cache_groups
+    )
+    scenario = dataclasses.replace(
+        case.scenario, kv_cache_groups=groups, hash_block_size_tokens=2, prefill_chunk_tokens=4
+    )
+    assert [g.kind.value for g in scenario.kv_cache_groups] == [
+        "full_attention",
+        "sliding_window",
+        "mamba",
+    ]
+    result = compare_variants(scenario, parse_variants("unfixed"), dense_cross_check=False)
+    settings = result.results[0].run.settings
+    assert settings is not None
+    assert (settings.partial_hash_hits, settings.hit_alignment_tokens) == (False, 4)
+    assert result.notices == (
+        "hash block size 2 tokens is used for hashing only: vLLM serves no partial hits "
+        "here (the sliding_window group of block 4 tokens needs block-aligned lookups, as "
+        "its manager in vllm/v1/core/single_type_kv_cache_manager.py supports no "
+        "fine-grained ones), so hits align to A = 4 tokens",
+    )
