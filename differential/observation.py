@@ -357,6 +357,10 @@ class RunObservation:
             explain``) one line per scheduler step: arrivals, what each
             request was scheduled for (tokens, prefill or decode, drafts
             accepted), preemptions, finished requests, evicted blocks.
+        crash_cache_map: (manager mode, recorded with the cache map) when vLLM
+            raised, the cache map of the request it raised on, taken at that
+            request's lookup (as :attr:`RequestObservation.cache_map`), so
+            ``kvfuzz explain`` draws the blocks up to the crash.
     """
 
     variant: str
@@ -376,6 +380,7 @@ class RunObservation:
     preemptions: int = 0
     steps: int = 0
     timeline: tuple[str, ...] = ()
+    crash_cache_map: tuple[str, ...] = ()
 
     @property
     def unreachable_share(self) -> float:
@@ -404,6 +409,7 @@ class RunObservation:
             preemptions=data.get("preemptions", 0),
             steps=data.get("steps", 0),
             timeline=tuple(data.get("timeline", ())),
+            crash_cache_map=tuple(data.get("crash_cache_map", ())),
         )
 
     @property
@@ -425,6 +431,8 @@ class RunObservation:
             out["steps"] = self.steps
         if self.timeline:
             out["timeline"] = list(self.timeline)
+        if self.crash_cache_map:
+            out["crash_cache_map"] = list(self.crash_cache_map)
         return out
 
     def _base_dict(self) -> dict[str, Any]:

@@ -246,6 +246,8 @@ class _Driver:
     record_cache_map: bool
     seen: Counter[bytes] = field(default_factory=Counter)
     evicted: int = 0
+    # The cache map of the request being driven, from its lookup until freed.
+    pending_cache_map: tuple[str, ...] = ()
 
 
 @dataclass
@@ -383,6 +385,7 @@ def _lookup(d: _Driver, index: int, prompt: Sequence[int]) -> _Lookup:
     before = _cached_keys(manager)
     _new_step(manager)
     cache_map = _cache_map(scenario, manager, request) if d.record_cache_map else ()
+    d.pending_cache_map = cache_map
     per_group = vllm_call(
         "KVCacheCoordinator.find_longest_cache_hit_per_group",
         _per_group_hits,
@@ -674,6 +677,7 @@ def run_scenario(
             _sample(d, index, scenario.decode_steps, found.request)
             phase[0] = f"request {index}: free"
             observed.append(_free(d, index, found, unsafe_writes))
+            d.pending_cache_map = ()
     if outcome.unsupported is not None:
         return RunObservation(
             variant=variant,
@@ -692,4 +696,5 @@ def run_scenario(
         error=outcome.error,
         retention_interval_tokens=retention,
         blocks_recorded=d is not None and d.ledger is not None,
+        crash_cache_map=d.pending_cache_map if d is not None and outcome.error else (),
     )

@@ -339,6 +339,7 @@ class TreeWorker:
             run.retention_interval_tokens,
             run.timed_out,
             run.unsupported,
+            crash_cache_map=run.crash_cache_map,
         )
 
 
