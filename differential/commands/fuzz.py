@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
             )
     from differential.corpus import iter_scenario_files
 
-    iter_scenario_files([str(p) for p in known])  # bad paths are usage errors, now
+    # Bad paths are usage errors, now (the campaign reports skipped files).
+    iter_scenario_files([str(p) for p in known], skipped=None)
     from differential.reports.outputs import check_output_folder
 
     check_output_folder(args.out, "--out")
