@@ -88,18 +88,14 @@ def spec_for_kind(
     if kind.sliding_window_family:
         assert window is not None
         if kind is GroupKind.SLIDING_WINDOW_MLA:
-            return _build_spec(  # type: ignore[no-any-return]
-                "SlidingWindowMLASpec", sliding_window=window, **common
-            )
-        return _build_spec("SlidingWindowSpec", sliding_window=window, **common)  # type: ignore[no-any-return]
+            return _build_spec("SlidingWindowMLASpec", sliding_window=window, **common)
+        return _build_spec("SlidingWindowSpec", sliding_window=window, **common)
     if kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
         assert chunk is not None
-        return _build_spec(  # type: ignore[no-any-return]
-            "ChunkedLocalAttentionSpec", attention_chunk_size=chunk, **common
-        )
+        return _build_spec("ChunkedLocalAttentionSpec", attention_chunk_size=chunk, **common)
     if kind is GroupKind.MLA:
-        return _build_spec("MLAAttentionSpec", **common)  # type: ignore[no-any-return]
-    return _build_spec("FullAttentionSpec", **common)  # type: ignore[no-any-return]
+        return _build_spec("MLAAttentionSpec", **common)
+    return _build_spec("FullAttentionSpec", **common)
 
 
 def mamba_spec(block_size: int, num_speculative_blocks: int) -> KVCacheSpec:
@@ -113,7 +109,7 @@ def mamba_spec(block_size: int, num_speculative_blocks: int) -> KVCacheSpec:
     is written at chunk ends only, the block-carved prefill). The state shape
     is a token placeholder: no tensor is ever allocated.
     """
-    return _build_spec(  # type: ignore[no-any-return]
+    return _build_spec(
         "MambaSpec",
         block_size=block_size,
         shapes=((8,),),
