@@ -418,7 +418,9 @@ def run_any(
                     settings=None,
                     requests=(),
                     unsupported="scheduler mode (requests in flight together or drafts) "
-                    "on a tree variant, whose worker drives KVCacheManager only",
+                    "on a tree variant, whose worker drives KVCacheManager only "
+                    "(vllm/v1/core/kv_cache_manager.py), not vLLM's Scheduler "
+                    "(vllm/v1/core/sched/scheduler.py)",
                 )
         return run_tree(
             variant.name,

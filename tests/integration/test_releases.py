@@ -188,3 +188,23 @@ def test_the_release_table_and_the_readme_claim_match_the_replays(
     assert (ROOT / DOC).read_text(encoding="utf-8") == render(bundled_replays), regenerate
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert readme_claim(bundled_replays) in readme, regenerate
+
+
+def test_explain_says_why_a_release_draws_no_row() -> None:
+    """``kvfuzz explain`` on a scenario the release cannot run: the other
+    variant's picture, and one line saying why the release has none."""
+    _release(PREVIOUS)
+    done = kvfuzz_cli(
+        "explain",
+        str(CORPORA / "cases" / "llama4-chunked-local.json"),
+        "--variants",
+        f"release:{PREVIOUS},unfixed",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "unfixed g1 chunk16 ████··  hit 96; ok" in lines
+    assert not any(line.startswith(f"release:{PREVIOUS} g") for line in lines)
+    assert lines[-1].startswith(
+        f"release:{PREVIOUS}: unsupported: lookahead block hashes: "
+        "VllmConfig.num_hash_lookahead_tokens"
+    )
