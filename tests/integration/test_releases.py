@@ -23,7 +23,7 @@ from tests.factories import CORPORA
 
 pytestmark = pytest.mark.vllm
 
-#: The earliest vLLM release kvfuzz supports (README: "Guarding across releases").
+#: The earliest vLLM release kvfuzz supports (docs/variants.md: "Guarding across releases").
 EARLIEST = "0.31.0"
 PREVIOUS = "0.32.0"
 
