@@ -6,7 +6,7 @@ is sorted into one status: it *runs* (every request completed), *crash*
 (vLLM raised; the scenario ran up to there), *timeout*, or *unsupported* (the
 release cannot run it; the reason names the missing piece and its vLLM file).
 :func:`render` writes that as ``docs/release-support.md`` and
-:func:`readme_claim` as the sentence the README states;
+:func:`readme_claim` as the sentence docs/variants.md states;
 ``tests/integration/test_releases.py`` replays the releases and compares both.
 
 Regenerate (fetches the wheels into the release cache once)::
@@ -138,7 +138,7 @@ def _counts(table: Mapping[str, tuple[Status, str]]) -> dict[Status, int]:
 
 
 def readme_claim(runs: Sequence[ReleaseRun]) -> str:
-    """The README's sentence on what the releases run, one clause per release."""
+    """The sentence docs/variants.md states on what the releases run, one clause per release."""
     clauses = []
     for run in runs:
         table = statuses(run)
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {DOC}")
     else:
         sys.stdout.write(text)
-    print(f"README: {readme_claim(runs)}")
+    print(f"docs/variants.md: {readme_claim(runs)}")
     return 0
 
 
