@@ -40,7 +40,7 @@ from differential.oracle.engine import (
     sequentially_judgeable,
 )
 from differential.oracle.layout import alignment_blowup
-from differential.scenario import DrafterKind, DriveMode, MambaPrefill, Scenario
+from differential.scenario import DrafterKind, DriveMode, GroupKind, MambaPrefill, Scenario
 from differential.triage.known import label_known
 from differential.variants import FixScope, Variant, VariantRole
 
@@ -417,7 +417,9 @@ def run_any(
                     settings=None,
                     requests=(),
                     unsupported="scheduler mode (requests in flight together or drafts) "
-                    "on a tree variant, whose worker drives KVCacheManager only",
+                    "on a tree variant, whose worker drives KVCacheManager only "
+                    "(vllm/v1/core/kv_cache_manager.py), not vLLM's Scheduler "
+                    "(vllm/v1/core/sched/scheduler.py)",
                 )
         return run_tree(
             variant.name,
@@ -538,6 +540,42 @@ def _collapse_applies(scenario: Scenario) -> bool:
     )
 
 
+def no_partial_hits_reason(scenario: Scenario) -> str:
+    """Why vLLM serves no partial (hash-block) hits for ``scenario``'s layout.
+
+    The conditions of ``partial_hash_hits_enabled`` (vllm/v1/core/kv_cache_utils.py)
+    and ``UnitaryKVCacheCoordinator`` (vllm/v1/core/kv_cache_coordinator.py),
+    the first that fails; when the layout meets them all, the running vLLM
+    turned them off itself (``KVCacheCoordinator.enable_partial_hash_hits``).
+    """
+    hash_block = scenario.effective_hash_block_size_tokens
+    mamba = scenario.mamba_groups
+    if not mamba:
+        return "no Mamba group in align mode"
+    if len(scenario.kv_cache_groups) < 2:
+        return "one KV cache group: UnitaryKVCacheCoordinator serves none"
+    if not any(g.block_size_tokens > hash_block for g in mamba):
+        return (
+            f"the Mamba block, {mamba[0].block_size_tokens} tokens, is not larger than "
+            "the hash block"
+        )
+    for g in scenario.kv_cache_groups:
+        if not (
+            g.kind.full_attention_family
+            or g.kind is GroupKind.MAMBA
+            or g.block_size_tokens == hash_block
+        ):
+            return (
+                f"the {g.kind.value} group of block {g.block_size_tokens} tokens needs "
+                "block-aligned lookups, as its manager in "
+                "vllm/v1/core/single_type_kv_cache_manager.py supports no fine-grained ones"
+            )
+    return (
+        "this vLLM keeps KVCacheCoordinator.enable_partial_hash_hits off for the layout "
+        "(vllm/v1/core/kv_cache_coordinator.py)"
+    )
+
+
 def compare_variants(
     scenario: Scenario,
     variants: Sequence[Variant],
@@ -583,7 +621,9 @@ def _compare_variants(
         if run.unsupported is not None:
             notices.append(f"{variant.name}: unsupported: {run.unsupported}")
         if run.settings is not None:
-            note = run.settings.effective_hash_note(scenario.hash_block_size_tokens)
+            note = run.settings.effective_hash_note(
+                scenario.hash_block_size_tokens, no_partial_hits_reason(scenario)
+            )
             if note is not None and note not in notices:
                 notices.append(note)
         # A tree of an older release judges the scenario it means there.

@@ -16,15 +16,17 @@ those findings. ``notes`` is free text.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from differential.errors import ScenarioError
+from differential.errors import ScenarioError, short_repr
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
 from differential.scenario.json_form import json_data
@@ -40,6 +42,7 @@ __all__ = [
     "is_stream",
     "iter_scenario_files",
     "load_entry",
+    "not_a_scenario",
     "write_atomic",
 ]
 
@@ -245,11 +248,55 @@ def expectation_problems(
     return problems
 
 
-def iter_scenario_files(paths: Iterable[str | Path]) -> list[Path]:
+#: ``format`` of a scenario file (``differential.scenario``'s JSON form).
+_SCENARIO_FORMAT = "kvfuzz.scenario"
+#: The scenario keys of which an object without ``format`` needs one to be
+#: taken for a scenario.
+_SCENARIO_KEYS = frozenset({"kv_cache_groups", "model", "requests"})
+
+
+def not_a_scenario(path: Path) -> str | None:
+    """Why the JSON file ``path`` is not a scenario, or ``None`` if it may be one.
+
+    Not a scenario: JSON whose top level is not an object, an object whose
+    ``format`` is another one (``kvfuzz.model``: a model description, which
+    scenarios name with ``model``; a replay report, ...), or an object
+    without ``format`` and without any scenario key. Unreadable or malformed
+    JSON may be a broken scenario: ``None`` (loading it names the problem).
+    """
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return f"not a scenario (a JSON {type(data).__name__}, not an object)"
+    fmt = data.get("format")
+    if fmt == "kvfuzz.model":
+        return "a model description (format 'kvfuzz.model'); a scenario names it with 'model'"
+    if fmt is not None and fmt != _SCENARIO_FORMAT:
+        return f"not a scenario (format {short_repr(fmt)}, not {_SCENARIO_FORMAT!r})"
+    if fmt is None and not _SCENARIO_KEYS & data.keys():
+        return "not a scenario (no format, kv_cache_groups, model or requests)"
+    return None
+
+
+def _say_skipped(path: Path, why: str) -> None:
+    print(f"kvfuzz: skipped {path}: {why}", file=sys.stderr)
+
+
+def iter_scenario_files(
+    paths: Iterable[str | Path], *, skipped: Callable[[Path, str], None] | None = _say_skipped
+) -> list[Path]:
     """Expand files and folders (recursively, ``*.json``) into sorted files.
 
+    A folder's JSON files that are not scenarios (:func:`not_a_scenario`:
+    model descriptions, reports, other JSON) are left out, each reported to
+    ``skipped`` (default: one line on stderr; ``None``: silently). A file
+    named explicitly is always kept (loading it names what is wrong).
+
     Raises:
-        ScenarioError: a path that does not exist, or a folder with no JSON.
+        ScenarioError: a path that does not exist, or a folder with no
+            scenario file.
     """
     files: list[Path] = []
     for raw in paths:
@@ -265,7 +312,17 @@ def iter_scenario_files(paths: Iterable[str | Path]) -> list[Path]:
             found = sorted(p for p in path.rglob("*.json") if p.is_file())
             if not found:
                 raise ScenarioError("PATH", str(path), "a folder containing *.json scenario files")
-            files.extend(found)
+            kept = [p for p in found if not_a_scenario(p) is None]
+            if not kept:
+                raise ScenarioError(
+                    "PATH", str(path), "a folder containing *.json scenario files (it holds none)"
+                )
+            if skipped is not None:
+                for candidate in found:
+                    why = not_a_scenario(candidate)
+                    if why is not None:
+                        skipped(candidate, why)
+            files.extend(kept)
         elif path.is_file():
             files.append(path)
         else:

@@ -130,15 +130,23 @@ class ManagerSettings:
     hash_block_size_tokens: int = 0
     partial_hash_hits: bool = False
 
-    def effective_hash_note(self, requested_tokens: int | None) -> str | None:
-        """A notice when vLLM does not serve hits at a requested finer hash block size."""
+    def effective_hash_note(
+        self, requested_tokens: int | None, why: str = "no Mamba group in align mode"
+    ) -> str | None:
+        """A notice when vLLM does not serve hits at a requested finer hash block size.
+
+        Args:
+            requested_tokens: the scenario's ``hash_block_size_tokens``.
+            why: why vLLM serves no partial hits for this layout (see
+                :func:`differential.compare.no_partial_hits_reason`).
+        """
         if requested_tokens is None or self.partial_hash_hits:
             return None
         if requested_tokens >= self.hit_alignment_tokens:
             return None
         return (
             f"hash block size {requested_tokens} tokens is used for hashing only: vLLM "
-            f"serves no partial hits here (no Mamba group in align mode), so hits align "
+            f"serves no partial hits here ({why}), so hits align "
             f"to A = {self.hit_alignment_tokens} tokens"
         )
 
@@ -349,6 +357,10 @@ class RunObservation:
             explain``) one line per scheduler step: arrivals, what each
             request was scheduled for (tokens, prefill or decode, drafts
             accepted), preemptions, finished requests, evicted blocks.
+        crash_cache_map: (manager mode, recorded with the cache map) when vLLM
+            raised, the cache map of the request it raised on, taken at that
+            request's lookup (as :attr:`RequestObservation.cache_map`), so
+            ``kvfuzz explain`` draws the blocks up to the crash.
     """
 
     variant: str
@@ -368,6 +380,7 @@ class RunObservation:
     preemptions: int = 0
     steps: int = 0
     timeline: tuple[str, ...] = ()
+    crash_cache_map: tuple[str, ...] = ()
 
     @property
     def unreachable_share(self) -> float:
@@ -396,6 +409,7 @@ class RunObservation:
             preemptions=data.get("preemptions", 0),
             steps=data.get("steps", 0),
             timeline=tuple(data.get("timeline", ())),
+            crash_cache_map=tuple(data.get("crash_cache_map", ())),
         )
 
     @property
@@ -417,6 +431,8 @@ class RunObservation:
             out["steps"] = self.steps
         if self.timeline:
             out["timeline"] = list(self.timeline)
+        if self.crash_cache_map:
+            out["crash_cache_map"] = list(self.crash_cache_map)
         return out
 
     def _base_dict(self) -> dict[str, Any]:

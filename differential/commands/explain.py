@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_FOUND if result.findings else EXIT_CLEAN
         raise ScenarioError("--request", request, "a request every variant completed")
     sys.stdout.write(render_text(exp))
+    for vr in result.results:  # a variant that could not run it has no row: say why
+        if vr.run.unsupported is not None:
+            print(f"{vr.variant.name}: unsupported: {vr.run.unsupported}")
     if args.svg is not None:
         write_atomic(args.svg, render_svg(exp))
         print(f"SVG: {args.svg}")

@@ -32,7 +32,8 @@ def add_parser(sub: Any) -> None:
         description=(
             "Print a pytest function that imports only vLLM, builds the managers with "
             "vLLM's public constructors, sends the scenario's requests and asserts the "
-            "hit kvfuzz's oracle expects. It fails on stock vLLM 0.33.0 and passes "
+            "hit kvfuzz's oracle expects (for a crash: that every request runs, so it "
+            "fails with vLLM's own exception). It fails on stock vLLM 0.33.0 and passes "
             "with the fix (check with: pytest --kvfuzz-variant fixed FILE)."
         ),
     )
@@ -55,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
         (vr, f)
         for vr in result.results
         for f in vr.findings
-        if f.request is not None and f.kind is not FindingKind.DENSE_MISMATCH
+        if f.request is not None
+        and f.kind is not FindingKind.DENSE_MISMATCH
+        and (f.kind is FindingKind.CRASH or f.request < len(vr.references))
     ]
     if not candidates:
         raise ScenarioError(
@@ -76,10 +79,11 @@ def run(args: argparse.Namespace) -> int:
         ),
         None,
     )
+    owed = variant_result.references
     source = export_test(
         scenario,
         finding,
-        variant_result.references[request],
+        owed[request] if request < len(owed) else None,
         signature=signature_of(scenario, finding).text,
         name=scenario.name or args.finding.stem,
         fixed_hit_tokens=fixed_hit,
@@ -102,6 +106,7 @@ def _export_scheduler_test(args: argparse.Namespace, entry: Any, result: Any) ->
         FindingKind.MISALIGNED,
         FindingKind.FALLBACK,
         FindingKind.MODE_MISMATCH,
+        FindingKind.CRASH,
     }
     candidates = [
         (vr, f)
@@ -115,7 +120,7 @@ def _export_scheduler_test(args: argparse.Namespace, entry: Any, result: Any) ->
             "FINDING",
             str(args.finding),
             "a scheduler-mode scenario with an eviction-collapse, over-hit, misaligned, "
-            "fallback or mode-mismatch finding",
+            "fallback, mode-mismatch or crash finding",
         )
     recorded = [
         (vr, f) for vr, f in candidates if signature_of(scenario, f).text == entry.signature

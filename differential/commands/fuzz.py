@@ -137,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
             )
     from differential.corpus import iter_scenario_files, load_entry
 
-    # Bad paths and bad files are usage errors, now (not skipped later).
-    for path in iter_scenario_files([str(p) for p in known]):
+    # Bad paths and bad files are usage errors, now (not skipped later); JSON
+    # that is no scenario is left out (the campaign reports skipped files).
+    for path in iter_scenario_files([str(p) for p in known], skipped=None):
         load_entry(path)
     from differential.reports.outputs import check_output_folder
 

@@ -9,8 +9,11 @@ and ``get_computed_blocks``, ``vllm/v1/core/kv_cache_utils.py``
 ``vllm/v1/core/kv_cache_coordinator.py``.
 
 :func:`vllm_call` marks a call into vLLM: an exception raised inside it is
-vLLM's (a ``crash`` finding naming the call); any other exception in the
-driver is kvfuzz's own failure (:class:`~differential.errors.InternalError`).
+vLLM's (a ``crash`` finding naming the call); :func:`vllm_build` marks a
+constructor, whose missing arguments and refusals make the run *unsupported*
+(:class:`~differential.variants.capabilities.Unsupported`); any other
+exception in the driver is kvfuzz's own failure
+(:class:`~differential.errors.InternalError`).
 :func:`classified_run` sorts the exception that ends a driven run into those
 classes, the same way for every driving mode.
 """
@@ -22,10 +25,10 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from differential.errors import InternalError, ScenarioError
-from differential.variants.capabilities import DESCRIPTIONS, Feature
+from differential.variants.capabilities import DESCRIPTIONS, Feature, Unsupported
 
 __all__ = [
     "RunEnd",
@@ -36,6 +39,8 @@ __all__ = [
     "detect",
     "has",
     "parameters",
+    "takes",
+    "vllm_build",
     "vllm_call",
 ]
 
@@ -77,11 +82,11 @@ def raised_in(error: BaseException) -> tuple[str, str] | None:
     return found
 
 
-class UnsupportedFeature(Exception):
+class UnsupportedFeature(Unsupported):
     """The scenario needs a feature the running vLLM lacks (no equivalent settings).
 
     Attributes:
-        feature: the missing feature.
+        feature: the missing feature; ``reason`` is its description.
     """
 
     def __init__(self, feature: Feature) -> None:
@@ -97,8 +102,55 @@ def vllm_call(call: str, function: Callable[P, T], *args: P.args, **kwargs: P.kw
     """
     try:
         return function(*args, **kwargs)
-    except InternalError:
+    except (InternalError, Unsupported):
         raise
+    except Exception as exc:
+        raise VllmCallError(call, exc) from exc
+
+
+#: What a vLLM constructor raises to refuse a configuration it does not
+#: support (e.g. ``KVCacheCoordinator.__init__``'s ``ValueError`` for
+#: multi-module MTP with a small scheduler block, or
+#: ``UnitaryKVCacheCoordinator``'s assertion on the hash block size).
+REFUSALS: tuple[type[Exception], ...] = (ValueError, NotImplementedError, AssertionError)
+
+
+def takes(function: Callable[..., object], name: str) -> bool:
+    """Whether ``function`` takes a keyword argument ``name`` (``True`` when it
+    takes ``**kwargs`` or cannot be inspected)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return True
+    return name in signature.parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+    )
+
+
+def vllm_build(call: str, source: str, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Build one of vLLM's objects (``function(*args, **kwargs)``, a constructor).
+
+    A keyword argument the running release does not take, or a configuration
+    its constructor refuses (:data:`REFUSALS`), means the release cannot run
+    the scenario: *unsupported*, naming the call and ``source``, the vLLM file
+    (repository path). Any other exception is vLLM's (a ``crash``).
+
+    Raises:
+        Unsupported: an argument the release lacks, or a refusal.
+        VllmCallError: the constructor raised anything else.
+    """
+    missing = [name for name in kwargs if not takes(function, name)]
+    if missing:
+        arguments = ", ".join(f"{name}=" for name in missing)
+        raise Unsupported(f"{call}({arguments}) ({source})")
+    try:
+        return function(*args, **kwargs)
+    except (InternalError, Unsupported):
+        raise
+    except REFUSALS as refused:
+        raise Unsupported(
+            f"{call} refuses this configuration ({source}): {type(refused).__name__}: {refused}"
+        ) from refused
     except Exception as exc:
         raise VllmCallError(call, exc) from exc
 
@@ -125,7 +177,9 @@ class RunEnd:
 def classified_run(driver: str, phase: list[str], vllm_version: str) -> Iterator[RunEnd]:
     """Run a driving mode's body and sort out the exception that ends it.
 
-    :class:`UnsupportedFeature` sets ``unsupported``; :class:`VllmCallError`
+    :class:`~differential.variants.capabilities.Unsupported` (a feature the
+    release lacks, an argument it does not take, a layout it refuses) sets
+    ``unsupported`` to its reason; :class:`VllmCallError`
     (vLLM raised) sets ``error``; both end the block normally, so the caller
     returns what ran.
 
@@ -141,8 +195,8 @@ def classified_run(driver: str, phase: list[str], vllm_version: str) -> Iterator
     end = RunEnd(phase)
     try:
         yield end
-    except UnsupportedFeature as missing:
-        end.unsupported = describe(missing.feature)
+    except Unsupported as missing:
+        end.unsupported = missing.reason
     except VllmCallError as exc:  # vLLM raised: a finding, not our failure.
         end.error = f"{phase[0]}: {exc}"
     except (InternalError, ScenarioError):

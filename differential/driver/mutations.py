@@ -168,9 +168,17 @@ def mutant_mamba_eagle_margin() -> Iterator[None]:
             if drop:
                 spec = kwargs.get("kv_cache_spec", args[2] if len(args) > 2 else None)
                 alignment = kwargs.get("alignment_tokens", args[4] if len(args) > 4 else None)
+                pool = kwargs.get("block_pool", args[1] if len(args) > 1 else None)
                 block = spec.block_size if spec is not None else 0
                 margin = alignment if alignment and alignment < block else block
+                # Never past the hashed tokens: the finder indexes one hash
+                # per block below max_length (with the hash block equal to
+                # the Mamba block, one margin past the last hash would be an
+                # IndexError of the mutant's own making).
+                hashed = len(block_hashes) * pool.hash_block_size if pool is not None else None
                 max_length += margin
+                if hashed is not None:
+                    max_length = min(max_length, hashed)
             return current(cls, block_hashes, max_length, *args, **kwargs)
 
         with patched(((MambaManager, "find_longest_cache_hit", classmethod(with_margin)),)):

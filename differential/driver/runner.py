@@ -33,7 +33,9 @@ lacks are left out when their value is the release's default, and a scenario
 that needs a missing piece comes back *unsupported*, naming it. Every call
 into vLLM goes through :func:`~differential.driver.features.vllm_call`: an
 exception inside one is vLLM's (the run's ``error`` names the phase and the
-call); any other exception is kvfuzz's own failure (``InternalError``).
+call); a constructor's missing argument or refusal, or a workload pool too
+small for manager mode, is *unsupported*; any other exception is kvfuzz's
+own failure (``InternalError``).
 """
 
 from __future__ import annotations
@@ -66,9 +68,11 @@ from vllm.v1.request import Request, RequestStatus
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import (
     UnsupportedFeature,
+    VllmCallError,
     classified_run,
     has,
     parameters,
+    vllm_build,
     vllm_call,
 )
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
@@ -256,6 +260,8 @@ class _Driver:
     seen: Counter[bytes] = field(default_factory=Counter)
     seen_per_group: list[int] = field(default_factory=list)
     evicted: int = 0
+    # The cache map of the request being driven, from its lookup until freed.
+    pending_cache_map: tuple[str, ...] = ()
 
 
 @dataclass
@@ -353,8 +359,9 @@ def _build(
         raise UnsupportedFeature(Feature.PREFILL_LOOKAHEAD)
     if scenario.enable_mamba_shared_prefix_checkpoint:
         optional["enable_mamba_shared_prefix_checkpoint"] = True
-    manager = vllm_call(
+    manager = vllm_build(
         "KVCacheManager",
+        "vllm/v1/core/kv_cache_manager.py",
         KVCacheManager,
         kv_cache_config=kv_cache_config(
             scenario,
@@ -395,6 +402,7 @@ def _lookup(d: _Driver, index: int, prompt: Sequence[int]) -> _Lookup:
     before = d.seen  # the cache as the previous request's free left it
     _new_step(manager)
     cache_map = _cache_map(scenario, manager, request) if d.record_cache_map else ()
+    d.pending_cache_map = cache_map
     per_group = vllm_call(
         "KVCacheCoordinator.find_longest_cache_hit_per_group",
         _per_group_hits,
@@ -440,11 +448,13 @@ def _prefill(
     while computed < prompt_tokens:
         phase[0] = f"request {index}: prefill allocate_slots at {computed} tokens"
         num_new = min(scenario.step_budget_tokens, prompt_tokens - computed)
+        stalled_by = "the prefill chunking"
         if not first:
             _new_step(manager)
         if mamba_view is not None and scenario.mamba_prefill is MambaPrefill.BLOCK:
             num_new = _block_carved_chunk(mamba_view, computed, num_new)
         elif mamba_view is not None:
+            stalled_by = "Scheduler._mamba_block_aligned_split"
             num_new = vllm_call(
                 "Scheduler._mamba_block_aligned_split",
                 Scheduler._mamba_block_aligned_split,
@@ -453,7 +463,8 @@ def _prefill(
                 num_new,
                 hit if first else 0,
             )
-        if has(Feature.PREFILL_LOOKAHEAD):
+        if has(Feature.PREFILL_LOOKAHEAD) and num_new:
+            stalled_by = "Scheduler._reserve_prefill_lookahead"
             num_new = vllm_call(
                 "Scheduler._reserve_prefill_lookahead",
                 Scheduler._reserve_prefill_lookahead,
@@ -463,10 +474,15 @@ def _prefill(
                 num_new,
             )
         if num_new == 0:
-            raise InternalError(
-                f"prefill stalled at {computed} tokens: chunk "
-                f"{scenario.step_budget_tokens} cannot leave the prefill "
-                f"lookahead of {resolved.num_prefill_lookahead_tokens} tokens"
+            # vLLM's chunking left nothing to schedule: its scheduler would
+            # never finish this prefill (a crash naming the call).
+            raise VllmCallError(
+                stalled_by,
+                RuntimeError(
+                    f"prefill stalled at {computed} tokens: nothing of a "
+                    f"{scenario.step_budget_tokens}-token chunk is scheduled (prefill "
+                    f"lookahead {resolved.num_prefill_lookahead_tokens} tokens)"
+                ),
             )
         adopted = blocks.blocks if first else None
         cached_before = (
@@ -661,6 +677,7 @@ def run_scenario(
             _sample(d, index, scenario.decode_steps, found.request)
             phase[0] = f"request {index}: free"
             observed.append(_free(d, index, found, unsafe_writes))
+            d.pending_cache_map = ()
     if outcome.unsupported is not None:
         return RunObservation(
             variant=variant,
@@ -679,4 +696,5 @@ def run_scenario(
         error=outcome.error,
         retention_interval_tokens=retention,
         blocks_recorded=d is not None and d.ledger is not None,
+        crash_cache_map=d.pending_cache_map if d is not None and outcome.error else (),
     )

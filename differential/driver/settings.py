@@ -30,7 +30,7 @@ from typing import Any
 from vllm.config import CacheConfig, SpeculativeConfig, VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
 
-from differential.driver.features import UnsupportedFeature, has, vllm_call
+from differential.driver.features import UnsupportedFeature, has, vllm_build, vllm_call
 from differential.scenario import DrafterKind, Scenario
 from differential.variants.capabilities import Feature
 
@@ -105,8 +105,12 @@ def _kv_transfer_config(kv_connector: bool) -> KVTransferConfig | None:
     bundled ``ExampleConnector``, both roles), else ``None``."""
     if not kv_connector:
         return None
-    return vllm_call(
-        "KVTransferConfig", KVTransferConfig, kv_connector="ExampleConnector", kv_role="kv_both"
+    return vllm_build(
+        "KVTransferConfig",
+        "vllm/config/kv_transfer.py",
+        KVTransferConfig,
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",
     )
 
 
@@ -117,12 +121,15 @@ def resolve_drafter(scenario: Scenario) -> ResolvedDrafter:
         VllmCallError: one of vLLM's config calls raised (named in the error).
         UnsupportedFeature: the scenario disables the EAGLE drop and the
             release has no ``disable_eagle_block_drop``.
+        Unsupported: a config class does not take an argument, or refuses it.
     """
     speculative = _speculative_config(scenario)
     vllm_config = object.__new__(VllmConfig)
     view = {
         "speculative_config": speculative,
-        "cache_config": vllm_call("CacheConfig", CacheConfig, enable_prefix_caching=True),
+        "cache_config": vllm_build(
+            "CacheConfig", "vllm/config/cache.py", CacheConfig, enable_prefix_caching=True
+        ),
         "kv_transfer_config": _kv_transfer_config(scenario.kv_connector),
         "diffusion_config": None,
     }

@@ -11,22 +11,13 @@ import math
 from typing import Any
 
 import torch
-from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-)
+from vllm.v1 import kv_cache_interface
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
-from differential.driver.features import UnsupportedFeature, has, vllm_call
+from differential.driver.features import UnsupportedFeature, has, vllm_build
 from differential.driver.settings import ResolvedDrafter
 from differential.scenario import GroupKind, Scenario
-from differential.variants.capabilities import Feature
+from differential.variants.capabilities import Feature, Unsupported
 
 __all__ = [
     "attention_spec",
@@ -36,6 +27,21 @@ __all__ = [
     "pool_blocks",
     "spec_for_kind",
 ]
+
+_SOURCE = "vllm/v1/kv_cache_interface.py"
+
+
+def _build_spec(name: str, **fields: Any) -> Any:
+    """vLLM's spec class ``name`` built with ``fields``.
+
+    Raises:
+        Unsupported: the release has no class ``name``, takes not every
+            field, or refuses the values.
+    """
+    cls = getattr(kv_cache_interface, name, None)
+    if cls is None:
+        raise Unsupported(f"{name} ({_SOURCE})")
+    return vllm_build(name, _SOURCE, cls, **fields)
 
 
 def attention_spec(
@@ -82,24 +88,17 @@ def spec_for_kind(
     if kind.sliding_window_family:
         assert window is not None
         if kind is GroupKind.SLIDING_WINDOW_MLA:
-            return vllm_call(
-                "SlidingWindowMLASpec", SlidingWindowMLASpec, sliding_window=window, **common
-            )
-        return vllm_call("SlidingWindowSpec", SlidingWindowSpec, sliding_window=window, **common)
+            return _build_spec("SlidingWindowMLASpec", sliding_window=window, **common)
+        return _build_spec("SlidingWindowSpec", sliding_window=window, **common)
     if kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
         assert chunk is not None
-        return vllm_call(
-            "ChunkedLocalAttentionSpec",
-            ChunkedLocalAttentionSpec,
-            attention_chunk_size=chunk,
-            **common,
-        )
+        return _build_spec("ChunkedLocalAttentionSpec", attention_chunk_size=chunk, **common)
     if kind is GroupKind.MLA:
-        return vllm_call("MLAAttentionSpec", MLAAttentionSpec, **common)
-    return vllm_call("FullAttentionSpec", FullAttentionSpec, **common)
+        return _build_spec("MLAAttentionSpec", **common)
+    return _build_spec("FullAttentionSpec", **common)
 
 
-def mamba_spec(block_size: int, num_speculative_blocks: int) -> MambaSpec:
+def mamba_spec(block_size: int, num_speculative_blocks: int) -> KVCacheSpec:
     """A Mamba group's spec as a Mamba layer builds it in prefix-caching mode.
 
     As ``vllm/model_executor/layers/mamba/abstract.py``
@@ -110,7 +109,8 @@ def mamba_spec(block_size: int, num_speculative_blocks: int) -> MambaSpec:
     is written at chunk ends only, the block-carved prefill). The state shape
     is a token placeholder: no tensor is ever allocated.
     """
-    return MambaSpec(
+    return _build_spec(
+        "MambaSpec",
         block_size=block_size,
         shapes=((8,),),
         dtypes=(torch.float16,),
@@ -169,8 +169,9 @@ def kv_cache_config(
     """
     extra_retained = max(0, resolved.num_prefill_lookahead_tokens - 1)
     groups = [
-        vllm_call(
+        vllm_build(
             "KVCacheGroupSpec",
+            _SOURCE,
             KVCacheGroupSpec,
             layer_names=[f"{g.kind.value}.{i}"],
             kv_cache_spec=group_spec(scenario, i, extra_retained),
@@ -183,8 +184,9 @@ def kv_cache_config(
         optional["prefix_cache_retention_interval"] = retention
     elif retention is not None:
         raise UnsupportedFeature(Feature.RETENTION_INTERVAL)
-    return vllm_call(
+    return vllm_build(
         "KVCacheConfig",
+        _SOURCE,
         KVCacheConfig,
         num_blocks=num_blocks,
         kv_cache_tensors=[],

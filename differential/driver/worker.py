@@ -20,9 +20,10 @@ keeps the tail of stderr and shows it when the worker dies.
 
 The scenario each run uses is the one the release means for the scenario's
 intent (:func:`differential.variants.capabilities.equivalent_scenario`); one that
-needs a feature the tree lacks is answered with a run whose ``unsupported``
-field names the missing piece (the driver decides, see
-:mod:`differential.driver.runner`).
+needs a feature the tree lacks, or whose equivalent is refused, is answered
+with a run whose ``unsupported`` field names the missing piece (the driver
+decides the rest, see :mod:`differential.driver.runner`). Only a failure of
+kvfuzz's own code is an ``internal_error``.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
 
     from differential.driver.runner import run_scenario
     from differential.errors import InternalError
+    from differential.observation import RunObservation
     from differential.scenario import Scenario
-    from differential.variants.capabilities import equivalent_scenario
+    from differential.variants.capabilities import Unsupported, equivalent_scenario
 
     caps = capabilities()
 
@@ -65,16 +67,30 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
             if request["op"] == "hello":
                 reply({"vllm_version": vllm.__version__, "capabilities": caps})
             elif request["op"] == "run":
-                scenario = equivalent_scenario(Scenario.from_dict(request["scenario"]), caps)
+                written = Scenario.from_dict(request["scenario"])
                 kwargs: dict[str, Any] = {"record_cache_map": bool(request.get("record_cache_map"))}
                 if request.get("dense"):
                     kwargs["retention_interval_tokens"] = None
-                if request.get("mode") == "scheduler":
-                    from differential.driver.scheduler_mode import run_scheduler_scenario
-
-                    run = run_scheduler_scenario(scenario, request["variant"], **kwargs)
+                try:
+                    scenario = equivalent_scenario(written, caps)
+                except Unsupported as missing:  # this tree cannot run it: one run's cost
+                    run = RunObservation(
+                        variant=request["variant"],
+                        vllm_version=vllm.__version__,
+                        settings=None,
+                        requests=(),
+                        retention_interval_tokens=kwargs.get(
+                            "retention_interval_tokens", written.retention_interval_tokens
+                        ),
+                        unsupported=missing.reason,
+                    )
                 else:
-                    run = run_scenario(scenario, request["variant"], **kwargs)
+                    if request.get("mode") == "scheduler":
+                        from differential.driver.scheduler_mode import run_scheduler_scenario
+
+                        run = run_scheduler_scenario(scenario, request["variant"], **kwargs)
+                    else:
+                        run = run_scenario(scenario, request["variant"], **kwargs)
                 reply({"run": run.to_dict()})
             elif request["op"] == "exit":
                 return

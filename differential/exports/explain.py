@@ -44,6 +44,9 @@ class VariantRow:
         verdicts: finding kinds reported for the sibling on this variant.
         lookup_blocks: per group, the block ids its lookup handed out
             (``None``: the null block); shown for ``wrong-kv``.
+        crash: vLLM's error when the variant crashed on this request (its
+            cache maps are then those taken at the request's lookup, before
+            the crash, and ``hit_tokens`` is 0); ``None`` otherwise.
     """
 
     variant: str
@@ -51,6 +54,12 @@ class VariantRow:
     cache_maps: tuple[str, ...]
     verdicts: tuple[str, ...]
     lookup_blocks: tuple[tuple[int | None, ...], ...] = ()
+    crash: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """``hit N`` or ``crashed``, for the picture's right-hand column."""
+        return "crashed" if self.crash is not None else f"hit {self.hit_tokens}"
 
 
 @dataclass(frozen=True)
@@ -158,17 +167,23 @@ def explain_request(
     verdicts are the kinds of ``findings`` (default: all of ``result``'s) on
     that request and variant.
 
+    A variant that crashed on ``request`` (vLLM raised in its lookup or a
+    later step) is drawn with the blocks cached when that lookup started
+    (:attr:`~differential.observation.RunObservation.crash_cache_map`) and
+    its error; the request's reference then comes from the oracle, from the
+    hits of the requests before it.
+
     Returns:
-        ``None`` when no variant completed the request.
+        ``None`` when no variant completed the request or crashed on it.
     """
     from differential.compare import run_any
+    from differential.oracle import drafter_model, references
 
     findings = result.findings if findings is None else findings
     rows = []
+    before: tuple[int, ...] | None = None  # hits before a crashing request
     for vr in result.results:
         run = run_any(result.scenario, vr.variant, record_cache_map=True)
-        if request >= len(run.requests):
-            continue
         verdicts = tuple(
             dict.fromkeys(
                 f.kind.value
@@ -176,16 +191,36 @@ def explain_request(
                 if f.request == request and f.owner == vr.variant.name
             )
         )
-        obs = run.requests[request]
-        rows.append(
-            VariantRow(
-                vr.variant.name, obs.hit_tokens, obs.cache_map, verdicts, obs.lookup_block_ids
+        if request < len(run.requests):
+            obs = run.requests[request]
+            rows.append(
+                VariantRow(
+                    vr.variant.name, obs.hit_tokens, obs.cache_map, verdicts, obs.lookup_block_ids
+                )
             )
-        )
-    references = result.results[0].references if result.results else ()
-    if not rows or request >= len(references):
+        elif run.error is not None and run.crash_cache_map and len(run.requests) == request:
+            rows.append(
+                VariantRow(
+                    vr.variant.name,
+                    0,
+                    run.crash_cache_map,
+                    verdicts or ("crash",),
+                    crash=run.error,
+                )
+            )
+            before = run.hits if before is None else before
+    if not rows:
         return None
-    return explanation(result.scenario, request, references[request], rows)
+    owed = next((vr.references for vr in result.results if request < len(vr.references)), None)
+    if owed is not None:
+        reference = owed[request]
+    elif before is not None:
+        scenario = result.scenario
+        model = drafter_model(scenario)
+        reference = references(scenario, model, (*before, 0), result.policy)[request]
+    else:
+        return None
+    return explanation(result.scenario, request, reference, rows)
 
 
 def _mark_line(exp: Explanation, column_tokens: int, width: int) -> str:
@@ -264,8 +299,8 @@ def render_text(exp: Explanation) -> str:
                 cells.append("█" if block < len(cache_map) and cache_map[block] == "1" else "·")
             hit_col = (row.hit_tokens - exp.start_tokens) // column
             where = (
-                f"hit {row.hit_tokens}"
-                if 0 <= hit_col <= width
+                row.outcome
+                if 0 <= hit_col <= width or row.crash is not None
                 else f"hit {row.hit_tokens} (left of the view)"
             )
             verdict = ", ".join(row.verdicts) or "ok"
@@ -282,6 +317,12 @@ def render_text(exp: Explanation) -> str:
         )
     )
     lines += _block_lines(exp)
+    lines += [
+        f"{row.variant} crashed on request {exp.request} (blocks as cached when its lookup "
+        f"started): {row.crash}"
+        for row in exp.rows
+        if row.crash is not None
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -335,6 +376,11 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
     rows = [(row, gid, g) for row in exp.rows for gid, g in enumerate(scenario.kv_cache_groups)]
     total_w = left + width * block_px + 230
     block_lines = _block_lines(exp)
+    block_lines += [
+        f"{row.variant} crashed (blocks as cached when its lookup started): {row.crash}"
+        for row in exp.rows
+        if row.crash is not None
+    ]
     total_h = top + len(rows) * row_px + 80 + 14 * len(block_lines)
 
     def x(tokens: int) -> float:
@@ -373,7 +419,7 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
                 f'fill="{"#2b6cb0" if cached else "#edf2f7"}" stroke="#a0aec0" stroke-width="0.5"/>'
             )
         hit = row.hit_tokens
-        if exp.start_tokens <= hit <= exp.end_tokens:
+        if row.crash is None and exp.start_tokens <= hit <= exp.end_tokens:
             parts.append(
                 f'<polygon points="{x(hit) - 4:.1f},{y + row_px - 2} {x(hit) + 4:.1f},'
                 f'{y + row_px - 2} {x(hit):.1f},{y + row_px - 8}" fill="#d69e2e"/>'
@@ -381,7 +427,7 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
         if gid == len(scenario.kv_cache_groups) - 1:
             verdict = ", ".join(row.verdicts) or "ok"
             parts.append(
-                f'<text x="{left + width * block_px + 10}" y="{y + 14}">hit {hit}: '
+                f'<text x="{left + width * block_px + 10}" y="{y + 14}">{row.outcome}: '
                 f"{escape(verdict)}</text>"
             )
     bottom = top + len(rows) * row_px

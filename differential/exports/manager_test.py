@@ -17,7 +17,7 @@ from differential.findings import Finding, FindingKind
 from differential.oracle import SiblingReference
 from differential.scenario import DrafterKind, GroupKind, MambaPrefill, Scenario
 
-__all__ = ["export_test"]
+__all__ = ["crash_parts", "export_test"]
 
 _METHOD = {
     DrafterKind.EAGLE: ("eagle", "eagle", 1),
@@ -307,6 +307,45 @@ def _wrong_kv_check(scenario: Scenario, request: int) -> tuple[str, str]:
     return "\n".join(lines), expectation
 
 
+#: ``"<phase>: <vLLM call>: <exception type>: <message>"``, as the driver
+#: writes a crash (:class:`differential.driver.features.VllmCallError`).
+_CRASH = re.compile(r"(?P<call>[A-Za-z_][\w.]*): (?P<type>[A-Z]\w*): (?P<message>.*)", re.DOTALL)
+
+
+def crash_parts(error: str) -> tuple[str, str, str] | None:
+    """(vLLM call, exception type, message) of a crash's error text, or
+    ``None`` when the error is not an exception vLLM raised (a worker that
+    died, a timeout)."""
+    match = _CRASH.search(error)
+    if match is None:
+        return None
+    return match["call"], match["type"], match["message"]
+
+
+def _crash_check(scenario: Scenario, finding: Finding) -> tuple[str, str]:
+    """The assertion and expectation for a ``crash`` finding: every request
+    runs to the end. On the vLLM that crashed, the test fails with vLLM's own
+    exception, raised from the call the finding names."""
+    request = finding.request if finding.request is not None else 0
+    total = len(scenario.requests)
+    parts = crash_parts(finding.detail)
+    if parts is None:
+        raised = f"the run did not finish ({finding.detail})"
+    else:
+        call, kind, message = parts
+        raised = f"{call} raises {kind} ({message.strip()[:200]})"
+    check = (
+        f"    # Every request ran. Found by kvfuzz on {finding.variant}: at request {request}, "
+        f"{raised}.\n"
+        f"    assert len(hits) == {total}, hits"
+    )
+    expectation = (
+        f"all {total} requests run without an exception; on {finding.variant}, at request "
+        f"{request}, {raised}, so this test fails there with that exception."
+    )
+    return check, expectation
+
+
 def _test_name(text: str) -> str:
     return "test_kvfuzz_" + re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
@@ -314,7 +353,7 @@ def _test_name(text: str) -> str:
 def export_test(
     scenario: Scenario,
     finding: Finding,
-    reference: SiblingReference,
+    reference: SiblingReference | None,
     *,
     signature: str,
     name: str,
@@ -325,24 +364,33 @@ def export_test(
     Args:
         scenario: the (preferably shrunk) scenario.
         finding: the finding to assert against (its request is checked).
-        reference: what the oracle says that request is owed.
+        reference: what the oracle says that request is owed (``None`` for
+            a ``crash`` finding, whose test asserts that every request runs).
         signature: the finding's signature text, for the docstring.
         name: a name for the test function.
         fixed_hit_tokens: the request's hit on the fixed variant, if known:
             the assertion is exact when it equals the expected checkpoint.
     """
     request = finding.request if finding.request is not None else len(scenario.requests) - 1
-    expected = reference.expected_tokens
-    if finding.kind is FindingKind.WRONG_KV:
+    if finding.kind is FindingKind.CRASH:
+        check, expectation = _crash_check(scenario, finding)
+    elif reference is None:
+        raise ValueError(f"a {finding.kind.value} finding needs the request's reference")
+    elif finding.kind is FindingKind.WRONG_KV:
         check, expectation = _wrong_kv_check(scenario, request)
     elif finding.kind is FindingKind.OVER_HIT:
-        ceiling = finding.expected_tokens if finding.expected_tokens is not None else expected
+        ceiling = (
+            finding.expected_tokens
+            if finding.expected_tokens is not None
+            else reference.expected_tokens
+        )
         check = f"    assert hits[{request}] <= {ceiling}, hits"
         expectation = (
             f"request {request} must not reuse more than {ceiling} tokens "
             f"(divergence point {reference.divergence_tokens})."
         )
     else:
+        expected = reference.expected_tokens
         operator = "==" if fixed_hit_tokens == expected else ">="
         check = f"    assert hits[{request}] {operator} {expected}, hits"
         expectation = (
@@ -359,7 +407,12 @@ def export_test(
             f" Known vLLM issue {finding.known_issue}: the seed fix does not repair it,"
             " so this test fails with the fix too."
         )
-    elif fixed_hit_tokens is not None and fixed_hit_tokens < expected:
+    elif (
+        finding.kind is not FindingKind.CRASH
+        and reference is not None
+        and fixed_hit_tokens is not None
+        and fixed_hit_tokens < reference.expected_tokens
+    ):
         expectation += f" With the fix: {fixed_hit_tokens}, so this test fails with the fix too."
     longest = max(r.prompt_tokens for r in scenario.requests)
     num_blocks = 16 + sum(

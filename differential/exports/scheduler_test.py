@@ -226,6 +226,22 @@ def _assertion(scenario: Scenario, finding: Finding) -> tuple[str, str]:
         raise ScenarioError(
             "FINDING", finding.kind.value, "a per-request finding or eviction-collapse"
         )
+    if finding.kind is FindingKind.CRASH:
+        from differential.exports.manager_test import crash_parts
+
+        total = len(scenario.requests)
+        parts = crash_parts(finding.detail)
+        raised = (
+            f"the run did not finish ({finding.detail})"
+            if parts is None
+            else f"{parts[0]} raises {parts[1]} ({parts[2].strip()[:200]})"
+        )
+        return (
+            f"    # Every request ran. Found by kvfuzz on {finding.variant}: {raised}.\n"
+            f"    assert len(hits) == {total}, hits",
+            f"all {total} requests run without an exception; on {finding.variant}, {raised}, "
+            "so this test fails there with that exception.",
+        )
     if finding.kind is FindingKind.MISALIGNED:
         return (
             f"    assert hits[{request}] % {alignment} == 0, hits",

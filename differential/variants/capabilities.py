@@ -14,9 +14,27 @@ import dataclasses
 from collections.abc import Mapping
 from enum import StrEnum
 
+from differential.errors import ScenarioError
 from differential.scenario import DrafterKind, Scenario
 
-__all__ = ["DESCRIPTIONS", "Feature", "equivalent_scenario"]
+__all__ = ["DESCRIPTIONS", "Feature", "Unsupported", "equivalent_scenario"]
+
+
+class Unsupported(Exception):
+    """The running vLLM cannot run the scenario: the run is *unsupported*.
+
+    Neither a finding nor kvfuzz's failure: the scenario costs that one run
+    (the run's ``unsupported`` field), and the replay or campaign goes on.
+
+    Attributes:
+        reason: what is missing or refused, naming the vLLM piece and its
+            file (repository path), e.g. ``"SlidingWindowSpec.extra_retained_tokens
+            (vllm/v1/kv_cache_interface.py)"``.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
 
 
 class Feature(StrEnum):
@@ -75,11 +93,28 @@ def equivalent_scenario(scenario: Scenario, features: Mapping[str, bool]) -> Sce
         scenario: the scenario as written.
         features: feature name -> present, as detected in the release
             (a feature not listed counts as present).
+
+    Raises:
+        Unsupported: the equivalent is a scenario kvfuzz refuses (e.g.
+            chunked local attention, where the drop the drafter falls back
+            to is refused: vLLM's ``ChunkedLocalAttentionManager`` does not
+            support EAGLE, vllm/v1/core/single_type_kv_cache_manager.py);
+            the reason names the missing feature and the refusal.
     """
     if (
         not features.get(Feature.LOOKAHEAD_HASHES.value, True)
         and scenario.drafter.kind is not DrafterKind.NONE
         and not scenario.disable_lookahead_block_hashes
     ):
-        return dataclasses.replace(scenario, disable_lookahead_block_hashes=True)
+        try:
+            return dataclasses.replace(scenario, disable_lookahead_block_hashes=True)
+        except ScenarioError as refused:
+            # The advice after "): " speaks of the scenario as written.
+            head, sep, _advice = refused.allowed.partition("): ")
+            allowed = head + ")" if sep else refused.allowed
+            raise Unsupported(
+                f"{DESCRIPTIONS[Feature.LOOKAHEAD_HASHES]}; without them the drafter "
+                f"takes the EAGLE block drop, and then {refused.field} = {refused.value!r} "
+                f"is refused: allowed {allowed}"
+            ) from None
     return scenario

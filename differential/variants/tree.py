@@ -42,7 +42,7 @@ from differential.driver.worker import PARENT_ENV
 from differential.errors import InternalError, KvfuzzError, VariantError
 from differential.observation import RunObservation
 from differential.scenario import Scenario
-from differential.variants.capabilities import equivalent_scenario
+from differential.variants.capabilities import Unsupported, equivalent_scenario
 
 __all__ = [
     "TreeWorker",
@@ -399,6 +399,7 @@ class TreeWorker:
             mode=run.mode,
             pool_blocks=run.pool_blocks,
             steps=run.steps,
+            crash_cache_map=run.crash_cache_map,
         )
 
 
@@ -428,12 +429,16 @@ def scenario_as_run(name: str, scenario: Scenario) -> Scenario:
     """The scenario tree variant ``name`` ran for ``scenario`` (its release's equivalent).
 
     See :func:`differential.variants.capabilities.equivalent_scenario`; ``scenario``
-    itself before the worker has started.
+    itself before the worker has started, or when the tree has no equivalent
+    (its run is then *unsupported* and nothing is judged).
     """
     worker = _WORKERS.get(name)
     if worker is None or worker.capabilities is None:
         return scenario
-    return equivalent_scenario(scenario, worker.capabilities)
+    try:
+        return equivalent_scenario(scenario, worker.capabilities)
+    except Unsupported:
+        return scenario
 
 
 def shutdown_workers() -> None:

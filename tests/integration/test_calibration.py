@@ -140,3 +140,34 @@ def test_block_mutants_are_caught_on_the_seeds_by_wrong_kv_alone() -> None:
         "no-drafter-swa16-fa32-r8192",
         "single-group-swa16-w64-r0",
     ]
+
+
+def test_mamba_margin_mutant_with_the_hash_block_equal_to_the_mamba_block() -> None:
+    """FA 16 + Mamba 16 (hash block 16), EAGLE with the drop, dense retention,
+    block-carved prefill: the margin the mutant gives back must stop at the
+    hashed tokens (it raised IndexError inside vLLM's finder, a crash of its
+    own making); the mutant is caught by what it breaks instead."""
+    import dataclasses
+
+    from differential.scenario import MambaPrefill
+
+    proof = load_entry(CORPORA / "cases" / "mamba-state-above-attention-proof.json").scenario
+    groups = tuple(dataclasses.replace(g, block_size_tokens=16) for g in proof.kv_cache_groups)
+    scenario = dataclasses.replace(
+        proof,
+        kv_cache_groups=groups,
+        hash_block_size_tokens=None,
+        mamba_prefill=MambaPrefill.BLOCK,
+        shared_prefix_tokens=40,
+        requests=(RequestSpec(40, 0), RequestSpec(34, 6)),
+    )
+    assert [g.kind.value for g in scenario.kv_cache_groups] == ["full_attention", "mamba"]
+    assert scenario.effective_hash_block_size_tokens == 16
+    assert scenario.retention_interval_tokens is None
+    got = _tags(scenario, parse_variants("fixed,mutant-mamba-eagle-margin"))
+    # Full attention proves 32 and drops one block: 16. The mutant's Mamba
+    # finder reaches the state at 32, past the proof.
+    assert got == {
+        "fixed": [],
+        "mutant-mamba-eagle-margin": ["dense-mismatch@1", "over-hit@1", "wrong-kv@1"],
+    }

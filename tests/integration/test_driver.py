@@ -217,3 +217,111 @@ def test_sampled_tokens_past_a_partial_tail_entry_are_no_unsafe_write() -> None:
     assert run.hits == (0, 144)
     assert [r.unsafe_writes for r in run.requests] == [(), ()]
     assert check_blocks(scenario, run) == ()
+
+
+def _manager_arguments(hash_block_size: int) -> dict[str, object]:
+    """``KVCacheManager`` arguments for one full-attention group of block 16."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from differential.driver.specs import attention_spec
+    from differential.scenario import GroupKind
+
+    group = KVCacheGroupSpec(["fa"], attention_spec(16, GroupKind.FULL_ATTENTION, None, 0))
+    return {
+        "kv_cache_config": KVCacheConfig(
+            num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group]
+        ),
+        "max_model_len": 64,
+        "scheduler_block_size": 16,
+        "hash_block_size": hash_block_size,
+        "enable_caching": True,
+    }
+
+
+def test_a_constructor_argument_the_release_lacks_is_unsupported() -> None:
+    from differential.driver.features import VllmCallError, vllm_build
+    from differential.driver.runner import KVCacheManager
+    from differential.variants.capabilities import Unsupported
+
+    source = "vllm/v1/core/kv_cache_manager.py"
+    arguments = _manager_arguments(16)
+    with pytest.raises(Unsupported) as caught:
+        vllm_build("KVCacheManager", source, KVCacheManager, **arguments, no_such_argument=1)
+    assert caught.value.reason == (
+        "KVCacheManager(no_such_argument=) (vllm/v1/core/kv_cache_manager.py)"
+    )
+    # vLLM refusing the configuration in its constructor: one full-attention
+    # group runs on UnitaryKVCacheCoordinator, which asserts hash block ==
+    # block (vllm/v1/core/kv_cache_coordinator.py).
+    with pytest.raises(Unsupported) as caught:
+        vllm_build("KVCacheManager", source, KVCacheManager, **_manager_arguments(8))
+    assert caught.value.reason == (
+        "KVCacheManager refuses this configuration (vllm/v1/core/kv_cache_manager.py): "
+        "AssertionError: UnitaryKVCacheCoordinator assumes hash_block_size == block_size"
+    )
+    # Anything else vLLM raises is vLLM's: a crash naming the call.
+    with pytest.raises(VllmCallError) as crashed:
+        vllm_build("KVCacheManager", source, KVCacheManager, **{**arguments, "kv_cache_config": 7})
+    assert crashed.value.call == "KVCacheManager"
+    assert isinstance(crashed.value.error, AttributeError)
+    built = vllm_build("KVCacheManager", source, KVCacheManager, **arguments)
+    assert built.block_pool.hash_block_size == 16
+
+
+def test_a_workload_pool_too_small_for_one_request_is_bad_input() -> None:
+    """The manager-level driver does not preempt: a pool that cannot hold the
+    longest request alone is refused when the scenario is built (exit 2 naming
+    the field; it was kvfuzz's failure, exit 3). One that passes this check
+    but still runs out is bad input too, found while running
+    (tests/integration/test_hostile_environment.py)."""
+    import dataclasses
+
+    from differential.corpus import load_entry
+    from differential.errors import ScenarioError
+    from differential.scenario import Workload
+    from tests.factories import CORPORA
+
+    toy = load_entry(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json").scenario
+    with pytest.raises(ScenarioError) as refused:
+        dataclasses.replace(toy, workload=Workload(pool_blocks=6))
+    assert str(refused.value).startswith(
+        "workload.pool_blocks = 6 is invalid: allowed null or at least"
+    )
+
+
+def test_the_ignored_hash_block_notice_names_why_beside_a_mamba_group() -> None:
+    """FA 4 + SWA 4 + Mamba 4, hash block 2: the layout has a Mamba group in
+    align mode, yet vLLM serves no partial hits, because the sliding-window
+    manager needs block-aligned lookups (``partial_hash_hits_enabled`` in
+    vllm/v1/core/kv_cache_utils.py). The notice says so, not "no Mamba group"."""
+    import dataclasses
+
+    from differential.compare import compare_variants
+    from differential.corpus import load_entry
+    from tests.factories import CORPORA
+
+    case = load_entry(CORPORA / "cases" / "mamba-swa-peek-block-is-the-writers-own.json")
+    groups = tuple(
+        dataclasses.replace(g, block_size_tokens=4, sliding_window_tokens=8)
+        if g.sliding_window_tokens
+        else dataclasses.replace(g, block_size_tokens=4)
+        for g in case.scenario.kv_cache_groups
+    )
+    scenario = dataclasses.replace(
+        case.scenario, kv_cache_groups=groups, hash_block_size_tokens=2, prefill_chunk_tokens=4
+    )
+    assert [g.kind.value for g in scenario.kv_cache_groups] == [
+        "full_attention",
+        "sliding_window",
+        "mamba",
+    ]
+    result = compare_variants(scenario, parse_variants("unfixed"), dense_cross_check=False)
+    settings = result.results[0].run.settings
+    assert settings is not None
+    assert (settings.partial_hash_hits, settings.hit_alignment_tokens) == (False, 4)
+    assert result.notices == (
+        "hash block size 2 tokens is used for hashing only: vLLM serves no partial hits "
+        "here (the sliding_window group of block 4 tokens needs block-aligned lookups, as "
+        "its manager in vllm/v1/core/single_type_kv_cache_manager.py supports no "
+        "fine-grained ones), so hits align to A = 4 tokens",
+    )

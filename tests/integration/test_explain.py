@@ -57,3 +57,50 @@ def test_explain_lists_the_blocks_of_a_wrong_kv_lookup() -> None:
     assert lists["fixed g1"][-5:] == ["null", *lists["fixed g1"][-4:]]
     assert "null" not in lists["fixed g1"][-4:]
     assert lists["mutant-null-in-window g1"][-4:] == [*lists["fixed g1"][-4:-1], "null"]
+
+
+def _crash_after_writer(tmp_path: Path) -> Path:
+    """The known single-SWA-group IndexError, behind a writer that runs: the
+    sibling's 19-token lookup raises inside vLLM with the writer's blocks cached."""
+    import json
+
+    known = ROOT / "known-issues" / "single-swa-group-lookahead-hashes-index-error.json"
+    data = json.loads(known.read_text())
+    del data["expect"]
+    data["name"] = "swa-crash-after-writer"
+    data["shared_prefix_tokens"] = 20
+    data["requests"] = [
+        {"name": "writer", "shares_with": None, "divergence_tokens": 20, "suffix_tokens": 0},
+        {"name": "sibling", "shares_with": None, "divergence_tokens": 18, "suffix_tokens": 1},
+    ]
+    path = tmp_path / "crash.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_explain_draws_a_crash_with_the_blocks_up_to_it(tmp_path: Path) -> None:
+    svg = tmp_path / "crash.svg"
+    proc = kvfuzz_cli(
+        "explain",
+        str(_crash_after_writer(tmp_path)),
+        "--variants",
+        "unfixed",
+        "--svg",
+        str(svg),
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (
+        "request 1: divergence point 18, expected checkpoint 16, dense reference 16 (A = 2, R = 4)"
+    )
+    # The writer's 20 tokens left blocks 3, 5, 7 (tokens 6..19) cached under
+    # retention 4 and window 2: what the sibling's lookup found before vLLM raised.
+    assert "unfixed g0 swa2    █·█·█·  crashed; crash" in lines
+    assert lines[-2] == (
+        "unfixed crashed on request 1 (blocks as cached when its lookup started): "
+        "request 1: lookup: KVCacheManager.get_computed_blocks: IndexError: list index out "
+        "of range"
+    )
+    assert lines[-1] == f"SVG: {svg}"
+    texts = [e.text or "" for e in ET.parse(svg).getroot().iter() if e.tag.endswith("text")]
+    assert "crashed: crash" in texts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -91,3 +92,45 @@ def test_exported_wrong_kv_test_asserts_blocks_per_group(tmp_path: Path, mutant:
         )
         results[variant] = proc.returncode
     assert results == {"fixed": 0, mutant: 1}
+
+
+@pytest.mark.parametrize(
+    ("mode", "comment"),
+    [
+        (
+            "manager",
+            "at request 0, KVCacheManager.get_computed_blocks raises IndexError",
+        ),
+        ("scheduler", "Scheduler.schedule raises IndexError"),
+    ],
+)
+def test_an_exported_crash_test_fails_on_stock_with_vllms_exception(
+    tmp_path: Path, mode: str, comment: str
+) -> None:
+    """A ``crash`` finding exports as a test that every request runs: on
+    stock vLLM it fails with the IndexError vLLM raises in its lookup (in
+    scheduler mode, inside ``Scheduler.schedule``)."""
+    known = ROOT / "known-issues" / "single-swa-group-lookahead-hashes-index-error.json"
+    export = _run(
+        "-m",
+        "differential.cli",
+        "export-test",
+        str(known),
+        "--variants",
+        "unfixed",
+        "--mode",
+        mode,
+        cwd=ROOT,
+    )
+    assert export.returncode == 0, export.stderr
+    source = export.stdout
+    assert (
+        f"    # Every request ran. Found by kvfuzz on unfixed: {comment} (list index out of "
+        "range).\n    assert len(hits) == 1, hits\n"
+    ) in source
+    test_file = tmp_path / "test_exported_crash.py"
+    test_file.write_text(source)
+    stock = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), cwd=tmp_path)
+    assert stock.returncode == 1, stock.stdout[-1500:]
+    assert re.search(r"^E\s+IndexError: list index out of range$", stock.stdout, re.M)
+    assert "vllm/v1/core/single_type_kv_cache_manager.py" in stock.stdout

@@ -93,7 +93,7 @@ def test_fixed_is_clean_at_toy_scale(scenario: Scenario) -> None:
 
 # Attention layouts at every scale (a fixed scale draws no Mamba group): the
 # state oracle for Mamba hybrids still has open disagreements with vLLM on
-# `fixed` that are not yet explained (README, "Mamba and linear-attention
+# `fixed` that are not yet explained (docs/scenarios.md, "Mamba and linear-attention
 # hybrids"), so they are not held to this property yet.
 @given(st.sampled_from(("toy", "medium", "real")).flatmap(lambda scale: scenarios(scale=scale)))
 def test_fixed_is_clean_across_scales(scenario: Scenario) -> None:

@@ -1,14 +1,20 @@
-"""Release variants on real vLLM wheels: the earliest supported release runs, and
-``kvfuzz diff`` shows what changed between 0.32.0 and the installed 0.33.0.
+"""Release variants on real vLLM wheels: the earliest supported release runs, every
+bundled scenario runs or is unsupported on 0.31.0 and 0.32.0 (the generated
+``docs/release-support.md`` and the README say which), and ``kvfuzz diff``
+shows what changed between 0.32.0 and the installed 0.33.0.
 
 The wheels are fetched once (``pip download --no-deps``) into the release
 cache (``KVFUZZ_RELEASE_CACHE``, default ``~/.cache/kvfuzz/releases``); when
 neither the cache nor the package index has them, the tests are skipped with
-the reason.
+the reason, unless ``KVFUZZ_REQUIRE_RELEASES=1`` (set by ``make test``), which
+makes a release that cannot be fetched a failure.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -17,13 +23,24 @@ from differential.compare import compare_variants
 from differential.corpus import load_entry
 from differential.errors import VariantError
 from differential.reports.diff import ChangeKind, run_diff
+from differential.reports.release_support import (
+    DOC,
+    RELEASES,
+    SCENARIO_FOLDERS,
+    ReleaseRun,
+    Status,
+    readme_claim,
+    render,
+    replay_command,
+    statuses,
+)
 from differential.variants import Variant, parse_variants
 from differential.variants.tree import _WORKERS, shutdown_workers
-from tests.factories import CORPORA
+from tests.factories import CORPORA, ROOT, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
 
-#: The earliest vLLM release kvfuzz supports (README: "Guarding across releases").
+#: The earliest vLLM release kvfuzz supports (docs/variants.md: "Guarding across releases").
 EARLIEST = "0.31.0"
 PREVIOUS = "0.32.0"
 
@@ -31,10 +48,14 @@ SEEDS = CORPORA / "seeds"
 
 
 def _release(version: str) -> Variant:
+    """The release variant, its wheel fetched into the release cache once."""
     try:
         (variant,) = parse_variants(f"release:{version}", timeout_s=120.0)
     except VariantError as exc:
-        pytest.skip(f"vLLM {version} is neither cached nor on the package index: {exc}")
+        reason = f"vLLM {version} is neither cached nor on the package index: {exc}"
+        if os.environ.get("KVFUZZ_REQUIRE_RELEASES") == "1":
+            pytest.fail(f"KVFUZZ_REQUIRE_RELEASES=1: {reason}")
+        pytest.skip(reason)
     return variant
 
 
@@ -108,3 +129,84 @@ def test_diff_of_the_previous_release_against_the_installed_one() -> None:
         for c in report.changes
     )
     assert not any(c.kind is ChangeKind.UNSUPPORTED for c in report.changes)
+
+
+@pytest.fixture(scope="module")
+def bundled_replays() -> list[ReleaseRun]:
+    """``kvfuzz replay corpora known-issues --variants release:X,unfixed --json``
+    on each release of the generated table, through the command line."""
+    runs = []
+    for version in RELEASES:
+        _release(version)  # fetched into the cache (or skipped) first
+        done = kvfuzz_cli(*replay_command(version))
+        assert done.returncode in (0, 1), done.stderr[-2000:]
+        runs.append(ReleaseRun(version, done.returncode, json.loads(done.stdout)))
+    return runs
+
+
+def _bundled_files() -> list[str]:
+    return sorted(
+        p.relative_to(ROOT).as_posix()
+        for folder in SCENARIO_FOLDERS
+        for p in (ROOT / folder).rglob("*.json")
+    )
+
+
+def test_every_bundled_scenario_runs_or_is_unsupported_on_the_releases(
+    bundled_replays: list[ReleaseRun],
+) -> None:
+    """One scenario, one cost: no scenario ends a release's replay, each is a
+    row, and one the release cannot run says why, naming the vLLM file."""
+    for run in bundled_replays:
+        table = statuses(run)
+        assert sorted(table) == _bundled_files(), run.version
+        for source, (status, detail) in table.items():
+            assert status in (Status.RUNS, Status.UNSUPPORTED), (run.version, source, detail)
+            if status is Status.UNSUPPORTED:
+                assert re.search(r"\(vllm/[\w/]+\.py", detail), (run.version, source, detail)
+        scenarios = {s["source"]: s for s in run.report["scenarios"]}
+        for source, (status, _detail) in table.items():
+            (release,) = [
+                v for v in scenarios[source]["variants"] if v["name"] == f"release:{run.version}"
+            ]
+            expected_requests = len(scenarios[source]["scenario"]["requests"])
+            ran = len(release["run"]["requests"])
+            assert ran == (expected_requests if status is Status.RUNS else 0), source
+    # Llama-4's chunked local attention needs lookahead hashes, which neither
+    # release has: the drop its drafter falls back to is refused there.
+    for run in bundled_replays:
+        status, detail = statuses(run)["corpora/cases/llama4-chunked-local.json"]
+        assert status is Status.UNSUPPORTED
+        assert detail.startswith("lookahead block hashes: VllmConfig.num_hash_lookahead_tokens")
+        assert "chunked_local_attention group taking the EAGLE block drop" in detail
+
+
+def test_the_release_table_and_the_readme_claim_match_the_replays(
+    bundled_replays: list[ReleaseRun],
+) -> None:
+    regenerate = "regenerate with: python -m differential.reports.release_support --write"
+    assert (ROOT / DOC).read_text(encoding="utf-8") == render(bundled_replays), regenerate
+    readme = " ".join(
+        (ROOT / "docs" / "variants.md").read_text(encoding="utf-8").split()
+    )  # the manual's page on releases states the claim
+    assert readme_claim(bundled_replays) in readme, regenerate
+
+
+def test_explain_says_why_a_release_draws_no_row() -> None:
+    """``kvfuzz explain`` on a scenario the release cannot run: the other
+    variant's picture, and one line saying why the release has none."""
+    _release(PREVIOUS)
+    done = kvfuzz_cli(
+        "explain",
+        str(CORPORA / "cases" / "llama4-chunked-local.json"),
+        "--variants",
+        f"release:{PREVIOUS},unfixed",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "unfixed g1 chunk16 ████··  hit 96; ok" in lines
+    assert not any(line.startswith(f"release:{PREVIOUS} g") for line in lines)
+    assert lines[-1].startswith(
+        f"release:{PREVIOUS}: unsupported: lookahead block hashes: "
+        "VllmConfig.num_hash_lookahead_tokens"
+    )

@@ -379,5 +379,5 @@ def test_a_pool_the_scheduler_never_admits_into_costs_the_scenario_not_the_run()
     )
     result = compare_variants(scenario, UNFIXED)
     run = result.results[0].run
-    assert run.error is not None and "admitted nothing for 64 steps" in run.error
+    assert run.error is not None and "scheduled nothing for 64 steps" in run.error
     assert [f.kind for f in result.findings if f.kind is FindingKind.CRASH]

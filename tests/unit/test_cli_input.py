@@ -89,3 +89,42 @@ def test_input_errors_do_not_import_vllm(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "<json>" in proc.stderr
+
+
+def test_a_folder_replay_skips_what_is_not_a_scenario(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Model descriptions and other JSON in a scenario folder are left out,
+    one stderr line each; a broken scenario is still an error (exit 2)."""
+    from differential.corpus import iter_scenario_files
+
+    root = Path(__file__).parents[2]
+    scenario = _write(tmp_path, "a-scenario.json", triton().to_dict())
+    model = tmp_path / "b-model.json"
+    model.write_text((root / "models" / "gemma4-mtp.json").read_text())
+    _write(tmp_path, "c-report.json", {"format": "kvfuzz.replay", "version": 1})
+    _write(tmp_path, "d-list.json", [1, 2])
+    _write(tmp_path, "e-package.json", {"name": "x", "version": "1.0"})
+    assert iter_scenario_files([tmp_path]) == [scenario]
+    assert capsys.readouterr().err.splitlines() == [
+        f"kvfuzz: skipped {model}: a model description (format 'kvfuzz.model'); a "
+        "scenario names it with 'model'",
+        f"kvfuzz: skipped {tmp_path / 'c-report.json'}: not a scenario (format "
+        "'kvfuzz.replay', not 'kvfuzz.scenario')",
+        f"kvfuzz: skipped {tmp_path / 'd-list.json'}: not a scenario (a JSON list, not an object)",
+        f"kvfuzz: skipped {tmp_path / 'e-package.json'}: not a scenario (no format, "
+        "kv_cache_groups, model or requests)",
+    ]
+    # Named explicitly, a model description is loaded (and refused) as a scenario.
+    assert iter_scenario_files([model], skipped=None) == [model]
+    # A folder of nothing but model descriptions holds no scenario: exit 2.
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "m.json").write_text(model.read_text())
+    code, err = _replay(capsys, str(models))
+    assert code == 2
+    assert f"PATH = '{models}' is invalid: allowed a folder containing *.json" in err
+    # A broken scenario among them is still the user's mistake, not skipped.
+    _write(tmp_path, "f-broken.json", {"requests": []})
+    code, err = _replay(capsys, str(tmp_path))
+    assert code == 2 and "f-broken.json" in err and "kv_cache_groups" in err

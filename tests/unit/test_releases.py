@@ -10,15 +10,21 @@ from pathlib import Path
 import pytest
 
 from differential.cli import main
+from differential.corpus import load_entry
 from differential.errors import VariantError
 from differential.findings import Finding, FindingKind
 from differential.observation import ManagerSettings, RequestObservation, RunObservation
 from differential.scenario import Drafter, DrafterKind
 from differential.variants import file_label, parse_variants
-from differential.variants.capabilities import Feature, equivalent_scenario
+from differential.variants.capabilities import (
+    DESCRIPTIONS,
+    Feature,
+    Unsupported,
+    equivalent_scenario,
+)
 from differential.variants.releases import CACHE_ENV, cache_dir, release_tree
 from fuzz.signature import signature_of
-from tests.factories import triton
+from tests.factories import CORPORA, triton
 
 
 def test_release_versions_are_checked_before_anything_runs() -> None:
@@ -103,6 +109,26 @@ def test_without_lookahead_hashes_a_drafter_means_the_drop() -> None:
     assert equivalent_scenario(no_drafter, old) is no_drafter
     connector = dataclasses.replace(scenario, kv_connector=True)
     assert equivalent_scenario(connector, old).kv_connector
+
+
+def test_a_refused_equivalent_is_unsupported_naming_both_pieces() -> None:
+    """Llama-4's chunked local attention with EAGLE runs on lookahead hashes;
+    without them the drafter would take the drop, which chunked local
+    attention refuses: unsupported on that release, not a scenario error."""
+    scenario = load_entry(CORPORA / "cases" / "llama4-chunked-local.json").scenario
+    assert not scenario.disable_lookahead_block_hashes
+    with pytest.raises(Unsupported) as caught:
+        equivalent_scenario(scenario, {Feature.LOOKAHEAD_HASHES.value: False})
+    reason = caught.value.reason
+    assert reason.startswith(DESCRIPTIONS[Feature.LOOKAHEAD_HASHES])
+    assert "vllm/config/vllm.py" in reason
+    assert reason.endswith(
+        "without them the drafter takes the EAGLE block drop, and then kv_cache_groups = "
+        "'full_attention+chunked_local_attention' is refused: allowed no "
+        "chunked_local_attention group taking the EAGLE block drop (vLLM does not support "
+        "EAGLE with chunked local attention)"
+    )
+    assert equivalent_scenario(scenario, {Feature.LOOKAHEAD_HASHES.value: True}) is scenario
 
 
 def test_diff_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
