@@ -99,7 +99,8 @@ def test_explain_draws_a_crash_with_the_blocks_up_to_it(tmp_path: Path) -> None:
     assert lines[-2] == (
         "unfixed crashed on request 1 (blocks as cached when its lookup started): "
         "request 1: lookup: KVCacheManager.get_computed_blocks: IndexError: list index out "
-        "of range"
+        "of range [raised in SlidingWindowManager.find_longest_cache_hit "
+        "(vllm/v1/core/single_type_kv_cache_manager.py)]"
     )
     assert lines[-1] == f"SVG: {svg}"
     texts = [e.text or "" for e in ET.parse(svg).getroot().iter() if e.tag.endswith("text")]

@@ -124,10 +124,11 @@ def test_an_exported_crash_test_fails_on_stock_with_vllms_exception(
     )
     assert export.returncode == 0, export.stderr
     source = export.stdout
-    assert (
-        f"    # Every request ran. Found by kvfuzz on unfixed: {comment} (list index out of "
-        "range).\n    assert len(hits) == 1, hits\n"
-    ) in source
+    # The comment quotes vLLM's message and where it was raised (the lookup's
+    # innermost vLLM frame), then the assertion follows.
+    found = f"    # Every request ran. Found by kvfuzz on unfixed: {comment} (list index out of"
+    assert found in source
+    assert "\n    assert len(hits) == 1, hits\n" in source[source.index(found) :]
     test_file = tmp_path / "test_exported_crash.py"
     test_file.write_text(source)
     stock = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), cwd=tmp_path)
