@@ -401,24 +401,16 @@ def fix_cost(scenario: Scenario, base: RunObservation, fixed: RunObservation) ->
 def run_any(
     scenario: Scenario, variant: Variant, *, dense: bool = False, record_cache_map: bool = False
 ) -> RunObservation:
-    """Run ``variant``: in this process, or in its tree's worker process."""
+    """Run ``variant``: in this process, or in its tree's worker process.
+
+    Both drive the scenario's own mode (``workload.mode``: vLLM's
+    ``KVCacheManager`` or its ``Scheduler``) with the same driver code, so an
+    unmutated tree of the installed vLLM observes exactly what the in-process
+    ``unfixed`` variant does.
+    """
     if variant.tree is not None:
         from differential.variants.tree import run_tree
 
-        if scenario.workload.mode is DriveMode.SCHEDULER:
-            # A tree's worker drives the manager only: a sequential workload
-            # runs there in manager mode, any other is not run.
-            try:
-                scenario = in_mode(scenario, DriveMode.MANAGER)
-            except ScenarioError:
-                return RunObservation(
-                    variant=variant.name,
-                    vllm_version="",
-                    settings=None,
-                    requests=(),
-                    unsupported="scheduler mode (requests in flight together or drafts) "
-                    "on a tree variant, whose worker drives KVCacheManager only",
-                )
         return run_tree(
             variant.name,
             Path(variant.tree),
@@ -592,7 +584,7 @@ def _compare_variants(
             from differential.variants.tree import scenario_as_run
 
             judged = scenario_as_run(variant.name, scenario)
-        engine = scenario.workload.mode is DriveMode.SCHEDULER and variant.tree is None
+        engine = scenario.workload.mode is DriveMode.SCHEDULER
         if engine or scenario.workload.shares_output:
             refs, findings = judge_engine_run(judged, run, policy)
         else:

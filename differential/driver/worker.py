@@ -18,8 +18,13 @@ descriptor and file descriptor 1 is pointed at stderr, so a banner or any
 other print of vLLM (Python or C) cannot corrupt the protocol. The parent
 keeps the tail of stderr and shows it when the worker dies.
 
-The scenario each run uses is the one the release means for the scenario's
-intent (:func:`differential.variants.capabilities.equivalent_scenario`); one that
+Each run drives the scenario's own mode (``workload.mode``): vLLM's
+``KVCacheManager`` (:func:`differential.driver.runner.run_scenario`) or its
+``Scheduler`` (:func:`differential.driver.scheduler_mode.run_scheduler_scenario`),
+the same calls the in-process variants make
+(:func:`differential.driver.run_variant`). The scenario each run uses is the
+one the release means for the scenario's intent
+(:func:`differential.variants.capabilities.equivalent_scenario`); one that
 needs a feature the tree lacks is answered with a run whose ``unsupported``
 field names the missing piece (the driver decides, see
 :mod:`differential.driver.runner`).
@@ -48,7 +53,7 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
 
     from differential.driver.runner import run_scenario
     from differential.errors import InternalError
-    from differential.scenario import Scenario
+    from differential.scenario import DriveMode, Scenario
     from differential.variants.capabilities import equivalent_scenario
 
     caps = capabilities()
@@ -69,7 +74,10 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
                 kwargs: dict[str, Any] = {"record_cache_map": bool(request.get("record_cache_map"))}
                 if request.get("dense"):
                     kwargs["retention_interval_tokens"] = None
-                if request.get("mode") == "scheduler":
+                if (
+                    request.get("mode") == "scheduler"
+                    or scenario.workload.mode is DriveMode.SCHEDULER
+                ):
                     from differential.driver.scheduler_mode import run_scheduler_scenario
 
                     run = run_scheduler_scenario(scenario, request["variant"], **kwargs)

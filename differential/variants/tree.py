@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -382,20 +383,10 @@ class TreeWorker:
                 error=f"no answer within {self.timeout_s:g} s; the worker was restarted",
                 retention_interval_tokens=retention,
             )
-        run = RunObservation.from_dict(reply["run"])
-        return RunObservation(
-            run.variant,
-            self.vllm_version,
-            run.settings,
-            run.requests,
-            run.evicted_blocks,
-            run.error,
-            run.retention_interval_tokens,
-            run.timed_out,
-            run.unsupported,
-            mode=run.mode,
-            pool_blocks=run.pool_blocks,
-            steps=run.steps,
+        # Every field as the worker's driver filled it (blocks recorded, the
+        # driving mode, the pool, ...); only the version gains the tree's commit.
+        return dataclasses.replace(
+            RunObservation.from_dict(reply["run"]), vllm_version=self.vllm_version
         )
 
 
