@@ -49,9 +49,11 @@ __all__ = [
     "ScenarioResult",
     "VariantResult",
     "compare_pair",
+    "compare_results",
     "compare_variants",
     "in_fix_domain",
     "in_mode",
+    "judge_variant",
 ]
 
 
@@ -530,6 +532,90 @@ def _collapse_applies(scenario: Scenario) -> bool:
     )
 
 
+def judge_variant(
+    scenario: Scenario,
+    variant: Variant,
+    *,
+    policy: Policy = Policy.VLLM,
+    dense_cross_check: bool = True,
+) -> tuple[VariantResult, tuple[str, ...]]:
+    """Run ``scenario`` on one variant and judge it on its own.
+
+    The per-variant half of :func:`compare_variants`: its runs (the scenario,
+    the dense cross-check, the scheduler-mode cross-checks) and its findings;
+    nothing compared with another variant. A variant's result does not depend
+    on the other variants, so a caller comparing many variants with one
+    baseline (``kvfuzz mutate``) judges the baseline once and reuses it with
+    :func:`compare_results`.
+
+    Returns:
+        ``(result, notices)``: notices the user should know (an unsupported
+        run, an effective hash block size other than the scenario's).
+
+    Raises:
+        InternalError: kvfuzz's driver failed (in this process or in a
+            tree's worker).
+    """
+    notices: list[str] = []
+    started = time.perf_counter()
+    run = run_any(scenario, variant)
+    if run.unsupported is not None:
+        notices.append(f"{variant.name}: unsupported: {run.unsupported}")
+    if run.settings is not None:
+        note = run.settings.effective_hash_note(scenario.hash_block_size_tokens)
+        if note is not None:
+            notices.append(note)
+    # A tree of an older release judges the scenario it means there.
+    judged = scenario
+    if variant.tree is not None:
+        from differential.variants.tree import scenario_as_run
+
+        judged = scenario_as_run(variant.name, scenario)
+    engine = scenario.workload.mode is DriveMode.SCHEDULER
+    if engine or scenario.workload.shares_output:
+        refs, findings = judge_engine_run(judged, run, policy)
+    else:
+        refs, findings = judge_run(judged, run, policy)
+    dense_run = None
+    sequential = scenario.workload.sequential and not scenario.workload.shares_output
+    if dense_cross_check and (not engine or sequential):
+        if scenario.retention_interval_tokens is None:
+            findings += cross_check_dense(judged, run)
+        else:
+            dense_run = run_any(scenario, variant, dense=True)
+            findings += cross_check_dense(judged, dense_run)
+    manager_run = retention0_run = None
+    if engine and mode_cross_checkable(scenario) and not run.evicted_blocks:
+        # Nothing was evicted, so the pool size changes no hit: the
+        # manager-level replica gets a pool that holds everything (the
+        # two drivers allocate in different orders, and the manager
+        # driver cannot evict).
+        replica = dataclasses.replace(
+            scenario, workload=dataclasses.replace(scenario.workload, pool_blocks=None)
+        )
+        manager_run = run_any(in_mode(replica, DriveMode.MANAGER), variant)
+        findings += cross_check_modes(scenario, run, manager_run)
+    if engine and _collapse_applies(scenario):
+        retention0_run = run_any(
+            dataclasses.replace(scenario, retention_interval_tokens=0), variant
+        )
+        collapse = eviction_collapse(scenario, run, retention0_run)
+        if collapse is not None:
+            findings += (dataclasses.replace(collapse, policy=policy),)
+    findings = label_known(judged, findings, hits=run.hits)
+    result = VariantResult(
+        variant,
+        run,
+        dense_run,
+        refs,
+        findings,
+        time.perf_counter() - started,
+        manager_run=manager_run,
+        retention0_run=retention0_run,
+    )
+    return result, tuple(notices)
+
+
 def compare_variants(
     scenario: Scenario,
     variants: Sequence[Variant],
@@ -570,65 +656,34 @@ def _compare_variants(
     results: list[VariantResult] = []
     notices: list[str] = []
     for variant in variants:
-        started = time.perf_counter()
-        run = run_any(scenario, variant)
-        if run.unsupported is not None:
-            notices.append(f"{variant.name}: unsupported: {run.unsupported}")
-        if run.settings is not None:
-            note = run.settings.effective_hash_note(scenario.hash_block_size_tokens)
-            if note is not None and note not in notices:
-                notices.append(note)
-        # A tree of an older release judges the scenario it means there.
-        judged = scenario
-        if variant.tree is not None:
-            from differential.variants.tree import scenario_as_run
-
-            judged = scenario_as_run(variant.name, scenario)
-        engine = scenario.workload.mode is DriveMode.SCHEDULER
-        if engine or scenario.workload.shares_output:
-            refs, findings = judge_engine_run(judged, run, policy)
-        else:
-            refs, findings = judge_run(judged, run, policy)
-        dense_run = None
-        sequential = scenario.workload.sequential and not scenario.workload.shares_output
-        if dense_cross_check and (not engine or sequential):
-            if scenario.retention_interval_tokens is None:
-                findings += cross_check_dense(judged, run)
-            else:
-                dense_run = run_any(scenario, variant, dense=True)
-                findings += cross_check_dense(judged, dense_run)
-        manager_run = retention0_run = None
-        if engine and mode_cross_checkable(scenario) and not run.evicted_blocks:
-            # Nothing was evicted, so the pool size changes no hit: the
-            # manager-level replica gets a pool that holds everything (the
-            # two drivers allocate in different orders, and the manager
-            # driver cannot evict).
-            replica = dataclasses.replace(
-                scenario, workload=dataclasses.replace(scenario.workload, pool_blocks=None)
-            )
-            manager_run = run_any(in_mode(replica, DriveMode.MANAGER), variant)
-            findings += cross_check_modes(scenario, run, manager_run)
-        if engine and _collapse_applies(scenario):
-            retention0_run = run_any(
-                dataclasses.replace(scenario, retention_interval_tokens=0), variant
-            )
-            collapse = eviction_collapse(scenario, run, retention0_run)
-            if collapse is not None:
-                findings += (dataclasses.replace(collapse, policy=policy),)
-        findings = label_known(judged, findings, hits=run.hits)
-        elapsed_s = time.perf_counter() - started
-        results.append(
-            VariantResult(
-                variant,
-                run,
-                dense_run,
-                refs,
-                findings,
-                elapsed_s,
-                manager_run=manager_run,
-                retention0_run=retention0_run,
-            )
+        result, notes = judge_variant(
+            scenario, variant, policy=policy, dense_cross_check=dense_cross_check
         )
+        results.append(result)
+        notices += notes
+    return compare_results(scenario, results, policy=policy, source=source, notices=notices)
+
+
+def compare_results(
+    scenario: Scenario,
+    results: Sequence[VariantResult],
+    *,
+    policy: Policy = Policy.VLLM,
+    source: str | None = None,
+    notices: Sequence[str] = (),
+) -> ScenarioResult:
+    """Compare variants already judged by :func:`judge_variant` (the second
+    half of :func:`compare_variants`, which it gives exactly).
+
+    Args:
+        scenario: the scenario the results ran.
+        results: one per variant, in report order.
+        policy: the checkpoint policy the results were judged with.
+        source: the file the scenario came from, for reports.
+        notices: the variants' notices (duplicates are dropped).
+    """
+    results = list(results)
+    notices = list(dict.fromkeys(notices))
     comparison: list[Finding] = []
     blowup = alignment_blowup(scenario)
     if blowup is not None:
