@@ -781,10 +781,11 @@ _RUNS = (
 
 
 def _kill_evidence(
-    name: str, stock: Any, other: Any, comparison: Sequence[Finding]
+    name: str, stock: Any, other: Any, comparison: Sequence[Finding], label: str = "mutant"
 ) -> tuple[MutantStatus, str] | None:
     """Whether ``other`` (a tree's judged result) is told apart from ``stock``'s
     on scenario ``name``: ``(killed or timed out, evidence)``, or ``None``.
+    The evidence calls the tree ``label``.
 
     Reads what a kill is decided by: a timed-out run, a run unsupported on
     the tree only, a finding on one side only, and the ``disagreement`` /
@@ -802,12 +803,16 @@ def _kill_evidence(
     ]
     if not (new or gone or compared):
         return None
+
+    def detail(finding: Finding) -> str:
+        return finding.detail.replace(other.variant.name, label)[:160]
+
     crash = next((f for f in other.findings if f.kind is FindingKind.CRASH), None)
     if crash is not None:
-        text = f"crash on {name}: {crash.detail[:160]}"
+        text = f"crash on {name}: {detail(crash)}"
     elif compared:
         f = compared[0]
-        text = f"{f.kind.value}@{f.request} on {name}: {f.detail[:160]}"
+        text = f"{f.kind.value}@{f.request} on {name}: {detail(f)}"
     elif new:
         text = f"new finding(s) {', '.join(new)} on {name}"
     else:
@@ -849,7 +854,7 @@ def stock_difference(
         comparison: ``compare_results`` of the two (stock first).
         name: the scenario's name, for the message.
     """
-    verdict = _kill_evidence(name, stock, tree, comparison)
+    verdict = _kill_evidence(name, stock, tree, comparison, "the tree")
     if verdict is not None:
         return verdict[1]
     observed = _observed_difference(stock, tree, "the tree")
@@ -944,7 +949,7 @@ def check_unmutated(
                 result, comparison = _judge_on(variant, scenario, base, policy)
                 difference = stock_difference(base, result, comparison, name)
                 if difference is not None:
-                    one = ExcludedScenario(name, module, difference.replace(variant.name, "tree"))
+                    one = ExcludedScenario(name, module, difference)
                     excluded[name] = one
                     if on_excluded is not None:
                         on_excluded(one)
