@@ -60,7 +60,7 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_START_TIMEOUT_S = 180.0
 START_TIMEOUT_ENV = "KVFUZZ_TREE_START_TIMEOUT"
 _STDERR_LINES = 40
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the differential package
 
 
 def start_timeout_s(timeout_s: float = 0.0) -> float:
