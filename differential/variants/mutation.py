@@ -6,8 +6,9 @@ as a tree variant (:mod:`differential.variants.tree`) next to the installed, sto
 and kvfuzz's own pairwise comparison decides: a mutant is **killed** when any
 finding appears on it that stock does not have, or any ``disagreement``,
 ``cost-change`` or ``crash`` between the two; **timed out** when its worker
-stops answering. A mutant that is never told apart **survived**, and is
-sorted further by what the stock runs tell:
+stops answering on a scenario twice in a row (the worker restarted
+between). A mutant that is never told apart **survived**, and is sorted
+further by what the stock runs tell:
 
 * *not reached*: no scenario executes the mutated statement (coverage of the
   stock runs, by coverage.py): a scenario kvfuzz should generate;
@@ -771,6 +772,11 @@ def _difference(stock: Any, other: Any, label: str = "mutant") -> str | None:
     return "; ".join(parts) or "runs differ"
 
 
+#: Runs of one scenario on one tree before a timeout counts: a run past the
+#: per-scenario timeout on a loaded machine is the machine's, not the tree's,
+#: unless it repeats on the restarted worker.
+_TIMEOUT_ATTEMPTS = 2
+
 #: The runs of a judged result, with the names reports give them.
 _RUNS = (
     ("run", "retention run"),
@@ -911,7 +917,8 @@ def check_unmutated(
     Each tree is built exactly as a mutant's (:func:`build_mutant_tree`, with
     the module's stock source written in place of a mutation) and runs in a
     tree worker as a mutant does; :func:`stock_difference` compares its
-    judged result with stock's. A scenario that differs is kvfuzz's own
+    judged result with stock's (a timeout counts only when the rerun on the
+    restarted worker times out too). A scenario that differs is kvfuzz's own
     difference between a tree and the in-process vLLM: it could only ever
     give false kills, so it is excluded (from every mutant) and reported.
 
@@ -946,7 +953,11 @@ def check_unmutated(
             for (name, scenario), base in zip(scenarios, stock, strict=True):
                 if name in excluded:
                     continue
-                result, comparison = _judge_on(variant, scenario, base, policy)
+                for _attempt in range(_TIMEOUT_ATTEMPTS):
+                    result, comparison = _judge_on(variant, scenario, base, policy)
+                    timed_out = _kill_evidence(name, base, result, comparison)
+                    if timed_out is None or timed_out[0] is not MutantStatus.TIMED_OUT:
+                        break
                 difference = stock_difference(base, result, comparison, name)
                 if difference is not None:
                     one = ExcludedScenario(name, module, difference)
@@ -975,7 +986,9 @@ def run_mutant(
 
     ``stock`` is stock's judged result per scenario (``VariantResult``, same
     order), judged here when not given. Stops at the first scenario that
-    kills the mutant. Leaves no worker running.
+    kills the mutant; a scenario that times out is run once more (on the
+    restarted worker) and times the mutant out only if it does again. Leaves
+    no worker running.
     """
     from differential.variants import parse_variants
     from differential.variants.tree import shutdown_workers
@@ -1000,16 +1013,21 @@ def run_mutant(
 
     first_difference: str | None = None
     for ran, ((name, scenario), base) in enumerate(zip(scenarios, stock, strict=True), start=1):
-        try:
-            result, comparison = _judge_on(variant, scenario, base, policy)
-        except (VariantError, RuntimeError) as exc:  # the worker could not start (import broken)
-            return outcome(
-                MutantStatus.KILLED,
-                f"crash: the tree's worker failed ({type(exc).__name__}: {exc}) on {name}",
-                ran,
-            )
-        verdict = _kill_evidence(name, base, result, comparison)
+        for _attempt in range(_TIMEOUT_ATTEMPTS):
+            try:
+                result, comparison = _judge_on(variant, scenario, base, policy)
+            except (VariantError, RuntimeError) as exc:  # the worker could not start
+                return outcome(
+                    MutantStatus.KILLED,
+                    f"crash: the tree's worker failed ({type(exc).__name__}: {exc}) on {name}",
+                    ran,
+                )
+            verdict = _kill_evidence(name, base, result, comparison)
+            if verdict is None or verdict[0] is not MutantStatus.TIMED_OUT:
+                break
         if verdict is not None:
+            if verdict[0] is MutantStatus.TIMED_OUT:
+                verdict = (verdict[0], f"{verdict[1]} ({_TIMEOUT_ATTEMPTS} times in a row)")
             return outcome(*verdict, ran)
         if first_difference is None:
             diffs = _observed_difference(base, result, "mutant")

@@ -34,7 +34,13 @@ pytestmark = pytest.mark.vllm
 # mutant.
 KILLED = "single_type_kv_cache_manager:ReplaceBinaryOperator_Mul_Mod:12"
 EQUIVALENT = "kv_cache_coordinator:ZeroIterationForLoop:1"
-EXCLUDED_GEMMA = "TBD"
+# No drop for Gemma-4 MTP: the writer keeps one full-attention block more and
+# two SWA blocks fewer (vLLM 0.33.0).
+EXCLUDED_GEMMA = (
+    "cost-change@0 on gemma4-mtp3-swa16-fa32-r8192.json: same hit 0; blocks kept per group "
+    "[514, 132] on unfixed, [515, 130] on the tree (difference per periodic checkpoint tail: "
+    "[-0.5, 1.0])"
+)
 
 
 def test_a_real_mutant_is_killed_and_an_equivalent_one_survives(tmp_path: Path) -> None:
