@@ -13,7 +13,9 @@ gives comes from ``--sample 60 --campaign-examples 40 corpora``. Prints:
 * the score (killed, timeouts included, over sampled) per module and overall,
   with the killed / timed out / survived / equivalent-suspect counts;
 * seconds per mutant (worker start, i.e. one ``import vllm`` of the mutant
-  tree, included) and the share of survivors that no scenario reaches.
+  tree, included), the seconds of the stock runs (judged once, reused by
+  every mutant) and of the unmutated-tree check, the scenarios that check
+  excluded, and the share of survivors that no scenario reaches.
 
 A change to the generator, the oracle or the corpus is compared by these
 figures at the same seed and sample. Nothing here fails.
@@ -40,12 +42,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=10.0, help="per-scenario timeout, s")
     args = parser.parse_args()
 
-    from differential.corpus import iter_scenario_files, load_entry
     from differential.variants.mutation import (
         MODULES,
         MutantStatus,
-        campaign_scenarios,
         default_work_dir,
+        draw_scenarios,
         enumerate_mutants,
         installed_vllm,
         run_mutation,
@@ -56,11 +57,7 @@ def main() -> None:
     root = installed_vllm()
     generated = enumerate_mutants(root)
     mutants = sample_mutants(generated, args.sample, args.seed)
-    scenarios = [(str(p), load_entry(p).scenario) for p in iter_scenario_files(args.paths)]
-    scenarios += [
-        (f"campaign {i}", s)
-        for i, s in enumerate(campaign_scenarios(args.seed, args.campaign_examples))
-    ]
+    scenarios = draw_scenarios(args.paths, args.seed, args.campaign_examples)
     print(f"generation: {time.perf_counter() - started:.1f} s")
     work = default_work_dir()
     try:
@@ -100,6 +97,12 @@ def main() -> None:
         f"seconds per mutant: mean {sum(per_mutant) / len(per_mutant):.1f}, "
         f"max {max(per_mutant):.1f}; whole run {run.elapsed_s:.0f} s"
     )
+    print(
+        f"stock runs (once, under coverage): {run.stock_s:.1f} s; unmutated-tree check: "
+        f"{run.check_s:.1f} s, {len(run.excluded)} of {len(scenarios)} scenarios excluded"
+    )
+    for one in run.excluded:
+        print(f"  excluded {one.name} ({one.module}): {one.difference}")
     print(f"survivors not reached by any scenario: {unreached} of {len(survivors)}")
 
 

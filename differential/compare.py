@@ -49,9 +49,11 @@ __all__ = [
     "ScenarioResult",
     "VariantResult",
     "compare_pair",
+    "compare_results",
     "compare_variants",
     "in_fix_domain",
     "in_mode",
+    "judge_variant",
 ]
 
 
@@ -401,26 +403,16 @@ def fix_cost(scenario: Scenario, base: RunObservation, fixed: RunObservation) ->
 def run_any(
     scenario: Scenario, variant: Variant, *, dense: bool = False, record_cache_map: bool = False
 ) -> RunObservation:
-    """Run ``variant``: in this process, or in its tree's worker process."""
+    """Run ``variant``: in this process, or in its tree's worker process.
+
+    Both drive the scenario's own mode (``workload.mode``: vLLM's
+    ``KVCacheManager`` or its ``Scheduler``) with the same driver code, so an
+    unmutated tree of the installed vLLM observes exactly what the in-process
+    ``unfixed`` variant does.
+    """
     if variant.tree is not None:
         from differential.variants.tree import run_tree
 
-        if scenario.workload.mode is DriveMode.SCHEDULER:
-            # A tree's worker drives the manager only: a sequential workload
-            # runs there in manager mode, any other is not run.
-            try:
-                scenario = in_mode(scenario, DriveMode.MANAGER)
-            except ScenarioError:
-                return RunObservation(
-                    variant=variant.name,
-                    vllm_version="",
-                    settings=None,
-                    requests=(),
-                    unsupported="scheduler mode (requests in flight together or drafts) "
-                    "on a tree variant, whose worker drives KVCacheManager only "
-                    "(vllm/v1/core/kv_cache_manager.py), not vLLM's Scheduler "
-                    "(vllm/v1/core/sched/scheduler.py)",
-                )
         return run_tree(
             variant.name,
             Path(variant.tree),
@@ -576,6 +568,92 @@ def no_partial_hits_reason(scenario: Scenario) -> str:
     )
 
 
+def judge_variant(
+    scenario: Scenario,
+    variant: Variant,
+    *,
+    policy: Policy = Policy.VLLM,
+    dense_cross_check: bool = True,
+) -> tuple[VariantResult, tuple[str, ...]]:
+    """Run ``scenario`` on one variant and judge it on its own.
+
+    The per-variant half of :func:`compare_variants`: its runs (the scenario,
+    the dense cross-check, the scheduler-mode cross-checks) and its findings;
+    nothing compared with another variant. A variant's result does not depend
+    on the other variants, so a caller comparing many variants with one
+    baseline (``kvfuzz mutate``) judges the baseline once and reuses it with
+    :func:`compare_results`.
+
+    Returns:
+        ``(result, notices)``: notices the user should know (an unsupported
+        run, an effective hash block size other than the scenario's).
+
+    Raises:
+        InternalError: kvfuzz's driver failed (in this process or in a
+            tree's worker).
+    """
+    notices: list[str] = []
+    started = time.perf_counter()
+    run = run_any(scenario, variant)
+    if run.unsupported is not None:
+        notices.append(f"{variant.name}: unsupported: {run.unsupported}")
+    if run.settings is not None:
+        note = run.settings.effective_hash_note(
+            scenario.hash_block_size_tokens, no_partial_hits_reason(scenario)
+        )
+        if note is not None:
+            notices.append(note)
+    # A tree of an older release judges the scenario it means there.
+    judged = scenario
+    if variant.tree is not None:
+        from differential.variants.tree import scenario_as_run
+
+        judged = scenario_as_run(variant.name, scenario)
+    engine = scenario.workload.mode is DriveMode.SCHEDULER
+    if engine or scenario.workload.shares_output:
+        refs, findings = judge_engine_run(judged, run, policy)
+    else:
+        refs, findings = judge_run(judged, run, policy)
+    dense_run = None
+    sequential = scenario.workload.sequential and not scenario.workload.shares_output
+    if dense_cross_check and (not engine or sequential):
+        if scenario.retention_interval_tokens is None:
+            findings += cross_check_dense(judged, run)
+        else:
+            dense_run = run_any(scenario, variant, dense=True)
+            findings += cross_check_dense(judged, dense_run)
+    manager_run = retention0_run = None
+    if engine and mode_cross_checkable(scenario):
+        try:
+            manager_run = run_any(in_mode(scenario, DriveMode.MANAGER), variant)
+        except ScenarioError:
+            # The manager-level driver does not preempt: a pool the
+            # Scheduler copes with can be too small for it, and then
+            # there is no replica to compare.
+            manager_run = None
+        if manager_run is not None:
+            findings += cross_check_modes(scenario, run, manager_run)
+    if engine and _collapse_applies(scenario):
+        retention0_run = run_any(
+            dataclasses.replace(scenario, retention_interval_tokens=0), variant
+        )
+        collapse = eviction_collapse(scenario, run, retention0_run)
+        if collapse is not None:
+            findings += (dataclasses.replace(collapse, policy=policy),)
+    findings = label_known(judged, findings, hits=run.hits)
+    result = VariantResult(
+        variant,
+        run,
+        dense_run,
+        refs,
+        findings,
+        time.perf_counter() - started,
+        manager_run=manager_run,
+        retention0_run=retention0_run,
+    )
+    return result, tuple(notices)
+
+
 def compare_variants(
     scenario: Scenario,
     variants: Sequence[Variant],
@@ -616,67 +694,34 @@ def _compare_variants(
     results: list[VariantResult] = []
     notices: list[str] = []
     for variant in variants:
-        started = time.perf_counter()
-        run = run_any(scenario, variant)
-        if run.unsupported is not None:
-            notices.append(f"{variant.name}: unsupported: {run.unsupported}")
-        if run.settings is not None:
-            note = run.settings.effective_hash_note(
-                scenario.hash_block_size_tokens, no_partial_hits_reason(scenario)
-            )
-            if note is not None and note not in notices:
-                notices.append(note)
-        # A tree of an older release judges the scenario it means there.
-        judged = scenario
-        if variant.tree is not None:
-            from differential.variants.tree import scenario_as_run
-
-            judged = scenario_as_run(variant.name, scenario)
-        engine = scenario.workload.mode is DriveMode.SCHEDULER and variant.tree is None
-        if engine or scenario.workload.shares_output:
-            refs, findings = judge_engine_run(judged, run, policy)
-        else:
-            refs, findings = judge_run(judged, run, policy)
-        dense_run = None
-        sequential = scenario.workload.sequential and not scenario.workload.shares_output
-        if dense_cross_check and (not engine or sequential):
-            if scenario.retention_interval_tokens is None:
-                findings += cross_check_dense(judged, run)
-            else:
-                dense_run = run_any(scenario, variant, dense=True)
-                findings += cross_check_dense(judged, dense_run)
-        manager_run = retention0_run = None
-        if engine and mode_cross_checkable(scenario):
-            try:
-                manager_run = run_any(in_mode(scenario, DriveMode.MANAGER), variant)
-            except ScenarioError:
-                # The manager-level driver does not preempt: a pool the
-                # Scheduler copes with can be too small for it, and then
-                # there is no replica to compare.
-                manager_run = None
-            if manager_run is not None:
-                findings += cross_check_modes(scenario, run, manager_run)
-        if engine and _collapse_applies(scenario):
-            retention0_run = run_any(
-                dataclasses.replace(scenario, retention_interval_tokens=0), variant
-            )
-            collapse = eviction_collapse(scenario, run, retention0_run)
-            if collapse is not None:
-                findings += (dataclasses.replace(collapse, policy=policy),)
-        findings = label_known(judged, findings, hits=run.hits)
-        elapsed_s = time.perf_counter() - started
-        results.append(
-            VariantResult(
-                variant,
-                run,
-                dense_run,
-                refs,
-                findings,
-                elapsed_s,
-                manager_run=manager_run,
-                retention0_run=retention0_run,
-            )
+        result, notes = judge_variant(
+            scenario, variant, policy=policy, dense_cross_check=dense_cross_check
         )
+        results.append(result)
+        notices += notes
+    return compare_results(scenario, results, policy=policy, source=source, notices=notices)
+
+
+def compare_results(
+    scenario: Scenario,
+    results: Sequence[VariantResult],
+    *,
+    policy: Policy = Policy.VLLM,
+    source: str | None = None,
+    notices: Sequence[str] = (),
+) -> ScenarioResult:
+    """Compare variants already judged by :func:`judge_variant` (the second
+    half of :func:`compare_variants`, which it gives exactly).
+
+    Args:
+        scenario: the scenario the results ran.
+        results: one per variant, in report order.
+        policy: the checkpoint policy the results were judged with.
+        source: the file the scenario came from, for reports.
+        notices: the variants' notices (duplicates are dropped).
+    """
+    results = list(results)
+    notices = list(dict.fromkeys(notices))
     comparison: list[Finding] = []
     blowup = alignment_blowup(scenario)
     if blowup is not None:

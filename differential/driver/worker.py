@@ -18,8 +18,13 @@ descriptor and file descriptor 1 is pointed at stderr, so a banner or any
 other print of vLLM (Python or C) cannot corrupt the protocol. The parent
 keeps the tail of stderr and shows it when the worker dies.
 
-The scenario each run uses is the one the release means for the scenario's
-intent (:func:`differential.variants.capabilities.equivalent_scenario`); one that
+Each run drives the scenario's own mode (``workload.mode``): vLLM's
+``KVCacheManager`` (:func:`differential.driver.runner.run_scenario`) or its
+``Scheduler`` (:func:`differential.driver.scheduler_mode.run_scheduler_scenario`),
+the same calls the in-process variants make
+(:func:`differential.driver.run_variant`). The scenario each run uses is the
+one the release means for the scenario's intent
+(:func:`differential.variants.capabilities.equivalent_scenario`); one that
 needs a feature the tree lacks, or whose equivalent is refused, is answered
 with a run whose ``unsupported`` field names the missing piece (the driver
 decides the rest, see :mod:`differential.driver.runner`). Only a failure of
@@ -50,7 +55,7 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
     from differential.driver.runner import run_scenario
     from differential.errors import InternalError
     from differential.observation import RunObservation
-    from differential.scenario import Scenario
+    from differential.scenario import DriveMode, Scenario
     from differential.variants.capabilities import Unsupported, equivalent_scenario
 
     caps = capabilities()
@@ -85,7 +90,12 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
                         unsupported=missing.reason,
                     )
                 else:
-                    if request.get("mode") == "scheduler":
+                    # The scenario's own mode, or the caller's override, as
+                    # differential.driver.run_variant decides it in process.
+                    mode = request.get("mode")
+                    if mode == "scheduler" or (
+                        mode is None and scenario.workload.mode is DriveMode.SCHEDULER
+                    ):
                         from differential.driver.scheduler_mode import run_scheduler_scenario
 
                         run = run_scheduler_scenario(scenario, request["variant"], **kwargs)

@@ -306,8 +306,7 @@ class ScenarioDocument(BaseModel):
     engine: Any = Field(
         default=None,
         exclude=True,
-        description="How engine mode maps the scenario, and what the engine measured "
-        "(an object).",
+        description="How engine mode maps the scenario, and what the engine measured (an object).",
     )
 
     def fields(self) -> dict[str, Any]:

@@ -6,8 +6,9 @@ as a tree variant (:mod:`differential.variants.tree`) next to the installed, sto
 and kvfuzz's own pairwise comparison decides: a mutant is **killed** when any
 finding appears on it that stock does not have, or any ``disagreement``,
 ``cost-change`` or ``crash`` between the two; **timed out** when its worker
-stops answering. A mutant that is never told apart **survived**, and is
-sorted further by what the stock runs tell:
+stops answering on a scenario twice in a row (the worker restarted
+between). A mutant that is never told apart **survived**, and is sorted
+further by what the stock runs tell:
 
 * *not reached*: no scenario executes the mutated statement (coverage of the
   stock runs, by coverage.py): a scenario kvfuzz should generate;
@@ -17,6 +18,15 @@ sorted further by what the stock runs tell:
 * *equivalent-suspect*: the statement runs and every observation (hits,
   per-group hits, junctions, blocks kept, on both the retention and the dense
   run) is identical on every scenario.
+
+Before any mutant, an **unmutated tree** (built exactly as a mutant's, by
+:func:`build_mutant_tree` with the module's stock source, one per module the
+sample mutates) runs every scenario and must equal stock in every
+observation the verdicts read (:func:`check_unmutated`): a scenario where it
+does not is kvfuzz's own difference between a tree worker and the in-process
+vLLM, not a mutant's; it is reported (named, with the differing observation)
+and left out, never counted as a kill. Stock's results are judged once (under
+coverage) and reused for every mutant: stock never changes.
 
 Mutation library: **cosmic-ray** (``cosmic_ray.plugins``,
 ``cosmic_ray.mutating.mutate_code``). Its operators are public classes that
@@ -70,6 +80,7 @@ from differential.scenario import Scenario
 
 __all__ = [
     "MODULES",
+    "ExcludedScenario",
     "ModuleScope",
     "Mutant",
     "MutantOutcome",
@@ -77,18 +88,23 @@ __all__ = [
     "MutationRun",
     "build_mutant_tree",
     "campaign_scenarios",
+    "check_unmutated",
+    "draw_scenarios",
     "enumerate_mutants",
     "installed_vllm",
+    "judge_stock",
     "mutant_source",
     "reached_statements",
     "render_markdown",
     "run_mutant",
     "run_mutation",
     "sample_mutants",
+    "scenario_digest",
+    "stock_difference",
 ]
 
 REPORT_FORMAT = "kvfuzz.mutation"
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -244,6 +260,25 @@ class MutantOutcome:
 
 
 @dataclass(frozen=True)
+class ExcludedScenario:
+    """A scenario on which an unmutated tree does not equal stock.
+
+    Attributes:
+        name: the scenario's name in the run (file path or campaign example).
+        module: the module whose unmutated tree differed (``v1/core/...``).
+        difference: the first differing observation, tree against stock.
+    """
+
+    name: str
+    module: str
+    difference: str
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-ready form."""
+        return {"scenario": self.name, "module": self.module, "difference": self.difference}
+
+
+@dataclass(frozen=True)
 class MutationRun:
     """A whole mutation run.
 
@@ -252,8 +287,17 @@ class MutationRun:
         seed: the sampling seed (also the campaign seed).
         generated: mutants generated per module, before sampling.
         outcomes: one per sampled mutant, in run order.
-        scenarios: ``(name, source)`` of every scenario, in run order.
+        scenarios: the name of every scenario drawn, in run order (excluded
+            ones included).
         elapsed_s: wall time of the whole run, in seconds.
+        notes: free-form remarks for the report.
+        scenario_sha256: per drawn scenario, :func:`scenario_digest`.
+        excluded: scenarios an unmutated tree does not run as stock does,
+            left out of every mutant's run.
+        stock_s: wall time of the stock runs (under coverage), in seconds.
+        check_s: wall time of the unmutated-tree check, in seconds.
+        command: what drew the scenarios: ``paths`` and ``campaign_examples``
+            (``seed`` is above), for :func:`draw_scenarios`.
     """
 
     vllm_version: str
@@ -263,6 +307,11 @@ class MutationRun:
     scenarios: tuple[str, ...]
     elapsed_s: float
     notes: tuple[str, ...] = field(default=())
+    scenario_sha256: tuple[str, ...] = field(default=())
+    excluded: tuple[ExcludedScenario, ...] = field(default=())
+    stock_s: float = 0.0
+    check_s: float = 0.0
+    command: dict[str, Any] = field(default_factory=dict)
 
     def counts(self, module: str | None = None) -> Counter[MutantStatus]:
         """Outcomes per status (for one module, or all)."""
@@ -278,18 +327,30 @@ class MutationRun:
             return None
         return (counts[MutantStatus.KILLED] + counts[MutantStatus.TIMED_OUT]) / total
 
+    @property
+    def mutant_s(self) -> tuple[float, ...]:
+        """Wall time per mutant, in run order, in seconds."""
+        return tuple(o.elapsed_s for o in self.outcomes)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``format: kvfuzz.mutation``)."""
+        per_mutant = self.mutant_s
         return {
             "format": REPORT_FORMAT,
             "version": REPORT_VERSION,
             "vllm_version": self.vllm_version,
             "seed": self.seed,
+            "command": self.command,
             "score": self.score(),
             "score_per_module": {m.path: self.score(m.path) for m in MODULES},
             "generated": self.generated,
             "scenarios": list(self.scenarios),
+            "scenario_sha256": list(self.scenario_sha256),
+            "excluded": [e.to_dict() for e in self.excluded],
             "elapsed_s": round(self.elapsed_s, 1),
+            "stock_s": round(self.stock_s, 1),
+            "unmutated_check_s": round(self.check_s, 1),
+            "mean_mutant_s": round(sum(per_mutant) / len(per_mutant), 1) if per_mutant else None,
             "notes": list(self.notes),
             "mutants": [o.to_dict() for o in self.outcomes],
         }
@@ -571,6 +632,40 @@ def campaign_scenarios(seed: int, count: int) -> list[Scenario]:
     return scenarios
 
 
+def draw_scenarios(
+    paths: Sequence[str | Path], seed: int, campaign_examples: int
+) -> list[tuple[str, Scenario]]:
+    """The scenarios ``kvfuzz mutate PATH... --seed SEED --campaign-examples K`` runs.
+
+    ``(name, scenario)`` in run order: every scenario file under ``paths``
+    (sorted, named by its path as given), then the first ``campaign_examples``
+    of the seeded campaign (:func:`campaign_scenarios`), named ``campaign seed
+    SEED example I``.
+
+    Raises:
+        ScenarioError: a path that does not exist or an invalid scenario file.
+    """
+    from differential.corpus import iter_scenario_files, load_entry
+
+    drawn = [(str(p), load_entry(p).scenario) for p in iter_scenario_files(paths)] if paths else []
+    drawn += [
+        (f"campaign seed {seed} example {i}", s)
+        for i, s in enumerate(campaign_scenarios(seed, campaign_examples))
+    ]
+    return drawn
+
+
+def scenario_digest(scenario: Scenario) -> str:
+    """The first 16 hex digits of the SHA-256 of the scenario's JSON form
+    (:meth:`Scenario.to_dict`, keys sorted): what a recorded run names each
+    scenario by, so a generator or corpus change that draws another
+    scenario under the same name is seen."""
+    import hashlib
+
+    text = json.dumps(scenario.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
 def reached_statements(
     scenarios: Sequence[Scenario], vllm_root: Path, modules: Sequence[ModuleScope] = MODULES
 ) -> dict[str, set[int]]:
@@ -580,40 +675,66 @@ def reached_statements(
     dense); lines that run at import time are not in it (module and class
     bodies are treated as reached by the caller).
     """
+    return judge_stock(scenarios, vllm_root, modules)[1]
+
+
+def judge_stock(
+    scenarios: Sequence[Scenario],
+    vllm_root: Path,
+    modules: Sequence[ModuleScope] = MODULES,
+    *,
+    policy: Policy = Policy.VLLM,
+) -> tuple[list[Any], dict[str, set[int]]]:
+    """Stock's judged result of every scenario, and the lines of ``modules`` they execute.
+
+    One in-process ``unfixed`` run per scenario
+    (:func:`differential.compare.judge_variant`: the retention run, the
+    dense cross-check and the scheduler-mode cross-checks), measured with
+    coverage.py; import-time lines are not in the coverage.
+
+    Returns:
+        ``(results, reached)``: a ``VariantResult`` per scenario, in order,
+        and module path -> executed line numbers.
+    """
     import coverage
 
     import differential.driver  # noqa: F401  (vLLM imported before measuring)
-    from differential.compare import compare_variants
+    from differential.compare import judge_variant
     from differential.variants import parse_variants
 
     files = {str((vllm_root / m.path).resolve()): m.path for m in modules}
     cov = coverage.Coverage(data_file=None, include=list(files), branch=False)
-    stock = parse_variants("unfixed")
+    (stock,) = parse_variants("unfixed")
+    results = []
     cov.start()
     try:
         for scenario in scenarios:
-            compare_variants(scenario, stock)
+            results.append(judge_variant(scenario, stock, policy=policy)[0])
     finally:
         cov.stop()
     data = cov.get_data()
-    return {module: set(data.lines(path) or ()) for path, module in files.items()}
+    reached = {module: set(data.lines(path) or ()) for path, module in files.items()}
+    return results, reached
 
 
 def _observation_key(run: Any) -> tuple[Any, ...]:
     settings = None if run.settings is None else tuple(sorted(run.settings.to_dict().items()))
     return (
         settings,
-        tuple(
-            (
-                r.hit_tokens,
-                r.shared_prefix_boundary_tokens,
-                r.per_group_hit_tokens,
-                r.retained_blocks_per_group,
-            )
-            for r in run.requests
-        ),
+        tuple(_request_key(r) for r in run.requests),
         run.evicted_blocks,
         run.error,
+        run.unsupported,
+        run.timed_out,
+    )
+
+
+def _request_key(request: Any) -> tuple[Any, ...]:
+    return (
+        request.hit_tokens,
+        request.shared_prefix_boundary_tokens,
+        request.per_group_hit_tokens,
+        request.retained_blocks_per_group,
     )
 
 
@@ -623,16 +744,231 @@ def _tags(findings: Iterable[Finding]) -> set[str]:
     return {finding_tag(f) for f in findings}
 
 
-def _difference(stock: Any, mutant: Any) -> str | None:
-    """What differs between two unjudged-equal runs, or ``None``."""
-    if _observation_key(stock) == _observation_key(mutant):
+def _difference(stock: Any, other: Any, label: str = "mutant") -> str | None:
+    """What differs between two runs' observations (``label`` names ``other``), or ``None``."""
+    if _observation_key(stock) == _observation_key(other):
         return None
-    if stock.settings != mutant.settings:
-        return f"settings {stock.settings} vs {mutant.settings}"
-    for a, b in zip(stock.requests, mutant.requests, strict=False):
-        if a != b:
-            return f"request {a.index}: stock {a.to_dict()} vs mutant {b.to_dict()}"
-    return "runs differ (request count, evictions or error)"
+    if stock.settings != other.settings:
+        return f"settings {stock.settings} vs {other.settings}"
+    for a, b in zip(stock.requests, other.requests, strict=False):
+        if _request_key(a) != _request_key(b):
+            fields = ("hit", "junction", "per-group hits", "blocks kept")
+            return f"request {a.index}: " + ", ".join(
+                f"{name} {x} on stock vs {y} on {label}"
+                for name, x, y in zip(fields, _request_key(a), _request_key(b), strict=True)
+                if x != y
+            )
+    parts = [
+        f"{what} {x} on stock vs {y} on {label}"
+        for what, x, y in (
+            ("requests", len(stock.requests), len(other.requests)),
+            ("evicted blocks", stock.evicted_blocks, other.evicted_blocks),
+            ("error", stock.error, other.error),
+            ("unsupported", stock.unsupported, other.unsupported),
+            ("timed out", stock.timed_out, other.timed_out),
+        )
+        if x != y
+    ]
+    return "; ".join(parts) or "runs differ"
+
+
+#: Runs of one scenario on one tree before a timeout counts: a run past the
+#: per-scenario timeout on a loaded machine is the machine's, not the tree's,
+#: unless it repeats on the restarted worker.
+_TIMEOUT_ATTEMPTS = 2
+
+#: The runs of a judged result, with the names reports give them.
+_RUNS = (
+    ("run", "retention run"),
+    ("dense_run", "dense run"),
+    ("manager_run", "manager-mode run"),
+    ("retention0_run", "retention-0 run"),
+)
+
+
+def _kill_evidence(
+    name: str, stock: Any, other: Any, comparison: Sequence[Finding], label: str = "mutant"
+) -> tuple[MutantStatus, str] | None:
+    """Whether ``other`` (a tree's judged result) is told apart from ``stock``'s
+    on scenario ``name``: ``(killed or timed out, evidence)``, or ``None``.
+    The evidence calls the tree ``label``.
+
+    Reads what a kill is decided by: a timed-out run, a run unsupported on
+    the tree only, a finding on one side only, and the ``disagreement`` /
+    ``cost-change`` between the two (``comparison``).
+    """
+    runs = [getattr(other, attr) for attr, _ in _RUNS if getattr(other, attr) is not None]
+    if any(r.timed_out for r in runs):
+        return MutantStatus.TIMED_OUT, f"timeout on {name}"
+    if other.run.unsupported is not None and stock.run.unsupported is None:
+        return MutantStatus.KILLED, f"unsupported ({other.run.unsupported}) on {name}"
+    new = sorted(_tags(other.findings) - _tags(stock.findings))
+    gone = sorted(_tags(stock.findings) - _tags(other.findings))
+    compared = [
+        f for f in comparison if f.kind in (FindingKind.DISAGREEMENT, FindingKind.COST_CHANGE)
+    ]
+    if not (new or gone or compared):
+        return None
+
+    def detail(finding: Finding) -> str:
+        return finding.detail.replace(other.variant.name, label)[:160]
+
+    crash = next((f for f in other.findings if f.kind is FindingKind.CRASH), None)
+    if crash is not None:
+        text = f"crash on {name}: {detail(crash)}"
+    elif compared:
+        f = compared[0]
+        text = f"{f.kind.value}@{f.request} on {name}: {detail(f)}"
+    elif new:
+        text = f"new finding(s) {', '.join(new)} on {name}"
+    else:
+        text = f"finding(s) {', '.join(gone)} of stock gone on {name}"
+    return MutantStatus.KILLED, text
+
+
+def _observed_difference(stock: Any, other: Any, label: str) -> str | None:
+    """The first raw observation of any run that differs, or ``None``."""
+    for attr, run_name in _RUNS:
+        a, b = getattr(stock, attr), getattr(other, attr)
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            return f"{run_name} made on {'stock' if b is None else label} only"
+        diffs = _difference(a, b, label)
+        if diffs is not None:
+            return f"{run_name}: {diffs}"
+    return None
+
+
+def stock_difference(
+    stock: Any, tree: Any, comparison: Sequence[Finding], name: str = "the scenario"
+) -> str | None:
+    """What an unmutated tree's judged result of scenario ``name`` shows that
+    stock's does not, or ``None`` when they are equal.
+
+    Equal means: every verdict a mutant's kill is decided by
+    (:func:`_kill_evidence`: timeouts, unsupported runs, the findings of
+    each side, the ``disagreement`` / ``cost-change`` between the two) and
+    every raw observation a survivor is sorted by (settings, hits, per-group
+    hits, junctions, blocks kept, evictions, errors of the retention, dense,
+    manager-mode and retention-0 runs), plus the driving mode and whether
+    blocks were recorded.
+
+    Args:
+        stock: stock's ``VariantResult`` (in-process ``unfixed``).
+        tree: the tree's ``VariantResult`` of the same scenario.
+        comparison: ``compare_results`` of the two (stock first).
+        name: the scenario's name, for the message.
+    """
+    verdict = _kill_evidence(name, stock, tree, comparison, "the tree")
+    if verdict is not None:
+        return verdict[1]
+    observed = _observed_difference(stock, tree, "the tree")
+    if observed is not None:
+        return f"{observed} on {name}"
+    for attr, run_name in _RUNS:
+        a, b = getattr(stock, attr), getattr(tree, attr)
+        if (
+            a is not None
+            and b is not None
+            and (a.mode, a.blocks_recorded)
+            != (
+                b.mode,
+                b.blocks_recorded,
+            )
+        ):
+            return (
+                f"{run_name}: mode {a.mode}, blocks recorded {a.blocks_recorded} on stock vs "
+                f"{b.mode}, {b.blocks_recorded} on the tree on {name}"
+            )
+    return None
+
+
+def _judge_on(variant: Any, scenario: Scenario, stock: Any, policy: Policy) -> tuple[Any, Any]:
+    """``variant``'s judged result of ``scenario`` and its comparison with ``stock``'s."""
+    from differential.compare import compare_results, judge_variant
+
+    result, _ = judge_variant(scenario, variant, policy=policy)
+    compared = compare_results(scenario, [stock, result], policy=policy)
+    return result, compared.comparison_findings
+
+
+def _stock_results(scenarios: Sequence[tuple[str, Scenario]], policy: Policy) -> list[Any]:
+    from differential.compare import judge_variant
+    from differential.variants import parse_variants
+
+    (stock,) = parse_variants("unfixed")
+    return [judge_variant(s, stock, policy=policy)[0] for _, s in scenarios]
+
+
+def check_unmutated(
+    scenarios: Sequence[tuple[str, Scenario]],
+    stock: Sequence[Any],
+    *,
+    vllm_root: Path,
+    work: Path,
+    modules: Sequence[str],
+    timeout_s: float = 10.0,
+    policy: Policy = Policy.VLLM,
+    on_excluded: Callable[[ExcludedScenario], None] | None = None,
+) -> list[ExcludedScenario]:
+    """Run every scenario on an unmutated tree per module and keep what differs from stock.
+
+    Each tree is built exactly as a mutant's (:func:`build_mutant_tree`, with
+    the module's stock source written in place of a mutation) and runs in a
+    tree worker as a mutant does; :func:`stock_difference` compares its
+    judged result with stock's (a timeout counts only when the rerun on the
+    restarted worker times out too). A scenario that differs is kvfuzz's own
+    difference between a tree and the in-process vLLM: it could only ever
+    give false kills, so it is excluded (from every mutant) and reported.
+
+    Args:
+        scenarios: ``(name, scenario)`` in run order.
+        stock: stock's ``VariantResult`` per scenario (same order).
+        vllm_root: the installed ``vllm`` package folder.
+        work: a folder for the trees (removed when done).
+        modules: module paths relative to ``vllm_root`` (one tree each).
+        timeout_s: per-scenario timeout of the tree's worker, in seconds.
+        policy: the checkpoint policy stock was judged with.
+        on_excluded: called with each exclusion as it is found.
+
+    Returns:
+        The excluded scenarios, in scenario order (first differing module).
+
+    Raises:
+        InternalError: a tree's worker cannot start, or kvfuzz's driver
+            failed inside it: kvfuzz's failure, not a scenario's.
+    """
+    from differential.variants import parse_variants
+    from differential.variants.tree import shutdown_workers
+
+    excluded: dict[str, ExcludedScenario] = {}
+    for module in modules:
+        original = (vllm_root / module).read_text(encoding="utf-8")
+        tree = build_mutant_tree(
+            vllm_root, module, original, work / f"unmutated-{Path(module).stem}"
+        )
+        (variant,) = parse_variants(f"tree:{tree}", timeout_s=timeout_s)
+        try:
+            for (name, scenario), base in zip(scenarios, stock, strict=True):
+                if name in excluded:
+                    continue
+                for _attempt in range(_TIMEOUT_ATTEMPTS):
+                    result, comparison = _judge_on(variant, scenario, base, policy)
+                    timed_out = _kill_evidence(name, base, result, comparison)
+                    if timed_out is None or timed_out[0] is not MutantStatus.TIMED_OUT:
+                        break
+                difference = stock_difference(base, result, comparison, name)
+                if difference is not None:
+                    one = ExcludedScenario(name, module, difference)
+                    excluded[name] = one
+                    if on_excluded is not None:
+                        on_excluded(one)
+        finally:
+            shutdown_workers()
+            shutil.rmtree(tree, ignore_errors=True)
+    order = {name: i for i, (name, _) in enumerate(scenarios)}
+    return sorted(excluded.values(), key=lambda e: order[e.name])
 
 
 def run_mutant(
@@ -644,75 +980,59 @@ def run_mutant(
     reached: dict[str, set[int]],
     timeout_s: float,
     policy: Policy = Policy.VLLM,
+    stock: Sequence[Any] | None = None,
 ) -> MutantOutcome:
-    """Build the mutant's tree, run every scenario on stock and on it, and judge.
+    """Build the mutant's tree, run every scenario on it, and judge it against stock.
 
-    Stops at the first scenario that kills it. Leaves no worker running.
+    ``stock`` is stock's judged result per scenario (``VariantResult``, same
+    order), judged here when not given. Stops at the first scenario that
+    kills the mutant; a scenario that times out is run once more (on the
+    restarted worker) and times the mutant out only if it does again. Leaves
+    no worker running.
     """
-    from differential.compare import compare_variants
     from differential.variants import parse_variants
     from differential.variants.tree import shutdown_workers
 
     started = time.perf_counter()
     original, mutated = mutant_source(vllm_root, mutant)
     diff = mutant_diff(mutant, original, mutated)
+    if stock is None:
+        stock = _stock_results(scenarios, policy)
     tree = build_mutant_tree(vllm_root, mutant.module, mutated, work / "tree")
     covered = reached.get(mutant.module, set())
     first, last = mutant.statement_lines
     reached_here = mutant.at_import or any(line in covered for line in range(first, last + 1))
-    variants = parse_variants(f"unfixed,tree:{tree}", timeout_s=timeout_s)
+    (variant,) = parse_variants(f"tree:{tree}", timeout_s=timeout_s)
 
     def outcome(status: MutantStatus, evidence: str, ran: int) -> MutantOutcome:
         shutdown_workers()
-        evidence = evidence.replace(variants[1].name, "mutant")
+        evidence = evidence.replace(variant.name, "mutant")
         return MutantOutcome(
             mutant, status, evidence, reached_here, ran, time.perf_counter() - started, diff
         )
 
     first_difference: str | None = None
-    for ran, (name, scenario) in enumerate(scenarios, start=1):
-        try:
-            result = compare_variants(scenario, variants, policy=policy)
-        except (VariantError, RuntimeError) as exc:  # the worker could not start (import broken)
-            return outcome(
-                MutantStatus.KILLED,
-                f"crash: the tree's worker failed ({type(exc).__name__}: {exc}) on {name}",
-                ran,
-            )
-        stock, tree_result = result.results
-        runs = [r for r in (tree_result.run, tree_result.dense_run) if r is not None]
-        if any(r.timed_out for r in runs):
-            return outcome(MutantStatus.TIMED_OUT, f"timeout on {name}", ran)
-        if tree_result.run.unsupported is not None:
-            return outcome(
-                MutantStatus.KILLED, f"unsupported ({tree_result.run.unsupported}) on {name}", ran
-            )
-        new = sorted(_tags(tree_result.findings) - _tags(stock.findings))
-        gone = sorted(_tags(stock.findings) - _tags(tree_result.findings))
-        compared = [
-            f
-            for f in result.comparison_findings
-            if f.kind in (FindingKind.DISAGREEMENT, FindingKind.COST_CHANGE)
-        ]
-        if new or gone or compared:
-            crash = next((f for f in tree_result.findings if f.kind is FindingKind.CRASH), None)
-            if crash is not None:
-                text = f"crash on {name}: {crash.detail[:160]}"
-            elif compared:
-                f = compared[0]
-                text = f"{f.kind.value}@{f.request} on {name}: {f.detail[:160]}"
-            elif new:
-                text = f"new finding(s) {', '.join(new)} on {name}"
-            else:
-                text = f"finding(s) {', '.join(gone)} of stock gone on {name}"
-            return outcome(MutantStatus.KILLED, text, ran)
+    for ran, ((name, scenario), base) in enumerate(zip(scenarios, stock, strict=True), start=1):
+        for _attempt in range(_TIMEOUT_ATTEMPTS):
+            try:
+                result, comparison = _judge_on(variant, scenario, base, policy)
+            except (VariantError, RuntimeError) as exc:  # the worker could not start
+                return outcome(
+                    MutantStatus.KILLED,
+                    f"crash: the tree's worker failed ({type(exc).__name__}: {exc}) on {name}",
+                    ran,
+                )
+            verdict = _kill_evidence(name, base, result, comparison)
+            if verdict is None or verdict[0] is not MutantStatus.TIMED_OUT:
+                break
+        if verdict is not None:
+            if verdict[0] is MutantStatus.TIMED_OUT:
+                verdict = (verdict[0], f"{verdict[1]} ({_TIMEOUT_ATTEMPTS} times in a row)")
+            return outcome(*verdict, ran)
         if first_difference is None:
-            for a, b in ((stock.run, tree_result.run), (stock.dense_run, tree_result.dense_run)):
-                if a is not None and b is not None:
-                    diffs = _difference(a, b)
-                    if diffs is not None:
-                        first_difference = f"{name}: {diffs}"
-                        break
+            diffs = _observed_difference(base, result, "mutant")
+            if diffs is not None:
+                first_difference = f"{name}: {diffs}"
     count = len(scenarios)
     if first_difference is not None:
         return outcome(
@@ -742,22 +1062,54 @@ def run_mutation(
     timeout_s: float = 10.0,
     policy: Policy = Policy.VLLM,
     progress: Callable[[MutantOutcome, int, int], None] | None = None,
+    on_excluded: Callable[[ExcludedScenario], None] | None = None,
+    command: dict[str, Any] | None = None,
 ) -> MutationRun:
-    """Run every mutant in turn (one tree worker at a time) and collect the verdicts."""
+    """Judge stock once, check an unmutated tree, then run every mutant in turn.
+
+    Stock's results (one in-process run of each scenario, under coverage)
+    serve every mutant; :func:`check_unmutated` excludes the scenarios an
+    unmutated tree of a sampled module does not run as stock does; each
+    mutant then runs the rest (one tree worker at a time).
+
+    Args:
+        command: recorded in the run (``paths``, ``campaign_examples``).
+
+    Raises:
+        InternalError: the unmutated tree's worker cannot start (kvfuzz's
+            failure: no mutant could be judged).
+    """
     import differential.driver
 
     started = time.perf_counter()
-    reached = reached_statements([s for _, s in scenarios], vllm_root)
+    stock, reached = judge_stock([s for _, s in scenarios], vllm_root, policy=policy)
+    stock_s = time.perf_counter() - started
+    excluded = check_unmutated(
+        scenarios,
+        stock,
+        vllm_root=vllm_root,
+        work=work,
+        modules=list(dict.fromkeys(m.module for m in mutants)),
+        timeout_s=timeout_s,
+        policy=policy,
+        on_excluded=on_excluded,
+    )
+    check_s = time.perf_counter() - started - stock_s
+    left_out = {e.name for e in excluded}
+    kept = [i for i, (name, _) in enumerate(scenarios) if name not in left_out]
+    kept_scenarios = [scenarios[i] for i in kept]
+    kept_stock = [stock[i] for i in kept]
     outcomes: list[MutantOutcome] = []
     for i, mutant in enumerate(mutants):
         one = run_mutant(
             mutant,
-            scenarios,
+            kept_scenarios,
             vllm_root=vllm_root,
             work=work / f"m{i:04d}",
             reached=reached,
             timeout_s=timeout_s,
             policy=policy,
+            stock=kept_stock,
         )
         shutil.rmtree(work / f"m{i:04d}", ignore_errors=True)
         outcomes.append(one)
@@ -770,6 +1122,11 @@ def run_mutation(
         outcomes=tuple(outcomes),
         scenarios=tuple(name for name, _ in scenarios),
         elapsed_s=time.perf_counter() - started,
+        scenario_sha256=tuple(scenario_digest(s) for _, s in scenarios),
+        excluded=tuple(excluded),
+        stock_s=stock_s,
+        check_s=check_s,
+        command=dict(command or {}),
     )
 
 
@@ -786,6 +1143,11 @@ def render_markdown(run: MutationRun) -> str:
         f"{run.seed} from {sum(run.generated.values())} generated; "
         f"{len(run.scenarios)} scenarios; {run.elapsed_s:.0f} s, "
         f"{run.elapsed_s / max(1, len(run.outcomes)):.1f} s per mutant).",
+        "",
+        f"Unmutated-tree check: {len(run.scenarios) - len(run.excluded)} of "
+        f"{len(run.scenarios)} scenarios equal stock on an unmutated tree, "
+        f"{len(run.excluded)} excluded ({run.check_s:.0f} s; stock judged once, "
+        f"{run.stock_s:.0f} s).",
         "",
         "| module | generated | sampled | killed | timed out | survived | equivalent-suspect "
         "| score |",
@@ -812,6 +1174,9 @@ def render_markdown(run: MutationRun) -> str:
     for (module, function), items in sorted(per.items()):
         killed = sum(o.status in (MutantStatus.KILLED, MutantStatus.TIMED_OUT) for o in items)
         lines.append(f"| {Path(module).stem} | `{function}` | {killed} / {len(items)} |")
+    if run.excluded:
+        lines += ["", "## Excluded scenarios (an unmutated tree differs from stock)", ""]
+        lines += [f"- `{e.name}` ({e.module}): {e.difference}" for e in run.excluded]
     lines += ["", "## Killed", ""]
     for o in run.outcomes:
         if o.status in (MutantStatus.KILLED, MutantStatus.TIMED_OUT):

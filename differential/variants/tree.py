@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -59,7 +60,7 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_START_TIMEOUT_S = 180.0
 START_TIMEOUT_ENV = "KVFUZZ_TREE_START_TIMEOUT"
 _STDERR_LINES = 40
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the differential package
 
 
 def start_timeout_s(timeout_s: float = 0.0) -> float:
@@ -385,21 +386,10 @@ class TreeWorker:
                 error=f"no answer within {self.timeout_s:g} s; the worker was restarted",
                 retention_interval_tokens=retention,
             )
-        run = RunObservation.from_dict(reply["run"])
-        return RunObservation(
-            run.variant,
-            self.vllm_version,
-            run.settings,
-            run.requests,
-            run.evicted_blocks,
-            run.error,
-            run.retention_interval_tokens,
-            run.timed_out,
-            run.unsupported,
-            mode=run.mode,
-            pool_blocks=run.pool_blocks,
-            steps=run.steps,
-            crash_cache_map=run.crash_cache_map,
+        # Every field as the worker's driver filled it (blocks recorded, the
+        # driving mode, the pool, ...); only the version gains the tree's commit.
+        return dataclasses.replace(
+            RunObservation.from_dict(reply["run"]), vllm_version=self.vllm_version
         )
 
 

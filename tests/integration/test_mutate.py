@@ -1,9 +1,13 @@
 """``kvfuzz mutate`` on real vLLM: a cosmic-ray mutant of the sliding-window
 lookup is killed, and a mutant that kvfuzz's no-eviction pool makes
-equivalent survives as equivalent-suspect; both run as tree variants."""
+equivalent survives as equivalent-suspect; both run as tree variants. An
+unmutated tree equals stock on every corpus file and known issue, and a
+scenario where a tree differs from stock without any mutation is excluded,
+never a kill."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,12 +15,17 @@ import pytest
 from differential.corpus import load_entry
 from differential.variants.mutation import (
     MODULES,
+    ExcludedScenario,
     MutantStatus,
+    check_unmutated,
+    draw_scenarios,
     enumerate_mutants,
     installed_vllm,
+    judge_stock,
     run_mutation,
 )
-from tests.factories import CORPORA
+from tests.factories import CORPORA, ROOT
+from tests.trees import SEED_FIX, SPECULATIVE
 
 pytestmark = pytest.mark.vllm
 
@@ -25,6 +34,13 @@ pytestmark = pytest.mark.vllm
 # mutant.
 KILLED = "single_type_kv_cache_manager:ReplaceBinaryOperator_Mul_Mod:12"
 EQUIVALENT = "kv_cache_coordinator:ZeroIterationForLoop:1"
+# No drop for Gemma-4 MTP: the writer keeps one full-attention block more and
+# two SWA blocks fewer (vLLM 0.33.0).
+EXCLUDED_GEMMA = (
+    "cost-change@0 on gemma4-mtp3-swa16-fa32-r8192.json: same hit 0; blocks kept per group "
+    "[514, 132] on unfixed, [515, 130] on the tree (difference per periodic checkpoint tail: "
+    "[-0.5, 1.0])"
+)
 
 
 def test_a_real_mutant_is_killed_and_an_equivalent_one_survives(tmp_path: Path) -> None:
@@ -67,3 +83,65 @@ def test_a_real_mutant_is_killed_and_an_equivalent_one_survives(tmp_path: Path) 
     assert equivalent.reached
     assert run.score() == pytest.approx(0.5)
     assert run.score(MODULES[0].path) == 1.0 and run.score(MODULES[1].path) == 0.0
+
+
+def test_an_unmutated_tree_equals_stock_on_every_corpus_file_and_known_issue(
+    tmp_path: Path,
+) -> None:
+    # The tree is built as a mutant's is (build_mutant_tree with the stock
+    # source) and judged as a mutant is: every finding, the comparison with
+    # stock and every raw observation of every run must be equal. Before
+    # trees drove the scheduler, the pool-130 eviction case differed here.
+    root = installed_vllm()
+    scenarios = draw_scenarios([CORPORA, ROOT / "known-issues"], 0, 0)
+    assert any("eviction-collapse-48435-pool130-retention0" in n for n, _ in scenarios)
+    stock, _ = judge_stock([s for _, s in scenarios], root)
+    excluded = check_unmutated(
+        scenarios, stock, vllm_root=root, work=tmp_path, modules=[MODULES[0].path], timeout_s=60
+    )
+    assert excluded == []
+    assert not any(tmp_path.iterdir())  # the tree is removed
+
+
+def test_a_scenario_a_tree_changes_without_a_mutation_is_excluded_not_a_kill(
+    tmp_path: Path,
+) -> None:
+    # Mutants made from a vLLM whose Gemma-4 MTP drafter drops no block (the
+    # seed fix's config half): even unmutated, that tree hits more than stock
+    # on the Gemma-4 seed, so the seed is kvfuzz's difference, not a mutant's.
+    farm = tmp_path / "farm"
+    farm.mkdir()
+    subprocess.run(["cp", "-rs", str(installed_vllm()), str(farm / "vllm")], check=True)
+    target = farm / "vllm" / SPECULATIVE
+    text = target.read_text()
+    target.unlink()
+    for old, new in SEED_FIX[SPECULATIVE]:
+        text = text.replace(old, new, 1)
+    target.write_text(text)
+    root = farm / "vllm"
+    pool = enumerate_mutants(root, MODULES[:1], operators=["core/ReplaceBinaryOperator_Mul_Mod"])
+    (mutant,) = [m for m in pool[MODULES[0].path] if m.ident == KILLED]
+    gemma = CORPORA / "seeds" / "gemma4-mtp3-swa16-fa32-r8192.json"
+    dense = CORPORA / "seeds" / "dense-retention-mtp3-swa16-fa32.json"
+    scenarios = [(p.name, load_entry(p).scenario) for p in (gemma, dense)]
+    seen: list[ExcludedScenario] = []
+    run = run_mutation(
+        [mutant],
+        scenarios,
+        vllm_root=root,
+        work=tmp_path / "work",
+        seed=0,
+        generated={m: len(v) for m, v in pool.items()},
+        timeout_s=60.0,
+        on_excluded=seen.append,
+    )
+    (excluded,) = run.excluded
+    assert seen == [excluded]
+    assert excluded.name == gemma.name and excluded.module == MODULES[0].path
+    assert excluded.difference == EXCLUDED_GEMMA
+    assert run.scenarios == (gemma.name, dense.name)
+    # The mutant ran the dense-retention seed only, and was killed there.
+    (outcome,) = run.outcomes
+    assert outcome.status is MutantStatus.KILLED and outcome.scenarios_run == 1
+    assert outcome.evidence.startswith(f"disagreement@1 on {dense.name}")
+    assert run.to_dict()["excluded"] == [excluded.to_dict()]

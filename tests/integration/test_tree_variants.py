@@ -22,6 +22,7 @@ from tests.trees import (
     BROKEN_MASK,
     HANGING_IMPORT,
     HANGING_LOOKUP,
+    INSTALLED,
     RAISING_IMPORT,
     RENAMED_BLOCK_CACHE,
     SEED_FIX,
@@ -230,3 +231,47 @@ def test_a_worker_killed_mid_run_says_so(trees) -> None:
         "the worker process was killed by SIGKILL"
     )
     assert "None" not in run.error
+
+
+SCHEDULER_CASES = [
+    CORPORA / "cases" / "eviction-collapse-48435-pool130-retention0.json",
+    CORPORA / "cases" / "eviction-collapse-48435-pool400-dense.json",
+    CORPORA.parent / "known-issues" / "eviction-collapse-48435-pool130-dense.json",
+]
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory: pytest.TempPathFactory):
+    """An unmutated symlink farm of the installed vLLM (``cp -rs``)."""
+    root = tmp_path_factory.mktemp("farm")
+    subprocess.run(["cp", "-rs", str(INSTALLED), str(root / "vllm")], check=True)
+    yield root
+    shutdown_workers()
+
+
+def _observed(run):
+    """Everything a run observed but the variant's name and version."""
+    data = run.to_dict()
+    del data["variant"], data["vllm_version"]
+    return data
+
+
+@pytest.mark.parametrize("path", SCHEDULER_CASES, ids=lambda p: p.stem)
+def test_an_unmutated_farm_runs_scheduler_scenarios_as_unfixed_does(farm, path: Path) -> None:
+    # The tree's worker drives vLLM's Scheduler as the in-process variant
+    # does; it used to drive the manager instead, where the pool-130 case's
+    # 4 evictions made an `eviction` finding stock did not have.
+    result = compare_variants(load_entry(path).scenario, parse_variants(f"unfixed,tree:{farm}"))
+    unfixed, tree = result.results
+    for attr in ("run", "dense_run", "manager_run", "retention0_run"):
+        a, b = getattr(unfixed, attr), getattr(tree, attr)
+        assert (a is None) == (b is None), attr
+        if a is not None:
+            assert _observed(a) == _observed(b), attr
+    assert tree.run.mode == "scheduler"
+    assert [finding_tag(f) for f in tree.findings] == [finding_tag(f) for f in unfixed.findings]
+    assert result.comparison_findings == ()
+    if path.stem == "eviction-collapse-48435-pool130-retention0":
+        assert tree.run.evicted_blocks == unfixed.run.evicted_blocks == 4
+        assert tree.run.hits == (0, 0, 0, 0, 96, 96, 96, 96, 100, 100, 100, 100)
+        assert tree.findings == unfixed.findings == ()

@@ -1,30 +1,43 @@
 """``kvfuzz mutate`` without vLLM: mutant generation on a hand-written module,
-scopes, sampling, the symlink-farm tree and the score arithmetic."""
+scopes, sampling, the symlink-farm tree, the score arithmetic, what the
+unmutated-tree check compares, and the recorded run's scenario list against
+what the documented command draws today."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from differential.cli import main
+from differential.compare import VariantResult
 from differential.errors import VariantError
+from differential.findings import Finding, FindingKind
+from differential.observation import RequestObservation, RunObservation
+from differential.variants import parse_variants
 from differential.variants.mutation import (
     MODULES,
+    ExcludedScenario,
     ModuleScope,
     Mutant,
     MutantOutcome,
     MutantStatus,
     MutationRun,
     build_mutant_tree,
+    draw_scenarios,
     enumerate_mutants,
     mutant_diff,
     mutant_source,
     render_markdown,
     sample_mutants,
+    scenario_digest,
     select_modules,
+    stock_difference,
 )
+from tests.factories import ROOT, triton
 
 MODULE = "v1/core/toy.py"
 SOURCE = """\
@@ -207,3 +220,118 @@ def test_usage_errors_exit_2_before_any_work(
     assert main(["mutate", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def _result(
+    variant: str,
+    hits: tuple[int, ...],
+    kept: tuple[tuple[int, int], ...],
+    findings: tuple[Finding, ...] = (),
+    *,
+    evicted: int = 0,
+    mode: str = "manager",
+) -> VariantResult:
+    """A judged run of two requests on two groups, made by hand."""
+    (parsed,) = parse_variants(variant)
+    requests = tuple(
+        RequestObservation(i, 64, hit, 0, (hit, hit), blocks)
+        for i, (hit, blocks) in enumerate(zip(hits, kept, strict=True))
+    )
+    run = RunObservation(variant, "0.33.0", None, requests, evicted_blocks=evicted, mode=mode)
+    return VariantResult(parsed, run, None, (), findings)
+
+
+def test_an_unmutated_tree_equal_to_stock_shows_no_difference(tmp_path: Path) -> None:
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    stock = _result("unfixed", (0, 48), ((4, 2), (1, 1)))
+    tree = dataclasses.replace(stock, variant=parse_variants(f"tree:{tmp_path}")[0])
+    assert stock_difference(stock, tree, (), "s.json") is None
+
+
+def test_a_finding_only_the_tree_has_is_named_with_its_scenario() -> None:
+    # The eviction scenario's symptom before trees drove the scheduler: same
+    # hits and evictions, but only the tree's run was judged as an evicting one.
+    stock = _result("unfixed", (0, 96), ((25, 2), (2, 1)), evicted=4, mode="scheduler")
+    eviction = Finding(FindingKind.EVICTION, "tree:x", None, "4 cached blocks were evicted")
+    tree = dataclasses.replace(stock, findings=(eviction,))
+    assert stock_difference(stock, tree, (), "pool130.json") == (
+        "new finding(s) eviction@run on pool130.json"
+    )
+    # The driving mode alone differing is reported too.
+    manager = dataclasses.replace(stock, run=dataclasses.replace(stock.run, mode="manager"))
+    assert stock_difference(stock, manager, (), "pool130.json") == (
+        "retention run: mode scheduler, blocks recorded False on stock vs manager, False "
+        "on the tree on pool130.json"
+    )
+
+
+def test_a_raw_observation_the_verdicts_miss_is_still_a_difference() -> None:
+    stock = _result("unfixed", (0, 48), ((4, 2), (1, 1)))
+    tree = _result("unfixed", (0, 48), ((4, 3), (1, 1)))
+    assert stock_difference(stock, tree, (), "s.json") == (
+        "retention run: request 0: blocks kept (4, 2) on stock vs (4, 3) on the tree on s.json"
+    )
+    cost = Finding(FindingKind.COST_CHANGE, "unfixed vs tree:x", 0, "same hit 0; blocks kept")
+    assert stock_difference(stock, tree, (cost,), "s.json") == (
+        "cost-change@0 on s.json: same hit 0; blocks kept"
+    )
+
+
+def test_the_report_names_every_excluded_scenario() -> None:
+    run = MutationRun(
+        vllm_version="0.33.0",
+        seed=0,
+        generated={MODULES[0].path: 3},
+        outcomes=(_outcome(MODULES[0].path, MutantStatus.KILLED, 0),),
+        scenarios=("a.json", "b.json"),
+        elapsed_s=5.0,
+        excluded=(ExcludedScenario("b.json", MODULES[0].path, "new finding(s) x on b.json"),),
+    )
+    text = render_markdown(run)
+    assert "1 of 2 scenarios equal stock on an unmutated tree, 1 excluded" in text
+    assert f"- `b.json` ({MODULES[0].path}): new finding(s) x on b.json" in text
+    assert run.to_dict()["excluded"] == [
+        {
+            "scenario": "b.json",
+            "module": MODULES[0].path,
+            "difference": "new finding(s) x on b.json",
+        }
+    ]
+
+
+def test_a_scenario_digest_changes_with_the_scenario() -> None:
+    scenario = triton()
+    assert scenario_digest(scenario) == scenario_digest(triton())
+    assert len(scenario_digest(scenario)) == 16
+    other = dataclasses.replace(scenario, retention_interval_tokens=4096)
+    assert scenario_digest(other) != scenario_digest(scenario)
+
+
+def test_the_recorded_run_draws_the_scenarios_its_command_draws_today(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/mutation-run.json must be the run its documented command makes on
+    today's code: the same corpus files and campaign scenarios, byte for byte
+    (by digest). A corpus or generator change that draws other scenarios
+    fails here: rerun the command in docs/mutation-report.md."""
+    recorded = json.loads((ROOT / "docs" / "mutation-run.json").read_text())
+    command = recorded["command"]
+    monkeypatch.chdir(ROOT)  # corpus files are named by their path as given
+    drawn = draw_scenarios(command["paths"], recorded["seed"], command["campaign_examples"])
+    names = [name for name, _ in drawn]
+    assert names == recorded["scenarios"]
+    changed = [
+        name
+        for (name, scenario), digest in zip(drawn, recorded["scenario_sha256"], strict=True)
+        if scenario_digest(scenario) != digest
+    ]
+    assert changed == [], (
+        f"{len(changed)} scenarios differ from docs/mutation-run.json; regenerate it"
+    )
+    # The documented command is the one recorded.
+    report = (ROOT / "docs" / "mutation-report.md").read_text()
+    assert (
+        f"kvfuzz mutate {' '.join(command['paths'])} --sample {command['sample']} "
+        f"--seed {recorded['seed']} --campaign-examples {command['campaign_examples']}"
+    ) in " ".join(report.replace("\\\n", " ").split())
