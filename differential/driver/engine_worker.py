@@ -37,12 +37,16 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 import zlib
 from pathlib import Path
 from typing import IO, Any
 
-PROTOCOL_VERSION = 1
+from differential.driver.protocol import (
+    ProtocolError,
+    serve,
+    take_protocol_stdout,
+)
+
 _MAX_ENGINES = 2
 
 #: The engine's own settings, before vLLM is imported.
@@ -621,56 +625,35 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
 
     engines = _Engines()
 
-    def reply(message: dict[str, Any]) -> None:
-        stdout.write(json.dumps({"v": PROTOCOL_VERSION, **message}) + "\n")
-        stdout.flush()
+    def handle(request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        if request["op"] == "hello":
+            from differential.driver.features import detect
 
-    for line in stdin:
+            return {
+                "vllm_version": vllm.__version__,
+                "torch_version": torch.__version__,
+                "capabilities": dict(detect()),
+            }, False
+        if request["op"] != "run":
+            raise ProtocolError(f"unknown op {request['op']!r}")
         try:
-            request = json.loads(line)
-            if request.get("v") != PROTOCOL_VERSION:
-                raise RuntimeError(f"protocol version {request.get('v')!r} unsupported")
-            if request["op"] == "hello":
-                from differential.driver.features import detect
+            return {"run": run_plan(engines, request["plan"])}, False
+        except PlanError as exc:
+            return {"run": {"unsupported": str(exc)}}, False
+        except RetryInFreshWorker as exc:
+            return {"run": {"retry": str(exc), "restart": True, "requests": []}}, True
+        except EngineStartError as exc:
+            return {"run": {"error": f"engine start: {exc}", "restart": True, "requests": []}}, True
 
-                reply(
-                    {
-                        "vllm_version": vllm.__version__,
-                        "torch_version": torch.__version__,
-                        "capabilities": dict(detect()),
-                    }
-                )
-            elif request["op"] == "run":
-                try:
-                    reply({"run": run_plan(engines, request["plan"])})
-                except PlanError as exc:
-                    reply({"run": {"unsupported": str(exc)}})
-                except RetryInFreshWorker as exc:
-                    reply({"run": {"retry": str(exc), "restart": True, "requests": []}})
-                    return
-                except EngineStartError as exc:
-                    reply(
-                        {
-                            "run": {
-                                "error": f"engine start: {exc}",
-                                "restart": True,
-                                "requests": [],
-                            }
-                        }
-                    )
-                    return
-            elif request["op"] == "exit":
-                return
-            else:
-                raise RuntimeError(f"unknown op {request['op']!r}")
-        except Exception as exc:  # kvfuzz's own failure: reported, never a finding
-            reply(
-                {
-                    "internal_error": "kvfuzz internal error (please report): the engine "
-                    f"worker failed: {type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc(),
-                }
-            )
+    serve(
+        stdin,
+        stdout,
+        handle,
+        describe_failure=lambda exc: (
+            "kvfuzz internal error (please report): the engine "
+            f"worker failed: {type(exc).__name__}: {exc}"
+        ),
+    )
 
 
 def main() -> None:
@@ -683,11 +666,7 @@ def main() -> None:
     for key, value in _ENV.items():
         os.environ.setdefault(key, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    sys.stdout.flush()
-    protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    _serve(sys.stdin, protocol)
+    _serve(sys.stdin, take_protocol_stdout())
 
 
 if __name__ == "__main__":

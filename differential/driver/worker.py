@@ -33,13 +33,18 @@ kvfuzz's own code is an ``internal_error``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from typing import IO, Any
 
-PROTOCOL_VERSION = 1
+from differential.driver.protocol import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    serve,
+    take_protocol_stdout,
+)
+
+__all__ = ["PROTOCOL_VERSION", "capabilities", "main"]
 
 
 def capabilities() -> dict[str, bool]:
@@ -60,62 +65,48 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
 
     caps = capabilities()
 
-    def reply(message: dict[str, Any]) -> None:
-        stdout.write(json.dumps({"v": PROTOCOL_VERSION, **message}) + "\n")
-        stdout.flush()
-
-    for line in stdin:
+    def run(request: dict[str, Any]) -> RunObservation:
+        written = Scenario.from_dict(request["scenario"])
+        kwargs: dict[str, Any] = {"record_cache_map": bool(request.get("record_cache_map"))}
+        if request.get("dense"):
+            kwargs["retention_interval_tokens"] = None
         try:
-            request = json.loads(line)
-            if request.get("v") != PROTOCOL_VERSION:
-                raise InternalError(f"protocol version {request.get('v')!r} unsupported")
-            if request["op"] == "hello":
-                reply({"vllm_version": vllm.__version__, "capabilities": caps})
-            elif request["op"] == "run":
-                written = Scenario.from_dict(request["scenario"])
-                kwargs: dict[str, Any] = {"record_cache_map": bool(request.get("record_cache_map"))}
-                if request.get("dense"):
-                    kwargs["retention_interval_tokens"] = None
-                try:
-                    scenario = equivalent_scenario(written, caps)
-                except Unsupported as missing:  # this tree cannot run it: one run's cost
-                    run = RunObservation(
-                        variant=request["variant"],
-                        vllm_version=vllm.__version__,
-                        settings=None,
-                        requests=(),
-                        retention_interval_tokens=kwargs.get(
-                            "retention_interval_tokens", written.retention_interval_tokens
-                        ),
-                        unsupported=missing.reason,
-                    )
-                else:
-                    # The scenario's own mode, or the caller's override, as
-                    # differential.driver.run_variant decides it in process.
-                    mode = request.get("mode")
-                    if mode == "scheduler" or (
-                        mode is None and scenario.workload.mode is DriveMode.SCHEDULER
-                    ):
-                        from differential.driver.scheduler_mode import run_scheduler_scenario
-
-                        run = run_scheduler_scenario(scenario, request["variant"], **kwargs)
-                    else:
-                        run = run_scenario(scenario, request["variant"], **kwargs)
-                reply({"run": run.to_dict()})
-            elif request["op"] == "exit":
-                return
-            else:
-                raise InternalError(f"unknown op {request['op']!r}")
-        except Exception as exc:  # kvfuzz's own failure: reported, never a finding
-            message = (
-                str(exc)
-                if isinstance(exc, InternalError)
-                else (
-                    f"kvfuzz internal error (please report): the worker failed: "
-                    f"{type(exc).__name__}: {exc}"
-                )
+            scenario = equivalent_scenario(written, caps)
+        except Unsupported as missing:  # this tree cannot run it: one run's cost
+            return RunObservation(
+                variant=request["variant"],
+                vllm_version=vllm.__version__,
+                settings=None,
+                requests=(),
+                retention_interval_tokens=kwargs.get(
+                    "retention_interval_tokens", written.retention_interval_tokens
+                ),
+                unsupported=missing.reason,
             )
-            reply({"internal_error": message, "traceback": traceback.format_exc()})
+        # The scenario's own mode, or the caller's override, as
+        # differential.driver.run_variant decides it in process.
+        mode = request.get("mode")
+        if mode == "scheduler" or (mode is None and scenario.workload.mode is DriveMode.SCHEDULER):
+            from differential.driver.scheduler_mode import run_scheduler_scenario
+
+            return run_scheduler_scenario(scenario, request["variant"], **kwargs)
+        return run_scenario(scenario, request["variant"], **kwargs)
+
+    def handle(request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        if request["op"] == "hello":
+            return {"vllm_version": vllm.__version__, "capabilities": caps}, False
+        if request["op"] == "run":
+            return {"run": run(request).to_dict()}, False
+        raise ProtocolError(f"unknown op {request['op']!r}")
+
+    def describe(exc: Exception) -> str:
+        if isinstance(exc, InternalError):
+            return str(exc)
+        return (
+            f"kvfuzz internal error (please report): the worker failed: {type(exc).__name__}: {exc}"
+        )
+
+    serve(stdin, stdout, handle, describe_failure=describe)
 
 
 PARENT_ENV = "KVFUZZ_WORKER_PARENT"  # the parent's pid, set by differential.variants.tree
@@ -153,11 +144,7 @@ def main() -> None:
     here on.
     """
     _die_with_parent()
-    sys.stdout.flush()
-    protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    _serve(sys.stdin, protocol)
+    _serve(sys.stdin, take_protocol_stdout())
 
 
 if __name__ == "__main__":

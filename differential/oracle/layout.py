@@ -49,15 +49,24 @@ def alignment_losses(scenario: Scenario, granularity_tokens: int | None = None) 
     minus the same at the hit alignment ``A``
     (:func:`differential.oracle.core.dense_hit`), in tokens.
     """
-    model = drafter_model(scenario)
     largest = granularity_tokens or max(g.block_size_tokens for g in scenario.kv_cache_groups)
+    return _losses(scenario, scenario, largest)
+
+
+def _losses(scenario: Scenario, at_block_scenario: Scenario, block_tokens: int) -> tuple[int, ...]:
+    """Per request ``j`` (0 for the first): the best dense hit of
+    ``at_block_scenario`` over the earlier requests at ``block_tokens``
+    granularity, minus ``scenario``'s best at its hit alignment, in tokens."""
+    model, block_model = drafter_model(scenario), drafter_model(at_block_scenario)
     prompts = scenario.prompts
     losses = [0]
     for j in range(1, len(prompts)):
         at_block, at_alignment = 0, 0
         for i in range(j):
             shared = common_prefix_tokens(prompts[i], prompts[j])
-            at_block = max(at_block, dense_hit(scenario, model, j, i, shared, largest))
+            at_block = max(
+                at_block, dense_hit(at_block_scenario, block_model, j, i, shared, block_tokens)
+            )
             at_alignment = max(at_alignment, dense_hit(scenario, model, j, i, shared))
         losses.append(max(0, at_block - at_alignment))
     return tuple(losses)
@@ -78,17 +87,7 @@ def _full_attention_losses(scenario: Scenario, block_tokens: int) -> tuple[int, 
         )
     except ScenarioError:
         return alignment_losses(scenario, block_tokens)
-    model, alone_model = drafter_model(scenario), drafter_model(alone)
-    prompts = scenario.prompts
-    losses = [0]
-    for j in range(1, len(prompts)):
-        at_block, at_alignment = 0, 0
-        for i in range(j):
-            shared = common_prefix_tokens(prompts[i], prompts[j])
-            at_block = max(at_block, dense_hit(alone, alone_model, j, i, shared, block_tokens))
-            at_alignment = max(at_alignment, dense_hit(scenario, model, j, i, shared))
-        losses.append(max(0, at_block - at_alignment))
-    return tuple(losses)
+    return _losses(scenario, alone, block_tokens)
 
 
 def _describe(scenario: Scenario) -> str:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from differential import forkserver
+from differential.driver.protocol import PROTOCOL_VERSION
 from differential.driver.worker import PARENT_ENV
 from differential.errors import InternalError, KvfuzzError, VariantError
 from differential.observation import RunObservation
@@ -55,7 +56,6 @@ __all__ = [
     "start_timeout_s",
 ]
 
-PROTOCOL_VERSION = 1
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_START_TIMEOUT_S = 180.0
 START_TIMEOUT_ENV = "KVFUZZ_TREE_START_TIMEOUT"
