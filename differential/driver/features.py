@@ -115,16 +115,28 @@ def vllm_call(call: str, function: Callable[P, T], *args: P.args, **kwargs: P.kw
 REFUSALS: tuple[type[Exception], ...] = (ValueError, NotImplementedError, AssertionError)
 
 
+@functools.lru_cache(maxsize=1024)
+def _keywords(function: Callable[..., object]) -> frozenset[str] | None:
+    """The keyword names ``function`` takes; ``None`` when it takes
+    ``**kwargs`` or cannot be inspected. Cached: ``inspect.signature`` costs
+    about as much as building a small manager."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        return None
+    return frozenset(signature.parameters)
+
+
 def takes(function: Callable[..., object], name: str) -> bool:
     """Whether ``function`` takes a keyword argument ``name`` (``True`` when it
     takes ``**kwargs`` or cannot be inspected)."""
     try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return True
-    return name in signature.parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
-    )
+        keywords = _keywords(function)
+    except TypeError:  # an unhashable callable: inspect it each time
+        keywords = _keywords.__wrapped__(function)
+    return keywords is None or name in keywords
 
 
 def vllm_build(call: str, source: str, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
