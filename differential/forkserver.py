@@ -349,6 +349,14 @@ def serve(address: str) -> None:
     request = _loop(listener)
     if request is not None:
         _become(*request)
+        return
+    # The owner closed stdin (or died, e.g. SIGKILLed): leave no socket or
+    # folder behind in the temporary folder.
+    listener.close()
+    with contextlib.suppress(OSError):
+        os.unlink(address)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(address))
 
 
 def _preload(names: Sequence[str]) -> None:

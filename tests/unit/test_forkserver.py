@@ -3,12 +3,14 @@ the tests read (output, exit status, argv, cwd, environment, sys.path)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,3 +122,41 @@ def test_preload_leaves_out_vllm_and_kvfuzz() -> None:
     names = ["torch", "torch.nn", "vllm", "vllm.config", "differential.cli", "fuzz", "tests.x"]
     names += ["__main__", "_pytest.main", "pytest", "numpy"]
     assert forkserver.default_preload(names) == ["torch", "torch.nn", "numpy"]
+
+
+def test_a_server_whose_owner_is_killed_leaves_no_folder(tmp_path: Path) -> None:
+    """SIGKILL of the process that started the server (a CI cancel of
+    ``kvfuzz mutate``) closes the server's stdin: the server exits and
+    removes its socket and its folder from the temporary folder."""
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from differential import forkserver; "
+            "s = forkserver.ForkServer.start(['json']); "
+            "print(s.address, s.pid, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(Path.cwd())},
+    )
+    assert owner.stdout is not None
+    address, pid = owner.stdout.readline().split()
+    assert Path(address).parent.parent == tmp_path and Path(address).exists()
+    owner.kill()
+    owner.wait()
+    owner.stdout.close()
+    # The server is the owner's child, now re-parented: poll until it is gone.
+    for _ in range(200):
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            break
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(int(pid), os.WNOHANG)
+        time.sleep(0.05)
+    for _ in range(100):
+        if not Path(address).parent.exists():
+            break
+        time.sleep(0.05)
+    assert list(tmp_path.iterdir()) == []
