@@ -48,6 +48,7 @@ import copy
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -606,25 +607,61 @@ def _unreachable(scenario: Scenario, manager: Any, requests: list[Any]) -> tuple
     entries) holds pool space no lookup can use, e.g. full-attention blocks
     above the last surviving sliding-window tail, or sliding-window blocks
     below every reachable window.
+
+    The lookups are not all made: vLLM's lookup returns the longest hit a
+    prefix allows, so its answer is a non-decreasing step function of the
+    prefix's length, and two prefixes of one request that get the same
+    answer bracket only prefixes with that answer. The prefixes are
+    bisected between answers that differ (:func:`_distinct_answers`): a
+    request of ``n`` aligned prefixes costs about ``k log n`` lookups for
+    ``k`` distinct answers instead of ``n``, with the same blocks.
     """
     coordinator = manager.coordinator
     hash_block = scenario.effective_hash_block_size_tokens
     alignment = scenario.effective_hit_alignment_tokens
     reachable: set[int] = set()
-    seen: set[Any] = set()  # a prefix is named by its last block hash (chained)
+    # last block hash -> (block ids per group, hit length in tokens)
+    answers: dict[Any, tuple[tuple[tuple[int, ...], ...], int]] = {}
+
     for request in requests:
         hashes = list(request.block_hashes)
-        total = len(hashes) * hash_block
-        for end in range(alignment, total + 1, alignment):
-            last = hashes[end // hash_block - 1]
-            if last in seen:
-                continue
-            seen.add(last)
-            found = coordinator.find_longest_cache_hit(hashes[: end // hash_block], end)
-            for group_blocks in found[0]:
-                reachable.update(b.block_id for b in group_blocks if not b.is_null)
+        ends = range(alignment, len(hashes) * hash_block + 1, alignment)
+
+        def answer(index: int, hashes: list[Any] = hashes, ends: range = ends) -> Any:
+            end = ends[index]
+            last = hashes[end // hash_block - 1]  # names the prefix (hashes are chained)
+            if last not in answers:
+                found = coordinator.find_longest_cache_hit(hashes[: end // hash_block], end)
+                kept = tuple(tuple(b.block_id for b in g if not b.is_null) for g in found[0])
+                answers[last] = (kept, found[1])
+            return answers[last]
+
+        for blocks, _ in _distinct_answers(answer, len(ends)):
+            for group_blocks in blocks:
+                reachable.update(group_blocks)
     cached: set[int] = set()
     for entry in manager.block_pool.cached_block_hash_to_block._cache.values():
         blocks = entry.values() if isinstance(entry, dict) else (entry,)
         cached.update(b.block_id for b in blocks)
     return len(cached - reachable), len(cached)
+
+
+def _distinct_answers(answer: Callable[[int], Any], count: int) -> list[Any]:
+    """The distinct values of ``answer(0) .. answer(count - 1)``, a
+    non-decreasing step function of its index, by bisection: ``answer`` is
+    called only where the values on either side of a span differ. In index order."""
+    if count == 0:
+        return []
+    found = [answer(0)]
+    spans = [(0, count - 1)] if count > 1 else []
+    while spans:
+        low, high = spans.pop()
+        low_value, high_value = answer(low), answer(high)
+        if low_value == high_value:
+            continue
+        if high - low == 1:
+            found.append(high_value)
+            continue
+        middle = (low + high) // 2
+        spans += [(middle, high), (low, middle)]  # the lower span first: values in order
+    return list(dict.fromkeys(found))
