@@ -168,6 +168,16 @@ def _vllm_config(
     # VllmConfig turns async scheduling on.
     config.scheduler_config.async_scheduling = False
     object.__setattr__(config, "speculative_config", _speculative_config(scenario))
+    if config.speculative_config is not None and hasattr(config, "_set_max_num_scheduled_tokens"):
+        # vLLM's own check of the step budget against the draft slots, which
+        # validation skipped (the drafter is set after it): a budget of no
+        # more than num_lookahead_tokens is a configuration vLLM refuses,
+        # not one whose scheduler stalls.
+        vllm_build(
+            "VllmConfig._set_max_num_scheduled_tokens",
+            "vllm/config/vllm.py",
+            config._set_max_num_scheduled_tokens,
+        )
     if scenario.kv_connector:
         object.__setattr__(
             config,

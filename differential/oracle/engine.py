@@ -249,11 +249,24 @@ def cross_check_modes(
     lookup, the first differing call: a single-type manager
     ``find_longest_cache_hit`` (group, length cap, result) when the traces
     differ there, else ``KVCacheManager.get_computed_blocks``.
+
+    Runs where either driver evicted a cached block are not compared: which
+    block the pool evicts follows the order blocks were allocated and freed,
+    and only vLLM's ``Scheduler`` (vllm/v1/core/sched/scheduler.py) has the
+    engine's order; the manager-level driver allocates each request's
+    prefill, sampled tokens and lookahead slots in its own order, so under
+    eviction the two can keep different blocks without either being wrong.
+    A scheduler run that crashed is not compared either: its ``crash`` is
+    the finding.
     """
     if not mode_cross_checkable(scenario):
         return ()
     if scheduler_run.unsupported is not None or manager_run.unsupported is not None:
         return ()
+    if scheduler_run.evicted_blocks or manager_run.evicted_blocks:
+        return ()
+    if scheduler_run.error is not None:
+        return ()  # the Scheduler's own crash is the finding; the replica adds nothing
     variant = scheduler_run.variant
     for s, m in zip(scheduler_run.requests, manager_run.requests, strict=False):
         if s.hit_tokens == m.hit_tokens:

@@ -175,6 +175,19 @@ def _lookahead_index_error_without_full_attention(scenario: Scenario, finding: F
     return "get_computed_blocks" in finding.detail
 
 
+def _padded_draft_above_step_budget(scenario: Scenario, finding: Finding) -> bool:
+    """vLLM's Scheduler scheduled nothing for good (kvfuzz's stall crash) where
+    a request's last token, padded to ``1 + num_speculative_tokens``, cannot
+    fit the step budget (``max_num_batched_tokens``, in tokens): the padding
+    in ``Scheduler.schedule`` (vllm/v1/core/sched/scheduler.py) refuses to
+    schedule it un-padded, and ``VllmConfig`` accepted the budget because it
+    checks ``num_lookahead_tokens`` (0 for n-gram), not the padded draft."""
+    if finding.kind is not FindingKind.CRASH or "scheduled nothing for" not in finding.detail:
+        return False
+    spec = scenario.drafter.num_speculative_tokens
+    return spec > 0 and 1 + spec > scenario.step_budget_tokens
+
+
 def _writer_states(
     scenario: Scenario, request: int, hits: Sequence[int] | None
 ) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -621,6 +634,26 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "SlidingWindowManager.find_longest_cache_hit, MambaManager.find_longest_cache_hit",
         example="known-issues/single-swa-group-lookahead-hashes-index-error.json",
         matches=_lookahead_index_error_without_full_attention,
+    ),
+    KnownIssue(
+        name="scheduler-stall-padded-draft-above-budget",
+        summary=(
+            "With speculative decoding whose draft needs no lookahead slots "
+            "(n-gram: num_lookahead_tokens is 0) and a step budget "
+            "(max_num_batched_tokens) below 1 + num_speculative_tokens, a request "
+            "left with one token to compute after its prefix hit is padded to "
+            "1 + num_speculative_tokens tokens, which never fits: Scheduler.schedule "
+            "prefers not to schedule it un-padded, so it is never scheduled and "
+            "the engine stalls. VllmConfig._set_max_num_scheduled_tokens accepts "
+            "the budget because it compares it with num_lookahead_tokens only "
+            "(n-gram, 1 speculative token, budget 1, a second request hitting 1 of "
+            "its 2 tokens). Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/sched/scheduler.py Scheduler.schedule (the padding of "
+        "new decode requests to the spec decoding size) with vllm/config/vllm.py "
+        "VllmConfig._set_max_num_scheduled_tokens",
+        example="known-issues/ngram-padded-draft-above-step-budget-stalls.json",
+        matches=_padded_draft_above_step_budget,
     ),
     KnownIssue(
         name="mamba-state-cached-one-token-short",

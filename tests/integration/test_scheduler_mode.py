@@ -381,3 +381,20 @@ def test_a_pool_the_scheduler_never_admits_into_costs_the_scenario_not_the_run()
     run = result.results[0].run
     assert run.error is not None and "scheduled nothing for 64 steps" in run.error
     assert [f.kind for f in result.findings if f.kind is FindingKind.CRASH]
+
+
+def test_a_step_budget_vllm_refuses_for_the_draft_is_unsupported_not_a_stall() -> None:
+    """EAGLE-3 with one speculative token and a step budget of 1 token:
+    ``VllmConfig._set_max_num_scheduled_tokens`` (vllm/config/vllm.py)
+    refuses ``max_num_batched_tokens <= num_lookahead_tokens``. Validation
+    runs before kvfuzz sets the drafter, so the driver runs that check
+    itself; without it the Scheduler stalled and the run was exit 3."""
+    scenario = load_entry(CORPORA / "cases" / "mamba-swa-peek-block-own-token-eagle3.json").scenario
+    run = run_variant(in_mode(scenario, DriveMode.SCHEDULER), parse_variants("unfixed")[0])
+    assert run.error is None and run.requests == ()
+    assert run.unsupported == (
+        "VllmConfig._set_max_num_scheduled_tokens refuses this configuration "
+        "(vllm/config/vllm.py): ValueError: VllmConfig does not have enough slots to "
+        "schedule a token and support the speculative decoding settings. Got "
+        "max_num_batched_tokens=1 and num_lookahead_tokens=1."
+    )

@@ -147,6 +147,13 @@ def test_mode_mismatch_names_the_first_differing_call() -> None:
     # A concurrent workload is not cross-checked (the calls differ by design).
     concurrent = _sessions(Workload(mode=DriveMode.SCHEDULER, arrival_steps=(0, 0, 0, 0)))
     assert cross_check_modes(concurrent, scheduler, manager) == ()
+    # Under eviction the blocks kept follow each driver's allocation order:
+    # hits that differ where either run evicted are not compared.
+    evicting = dataclasses.replace(scheduler, evicted_blocks=3)
+    assert cross_check_modes(scenario, evicting, manager) == ()
+    assert (
+        cross_check_modes(scenario, scheduler, dataclasses.replace(manager, evicted_blocks=5)) == ()
+    )
 
 
 def test_eviction_collapse_needs_zero_dense_and_hitting_retention_0() -> None:

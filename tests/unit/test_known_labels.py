@@ -616,3 +616,36 @@ def test_alignment_blowup_label_is_the_layout_finding_only() -> None:
     labels = [f.known_issue for f in label_known(s, [blowup, fallback])]
     assert labels[0] == "alignment-lcm-blowup"
     assert labels[1] != "alignment-lcm-blowup"
+
+
+STALL = (
+    "step 66: update_from_output: Scheduler.schedule: RuntimeError: scheduled nothing for "
+    "64 steps with 1 request(s) waiting (pool 88 blocks)"
+)
+
+
+def _stalling(drafter: Drafter, chunk: int) -> Scenario:
+    """The shrunk reproducer's shape: one sliding-window group (block 1,
+    window 2), a 2-token writer, its sibling sharing both tokens, the step
+    budget ``chunk`` tokens."""
+    return Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 1, 2),),
+        requests=(RequestSpec(0, 2), RequestSpec(2, 0, shares_with=0)),
+        shared_prefix_tokens=0,
+        drafter=drafter,
+        prefill_chunk_tokens=chunk,
+    )
+
+
+def test_a_stall_is_the_padded_draft_only_where_the_draft_outgrows_the_budget() -> None:
+    stall = Finding(FindingKind.CRASH, "v", 0, STALL)
+    ngram = Drafter(DrafterKind.NGRAM, 1)
+    assert label_known(_stalling(ngram, 1), [stall])[0].known_issue == (
+        "scheduler-stall-padded-draft-above-budget"
+    )
+    # Near misses: a budget that holds the padded draft (1 + 1 tokens), no
+    # drafter, and a crash that is not the stall.
+    assert label_known(_stalling(ngram, 2), [stall])[0].known_issue is None
+    assert label_known(_stalling(Drafter(DrafterKind.NONE, 0), 1), [stall])[0].known_issue is None
+    other = Finding(FindingKind.CRASH, "v", 0, "request 0: lookup: ValueError: no")
+    assert label_known(_stalling(ngram, 1), [other])[0].known_issue is None
