@@ -412,3 +412,52 @@ def test_a_pool_the_scheduler_never_admits_into_costs_the_scenario_not_the_run()
     run = result.results[0].run
     assert run.error is not None and "scheduled nothing for 64 steps" in run.error
     assert [f.kind for f in result.findings if f.kind is FindingKind.CRASH]
+
+
+def test_smallest_pool_serving_every_hit_is_bisected_with_real_runs() -> None:
+    from differential.pool_need import pool_needs
+
+    # The answer-reusing sessions under the EAGLE drop (lookahead hashes off):
+    # with room for everything each variant hits 64, 48, 64, 48 on the second
+    # turns. The candidate's extra tails (replay boundaries and junctions
+    # under retention 0) need 4 more blocks of pool to keep serving them.
+    scenario = dataclasses.replace(
+        _answer_reusing_sessions(30), disable_lookahead_block_hashes=True
+    )
+    needs = pool_needs(scenario, parse_variants("unfixed,fixed,candidate"))
+    assert [(n.variant, n.smallest_pool_blocks) for n in needs] == [
+        ("unfixed", 48),
+        ("fixed", 48),
+        ("candidate", 52),
+    ]
+    assert {n.owed_hit_tokens for n in needs} == {(0, 0, 0, 0, 64, 48, 64, 48)}
+    assert {(n.roomy_pool_blocks, n.runs) for n in needs} == {(157, 9)}
+    # One block less and a second turn loses its hit.
+    candidate = parse_variants("candidate")[0]
+    short = run_variant(
+        dataclasses.replace(
+            scenario, workload=dataclasses.replace(scenario.workload, pool_blocks=51)
+        ),
+        candidate,
+    )
+    assert short.hits[4:] != (64, 48, 64, 48)
+    assert needs[2].summary() == (
+        "candidate: 52 blocks serve every hit (224 tokens; roomy pool 157 blocks, 9 runs)"
+    )
+
+
+def test_explain_prints_the_smallest_pool_of_each_variant(tmp_path: Path) -> None:
+    from tests.factories import kvfuzz_cli
+
+    scenario = dataclasses.replace(
+        _answer_reusing_sessions(30), disable_lookahead_block_hashes=True
+    )
+    path = tmp_path / "sessions.json"
+    path.write_text(scenario.to_json())
+    proc = kvfuzz_cli("explain", str(path), "--variants", "unfixed,candidate")
+    assert proc.returncode == 0, proc.stderr  # no finding at pool 30
+    assert (
+        "smallest pool serving every hit (bisection over workload.pool_blocks):\n"
+        "  unfixed: 48 blocks serve every hit (224 tokens; roomy pool 157 blocks, 9 runs)\n"
+        "  candidate: 52 blocks serve every hit (224 tokens; roomy pool 157 blocks, 9 runs)\n"
+    ) in proc.stdout
