@@ -185,6 +185,9 @@ class RootCauseRecord:
         count_by_variant: variant -> findings of it that it explains.
         signatures: the distinct signatures (:mod:`fuzz.signature`) it covers.
         shrunk: the shrunk reproducer, once the background shrink wrote it.
+        pool_needs: for a ``pool-regression`` root cause, each variant's
+            smallest pool serving every hit of its first scenario
+            (:meth:`differential.pool_need.PoolNeed.to_dict`).
     """
 
     root_cause: RootCause
@@ -199,6 +202,7 @@ class RootCauseRecord:
     count_by_variant: Counter[str] = field(default_factory=Counter)
     signatures: set[str] = field(default_factory=set)
     shrunk: Path | None = None
+    pool_needs: tuple[dict[str, Any], ...] = ()
 
     @property
     def new(self) -> bool:
@@ -224,7 +228,7 @@ class RootCauseRecord:
             "first_example": self.first_example,
             "first_seen_s": round(self.first_seen_s, 3),
             "signatures": sorted(self.signatures),
-        }
+        } | ({"pool_needs": list(self.pool_needs)} if self.pool_needs else {})
 
 
 def fix_cost_entries(totals: dict[str, list[int]]) -> list[dict[str, Any]]:
@@ -432,6 +436,7 @@ class Campaign:
                 cause, path, self._example, self.stats.elapsed_s, known_as=known_as
             )
             self.causes[cause] = record
+            record.pool_needs = self._pool_needs(scenario, result, t)
             if self._progress is not None:
                 status = "new" if record.new else f"known ({known_as})"
                 where = "example database" if self._example < 0 else str(self._example)
@@ -444,6 +449,26 @@ class Campaign:
             record.variants.add(t.owner)
             record.count_by_variant[t.owner] += 1
         record.signatures.add(signature_of(scenario, t.finding).text)
+
+    def _pool_needs(
+        self, scenario: Scenario, result: ScenarioResult, t: Triaged
+    ) -> tuple[dict[str, Any], ...]:
+        """Each variant's smallest serving pool on a ``pool-regression``'s
+        first scenario (:mod:`differential.pool_need`), once per root cause;
+        ``()`` for other kinds, or when the bisection's runs fail (the
+        campaign goes on, saying so)."""
+        from differential.findings import FindingKind
+        from differential.pool_need import pool_needs
+
+        if t.finding.kind is not FindingKind.POOL_REGRESSION:
+            return ()
+        try:
+            needs = pool_needs(scenario, [vr.variant for vr in result.results])
+        except Exception as exc:  # one scenario's figure, never the campaign
+            if self._progress is not None:
+                self._progress.note(f"smallest pool for {t.root_cause.text} failed: {exc!r}")
+            return ()
+        return tuple(n.to_dict() for n in needs)
 
     def _start_shrink(self, record: RootCauseRecord) -> None:
         seconds = self.config.shrink_seconds

@@ -143,11 +143,44 @@ def _remaining_by_variant(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pool_cell(need: dict[str, Any]) -> str:
+    smallest = need["smallest_pool_blocks"]
+    shown = "did not run" if smallest is None else f"{smallest} blocks"
+    return f"{need['variant']}: {shown}"
+
+
+def pool_needs_section(summary: dict[str, Any]) -> list[str]:
+    """The smallest pool each variant needs to serve every hit, per
+    ``pool-regression`` root cause (its first scenario), as a Markdown table."""
+    rows = [c for c in summary.get("root_causes", []) if c.get("pool_needs")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Pool the fixes need (pool-regression root causes)",
+        "",
+        "Smallest `workload.pool_blocks` at which each variant still serves every hit it "
+        "serves with a pool that holds everything (bisection with real runs).",
+        "",
+        "| root cause | roomy pool | smallest pool per variant |",
+        "| --- | --- | --- |",
+    ]
+    for cause in rows:
+        needs = cause["pool_needs"]
+        lines.append(
+            f"| {cause['root_cause']} | {needs[0]['roomy_pool_blocks']} blocks | "
+            + ", ".join(_pool_cell(n) for n in needs)
+            + " |"
+        )
+    return lines
+
+
 def _fix_costs(summary: dict[str, Any]) -> list[str]:
-    """Each fixed-role variant's extra SWA blocks against each baseline."""
+    """Each fixed-role variant's extra SWA blocks against each baseline, and
+    the pool each variant needs where a fix cost hits (:func:`pool_needs_section`)."""
     costs = summary.get("fix_costs", [])
     if not costs:
-        return []
+        return pool_needs_section(summary)
     lines = ["", "## Cost of the fixes (sparse-retention scenarios, equal hits)", ""]
     lines += [
         "| fix vs baseline | scenarios | extra SWA blocks | retained boundaries | per boundary |",
@@ -158,7 +191,7 @@ def _fix_costs(summary: dict[str, Any]) -> list[str]:
         f"{c['retained_boundaries']} | {c['extra_swa_blocks_per_boundary']} |"
         for c in costs
     ]
-    return lines
+    return lines + pool_needs_section(summary)
 
 
 def engine_section(summary: dict[str, Any]) -> list[str]:

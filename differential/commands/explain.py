@@ -31,7 +31,10 @@ def add_parser(sub: Any) -> None:
         description=(
             "Run SCENARIO on the variants and show, for one sibling, which blocks of "
             "each KV cache group were cached when it looked up, with the divergence "
-            "point, the expected checkpoint and each variant's hit; optionally as SVG."
+            "point, the expected checkpoint and each variant's hit; optionally as SVG. "
+            "A scheduler-mode scenario is shown as a timeline of scheduler steps, with "
+            "the smallest pool (bisection over workload.pool_blocks) at which each "
+            "variant still serves every hit it serves with a pool that holds everything."
         ),
     )
     explain.add_argument("scenario", type=Path, metavar="SCENARIO")
@@ -75,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
         from differential.exports.explain import render_timeline
 
         sys.stdout.write(render_timeline(result, request))
+        from differential.pool_need import pool_needs, render_pool_needs
+
+        # What pool each variant needs to serve every hit it serves with room.
+        lines = render_pool_needs(pool_needs(scenario, [vr.variant for vr in result.results]))
+        sys.stdout.write("".join(f"{line}\n" for line in lines))
     exp = explain_request(result, request)
     if exp is None:
         if engine:  # judged per lookup as scheduled: the timeline is the picture

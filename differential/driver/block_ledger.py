@@ -167,9 +167,15 @@ class BlockLedger:
             first = start_tokens // size
             for k, block in enumerate(table[first : (end_tokens - 1) // size + 1], first):
                 block_id = block.block_id
-                if block_id in cow and block_id not in filled and cow[block_id] in filled:
+                rec = filled.get(block_id)
+                if (
+                    block_id in cow
+                    and cow[block_id] in filled
+                    and (rec is None or rec[:3] != [gid, request_index, k])
+                ):
                     # The copy holds the hit tokens before this step: the
-                    # request's own tokens (it matched them), written by it.
+                    # request's own tokens (it matched them), written by it,
+                    # whatever the block held before it was freed and reused.
                     filled[block_id] = [gid, request_index, k, max(0, start_tokens - k * size)]
                 overwrites = bool(cached_before) and (
                     max(start_tokens, k * size) < cached_before.get(block_id, 0)
@@ -189,10 +195,14 @@ class BlockLedger:
                     )
                     if block.is_null:
                         continue
-                wrote = min((k + 1) * size, end_tokens) - max(k * size, start_tokens)
+                begin = max(k * size, start_tokens) - k * size
+                stop = min((k + 1) * size, end_tokens) - k * size
                 rec = filled.get(block_id)
                 if rec is not None and rec[0] == gid and rec[1] == request_index and rec[2] == k:
-                    rec[3] += wrote
+                    # The request's own block again. A rewrite (rejected
+                    # drafts recomputed, a preempted request resumed into the
+                    # same block) adds no tokens: written up to the furthest end.
+                    rec[3] = max(rec[3], stop) if begin <= rec[3] else rec[3] + stop - begin
                 else:
-                    filled[block_id] = [gid, request_index, k, wrote]
+                    filled[block_id] = [gid, request_index, k, stop - begin]
         return unsafe

@@ -37,14 +37,22 @@ request, in scenario order, with the hit of the lookup that admitted it (the
 ``get_computed_blocks`` call followed by a successful ``allocate_slots``; a
 preempted request's later lookups are counted in ``preemptions`` but not
 judged), ``scheduled_step`` (the step it was admitted in) and
-``lookup_order``. Blocks are not recorded (no block-level check in this
-mode). Evictions (cached keys that disappear) and the unreachable cached
-blocks at the end of the run are counted.
+``lookup_order``. Blocks are recorded as in manager mode
+(:class:`~differential.driver.block_ledger.BlockLedger`, for the block-level
+check): what each group's blocks held at the admitting lookup, and every
+``KVCacheManager.allocate_slots`` the scheduler makes (vLLM
+``Scheduler.schedule``), wrapped like ``get_computed_blocks``, as a write of
+the tokens ``[computed + new computed, + new tokens)`` (drafts included),
+checked against the blocks' reference counts right after the call, before a
+request admitted later in the same step adopts them. Evictions (cached keys
+that disappear) and the unreachable cached blocks at the end of the run are
+counted.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 from collections import Counter
@@ -55,13 +63,14 @@ from pathlib import Path
 from typing import Any
 
 import differential.driver.runner as runner
+from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import VllmCallError, classified_run, vllm_build, vllm_call
 from differential.driver.runner import UNSET, resolve_retention
 from differential.driver.settings import ResolvedDrafter, _speculative_config, resolve_drafter
 from differential.driver.specs import kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
 from differential.errors import InternalError
-from differential.observation import RequestObservation, RunObservation
+from differential.observation import BlockRecord, BlockWrite, RequestObservation, RunObservation
 from differential.scenario import Scenario
 
 __all__ = ["run_scheduler_scenario"]
@@ -204,6 +213,7 @@ class _Admission:
     cache_map: tuple[str, ...] = ()
     before: Counter[bytes] = field(default_factory=Counter)
     step: int = -1
+    blocks: tuple[tuple[BlockRecord | None, ...], ...] = ()
 
 
 def _record_lookups(
@@ -213,9 +223,11 @@ def _record_lookups(
     lookups: dict[str, list[_Admission]],
     step: list[int],
     failures: list[BaseException],
+    ledger: BlockLedger | None = None,
 ) -> None:
     """Wrap this manager's ``get_computed_blocks`` (an instance attribute, so
-    variant patches on the class still run inside) to record every call.
+    variant patches on the class still run inside) to record every call, with
+    what its blocks held when ``ledger`` is given.
 
     An exception in kvfuzz's own bookkeeping is kept in ``failures`` (the
     caller raises it as kvfuzz's failure), never passed off as vLLM's.
@@ -235,6 +247,11 @@ def _record_lookups(
             result = real(request, *args, **kwargs)
         hit = result[1]
         junction = result[2] if len(result) > 2 else 0
+        try:
+            blocks = ledger.lookup(result[0].blocks) if ledger is not None else ()
+        except Exception as exc:  # kvfuzz's own failure
+            failures.append(exc)
+            blocks = ()
         lookups.setdefault(request.request_id, []).append(
             _Admission(
                 hit_tokens=hit,
@@ -244,11 +261,67 @@ def _record_lookups(
                 cache_map=cache_map,
                 before=before,
                 step=step[0],
+                blocks=blocks,
             )
         )
         return result
 
     manager.get_computed_blocks = get_computed_blocks
+
+
+def _record_writes(
+    manager: Any,
+    ledger: BlockLedger,
+    index_of: dict[str, int],
+    writes: dict[int, list[BlockWrite]],
+    failures: list[BaseException],
+) -> None:
+    """Wrap this manager's ``allocate_slots`` (an instance attribute, as in
+    :func:`_record_lookups`) so the ledger records every step's write: the
+    tokens ``[num_computed_tokens + num_new_computed_tokens +
+    num_external_computed_tokens, + num_new_tokens)`` (vLLM's own layout in
+    ``KVCacheManager.allocate_slots``), the lookup's blocks adopted when
+    ``new_computed_blocks`` is given. Unsafe writes go to ``writes`` per
+    request index; a failure of the ledger to ``failures``.
+
+    Under the FCFS policy the scheduler only preempts requests not yet
+    scheduled in the step, so every successful call is a step's write.
+    """
+    real = manager.allocate_slots
+    # Bound by name: the parameters' order differs between releases.
+    signature = inspect.signature(real)
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        try:
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            given = call.arguments
+            request = given["request"]
+            start = (
+                request.num_computed_tokens
+                + given.get("num_new_computed_tokens", 0)
+                + given.get("num_external_computed_tokens", 0)
+            )
+            end = start + given["num_new_tokens"]
+            blocks = given.get("new_computed_blocks")
+            adopted = blocks.blocks if blocks is not None else None
+            rid = request.request_id
+            cached_before = ledger.before_step(rid, start, end, adopted)
+        except Exception as exc:  # kvfuzz's own failure
+            failures.append(exc)
+            return real(*args, **kwargs)
+        result = real(*args, **kwargs)
+        if result is not None and rid in index_of:
+            try:
+                i = index_of[rid]
+                writes.setdefault(i, []).extend(
+                    ledger.after_step(i, rid, start, end, cached_before)
+                )
+            except Exception as exc:  # kvfuzz's own failure
+                failures.append(exc)
+        return result
+
+    manager.allocate_slots = allocate_slots
 
 
 def _arrive(
@@ -357,10 +430,12 @@ def _observations(
     finished_at: dict[int, Counter[bytes]],
     finished_step: dict[int, int],
     seen: Counter[bytes],
+    writes: dict[int, list[BlockWrite]],
 ) -> list[RequestObservation]:
     """One observation per admitted request, in scenario order: its admitting
-    lookup, and the blocks per group it left cached (at its finish, or at the
-    end of the run: ``seen``)."""
+    lookup (with what its blocks held), the unsafe writes of its steps, and
+    the blocks per group it left cached (at its finish, or at the end of the
+    run: ``seen``)."""
     num_groups = len(scenario.kv_cache_groups)
     order = sorted(admitted, key=lambda i: (admitted[i].step, i))
     observed = []
@@ -388,6 +463,8 @@ def _observations(
                 scheduled_step=a.step,
                 lookup_order=order.index(i),
                 finished_step=finished_step.get(i),
+                lookup_blocks=a.blocks,
+                unsafe_writes=tuple(writes.get(i, ())),
             )
         )
     return observed
@@ -432,6 +509,7 @@ def run_scheduler_scenario(
     cached_blocks = 0
     pool = 0
     steps = 0
+    ledger: BlockLedger | None = None
     with classified_run("scheduler-mode driver", phase, runner.VLLM_VERSION) as outcome:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -473,12 +551,16 @@ def run_scheduler_scenario(
         step = [0]
         lookups: dict[str, list[_Admission]] = {}
         failures: list[BaseException] = []
-        _record_lookups(scenario, manager, record_cache_map, lookups, step, failures)
+        ledger = BlockLedger.for_manager(manager)
+        _record_lookups(scenario, manager, record_cache_map, lookups, step, failures, ledger)
         requests = [
             runner.make_request(scenario, i, prompt, hasher, scenario.decode_steps + 1)
             for i, prompt in enumerate(scenario.prompts)
         ]
         index_of = {r.request_id: i for i, r in enumerate(requests)}
+        writes: dict[int, list[BlockWrite]] = {}
+        if ledger is not None:
+            _record_writes(manager, ledger, index_of, writes, failures)
         admitted: dict[int, _Admission] = {}
         finished_at: dict[int, Counter[bytes]] = {}
         finished_step: dict[int, int] = {}
@@ -503,7 +585,7 @@ def run_scheduler_scenario(
             out = vllm_call("Scheduler.schedule", scheduler.schedule)
             if failures:
                 raise InternalError(
-                    f"recording a lookup at step {step[0]} failed: "
+                    f"recording a lookup or a write at step {step[0]} failed: "
                     f"{type(failures[0]).__name__}: {failures[0]}"
                 )
             for rid in out.num_scheduled_tokens:
@@ -575,7 +657,7 @@ def run_scheduler_scenario(
                     f"pool {pool} blocks)"
                 )
         steps = step[0]
-        observed = _observations(scenario, admitted, finished_at, finished_step, seen)
+        observed = _observations(scenario, admitted, finished_at, finished_step, seen, writes)
         phase[0] = "count unreachable cached blocks"
         unreachable, cached_blocks = _unreachable(scenario, manager, requests)
     if outcome.unsupported is not None:
@@ -603,6 +685,7 @@ def run_scheduler_scenario(
         preemptions=preemptions,
         steps=steps,
         timeline=tuple(timeline) if record_cache_map else (),
+        blocks_recorded=ledger is not None,
     )
 
 

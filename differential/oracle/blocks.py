@@ -98,10 +98,17 @@ class TokenView:
 
     A writer's tokens are its prompt followed by its sampled tokens
     (``Scenario.output_token``), as the driver feeds them to vLLM.
+
+    Args:
+        scenario: the scenario.
+        lookup_order: per request index, its rank among the admitting
+            lookups (scheduler mode: ``RequestObservation.lookup_order``);
+            ``None``: requests look up in index order (manager mode).
     """
 
-    def __init__(self, scenario: Scenario) -> None:
+    def __init__(self, scenario: Scenario, lookup_order: dict[int, int] | None = None) -> None:
         self._scenario = scenario
+        self._order = lookup_order
         self._prompts = scenario.prompts
         self._written: dict[int, tuple[int, ...]] = {}
         self._common: dict[tuple[int, int], int] = {}
@@ -115,6 +122,15 @@ class TokenView:
                 self._scenario.output_token(request, s) for s in range(steps)
             )
         return self._written[request]
+
+    def looked_up_before(self, writer: int, sibling: int) -> bool:
+        """Whether ``writer``'s admitting lookup came before ``sibling``'s, so
+        the writer can have written KV the sibling's lookup hands out (a
+        request still in flight may: vLLM caches a block when it is
+        allocated, computed in the same step)."""
+        if self._order is None or writer not in self._order or sibling not in self._order:
+            return writer < sibling
+        return self._order[writer] < self._order[sibling]
 
     def agreed_tokens(self, writer: int, sibling: int) -> int:
         """Tokens, from position 0, where ``writer``'s tokens equal ``sibling``'s prompt."""
@@ -173,7 +189,7 @@ def _content_violation(
     if (
         held.group != group
         or held.writer_block_index != index
-        or held.writer >= sibling
+        or not tokens.looked_up_before(held.writer, sibling)
         or tokens.agreed_tokens(held.writer, sibling) < end
     ):
         return BlockViolation(
@@ -377,7 +393,10 @@ def check_blocks(
 
     Args:
         scenario: the scenario.
-        run: the run; nothing is checked unless ``run.blocks_recorded``.
+        run: the run; nothing is checked unless ``run.blocks_recorded``, nor
+            a manager-mode run that evicted (a scheduler-mode one is: the
+            ledger follows every block a step writes, an evicted block's
+            included, and a lookup never hands out an evicted block).
         policy: the policy judging (recorded on the findings).
         label: prefix for the detail, e.g. ``"dense cross-check run: "``.
 
@@ -386,9 +405,12 @@ def check_blocks(
         block index, what it held) and how many more there are, with the
         lookup's block ids per group in ``blocks_per_group``.
     """
-    if not run.blocks_recorded or run.unsupported is not None or run.evicted_blocks:
+    if not run.blocks_recorded or run.unsupported is not None:
         return ()
-    tokens = TokenView(scenario)
+    if run.evicted_blocks and run.mode != "scheduler":
+        return ()
+    order = {r.index: r.lookup_order for r in run.requests if r.lookup_order is not None} or None
+    tokens = TokenView(scenario, order)
     findings = []
     for obs in run.requests:
         violations = request_violations(scenario, obs, tokens)

@@ -21,6 +21,10 @@ Three rules on top of the per-lookup invariants of
   A shortfall is a ``fallback``; the run's ``needless-drop`` is reported as
   in a sequential run. Evictions and preemptions may still lower hits
   freely (attention layouts; state groups are judged sequentially only).
+* **Block-level check** (:func:`~differential.oracle.blocks.check_blocks`,
+  ``wrong-kv``): every admitting lookup's blocks and every step's writes, as
+  in manager mode, evictions included; a block may come from any request
+  admitted before the one looking up, finished or still in flight.
 * **Mode cross-check** (:func:`cross_check_modes`): a sequential scenario
   gives the same hits through the scheduler as through the manager-level
   driver, else ``mode-mismatch`` naming the first differing call.
@@ -39,6 +43,7 @@ from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RequestObservation, RunObservation
+from differential.oracle.blocks import check_blocks
 from differential.oracle.core import (
     SiblingReference,
     drafter_model,
@@ -237,6 +242,7 @@ def judge_engine_run(
                 )
             )
     findings += _timeline_findings(scenario, run, policy)
+    findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)
 
 

@@ -6,9 +6,9 @@ says *how*. Built in:
 * ``unfixed`` -- the installed vLLM, as is.
 * ``fixed`` -- the installed vLLM plus the seed PR's two changes
   (:mod:`differential.driver.fixes`).
-* ``candidate`` -- ``fixed`` plus the one-unit widening of every retained SWA
-  tail under sparse retention, the fix kvfuzz proposes for the whole class
-  (:mod:`differential.driver.candidate`).
+* ``candidate`` -- ``fixed`` plus, under sparse retention, the SWA tail one
+  alignment unit below every retained boundary, the fix kvfuzz proposes for
+  the whole class (:mod:`differential.driver.candidate`).
 * ``mutant-*`` -- ``fixed`` with one deliberate breakage, to prove the oracle
   catches it (:mod:`differential.driver.mutations`).
 * ``tree:PATH[@REF]`` -- a vLLM source tree, run in a worker process
@@ -63,8 +63,8 @@ class FixScope(StrEnum):
     * ``seed-pr``: the seed PR: no drop for Gemma-4 MTP; periodic SWA tails
       ``A / B_swa`` blocks wider under the EAGLE drop with sparse periodic
       retention.
-    * ``one-unit``: every retained SWA tail (periodic, replay boundary,
-      junction) ``A / B_swa`` blocks wider under sparse retention, any drafter.
+    * ``one-unit``: under sparse retention, the SWA tail one unit below every
+      retained boundary (periodic, replay boundary, junction), any drafter.
     """
 
     SEED_PR = "seed-pr"
@@ -120,8 +120,9 @@ register(
 register(
     Variant(
         "candidate",
-        "fixed plus every retained SWA tail (periodic, replay boundary, junction) "
-        "A / B_swa blocks wider under sparse retention, any drafter",
+        "fixed plus, under sparse retention, the SWA tail one unit below every retained "
+        "boundary (periodic, replay boundary, junction): each tail A / B_swa blocks wider "
+        "under the drop, vLLM's tail moved A / B_swa blocks lower without it",
         VariantRole.FIXED,
         patch="differential.driver.candidate:candidate_fix",
         fix_scope=FixScope.ONE_UNIT,

@@ -320,22 +320,53 @@ def _answer_reusing_sessions(pool: int) -> Scenario:
 
 def test_candidate_costs_hits_under_pool_pressure_and_says_so() -> None:
     variants = parse_variants("unfixed,fixed,candidate")
-    result = compare_variants(_answer_reusing_sessions(30), variants)
+    result = compare_variants(_answer_reusing_sessions(36), variants)
     hits = {vr.variant.name: vr.run.hits for vr in result.results}
     assert hits == {
-        "unfixed": (0, 0, 0, 0, 80, 0, 0, 0),
-        "fixed": (0, 0, 0, 0, 80, 0, 0, 0),
-        "candidate": (0,) * 8,
+        "unfixed": (0, 0, 0, 0, 80, 64, 80, 0),
+        "fixed": (0, 0, 0, 0, 80, 64, 80, 0),
+        "candidate": (0, 0, 0, 0, 80, 0, 0, 0),
     }
     regressions = [f for f in result.findings if f.kind is FindingKind.POOL_REGRESSION]
     assert [(f.variant, f.expected_tokens, f.hit_tokens) for f in regressions] == [
-        ("candidate vs unfixed", 80, 0)
+        ("candidate vs unfixed", 224, 80)
     ]
-    assert "pool 30 blocks" in regressions[0].summary()
+    assert "pool 36 blocks" in regressions[0].summary()
     # With room for every tail (pool 60) the candidate keeps every hit.
     roomy = compare_variants(_answer_reusing_sessions(60), variants)
     assert {vr.run.hits for vr in roomy.results} == {(0, 0, 0, 0, 80, 64, 80, 64)}
     assert not [f for f in roomy.findings if f.kind is FindingKind.POOL_REGRESSION]
+
+
+def test_candidate_without_the_drop_keeps_only_the_tails_one_unit_below() -> None:
+    # The same sessions with DSpark (no drop). The candidate keeps, per
+    # retained boundary b, vLLM's tail for b and the one a hit at b - A reads
+    # (one 8-token SWA block each: window 7, A = 16), not the block between
+    # them nor a wider tail at the final segment. The second turns' lower
+    # tails lie in blocks they adopted from their hit (80 or 64), so they keep
+    # what fixed keeps; the run keeps 36 SWA blocks against fixed's 26 (62
+    # with the contiguous widening).
+    variants = parse_variants("unfixed,fixed,candidate")
+    roomy = dataclasses.replace(
+        _answer_reusing_sessions(200), drafter=Drafter(DrafterKind.DSPARK, 2)
+    )
+    result = compare_variants(roomy, variants)
+    runs = {vr.variant.name: vr.run for vr in result.results}
+    assert {r.hits for r in runs.values()} == {(0, 0, 0, 0, 80, 64, 80, 64)}
+    assert not runs["candidate"].settings.use_eagle_block_drop
+    kept = {name: [r.retained_blocks_per_group for r in run.requests] for name, run in runs.items()}
+    assert kept["fixed"] == kept["unfixed"]
+    assert kept["fixed"] == [(18, 4), (14, 4), (11, 4), (7, 4), (4, 4), (3, 3), (2, 2), (1, 1)]
+    assert kept["candidate"] == [(18, 8), (14, 7), (11, 6), (7, 5), (4, 4), (3, 3), (2, 2), (1, 1)]
+    assert kept["candidate"][4:] == kept["fixed"][4:]
+    # At pool 30 the candidate now hits what fixed hits (it used to keep
+    # three blocks per tail, lose every hit and be a pool-regression).
+    tight = dataclasses.replace(roomy, workload=dataclasses.replace(roomy.workload, pool_blocks=30))
+    result = compare_variants(tight, variants)
+    assert {vr.variant.name: vr.run.hits for vr in result.results} == {
+        name: (0, 0, 0, 0, 80, 0, 0, 0) for name in ("unfixed", "fixed", "candidate")
+    }
+    assert not [f for f in result.findings if f.kind is FindingKind.POOL_REGRESSION]
 
 
 def test_block_carved_mamba_prefill_is_judged_as_the_scheduler_chunks_it() -> None:
@@ -398,3 +429,52 @@ def test_a_step_budget_vllm_refuses_for_the_draft_is_unsupported_not_a_stall() -
         "schedule a token and support the speculative decoding settings. Got "
         "max_num_batched_tokens=1 and num_lookahead_tokens=1."
     )
+
+
+def test_smallest_pool_serving_every_hit_is_bisected_with_real_runs() -> None:
+    from differential.pool_need import pool_needs
+
+    # The answer-reusing sessions under the EAGLE drop (lookahead hashes off):
+    # with room for everything each variant hits 64, 48, 64, 48 on the second
+    # turns. The candidate's extra tails (replay boundaries and junctions
+    # under retention 0) need 4 more blocks of pool to keep serving them.
+    scenario = dataclasses.replace(
+        _answer_reusing_sessions(30), disable_lookahead_block_hashes=True
+    )
+    needs = pool_needs(scenario, parse_variants("unfixed,fixed,candidate"))
+    assert [(n.variant, n.smallest_pool_blocks) for n in needs] == [
+        ("unfixed", 48),
+        ("fixed", 48),
+        ("candidate", 52),
+    ]
+    assert {n.owed_hit_tokens for n in needs} == {(0, 0, 0, 0, 64, 48, 64, 48)}
+    assert {(n.roomy_pool_blocks, n.runs) for n in needs} == {(157, 9)}
+    # One block less and a second turn loses its hit.
+    candidate = parse_variants("candidate")[0]
+    short = run_variant(
+        dataclasses.replace(
+            scenario, workload=dataclasses.replace(scenario.workload, pool_blocks=51)
+        ),
+        candidate,
+    )
+    assert short.hits[4:] != (64, 48, 64, 48)
+    assert needs[2].summary() == (
+        "candidate: 52 blocks serve every hit (224 tokens; roomy pool 157 blocks, 9 runs)"
+    )
+
+
+def test_explain_prints_the_smallest_pool_of_each_variant(tmp_path: Path) -> None:
+    from tests.factories import kvfuzz_cli
+
+    scenario = dataclasses.replace(
+        _answer_reusing_sessions(30), disable_lookahead_block_hashes=True
+    )
+    path = tmp_path / "sessions.json"
+    path.write_text(scenario.to_json())
+    proc = kvfuzz_cli("explain", str(path), "--variants", "unfixed,candidate")
+    assert proc.returncode == 0, proc.stderr  # no finding at pool 30
+    assert (
+        "smallest pool serving every hit (bisection over workload.pool_blocks):\n"
+        "  unfixed: 48 blocks serve every hit (224 tokens; roomy pool 157 blocks, 9 runs)\n"
+        "  candidate: 52 blocks serve every hit (224 tokens; roomy pool 157 blocks, 9 runs)\n"
+    ) in proc.stdout

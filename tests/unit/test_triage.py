@@ -374,3 +374,31 @@ def test_an_over_hit_is_named_after_the_group_that_over_reached() -> None:
     # Full attention alone returned the hit: it is the one.
     alone = (GroupLookup(0, 29, True, 28, 0), GroupLookup(1, 32, True, 32, 0))
     assert over_reaching_lookup(scenario, _request(1, 28, 0, alone)) == alone[0]
+
+
+def test_report_lists_the_pool_each_variant_needs_for_a_pool_regression() -> None:
+    from fuzz.report import pool_needs_section
+
+    needs = [
+        {
+            "variant": name,
+            "owed_hit_tokens": [0, 0, 64, 48],
+            "roomy_pool_blocks": 157,
+            "smallest_pool_blocks": pool,
+            "runs": 9,
+        }
+        for name, pool in (("unfixed", 48), ("candidate", 52), ("tree:x", None))
+    ]
+    summary = {
+        "root_causes": [
+            {"root_cause": "pool-regression", "pool_needs": needs},
+            {"root_cause": "fallback | missing periodic - 1A"},
+        ]
+    }
+    assert pool_needs_section(summary)[-3:] == [
+        "| root cause | roomy pool | smallest pool per variant |",
+        "| --- | --- | --- |",
+        "| pool-regression | 157 blocks | unfixed: 48 blocks, candidate: 52 blocks, "
+        "tree:x: did not run |",
+    ]
+    assert pool_needs_section({"root_causes": summary["root_causes"][1:]}) == []
