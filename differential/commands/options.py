@@ -73,6 +73,14 @@ def timeout_seconds(text: str) -> float:
     return value
 
 
+def percent(text: str) -> float:
+    """A finite percentage, 0..100."""
+    value = number(text, "a finite percentage 0..100")
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed a finite percentage 0..100")
+    return value
+
+
 def positive_int(text: str, *, maximum: int | None = None) -> int:
     allowed = "an integer >= 1" if maximum is None else f"an integer 1..{maximum}"
     try:

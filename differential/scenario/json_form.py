@@ -28,7 +28,7 @@ from differential.errors import ScenarioError
 from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
-from differential.scenario.models import ModelDocument
+from differential.scenario.models import FormatVersion, ModelDocument
 from differential.scenario.workload import DriveMode, RequestSpec, Workload
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ class ScenarioDocument(BaseModel):
     format: Literal["kvfuzz.scenario"] = Field(
         default=SCENARIO_FORMAT, description="Always 'kvfuzz.scenario'."
     )
-    version: Literal[1] = Field(default=SCENARIO_VERSION, description="The format version.")
+    version: FormatVersion = Field(default=SCENARIO_VERSION, description="The format version.")
     name: StrictStr = Field(default="", description="A short identifier, used in reports.")
     description: StrictStr = Field(default="", description="What the scenario shows.")
     kv_cache_groups: Annotated[tuple[GroupDocument, ...], Field(min_length=1)] = Field(
@@ -476,16 +476,42 @@ def scenario_to_dict(document: ScenarioDocument) -> dict[str, Any]:
     return document.model_dump(mode="json")
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook``: an object, each key once."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKey(key)
+        data[key] = value
+    return data
+
+
 def json_data(text: str, *, source: str | None = None) -> object:
     """Parse JSON text; ``source`` (a file name) is added to error messages.
 
     Raises:
-        ScenarioError: malformed or absurdly deeply nested JSON, or an
-            integer too long to convert (Python's 4300-digit limit), field
-            ``<json>``.
+        ScenarioError: malformed or absurdly deeply nested JSON, an integer
+            too long to convert (Python's 4300-digit limit), field
+            ``<json>``; a key given twice in one object (plain ``json``
+            keeps the last silently), naming the key.
     """
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise ScenarioError(
+            f"<json> key {exc.key!r}",
+            "given twice in one object",
+            "each key at most once per object",
+            source=source,
+        ) from None
     except json.JSONDecodeError as exc:
         raise ScenarioError(
             "<json>",

@@ -30,7 +30,16 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from differential.errors import ScenarioError
 from differential.scenario._errors import scenario_error
@@ -67,6 +76,18 @@ DTYPES: tuple[str, ...] = get_args(_Dtype)
 KV_CACHE_LAYOUTS: tuple[str, ...] = get_args(_Layout)
 
 _Positive = Annotated[StrictInt, Field(ge=1)]
+
+
+def _exact_int(value: object) -> object:
+    """Refuse what only compares equal to an integer (``1.0``, ``true``)."""
+    if isinstance(value, (bool, float)):
+        raise ValueError("an integer, not a float or boolean")
+    return value
+
+
+#: A format's ``version``: exactly the integer 1 (``1.0`` and ``true``, equal
+#: to 1 in Python, are refused).
+FormatVersion = Annotated[Literal[1], BeforeValidator(_exact_int)]
 _CONFIG = ConfigDict(extra="forbid", frozen=True, from_attributes=True)
 
 
@@ -119,7 +140,7 @@ class ModelDocument(BaseModel):
     format: Literal["kvfuzz.model"] = Field(
         default=MODEL_FORMAT, description="Always 'kvfuzz.model'."
     )
-    version: Literal[1] = Field(default=1, description="The format version.")
+    version: FormatVersion = Field(default=1, description="The format version.")
     name: StrictStr = Field(default="", description="A short identifier.")
     description: StrictStr = Field(default="", description="What the numbers are taken from.")
     block_size_tokens: _Positive = Field(

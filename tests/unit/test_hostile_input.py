@@ -115,6 +115,17 @@ def _unwritable_findings(tmp: Path) -> list[str]:
     return ["fuzz", "--out", str(out), "--max-examples", "1"]
 
 
+def _duplicate_key(tmp: Path) -> list[str]:
+    # Plain json keeps the last of two equal keys: the file would run with
+    # decode_steps 7 although its author may have meant 0.
+    text = json.dumps(triton().to_dict()).replace(
+        '"decode_steps": 0', '"decode_steps": 0, "decode_steps": 7'
+    )
+    path = tmp / "dup.json"
+    path.write_text(text)
+    return ["replay", str(path)]
+
+
 def _case(name: str, build: Callable[[Path], list[str]], named: str, **kw: object) -> object:
     return pytest.param(build, named, id=name, **kw)
 
@@ -180,7 +191,31 @@ CASES = [
         lambda t: ["replay", str(_scenario(t)), "--max-pool-blocks", "100"],
         "--max-pool-blocks",
     ),
+    _case("duplicate-key", _duplicate_key, "dup.json: <json> key 'decode_steps'"),
+    _case("version-1.0", lambda t: ["replay", str(_scenario(t, version=1.0))], "version = 1.0"),
+    _case("version-true", lambda t: ["replay", str(_scenario(t, version=True))], "version = True"),
     _case("seconds-nan", lambda t: ["fuzz", "--seconds", "nan", "--out", str(t)], "--seconds"),
+    _case(
+        "shrink-seconds-nan",
+        lambda t: ["fuzz", "--shrink-seconds", "nan", "--out", str(t)],
+        "--shrink-seconds: 'nan' is invalid",
+    ),
+    _case(
+        "diff-seconds-inf",
+        lambda t: ["diff", "unfixed", "fixed", "--seconds", "inf"],
+        "--seconds: 'inf' is invalid",
+    ),
+    _case(
+        "diff-timeout-nan",
+        lambda t: ["diff", "unfixed", "fixed", "--timeout", "nan"],
+        "--timeout: 'nan' is invalid",
+    ),
+    _case("mutate-timeout-nan", lambda t: ["mutate", "--timeout", "nan"], "--timeout: 'nan'"),
+    _case(
+        "mutate-fail-under-nan",
+        lambda t: ["mutate", "--fail-under", "nan"],
+        "--fail-under: 'nan' is invalid: allowed a finite percentage 0..100",
+    ),
     _case("timeout-0", lambda t: ["replay", str(_scenario(t)), "--timeout", "0"], "--timeout"),
     _case("jobs-1e9", lambda t: ["fuzz", "--jobs", "1000000000", "--out", str(t)], "--jobs"),
     _case("out-under-a-file", lambda t: ["fuzz", "--out", str(_file(t) / "sub")], "--out"),
