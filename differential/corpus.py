@@ -284,6 +284,30 @@ def _say_skipped(path: Path, why: str) -> None:
     print(f"kvfuzz: skipped {path}: {why}", file=sys.stderr)
 
 
+def _json_files(folder: Path) -> list[Path]:
+    """The ``*.json`` files under ``folder`` (recursively, symlinked folders
+    not followed), sorted.
+
+    Raises:
+        ScenarioError: a folder under ``folder`` that cannot be listed,
+            naming it (``Path.rglob`` skips it silently: its scenarios would
+            go unreplayed without a word), as an unreadable file is.
+    """
+
+    def unreadable(exc: OSError) -> None:
+        raise ScenarioError(
+            "PATH", exc.filename or str(folder), f"a readable folder ({exc.strerror})"
+        )
+
+    found = [
+        Path(top) / name
+        for top, _folders, names in os.walk(folder, onerror=unreadable)
+        for name in names
+        if name.endswith(".json")
+    ]
+    return sorted(p for p in found if p.is_file())
+
+
 def iter_scenario_files(
     paths: Iterable[str | Path], *, skipped: Callable[[Path, str], None] | None = _say_skipped
 ) -> list[Path]:
@@ -295,8 +319,8 @@ def iter_scenario_files(
     named explicitly is always kept (loading it names what is wrong).
 
     Raises:
-        ScenarioError: a path that does not exist, or a folder with no
-            scenario file.
+        ScenarioError: a path that does not exist, a folder (or subfolder)
+            that cannot be listed, or a folder with no scenario file.
     """
     files: list[Path] = []
     for raw in paths:
@@ -309,7 +333,7 @@ def iter_scenario_files(
                     "PATH", str(path), f"a path the file system accepts ({exc.strerror})"
                 ) from None
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*.json") if p.is_file())
+            found = _json_files(path)
             if not found:
                 raise ScenarioError("PATH", str(path), "a folder containing *.json scenario files")
             kept = [p for p in found if not_a_scenario(p) is None]
