@@ -106,15 +106,36 @@ def _expectation(raw: object, source: str) -> Expectation:
         hits[variant] = tuple(values)
     findings: dict[str, tuple[str, ...]] = {}
     for variant, tags in (raw.get("findings") or {}).items():
-        if not isinstance(tags, list) or not all(isinstance(t, str) and "@" in t for t in tags):
+        if not isinstance(tags, list):
             raise ScenarioError(
                 f"expect.findings.{variant}",
                 tags,
                 "a list of 'kind@request' strings",
                 source=source,
             )
+        for index, tag in enumerate(tags):
+            if not _valid_tag(tag):
+                raise ScenarioError(
+                    f"expect.findings.{variant}[{index}]",
+                    tag,
+                    "'kind@N' (N a request index) or 'kind@run', kind one of "
+                    + ", ".join(k.value for k in FindingKind),
+                    source=source,
+                )
         findings[variant] = tuple(sorted(tags))
     return Expectation(hits=hits, findings=findings)
+
+
+def _valid_tag(tag: object) -> bool:
+    """Whether ``tag`` is a :func:`finding_tag`: a finding kind, ``@``, then a
+    request index or ``run`` (a misspelt kind would never match a finding)."""
+    if not isinstance(tag, str):
+        return False
+    kind, at, where = tag.partition("@")
+    kinds = {k.value for k in FindingKind}
+    return (
+        bool(at) and kind in kinds and (where == "run" or (where.isdecimal() and where.isascii()))
+    )
 
 
 def load_entry(path: Path) -> CorpusEntry:

@@ -194,6 +194,20 @@ CASES = [
     _case("duplicate-key", _duplicate_key, "dup.json: <json> key 'decode_steps'"),
     _case("version-1.0", lambda t: ["replay", str(_scenario(t, version=1.0))], "version = 1.0"),
     _case("version-true", lambda t: ["replay", str(_scenario(t, version=True))], "version = True"),
+    _case(
+        "expect-misspelt-kind",
+        lambda t: [
+            "replay",
+            str(_scenario(t, expect={"findings": {"unfixed": ["fallback@1", "fallbak@1"]}})),
+        ],
+        "expect.findings.unfixed[1] = 'fallbak@1' is invalid: allowed 'kind@N' (N a request "
+        "index) or 'kind@run', kind one of wrong-output, wrong-kv, over-hit",
+    ),
+    _case(
+        "expect-request-not-a-number",
+        lambda t: ["replay", str(_scenario(t, expect={"findings": {"fixed": ["crash@one"]}}))],
+        "expect.findings.fixed[0] = 'crash@one' is invalid",
+    ),
     _case("seconds-nan", lambda t: ["fuzz", "--seconds", "nan", "--out", str(t)], "--seconds"),
     _case(
         "shrink-seconds-nan",
