@@ -28,7 +28,7 @@ from differential.errors import ScenarioError
 from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
-from differential.scenario.models import FormatVersion, ModelDocument
+from differential.scenario.models import FormatVersion, ModelDocument, Size, SizeOrZero
 from differential.scenario.workload import DriveMode, RequestSpec, Workload
 
 if TYPE_CHECKING:
@@ -75,15 +75,15 @@ class GroupDocument(BaseModel):
     model_config = _CONFIG
 
     kind: GroupKind = Field(description="The attention type of the group's layers.")
-    block_size_tokens: _Positive = Field(
+    block_size_tokens: Size = Field(
         description="The group's block size, in tokens (a Mamba group: one state per block)."
     )
-    sliding_window_tokens: _Positive | None = Field(
+    sliding_window_tokens: Size | None = Field(
         default=None,
         description="The attention window, in tokens: sliding_window and sliding_window_mla "
         "groups only, null otherwise.",
     )
-    attention_chunk_size_tokens: _Positive | None = Field(
+    attention_chunk_size_tokens: Size | None = Field(
         default=None,
         exclude_if=_is_none,
         description="vLLM's attention_chunk_size, in tokens: chunked_local_attention groups "
@@ -115,7 +115,7 @@ class DrafterDocument(BaseModel):
     kind: DrafterKind = Field(
         default=DrafterKind.NONE, description="Which drafter; 'none' for plain decoding."
     )
-    num_speculative_tokens: _Count = Field(
+    num_speculative_tokens: SizeOrZero = Field(
         default=0,
         description="Draft tokens proposed per step: 0 exactly when kind is 'none', at least 2 for "
         "multi_module_mtp.",
@@ -230,18 +230,18 @@ class ScenarioDocument(BaseModel):
         description="The KV cache groups, any mix of kinds in any order: one group runs on "
         "vLLM's UnitaryKVCacheCoordinator, several on the HybridKVCacheCoordinator."
     )
-    hash_block_size_tokens: _Positive | None = Field(
+    hash_block_size_tokens: Size | None = Field(
         default=None,
         description="The block hash size, in tokens (CacheConfig.prefix_match_unit), a "
         "divisor of every group block size; null: derived as vLLM does (the GCD of the "
         "block sizes).",
     )
-    hit_alignment_tokens: _Positive | None = Field(
+    hit_alignment_tokens: Size | None = Field(
         default=None,
         description="The hit alignment, in tokens; null: derived as vLLM does. A given value "
         "must equal the derived one.",
     )
-    retention_interval_tokens: _Count | None = Field(
+    retention_interval_tokens: SizeOrZero | None = Field(
         default=None,
         description="vLLM's prefix_cache_retention_interval, in tokens: null (dense), 0 "
         "(replay boundaries and junctions only) or a positive multiple of the scheduler "
@@ -260,7 +260,7 @@ class ScenarioDocument(BaseModel):
     disable_eagle_block_drop: StrictBool = Field(
         default=False, description="The SpeculativeConfig switch of that name."
     )
-    prefill_chunk_tokens: _Positive = Field(
+    prefill_chunk_tokens: Size = Field(
         default=2048, description="Tokens scheduled per prefill step, in tokens."
     )
     decode_steps: _Count = Field(

@@ -126,6 +126,16 @@ def _duplicate_key(tmp: Path) -> list[str]:
     return ["replay", str(path)]
 
 
+def _huge_block(tmp: Path) -> list[str]:
+    # Unbounded, it made the scheduler block 2**64 and was reported as a
+    # retention interval that is no multiple of it.
+    data = triton().to_dict()
+    data["kv_cache_groups"][0]["block_size_tokens"] = 2**64
+    path = tmp / "block.json"
+    path.write_text(json.dumps(data))
+    return ["replay", str(path)]
+
+
 def _case(name: str, build: Callable[[Path], list[str]], named: str, **kw: object) -> object:
     return pytest.param(build, named, id=name, **kw)
 
@@ -207,6 +217,28 @@ CASES = [
         "expect-request-not-a-number",
         lambda t: ["replay", str(_scenario(t, expect={"findings": {"fixed": ["crash@one"]}}))],
         "expect.findings.fixed[0] = 'crash@one' is invalid",
+    ),
+    _case(
+        "block-size-2**64",
+        _huge_block,
+        "kv_cache_groups[0].block_size_tokens = 18446744073709551616 is invalid: "
+        "allowed an integer 1..16777216",
+    ),
+    _case(
+        "first-request-shares-with-0",
+        lambda t: [
+            "replay",
+            str(
+                _scenario(
+                    t,
+                    requests=[
+                        {"name": None, "shares_with": 0, "divergence_tokens": 8, "suffix_tokens": 8}
+                    ],
+                )
+            ),
+        ],
+        "requests[0].shares_with = 0 is invalid: allowed null (the first request has no "
+        "earlier request to share with; it shares shared_prefix_tokens)",
     ),
     _case("seconds-nan", lambda t: ["fuzz", "--seconds", "nan", "--out", str(t)], "--seconds"),
     _case(
