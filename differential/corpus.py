@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from differential.errors import ScenarioError, short_repr
+from differential.errors import ScenarioError, printable, short_repr
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
 from differential.scenario.json_form import json_data
@@ -302,7 +302,7 @@ def not_a_scenario(path: Path) -> str | None:
 
 
 def _say_skipped(path: Path, why: str) -> None:
-    print(f"kvfuzz: skipped {path}: {why}", file=sys.stderr)
+    print(f"kvfuzz: skipped {printable(str(path))}: {why}", file=sys.stderr)
 
 
 def _json_files(folder: Path) -> list[Path]:

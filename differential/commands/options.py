@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from differential.errors import EnvironmentProblem, InternalError, ScenarioError
+from differential.errors import EnvironmentProblem, InternalError, ScenarioError, printable
 from differential.findings import Policy
 from differential.scenario import DriveMode
 from differential.variants import (
@@ -285,7 +285,7 @@ def one_line(text: str) -> str:
     Keeps both ends: the start says what failed, the end of a traceback (a
     tree worker's stderr) says why.
     """
-    flat = " ".join(text.split())
+    flat = printable(" ".join(text.split()))  # an ANSI escape survives split()
     if len(flat) > MESSAGE_CHARS:
         half = (MESSAGE_CHARS - 40) // 2
         flat = f"{flat[:half]} ... ({len(flat)} chars) ... {flat[-half:]}"

@@ -107,14 +107,15 @@ def run(args: argparse.Namespace) -> int:
             notices.append(
                 f"the installed vLLM {VLLM_VERSION} already has part of the seed fix ({part})"
             )
-    notices += [f"{entry.path}: {entry.plan}" for entry in entries if entry.plan]
+    notices += [f"{printable(str(entry.path))}: {entry.plan}" for entry in entries if entry.plan]
     results = []
     ran: list[CorpusEntry] = []
     rejected: list[ScenarioError] = []
     for index, entry in enumerate(entries, 1):
         # Progress on stderr, one line per scenario, its cost stated before it runs.
         print(
-            f"[{index}/{len(entries)}] {entry.path}: {scenario_cost(entry.scenario).describe()}",
+            f"[{index}/{len(entries)}] {printable(str(entry.path))}: "
+            f"{scenario_cost(entry.scenario).describe()}",
             file=sys.stderr,
             flush=True,
         )

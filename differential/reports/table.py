@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from differential.compare import ScenarioResult
+from differential.errors import printable
 from differential.findings import Finding, Policy
 from differential.observation import RunObservation
 
@@ -43,11 +44,6 @@ def _hash_block(result: ScenarioResult) -> int:
 def summary_counts(results: Sequence[ScenarioResult]) -> Counter[str]:
     """Findings by kind across ``results``."""
     return Counter(f.kind.value for r in results for f in r.findings)
-
-
-def printable(text: str) -> str:
-    """``text`` with control characters (and backslashes) escaped, on one line."""
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def render_text(

@@ -255,6 +255,8 @@ def test_file_names_are_escaped_and_junit_has_times(tmp_path: Path) -> None:
         f"::error file={str(tmp_path).replace(':', '%3A')}/seed%0A%3A%3Awarning file=x%3A%3A"
     )
     assert f"{tmp_path}/seed\\n::warning file=x::injected.json  [" in proc.stdout
+    # The progress line on stderr is escaped too.
+    assert f"[1/1] {tmp_path}/seed\\n::warning file=x::injected.json: 4 requests" in proc.stderr
     times = [float(t) for t in re.findall(r'testcase [^>]*time="([0-9.]+)"', junit.read_text())]
     assert len(times) == 2 and all(t > 0 for t in times)
 

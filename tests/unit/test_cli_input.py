@@ -163,3 +163,34 @@ def test_an_unreadable_subfolder_is_named(
         f"kvfuzz: error: PATH = '{hidden}' is invalid: allowed a readable folder "
         "(Permission denied)"
     ]
+
+
+def test_file_names_print_escaped_on_every_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newline or an ANSI escape in a file name is printed escaped, in the
+    skipped-file lines, error lines and campaign progress notes alike."""
+    import io
+
+    from fuzz.progress import CampaignStats, Progress
+
+    evil = "red\x1b[31m\nline"
+    folder = tmp_path / "c"
+    folder.mkdir()
+    _write(folder, f"a-{evil}.json", triton().to_dict())
+    _write(folder, f"b-{evil}.json", [1, 2])
+    from differential.corpus import iter_scenario_files
+
+    assert len(iter_scenario_files([folder])) == 1
+    assert capsys.readouterr().err == (
+        f"kvfuzz: skipped {folder}/b-red\\x1b[31m\\nline.json: not a scenario "
+        "(a JSON list, not an object)\n"
+    )
+    broken = _write(tmp_path, f"{evil}.json", "{")
+    code, err = _replay(capsys, str(broken))
+    assert code == 2
+    assert err.startswith(f"kvfuzz: error: {tmp_path}/red\\x1b[31m\\nline.json: <json> = ")
+    assert "\x1b" not in err and err.count("\n") == 1
+    stream = io.StringIO()
+    Progress(CampaignStats(), stream=stream).note(f"new finding -> {folder}/{evil}.json")
+    assert stream.getvalue() == f"new finding -> {folder}/red\\x1b[31m\\nline.json\n"
