@@ -430,3 +430,49 @@ def test_ci_script_propagates_exit_codes(
         check=False,
     )
     assert proc.returncode == expected, proc.stdout + proc.stderr
+
+
+def test_version_names_kvfuzz_and_vllm_without_importing_vllm(tmp_path: Path) -> None:
+    probe = (
+        "import sys\n"
+        "from differential.cli import main\n"
+        "try:\n"
+        "    main(['--version'])\n"
+        "except SystemExit as exc:\n"
+        "    print('EXIT', exc.code, 'vllm' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    line, status = proc.stdout.splitlines()
+    assert status == "EXIT 0 False", proc.stderr
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    assert line.startswith("kvfuzz ") and line.endswith(f"(vLLM 0.33.0, Python {python})")
+
+
+def test_version_without_vllm(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.metadata
+
+    from differential.cli import main
+
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name.startswith("vllm"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.endswith(
+        "(vLLM not installed, Python {}.{}.{})\n".format(*sys.version_info[:3])
+    )
