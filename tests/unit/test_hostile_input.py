@@ -476,3 +476,30 @@ def test_version_without_vllm(
     assert capsys.readouterr().out.endswith(
         "(vLLM not installed, Python {}.{}.{})\n".format(*sys.version_info[:3])
     )
+
+
+def test_bootstrap_says_each_step(tmp_path: Path) -> None:
+    """The first set-up (about 4 minutes) prints one line per step on stderr;
+    here over a stub interpreter that accepts every pip call."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "bootstrap.sh", tmp_path / "scripts" / "bootstrap.sh")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\nexit 0\n')
+    python.chmod(0o755)
+    proc = subprocess.run(
+        ["bash", "scripts/bootstrap.sh"],
+        cwd=tmp_path,
+        env={**{k: v for k, v in os.environ.items() if k != "KVFUZZ_TORCH"}, "KVFUZZ_VENV": "venv"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    steps = [line for line in proc.stderr.splitlines() if line.startswith("kvfuzz: [")]
+    assert [line.split("]")[0] for line in steps] == [f"kvfuzz: [{i}/8" for i in range(1, 9)]
+    assert "CPU torch (torch==2.13.0" in steps[2]
+    assert proc.stderr.splitlines()[-1] == "kvfuzz: venv is ready"
+    assert len((python.parent / "calls").read_text().splitlines()) == 7  # 6 pip calls, 1 import
