@@ -233,9 +233,10 @@ def test_export_test_of_a_fixed_variant_finding(tmp_path: Path) -> None:
     proc = kvfuzz_cli("export-test", str(path))
     assert proc.returncode == 0, proc.stderr
     source = proc.stdout
-    assert f"the fixed variant gives {finding.hit_tokens}" in source
-    assert "Known vLLM issue swa-short-run-align-before-drop" in source
-    assert "fails with the fix too" in source
+    flat = " ".join(source.split())  # the docstring is wrapped at 100 characters
+    assert f"the fixed variant gives {finding.hit_tokens}" in flat
+    assert "Known vLLM issue swa-short-run-align-before-drop" in flat
+    assert "fails with the fix too" in flat
     assert "' is not None" not in source
     with warnings.catch_warnings():
         warnings.simplefilter("error")
