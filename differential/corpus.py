@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from differential.errors import ScenarioError, short_repr
+from differential.errors import ScenarioError, printable, short_repr
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
 from differential.scenario.json_form import json_data
@@ -106,15 +106,36 @@ def _expectation(raw: object, source: str) -> Expectation:
         hits[variant] = tuple(values)
     findings: dict[str, tuple[str, ...]] = {}
     for variant, tags in (raw.get("findings") or {}).items():
-        if not isinstance(tags, list) or not all(isinstance(t, str) and "@" in t for t in tags):
+        if not isinstance(tags, list):
             raise ScenarioError(
                 f"expect.findings.{variant}",
                 tags,
                 "a list of 'kind@request' strings",
                 source=source,
             )
+        for index, tag in enumerate(tags):
+            if not _valid_tag(tag):
+                raise ScenarioError(
+                    f"expect.findings.{variant}[{index}]",
+                    tag,
+                    "'kind@N' (N a request index) or 'kind@run', kind one of "
+                    + ", ".join(k.value for k in FindingKind),
+                    source=source,
+                )
         findings[variant] = tuple(sorted(tags))
     return Expectation(hits=hits, findings=findings)
+
+
+def _valid_tag(tag: object) -> bool:
+    """Whether ``tag`` is a :func:`finding_tag`: a finding kind, ``@``, then a
+    request index or ``run`` (a misspelt kind would never match a finding)."""
+    if not isinstance(tag, str):
+        return False
+    kind, at, where = tag.partition("@")
+    kinds = {k.value for k in FindingKind}
+    return (
+        bool(at) and kind in kinds and (where == "run" or (where.isdecimal() and where.isascii()))
+    )
 
 
 def load_entry(path: Path) -> CorpusEntry:
@@ -281,7 +302,31 @@ def not_a_scenario(path: Path) -> str | None:
 
 
 def _say_skipped(path: Path, why: str) -> None:
-    print(f"kvfuzz: skipped {path}: {why}", file=sys.stderr)
+    print(f"kvfuzz: skipped {printable(str(path))}: {why}", file=sys.stderr)
+
+
+def _json_files(folder: Path) -> list[Path]:
+    """The ``*.json`` files under ``folder`` (recursively, symlinked folders
+    not followed), sorted.
+
+    Raises:
+        ScenarioError: a folder under ``folder`` that cannot be listed,
+            naming it (``Path.rglob`` skips it silently: its scenarios would
+            go unreplayed without a word), as an unreadable file is.
+    """
+
+    def unreadable(exc: OSError) -> None:
+        raise ScenarioError(
+            "PATH", exc.filename or str(folder), f"a readable folder ({exc.strerror})"
+        )
+
+    found = [
+        Path(top) / name
+        for top, _folders, names in os.walk(folder, onerror=unreadable)
+        for name in names
+        if name.endswith(".json")
+    ]
+    return sorted(p for p in found if p.is_file())
 
 
 def iter_scenario_files(
@@ -295,8 +340,8 @@ def iter_scenario_files(
     named explicitly is always kept (loading it names what is wrong).
 
     Raises:
-        ScenarioError: a path that does not exist, or a folder with no
-            scenario file.
+        ScenarioError: a path that does not exist, a folder (or subfolder)
+            that cannot be listed, or a folder with no scenario file.
     """
     files: list[Path] = []
     for raw in paths:
@@ -309,7 +354,7 @@ def iter_scenario_files(
                     "PATH", str(path), f"a path the file system accepts ({exc.strerror})"
                 ) from None
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*.json") if p.is_file())
+            found = _json_files(path)
             if not found:
                 raise ScenarioError("PATH", str(path), "a folder containing *.json scenario files")
             kept = [p for p in found if not_a_scenario(p) is None]

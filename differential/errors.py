@@ -29,6 +29,14 @@ def short_repr(value: object) -> str:
     return text if len(text) <= _VALUE_CHARS else text[: _VALUE_CHARS - 3] + "..."
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters (and then backslashes) escaped, on
+    one line, so a newline or an ANSI escape in a file name can neither start
+    a line of its own nor recolour the terminal (a newline prints as
+    ``\\n``, an escape as ``\\x1b``)."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 class KvfuzzError(Exception):
     """Base class of every error kvfuzz raises on purpose."""
 
@@ -58,7 +66,7 @@ class ScenarioError(KvfuzzError, ValueError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        where = f"{self.source}: " if self.source else ""
+        where = f"{printable(self.source)}: " if self.source else ""
         value = short_repr(self.value)
         return f"{where}{self.field} = {value} is invalid: allowed {self.allowed}"
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, TextIO
 
+from differential.errors import printable
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -128,7 +130,8 @@ class Progress:
 
     def note(self, message: str) -> None:
         """Print a message above the live display (or as a plain line)."""
+        message = printable(message)  # file names may hold newlines and ANSI escapes
         if self._live is not None:
-            self._live.console.print(message)
+            self._live.console.print(message, markup=False, highlight=False)
         else:
             print(message, file=self.stream, flush=True)

@@ -297,7 +297,28 @@ def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: P
     for name, values in groups.items():
         if name == "group-mix":
             lines += [f"{len(values)} distinct group mixes.", ""]
-        lines += [f"| {name} | scenarios |", "| --- | --- |"]
-        lines += [f"| {value} | {count} |" for value, count in sorted(values)]
+        lines += coverage_table(name, values)
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+#: A coverage table longer than this shows its most frequent rows only.
+COVERAGE_ROWS = 10
+
+
+def coverage_table(name: str, values: list[tuple[str, int]]) -> list[str]:
+    """One coverage dimension as a Markdown table: every value (sorted) when
+    there are at most ``COVERAGE_ROWS``; else the ``COVERAGE_ROWS`` most
+    frequent, then one row counting the rest (a campaign draws hundreds of
+    group mixes, which made ``report.md`` mostly one table)."""
+    lines = [f"| {name} | scenarios |", "| --- | --- |"]
+    if len(values) <= COVERAGE_ROWS:
+        return lines + [f"| {value} | {count} |" for value, count in sorted(values)]
+    ranked = sorted(values, key=lambda vc: (-vc[1], vc[0]))
+    shown, rest = ranked[:COVERAGE_ROWS], ranked[COVERAGE_ROWS:]
+    lines += [f"| {value} | {count} |" for value, count in shown]
+    lines.append(
+        f"| ... {len(rest)} more (the full counts: `coverage` in summary.json) | "
+        f"{sum(count for _, count in rest)} |"
+    )
+    return lines

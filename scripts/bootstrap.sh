@@ -26,8 +26,16 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 
-echo "kvfuzz: setting up $venv (CPU torch, vLLM 0.33.0 without CUDA dependencies)" >&2
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+echo "kvfuzz: setting up $venv (CPU torch, vLLM 0.33.0 without CUDA dependencies;" \
+     "about 4 minutes the first time, one line per step)" >&2
+# One line per step on stderr, so a first set-up never sits silent for minutes.
+step() { echo "kvfuzz: [$1/8] $2" >&2; }
+if [ -x "$venv/bin/python" ]; then
+    step 1 "virtual environment $venv: already there"
+else
+    step 1 "creating the virtual environment $venv ($python -m venv)"
+    "$python" -m venv "$venv"
+fi
 log="$venv/bootstrap.log"
 : > "$log"
 echo "kvfuzz: pip's output goes to $log; its 'vllm 0.33.0 requires ..., which is" \
@@ -40,12 +48,20 @@ run_pip() {
         exit 1
     fi
 }
+step 2 "upgrading pip"
 run_pip install --upgrade pip
+step 3 "CPU torch ($torch_req; the longest step)"
 run_pip install "$torch_req"
+step 4 "vLLM without its dependencies (requirements/vllm-nodeps.txt)"
 run_pip install --no-deps -r requirements/vllm-nodeps.txt
+step 5 "the light packages vLLM's KV-cache and config modules import (requirements/vllm-cpu.txt)"
 run_pip install -r requirements/vllm-cpu.txt -c requirements/vllm-cpu.lock
+step 6 "the test tools (requirements/test.txt)"
 run_pip install -r requirements/test.txt
+step 7 "kvfuzz itself (editable)"
 run_pip install --no-deps -e .
+step 8 "checking that vLLM's KV cache modules import"
 "$venv/bin/python" -c "import vllm.v1.core.kv_cache_manager, vllm.config" 2>/dev/null \
     || { echo "kvfuzz: vLLM's KV cache modules do not import in $venv" >&2; exit 1; }
 echo "$want" > "$stamp"
+echo "kvfuzz: $venv is ready" >&2

@@ -139,7 +139,10 @@ def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -
     replays = []
     try:
         for index, entry in enumerate(entries, 1):
-            print(f"[{index}/{len(entries)}] {entry.path}: on the engine", file=sys.stderr)
+            print(
+                f"[{index}/{len(entries)}] {printable(str(entry.path))}: on the engine",
+                file=sys.stderr,
+            )
             replays.append(engine_replay(entry, policy, timeout_s=max(args.timeout, 600.0)))
     finally:
         shutdown_engine()

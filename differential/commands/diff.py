@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Any
 
 from differential.commands.options import (
     EXIT_CLEAN,
     EXIT_FOUND,
+    seconds_budget,
+    timeout_seconds,
 )
 from differential.errors import VariantError
 from differential.findings import Policy
@@ -44,7 +45,7 @@ def add_parser(sub: Any) -> None:
     )
     diff.add_argument(
         "--seconds",
-        type=float,
+        type=seconds_budget,
         default=30.0,
         help="campaign budget in seconds; 0 for no campaign (default: %(default)s)",
     )
@@ -58,7 +59,7 @@ def add_parser(sub: Any) -> None:
     diff.add_argument("--seed", type=int, default=1, help="campaign seed (default: %(default)s)")
     diff.add_argument(
         "--timeout",
-        type=float,
+        type=timeout_seconds,
         default=60.0,
         metavar="SECONDS",
         help="per-scenario timeout for tree and release variants (default: %(default)s)",
@@ -77,9 +78,6 @@ def run(args: argparse.Namespace) -> int:
     from differential.corpus import iter_scenario_files, load_entry
     from differential.reports.diff import run_diff
 
-    for option, value in (("--seconds", args.seconds), ("--timeout", args.timeout)):
-        if not math.isfinite(value) or value < 0 or (option == "--timeout" and value == 0):
-            raise VariantError(f"{option} = {value!r} is invalid: allowed a positive number")
     if args.max_examples is not None and args.max_examples < 0:
         raise VariantError(f"--max-examples = {args.max_examples} is invalid: allowed N >= 0")
     if not args.corpus and args.seconds == 0 and not args.max_examples:

@@ -331,6 +331,11 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> l
         return []
     items = []
     results = []
+    known = [
+        RootCause.from_dict(cause["identity"])
+        for cause in summary.get("root_causes", [])  # type: ignore[attr-defined]
+        if cause["status"] != "new"
+    ]
     for cause in summary.get("root_causes", []):  # type: ignore[attr-defined]
         path = Path(cause["shrunk"] or cause["file"])
         if not path.exists():
@@ -347,4 +352,4 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> l
         results.append(result)
     pictures = root_cause_pictures(items, args.out / "pictures")
     write_atomic(args.out / "report.md", campaign_markdown(summary, pictures, args.out))
-    return write_ci_reports(args, results)
+    return write_ci_reports(args, results, known)

@@ -13,7 +13,7 @@ from differential.commands.options import (
     EXIT_FOUND,
     add_common,
 )
-from differential.errors import ScenarioError
+from differential.errors import ScenarioError, printable
 from differential.findings import SEVERITY, Policy
 from differential.scenario import DriveMode
 from differential.variants import (
@@ -66,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
     for path, buffer in buffers:
         scenario = decode(buffer, DriveMode(args.mode or "manager"))
         if scenario is None:
-            print(f"{path}: decodes to no scenario (too short for the strategy)", file=sys.stderr)
+            print(
+                f"{printable(str(path))}: decodes to no scenario (too short for the strategy)",
+                file=sys.stderr,
+            )
             continue
         result = compare_variants(scenario, variants, policy=Policy(args.policy))
         if result.findings:
@@ -86,5 +89,5 @@ def run(args: argparse.Namespace) -> int:
         out = args.out / name
         write_atomic(out, json.dumps(document, indent=2) + "\n")
         verdict = signature.text if signature is not None else "no finding"
-        print(f"{path} -> {out}: {verdict}")
+        print(f"{printable(str(path))} -> {printable(str(out))}: {verdict}")
     return EXIT_FOUND if found else EXIT_CLEAN

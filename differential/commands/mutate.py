@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from differential import forkserver
-from differential.commands.options import add_policy
+from differential.commands.options import add_policy, percent, timeout_seconds
 from differential.errors import VariantError
 from differential.findings import Policy
 from differential.variants.mutation import (
@@ -80,7 +80,7 @@ def add_parser(sub: Any) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=timeout_seconds,
         default=10.0,
         metavar="SECONDS",
         help="per-scenario timeout of a mutant's worker (default: %(default)s)",
@@ -92,7 +92,7 @@ def add_parser(sub: Any) -> None:
     )
     parser.add_argument(
         "--fail-under",
-        type=float,
+        type=percent,
         default=0.0,
         metavar="PERCENT",
         help="exit 1 when the score is below PERCENT (default: %(default)s)",
@@ -137,10 +137,6 @@ def run(args: Any) -> int:
         raise VariantError(f"--sample must be >= 1, got {args.sample}")
     if args.campaign_examples < 0:
         raise VariantError(f"--campaign-examples must be >= 0, got {args.campaign_examples}")
-    if args.timeout <= 0:
-        raise VariantError(f"--timeout must be > 0, got {args.timeout}")
-    if not 0 <= args.fail_under <= 100:
-        raise VariantError(f"--fail-under must be within 0..100, got {args.fail_under}")
     _check_output("--json", args.json)
     _check_output("--markdown", args.markdown)
     scenarios = draw_scenarios(args.paths, args.seed, args.campaign_examples)

@@ -14,11 +14,11 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from differential.errors import EnvironmentProblem, InternalError, ScenarioError
+from differential.errors import EnvironmentProblem, InternalError, ScenarioError, printable
 from differential.findings import Policy
 from differential.scenario import DriveMode
 from differential.variants import (
@@ -70,6 +70,14 @@ def timeout_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text!r} is invalid: allowed a finite number of seconds > 0"
         )
+    return value
+
+
+def percent(text: str) -> float:
+    """A finite percentage, 0..100."""
+    value = number(text, "a finite percentage 0..100")
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed a finite percentage 0..100")
     return value
 
 
@@ -217,6 +225,13 @@ def add_ci_reports(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print a GitHub Actions ::error/::warning line per finding",
     )
+    parser.add_argument(
+        "--known-as-failures",
+        action="store_true",
+        help="report known findings (known vLLM issues, root causes a campaign's known corpus "
+        "holds) as JUnit failures, SARIF errors and ::error lines like new ones (default: "
+        "JUnit skipped, SARIF note, ::notice)",
+    )
 
 
 def write_output(option: str, path: Path, text: str) -> str | None:
@@ -243,21 +258,31 @@ def outputs_failed(problems: Sequence[str]) -> EnvironmentProblem:
     )
 
 
-def write_ci_reports(args: argparse.Namespace, results: Sequence[object]) -> list[str]:
-    """Write ``--junit-xml``, ``--sarif`` and the annotations.
+def write_ci_reports(
+    args: argparse.Namespace, results: Sequence[object], known_causes: Collection[object] = ()
+) -> list[str]:
+    """Write ``--junit-xml``, ``--sarif`` and the annotations; known findings
+    (known vLLM issues, and ``known_causes``: root causes a known corpus
+    holds) are JUnit skips, SARIF notes and notices unless
+    ``--known-as-failures``.
 
     Returns:
         The outputs that could not be written (see :func:`write_output`).
     """
     from differential.reports.ci import dumps_sarif, github_annotations, junit_xml
 
-    problems: list[str] = []
+    known: dict[str, Any] = {
+        "known_causes": frozenset(known_causes),
+        "known_as_failures": getattr(args, "known_as_failures", False),
+    }
+    problems: list[str | None] = []
     if args.junit_xml is not None:
-        problems.append(write_output("--junit-xml", args.junit_xml, junit_xml(results)))  # type: ignore[arg-type]
+        text = junit_xml(results, **known)  # type: ignore[arg-type]
+        problems.append(write_output("--junit-xml", args.junit_xml, text))
     if args.sarif is not None:
-        problems.append(write_output("--sarif", args.sarif, dumps_sarif(results)))  # type: ignore[arg-type]
+        problems.append(write_output("--sarif", args.sarif, dumps_sarif(results, **known)))  # type: ignore[arg-type]
     if args.github_annotations:
-        sys.stdout.write(github_annotations(results))  # type: ignore[arg-type]
+        sys.stdout.write(github_annotations(results, **known))  # type: ignore[arg-type]
     return [p for p in problems if p is not None]
 
 
@@ -277,7 +302,7 @@ def one_line(text: str) -> str:
     Keeps both ends: the start says what failed, the end of a traceback (a
     tree worker's stderr) says why.
     """
-    flat = " ".join(text.split())
+    flat = printable(" ".join(text.split()))  # an ANSI escape survives split()
     if len(flat) > MESSAGE_CHARS:
         half = (MESSAGE_CHARS - 40) // 2
         flat = f"{flat[:half]} ... ({len(flat)} chars) ... {flat[-half:]}"

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION, fix_status
-    from differential.reports.table import printable, render_json, render_text
+    from differential.reports.table import expected_line, printable, render_json, render_text
 
     started = time.perf_counter()  # after the vLLM import, as the summary line says
 
@@ -107,14 +107,15 @@ def run(args: argparse.Namespace) -> int:
             notices.append(
                 f"the installed vLLM {VLLM_VERSION} already has part of the seed fix ({part})"
             )
-    notices += [f"{entry.path}: {entry.plan}" for entry in entries if entry.plan]
+    notices += [f"{printable(str(entry.path))}: {entry.plan}" for entry in entries if entry.plan]
     results = []
     ran: list[CorpusEntry] = []
     rejected: list[ScenarioError] = []
     for index, entry in enumerate(entries, 1):
         # Progress on stderr, one line per scenario, its cost stated before it runs.
         print(
-            f"[{index}/{len(entries)}] {entry.path}: {scenario_cost(entry.scenario).describe()}",
+            f"[{index}/{len(entries)}] {printable(str(entry.path))}: "
+            f"{scenario_cost(entry.scenario).describe()}",
             file=sys.stderr,
             flush=True,
         )
@@ -154,6 +155,15 @@ def run(args: argparse.Namespace) -> int:
         for path, problem in contradictions:
             sys.stdout.write(f"! expectation not met: {printable(str(path))}: {problem}\n")
         sys.stdout.write(f"({time.perf_counter() - started:.1f} s after importing vLLM)\n")
+        contradicted = {path for path, _ in contradictions}
+        closing = expected_line(
+            [
+                (result, None if entry.path in contradicted else entry.expect.findings or None)
+                for entry, result in zip(ran, results, strict=True)
+            ]
+        )
+        if closing is not None:
+            sys.stdout.write(closing + "\n")
     if problems:
         raise outputs_failed(problems)
     if rejected:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import TYPE_CHECKING
 
-from differential.findings import Finding
+from differential.findings import Finding, FindingKind
 from differential.oracle import SiblingReference
 from differential.oracle.blocks import render_blocks
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
@@ -47,6 +47,9 @@ class VariantRow:
         crash: vLLM's error when the variant crashed on this request (its
             cache maps are then those taken at the request's lookup, before
             the crash, and ``hit_tokens`` is 0); ``None`` otherwise.
+        reusable_tokens: for an ``over-hit``, the most tokens the request
+            may reuse (the over-hit finding's ceiling), in tokens; ``None``
+            otherwise.
     """
 
     variant: str
@@ -55,11 +58,25 @@ class VariantRow:
     verdicts: tuple[str, ...]
     lookup_blocks: tuple[tuple[int | None, ...], ...] = ()
     crash: str | None = None
+    reusable_tokens: int | None = None
 
     @property
     def outcome(self) -> str:
         """``hit N`` or ``crashed``, for the picture's right-hand column."""
         return "crashed" if self.crash is not None else f"hit {self.hit_tokens}"
+
+    @property
+    def verdict(self) -> str:
+        """The verdicts in words: ``ok``, ``fallback``; an over-hit says how
+        much may be reused (``over-hit (at most 304 reusable)``), since the
+        hit may equal the expected checkpoint."""
+        words = [
+            f"{v} (at most {self.reusable_tokens} reusable)"
+            if v == "over-hit" and self.reusable_tokens is not None
+            else v
+            for v in self.verdicts
+        ]
+        return ", ".join(words) or "ok"
 
 
 @dataclass(frozen=True)
@@ -191,11 +208,26 @@ def explain_request(
                 if f.request == request and f.owner == vr.variant.name
             )
         )
+        reusable = next(
+            (
+                f.expected_tokens
+                for f in findings
+                if f.request == request
+                and f.owner == vr.variant.name
+                and f.kind is FindingKind.OVER_HIT
+            ),
+            None,
+        )
         if request < len(run.requests):
             obs = run.requests[request]
             rows.append(
                 VariantRow(
-                    vr.variant.name, obs.hit_tokens, obs.cache_map, verdicts, obs.lookup_block_ids
+                    vr.variant.name,
+                    obs.hit_tokens,
+                    obs.cache_map,
+                    verdicts,
+                    obs.lookup_block_ids,
+                    reusable_tokens=reusable,
                 )
             )
         elif run.error is not None and run.crash_cache_map and len(run.requests) == request:
@@ -303,8 +335,7 @@ def render_text(exp: Explanation) -> str:
                 if 0 <= hit_col <= width or row.crash is not None
                 else f"hit {row.hit_tokens} (left of the view)"
             )
-            verdict = ", ".join(row.verdicts) or "ok"
-            suffix = f"  {where}; {verdict}" if gid == len(scenario.kv_cache_groups) - 1 else ""
+            suffix = f"  {where}; {row.verdict}" if gid == len(scenario.kv_cache_groups) - 1 else ""
             lines.append(f"{label:<{label_width}}{''.join(cells)}{suffix}")
     lines.append(
         "█ cached at lookup  · not cached  | periodic checkpoint  e expected checkpoint  "
@@ -366,15 +397,26 @@ def _svg_states(
     return parts
 
 
+#: Width of one character of the SVG's monospace font, per pixel of font
+#: size (DejaVu Sans Mono, Menlo and Consolas are 0.60 to 0.62 em wide).
+_CHAR_EM = 0.62
+
+
 def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
-    """The same picture as SVG: one row per variant and group."""
+    """The same picture as SVG: one row per variant and group.
+
+    The picture is as wide as its widest element: every text's width is
+    measured in characters of the monospace font (the title and the legend
+    were cut at a fixed right margin); an over-hit row says how much may be
+    reused and the ceiling is drawn (``reusable N``) beside the expected
+    checkpoint it can equal.
+    """
     scenario = exp.scenario
     ref = exp.reference
     column = _column_tokens(scenario)
     width = max(1, (exp.end_tokens - exp.start_tokens) // column)
     left, top = 190, 58
     rows = [(row, gid, g) for row in exp.rows for gid, g in enumerate(scenario.kv_cache_groups)]
-    total_w = left + width * block_px + 230
     block_lines = _block_lines(exp)
     block_lines += [
         f"{row.variant} crashed (blocks as cached when its lookup started): {row.crash}"
@@ -382,27 +424,37 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
         if row.crash is not None
     ]
     total_h = top + len(rows) * row_px + 80 + 14 * len(block_lines)
+    right = left + width * block_px + 10.0  # the right edge of everything drawn
 
     def x(tokens: int) -> float:
         return left + (tokens - exp.start_tokens) / column * block_px
 
+    def text(tx: float, ty: float, content: str, *, size: int = 12, fill: str = "") -> str:
+        nonlocal right
+        right = max(right, tx + len(content) * size * _CHAR_EM)
+        colour = f' fill="{fill}"' if fill else ""
+        sized = f' font-size="{size}"' if size != 12 else ""
+        return f'<text x="{tx:g}" y="{ty:g}"{sized}{colour}>{escape(content, quote=False)}</text>'
+
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" '
-        'font-family="monospace" font-size="12">',
-        f'<rect width="{total_w}" height="{total_h}" fill="white"/>',
-        f'<text x="8" y="18" font-size="13">{escape(scenario.label)}: request {exp.request}, '
-        f"divergence {ref.divergence_tokens}, expected {ref.expected_tokens}, "
-        f"dense {ref.dense_tokens}</text>",
-        f'<text x="8" y="36">tokens {exp.start_tokens}..{exp.end_tokens}; filled = SWA/full '
-        "block cached when the sibling looked up</text>",
+        text(
+            8,
+            18,
+            f"{scenario.label}: request {exp.request}, divergence {ref.divergence_tokens}, "
+            f"expected {ref.expected_tokens}, dense {ref.dense_tokens}",
+            size=13,
+        ),
+        text(
+            8,
+            36,
+            f"tokens {exp.start_tokens}..{exp.end_tokens}; filled = SWA/full block cached "
+            "when the sibling looked up",
+        ),
     ]
     for index, (row, gid, group) in enumerate(rows):
         y = top + index * row_px
         kind = _group_kind_label(group)
-        parts.append(
-            f'<text x="8" y="{y + 14}">{escape(row.variant)} g{gid} {kind}{group.block_size_tokens}'
-            "</text>"
-        )
+        parts.append(text(8, y + 14, f"{row.variant} g{gid} {kind}{group.block_size_tokens}"))
         cache_map = row.cache_maps[gid] if gid < len(row.cache_maps) else ""
         if group.kind is GroupKind.MAMBA:
             parts.extend(_svg_states(exp, cache_map, x, y, row_px))
@@ -425,35 +477,40 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
                 f'{y + row_px - 2} {x(hit):.1f},{y + row_px - 8}" fill="#d69e2e"/>'
             )
         if gid == len(scenario.kv_cache_groups) - 1:
-            verdict = ", ".join(row.verdicts) or "ok"
             parts.append(
-                f'<text x="{left + width * block_px + 10}" y="{y + 14}">{row.outcome}: '
-                f"{escape(verdict)}</text>"
+                text(left + width * block_px + 10, y + 14, f"{row.outcome}: {row.verdict}")
             )
     bottom = top + len(rows) * row_px
-    for line, (tokens, color, label) in enumerate(
-        (
-            *((c, "#718096", f"c={c}") for c in exp.checkpoints),
-            (ref.expected_tokens, "#38a169", f"expected {ref.expected_tokens}"),
-            (ref.divergence_tokens, "#e53e3e", f"D={ref.divergence_tokens}"),
-        )
-    ):
+    reusable = sorted({r.reusable_tokens for r in exp.rows if r.reusable_tokens is not None})
+    marks = (
+        *((c, "#718096", f"c={c}") for c in exp.checkpoints),
+        (ref.expected_tokens, "#38a169", f"expected {ref.expected_tokens}"),
+        *((c, "#805ad5", f"reusable {c} (over-hit above)") for c in reusable),
+        (ref.divergence_tokens, "#e53e3e", f"D={ref.divergence_tokens}"),
+    )
+    for line, (tokens, color, label) in enumerate(marks):
         if exp.start_tokens <= tokens <= exp.end_tokens:
             parts.append(
                 f'<line x1="{x(tokens):.1f}" y1="{top - 6}" x2="{x(tokens):.1f}" y2="{bottom}" '
                 f'stroke="{color}" stroke-width="1.5" stroke-dasharray="4,2"/>'
             )
-            parts.append(
-                f'<text x="{x(tokens) + 2:.1f}" y="{bottom + 14 * (line + 1)}" fill="{color}">'
-                f"{escape(label)}</text>"
-            )
+            parts.append(text(x(tokens) + 2, bottom + 14 * (line + 1), label, fill=color))
+    total_h = max(total_h, bottom + 14 * (len(marks) + 1) + 14 * len(block_lines) + 24)
     parts.append(
-        f'<text x="8" y="{total_h - 8}">blue = cached, grey = not cached, '
-        "orange triangle = the variant's hit</text>"
-    )
-    for line, text in enumerate(block_lines):
-        parts.append(
-            f'<text x="8" y="{total_h - 8 - 14 * (len(block_lines) - line)}">{escape(text)}</text>'
+        text(
+            8,
+            total_h - 8,
+            "blue = cached, grey = not cached, orange triangle = the variant's hit",
         )
+    )
+    for line, line_text in enumerate(block_lines):
+        parts.append(text(8, total_h - 8 - 14 * (len(block_lines) - line), line_text))
+    total_w = int(right + 0.999) + 12
+    head = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" '
+        'font-family="monospace" font-size="12">',
+        f'<rect width="{total_w}" height="{total_h}" fill="white"/>',
+    ]
+    parts = head + parts
     parts.append("</svg>")
     return "\n".join(parts) + "\n"

@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import re
 
+from differential.exports._source import import_block, literal, wrapped
 from differential.findings import Finding, FindingKind
 from differential.oracle import SiblingReference
 from differential.scenario import DrafterKind, GroupKind, MambaPrefill, Scenario
 
-__all__ = ["crash_parts", "export_test"]
+__all__ = [
+    "IMPORTABLE",
+    "crash_parts",
+    "docstring_lines",
+    "export_test",
+    "hit_check",
+    "with_imports",
+]
 
 _METHOD = {
     DrafterKind.EAGLE: ("eagle", "eagle", 1),
@@ -34,24 +42,13 @@ _METHOD = {
 # The generated helper both exported tests share (this module's and
 # differential/exports/scheduler_test.py's), filled in by speculative_config_source.
 _SPECULATIVE_CONFIG = '''\
-def _speculative_config():
+def _speculative_config() -> SpeculativeConfig:
     """A real SpeculativeConfig, its validators (which load the draft model)
-    skipped; None without a drafter."""
-    method, model_type = {method!r}, {model_type!r}
-    if method is None:
-        return None
+    skipped."""
     spec = object.__new__(SpeculativeConfig)
-    draft = None
-    if model_type is not None:
-        draft = SimpleNamespace(
-            model="draft",
-            architectures=[],
-            hf_config=SimpleNamespace(
-                model_type=model_type, num_nextn_predict_layers={modules}, sample_from_anchor=True
-            ),
-        )
+    draft = {draft}
     for name, value in dict(
-        method=method,
+        method={method!r},
         num_speculative_tokens={num_spec},
         num_speculative_tokens_per_batch_size=None,
         disable_eagle_block_drop={disable_drop},
@@ -63,48 +60,40 @@ def _speculative_config():
     return spec
 '''
 
+_DRAFT_MODEL = """SimpleNamespace(
+        model="draft",
+        architectures=[],
+        hf_config=SimpleNamespace(
+            model_type={model_type!r}, num_nextn_predict_layers={modules}, sample_from_anchor=True
+        ),
+    )"""
+
+_NO_DRAFTER = '''\
+def _speculative_config() -> None:
+    """No drafter: vLLM's speculative_config is None."""
+    return None
+'''
+
 _TEMPLATE = '''\
 # SPDX-License-Identifier: Apache-2.0
 """{title}
 
-Exported by kvfuzz ({signature}).
-Geometry: {geometry}.
-Expected: {expectation}
+{details}
 """
 
-from types import SimpleNamespace
-
-import torch
-
-from vllm.config import CacheConfig, SpeculativeConfig, VllmConfig
-from vllm.config.kv_transfer import KVTransferConfig
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    SlidingWindowSpec,
-)
-from vllm.v1.request import Request, RequestStatus
+@@IMPORTS@@
 
 init_none_hash(sha256)
 
 
 {speculative_config}
 
-def _drafter_settings():
+def _drafter_settings() -> tuple[bool, int, int, int]:
     """(use_eagle, num_hash_lookahead_tokens, num_lookahead_tokens,
     num_prefill_lookahead) as vLLM's config code resolves them."""
     spec = _speculative_config()
     config = object.__new__(VllmConfig)
-    connector = (
-        KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
-        if {kv_connector}
-        else None
-    )
+    connector = {connector}
     for name, value in dict(
         speculative_config=spec,
         cache_config=CacheConfig(enable_prefix_caching=True),
@@ -112,7 +101,7 @@ def _drafter_settings():
         diffusion_config=None,
     ).items():
         object.__setattr__(config, name, value)
-    use_eagle = spec.use_eagle_block_drop() if spec is not None else False
+    use_eagle = {use_eagle}
     num_hash_lookahead = config.num_hash_lookahead_tokens
     if num_hash_lookahead:
         use_eagle = False  # lookahead hashes prove the boundary token
@@ -124,10 +113,9 @@ def _drafter_settings():
     )
 
 
-def {name}():
+def {name}() -> None:
     use_eagle, num_hash_lookahead, num_lookahead, num_prefill_lookahead = _drafter_settings()
-    extra_retained = max(0, num_prefill_lookahead - 1)
-    groups = [
+{extra_retained}    groups = [
 {groups}
     ]
     manager = KVCacheManager(
@@ -149,7 +137,7 @@ def {name}():
 
     # Requests share a prefix, then diverge into tokens of their own:
     # (source request or None for the shared prefix, divergence point, own tokens).
-    shapes = {shapes!r}
+    shapes = {shapes}
     prefix = [1 + p % 50000 for p in range({prefix_tokens})]
     prompts = []
     for index, (source, divergence, own) in enumerate(shapes):
@@ -196,31 +184,85 @@ def {name}():
                 new_blocks = manager.allocate_slots(
                     request, num_new, num_lookahead_tokens=num_lookahead
                 )
-            assert new_blocks is not None
+            assert new_blocks is not None, f"request {{index}}: no room for its prefill"
             computed += num_new
             request.num_computed_tokens = computed
-        for step in range({decode_steps}):
-            request.append_output_token_ids(500_000_000 + 1_000 * index + step)
-            assert manager.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
-            computed += 1
-            request.num_computed_tokens = computed
-        manager.free(request)
+{decode}        manager.free(request)
 
 {assertion}
 '''
 
 
 def _speculative_config_source(scenario: Scenario) -> str:
-    """The generated ``_speculative_config()`` helper for ``scenario``'s drafter."""
-    method, model_type, modules = _METHOD.get(scenario.drafter.kind, (None, None, 1))
+    """The generated ``_speculative_config()`` helper for ``scenario``'s drafter
+    (no drafter: one that returns ``None``)."""
+    if scenario.drafter.kind not in _METHOD:
+        return _NO_DRAFTER
+    method, model_type, modules = _METHOD[scenario.drafter.kind]
+    draft = (
+        "None"
+        if model_type is None
+        else _DRAFT_MODEL.format(
+            model_type=model_type,
+            modules=scenario.drafter.num_speculative_tokens if modules is None else modules,
+        )
+    )
     return _SPECULATIVE_CONFIG.format(
         method=method,
-        model_type=model_type,
-        modules=scenario.drafter.num_speculative_tokens if modules is None else modules,
+        draft=draft,
         num_spec=scenario.drafter.num_speculative_tokens,
         disable_drop=scenario.disable_eagle_block_drop,
         disable_lookahead=scenario.disable_lookahead_block_hashes,
     )
+
+
+#: Every name an exported test may import, and its module ("": ``import name``);
+#: :func:`differential.exports._source.import_block` keeps those used.
+IMPORTABLE = {
+    "json": "",
+    "torch": "",
+    "Path": "pathlib",
+    "SimpleNamespace": "types",
+    "CacheConfig": "vllm.config",
+    "DeviceConfig": "vllm.config",
+    "ModelConfig": "vllm.config",
+    "SchedulerConfig": "vllm.config",
+    "SpeculativeConfig": "vllm.config",
+    "VllmConfig": "vllm.config",
+    "KVTransferConfig": "vllm.config.kv_transfer",
+    "SamplingParams": "vllm.sampling_params",
+    "sha256": "vllm.utils.hashing",
+    "KVCacheManager": "vllm.v1.core.kv_cache_manager",
+    "get_request_block_hasher": "vllm.v1.core.kv_cache_utils",
+    "init_none_hash": "vllm.v1.core.kv_cache_utils",
+    "Scheduler": "vllm.v1.core.sched.scheduler",
+    "ChunkedLocalAttentionSpec": "vllm.v1.kv_cache_interface",
+    "FullAttentionSpec": "vllm.v1.kv_cache_interface",
+    "KVCacheConfig": "vllm.v1.kv_cache_interface",
+    "KVCacheGroupSpec": "vllm.v1.kv_cache_interface",
+    "MambaSpec": "vllm.v1.kv_cache_interface",
+    "MLAAttentionSpec": "vllm.v1.kv_cache_interface",
+    "SlidingWindowMLASpec": "vllm.v1.kv_cache_interface",
+    "SlidingWindowSpec": "vllm.v1.kv_cache_interface",
+    "DraftTokenIds": "vllm.v1.outputs",
+    "ModelRunnerOutput": "vllm.v1.outputs",
+    "Request": "vllm.v1.request",
+    "RequestStatus": "vllm.v1.request",
+    "StructuredOutputManager": "vllm.v1.structured_output",
+}
+
+
+def with_imports(source: str) -> str:
+    """``source`` with its ``@@IMPORTS@@`` line replaced by the imports it uses."""
+    head, marker, body = source.partition("@@IMPORTS@@")
+    if not marker:
+        raise ValueError("export template changed: no @@IMPORTS@@ line")
+    return head + import_block(body, IMPORTABLE) + body
+
+
+def docstring_lines(*sentences: str) -> str:
+    """The exported test's docstring lines after its title, each wrapped."""
+    return "\n".join(wrapped(text) for text in sentences)
 
 
 def _layout_text(scenario: Scenario) -> str:
@@ -237,37 +279,46 @@ def _groups(scenario: Scenario) -> str:
     align mode, as the driver builds it."""
     lines = []
     for index, g in enumerate(scenario.kv_cache_groups):
-        common = (
-            f"block_size={g.block_size_tokens}, num_kv_heads=1, head_size=8, dtype=torch.float16"
-        )
+        common = [
+            f"block_size={g.block_size_tokens}",
+            "num_kv_heads=1",
+            "head_size=8",
+            "dtype=torch.float16",
+        ]
         if g.kind.sliding_window_family:
             cls = (
                 "SlidingWindowMLASpec"
                 if g.kind is GroupKind.SLIDING_WINDOW_MLA
-                else ("SlidingWindowSpec")
+                else "SlidingWindowSpec"
             )
-            spec = (
-                f"{cls}({common}, sliding_window={g.sliding_window_tokens}, "
-                "extra_retained_tokens=extra_retained)"
-            )
+            args = [
+                *common,
+                f"sliding_window={g.sliding_window_tokens}",
+                "extra_retained_tokens=extra_retained",
+            ]
         elif g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
-            spec = (
-                f"ChunkedLocalAttentionSpec({common}, "
-                f"attention_chunk_size={g.attention_chunk_size_tokens})"
-            )
+            cls = "ChunkedLocalAttentionSpec"
+            args = [*common, f"attention_chunk_size={g.attention_chunk_size_tokens}"]
         elif g.kind is GroupKind.MLA:
-            spec = f"MLAAttentionSpec({common})"
+            cls, args = "MLAAttentionSpec", common
         elif g.kind is GroupKind.MAMBA:
-            spec = (
-                f"MambaSpec(block_size={g.block_size_tokens}, shapes=((8,),), "
-                'dtypes=(torch.float16,), mamba_cache_mode="align", '
-                f"num_speculative_blocks={scenario.drafter.num_speculative_tokens})"
-            )
+            cls = "MambaSpec"
+            args = [
+                f"block_size={g.block_size_tokens}",
+                "shapes=((8,),)",
+                "dtypes=(torch.float16,)",
+                'mamba_cache_mode="align"',
+                f"num_speculative_blocks={scenario.drafter.num_speculative_tokens}",
+            ]
         else:
-            spec = f"FullAttentionSpec({common})"
-        eagle = ", is_eagle_group=True" if g.is_eagle_group else ""
+            cls, args = "FullAttentionSpec", common
+        spec = "".join(f"                {a},\n" for a in args)
+        eagle = "            is_eagle_group=True,\n" if g.is_eagle_group else ""
         lines.append(
-            f'        KVCacheGroupSpec(layer_names=["layer.{index}"], kv_cache_spec={spec}{eagle}),'
+            "        KVCacheGroupSpec(\n"
+            f'            layer_names=["layer.{index}"],\n'
+            f"            kv_cache_spec={cls}(\n{spec}            ),\n{eagle}"
+            "        ),"
         )
     return "\n".join(lines)
 
@@ -284,7 +335,10 @@ def _wrong_kv_check(scenario: Scenario, request: int) -> tuple[str, str]:
     counts = ", ".join(f"hits[{request}] // {b}" for b in sizes)
     lines = [
         f"    # Request {request}'s lookup: one block per {sizes} tokens of its hit, per group.",
-        f"    assert block_counts[{request}] == [{counts}], (hits, block_counts)",
+        f"    assert block_counts[{request}] == [{counts}], (\n"
+        f'        f"request {request}: one block per block of its hit {{{{hits[{request}]}}}} in '
+        f'each group, got {{{{block_counts[{request}]}}}}"\n'
+        "    )",
     ]
     for gid, g in enumerate(scenario.kv_cache_groups):
         if g.kind.sliding_window_family:
@@ -295,11 +349,19 @@ def _wrong_kv_check(scenario: Scenario, request: int) -> tuple[str, str]:
                 "no null block inside the window below the hit."
             )
             lines.append(
-                f"    assert all(k < {first} for k in null_blocks[{request}][{gid}]), null_blocks"
+                f"    assert all(k < {first} for k in null_blocks[{request}][{gid}]), (\n"
+                f'        f"request {request}, group {gid}: a null block inside the window, at "\n'
+                f'        f"{{{{null_blocks[{request}][{gid}]}}}}"\n'
+                "    )"
             )
         else:
             lines.append(f"    # Group {gid} (full attention): no null block at all.")
-            lines.append(f"    assert null_blocks[{request}][{gid}] == [], null_blocks")
+            lines.append(
+                f"    assert null_blocks[{request}][{gid}] == [], (\n"
+                f'        f"request {request}, group {gid}: null blocks at '
+                f'{{{{null_blocks[{request}][{gid}]}}}}"\n'
+                "    )"
+            )
     expectation = (
         f"request {request}'s lookup returns exactly one real block per block of its hit "
         "in every group (no extra block, no null block where attention reads)."
@@ -337,13 +399,23 @@ def _crash_check(scenario: Scenario, finding: Finding) -> tuple[str, str]:
     check = (
         f"    # Every request ran. Found by kvfuzz on {finding.variant}: at request {request}, "
         f"{raised}.\n"
-        f"    assert len(hits) == {total}, hits"
+        f'    assert len(hits) == {total}, f"{{len(hits)}} of {total} requests ran"'
     )
     expectation = (
         f"all {total} requests run without an exception; on {finding.variant}, at request "
         f"{request}, {raised}, so this test fails there with that exception."
     )
     return check, expectation
+
+
+def hit_check(request: int, operator: str, tokens: int, owed: str) -> str:
+    """``assert hits[request] <op> tokens`` with a message saying what was
+    owed and what every request hit (not a bare ``AssertionError: [0, 4]``)."""
+    return (
+        f"    assert hits[{request}] {operator} {tokens}, (\n"
+        f'        f"request {request} {owed}; hits per request: {{hits}}"\n'
+        "    )"
+    )
 
 
 def _test_name(text: str) -> str:
@@ -384,7 +456,7 @@ def export_test(
             if finding.expected_tokens is not None
             else reference.expected_tokens
         )
-        check = f"    assert hits[{request}] <= {ceiling}, hits"
+        check = hit_check(request, "<=", ceiling, f"may reuse at most {ceiling} tokens")
         expectation = (
             f"request {request} must not reuse more than {ceiling} tokens "
             f"(divergence point {reference.divergence_tokens})."
@@ -392,7 +464,10 @@ def export_test(
     else:
         expected = reference.expected_tokens
         operator = "==" if fixed_hit_tokens == expected else ">="
-        check = f"    assert hits[{request}] {operator} {expected}, hits"
+        owed = "must hit" if operator == "==" else "must hit at least"
+        check = hit_check(
+            request, operator, expected, f"{owed} the checkpoint at {expected} tokens"
+        )
         expectation = (
             f"request {request} diverges at token {reference.divergence_tokens} and must hit the "
             f"checkpoint at {expected} tokens"
@@ -432,13 +507,40 @@ def export_test(
         f"x{scenario.drafter.num_speculative_tokens}"
     )
     shapes = [(r.shares_with, r.divergence_tokens, r.suffix_tokens) for r in scenario.requests]
+    decode = (
+        f"        for step in range({scenario.decode_steps}):\n"
+        "            request.append_output_token_ids(500_000_000 + 1_000 * index + step)\n"
+        "            assert manager.allocate_slots("
+        "request, 1, num_lookahead_tokens=num_lookahead), (\n"
+        '                f"request {index}: no room for decode step {step}"\n'
+        "            )\n"
+        "            computed += 1\n"
+        "            request.num_computed_tokens = computed\n"
+        if scenario.decode_steps
+        else ""
+    )
+    drafter = scenario.drafter.kind in _METHOD
+    extra_retained = (  # a sliding-window spec's extra_retained_tokens
+        "    extra_retained = max(0, num_prefill_lookahead - 1)\n"
+        if scenario.sliding_window_groups
+        else ""
+    )
     source = _TEMPLATE.format(
+        extra_retained=extra_retained,
         title=f"Prefix-cache regression: {finding.kind.value} on request {request}.",
-        signature=signature,
-        geometry=geometry,
-        expectation=expectation,
+        details=docstring_lines(
+            f"Exported by kvfuzz ({signature}).",
+            f"Geometry: {geometry}.",
+            f"Expected: {expectation}",
+        ),
         speculative_config=_speculative_config_source(scenario),
-        kv_connector=scenario.kv_connector,
+        connector=(
+            'KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")'
+            if scenario.kv_connector
+            else "None"
+        ),
+        use_eagle="spec.use_eagle_block_drop()" if drafter else "False",
+        decode=decode,
         name=_test_name(name),
         groups=_groups(scenario),
         num_blocks=num_blocks,
@@ -446,34 +548,17 @@ def export_test(
         max_model_len=longest + scenario.decode_steps + scenario.drafter.num_speculative_tokens + 2,
         scheduler_block_size=scenario.scheduler_block_size_tokens,
         hash_block_size=scenario.effective_hash_block_size_tokens,
-        shapes=shapes,
+        shapes=literal(shapes, column=13),
         # Only the prefix some request copies (an unused tail costs memory, tests nothing).
         prefix_tokens=max(
             (r.divergence_tokens for r in scenario.requests if r.shares_with is None), default=0
         ),
         max_tokens=scenario.decode_steps + 1,
         chunk=scenario.prefill_chunk_tokens,
-        decode_steps=scenario.decode_steps,
         assertion=check,
     )
-    extra = sorted(
-        {
-            GroupKind.MLA: "MLAAttentionSpec",
-            GroupKind.SLIDING_WINDOW_MLA: "SlidingWindowMLASpec",
-            GroupKind.CHUNKED_LOCAL_ATTENTION: "ChunkedLocalAttentionSpec",
-        }[g.kind]
-        for g in scenario.kv_cache_groups
-        if g.kind
-        in (GroupKind.MLA, GroupKind.SLIDING_WINDOW_MLA, GroupKind.CHUNKED_LOCAL_ATTENTION)
-    )
-    if extra:  # the spec classes of the newer group kinds, imported when used
-        names = "".join(f"    {n},\n" for n in dict.fromkeys(extra))
-        source = source.replace(
-            "from vllm.v1.kv_cache_interface import (\n",
-            "from vllm.v1.kv_cache_interface import (\n" + names,
-            1,
-        )
-    return _with_mamba_steps(source, scenario) if scenario.mamba_groups else source
+    source = _with_mamba_steps(source, scenario) if scenario.mamba_groups else source
+    return with_imports(source)
 
 
 # Mamba hybrids: every step starts with new_step_starts and every prefill
@@ -481,15 +566,14 @@ def export_test(
 # chunk ended), as the driver does (differential/driver/runner.py).
 _MAMBA_HELPER = '''
 
-def _mamba_chunk(manager, request, num_new, local_hit):
+def _mamba_chunk(manager: KVCacheManager, request: Request, num_new: int, local_hit: int) -> int:
     """Clip a prefill chunk with Scheduler._mamba_block_aligned_split."""
     view = SimpleNamespace(
         cache_config=SimpleNamespace(block_size={block}),
         block_size={scheduler_block_size},
         hash_block_size={hash_block_size},
         mamba_partial_cache_hit={partial},
-        mamba_shared_prefix_checkpoint={partial}
-        and manager.mamba_shared_prefix_checkpoint,
+        mamba_shared_prefix_checkpoint={shared_checkpoint},
         use_eagle_block_drop=manager.use_eagle,
         num_hash_lookahead_tokens=manager.block_pool.num_hash_lookahead_tokens,
         mamba_has_prefill_checkpoint_blocks=False,
@@ -502,7 +586,7 @@ def _mamba_chunk(manager, request, num_new, local_hit):
 
 _BLOCK_HELPER = '''
 
-def _mamba_chunk(manager, request, num_new, local_hit):
+def _mamba_chunk(manager: KVCacheManager, request: Request, num_new: int, local_hit: int) -> int:
     """A block-carved prefill step: end at the next Mamba block boundary."""
     start = request.num_computed_tokens + local_hit
     return min(num_new, (start // {block} + 1) * {block} - start)
@@ -516,24 +600,22 @@ def _with_mamba_steps(source: str, scenario: Scenario) -> str:
         ValueError: if the template no longer has the lines this edits.
     """
     helper = _BLOCK_HELPER if scenario.mamba_prefill is MambaPrefill.BLOCK else _MAMBA_HELPER
+    partial = (
+        scenario.partial_hash_hits
+        and scenario.effective_hash_block_size_tokens < scenario.mamba_groups[0].block_size_tokens
+    )
     helper = helper.format(
         block=scenario.mamba_groups[0].block_size_tokens,
         scheduler_block_size=scenario.scheduler_block_size_tokens,
         hash_block_size=scenario.effective_hash_block_size_tokens,
-        partial=scenario.partial_hash_hits
-        and scenario.effective_hash_block_size_tokens < scenario.mamba_groups[0].block_size_tokens,
+        partial=partial,
+        shared_checkpoint="manager.mamba_shared_prefix_checkpoint" if partial else False,
         chunk=scenario.prefill_chunk_tokens,
     )
     chunk_line = (
         f"            num_new = min({scenario.prefill_chunk_tokens}, len(prompt) - computed)\n"
     )
     edits: tuple[tuple[str, str], ...] = (
-        ("    SlidingWindowSpec,\n)", "    MambaSpec,\n    SlidingWindowSpec,\n)"),
-        (
-            "from vllm.v1.core.kv_cache_utils import",
-            "from vllm.v1.core.sched.scheduler import Scheduler\n"
-            "from vllm.v1.core.kv_cache_utils import",
-        ),
         ("init_none_hash(sha256)\n", "init_none_hash(sha256)\n" + helper),
         (
             "        blocks, hit, junction = manager.get_computed_blocks(request)",
@@ -546,11 +628,15 @@ def _with_mamba_steps(source: str, scenario: Scenario) -> str:
             "                manager.new_step_starts()\n"
             "            num_new = _mamba_chunk(manager, request, num_new, hit if first else 0)\n",
         ),
-        (
-            "            request.append_output_token_ids(",
-            "            manager.new_step_starts()\n            request.append_output_token_ids(",
-        ),
     )
+    if scenario.decode_steps:
+        edits += (
+            (
+                "            request.append_output_token_ids(",
+                "            manager.new_step_starts()\n"
+                "            request.append_output_token_ids(",
+            ),
+        )
     if scenario.enable_mamba_shared_prefix_checkpoint:
         edits += (
             (

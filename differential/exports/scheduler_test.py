@@ -20,11 +20,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from differential.errors import ScenarioError
+from differential.exports._source import literal
 from differential.exports.manager_test import (
     _groups,
     _layout_text,
     _speculative_config_source,
     _test_name,
+    docstring_lines,
+    hit_check,
+    with_imports,
 )
 from differential.findings import Finding, FindingKind
 from differential.scenario import Scenario
@@ -35,55 +39,27 @@ _TEMPLATE = '''\
 # SPDX-License-Identifier: Apache-2.0
 """{title}
 
-Exported by kvfuzz ({signature}), scheduler mode.
-Geometry: {geometry}.
-Expected: {expectation}
+{details}
 """
 
-import json
-from types import SimpleNamespace
-
-import torch
-
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    VllmConfig,
-)
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
-from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
+@@IMPORTS@@
 
 init_none_hash(sha256)
 
 
 {speculative_config}
 
-def _tokens(runs):
+def _tokens(runs: list[tuple[int, int]]) -> list[int]:
     """Token ids from (first, count) runs of consecutive ids."""
     return [first + k for first, count in runs for k in range(count)]
 
 
-def _sampled(index, n):
+def _sampled(index: int, n: int) -> int:
     """The n-th token request `index` samples (a deterministic stream)."""
     return 1_000_000 + index * 1_000_000 + 500_000 + n
 
 
-def {name}(tmp_path):
+def {name}(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
         intermediate_size=128, num_attention_heads=1, num_key_value_heads=1,
@@ -106,12 +82,8 @@ def {name}(tmp_path):
     config.cache_config.num_gpu_blocks = {pool}
     config.scheduler_config.long_prefill_token_threshold = 0
     config.scheduler_config.async_scheduling = False
-    if {has_mamba}:
-        config.cache_config.mamba_cache_mode = "align"
-        config.cache_config.mamba_block_size = {scheduler_block_size}
-    object.__setattr__(config, "speculative_config", _speculative_config())
-    extra_retained = max(0, config.num_prefill_lookahead_tokens - 1)
-    groups = [
+{mamba_config}    object.__setattr__(config, "speculative_config", _speculative_config())
+{extra_retained}    groups = [
 {groups}
     ]
     scheduler = Scheduler(
@@ -128,7 +100,9 @@ def {name}(tmp_path):
     lookups = {{}}
     real_lookup = manager.get_computed_blocks
 
-    def get_computed_blocks(request, *args, **kwargs):
+    def get_computed_blocks(
+        request: Request, *args: object, **kwargs: object
+    ) -> tuple[object, int]:
         result = real_lookup(request, *args, **kwargs)
         lookups[request.request_id] = result[1]
         return result
@@ -137,7 +111,7 @@ def {name}(tmp_path):
     hasher = get_request_block_hasher(
         {hash_block_size}, sha256, config.num_hash_lookahead_tokens
     )
-    prompts = [_tokens(runs) for runs in {prompts!r}]
+    prompts = [_tokens(runs) for runs in {prompts}]
     requests = [
         Request(
             request_id=f"req-{{i}}",
@@ -148,8 +122,10 @@ def {name}(tmp_path):
         )
         for i, prompt in enumerate(prompts)
     ]
-    arrivals = {arrivals!r}  # None: each request once the previous one finished
-    accepted = {accepted!r}  # drafts accepted per decode step, cycled
+    # Arrival steps (None: each request once the previous one finished).
+    arrivals = {arrivals}
+    # Drafts accepted per decode step, cycled.
+    accepted = {accepted}
     num_spec = {num_spec} if accepted else 0
     hits = {{}}
     added = step = decode_count = 0
@@ -190,9 +166,11 @@ def {name}(tmp_path):
             ),
         )
         if num_spec:
-            scheduler.update_draft_token_ids(DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts))
+            scheduler.update_draft_token_ids(
+                DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
+            )
         step += 1
-        assert step < {max_steps}, "the scheduler did not finish"
+        assert step < {max_steps}, "the scheduler did not finish in {max_steps} steps"
     hits = [hits[i] for i in range(len(requests))]
 
 {assertion}
@@ -218,7 +196,9 @@ def _assertion(scenario: Scenario, finding: Finding) -> tuple[str, str]:
         later = [i for i, r in enumerate(scenario.requests) if r.shares_with is not None]
         return (
             f"    # Later turns {later}: retention 0 at this pool keeps some of them hitting.\n"
-            f"    assert any(hits[i] for i in {later}), hits",
+            f"    assert any(hits[i] for i in {later}), (\n"
+            f'        f"no later turn {later} hits at all; hits per request: {{hits}}"\n'
+            "    )",
             "dense retention must not lose every later turn's hit at this pool size "
             "while retention 0 keeps some (vLLM issue #48435).",
         )
@@ -238,25 +218,29 @@ def _assertion(scenario: Scenario, finding: Finding) -> tuple[str, str]:
         )
         return (
             f"    # Every request ran. Found by kvfuzz on {finding.variant}: {raised}.\n"
-            f"    assert len(hits) == {total}, hits",
+            f'    assert len(hits) == {total}, f"{{len(hits)}} of {total} requests ran"',
             f"all {total} requests run without an exception; on {finding.variant}, {raised}, "
             "so this test fails there with that exception.",
         )
     if finding.kind is FindingKind.MISALIGNED:
         return (
-            f"    assert hits[{request}] % {alignment} == 0, hits",
+            f"    assert hits[{request}] % {alignment} == 0, (\n"
+            f'        f"request {request} must hit a multiple of {alignment} tokens; '
+            'hits per request: {{hits}}"\n'
+            "    )",
             f"request {request}'s hit is a multiple of the hit alignment {alignment}.",
         )
     if finding.kind is FindingKind.OVER_HIT:
         ceiling = finding.expected_tokens or 0
         return (
-            f"    assert hits[{request}] <= {ceiling}, hits",
+            hit_check(request, "<=", ceiling, f"may reuse at most {ceiling} tokens"),
             f"request {request} must not reuse more than {ceiling} tokens.",
         )
     expected = finding.expected_tokens or 0
     operator = "==" if finding.kind is FindingKind.MODE_MISMATCH else ">="
+    owed = "must hit" if operator == "==" else "must hit at least"
     return (
-        f"    assert hits[{request}] {operator} {expected}, hits",
+        hit_check(request, operator, expected, f"{owed} {expected} tokens"),
         f"request {request} hits {expected} tokens"
         + (" (as the manager-level run does)." if operator == "==" else " at least."),
     )
@@ -287,11 +271,26 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
     )
     total = sum(r.prompt_tokens for r in scenario.requests)
     budget = scenario.step_budget_tokens
-    return _TEMPLATE.format(
+    mamba_config = (
+        '    config.cache_config.mamba_cache_mode = "align"\n'
+        f"    config.cache_config.mamba_block_size = {scenario.scheduler_block_size_tokens}\n"
+        if scenario.mamba_groups
+        else ""
+    )
+    extra_retained = (  # a sliding-window spec's extra_retained_tokens
+        "    extra_retained = max(0, config.num_prefill_lookahead_tokens - 1)\n"
+        if scenario.sliding_window_groups
+        else ""
+    )
+    source = _TEMPLATE.format(
+        extra_retained=extra_retained,
         title=f"Engine-level prefix-cache regression: {finding.kind.value}.",
-        signature=signature,
-        geometry=geometry,
-        expectation=expectation,
+        details=docstring_lines(
+            f"Exported by kvfuzz ({signature}), scheduler mode.",
+            f"Geometry: {geometry}.",
+            f"Expected: {expectation}",
+        ),
+        mamba_config=mamba_config,
         speculative_config=_speculative_config_source(scenario),
         num_spec=scenario.drafter.num_speculative_tokens,
         name=_test_name(name),
@@ -301,13 +300,13 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         budget=budget,
         max_num_seqs=w.max_num_seqs or min(8, budget),
         pool=w.pool_blocks,
-        has_mamba=bool(scenario.mamba_groups),
         groups=_groups(scenario),
         retention=scenario.retention_interval_tokens,
-        prompts=[_runs(p) for p in scenario.prompts],
+        prompts=literal([_runs(p) for p in scenario.prompts], column=41),
         max_tokens=scenario.decode_steps + 1,
-        arrivals=None if w.arrival_steps is None else list(w.arrival_steps),
-        accepted=list(w.accepted_drafts),
+        arrivals=literal(None if w.arrival_steps is None else list(w.arrival_steps), column=15),
+        accepted=literal(list(w.accepted_drafts), column=15),
         max_steps=1_000 + 8 * (total + len(scenario.requests) * (scenario.decode_steps + 1)),
         assertion=check,
     )
+    return with_imports(source)

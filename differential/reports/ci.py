@@ -9,6 +9,14 @@
   (:mod:`differential.triage.identity`) as its ``partialFingerprints`` so code
   scanning groups the findings of one cause.
 
+Known findings (a known vLLM issue, :mod:`differential.triage.known`, or a
+root cause a campaign's known corpus already holds) are not failures that
+never go away: a test case whose findings are all known is ``skipped``
+(its message names them), a known finding beside new ones is listed in the
+case's ``system-out``, SARIF gives it level ``note`` and an annotation is a
+``::notice``; ``known_as_failures`` (``--known-as-failures``) reports them
+like new ones.
+
 Entries come in the order of ``results`` (a campaign passes its root causes'
 reproducers, new ones first); within a scenario, each root cause's primary
 finding comes before its facets and consequences.
@@ -19,7 +27,7 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from differential.compare import ScenarioResult
@@ -59,13 +67,26 @@ def _finding_properties(t: Triaged) -> dict[str, object]:
     return {**finding.to_dict(), "root_cause": t.root_cause.text, "role": t.role.value}
 
 
-def junit_xml(results: Sequence[ScenarioResult], *, suite_name: str = "kvfuzz") -> str:
-    """JUnit XML text for ``results``."""
+def _known(t: Triaged, known_causes: Collection[RootCause]) -> str | None:
+    """Why ``t`` is known (the known issue's name, or ``known root cause``), else ``None``."""
+    if t.finding.known_issue:
+        return f"known vLLM issue {t.finding.known_issue}"
+    return "known root cause" if t.root_cause in known_causes else None
+
+
+def junit_xml(
+    results: Sequence[ScenarioResult],
+    *,
+    suite_name: str = "kvfuzz",
+    known_causes: Collection[RootCause] = frozenset(),
+    known_as_failures: bool = False,
+) -> str:
+    """JUnit XML text for ``results`` (known findings: see the module docstring)."""
     root = ET.Element("testsuites", name=suite_name)
-    total = failures = 0
+    total = failures = skips = 0
     for result in results:
         suite = ET.SubElement(root, "testsuite", name=_name(result))
-        cases = failed = 0
+        cases = failed = skipped = 0
         for vr in result.results:
             cases += 1
             case = ET.SubElement(
@@ -76,26 +97,42 @@ def junit_xml(results: Sequence[ScenarioResult], *, suite_name: str = "kvfuzz") 
                 time=f"{vr.elapsed_s:.3f}",
             )
             mine = [t for t in _ordered(result) if t.owner == vr.variant.name]
-            if mine:
+            known = [] if known_as_failures else [t for t in mine if _known(t, known_causes)]
+            new = [t for t in mine if t not in known]
+            if new:
                 failed += 1
                 failure = ET.SubElement(
                     case,
                     "failure",
-                    message="; ".join(_line(t) for t in mine)[:1000],
-                    type=",".join(dict.fromkeys(t.finding.kind.value for t in mine)),
+                    message="; ".join(_line(t) for t in new)[:1000],
+                    type=",".join(dict.fromkeys(t.finding.kind.value for t in new)),
                 )
-                failure.text = "\n".join(_line(t) for t in mine)
+                failure.text = "\n".join(_line(t) for t in new)
+            elif known:
+                skipped += 1
+                ET.SubElement(
+                    case,
+                    "skipped",
+                    message=(
+                        "known: "
+                        + "; ".join(f"{_line(t)} ({_known(t, known_causes)})" for t in known)
+                    )[:1000],
+                )
             out = ET.SubElement(case, "system-out")
-            out.text = f"hits {list(vr.run.hits)}"
+            out.text = f"hits {list(vr.run.hits)}" + "".join(
+                f"\nknown ({_known(t, known_causes)}): {_line(t)}" for t in known
+            )
         suite.set("tests", str(cases))
         suite.set("failures", str(failed))
         suite.set("errors", "0")
-        suite.set("skipped", "0")
+        suite.set("skipped", str(skipped))
         total += cases
         failures += failed
+        skips += skipped
     root.set("tests", str(total))
     root.set("failures", str(failures))
     root.set("errors", "0")
+    root.set("skipped", str(skips))
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
@@ -121,8 +158,15 @@ _LEVEL = {
 }
 
 
-def sarif(results: Sequence[ScenarioResult], *, tool_version: str = "0.1.0") -> dict[str, Any]:
-    """A SARIF 2.1.0 log with one result per finding."""
+def sarif(
+    results: Sequence[ScenarioResult],
+    *,
+    tool_version: str = "0.1.0",
+    known_causes: Collection[RootCause] = frozenset(),
+    known_as_failures: bool = False,
+) -> dict[str, Any]:
+    """A SARIF 2.1.0 log with one result per finding (a known one: level
+    ``note``, its ``properties.known`` saying why; see the module docstring)."""
     rules = [
         {
             "id": kind.value,
@@ -135,10 +179,12 @@ def sarif(results: Sequence[ScenarioResult], *, tool_version: str = "0.1.0") -> 
     for result in results:
         for t in _ordered(result):
             finding = t.finding
+            known = None if known_as_failures else _known(t, known_causes)
+            properties = _finding_properties(t) | ({"known": known} if known else {})
             sarif_results.append(
                 {
                     "ruleId": finding.kind.value,
-                    "level": _LEVEL[finding.kind],
+                    "level": "note" if known else _LEVEL[finding.kind],
                     "message": {"text": _line(t)},
                     "partialFingerprints": _fingerprint(t),
                     "locations": [
@@ -149,7 +195,7 @@ def sarif(results: Sequence[ScenarioResult], *, tool_version: str = "0.1.0") -> 
                             }
                         }
                     ],
-                    "properties": _finding_properties(t),
+                    "properties": properties,
                 }
             )
     return {
@@ -180,22 +226,37 @@ def _escape_property(text: str) -> str:
     return _escape_data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def github_annotations(results: Sequence[ScenarioResult]) -> str:
-    """GitHub Actions ``::error``/``::warning`` lines, one per finding.
+def github_annotations(
+    results: Sequence[ScenarioResult],
+    *,
+    known_causes: Collection[RootCause] = frozenset(),
+    known_as_failures: bool = False,
+) -> str:
+    """GitHub Actions ``::error``/``::warning`` lines, one per finding (a
+    known one: ``::notice``).
 
     File names and messages are escaped (``%``, CR, LF, and ``:`` / ``,`` in
     properties), so a file name can never start a command line of its own.
     """
     lines = []
     for result in results:
-        for finding in result.findings:
+        for t in _ordered(result):
+            finding = t.finding
             level = "error" if _LEVEL[finding.kind] == "error" else "warning"
+            if not known_as_failures and _known(t, known_causes):
+                level = "notice"
             message = _escape_data(finding.summary())
             file = _escape_property(_name(result))
             lines.append(f"::{level} file={file},title=kvfuzz {finding.kind.value}::{message}")
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def dumps_sarif(results: Sequence[ScenarioResult]) -> str:
+def dumps_sarif(
+    results: Sequence[ScenarioResult],
+    *,
+    known_causes: Collection[RootCause] = frozenset(),
+    known_as_failures: bool = False,
+) -> str:
     """:func:`sarif` as JSON text."""
-    return json.dumps(sarif(results), indent=2) + "\n"
+    log = sarif(results, known_causes=known_causes, known_as_failures=known_as_failures)
+    return json.dumps(log, indent=2) + "\n"

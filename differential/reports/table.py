@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from differential.compare import ScenarioResult
+from differential.errors import printable
 from differential.findings import Finding, Policy
 from differential.observation import RunObservation
 
@@ -43,11 +44,6 @@ def _hash_block(result: ScenarioResult) -> int:
 def summary_counts(results: Sequence[ScenarioResult]) -> Counter[str]:
     """Findings by kind across ``results``."""
     return Counter(f.kind.value for r in results for f in r.findings)
-
-
-def printable(text: str) -> str:
-    """``text`` with control characters (and backslashes) escaped, on one line."""
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def render_text(
@@ -104,6 +100,72 @@ def render_text(
     else:
         lines.append(f"{len(results)} scenario(s); no findings")
     return "\n".join(lines) + "\n"
+
+
+def expected_line(
+    judged: Sequence[tuple[ScenarioResult, Mapping[str, Sequence[str]] | None]],
+) -> str | None:
+    """One closing line saying whether a replay's findings were expected.
+
+    ``judged`` pairs each result with its file's ``expect`` findings (variant
+    -> tags) when its ``expect`` block held, ``None`` when the file has no
+    such block or the replay contradicted it. A finding is expected when its
+    owner (a variant, or ``layout``) is recorded in a block that held.
+
+    Returns:
+        ``None`` when nothing was found; else, per owner, the findings, the
+        baseline variants named as lacking the fix and the known vLLM issues
+        named (``10 findings on unfixed, as expected: it lacks the fix;
+        fixed: 1, all known vLLM issues the fix does not cover
+        (unit-below-retained-boundary-falls-back); each is recorded in its
+        file's expect block``), or how many are recorded nowhere.
+    """
+    from differential.variants import VariantRole
+
+    roles: dict[str, VariantRole] = {}
+    counts: Counter[str] = Counter()
+    recorded = 0
+    known: dict[str, dict[str, None]] = {}
+    for result, expect in judged:
+        for vr in result.results:
+            roles.setdefault(vr.variant.name, vr.variant.role)
+        for finding in result.findings:
+            owner = finding.owner
+            counts[owner] += 1
+            recorded += expect is not None and owner in expect
+            if finding.known_issue:
+                known.setdefault(owner, {})[finding.known_issue] = None
+    total = sum(counts.values())
+    if not total:
+        return None
+    parts = []
+    for owner, n in counts.items():
+        issues = known.get(owner, {})
+        if roles.get(owner) is VariantRole.BASELINE:
+            why = "it lacks the fix"
+        elif issues and _all_known(judged, owner):
+            why = "all known vLLM issues the fix does not cover (" + ", ".join(issues) + ")"
+        elif issues:
+            why = "known vLLM issues among them (" + ", ".join(issues) + ")"
+        else:
+            why = ""
+        parts.append(f"{owner}: {n}" + (f", {why}" if why else ""))
+    if recorded == total:
+        return (
+            f"{total} finding(s), as expected: each is recorded in its file's expect block ("
+            + "; ".join(parts)
+            + ")"
+        )
+    return (
+        f"{total} finding(s) ({'; '.join(parts)}); {total - recorded} of them recorded in no "
+        "expect block that held"
+    )
+
+
+def _all_known(
+    judged: Sequence[tuple[ScenarioResult, Mapping[str, Sequence[str]] | None]], owner: str
+) -> bool:
+    return all(f.known_issue for result, _ in judged for f in result.findings if f.owner == owner)
 
 
 def engine_figures(run: RunObservation) -> dict[str, Any] | None:

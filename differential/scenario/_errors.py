@@ -104,7 +104,9 @@ def _allowed(schema: _Node, node: _Node, python: bool) -> str:
         return "one of " + ", ".join(repr(v) for v in node["enum"])
     kind = node.get("type")
     if kind == "integer":
-        low = node.get("minimum")
+        low, high = node.get("minimum"), node.get("maximum")
+        if high is not None:
+            return f"an integer {low}..{high}" if low is not None else f"an integer <= {high}"
         return "an integer" if low is None else f"an integer >= {low}"
     if kind == "boolean":
         return "true or false"

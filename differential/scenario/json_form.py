@@ -28,7 +28,7 @@ from differential.errors import ScenarioError
 from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
-from differential.scenario.models import ModelDocument
+from differential.scenario.models import FormatVersion, ModelDocument, Size, SizeOrZero
 from differential.scenario.workload import DriveMode, RequestSpec, Workload
 
 if TYPE_CHECKING:
@@ -75,15 +75,15 @@ class GroupDocument(BaseModel):
     model_config = _CONFIG
 
     kind: GroupKind = Field(description="The attention type of the group's layers.")
-    block_size_tokens: _Positive = Field(
+    block_size_tokens: Size = Field(
         description="The group's block size, in tokens (a Mamba group: one state per block)."
     )
-    sliding_window_tokens: _Positive | None = Field(
+    sliding_window_tokens: Size | None = Field(
         default=None,
         description="The attention window, in tokens: sliding_window and sliding_window_mla "
         "groups only, null otherwise.",
     )
-    attention_chunk_size_tokens: _Positive | None = Field(
+    attention_chunk_size_tokens: Size | None = Field(
         default=None,
         exclude_if=_is_none,
         description="vLLM's attention_chunk_size, in tokens: chunked_local_attention groups "
@@ -115,7 +115,7 @@ class DrafterDocument(BaseModel):
     kind: DrafterKind = Field(
         default=DrafterKind.NONE, description="Which drafter; 'none' for plain decoding."
     )
-    num_speculative_tokens: _Count = Field(
+    num_speculative_tokens: SizeOrZero = Field(
         default=0,
         description="Draft tokens proposed per step: 0 exactly when kind is 'none', at least 2 for "
         "multi_module_mtp.",
@@ -223,25 +223,25 @@ class ScenarioDocument(BaseModel):
     format: Literal["kvfuzz.scenario"] = Field(
         default=SCENARIO_FORMAT, description="Always 'kvfuzz.scenario'."
     )
-    version: Literal[1] = Field(default=SCENARIO_VERSION, description="The format version.")
+    version: FormatVersion = Field(default=SCENARIO_VERSION, description="The format version.")
     name: StrictStr = Field(default="", description="A short identifier, used in reports.")
     description: StrictStr = Field(default="", description="What the scenario shows.")
     kv_cache_groups: Annotated[tuple[GroupDocument, ...], Field(min_length=1)] = Field(
         description="The KV cache groups, any mix of kinds in any order: one group runs on "
         "vLLM's UnitaryKVCacheCoordinator, several on the HybridKVCacheCoordinator."
     )
-    hash_block_size_tokens: _Positive | None = Field(
+    hash_block_size_tokens: Size | None = Field(
         default=None,
         description="The block hash size, in tokens (CacheConfig.prefix_match_unit), a "
         "divisor of every group block size; null: derived as vLLM does (the GCD of the "
         "block sizes).",
     )
-    hit_alignment_tokens: _Positive | None = Field(
+    hit_alignment_tokens: Size | None = Field(
         default=None,
         description="The hit alignment, in tokens; null: derived as vLLM does. A given value "
         "must equal the derived one.",
     )
-    retention_interval_tokens: _Count | None = Field(
+    retention_interval_tokens: SizeOrZero | None = Field(
         default=None,
         description="vLLM's prefix_cache_retention_interval, in tokens: null (dense), 0 "
         "(replay boundaries and junctions only) or a positive multiple of the scheduler "
@@ -260,7 +260,7 @@ class ScenarioDocument(BaseModel):
     disable_eagle_block_drop: StrictBool = Field(
         default=False, description="The SpeculativeConfig switch of that name."
     )
-    prefill_chunk_tokens: _Positive = Field(
+    prefill_chunk_tokens: Size = Field(
         default=2048, description="Tokens scheduled per prefill step, in tokens."
     )
     decode_steps: _Count = Field(
@@ -476,16 +476,42 @@ def scenario_to_dict(document: ScenarioDocument) -> dict[str, Any]:
     return document.model_dump(mode="json")
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook``: an object, each key once."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKey(key)
+        data[key] = value
+    return data
+
+
 def json_data(text: str, *, source: str | None = None) -> object:
     """Parse JSON text; ``source`` (a file name) is added to error messages.
 
     Raises:
-        ScenarioError: malformed or absurdly deeply nested JSON, or an
-            integer too long to convert (Python's 4300-digit limit), field
-            ``<json>``.
+        ScenarioError: malformed or absurdly deeply nested JSON, an integer
+            too long to convert (Python's 4300-digit limit), field
+            ``<json>``; a key given twice in one object (plain ``json``
+            keeps the last silently), naming the key.
     """
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise ScenarioError(
+            f"<json> key {exc.key!r}",
+            "given twice in one object",
+            "each key at most once per object",
+            source=source,
+        ) from None
     except json.JSONDecodeError as exc:
         raise ScenarioError(
             "<json>",

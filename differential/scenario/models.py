@@ -30,7 +30,16 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from differential.errors import ScenarioError
 from differential.scenario._errors import scenario_error
@@ -67,6 +76,28 @@ DTYPES: tuple[str, ...] = get_args(_Dtype)
 KV_CACHE_LAYOUTS: tuple[str, ...] = get_args(_Layout)
 
 _Positive = Annotated[StrictInt, Field(ge=1)]
+
+#: The largest size in tokens a file may give a block, window, chunk,
+#: interval or drafter (2**24, four times the default --max-tokens): a larger
+#: one is refused naming its own field, not a rule it breaks downstream (a
+#: 2**64-token block made every retention interval "not a multiple").
+MAX_SIZE_TOKENS: Final = 1 << 24
+#: A size in tokens, 1..MAX_SIZE_TOKENS.
+Size = Annotated[StrictInt, Field(ge=1, le=MAX_SIZE_TOKENS)]
+#: A size in tokens that may be 0, 0..MAX_SIZE_TOKENS.
+SizeOrZero = Annotated[StrictInt, Field(ge=0, le=MAX_SIZE_TOKENS)]
+
+
+def _exact_int(value: object) -> object:
+    """Refuse what only compares equal to an integer (``1.0``, ``true``)."""
+    if isinstance(value, (bool, float)):
+        raise ValueError("an integer, not a float or boolean")
+    return value
+
+
+#: A format's ``version``: exactly the integer 1 (``1.0`` and ``true``, equal
+#: to 1 in Python, are refused).
+FormatVersion = Annotated[Literal[1], BeforeValidator(_exact_int)]
 _CONFIG = ConfigDict(extra="forbid", frozen=True, from_attributes=True)
 
 
@@ -83,18 +114,18 @@ class LayerDocument(BaseModel):
         description="Elements per head (MLA: latent rank plus rope dimension).",
     )
     dtype: _Dtype = Field(default="bfloat16", description="The KV cache dtype (torch name).")
-    sliding_window_tokens: _Positive | None = Field(
+    sliding_window_tokens: Size | None = Field(
         default=None, description="The window, in tokens (sliding-window kinds only)."
     )
-    attention_chunk_size_tokens: _Positive | None = Field(
+    attention_chunk_size_tokens: Size | None = Field(
         default=None, description="The chunk, in tokens (chunked_local_attention only)."
     )
-    block_size_tokens: _Positive | None = Field(
+    block_size_tokens: Size | None = Field(
         default=None,
         description="The layer's own block size, in tokens, when its attention backend fixes "
         "one; null: the model's block_size_tokens.",
     )
-    tokens_per_state: _Positive = Field(
+    tokens_per_state: Size = Field(
         default=1, description="Tokens one stored state covers (compressed MLA); 1 otherwise."
     )
     mamba_state_shapes: tuple[tuple[_Positive, ...], ...] = Field(
@@ -119,17 +150,17 @@ class ModelDocument(BaseModel):
     format: Literal["kvfuzz.model"] = Field(
         default=MODEL_FORMAT, description="Always 'kvfuzz.model'."
     )
-    version: Literal[1] = Field(default=1, description="The format version.")
+    version: FormatVersion = Field(default=1, description="The format version.")
     name: StrictStr = Field(default="", description="A short identifier.")
     description: StrictStr = Field(default="", description="What the numbers are taken from.")
-    block_size_tokens: _Positive = Field(
+    block_size_tokens: Size = Field(
         default=16,
         description="CacheConfig.block_size, in tokens (before the planner unifies page sizes).",
     )
     kv_cache_layout: _Layout = Field(
         default="LBNHC", description="CacheConfig.kv_cache_layout (vLLM KVCacheLayout)."
     )
-    mamba_block_size_tokens: _Positive | None = Field(
+    mamba_block_size_tokens: Size | None = Field(
         default=None,
         description="The Mamba block size, in tokens; null: the model's block_size_tokens.",
     )

@@ -194,7 +194,10 @@ def check_requests(s: Scenario) -> None:
                 raise ScenarioError(
                     f"{where}.shares_with",
                     request.shares_with,
-                    f"null or the index of an earlier request (0..{i - 1})",
+                    f"null or the index of an earlier request (0..{i - 1})"
+                    if i
+                    else "null (the first request has no earlier request to share with; "
+                    "it shares shared_prefix_tokens)",
                 )
             source_len = lengths[request.shares_with]
             source = f"requests[{request.shares_with}] prompt length"

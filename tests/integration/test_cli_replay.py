@@ -64,3 +64,26 @@ def test_policies_judge_the_lookahead_seed() -> None:
     literal = kvfuzz("replay", seed, "--variants", "fixed", "--policy", "retained")
     assert literal.returncode == 0, literal.stdout
     assert "policy retained" in literal.stdout
+
+
+def test_replay_closes_by_saying_whether_its_findings_were_expected(tmp_path: Path) -> None:
+    # make replay's last line: unfixed lacks the fix; the fixed variant's one
+    # finding is a labelled known vLLM issue; both recorded in expect blocks.
+    known = SEEDS / "lookahead-hashes-mtp3-swa16-fa32-r8192.json"
+    proc = kvfuzz("replay", str(SEEDS / "toy-mtp1-swa4-fa8-r64.json"), str(known))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        "3 finding(s), as expected: each is recorded in its file's expect block (unfixed: 2, "
+        "it lacks the fix; fixed: 1, all known vLLM issues the fix does not cover "
+        "(unit-below-retained-boundary-falls-back))"
+    )
+    # Without its expect block the same finding is not called expected.
+    bare = json.loads((SEEDS / "toy-mtp1-swa4-fa8-r64.json").read_text())
+    del bare["expect"]
+    (tmp_path / "toy.json").write_text(json.dumps(bare))
+    proc = kvfuzz("replay", str(tmp_path / "toy.json"))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        "1 finding(s) (unfixed: 1, it lacks the fix); 1 of them recorded in no expect block "
+        "that held"
+    )

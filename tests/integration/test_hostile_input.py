@@ -233,9 +233,10 @@ def test_export_test_of_a_fixed_variant_finding(tmp_path: Path) -> None:
     proc = kvfuzz_cli("export-test", str(path))
     assert proc.returncode == 0, proc.stderr
     source = proc.stdout
-    assert f"the fixed variant gives {finding.hit_tokens}" in source
-    assert "Known vLLM issue swa-short-run-align-before-drop" in source
-    assert "fails with the fix too" in source
+    flat = " ".join(source.split())  # the docstring is wrapped at 100 characters
+    assert f"the fixed variant gives {finding.hit_tokens}" in flat
+    assert "Known vLLM issue swa-short-run-align-before-drop" in flat
+    assert "fails with the fix too" in flat
     assert "' is not None" not in source
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -255,6 +256,8 @@ def test_file_names_are_escaped_and_junit_has_times(tmp_path: Path) -> None:
         f"::error file={str(tmp_path).replace(':', '%3A')}/seed%0A%3A%3Awarning file=x%3A%3A"
     )
     assert f"{tmp_path}/seed\\n::warning file=x::injected.json  [" in proc.stdout
+    # The progress line on stderr is escaped too.
+    assert f"[1/1] {tmp_path}/seed\\n::warning file=x::injected.json: 4 requests" in proc.stderr
     times = [float(t) for t in re.findall(r'testcase [^>]*time="([0-9.]+)"', junit.read_text())]
     assert len(times) == 2 and all(t > 0 for t in times)
 

@@ -97,7 +97,7 @@ def test_exported_mamba_test_drives_the_state_group(tmp_path) -> None:
     assert export.returncode == 0, export.stderr
     source = export.stdout
     assert 'mamba_cache_mode="align"' in source and "manager.new_step_starts()" in source
-    assert "assert hits[1] >= 64, hits" in source
+    assert "assert hits[1] >= 64, (" in source
     test_file = tmp_path / "test_exported_mamba.py"
     test_file.write_text(source)
     stock = run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), cwd=tmp_path)

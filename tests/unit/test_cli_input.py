@@ -130,3 +130,67 @@ def test_a_folder_replay_skips_what_is_not_a_scenario(
     _write(tmp_path, "f-broken.json", {"requests": []})
     code, err = _replay(capsys, str(tmp_path))
     assert code == 2 and "f-broken.json" in err and "kv_cache_groups" in err
+
+
+def test_an_unreadable_subfolder_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subfolder that cannot be listed is exit 2 naming it, as an
+    unreadable file is; Path.rglob skipped it without a word, and its
+    scenarios went unreplayed."""
+    import os
+
+    _write(tmp_path, "a.json", triton().to_dict())
+    hidden = tmp_path / "more"
+    hidden.mkdir()
+    _write(hidden, "b.json", triton().to_dict())
+    hidden.chmod(0)
+    if os.geteuid() == 0:  # root lists any folder: refuse this one as the kernel would
+        listing = os.scandir
+
+        def scandir(path: str | os.PathLike[str]) -> object:
+            if Path(path) == hidden:
+                raise PermissionError(13, "Permission denied", str(path))
+            return listing(path)
+
+        monkeypatch.setattr(os, "scandir", scandir)
+    try:
+        code, err = _replay(capsys, str(tmp_path))
+    finally:
+        hidden.chmod(0o755)
+    assert code == 2
+    assert err.splitlines() == [
+        f"kvfuzz: error: PATH = '{hidden}' is invalid: allowed a readable folder "
+        "(Permission denied)"
+    ]
+
+
+def test_file_names_print_escaped_on_every_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newline or an ANSI escape in a file name is printed escaped, in the
+    skipped-file lines, error lines and campaign progress notes alike."""
+    import io
+
+    from fuzz.progress import CampaignStats, Progress
+
+    evil = "red\x1b[31m\nline"
+    folder = tmp_path / "c"
+    folder.mkdir()
+    _write(folder, f"a-{evil}.json", triton().to_dict())
+    _write(folder, f"b-{evil}.json", [1, 2])
+    from differential.corpus import iter_scenario_files
+
+    assert len(iter_scenario_files([folder])) == 1
+    assert capsys.readouterr().err == (
+        f"kvfuzz: skipped {folder}/b-red\\x1b[31m\\nline.json: not a scenario "
+        "(a JSON list, not an object)\n"
+    )
+    broken = _write(tmp_path, f"{evil}.json", "{")
+    code, err = _replay(capsys, str(broken))
+    assert code == 2
+    assert err.startswith(f"kvfuzz: error: {tmp_path}/red\\x1b[31m\\nline.json: <json> = ")
+    assert "\x1b" not in err and err.count("\n") == 1
+    stream = io.StringIO()
+    Progress(CampaignStats(), stream=stream).note(f"new finding -> {folder}/{evil}.json")
+    assert stream.getvalue() == f"new finding -> {folder}/red\\x1b[31m\\nline.json\n"

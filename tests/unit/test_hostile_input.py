@@ -115,6 +115,27 @@ def _unwritable_findings(tmp: Path) -> list[str]:
     return ["fuzz", "--out", str(out), "--max-examples", "1"]
 
 
+def _duplicate_key(tmp: Path) -> list[str]:
+    # Plain json keeps the last of two equal keys: the file would run with
+    # decode_steps 7 although its author may have meant 0.
+    text = json.dumps(triton().to_dict()).replace(
+        '"decode_steps": 0', '"decode_steps": 0, "decode_steps": 7'
+    )
+    path = tmp / "dup.json"
+    path.write_text(text)
+    return ["replay", str(path)]
+
+
+def _huge_block(tmp: Path) -> list[str]:
+    # Unbounded, it made the scheduler block 2**64 and was reported as a
+    # retention interval that is no multiple of it.
+    data = triton().to_dict()
+    data["kv_cache_groups"][0]["block_size_tokens"] = 2**64
+    path = tmp / "block.json"
+    path.write_text(json.dumps(data))
+    return ["replay", str(path)]
+
+
 def _case(name: str, build: Callable[[Path], list[str]], named: str, **kw: object) -> object:
     return pytest.param(build, named, id=name, **kw)
 
@@ -180,7 +201,67 @@ CASES = [
         lambda t: ["replay", str(_scenario(t)), "--max-pool-blocks", "100"],
         "--max-pool-blocks",
     ),
+    _case("duplicate-key", _duplicate_key, "dup.json: <json> key 'decode_steps'"),
+    _case("version-1.0", lambda t: ["replay", str(_scenario(t, version=1.0))], "version = 1.0"),
+    _case("version-true", lambda t: ["replay", str(_scenario(t, version=True))], "version = True"),
+    _case(
+        "expect-misspelt-kind",
+        lambda t: [
+            "replay",
+            str(_scenario(t, expect={"findings": {"unfixed": ["fallback@1", "fallbak@1"]}})),
+        ],
+        "expect.findings.unfixed[1] = 'fallbak@1' is invalid: allowed 'kind@N' (N a request "
+        "index) or 'kind@run', kind one of wrong-output, wrong-kv, over-hit",
+    ),
+    _case(
+        "expect-request-not-a-number",
+        lambda t: ["replay", str(_scenario(t, expect={"findings": {"fixed": ["crash@one"]}}))],
+        "expect.findings.fixed[0] = 'crash@one' is invalid",
+    ),
+    _case(
+        "block-size-2**64",
+        _huge_block,
+        "kv_cache_groups[0].block_size_tokens = 18446744073709551616 is invalid: "
+        "allowed an integer 1..16777216",
+    ),
+    _case(
+        "first-request-shares-with-0",
+        lambda t: [
+            "replay",
+            str(
+                _scenario(
+                    t,
+                    requests=[
+                        {"name": None, "shares_with": 0, "divergence_tokens": 8, "suffix_tokens": 8}
+                    ],
+                )
+            ),
+        ],
+        "requests[0].shares_with = 0 is invalid: allowed null (the first request has no "
+        "earlier request to share with; it shares shared_prefix_tokens)",
+    ),
     _case("seconds-nan", lambda t: ["fuzz", "--seconds", "nan", "--out", str(t)], "--seconds"),
+    _case(
+        "shrink-seconds-nan",
+        lambda t: ["fuzz", "--shrink-seconds", "nan", "--out", str(t)],
+        "--shrink-seconds: 'nan' is invalid",
+    ),
+    _case(
+        "diff-seconds-inf",
+        lambda t: ["diff", "unfixed", "fixed", "--seconds", "inf"],
+        "--seconds: 'inf' is invalid",
+    ),
+    _case(
+        "diff-timeout-nan",
+        lambda t: ["diff", "unfixed", "fixed", "--timeout", "nan"],
+        "--timeout: 'nan' is invalid",
+    ),
+    _case("mutate-timeout-nan", lambda t: ["mutate", "--timeout", "nan"], "--timeout: 'nan'"),
+    _case(
+        "mutate-fail-under-nan",
+        lambda t: ["mutate", "--fail-under", "nan"],
+        "--fail-under: 'nan' is invalid: allowed a finite percentage 0..100",
+    ),
     _case("timeout-0", lambda t: ["replay", str(_scenario(t)), "--timeout", "0"], "--timeout"),
     _case("jobs-1e9", lambda t: ["fuzz", "--jobs", "1000000000", "--out", str(t)], "--jobs"),
     _case("out-under-a-file", lambda t: ["fuzz", "--out", str(_file(t) / "sub")], "--out"),
@@ -349,3 +430,76 @@ def test_ci_script_propagates_exit_codes(
         check=False,
     )
     assert proc.returncode == expected, proc.stdout + proc.stderr
+
+
+def test_version_names_kvfuzz_and_vllm_without_importing_vllm(tmp_path: Path) -> None:
+    probe = (
+        "import sys\n"
+        "from differential.cli import main\n"
+        "try:\n"
+        "    main(['--version'])\n"
+        "except SystemExit as exc:\n"
+        "    print('EXIT', exc.code, 'vllm' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    line, status = proc.stdout.splitlines()
+    assert status == "EXIT 0 False", proc.stderr
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    assert line.startswith("kvfuzz ") and line.endswith(f"(vLLM 0.33.0, Python {python})")
+
+
+def test_version_without_vllm(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.metadata
+
+    from differential.cli import main
+
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name.startswith("vllm"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.endswith(
+        "(vLLM not installed, Python {}.{}.{})\n".format(*sys.version_info[:3])
+    )
+
+
+def test_bootstrap_says_each_step(tmp_path: Path) -> None:
+    """The first set-up (about 4 minutes) prints one line per step on stderr;
+    here over a stub interpreter that accepts every pip call."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "bootstrap.sh", tmp_path / "scripts" / "bootstrap.sh")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\nexit 0\n')
+    python.chmod(0o755)
+    proc = subprocess.run(
+        ["bash", "scripts/bootstrap.sh"],
+        cwd=tmp_path,
+        env={**{k: v for k, v in os.environ.items() if k != "KVFUZZ_TORCH"}, "KVFUZZ_VENV": "venv"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    steps = [line for line in proc.stderr.splitlines() if line.startswith("kvfuzz: [")]
+    assert [line.split("]")[0] for line in steps] == [f"kvfuzz: [{i}/8" for i in range(1, 9)]
+    assert "CPU torch (torch==2.13.0" in steps[2]
+    assert proc.stderr.splitlines()[-1] == "kvfuzz: venv is ready"
+    assert len((python.parent / "calls").read_text().splitlines()) == 7  # 6 pip calls, 1 import

@@ -78,6 +78,35 @@ def test_bad_model_fields_are_named(tmp_path: Path) -> None:
         ModelDescription.load(broken)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param(
+            '"version": 1, "version": 2',
+            "<json> key 'version' = 'given twice in one object' is invalid: "
+            "allowed each key at most once per object",
+            id="duplicate-key",
+        ),
+        pytest.param(
+            '"version": 1.0', "model.version = 1.0 is invalid: allowed 1", id="version-1.0"
+        ),
+        pytest.param(
+            '"version": true', "model.version = True is invalid: allowed 1", id="version-true"
+        ),
+    ],
+)
+def test_duplicate_keys_and_inexact_versions_are_refused(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    shipped = (ROOT / "models" / "gemma4-mtp.json").read_text()
+    assert '"version": 1,' in shipped
+    path = tmp_path / "m.json"
+    path.write_text(shipped.replace('"version": 1', text, 1))
+    with pytest.raises(ScenarioError) as info:
+        ModelDescription.load(path)
+    assert str(info.value) == f"{path}: {message}"
+
+
 def test_layer_defaults() -> None:
     layer = LayerSpec(GroupKind.MLA, head_size=576)
     layer.validate("layer")

@@ -210,7 +210,6 @@ def test_module_selection() -> None:
         (["--modules", "mamba"], "--modules: unknown module mamba"),
         (["--sample", "0"], "--sample must be >= 1"),
         (["--campaign-examples", "-1"], "--campaign-examples must be >= 0"),
-        (["--fail-under", "120"], "--fail-under must be within 0..100"),
         (["--json", "/nonexistent-folder/x.json"], "folder /nonexistent-folder does not exist"),
     ],
 )

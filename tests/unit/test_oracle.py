@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from differential.compare import compare_pair
+from differential.compare import FixCost, compare_pair
 from differential.corpus import finding_tag
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RequestObservation, RunObservation
@@ -460,3 +460,31 @@ def test_no_junction_is_promised_where_full_attention_skips_the_drop() -> None:
         scenario, kv_cache_groups=(KVCacheGroup(GroupKind.SLIDING_WINDOW, 2, 2), full)
     )
     assert fallback.pins_junctions
+
+
+@pytest.mark.parametrize(
+    ("extra", "boundaries", "line"),
+    [
+        (
+            (4,),
+            12,
+            "fixed vs unfixed: +4 SWA blocks over 12 retained boundaries (+0.33 per boundary)",
+        ),
+        ((0,), 3, "fixed vs unfixed: 0 SWA blocks over 3 retained boundaries (0 per boundary)"),
+        # A variant keeping fewer blocks than the baseline: a plain minus,
+        # never "+[-2]".
+        (
+            (-2,),
+            4,
+            "fixed vs unfixed: -2 SWA blocks over 4 retained boundaries (-0.5 per boundary)",
+        ),
+        (
+            (-2, 6),
+            4,
+            "fixed vs unfixed: -2, +6 SWA blocks per SWA group over 4 retained boundaries "
+            "(-0.5, +1.5 per boundary)",
+        ),
+    ],
+)
+def test_fix_cost_line_is_signed(extra: tuple[int, ...], boundaries: int, line: str) -> None:
+    assert FixCost("fixed", "unfixed", extra, boundaries).summary() == line

@@ -136,7 +136,7 @@ def test_errors_name_the_path_and_the_schemas_allowed_values() -> None:
     assert (error.field, error.value, error.allowed) == (
         "hash_block_size_tokens",
         "8",
-        "null or an integer >= 1",
+        "null or an integer 1..16777216",
     )
     error = _error(lambda: Scenario.from_dict({**data, "mamba_prefill": "step"}))
     assert error.allowed == "one of 'scheduler', 'block'"

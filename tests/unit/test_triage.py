@@ -402,3 +402,23 @@ def test_report_lists_the_pool_each_variant_needs_for_a_pool_regression() -> Non
         "tree:x: did not run |",
     ]
     assert pool_needs_section({"root_causes": summary["root_causes"][1:]}) == []
+
+
+def test_report_md_summarises_long_coverage_tables() -> None:
+    from fuzz.report import coverage_table
+
+    short = [("b", 1), ("a", 5)]
+    assert coverage_table("drafter", short) == [
+        "| drafter | scenarios |",
+        "| --- | --- |",
+        "| a | 5 |",
+        "| b | 1 |",
+    ]
+    # 431 group mixes made report.md mostly one table: the 10 most frequent
+    # rows, then one row counting the other 421 and their scenarios.
+    mixes = [(f"mix-{i:03}", 1 + i % 7) for i in range(431)]
+    table = coverage_table("group-mix", mixes)
+    assert len(table) == 2 + 10 + 1
+    assert table[2:4] == ["| mix-006 | 7 |", "| mix-013 | 7 |"]
+    rest = sum(n for _, n in mixes) - 10 * 7
+    assert table[-1] == (f"| ... 421 more (the full counts: `coverage` in summary.json) | {rest} |")
