@@ -27,6 +27,7 @@ from differential.variants.mutation import (
     select_modules,
     write_json,
 )
+from differential.variants.vllm_tests import check_tests_folder
 
 __all__ = ["add_parser", "run"]
 
@@ -85,6 +86,22 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="per-scenario timeout of a mutant's worker (default: %(default)s)",
     )
+    parser.add_argument(
+        "--vllm-tests",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also judge every mutant by vLLM's own tests under PATH/tests/v1/core (a vLLM "
+        "checkout or a folder laid out like one): those passing on stock that execute the "
+        "mutated statement (by coverage), run on the mutant's tree (default: off)",
+    )
+    parser.add_argument(
+        "--test-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="per-test timeout of vLLM's tests (pytest-timeout; default: %(default)s)",
+    )
     add_policy(parser, "checkpoint policy the oracle judges with (default: %(default)s)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the run as JSON")
     parser.add_argument(
@@ -118,6 +135,11 @@ def _start_forkserver() -> forkserver.ForkServer | None:
     """
     if os.environ.get(forkserver.ENV):
         return None
+    # vLLM's import pulls in the dependencies the server pre-imports: listed
+    # from this process's modules, so vLLM must be imported here first (the
+    # stock runs import it anyway).
+    import differential.driver.runner  # noqa: F401
+
     try:
         server = forkserver.ForkServer.start(forkserver.default_preload())
     except (OSError, RuntimeError):  # no Unix sockets or no fork: fresh interpreters
@@ -141,6 +163,9 @@ def run(args: Any) -> int:
         raise VariantError(f"--timeout must be > 0, got {args.timeout}")
     if not 0 <= args.fail_under <= 100:
         raise VariantError(f"--fail-under must be within 0..100, got {args.fail_under}")
+    if args.test_timeout <= 0:
+        raise VariantError(f"--test-timeout must be > 0, got {args.test_timeout}")
+    vllm_tests = None if args.vllm_tests is None else check_tests_folder(args.vllm_tests)
     _check_output("--json", args.json)
     _check_output("--markdown", args.markdown)
     scenarios = draw_scenarios(args.paths, args.seed, args.campaign_examples)
@@ -159,6 +184,20 @@ def run(args: Any) -> int:
         print(
             f"[{done}/{total}] {outcome.status.value:<18} {outcome.mutant.ident:<48} "
             f"{outcome.elapsed_s:5.1f} s  {outcome.evidence[:100]}",
+            flush=True,
+        )
+        tests = outcome.tests
+        if tests is not None:
+            print(
+                f"        vLLM's tests: {tests.verdict.value:<9} {tests.selected:>4} selected "
+                f"{tests.elapsed_s:5.1f} s  {tests.test or ''} {tests.detail[:80]}".rstrip(),
+                flush=True,
+            )
+
+    if vllm_tests is not None:
+        print(
+            f"vLLM's tests: running {vllm_tests / 'tests' / 'v1' / 'core'} once on stock "
+            f"(each test under {args.test_timeout:g} s, coverage per test)",
             flush=True,
         )
 
@@ -188,7 +227,14 @@ def run(args: Any) -> int:
                 "sample": args.sample,
                 "timeout_s": args.timeout,
                 "policy": args.policy,
+                **(
+                    {}
+                    if vllm_tests is None
+                    else {"vllm_tests": str(vllm_tests), "test_timeout_s": args.test_timeout}
+                ),
             },
+            vllm_tests=vllm_tests,
+            test_timeout_s=args.test_timeout,
         )
     finally:
         if server is not None:
@@ -213,6 +259,13 @@ def run(args: Any) -> int:
         f"{len(run.scenarios)} scenarios equal stock, {len(run.excluded)} excluded "
         f"({run.check_s:.0f} s); stock judged once ({run.stock_s:.0f} s)"
     )
+    if run.tests_baseline is not None:
+        b = run.tests_baseline
+        print(
+            f"vLLM's tests: {b.passed} of {b.collected} pass on stock ({b.elapsed_s:.0f} s); "
+            f"score {pct(run.tests_score())}, kvfuzz {pct(run.score())}, union "
+            f"{pct(run.union_score())} (selection by coverage)"
+        )
     score = run.score() or 0.0
     print(
         f"mutation score {100 * score:.1f}% ({len(run.outcomes)} mutants, "
