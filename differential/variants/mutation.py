@@ -1320,7 +1320,7 @@ def _side_by_side(run: MutationRun, baseline: TestsBaseline) -> list[str]:
         f"Scores: kvfuzz **{pct(run.score())}**, vLLM's tests **{pct(run.tests_score())}**, "
         f"union **{pct(run.union_score())}** ({len(run.outcomes)} mutants). Per mutant: "
         f"kvfuzz {sum(o.elapsed_s for o in run.outcomes) / n:.1f} s, vLLM's tests "
-        f"{sum(t.elapsed_s for t in timed) / n:.1f} s ({len(ran)} mutants ran tests, "
+        f"{sum(t.elapsed_s for t in timed) / n:.1f} s ({len(ran)} mutant(s) ran tests, "
         f"{sum(t.selected for t in ran) / max(1, len(ran)):.0f} tests selected on average).",
         "",
         "| module | sampled | kvfuzz only | tests only | both | neither | tests not run "

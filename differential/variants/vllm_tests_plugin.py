@@ -71,7 +71,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def _first_line(report: pytest.TestReport | pytest.CollectReport) -> str:
     text = report.longreprtext.strip()
     lines = [line for line in text.splitlines() if line.startswith("E ")]
-    return (lines[0] if lines else text.splitlines()[-1] if text else "")[:300]
+    first = lines[0].removeprefix("E ") if lines else text.splitlines()[-1] if text else ""
+    return " ".join(first.split())[:300]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
