@@ -78,7 +78,12 @@ from typing import Any
 from differential.errors import VariantError
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
-from differential.variants.vllm_tests import TestsBaseline, TestsOutcome, TestsVerdict, VllmTests
+from differential.variants.vllm_tests import (
+    VllmTests,
+    VllmTestsBaseline,
+    VllmTestsOutcome,
+    VllmTestsVerdict,
+)
 
 __all__ = [
     "MODULES",
@@ -249,7 +254,7 @@ class MutantOutcome:
     scenarios_run: int
     elapsed_s: float
     diff: str
-    tests: TestsOutcome | None = None
+    tests: VllmTestsOutcome | None = None
 
     @property
     def killed(self) -> bool:
@@ -259,7 +264,7 @@ class MutantOutcome:
     @property
     def killed_by_tests(self) -> bool:
         """Whether vLLM's tests killed it."""
-        return self.tests is not None and self.tests.verdict is TestsVerdict.KILLED
+        return self.tests is not None and self.tests.verdict is VllmTestsVerdict.KILLED
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``tests`` only when vLLM's tests ran)."""
@@ -333,7 +338,7 @@ class MutationRun:
     stock_s: float = 0.0
     check_s: float = 0.0
     command: dict[str, Any] = field(default_factory=dict)
-    tests_baseline: TestsBaseline | None = None
+    tests_baseline: VllmTestsBaseline | None = None
 
     def counts(self, module: str | None = None) -> Counter[MutantStatus]:
         """Outcomes per status (for one module, or all)."""
@@ -1286,14 +1291,16 @@ def _split(items: Sequence[MutantOutcome]) -> tuple[int, int, int, int, int]:
     kvfuzz = sum(o.killed and not o.killed_by_tests for o in items)
     tests = sum(o.killed_by_tests and not o.killed for o in items)
     both = sum(o.killed and o.killed_by_tests for o in items)
-    not_run = sum(o.tests is not None and o.tests.verdict is TestsVerdict.NOT_RUN for o in items)
+    not_run = sum(
+        o.tests is not None and o.tests.verdict is VllmTestsVerdict.NOT_RUN for o in items
+    )
     return kvfuzz, tests, both, len(items) - kvfuzz - tests - both, not_run
 
 
-def _side_by_side(run: MutationRun, baseline: TestsBaseline) -> list[str]:
+def _side_by_side(run: MutationRun, baseline: VllmTestsBaseline) -> list[str]:
     """The report's comparison with vLLM's own tests (``kvfuzz mutate --vllm-tests``)."""
     timed = [o.tests for o in run.outcomes if o.tests is not None]
-    ran = [t for t in timed if t.verdict is not TestsVerdict.NOT_RUN]
+    ran = [t for t in timed if t.verdict is not VllmTestsVerdict.NOT_RUN]
     n = max(1, len(run.outcomes))
     lines = [
         "",
@@ -1360,7 +1367,7 @@ def _side_by_side(run: MutationRun, baseline: TestsBaseline) -> list[str]:
         f"{o.mutant.line}): `{_diff_line(o.diff)}`: {o.evidence[:200]}"
         + (
             ""
-            if o.tests is None or o.tests.verdict is TestsVerdict.SURVIVED
+            if o.tests is None or o.tests.verdict is VllmTestsVerdict.SURVIVED
             else f" (tests: {o.tests.verdict.value})"
         )
         for o in only

@@ -60,10 +60,10 @@ __all__ = [
     "COVER_ENV",
     "REPORT_ENV",
     "PytestRun",
-    "TestsBaseline",
-    "TestsOutcome",
-    "TestsVerdict",
     "VllmTests",
+    "VllmTestsBaseline",
+    "VllmTestsOutcome",
+    "VllmTestsVerdict",
     "check_tests_folder",
     "run_pytest",
     "write_model_folders",
@@ -83,7 +83,7 @@ _PROCESS_SLACK_S = 300.0
 _CONFIRM_ROUNDS = 3
 
 
-class TestsVerdict(StrEnum):
+class VllmTestsVerdict(StrEnum):
     """What vLLM's tests made of one mutant."""
 
     KILLED = "killed"
@@ -92,7 +92,7 @@ class TestsVerdict(StrEnum):
 
 
 @dataclass(frozen=True)
-class TestsOutcome:
+class VllmTestsOutcome:
     """vLLM's tests' verdict on one mutant.
 
     Attributes:
@@ -105,7 +105,7 @@ class TestsOutcome:
         elapsed_s: wall time of the mutant's test runs, in seconds.
     """
 
-    verdict: TestsVerdict
+    verdict: VllmTestsVerdict
     test: str | None
     detail: str
     selected: int
@@ -123,7 +123,7 @@ class TestsOutcome:
 
 
 @dataclass(frozen=True)
-class TestsBaseline:
+class VllmTestsBaseline:
     """The once-per-run stock run of vLLM's tests.
 
     Attributes:
@@ -301,12 +301,16 @@ def run_pytest(
 
     The process: forked from the fork server ``KVFUZZ_FORKSERVER`` names when
     one is running and can serve it, else a fresh interpreter; working
-    directory ``cwd`` (the model folders of :func:`write_model_folders`);
-    ``PYTHONPATH`` = ``tree`` (when given, so its ``vllm`` wins), ``root``
-    (so ``tests.v1.core.utils`` imports), then this process's own; pytest
-    with ``--rootdir root``, ``--confcutdir root/tests/v1/core``, each test
-    under ``--timeout timeout_s`` (pytest-timeout), kvfuzz's own plugin and
-    the cache provider off, collection errors not fatal.
+    directory ``cwd`` (the model folders of :func:`write_model_folders`,
+    and a link ``cwd/tests`` to ``root/tests``: the working directory comes
+    first on a ``python -m`` path, so ``tests.v1.core.utils`` imports from
+    the checkout whatever else is on the path); ``PYTHONPATH`` = ``tree``
+    (when given, so its ``vllm`` wins) then this process's own; pytest with
+    ``--rootdir root``, ``--confcutdir root/tests/v1/core``,
+    ``--import-mode=append`` (a checkout's own ``vllm/`` source folder never
+    shadows the tree or the installed package), each test under
+    ``--timeout timeout_s`` (pytest-timeout), kvfuzz's own plugin and the
+    cache provider off, collection errors not fatal.
 
     Args:
         cover: files whose lines to measure per test (coverage.py).
@@ -321,9 +325,10 @@ def run_pytest(
 
     with tempfile.TemporaryDirectory(prefix="kvfuzz-vllm-tests-") as scratch:
         report = Path(scratch) / "report.jsonl"
+        _link_tests(root, cwd)
         env = dict(os.environ)
         paths = [str(tree)] if tree is not None else []
-        paths += [str(root), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(paths)
         env[REPORT_ENV] = str(report)
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -341,6 +346,7 @@ def run_pytest(
             f"--rootdir={root}",
             f"--confcutdir={root / TESTS_SUBDIR}",
             "--continue-on-collection-errors",
+            "--import-mode=append",
             f"--timeout={timeout_s:g}",
             "-W",
             "ignore::pytest.PytestAssertRewriteWarning",
@@ -364,6 +370,17 @@ def run_pytest(
     if completed is not None and not outcomes and not errors and returncode not in (0, 1, 5):
         raise InternalError(f"vLLM's tests did not run (pytest exit {returncode}): {tail[-500:]}")
     return PytestRun(outcomes, errors, unfinished, coverage, returncode, elapsed, tail)
+
+
+def _link_tests(root: Path, cwd: Path) -> None:
+    """Make ``cwd/tests`` a link to ``root/tests`` (replacing another link)."""
+    link = cwd / "tests"
+    target = root / "tests"
+    if link.is_symlink() and link.resolve() == target.resolve():
+        return
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(target, target_is_directory=True)
 
 
 def _run_module(
@@ -418,7 +435,7 @@ class VllmTests:
     vllm_root: Path
     passed: list[str]
     covering: dict[str, dict[int, set[str]]]
-    baseline: TestsBaseline
+    baseline: VllmTestsBaseline
     tree_sensitive: set[str] = field(default_factory=set)
     _unmutated: dict[str, Path] = field(default_factory=dict)
 
@@ -445,7 +462,7 @@ class VllmTests:
             module = files.get(file)
             if module is not None:
                 covering[module] = {n: ids & keep for n, ids in lines.items() if ids & keep}
-        baseline = TestsBaseline(
+        baseline = VllmTestsBaseline(
             str(root), len(stock.outcomes), len(passed), stock.elapsed_s, timeout_s
         )
         return cls(root, cwd, timeout_s, vllm_root, passed, covering, baseline)
@@ -471,7 +488,7 @@ class VllmTests:
         at_import: bool,
         tree: Path,
         work: Path,
-    ) -> TestsOutcome:
+    ) -> VllmTestsOutcome:
         """Run the selected tests on the mutant ``tree`` (its ``vllm`` first on the path).
 
         A test that fails is rerun alone on an unmutated tree of ``module``
@@ -483,7 +500,7 @@ class VllmTests:
         selected = self.select(module, lines, at_import)
         if not selected:
             why = "no stock-passing test executes it"
-            return TestsOutcome(TestsVerdict.NOT_RUN, None, why, 0, 0.0)
+            return VllmTestsOutcome(VllmTestsVerdict.NOT_RUN, None, why, 0, 0.0)
         for _round in range(_CONFIRM_ROUNDS):
             run = run_pytest(
                 self.root,
@@ -495,21 +512,29 @@ class VllmTests:
             )
             failing = _first_failing(selected, run)
             if failing is None:
-                return TestsOutcome(
-                    TestsVerdict.SURVIVED, None, "", len(selected), time.perf_counter() - started
+                return VllmTestsOutcome(
+                    VllmTestsVerdict.SURVIVED,
+                    None,
+                    "",
+                    len(selected),
+                    time.perf_counter() - started,
                 )
             test, detail = failing
             if not self._fails_unmutated(module, test, work):
-                return TestsOutcome(
-                    TestsVerdict.KILLED, test, detail, len(selected), time.perf_counter() - started
+                return VllmTestsOutcome(
+                    VllmTestsVerdict.KILLED,
+                    test,
+                    detail,
+                    len(selected),
+                    time.perf_counter() - started,
                 )
             self.tree_sensitive.add(test)
             self.baseline = _with_sensitive(self.baseline, self.tree_sensitive)
             selected = [t for t in selected if t != test]
             if not selected:
                 break
-        return TestsOutcome(
-            TestsVerdict.SURVIVED, None, "", len(selected), time.perf_counter() - started
+        return VllmTestsOutcome(
+            VllmTestsVerdict.SURVIVED, None, "", len(selected), time.perf_counter() - started
         )
 
     def _fails_unmutated(self, module: str, test: str, work: Path) -> bool:
@@ -526,7 +551,7 @@ class VllmTests:
         return run.outcomes.get(test, ("missing", ""))[0] != "passed"
 
 
-def _with_sensitive(baseline: TestsBaseline, tests: set[str]) -> TestsBaseline:
+def _with_sensitive(baseline: VllmTestsBaseline, tests: set[str]) -> VllmTestsBaseline:
     from dataclasses import replace
 
     return replace(baseline, tree_sensitive=tuple(sorted(tests)))

@@ -81,7 +81,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     messages: dict[str, str] = _state["message"]
     nodeid = report.nodeid
     if report.failed:
-        if "Timeout >" in report.longreprtext:
+        if "from pytest-timeout" in report.longreprtext:
             outcome = "timeout"
         else:
             outcome = "failed" if report.when == "call" else "error"
