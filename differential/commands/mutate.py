@@ -14,12 +14,17 @@ from differential.findings import Policy
 from differential.variants.mutation import (
     MODULES,
     ExcludedScenario,
+    ModuleScope,
     MutantOutcome,
     MutantStatus,
+    MutationRun,
     default_work_dir,
     draw_scenarios,
     enumerate_mutants,
     installed_vllm,
+    load_run,
+    merge_runs,
+    parse_shard,
     pct,
     render_markdown,
     run_mutation,
@@ -102,6 +107,22 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="per-test timeout of vLLM's tests (pytest-timeout; default: %(default)s)",
     )
+    parser.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run only shard I of N of the sampled mutants (sample positions I-1, I-1+N, ...), "
+        "for one machine of many; join the --json files with --merge (default: all)",
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run nothing: join the --json files of every --shard of one run into one run, "
+        "written with --json / --markdown (default: off)",
+    )
     add_policy(parser, "checkpoint policy the oracle judges with (default: %(default)s)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the run as JSON")
     parser.add_argument(
@@ -154,6 +175,9 @@ def run(args: Any) -> int:
     Before any mutant, an unmutated tree per sampled module runs every
     scenario; a scenario where it differs from stock is printed and left out.
     """
+    if args.merge is not None:
+        return _merge(args)
+    shard = None if args.shard is None else parse_shard(args.shard)
     modules = select_modules(args.modules)
     if args.sample < 1:
         raise VariantError(f"--sample must be >= 1, got {args.sample}")
@@ -172,6 +196,8 @@ def run(args: Any) -> int:
     vllm_root = installed_vllm()
     generated_by = enumerate_mutants(vllm_root, modules)
     mutants = sample_mutants(generated_by, args.sample, args.seed)
+    if shard is not None:
+        mutants = mutants[shard[0] - 1 :: shard[1]]
     if not scenarios:
         raise VariantError("no scenarios: give PATH... or --campaign-examples above 0")
     print(
@@ -227,6 +253,7 @@ def run(args: Any) -> int:
                 "sample": args.sample,
                 "timeout_s": args.timeout,
                 "policy": args.policy,
+                **({} if args.shard is None else {"shard": args.shard}),
                 **(
                     {}
                     if vllm_tests is None
@@ -241,6 +268,23 @@ def run(args: Any) -> int:
             os.environ.pop(forkserver.ENV, None)
             server.close()
         shutil.rmtree(work, ignore_errors=True)
+    return _summary(run, args, modules)
+
+
+def _merge(args: Any) -> int:
+    """``kvfuzz mutate --merge FILE...``: one run from its shards' ``--json`` files."""
+    if not 0 <= args.fail_under <= 100:
+        raise VariantError(f"--fail-under must be within 0..100, got {args.fail_under}")
+    _check_output("--json", args.json)
+    _check_output("--markdown", args.markdown)
+    run = merge_runs([(path, load_run(path)) for path in args.merge])
+    print(f"merged {len(args.merge)} shard(s): {len(run.outcomes)} mutants")
+    modules = tuple(m for m in MODULES if m.path in {o.mutant.module for o in run.outcomes})
+    return _summary(run, args, modules)
+
+
+def _summary(run: MutationRun, args: Any, modules: tuple[ModuleScope, ...]) -> int:
+    """Write ``--json`` / ``--markdown``, print the scores; the exit code by ``--fail-under``."""
     if args.json is not None:
         write_json(run, args.json)
     if args.markdown is not None:

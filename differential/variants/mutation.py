@@ -1384,6 +1384,172 @@ def _side_by_side(run: MutationRun, baseline: VllmTestsBaseline) -> list[str]:
     return lines
 
 
+def load_run(path: Path) -> MutationRun:
+    """Read a run written by :func:`write_json` (``kvfuzz mutate --json``).
+
+    Raises:
+        VariantError: not a ``kvfuzz.mutation`` version-2 file, or a field missing.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise VariantError(f"--merge {path}: cannot read it as JSON ({exc})") from exc
+    if not isinstance(data, dict) or (data.get("format"), data.get("version")) != (
+        REPORT_FORMAT,
+        REPORT_VERSION,
+    ):
+        raise VariantError(
+            f"--merge {path}: format/version is not {REPORT_FORMAT} {REPORT_VERSION}; "
+            "allowed: a kvfuzz mutate --json file"
+        )
+    try:
+        outcomes = tuple(_outcome_from_dict(m) for m in data["mutants"])
+        tests = data.get("vllm_tests")
+        baseline = None
+        if tests is not None:
+            baseline = VllmTestsBaseline(
+                tests["path"],
+                tests["collected"],
+                tests["passed"],
+                tests["elapsed_s"],
+                tests["timeout_s"],
+                tuple(tests["tree_sensitive"]),
+            )
+        return MutationRun(
+            vllm_version=data["vllm_version"],
+            seed=data["seed"],
+            generated=dict(data["generated"]),
+            outcomes=outcomes,
+            scenarios=tuple(data["scenarios"]),
+            elapsed_s=data["elapsed_s"],
+            notes=tuple(data["notes"]),
+            scenario_sha256=tuple(data["scenario_sha256"]),
+            excluded=tuple(
+                ExcludedScenario(e["scenario"], e["module"], e["difference"])
+                for e in data["excluded"]
+            ),
+            stock_s=data["stock_s"],
+            check_s=data["unmutated_check_s"],
+            command=dict(data["command"]),
+            tests_baseline=baseline,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise VariantError(f"--merge {path}: field {exc} missing or malformed") from exc
+
+
+def _outcome_from_dict(m: dict[str, Any]) -> MutantOutcome:
+    mutant = Mutant(
+        m["module"],
+        m["operator"],
+        m["occurrence"],
+        m["line"],
+        m["function"],
+        (m["statement_lines"][0], m["statement_lines"][1]),
+        m["at_import"],
+    )
+    t = m.get("tests")
+    tests = (
+        None
+        if t is None
+        else VllmTestsOutcome(
+            VllmTestsVerdict(t["verdict"]), t["test"], t["detail"], t["selected"], t["elapsed_s"]
+        )
+    )
+    return MutantOutcome(
+        mutant,
+        MutantStatus(m["status"]),
+        m["evidence"],
+        m["reached"],
+        m["scenarios_run"],
+        m["elapsed_s"],
+        m["diff"],
+        tests,
+    )
+
+
+def merge_runs(runs: Sequence[tuple[Path, MutationRun]]) -> MutationRun:
+    """One run from the shards of one (``kvfuzz mutate --shard I/N``, then ``--merge``).
+
+    The shards must share the vLLM release, seed, generated counts and
+    scenarios (by digest) and, when any ran vLLM's tests, the tests' root;
+    mutants come back in sample order (shard ``I`` of ``N`` holds sample
+    positions ``I-1``, ``I-1+N``, ...); times are added (machine-seconds).
+
+    Raises:
+        VariantError: shards of different runs, a shard given twice or missing.
+    """
+    if not runs:
+        raise VariantError("--merge: no files given; allowed: two or more --json files")
+    first_path, first = runs[0]
+    shards: dict[int, MutationRun] = {}
+    total = None
+    for path, run in runs:
+        for what, mine, theirs in (
+            ("vllm_version", run.vllm_version, first.vllm_version),
+            ("seed", run.seed, first.seed),
+            ("generated", run.generated, first.generated),
+            ("scenario_sha256", run.scenario_sha256, first.scenario_sha256),
+            (
+                "vllm_tests",
+                None if run.tests_baseline is None else run.tests_baseline.path,
+                None if first.tests_baseline is None else first.tests_baseline.path,
+            ),
+        ):
+            if mine != theirs:
+                raise VariantError(
+                    f"--merge {path}: {what} differs from {first_path}'s; allowed: shards of "
+                    "one run (same command but --shard)"
+                )
+        index, count = parse_shard(str(run.command.get("shard", "1/1")))
+        if total is not None and count != total:
+            raise VariantError(f"--merge {path}: shard {index}/{count} of another split")
+        total = count
+        if index in shards:
+            raise VariantError(f"--merge {path}: shard {index}/{count} given twice")
+        shards[index] = run
+    assert total is not None
+    missing = sorted(set(range(1, total + 1)) - set(shards))
+    if missing:
+        raise VariantError(f"--merge: shard {missing[0]}/{total} missing")
+    ordered: list[MutantOutcome] = []
+    for k in range(max(len(r.outcomes) for r in shards.values())):
+        ordered += [shards[i].outcomes[k] for i in sorted(shards) if k < len(shards[i].outcomes)]
+    excluded = {e.name: e for r in shards.values() for e in r.excluded}
+    order = {name: i for i, name in enumerate(first.scenarios)}
+    baseline = first.tests_baseline
+    baselines = [r.tests_baseline for r in shards.values() if r.tests_baseline is not None]
+    if baseline is not None:
+        baseline = dataclasses.replace(
+            baseline,
+            elapsed_s=sum(b.elapsed_s for b in baselines),
+            tree_sensitive=tuple(sorted({t for b in baselines for t in b.tree_sensitive})),
+        )
+    command = {k: v for k, v in first.command.items() if k != "shard"}
+    command["merged_shards"] = total
+    return dataclasses.replace(
+        first,
+        outcomes=tuple(ordered),
+        elapsed_s=sum(r.elapsed_s for r in shards.values()),
+        excluded=tuple(sorted(excluded.values(), key=lambda e: order.get(e.name, 0))),
+        stock_s=sum(r.stock_s for r in shards.values()),
+        check_s=sum(r.check_s for r in shards.values()),
+        command=command,
+        tests_baseline=baseline,
+    )
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)``, ``1 <= I <= N``.
+
+    Raises:
+        VariantError: anything else.
+    """
+    index, _, count = text.partition("/")
+    if index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count):
+        return int(index), int(count)
+    raise VariantError(f"--shard {text!r}: allowed: I/N with 1 <= I <= N (e.g. 1/2)")
+
+
 def write_json(run: MutationRun, path: Path) -> None:
     """Write the run as JSON, atomically."""
     from differential.corpus import write_atomic
