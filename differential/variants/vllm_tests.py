@@ -79,6 +79,9 @@ _PLUGIN = "differential.variants.vllm_tests_plugin"
 # Extra seconds a pytest process gets beyond its tests' timeouts (start-up,
 # collection) before it is killed from outside.
 _PROCESS_SLACK_S = 300.0
+#: The stock run's limit as a whole, in seconds (each test has its own timeout).
+STOCK_RUN_LIMIT_S = 6 * 3600.0
+_KILLED = -9
 #: Rounds of "a failing test fails on an unmutated tree too: leave it out, rerun".
 _CONFIRM_ROUNDS = 3
 
@@ -167,7 +170,7 @@ class PytestRun:
         unfinished: the test running when the process was killed from
             outside (its overall timeout), or ``None``.
         coverage: real path of a measured file -> line -> node ids.
-        returncode: pytest's exit status.
+        returncode: pytest's exit status (-9 when killed past its limit).
         elapsed_s: wall time, in seconds.
     """
 
@@ -365,7 +368,7 @@ def run_pytest(
         completed = _run_module("pytest", args, cwd=cwd, env=env, timeout_s=limit)
         elapsed = time.perf_counter() - started
         outcomes, errors, unfinished, coverage = _parse_report(report)
-    returncode = -9 if completed is None else completed.returncode
+    returncode = _KILLED if completed is None else completed.returncode
     tail = "" if completed is None else (completed.stdout + completed.stderr)[-2000:]
     if completed is not None and not outcomes and not errors and returncode not in (0, 1, 5):
         raise InternalError(f"vLLM's tests did not run (pytest exit {returncode}): {tail[-500:]}")
@@ -447,14 +450,27 @@ class VllmTests:
         ``root/tests/v1/core`` once on stock, measuring ``modules`` per test.
 
         Raises:
-            InternalError: pytest could not run at all.
+            InternalError: pytest could not run at all, or ran past
+                ``STOCK_RUN_LIMIT_S`` (each test has its own timeout besides).
         """
+        from differential.errors import InternalError
+
         cwd.mkdir(parents=True, exist_ok=True)
         write_model_folders(root, cwd)
         files = {str((vllm_root / m).resolve()): m for m in modules}
         stock = run_pytest(
-            root, [str(TESTS_SUBDIR)], cwd=cwd, timeout_s=timeout_s, cover=[Path(f) for f in files]
+            root,
+            [str(TESTS_SUBDIR)],
+            cwd=cwd,
+            timeout_s=timeout_s,
+            cover=[Path(f) for f in files],
+            process_timeout_s=STOCK_RUN_LIMIT_S,
         )
+        if stock.returncode == _KILLED:
+            raise InternalError(
+                f"vLLM's tests under {root / TESTS_SUBDIR} ran past {STOCK_RUN_LIMIT_S:.0f} s on "
+                f"stock (stopped in {stock.unfinished}); no mutant can be judged by them"
+            )
         passed = [t for t, (outcome, _) in stock.outcomes.items() if outcome == "passed"]
         keep = set(passed)
         covering: dict[str, dict[int, set[str]]] = {m: {} for m in modules}
