@@ -159,8 +159,10 @@ def _start_forkserver() -> forkserver.ForkServer | None:
     # vLLM's import pulls in the dependencies the server pre-imports: listed
     # from this process's modules, so vLLM must be imported here first (the
     # stock runs import it anyway).
-    import differential.driver.runner  # noqa: F401
-
+    try:
+        import differential.driver.runner  # noqa: F401
+    except ImportError:  # no vLLM: nothing worth pre-importing
+        return None
     try:
         server = forkserver.ForkServer.start(forkserver.default_preload())
     except (OSError, RuntimeError):  # no Unix sockets or no fork: fresh interpreters

@@ -260,3 +260,28 @@ def test_without_vllms_tests_the_report_and_json_are_unchanged() -> None:
     data = run.to_dict()
     assert "vllm_tests" not in data and "union_score" not in data
     assert "tests" not in data["mutants"][0]
+
+
+def test_a_test_that_fails_on_any_tree_is_left_out_not_a_kill(folder: Path, tmp_path: Path) -> None:
+    # Executes the large branch on stock and passes there, but fails whenever
+    # a tree is on the path: on the mutant's tree and on the unmutated one.
+    sensitive = (
+        "import sys\n\nfrom toy import double\n\n\n"
+        "def test_tree_sensitive():\n"
+        "    assert double(5) == 10\n"
+        "    assert not any(p.endswith(('tree', 'unmutated-tests-toy')) for p in sys.path)\n"
+    )
+    (folder / "tests" / "v1" / "core" / "test_sensitive.py").write_text(sensitive)
+    tests = VllmTests.prepare(folder, folder, ["toy.py"], cwd=tmp_path / "cwd", timeout_s=2)
+    assert "tests/v1/core/test_sensitive.py::test_tree_sensitive" in tests.passed
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "toy.py").write_text(TOY)  # unchanged: nothing to kill
+    outcome = tests.judge("toy.py", (3, 3), False, tree, tmp_path / "work")
+    assert (outcome.verdict, outcome.selected) == (VllmTestsVerdict.SURVIVED, 2)
+    assert tests.baseline.tree_sensitive == (
+        "tests/v1/core/test_sensitive.py::test_tree_sensitive",
+    )
+    assert "tests/v1/core/test_sensitive.py::test_tree_sensitive" not in tests.select(
+        "toy.py", (3, 3), False
+    )
