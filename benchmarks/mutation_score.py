@@ -1,7 +1,7 @@
 """kvfuzz's mutation score on vLLM's cache-manager code, and its cost per mutant.
 
 Run: ``.venv/bin/python benchmarks/mutation_score.py [--sample N] [--seed S]
-[--campaign-examples K] [PATH...]``
+[--campaign-examples K] [--vllm-tests PATH] [PATH...]``
 
 By default a small sampled run, fast enough to run by hand (8 mutants, two
 per module, seed 0, the seed corpus plus 10 campaign scenarios: a few
@@ -15,7 +15,11 @@ gives comes from ``--sample 60 --campaign-examples 40 corpora``. Prints:
 * seconds per mutant (worker start, i.e. one ``import vllm`` of the mutant
   tree, included), the seconds of the stock runs (judged once, reused by
   every mutant) and of the unmutated-tree check, the scenarios that check
-  excluded, and the share of survivors that no scenario reaches.
+  excluded, and the share of survivors that no scenario reaches;
+* with ``--vllm-tests PATH`` (e.g. ``../shared/vllm-0.33.0-tests``), the
+  cost of vLLM's own tests too: their stock run (once, under coverage) and,
+  per mutant, seconds and tests selected (by coverage), next to kvfuzz's
+  seconds per mutant, and both scores with the union.
 
 A change to the generator, the oracle or the corpus is compared by these
 figures at the same seed and sample. Nothing here fails.
@@ -24,6 +28,7 @@ figures at the same seed and sample. Nothing here fails.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import time
 from pathlib import Path
@@ -40,8 +45,12 @@ def main() -> None:
         "--campaign-examples", type=int, default=10, help="campaign scenarios (default: 10)"
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="per-scenario timeout, s")
+    parser.add_argument("--vllm-tests", type=Path, default=None, help="vLLM's tests' root")
+    parser.add_argument("--test-timeout", type=float, default=60.0, help="per-test timeout, s")
     args = parser.parse_args()
 
+    import differential.driver.runner  # noqa: F401  (vLLM's dependencies, for the fork server)
+    from differential import forkserver
     from differential.variants.mutation import (
         MODULES,
         MutantStatus,
@@ -60,6 +69,8 @@ def main() -> None:
     scenarios = draw_scenarios(args.paths, args.seed, args.campaign_examples)
     print(f"generation: {time.perf_counter() - started:.1f} s")
     work = default_work_dir()
+    server = forkserver.ForkServer.start(forkserver.default_preload())
+    os.environ[forkserver.ENV] = server.address
     try:
         run = run_mutation(
             mutants,
@@ -69,8 +80,12 @@ def main() -> None:
             seed=args.seed,
             generated={m: len(v) for m, v in generated.items()},
             timeout_s=args.timeout,
+            vllm_tests=None if args.vllm_tests is None else args.vllm_tests.resolve(),
+            test_timeout_s=args.test_timeout,
         )
     finally:
+        os.environ.pop(forkserver.ENV, None)
+        server.close()
         shutil.rmtree(work, ignore_errors=True)
     print(
         f"vLLM {run.vllm_version}, seed {run.seed}, {len(scenarios)} scenarios, "
@@ -104,6 +119,34 @@ def main() -> None:
     for one in run.excluded:
         print(f"  excluded {one.name} ({one.module}): {one.difference}")
     print(f"survivors not reached by any scenario: {unreached} of {len(survivors)}")
+    if run.tests_baseline is None:
+        return
+    b = run.tests_baseline
+    tests = [o.tests for o in run.outcomes if o.tests is not None]
+    ran = [t for t in tests if t.selected]
+    print(
+        f"vLLM's tests: {b.passed} of {b.collected} pass on stock; stock run (once, under "
+        f"coverage) {b.elapsed_s:.1f} s; {len(b.tree_sensitive)} left out (fail on an "
+        "unmutated tree)"
+    )
+    print(f"{'mutant':<62} {'kvfuzz s':>8} {'tests s':>8} {'selected':>8}  kvfuzz / tests")
+    for o in run.outcomes:
+        t = o.tests
+        assert t is not None
+        print(
+            f"{o.mutant.ident:<62} {o.elapsed_s:>8.1f} {t.elapsed_s:>8.1f} {t.selected:>8}  "
+            f"{o.status.value} / {t.verdict.value}"
+        )
+    n = len(run.outcomes)
+    print(
+        f"seconds per mutant: kvfuzz {sum(per_mutant) / n:.1f}, vLLM's tests "
+        f"{sum(t.elapsed_s for t in tests) / n:.1f} ({sum(t.selected for t in ran)} tests over "
+        f"{len(ran)} mutants that ran any; selection by coverage)"
+    )
+    print(
+        f"scores: kvfuzz {100 * (run.score() or 0.0):.1f}%, vLLM's tests "
+        f"{100 * (run.tests_score() or 0.0):.1f}%, union {100 * (run.union_score() or 0.0):.1f}%"
+    )
 
 
 if __name__ == "__main__":

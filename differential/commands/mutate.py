@@ -14,12 +14,17 @@ from differential.findings import Policy
 from differential.variants.mutation import (
     MODULES,
     ExcludedScenario,
+    ModuleScope,
     MutantOutcome,
     MutantStatus,
+    MutationRun,
     default_work_dir,
     draw_scenarios,
     enumerate_mutants,
     installed_vllm,
+    load_run,
+    merge_runs,
+    parse_shard,
     pct,
     render_markdown,
     run_mutation,
@@ -27,6 +32,7 @@ from differential.variants.mutation import (
     select_modules,
     write_json,
 )
+from differential.variants.vllm_tests import check_tests_folder
 
 __all__ = ["add_parser", "run"]
 
@@ -85,6 +91,38 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="per-scenario timeout of a mutant's worker (default: %(default)s)",
     )
+    parser.add_argument(
+        "--vllm-tests",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also judge every mutant by vLLM's own tests under PATH/tests/v1/core (a vLLM "
+        "checkout or a folder laid out like one): those passing on stock that execute the "
+        "mutated statement (by coverage), run on the mutant's tree (default: off)",
+    )
+    parser.add_argument(
+        "--test-timeout",
+        type=timeout_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="per-test timeout of vLLM's tests (pytest-timeout; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run only shard I of N of the sampled mutants (sample positions I-1, I-1+N, ...), "
+        "for one machine of many; join the --json files with --merge (default: all)",
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run nothing: join the --json files of every --shard of one run into one run, "
+        "written with --json / --markdown (default: off)",
+    )
     add_policy(parser, "checkpoint policy the oracle judges with (default: %(default)s)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the run as JSON")
     parser.add_argument(
@@ -118,6 +156,13 @@ def _start_forkserver() -> forkserver.ForkServer | None:
     """
     if os.environ.get(forkserver.ENV):
         return None
+    # vLLM's import pulls in the dependencies the server pre-imports: listed
+    # from this process's modules, so vLLM must be imported here first (the
+    # stock runs import it anyway).
+    try:
+        import differential.driver.runner  # noqa: F401
+    except ImportError:  # no vLLM: nothing worth pre-importing
+        return None
     try:
         server = forkserver.ForkServer.start(forkserver.default_preload())
     except (OSError, RuntimeError):  # no Unix sockets or no fork: fresh interpreters
@@ -132,17 +177,23 @@ def run(args: Any) -> int:
     Before any mutant, an unmutated tree per sampled module runs every
     scenario; a scenario where it differs from stock is printed and left out.
     """
+    if args.merge is not None:
+        return _merge(args)
+    shard = None if args.shard is None else parse_shard(args.shard)
     modules = select_modules(args.modules)
     if args.sample < 1:
         raise VariantError(f"--sample must be >= 1, got {args.sample}")
     if args.campaign_examples < 0:
         raise VariantError(f"--campaign-examples must be >= 0, got {args.campaign_examples}")
+    vllm_tests = None if args.vllm_tests is None else check_tests_folder(args.vllm_tests)
     _check_output("--json", args.json)
     _check_output("--markdown", args.markdown)
     scenarios = draw_scenarios(args.paths, args.seed, args.campaign_examples)
     vllm_root = installed_vllm()
     generated_by = enumerate_mutants(vllm_root, modules)
     mutants = sample_mutants(generated_by, args.sample, args.seed)
+    if shard is not None:
+        mutants = mutants[shard[0] - 1 :: shard[1]]
     if not scenarios:
         raise VariantError("no scenarios: give PATH... or --campaign-examples above 0")
     print(
@@ -155,6 +206,20 @@ def run(args: Any) -> int:
         print(
             f"[{done}/{total}] {outcome.status.value:<18} {outcome.mutant.ident:<48} "
             f"{outcome.elapsed_s:5.1f} s  {outcome.evidence[:100]}",
+            flush=True,
+        )
+        tests = outcome.tests
+        if tests is not None:
+            print(
+                f"        vLLM's tests: {tests.verdict.value:<9} {tests.selected:>4} selected "
+                f"{tests.elapsed_s:5.1f} s  {tests.test or ''} {tests.detail[:80]}".rstrip(),
+                flush=True,
+            )
+
+    if vllm_tests is not None:
+        print(
+            f"vLLM's tests: running {vllm_tests / 'tests' / 'v1' / 'core'} once on stock "
+            f"(each test under {args.test_timeout:g} s, coverage per test)",
             flush=True,
         )
 
@@ -184,13 +249,38 @@ def run(args: Any) -> int:
                 "sample": args.sample,
                 "timeout_s": args.timeout,
                 "policy": args.policy,
+                **({} if args.shard is None else {"shard": args.shard}),
+                **(
+                    {}
+                    if vllm_tests is None
+                    else {"vllm_tests": str(vllm_tests), "test_timeout_s": args.test_timeout}
+                ),
             },
+            vllm_tests=vllm_tests,
+            test_timeout_s=args.test_timeout,
         )
     finally:
         if server is not None:
             os.environ.pop(forkserver.ENV, None)
             server.close()
         shutil.rmtree(work, ignore_errors=True)
+    return _summary(run, args, modules)
+
+
+def _merge(args: Any) -> int:
+    """``kvfuzz mutate --merge FILE...``: one run from its shards' ``--json`` files."""
+    if not 0 <= args.fail_under <= 100:
+        raise VariantError(f"--fail-under must be within 0..100, got {args.fail_under}")
+    _check_output("--json", args.json)
+    _check_output("--markdown", args.markdown)
+    run = merge_runs([(path, load_run(path)) for path in args.merge])
+    print(f"merged {len(args.merge)} shard(s): {len(run.outcomes)} mutants")
+    modules = tuple(m for m in MODULES if m.path in {o.mutant.module for o in run.outcomes})
+    return _summary(run, args, modules)
+
+
+def _summary(run: MutationRun, args: Any, modules: tuple[ModuleScope, ...]) -> int:
+    """Write ``--json`` / ``--markdown``, print the scores; the exit code by ``--fail-under``."""
     if args.json is not None:
         write_json(run, args.json)
     if args.markdown is not None:
@@ -209,6 +299,13 @@ def run(args: Any) -> int:
         f"{len(run.scenarios)} scenarios equal stock, {len(run.excluded)} excluded "
         f"({run.check_s:.0f} s); stock judged once ({run.stock_s:.0f} s)"
     )
+    if run.tests_baseline is not None:
+        b = run.tests_baseline
+        print(
+            f"vLLM's tests: {b.passed} of {b.collected} pass on stock ({b.elapsed_s:.0f} s); "
+            f"score {pct(run.tests_score())}, kvfuzz {pct(run.score())}, union "
+            f"{pct(run.union_score())} (selection by coverage)"
+        )
     score = run.score() or 0.0
     print(
         f"mutation score {100 * score:.1f}% ({len(run.outcomes)} mutants, "

@@ -60,6 +60,7 @@ Nothing here imports vLLM; the comparison imports it on first use.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import importlib.util
 import json
@@ -77,6 +78,12 @@ from typing import Any
 from differential.errors import VariantError
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
+from differential.variants.vllm_tests import (
+    VllmTests,
+    VllmTestsBaseline,
+    VllmTestsOutcome,
+    VllmTestsVerdict,
+)
 
 __all__ = [
     "MODULES",
@@ -233,8 +240,11 @@ class MutantOutcome:
             and scenario; for a survivor why it is filed as it is.
         reached: whether the stock runs execute the mutated statement.
         scenarios_run: scenarios run before the verdict (a kill stops early).
-        elapsed_s: wall time for this mutant, worker start included, in seconds.
+        elapsed_s: wall time for this mutant, worker start included, in seconds
+            (kvfuzz's side only: vLLM's tests are timed in ``tests``).
         diff: the unified diff of the mutation.
+        tests: vLLM's tests' verdict (``kvfuzz mutate --vllm-tests``), or
+            ``None`` when they were not run.
     """
 
     mutant: Mutant
@@ -244,10 +254,21 @@ class MutantOutcome:
     scenarios_run: int
     elapsed_s: float
     diff: str
+    tests: VllmTestsOutcome | None = None
+
+    @property
+    def killed(self) -> bool:
+        """Whether kvfuzz killed it (a timeout counts)."""
+        return self.status in (MutantStatus.KILLED, MutantStatus.TIMED_OUT)
+
+    @property
+    def killed_by_tests(self) -> bool:
+        """Whether vLLM's tests killed it."""
+        return self.tests is not None and self.tests.verdict is VllmTestsVerdict.KILLED
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {
+        """JSON-ready form (``tests`` only when vLLM's tests ran)."""
+        data = {
             "id": self.mutant.ident,
             **self.mutant.to_dict(),
             "status": self.status.value,
@@ -257,6 +278,9 @@ class MutantOutcome:
             "elapsed_s": round(self.elapsed_s, 2),
             "diff": self.diff,
         }
+        if self.tests is not None:
+            data["tests"] = self.tests.to_dict()
+        return data
 
 
 @dataclass(frozen=True)
@@ -298,6 +322,8 @@ class MutationRun:
         check_s: wall time of the unmutated-tree check, in seconds.
         command: what drew the scenarios: ``paths`` and ``campaign_examples``
             (``seed`` is above), for :func:`draw_scenarios`.
+        tests_baseline: the stock run of vLLM's tests (``--vllm-tests``), or
+            ``None`` when they were not run.
     """
 
     vllm_version: str
@@ -312,6 +338,7 @@ class MutationRun:
     stock_s: float = 0.0
     check_s: float = 0.0
     command: dict[str, Any] = field(default_factory=dict)
+    tests_baseline: VllmTestsBaseline | None = None
 
     def counts(self, module: str | None = None) -> Counter[MutantStatus]:
         """Outcomes per status (for one module, or all)."""
@@ -327,6 +354,18 @@ class MutationRun:
             return None
         return (counts[MutantStatus.KILLED] + counts[MutantStatus.TIMED_OUT]) / total
 
+    def _share(self, module: str | None, killed: Callable[[MutantOutcome], bool]) -> float | None:
+        items = [o for o in self.outcomes if module is None or o.mutant.module == module]
+        return sum(map(killed, items)) / len(items) if items else None
+
+    def tests_score(self, module: str | None = None) -> float | None:
+        """Killed by vLLM's tests over all mutants, as a fraction; ``None`` if none ran."""
+        return self._share(module, lambda o: o.killed_by_tests)
+
+    def union_score(self, module: str | None = None) -> float | None:
+        """Killed by kvfuzz or by vLLM's tests over all mutants; ``None`` if none ran."""
+        return self._share(module, lambda o: o.killed or o.killed_by_tests)
+
     @property
     def mutant_s(self) -> tuple[float, ...]:
         """Wall time per mutant, in run order, in seconds."""
@@ -335,7 +374,7 @@ class MutationRun:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``format: kvfuzz.mutation``)."""
         per_mutant = self.mutant_s
-        return {
+        data: dict[str, Any] = {
             "format": REPORT_FORMAT,
             "version": REPORT_VERSION,
             "vllm_version": self.vllm_version,
@@ -354,6 +393,14 @@ class MutationRun:
             "notes": list(self.notes),
             "mutants": [o.to_dict() for o in self.outcomes],
         }
+        if self.tests_baseline is not None:
+            data["vllm_tests"] = self.tests_baseline.to_dict()
+            data["vllm_tests_score"] = self.tests_score()
+            data["vllm_tests_score_per_module"] = {
+                m.path: self.tests_score(m.path) for m in MODULES
+            }
+            data["union_score"] = self.union_score()
+        return data
 
 
 def installed_vllm() -> Path:
@@ -1064,6 +1111,8 @@ def run_mutation(
     progress: Callable[[MutantOutcome, int, int], None] | None = None,
     on_excluded: Callable[[ExcludedScenario], None] | None = None,
     command: dict[str, Any] | None = None,
+    vllm_tests: Path | None = None,
+    test_timeout_s: float = 60.0,
 ) -> MutationRun:
     """Judge stock once, check an unmutated tree, then run every mutant in turn.
 
@@ -1072,18 +1121,35 @@ def run_mutation(
     unmutated tree of a sampled module does not run as stock does; each
     mutant then runs the rest (one tree worker at a time).
 
+    With ``vllm_tests`` (a folder holding ``tests/v1/core``), vLLM's own
+    tests run once on stock first (:meth:`VllmTests.prepare`), then after
+    each mutant's kvfuzz verdict on the same tree (:meth:`VllmTests.judge`:
+    the stock-passing tests that execute the mutated statement).
+
     Args:
         command: recorded in the run (``paths``, ``campaign_examples``).
+        vllm_tests: the tests' root, or ``None`` to judge by kvfuzz alone.
+        test_timeout_s: per-test timeout of vLLM's tests, in seconds.
 
     Raises:
         InternalError: the unmutated tree's worker cannot start (kvfuzz's
-            failure: no mutant could be judged).
+            failure: no mutant could be judged), or vLLM's tests could not run.
     """
     import differential.driver
 
     started = time.perf_counter()
+    tests = None
+    if vllm_tests is not None:
+        tests = VllmTests.prepare(
+            vllm_tests,
+            vllm_root,
+            [m.path for m in MODULES],
+            cwd=work / "vllm-tests-cwd",
+            timeout_s=test_timeout_s,
+        )
+    stock_started = time.perf_counter()
     stock, reached = judge_stock([s for _, s in scenarios], vllm_root, policy=policy)
-    stock_s = time.perf_counter() - started
+    stock_s = time.perf_counter() - stock_started
     excluded = check_unmutated(
         scenarios,
         stock,
@@ -1094,7 +1160,7 @@ def run_mutation(
         policy=policy,
         on_excluded=on_excluded,
     )
-    check_s = time.perf_counter() - started - stock_s
+    check_s = time.perf_counter() - stock_started - stock_s
     left_out = {e.name for e in excluded}
     kept = [i for i, (name, _) in enumerate(scenarios) if name not in left_out]
     kept_scenarios = [scenarios[i] for i in kept]
@@ -1111,6 +1177,15 @@ def run_mutation(
             policy=policy,
             stock=kept_stock,
         )
+        if tests is not None:
+            verdict = tests.judge(
+                mutant.module,
+                mutant.statement_lines,
+                mutant.at_import,
+                work / f"m{i:04d}" / "tree",
+                work,
+            )
+            one = dataclasses.replace(one, tests=verdict)
         shutil.rmtree(work / f"m{i:04d}", ignore_errors=True)
         outcomes.append(one)
         if progress is not None:
@@ -1127,6 +1202,7 @@ def run_mutation(
         stock_s=stock_s,
         check_s=check_s,
         command=dict(command or {}),
+        tests_baseline=None if tests is None else tests.baseline,
     )
 
 
@@ -1177,6 +1253,8 @@ def render_markdown(run: MutationRun) -> str:
     if run.excluded:
         lines += ["", "## Excluded scenarios (an unmutated tree differs from stock)", ""]
         lines += [f"- `{e.name}` ({e.module}): {e.difference}" for e in run.excluded]
+    if run.tests_baseline is not None:
+        lines += _side_by_side(run, run.tests_baseline)
     lines += ["", "## Killed", ""]
     for o in run.outcomes:
         if o.status in (MutantStatus.KILLED, MutantStatus.TIMED_OUT):
@@ -1198,6 +1276,278 @@ def render_markdown(run: MutationRun) -> str:
                 "",
             ]
     return "\n".join(lines) + "\n"
+
+
+def _diff_line(diff: str) -> str:
+    """The first added line of a mutant's diff, stripped of ``+`` and indentation."""
+    for line in diff.splitlines():
+        if line.startswith("+") and not line.startswith("+++"):
+            return line[1:].strip()
+    return ""
+
+
+def _split(items: Sequence[MutantOutcome]) -> tuple[int, int, int, int, int]:
+    """``(kvfuzz only, tests only, both, neither, tests not run)`` counts."""
+    kvfuzz = sum(o.killed and not o.killed_by_tests for o in items)
+    tests = sum(o.killed_by_tests and not o.killed for o in items)
+    both = sum(o.killed and o.killed_by_tests for o in items)
+    not_run = sum(
+        o.tests is not None and o.tests.verdict is VllmTestsVerdict.NOT_RUN for o in items
+    )
+    return kvfuzz, tests, both, len(items) - kvfuzz - tests - both, not_run
+
+
+def _side_by_side(run: MutationRun, baseline: VllmTestsBaseline) -> list[str]:
+    """The report's comparison with vLLM's own tests (``kvfuzz mutate --vllm-tests``)."""
+    timed = [o.tests for o in run.outcomes if o.tests is not None]
+    ran = [t for t in timed if t.verdict is not VllmTestsVerdict.NOT_RUN]
+    n = max(1, len(run.outcomes))
+    lines = [
+        "",
+        "## Side by side with vLLM's own tests",
+        "",
+        f"vLLM's tests: `{baseline.path}`, `tests/v1/core`: {baseline.collected} tests ran "
+        f"on stock, {baseline.passed} passed ({baseline.elapsed_s:.0f} s once, under "
+        f"coverage; each test under a {baseline.timeout_s:g} s timeout). A mutant is killed "
+        "by the tests when a test that passes on stock fails, errors or times out on it.",
+        "",
+        "**Selection is by coverage**: each mutant runs only the stock-passing tests that "
+        "execute the mutated statement on stock (coverage.py, one context per test); a "
+        "mutant evaluated at import time runs those that execute any line of its module. A "
+        "mutant no stock-passing test executes is *not run* and counts as not killed by the "
+        "tests. A test that fails on an unmutated tree too is left out"
+        + (
+            f" ({len(baseline.tree_sensitive)}: "
+            + ", ".join(f"`{t}`" for t in baseline.tree_sensitive)
+            + ")."
+            if baseline.tree_sensitive
+            else " (none was)."
+        ),
+        "",
+        f"Scores: kvfuzz **{pct(run.score())}**, vLLM's tests **{pct(run.tests_score())}**, "
+        f"union **{pct(run.union_score())}** ({len(run.outcomes)} mutants). Per mutant: "
+        f"kvfuzz {sum(o.elapsed_s for o in run.outcomes) / n:.1f} s, vLLM's tests "
+        f"{sum(t.elapsed_s for t in timed) / n:.1f} s ({len(ran)} mutant(s) ran tests, "
+        f"{sum(t.selected for t in ran) / max(1, len(ran)):.0f} tests selected on average).",
+        "",
+        "| module | sampled | kvfuzz only | tests only | both | neither | tests not run "
+        "| kvfuzz | tests | union |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for scope in [*MODULES, None]:
+        path = None if scope is None else scope.path
+        items = [o for o in run.outcomes if path is None or o.mutant.module == path]
+        if not items and path is not None:
+            continue
+        k, t, b, neither, not_run = _split(items)
+        lines.append(
+            f"| {'all' if path is None else f'`{path}`'} | {len(items)} | {k} | {t} | {b} "
+            f"| {neither} | {not_run} | {pct(run.score(path))} | {pct(run.tests_score(path))} "
+            f"| {pct(run.union_score(path))} |"
+        )
+    lines += [
+        "",
+        "### Per function",
+        "",
+        "| module | function | sampled | kvfuzz only | tests only | both | neither |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    per: dict[tuple[str, str], list[MutantOutcome]] = {}
+    for o in run.outcomes:
+        per.setdefault((o.mutant.module, o.mutant.function or "(module)"), []).append(o)
+    for (module, function), items in sorted(per.items()):
+        k, t, b, neither, _ = _split(items)
+        lines.append(
+            f"| {Path(module).stem} | `{function}` | {len(items)} | {k} | {t} | {b} | {neither} |"
+        )
+    lines += ["", "### Killed by kvfuzz only", ""]
+    only = [o for o in run.outcomes if o.killed and not o.killed_by_tests]
+    lines += [
+        f"- `{o.mutant.ident}` ({o.mutant.function or '(module level)'}, line "
+        f"{o.mutant.line}): `{_diff_line(o.diff)}`: {o.evidence[:200]}"
+        + (
+            ""
+            if o.tests is None or o.tests.verdict is VllmTestsVerdict.SURVIVED
+            else f" (tests: {o.tests.verdict.value})"
+        )
+        for o in only
+    ] or ["(none)"]
+    lines += ["", "### Killed by vLLM's tests only", ""]
+    only = [o for o in run.outcomes if o.killed_by_tests and not o.killed]
+    lines += [
+        f"- `{o.mutant.ident}` ({o.mutant.function or '(module level)'}, line "
+        f"{o.mutant.line}): `{_diff_line(o.diff)}`: `{o.tests.test}` "
+        f"({o.tests.detail[:160]}); kvfuzz: {o.status.value}"
+        for o in only
+        if o.tests is not None
+    ] or ["(none)"]
+    return lines
+
+
+def load_run(path: Path) -> MutationRun:
+    """Read a run written by :func:`write_json` (``kvfuzz mutate --json``).
+
+    Raises:
+        VariantError: not a ``kvfuzz.mutation`` version-2 file, or a field missing.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise VariantError(f"--merge {path}: cannot read it as JSON ({exc})") from exc
+    if not isinstance(data, dict) or (data.get("format"), data.get("version")) != (
+        REPORT_FORMAT,
+        REPORT_VERSION,
+    ):
+        raise VariantError(
+            f"--merge {path}: format/version is not {REPORT_FORMAT} {REPORT_VERSION}; "
+            "allowed: a kvfuzz mutate --json file"
+        )
+    try:
+        outcomes = tuple(_outcome_from_dict(m) for m in data["mutants"])
+        tests = data.get("vllm_tests")
+        baseline = None
+        if tests is not None:
+            baseline = VllmTestsBaseline(
+                tests["path"],
+                tests["collected"],
+                tests["passed"],
+                tests["elapsed_s"],
+                tests["timeout_s"],
+                tuple(tests["tree_sensitive"]),
+            )
+        return MutationRun(
+            vllm_version=data["vllm_version"],
+            seed=data["seed"],
+            generated=dict(data["generated"]),
+            outcomes=outcomes,
+            scenarios=tuple(data["scenarios"]),
+            elapsed_s=data["elapsed_s"],
+            notes=tuple(data["notes"]),
+            scenario_sha256=tuple(data["scenario_sha256"]),
+            excluded=tuple(
+                ExcludedScenario(e["scenario"], e["module"], e["difference"])
+                for e in data["excluded"]
+            ),
+            stock_s=data["stock_s"],
+            check_s=data["unmutated_check_s"],
+            command=dict(data["command"]),
+            tests_baseline=baseline,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise VariantError(f"--merge {path}: field {exc} missing or malformed") from exc
+
+
+def _outcome_from_dict(m: dict[str, Any]) -> MutantOutcome:
+    mutant = Mutant(
+        m["module"],
+        m["operator"],
+        m["occurrence"],
+        m["line"],
+        m["function"],
+        (m["statement_lines"][0], m["statement_lines"][1]),
+        m["at_import"],
+    )
+    t = m.get("tests")
+    tests = (
+        None
+        if t is None
+        else VllmTestsOutcome(
+            VllmTestsVerdict(t["verdict"]), t["test"], t["detail"], t["selected"], t["elapsed_s"]
+        )
+    )
+    return MutantOutcome(
+        mutant,
+        MutantStatus(m["status"]),
+        m["evidence"],
+        m["reached"],
+        m["scenarios_run"],
+        m["elapsed_s"],
+        m["diff"],
+        tests,
+    )
+
+
+def merge_runs(runs: Sequence[tuple[Path, MutationRun]]) -> MutationRun:
+    """One run from the shards of one (``kvfuzz mutate --shard I/N``, then ``--merge``).
+
+    The shards must share the vLLM release, seed, generated counts and
+    scenarios (by digest) and, when any ran vLLM's tests, the tests' root;
+    mutants come back in sample order (shard ``I`` of ``N`` holds sample
+    positions ``I-1``, ``I-1+N``, ...); times are added (machine-seconds).
+
+    Raises:
+        VariantError: shards of different runs, a shard given twice or missing.
+    """
+    if not runs:
+        raise VariantError("--merge: no files given; allowed: two or more --json files")
+    first_path, first = runs[0]
+    shards: dict[int, MutationRun] = {}
+    total = None
+    for path, run in runs:
+        for what, mine, theirs in (
+            ("vllm_version", run.vllm_version, first.vllm_version),
+            ("seed", run.seed, first.seed),
+            ("generated", run.generated, first.generated),
+            ("scenario_sha256", run.scenario_sha256, first.scenario_sha256),
+            (
+                "vllm_tests",
+                None if run.tests_baseline is None else run.tests_baseline.path,
+                None if first.tests_baseline is None else first.tests_baseline.path,
+            ),
+        ):
+            if mine != theirs:
+                raise VariantError(
+                    f"--merge {path}: {what} differs from {first_path}'s; allowed: shards of "
+                    "one run (same command but --shard)"
+                )
+        index, count = parse_shard(str(run.command.get("shard", "1/1")))
+        if total is not None and count != total:
+            raise VariantError(f"--merge {path}: shard {index}/{count} of another split")
+        total = count
+        if index in shards:
+            raise VariantError(f"--merge {path}: shard {index}/{count} given twice")
+        shards[index] = run
+    assert total is not None
+    missing = sorted(set(range(1, total + 1)) - set(shards))
+    if missing:
+        raise VariantError(f"--merge: shard {missing[0]}/{total} missing")
+    ordered: list[MutantOutcome] = []
+    for k in range(max(len(r.outcomes) for r in shards.values())):
+        ordered += [shards[i].outcomes[k] for i in sorted(shards) if k < len(shards[i].outcomes)]
+    excluded = {e.name: e for r in shards.values() for e in r.excluded}
+    order = {name: i for i, name in enumerate(first.scenarios)}
+    baseline = first.tests_baseline
+    baselines = [r.tests_baseline for r in shards.values() if r.tests_baseline is not None]
+    if baseline is not None:
+        baseline = dataclasses.replace(
+            baseline,
+            elapsed_s=sum(b.elapsed_s for b in baselines),
+            tree_sensitive=tuple(sorted({t for b in baselines for t in b.tree_sensitive})),
+        )
+    command = {k: v for k, v in first.command.items() if k != "shard"}
+    command["merged_shards"] = total
+    return dataclasses.replace(
+        first,
+        outcomes=tuple(ordered),
+        elapsed_s=sum(r.elapsed_s for r in shards.values()),
+        excluded=tuple(sorted(excluded.values(), key=lambda e: order.get(e.name, 0))),
+        stock_s=sum(r.stock_s for r in shards.values()),
+        check_s=sum(r.check_s for r in shards.values()),
+        command=command,
+        tests_baseline=baseline,
+    )
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)``, ``1 <= I <= N``.
+
+    Raises:
+        VariantError: anything else.
+    """
+    index, _, count = text.partition("/")
+    if index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count):
+        return int(index), int(count)
+    raise VariantError(f"--shard {text!r}: allowed: I/N with 1 <= I <= N (e.g. 1/2)")
 
 
 def write_json(run: MutationRun, path: Path) -> None:

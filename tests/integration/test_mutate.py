@@ -3,10 +3,12 @@ lookup is killed, and a mutant that kvfuzz's no-eviction pool makes
 equivalent survives as equivalent-suspect; both run as tree variants. An
 unmutated tree equals stock on every corpus file and known issue, and a
 scenario where a tree differs from stock without any mutation is excluded,
-never a kill."""
+never a kill. With ``--vllm-tests``, a tiny checkout's test kills the mutant
+kvfuzz misses, and kvfuzz kills the one no test executes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from differential.variants.mutation import (
     judge_stock,
     run_mutation,
 )
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, ROOT, kvfuzz_cli
 from tests.trees import SEED_FIX, SPECULATIVE
 
 pytestmark = pytest.mark.vllm
@@ -145,3 +147,78 @@ def test_a_scenario_a_tree_changes_without_a_mutation_is_excluded_not_a_kill(
     assert outcome.status is MutantStatus.KILLED and outcome.scenarios_run == 1
     assert outcome.evidence.startswith(f"disagreement@1 on {dense.name}")
     assert run.to_dict()["excluded"] == [excluded.to_dict()]
+
+
+TINY_CHECKOUT_TEST = """\
+from vllm.v1.core.kv_cache_utils import get_group_id, make_block_hash_with_group_id
+
+
+def test_group_id_round_trips():
+    key = make_block_hash_with_group_id(b"\\x01" * 32, 7)
+    assert len(key) == 36
+    assert get_group_id(key) == 7
+
+
+def test_fails_on_stock():
+    assert len(make_block_hash_with_group_id(b"\\x01" * 32, 7)) == 35
+
+
+def test_unrelated():
+    assert 1 + 1 == 2
+"""
+
+
+def test_vllms_tests_kill_what_kvfuzz_misses_and_miss_what_kvfuzz_kills(tmp_path: Path) -> None:
+    # A folder laid out like a vLLM checkout, with one test file. The two
+    # mutants --sample 2 --seed 0 draws from the block hasher: `//` for `/`
+    # in BlockHashListWithBlockSize.__len__ (no test here executes it;
+    # kvfuzz's Triton seed crashes on it), and 5 bytes for 4 in
+    # make_block_hash_with_group_id (the lookups stay consistent, so kvfuzz
+    # sees nothing; the test's length check fails).
+    core = tmp_path / "checkout" / "tests" / "v1" / "core"
+    core.mkdir(parents=True)
+    for package in (core.parent.parent, core.parent, core):
+        (package / "__init__.py").write_text("")
+    (core / "test_x.py").write_text(TINY_CHECKOUT_TEST)
+    run_json, report = tmp_path / "run.json", tmp_path / "report.md"
+    result = kvfuzz_cli(
+        "mutate",
+        "corpora/seeds/triton-mtp3-swa16-fa32-r8192.json",
+        "--modules",
+        "kv_cache_utils",
+        "--sample",
+        "2",
+        "--campaign-examples",
+        "0",
+        "--vllm-tests",
+        str(tmp_path / "checkout"),
+        "--json",
+        str(run_json),
+        "--markdown",
+        str(report),
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(run_json.read_text())
+    assert data["vllm_tests"]["collected"] == 3 and data["vllm_tests"]["passed"] == 2
+    floor_div, number = data["mutants"]
+    assert floor_div["id"] == "kv_cache_utils:ReplaceBinaryOperator_FloorDiv_Div:2"
+    assert "-        return len(self.block_hashes) // self.scale_factor" in floor_div["diff"]
+    assert floor_div["status"] == "killed" and floor_div["evidence"].startswith("crash on ")
+    crash = "TypeError: 'float' object cannot be interpreted as an integer"
+    assert crash in floor_div["evidence"]
+    assert floor_div["tests"]["verdict"] == "not run" and floor_div["tests"]["selected"] == 0
+    assert number["id"] == "kv_cache_utils:NumberReplacer:0"
+    five = '+    return BlockHashWithGroupId(block_hash + group_id.to_bytes( 5, "big"'
+    assert five in number["diff"]
+    assert number["status"] == "equivalent-suspect"
+    # Only the stock-passing test that executes the mutated line runs.
+    assert number["tests"]["verdict"] == "killed" and number["tests"]["selected"] == 1
+    assert number["tests"]["test"] == "tests/v1/core/test_x.py::test_group_id_round_trips"
+    assert number["tests"]["detail"] == "failed: AssertionError: assert 37 == 36"
+    assert data["score"] == 0.5 and data["vllm_tests_score"] == 0.5
+    assert data["union_score"] == 1.0
+    text = report.read_text()
+    assert "| `v1/core/kv_cache_utils.py` | 2 | 1 | 1 | 0 | 0 | 1 | 50% | 50% | 100% |" in text
+    assert "- `kv_cache_utils:NumberReplacer:0` (make_block_hash_with_group_id, line 69)" in text
+    assert "vLLM's tests: 2 of 3 pass on stock" in result.stdout

@@ -29,6 +29,8 @@ from differential.variants.mutation import (
     build_mutant_tree,
     draw_scenarios,
     enumerate_mutants,
+    load_run,
+    merge_runs,
     mutant_diff,
     mutant_source,
     render_markdown,
@@ -36,6 +38,7 @@ from differential.variants.mutation import (
     scenario_digest,
     select_modules,
     stock_difference,
+    write_json,
 )
 from tests.factories import ROOT, triton
 
@@ -211,6 +214,10 @@ def test_module_selection() -> None:
         (["--sample", "0"], "--sample must be >= 1"),
         (["--campaign-examples", "-1"], "--campaign-examples must be >= 0"),
         (["--json", "/nonexistent-folder/x.json"], "folder /nonexistent-folder does not exist"),
+        (["--shard", "3/2"], "--shard '3/2': allowed: I/N with 1 <= I <= N"),
+        (["--test-timeout", "0"], "--test-timeout must be > 0"),
+        (["--vllm-tests", "/nonexistent-folder"], "no tests/v1/core folder there"),
+        (["--merge", "/nonexistent-folder/a.json"], "--merge /nonexistent-folder/a.json: cannot"),
     ],
 )
 def test_usage_errors_exit_2_before_any_work(
@@ -334,3 +341,63 @@ def test_the_recorded_run_draws_the_scenarios_its_command_draws_today(
         f"kvfuzz mutate {' '.join(command['paths'])} --sample {command['sample']} "
         f"--seed {recorded['seed']} --campaign-examples {command['campaign_examples']}"
     ) in " ".join(report.replace("\\\n", " ").split())
+
+
+def test_the_recorded_run_loads_back_as_it_was_written() -> None:
+    path = ROOT / "docs" / "mutation-run.json"
+    recorded = json.loads(path.read_text())
+    run = load_run(path)
+    assert "vllm_tests" not in recorded and run.tests_baseline is None
+    again = run.to_dict()
+    assert again["mutants"] == recorded["mutants"]
+    for key in ("seed", "command", "score", "generated", "scenarios", "excluded", "elapsed_s"):
+        assert again[key] == recorded[key], key
+
+
+def _shard(outcomes: list[MutantOutcome], index: int, count: int, seed: int = 0) -> MutationRun:
+    return MutationRun(
+        vllm_version="0.33.0",
+        seed=seed,
+        generated={MODULES[0].path: 40},
+        outcomes=tuple(outcomes[index - 1 :: count]),
+        scenarios=("s1", "s2"),
+        elapsed_s=10.0 * index,
+        scenario_sha256=("aa", "bb"),
+        stock_s=1.0,
+        check_s=2.0,
+        command={"paths": ["corpora"], "sample": 5, "shard": f"{index}/{count}"},
+    )
+
+
+def test_shards_merge_back_into_one_run_in_sample_order(tmp_path: Path) -> None:
+    statuses = [MutantStatus.KILLED, MutantStatus.SURVIVED] * 2 + [MutantStatus.TIMED_OUT]
+    outcomes = [_outcome(MODULES[0].path, status, i) for i, status in enumerate(statuses)]
+    files = []
+    for index in (2, 1):  # given in any order
+        files.append(tmp_path / f"shard{index}.json")
+        write_json(_shard(outcomes, index, 2), files[-1])
+    merged = merge_runs([(f, load_run(f)) for f in files])
+    assert [o.mutant.ident for o in merged.outcomes] == [o.mutant.ident for o in outcomes]
+    assert merged.score() == pytest.approx(3 / 5)
+    # Times are machine-seconds, added over the shards.
+    assert (merged.elapsed_s, merged.stock_s, merged.check_s) == (30.0, 2.0, 4.0)
+    assert merged.command == {"paths": ["corpora"], "sample": 5, "merged_shards": 2}
+    out = tmp_path / "merged.json"
+    assert main(["mutate", "--merge", *map(str, files), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["mutants"] == [o.to_dict() for o in outcomes]
+
+
+def test_merging_shards_of_different_runs_or_an_incomplete_split_is_refused(
+    tmp_path: Path,
+) -> None:
+    outcomes = [_outcome(MODULES[0].path, MutantStatus.KILLED, i) for i in range(4)]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    write_json(_shard(outcomes, 1, 2), one)
+    write_json(_shard(outcomes, 2, 2, seed=1), two)
+    runs = [(one, load_run(one)), (two, load_run(two))]
+    with pytest.raises(VariantError, match=r"two.json: seed differs from .*one.json's"):
+        merge_runs(runs)
+    with pytest.raises(VariantError, match="shard 1/2 given twice"):
+        merge_runs([runs[0], runs[0]])
+    with pytest.raises(VariantError, match="shard 2/2 missing"):
+        merge_runs([runs[0]])
