@@ -215,10 +215,7 @@ def test_module_selection() -> None:
         (["--campaign-examples", "-1"], "--campaign-examples must be >= 0"),
         (["--json", "/nonexistent-folder/x.json"], "folder /nonexistent-folder does not exist"),
         (["--shard", "3/2"], "--shard '3/2': allowed: I/N with 1 <= I <= N"),
-        (
-            ["--test-timeout", "0"],
-            "argument --test-timeout: '0' is invalid: allowed a finite number",
-        ),
+        (["--test-timeout", "0"], "--test-timeout: '0' is invalid: allowed a finite number"),
         (["--vllm-tests", "/nonexistent-folder"], "no tests/v1/core folder there"),
         (["--merge", "/nonexistent-folder/a.json"], "--merge /nonexistent-folder/a.json: cannot"),
     ],
