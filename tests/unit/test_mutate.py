@@ -215,7 +215,6 @@ def test_module_selection() -> None:
         (["--campaign-examples", "-1"], "--campaign-examples must be >= 0"),
         (["--json", "/nonexistent-folder/x.json"], "folder /nonexistent-folder does not exist"),
         (["--shard", "3/2"], "--shard '3/2': allowed: I/N with 1 <= I <= N"),
-        (["--test-timeout", "0"], "--test-timeout: '0' is invalid: allowed a finite number"),
         (["--vllm-tests", "/nonexistent-folder"], "no tests/v1/core folder there"),
         (["--merge", "/nonexistent-folder/a.json"], "--merge /nonexistent-folder/a.json: cannot"),
     ],
@@ -226,6 +225,17 @@ def test_usage_errors_exit_2_before_any_work(
     assert main(["mutate", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_test_timeout_that_is_no_positive_number_is_refused_at_parse_time(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["mutate", "--test-timeout", "0"])
+    assert exited.value.code == 2
+    assert "argument --test-timeout: '0' is invalid: allowed a finite number of seconds > 0" in (
+        capsys.readouterr().err
+    )
 
 
 def _result(
