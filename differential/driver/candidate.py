@@ -92,20 +92,7 @@ def one_unit_mask(current: Mask, original: Mask, *, boundaries: bool) -> Mask:
         dcp_world_size: int = 1,
         final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
-        if use_eagle:
-            return wider(
-                cls,
-                start_block,
-                end_block,
-                alignment_tokens,
-                kv_cache_spec,
-                use_eagle,
-                retention_interval,
-                reachable_boundaries,
-                dcp_world_size,
-                final_segment_end_block,
-            )
-        kept = current(
+        arguments = (
             cls,
             start_block,
             end_block,
@@ -117,6 +104,9 @@ def one_unit_mask(current: Mask, original: Mask, *, boundaries: bool) -> Mask:
             dcp_world_size,
             final_segment_end_block,
         )
+        if use_eagle:
+            return wider(*arguments)
+        kept = current(*arguments)
         if (
             kept is None
             or alignment_tokens is None
