@@ -178,7 +178,8 @@ class EngineWorker(TreeWorker):
             }
         run = dict(reply["run"])
         if run.get("restart"):
-            self.stop()  # a fresh worker for the next plan
+            # A fresh worker for the next plan; this one is ending by itself.
+            self.stop(grace_s=_ENGINE_GRACE_S)
         return run
 
 
@@ -193,10 +194,16 @@ def _worker(timeout_s: float) -> EngineWorker:
     return worker
 
 
+#: How long the engine worker gets to end by itself (its engines torn down,
+#: its model folder removed) before it is killed.
+_ENGINE_GRACE_S = 2.0
+
+
 def shutdown_engine() -> None:
-    """Stop the engine worker (if started)."""
+    """Stop the engine worker (if started), after :data:`_ENGINE_GRACE_S` to
+    end by itself on end of input."""
     while _WORKER:
-        _WORKER.pop().stop()
+        _WORKER.pop().stop(grace_s=_ENGINE_GRACE_S)
 
 
 # ---------------------------------------------------------------------- geometry

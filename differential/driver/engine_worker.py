@@ -34,6 +34,7 @@ import gc
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -304,11 +305,37 @@ def _install_weight_redraw() -> None:
     DummyModelLoader.load_weights = load_weights
 
 
+_MODELS_PREFIX = "kvfuzz-engine-models-"
+
+
+def models_folder() -> Path:
+    """A new folder for this worker's model files
+    (``$TMPDIR/kvfuzz-engine-models-<pid>-XXXX``), removed when the worker
+    exits; one left by a worker that was killed (its pid no longer alive,
+    e.g. SIGKILLed after a timeout) is removed here first."""
+    temp = Path(tempfile.gettempdir())
+    for stale in temp.glob(f"{_MODELS_PREFIX}*"):
+        pid = stale.name.removeprefix(_MODELS_PREFIX).partition("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{_MODELS_PREFIX}{os.getpid()}-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process
+    return True
+
+
 class _Engines:
     """The engines this worker keeps, by their ``LLM`` keyword arguments."""
 
     def __init__(self) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="kvfuzz-engine-models-"))
+        self.folder = models_folder()
         self.engines: dict[str, Any] = {}
         self.created = 0
 
@@ -645,15 +672,18 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
         except EngineStartError as exc:
             return {"run": {"error": f"engine start: {exc}", "restart": True, "requests": []}}, True
 
-    serve(
-        stdin,
-        stdout,
-        handle,
-        describe_failure=lambda exc: (
-            "kvfuzz internal error (please report): the engine "
-            f"worker failed: {type(exc).__name__}: {exc}"
-        ),
-    )
+    try:
+        serve(
+            stdin,
+            stdout,
+            handle,
+            describe_failure=lambda exc: (
+                "kvfuzz internal error (please report): the engine "
+                f"worker failed: {type(exc).__name__}: {exc}"
+            ),
+        )
+    finally:  # the model files go with the worker (a killed one's: models_folder)
+        shutil.rmtree(engines.folder, ignore_errors=True)
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -280,10 +281,18 @@ class TreeWorker:
         commit = _commit(self.tree)
         return str(hello["vllm_version"]) + (f" ({commit})" if commit else "")
 
-    def stop(self) -> None:
-        """Kill the process (if any)."""
+    def stop(self, *, grace_s: float = 0.0) -> None:
+        """Kill the process (if any), after ``grace_s`` seconds for it to end
+        by itself once its stdin is closed (it then removes what it wrote in
+        the temporary folder); a worker in a hung scenario is killed then."""
         if self.process is not None:
-            self.process.kill()
+            if grace_s > 0 and self.process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.process.stdin.close()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=grace_s)
+            if self.process.poll() is None:
+                self.process.kill()
             self.process.wait()
             if self._reader is not None:
                 self._reader.join(timeout=5)  # the pipe ends with the process
@@ -431,11 +440,16 @@ def scenario_as_run(name: str, scenario: Scenario) -> Scenario:
         return scenario
 
 
+#: How long an idle worker gets at shutdown to end by itself on end of input.
+SHUTDOWN_GRACE_S = 1.0
+
+
 def shutdown_workers() -> None:
-    """Stop every worker (also done at interpreter exit)."""
+    """Stop every worker (also done at interpreter exit): each gets
+    :data:`SHUTDOWN_GRACE_S` to end on end of input, then is killed."""
     while _WORKERS:
         _, worker = _WORKERS.popitem()
-        worker.stop()
+        worker.stop(grace_s=SHUTDOWN_GRACE_S)
 
 
 atexit.register(shutdown_workers)

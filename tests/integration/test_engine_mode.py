@@ -140,17 +140,19 @@ def test_block_16_is_unsupported_naming_why_and_runs_scaled() -> None:
     assert mapped.run.hits == (0, 256, 0, 512)
 
 
-def test_confirm_says_confirmed_on_the_engine() -> None:
+def test_confirm_says_confirmed_on_the_engine(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "differential.cli", "confirm", str(EAGLE)],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
         timeout=900,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    # The engine worker removes its model files as it ends.
+    assert list(tmp_path.glob("kvfuzz-*")) == []
     lines = done.stdout.splitlines()
     assert (
         f"{EAGLE}: confirmed on vLLM 0.32.0 engine: fallback@1, fallback@3 "
