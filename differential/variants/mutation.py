@@ -821,8 +821,23 @@ def _difference(stock: Any, other: Any, label: str = "mutant") -> str | None:
 
 #: Runs of one scenario on one tree before a timeout counts: a run past the
 #: per-scenario timeout on a loaded machine is the machine's, not the tree's,
-#: unless it repeats on the restarted worker.
+#: unless it repeats on the restarted worker with :data:`_RETRY_TIMEOUT_FACTOR`
+#: times the time (a load that slows every run does not time out twice).
 _TIMEOUT_ATTEMPTS = 2
+_RETRY_TIMEOUT_FACTOR = 4.0
+
+
+def _attempt_variants(tree: Path, timeout_s: float) -> list[Any]:
+    """The tree's variant for each attempt at a scenario: the per-scenario
+    timeout, then :data:`_RETRY_TIMEOUT_FACTOR` times it (one worker, keyed
+    by the tree)."""
+    from differential.variants import parse_variants
+
+    return [
+        parse_variants(f"tree:{tree}", timeout_s=timeout_s * _RETRY_TIMEOUT_FACTOR**attempt)[0]
+        for attempt in range(_TIMEOUT_ATTEMPTS)
+    ]
+
 
 #: The runs of a judged result, with the names reports give them.
 _RUNS = (
@@ -986,7 +1001,6 @@ def check_unmutated(
         InternalError: a tree's worker cannot start, or kvfuzz's driver
             failed inside it: kvfuzz's failure, not a scenario's.
     """
-    from differential.variants import parse_variants
     from differential.variants.tree import shutdown_workers
 
     excluded: dict[str, ExcludedScenario] = {}
@@ -995,12 +1009,12 @@ def check_unmutated(
         tree = build_mutant_tree(
             vllm_root, module, original, work / f"unmutated-{Path(module).stem}"
         )
-        (variant,) = parse_variants(f"tree:{tree}", timeout_s=timeout_s)
+        attempts = _attempt_variants(tree, timeout_s)
         try:
             for (name, scenario), base in zip(scenarios, stock, strict=True):
                 if name in excluded:
                     continue
-                for _attempt in range(_TIMEOUT_ATTEMPTS):
+                for variant in attempts:
                     result, comparison = _judge_on(variant, scenario, base, policy)
                     timed_out = _kill_evidence(name, base, result, comparison)
                     if timed_out is None or timed_out[0] is not MutantStatus.TIMED_OUT:
@@ -1037,7 +1051,6 @@ def run_mutant(
     restarted worker) and times the mutant out only if it does again. Leaves
     no worker running.
     """
-    from differential.variants import parse_variants
     from differential.variants.tree import shutdown_workers
 
     started = time.perf_counter()
@@ -1049,7 +1062,8 @@ def run_mutant(
     covered = reached.get(mutant.module, set())
     first, last = mutant.statement_lines
     reached_here = mutant.at_import or any(line in covered for line in range(first, last + 1))
-    (variant,) = parse_variants(f"tree:{tree}", timeout_s=timeout_s)
+    attempts = _attempt_variants(tree, timeout_s)
+    variant = attempts[0]
 
     def outcome(status: MutantStatus, evidence: str, ran: int) -> MutantOutcome:
         shutdown_workers()
@@ -1060,9 +1074,9 @@ def run_mutant(
 
     first_difference: str | None = None
     for ran, ((name, scenario), base) in enumerate(zip(scenarios, stock, strict=True), start=1):
-        for _attempt in range(_TIMEOUT_ATTEMPTS):
+        for attempt in attempts:
             try:
-                result, comparison = _judge_on(variant, scenario, base, policy)
+                result, comparison = _judge_on(attempt, scenario, base, policy)
             except (VariantError, RuntimeError) as exc:  # the worker could not start
                 return outcome(
                     MutantStatus.KILLED,

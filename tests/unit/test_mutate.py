@@ -411,3 +411,16 @@ def test_merging_shards_of_different_runs_or_an_incomplete_split_is_refused(
         merge_runs([runs[0], runs[0]])
     with pytest.raises(VariantError, match="shard 2/2 missing"):
         merge_runs([runs[0]])
+
+
+def test_a_timed_out_scenario_is_retried_with_four_times_the_time(tmp_path: Path) -> None:
+    """A run past the per-scenario timeout on a loaded machine is the
+    machine's: the rerun on the restarted worker gets 4x the time, so a load
+    that slows every run does not time a mutant out (a false kill)."""
+    from differential.variants.mutation import _attempt_variants
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    attempts = _attempt_variants(tmp_path, 10.0)
+    assert [v.timeout_s for v in attempts] == [10.0, 40.0]
+    assert {v.name for v in attempts} == {f"tree:{tmp_path}"}  # one worker, keyed by the tree
