@@ -47,6 +47,7 @@ from differential.driver.protocol import (
     serve,
     take_protocol_stdout,
 )
+from differential.stale import remove_stale
 
 _MAX_ENGINES = 2
 
@@ -313,22 +314,8 @@ def models_folder() -> Path:
     (``$TMPDIR/kvfuzz-engine-models-<pid>-XXXX``), removed when the worker
     exits; one left by a worker that was killed (its pid no longer alive,
     e.g. SIGKILLed after a timeout) is removed here first."""
-    temp = Path(tempfile.gettempdir())
-    for stale in temp.glob(f"{_MODELS_PREFIX}*"):
-        pid = stale.name.removeprefix(_MODELS_PREFIX).partition("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_stale(Path(tempfile.gettempdir()), _MODELS_PREFIX, "-")
     return Path(tempfile.mkdtemp(prefix=f"{_MODELS_PREFIX}{os.getpid()}-"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process
-    return True
 
 
 class _Engines:

@@ -1579,22 +1579,11 @@ def default_work_dir() -> Path:
     """
     import tempfile
 
+    from differential.stale import remove_stale
+
     temp = Path(tempfile.gettempdir())
-    for stale in temp.glob("kvfuzz-mutants-*"):
-        pid = stale.name.removeprefix("kvfuzz-mutants-")
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_stale(temp, "kvfuzz-mutants-")
     return temp / f"kvfuzz-mutants-{os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process
-    return True
 
 
 def select_modules(text: str | None) -> tuple[ModuleScope, ...]:
