@@ -43,16 +43,24 @@ def _short_groups(scenario: Scenario, level_tokens: int) -> int:
     return count
 
 
-def _short_run_applies(scenario: Scenario, finding: Finding) -> bool:
+def _shortfall_under_drop(scenario: Scenario, finding: Finding) -> bool:
+    """A ``fallback`` or ``dense-mismatch`` that hit fewer tokens than owed,
+    a fallback only where the drafter asks for the EAGLE drop (the dense
+    cross-check judges with the protection the run used)."""
     if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
         return False
     if finding.expected_tokens is None or finding.hit_tokens is None:
         return False
     if finding.hit_tokens >= finding.expected_tokens:
         return False
-    if finding.kind is FindingKind.FALLBACK and not drafter_model(scenario).drop:
+    return finding.kind is not FindingKind.FALLBACK or drafter_model(scenario).drop
+
+
+def _short_run_applies(scenario: Scenario, finding: Finding) -> bool:
+    expected = finding.expected_tokens
+    if expected is None or not _shortfall_under_drop(scenario, finding):
         return False
-    return _short_groups(scenario, finding.expected_tokens) > 0
+    return _short_groups(scenario, expected) > 0
 
 
 def _short_swa_run_drop(scenario: Scenario, finding: Finding) -> bool:
@@ -355,13 +363,7 @@ def _window_one_spiral(scenario: Scenario, finding: Finding) -> bool:
     drop: the window-1 group needs only the peek block and drops it, and the
     hybrid coordinator's fixed-point loop takes the other groups down with
     it, pass after pass (with or without a full-attention group)."""
-    if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
-        return False
-    if finding.expected_tokens is None or finding.hit_tokens is None:
-        return False
-    if finding.hit_tokens >= finding.expected_tokens:
-        return False
-    if finding.kind is FindingKind.FALLBACK and not drafter_model(scenario).drop:
+    if not _shortfall_under_drop(scenario, finding):
         return False
     windows = [g.sliding_window_tokens for g in scenario.sliding_window_groups]
     return len(windows) >= 2 and 1 in windows
