@@ -78,6 +78,18 @@ _server: forkserver.ForkServer | None = None
 _server_failed = False
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (a child started and reaped here):
+    what a folder left by a killed run is named by."""
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    return int(gone.stdout)
+
+
 def forkserver_address() -> str | None:
     """The address of this test process's fork server, started on first use
     (pre-importing what importing kvfuzz's driver imports); ``None`` when

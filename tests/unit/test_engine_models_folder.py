@@ -4,27 +4,20 @@ its own is new and named by its pid; one a killed worker left is removed."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from differential.driver.engine_worker import models_folder
+from tests.factories import dead_pid
 
 
 def test_a_killed_workers_folder_is_removed_and_a_live_ones_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        text=True,
-        capture_output=True,
-        check=True,
-    )
-    stale = tmp_path / f"kvfuzz-engine-models-{int(gone.stdout)}-abcd"
+    stale = tmp_path / f"kvfuzz-engine-models-{dead_pid()}-abcd"
     (stale / "0123abcd").mkdir(parents=True)
     (stale / "0123abcd" / "config.json").write_text("{}")
     alive = tmp_path / "kvfuzz-engine-models-1-efgh"  # pid 1 is alive

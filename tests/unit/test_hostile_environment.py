@@ -22,7 +22,7 @@ from differential.errors import ScenarioError
 from differential.scenario import RequestSpec, Workload
 from differential.scenario.models import ModelDescription
 from differential.variants.mutation import default_work_dir
-from tests.factories import CORPORA, ROOT, triton
+from tests.factories import CORPORA, ROOT, dead_pid, triton
 
 TOY = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
 
@@ -69,13 +69,7 @@ def test_a_mutant_farm_left_by_a_killed_run_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        text=True,
-        capture_output=True,
-        check=True,
-    )
-    stale = tmp_path / f"kvfuzz-mutants-{int(gone.stdout)}"
+    stale = tmp_path / f"kvfuzz-mutants-{dead_pid()}"
     (stale / "m0000").mkdir(parents=True)
     (stale / "m0000" / "vllm").symlink_to(ROOT)
     alive = tmp_path / "kvfuzz-mutants-1"  # pid 1 is alive
