@@ -25,9 +25,11 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from types import FrameType
+from typing import Any
 
 __all__ = [
     "EXIT_WORKER_FAILED",
@@ -101,7 +103,22 @@ def terminate_pool(pool: ProcessPoolExecutor) -> None:
             process.terminate()
     for process in processes.values():
         with contextlib.suppress(ValueError, AttributeError, AssertionError):
-            process.join(5.0)
-            if process.is_alive():
+            if not _ended(process, 5.0):
                 process.kill()
-                process.join()
+                _ended(process, 5.0)
+
+
+def _ended(process: Any, timeout: float) -> bool:
+    """Whether ``process`` (a ``multiprocessing.Process``) ended within
+    ``timeout`` seconds, its exit code recorded.
+
+    The pool's manager thread reaps its processes too: when it wins the
+    ``waitpid``, this thread's fails with ``ECHILD`` and ``multiprocessing``
+    (``popen_fork.Popen.poll``) reports the process alive until the manager
+    thread records the exit code, so wait for that as well.
+    """
+    deadline = time.monotonic() + timeout
+    process.join(timeout)
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process.exitcode is not None
