@@ -70,6 +70,8 @@ class BlockWrite:
         cached: the block's prefix-cache entry already covered tokens the
             step wrote.
         null: the block is vLLM's null block.
+        held_by: another request (its index) whose block table still holds
+            the block, whatever the reference count says (``None``: none).
     """
 
     position_tokens: int
@@ -79,6 +81,7 @@ class BlockWrite:
     ref_cnt: int
     cached: bool
     null: bool
+    held_by: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockWrite:
@@ -95,6 +98,7 @@ class BlockWrite:
             "ref_cnt": self.ref_cnt,
             "cached": self.cached,
             "null": self.null,
+            **({} if self.held_by is None else {"held_by": self.held_by}),
         }
 
 

@@ -135,6 +135,12 @@ def engine_counts(scenario: Scenario, result: ScenarioResult) -> Counter[str]:
         r.shares_with is not None for r in scenario.requests
     )
     counts["speculative"] += bool(w.accepted_drafts)
+    counts["rejected_drafts"] += any(
+        n < scenario.drafter.num_speculative_tokens for n in w.accepted_drafts
+    )
+    counts["decode"] += scenario.decode_steps > 0
+    counts["mamba"] += bool(scenario.mamba_groups)
+    counts["draft_groups"] += any(g.is_eagle_group for g in scenario.kv_cache_groups)
     runs = [vr.run for vr in result.results if vr.run.mode == "scheduler"]
     counts["with_eviction"] += any(r.evicted_blocks for r in runs)
     counts["with_preemption"] += any(r.preemptions for r in runs)

@@ -31,9 +31,11 @@ class CampaignStats:
             (drafter, protection, retention class, geometry scale).
         engine: (scheduler mode) what the scheduler-mode scenarios exercised:
             counts of scenarios that were concurrent, multi-turn (answer
-            reused), speculative (drafts accepted / rejected), evicting and
-            preempting, and sums of evicted blocks, preemptions, unreachable
-            cached blocks and pool blocks, over every variant run.
+            reused), speculative (drafts accepted / rejected, and with a
+            draft rejected), decoding, with a Mamba group, with annotated
+            draft groups, evicting and preempting, and sums of evicted
+            blocks, preemptions, unreachable cached blocks and pool blocks,
+            over every variant run.
     """
 
     examples: int = 0

@@ -9,7 +9,9 @@ hit length does not carry:
 * for every ``allocate_slots`` step, each block the step writes into that
   was not the request's alone: vLLM's null block, a block whose reference
   count (``KVCacheBlock.ref_cnt``, kept by ``vllm/v1/core/block_pool.py``
-  ``BlockPool``) is not 1, or a block whose prefix-cache entry already
+  ``BlockPool``) is not 1, a block another request's block table still
+  holds (whatever its reference count says: a bookkeeping bug may leave it
+  at 1), or a block whose prefix-cache entry already
   covers the tokens the step writes (:meth:`BlockLedger.before_step` /
   :meth:`BlockLedger.after_step`), the conditions of
   ``BlockPool.is_block_writable``. A full-attention prompt tail that ends
@@ -57,6 +59,8 @@ class BlockLedger:
         }
         # block id -> [group, writer request index, writer block index, filled tokens]
         self._filled: dict[int, list[int]] = {}
+        # request index -> vLLM request id, for the writers recorded above
+        self._request_ids: dict[int, str] = {}
 
     @classmethod
     def for_manager(cls, manager: KVCacheManager) -> BlockLedger | None:
@@ -132,6 +136,20 @@ class BlockLedger:
                     cached[block.block_id] = (k + 1) * size if covered is None else covered
         return cached
 
+    def _held_by_other(self, block: Any, rec: list[int] | None, request_index: int) -> int | None:
+        """The request, other than ``request_index``, that last wrote ``block``
+        and whose block table (``req_to_blocks`` of the group it wrote in)
+        still holds it, or ``None``. A finished or preempted writer's table is
+        gone (``SingleTypeKVCacheManager.free``), so a reused block costs one
+        dict lookup."""
+        if rec is None or rec[1] == request_index:
+            return None
+        writer_id = self._request_ids.get(rec[1])
+        table = self._managers[rec[0]].req_to_blocks.get(writer_id) if writer_id else None
+        if table and any(b is block for b in table):
+            return rec[1]
+        return None
+
     def after_step(
         self,
         request_index: int,
@@ -152,6 +170,7 @@ class BlockLedger:
         if end_tokens <= start_tokens:
             return unsafe
         filled = self._filled
+        self._request_ids[request_index] = request_id
         for gid, manager in enumerate(self._managers):
             if gid in self._state_groups:
                 continue
@@ -181,7 +200,8 @@ class BlockLedger:
                     max(start_tokens, k * size) < cached_before.get(block_id, 0)
                 )
                 holders = block.ref_cnt - (1 if block_id in cow else 0)
-                if holders != 1 or block.is_null or overwrites:
+                held_by = self._held_by_other(block, filled.get(block_id), request_index)
+                if holders != 1 or block.is_null or overwrites or held_by is not None:
                     unsafe.append(
                         BlockWrite(
                             position_tokens=start_tokens,
@@ -191,6 +211,7 @@ class BlockLedger:
                             ref_cnt=block.ref_cnt,
                             cached=overwrites,
                             null=bool(block.is_null),
+                            held_by=held_by,
                         )
                     )
                     if block.is_null:

@@ -367,6 +367,8 @@ def request_violations(
             if write.null
             else "whose prefix-cache entry already covers them"
             if write.cached
+            else f"which request {write.held_by}'s block table holds (ref_cnt {write.ref_cnt})"
+            if write.held_by is not None
             else f"held by {write.ref_cnt} request(s)"
         )
         out.append(

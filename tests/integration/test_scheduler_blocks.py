@@ -1,8 +1,10 @@
 """The block-level check (``wrong-kv``) in scheduler mode, on vLLM 0.33.0's real ``Scheduler``.
 
 The check has teeth there: a calibration mutant handing out the null block
-inside the window, and an in-process patch that corrupts a running request's
-block table, are each caught with the exact finding; and every scheduler-mode
+inside the window, an in-process patch that corrupts a running request's
+block table, and one that hands a block another running request holds to a
+second request (its reference count left at 1), are each caught with the
+exact finding; and every scheduler-mode
 case of the corpus, and every seed through the Scheduler, stays clean.
 """
 
@@ -102,6 +104,60 @@ def test_a_write_into_the_null_block_is_wrong_kv(corrupted_block_table: list[int
             "the step at 40 tokens writes group 0 block index 5 (block 0), "
             "the null block (+1 more)",
         )
+    ]
+
+
+@pytest.fixture
+def doubly_allocated_block(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """``KVCacheManager.allocate_slots`` that, on request 5's first step, puts
+    request 4's last full-attention block (the one request 4 is still
+    writing) at block index 5 of request 5's table, leaving the reference
+    count at 1 (a block handed out twice by a bookkeeping bug). Yields the
+    block id."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    real = KVCacheManager.allocate_slots
+    shared: list[int] = []
+
+    @functools.wraps(real)
+    def double(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(self, request, *args, **kwargs)
+        if request.request_id == "req-5" and out is not None and not shared:
+            tables = self.coordinator.single_type_managers[0].req_to_blocks
+            block = tables["req-4"][-1]
+            shared.append(block.block_id)
+            tables["req-5"][5] = block
+        return out
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", double)
+    yield shared
+
+
+def test_a_write_into_a_block_another_request_holds_is_wrong_kv(
+    doubly_allocated_block: list[int],
+) -> None:
+    # Requests 4 and 5 (the second turns of sessions 0 and 1) run together;
+    # request 5 hits 40 and its first step writes tokens 40.. into request 4's
+    # block index 6 (tokens 48..56 of request 4, which is still decoding into
+    # it). The reference count stays 1, so only the block tables show it: both
+    # requests' writes into the block are flagged.
+    scenario = _concurrent(200, 5, (0, 0, 1, 1, 6, 6, 7, 7), 4)
+    result = compare_variants(scenario, parse_variants("unfixed"))
+    (block,) = doubly_allocated_block
+    assert result.results[0].run.hits == (0, 0, 0, 0, 40, 40, 48, 48)
+    assert _wrong_kv(result) == [
+        (
+            "unfixed",
+            4,
+            f"the step at 54 tokens writes group 0 block index 6 (block {block}), "
+            "which request 5's block table holds (ref_cnt 1) (+1 more)",
+        ),
+        (
+            "unfixed",
+            5,
+            f"the step at 40 tokens writes group 0 block index 5 (block {block}), "
+            "which request 4's block table holds (ref_cnt 1) (+1 more)",
+        ),
     ]
 
 

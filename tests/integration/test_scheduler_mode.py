@@ -270,6 +270,8 @@ def test_campaign_in_scheduler_mode_counts_the_engine(tmp_path: Path) -> None:
     assert engine["scenarios"] == summary["examples"] == 40
     assert engine["concurrent"] > 0 and engine["multi_turn"] > 0
     assert engine["speculative"] > 0 and engine["with_eviction"] > 0
+    assert engine["rejected_drafts"] > 0 and engine["decode"] > 0
+    assert engine["mamba"] > 0 and engine["draft_groups"] > 0
     assert any("Engine scenarios (scheduler mode)" in line for line in engine_section(summary))
 
 
