@@ -261,7 +261,9 @@ def pool_regression(base: RunObservation, fixed: RunObservation) -> Finding | No
     Totals are compared, not single requests: under concurrency a hit that
     comes earlier on one side moves the timing of every later lookup. The
     summary names the requests that lost, the pool and both variants' blocks
-    kept per group (summed over requests) and evictions.
+    cached per group over the run
+    (:attr:`~differential.observation.RunObservation.newly_cached_blocks_per_group`;
+    older observations: the per-request kept blocks, summed) and evictions.
     """
     if base.error is not None or fixed.error is not None:
         return None
@@ -277,6 +279,8 @@ def pool_regression(base: RunObservation, fixed: RunObservation) -> Finding | No
     ]
 
     def kept(run: RunObservation) -> list[int]:
+        if run.newly_cached_blocks_per_group:
+            return list(run.newly_cached_blocks_per_group)
         return [
             sum(col)
             for col in zip(*(r.retained_blocks_per_group for r in run.requests), strict=True)
@@ -288,7 +292,7 @@ def pool_regression(base: RunObservation, fixed: RunObservation) -> Finding | No
         None,
         f"pool {base.pool_blocks} blocks: {fixed.variant} hit {total_f} tokens in all, "
         f"{base.variant} {total_b}; lower on requests {lost}: hits {list(fixed.hits)} vs "
-        f"{list(base.hits)}; blocks kept per group {kept(fixed)} vs {kept(base)}, evicted "
+        f"{list(base.hits)}; blocks cached per group {kept(fixed)} vs {kept(base)}, evicted "
         f"{fixed.evicted_blocks} vs {base.evicted_blocks}",
         expected_tokens=total_b,
         hit_tokens=total_f,

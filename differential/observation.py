@@ -355,6 +355,9 @@ class RunObservation:
             of the run that no lookup of any request's tokens can reach, in
             blocks (a cost: pool space held for nothing).
         cached_blocks: (scheduler mode) cached blocks at the end, in blocks.
+        newly_cached_blocks_per_group: (scheduler mode) per group, the blocks
+            the run added to the prefix cache over all its steps, in blocks
+            (what a retention policy kept, evictions not subtracted).
         preemptions: (scheduler mode) requests the scheduler preempted.
         steps: (scheduler mode) scheduler steps run.
         timeline: (scheduler mode, recorded with the cache map for ``kvfuzz
@@ -385,6 +388,7 @@ class RunObservation:
     steps: int = 0
     timeline: tuple[str, ...] = ()
     crash_cache_map: tuple[str, ...] = ()
+    newly_cached_blocks_per_group: tuple[int, ...] = ()
 
     @property
     def unreachable_share(self) -> float:
@@ -414,6 +418,7 @@ class RunObservation:
             steps=data.get("steps", 0),
             timeline=tuple(data.get("timeline", ())),
             crash_cache_map=tuple(data.get("crash_cache_map", ())),
+            newly_cached_blocks_per_group=tuple(data.get("newly_cached_blocks_per_group", ())),
         )
 
     @property
@@ -437,6 +442,8 @@ class RunObservation:
             out["timeline"] = list(self.timeline)
         if self.crash_cache_map:
             out["crash_cache_map"] = list(self.crash_cache_map)
+        if self.newly_cached_blocks_per_group:
+            out["newly_cached_blocks_per_group"] = list(self.newly_cached_blocks_per_group)
         return out
 
     def _base_dict(self) -> dict[str, Any]:

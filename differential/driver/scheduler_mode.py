@@ -503,6 +503,8 @@ def run_scheduler_scenario(
     observed: list[RequestObservation] = []
     settings = None
     evicted = 0
+    num_groups = len(scenario.kv_cache_groups)
+    newly_cached = [0] * num_groups  # per group, blocks added to the cache
     preemptions = 0
     timeline: list[str] = []
     unreachable = 0
@@ -611,6 +613,8 @@ def run_scheduler_scenario(
             after = runner._cached_keys(manager)
             lost = sum((seen - after).values())
             evicted += lost
+            for gid, n in enumerate(runner._blocks_per_group(after - seen, num_groups)):
+                newly_cached[gid] += n
             seen = after
             done = []
             for rid in req_ids:
@@ -686,6 +690,7 @@ def run_scheduler_scenario(
         steps=steps,
         timeline=tuple(timeline) if record_cache_map else (),
         blocks_recorded=ledger is not None,
+        newly_cached_blocks_per_group=tuple(newly_cached),
     )
 
 

@@ -371,6 +371,74 @@ def test_candidate_without_the_drop_keeps_only_the_tails_one_unit_below() -> Non
     assert not [f for f in result.findings if f.kind is FindingKind.POOL_REGRESSION]
 
 
+def _dspark_lanes(pool: int) -> Scenario:
+    """A DeepSeek-V4-like toy layout (MLA block 16, sliding-window MLA blocks
+    16 and 4, sliding window block 8; windows 16, 8 and 16) with DSpark (3
+    tokens, no drop), retention 0: 8 chat lanes of two turns, the first
+    turns (120-token prompts, 8 decode steps) in flight together, the
+    second turns (each copying its first turn's prompt and answer) arriving
+    together at step 12."""
+    lanes, prompt, decode = 8, 120, 8
+    first = tuple(RequestSpec(0, prompt, name=f"s{i}t1") for i in range(lanes))
+    second = tuple(RequestSpec(prompt + decode + 1, 8, i, f"s{i}t2") for i in range(lanes))
+    return Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.MLA, 16),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW_MLA, 16, 16),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW_MLA, 4, 8),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 8, 16),
+        ),
+        requests=first + second,
+        shared_prefix_tokens=0,
+        drafter=Drafter(DrafterKind.DSPARK, 3),
+        retention_interval_tokens=0,
+        prefill_chunk_tokens=64,
+        decode_steps=decode,
+        workload=Workload(
+            mode=DriveMode.SCHEDULER,
+            pool_blocks=pool,
+            arrival_steps=(0,) * lanes + (12,) * lanes,
+            max_num_seqs=lanes,
+            shares_output=True,
+        ),
+    )
+
+
+def test_eight_dspark_lanes_keep_their_hits_on_every_variant_with_room() -> None:
+    # Pool 600 holds every lane: each second turn hits 112 (its first turn's
+    # 120-token prompt, aligned to the 16-token unit) on every variant; the
+    # candidate no longer widens for a drafter that never drops.
+    result = compare_variants(_dspark_lanes(600), parse_variants("unfixed,fixed,candidate"))
+    assert {vr.variant.name: vr.run.hits for vr in result.results} == {
+        name: (0,) * 8 + (112,) * 8 for name in ("unfixed", "fixed", "candidate")
+    }
+    assert not [f for f in result.findings if f.kind is FindingKind.POOL_REGRESSION]
+
+
+def test_eight_dspark_lanes_under_pressure_are_a_candidate_pool_regression() -> None:
+    # At pool 200 the one-unit tails the candidate keeps (one more sliding-
+    # window block per retained boundary) evict three more lanes' prefixes:
+    # 3 second turns hit 112 on the candidate against 6 on unfixed and fixed.
+    result = compare_variants(_dspark_lanes(200), parse_variants("unfixed,fixed,candidate"))
+    hits = {vr.variant.name: vr.run.hits for vr in result.results}
+    assert hits == {
+        "unfixed": (0,) * 8 + (112,) * 6 + (0, 0),
+        "fixed": (0,) * 8 + (112,) * 6 + (0, 0),
+        "candidate": (0,) * 8 + (112,) * 3 + (0,) * 5,
+    }
+    (regression,) = [f for f in result.findings if f.kind is FindingKind.POOL_REGRESSION]
+    assert (regression.variant, regression.expected_tokens, regression.hit_tokens) == (
+        "candidate vs unfixed",
+        672,
+        336,
+    )
+    assert "pool 200 blocks" in regression.summary()
+    assert "lower on requests [11, 12, 13]" in regression.summary()
+    assert "blocks cached per group [131, 28, 58, 57] vs [110, 16, 32, 32]" in (
+        regression.summary()
+    )
+
+
 def test_block_carved_mamba_prefill_is_judged_as_the_scheduler_chunks_it() -> None:
     # Manager mode carves this Mamba prefill per block (mamba_prefill: block);
     # vLLM's Scheduler ends its chunks elsewhere (at 80), so in scheduler mode
