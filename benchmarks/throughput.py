@@ -216,7 +216,7 @@ def main() -> None:
     started = time.perf_counter()
     from differential.compare import compare_variants
     from differential.corpus import load_entry
-    from differential.driver import VLLM_VERSION, run_variant
+    from differential.driver import VLLM_VERSION, run_variant, runs_as_stock
     from differential.oracle import judge_run
     from differential.variants import parse_variants
 
@@ -287,10 +287,16 @@ def main() -> None:
             engine = (
                 f"\n  one run, scheduler mode:   {sched_rate:8.1f} executions/s (vLLM's Scheduler)"
             )
+        # Both variants and their dense cross-checks, less fixed's dense
+        # cross-check where it is stock's (differential.compare._run_shared).
+        shares = runs_as_stock(scenario, fixed, dense=True)
+        runs = 3 if shares else 4
+        shared = ": fixed's dense cross-check is stock's, run once" if shares else ""
         print(
             f"{label:<11} {name}: {tokens} prompt tokens in {len(scenario.requests)} requests\n"
             f"  one variant run:           {run_rate:8.1f} executions/s\n"
-            f"  judged unfixed+fixed pair: {judged_rate:8.1f} scenarios/s (4 runs each)\n"
+            f"  judged unfixed+fixed pair: {judged_rate:8.1f} scenarios/s "
+            f"({runs} runs each{shared})\n"
             f"  time inside vLLM's code:   {share:8.0%} (cProfile self time)\n"
             f"  judged run, block check on:  {checked:8.1f} executions/CPU-s\n"
             f"  judged run, block check off: {unchecked:8.1f} executions/CPU-s "

@@ -439,6 +439,32 @@ def run_any(
     return run_variant(scenario, variant, dense=dense, record_cache_map=record_cache_map)
 
 
+# Runs the installed vLLM makes exactly as some variant of a comparison does:
+# (dense cross-check?, scenario) -> the run, made once per comparison.
+StockRuns = dict[tuple[bool, Scenario], RunObservation]
+
+
+def _run_shared(
+    scenario: Scenario, variant: Variant, stock_runs: StockRuns | None, *, dense: bool = False
+) -> RunObservation:
+    """:func:`run_any`, or, where ``variant`` runs ``scenario`` exactly as the
+    installed vLLM does (:func:`differential.driver.runs_as_stock`: ``fixed``'s
+    dense cross-check of a drafter other than Gemma-4 MTP, for example), the
+    stock run another variant of the same comparison already made, under
+    this variant's name."""
+    if stock_runs is None or variant.tree is not None:
+        return run_any(scenario, variant, dense=dense)
+    from differential.driver import runs_as_stock
+
+    if not runs_as_stock(scenario, variant, dense=dense):
+        return run_any(scenario, variant, dense=dense)
+    key = (dense, scenario)
+    run = stock_runs.get(key)
+    if run is None:
+        run = stock_runs[key] = run_any(scenario, variant, dense=dense)
+    return run if run.variant == variant.name else dataclasses.replace(run, variant=variant.name)
+
+
 def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -> list[Finding]:
     """Compare two variants neither of which is labelled fixed.
 
@@ -587,6 +613,7 @@ def judge_variant(
     *,
     policy: Policy = Policy.VLLM,
     dense_cross_check: bool = True,
+    stock_runs: StockRuns | None = None,
 ) -> tuple[VariantResult, tuple[str, ...]]:
     """Run ``scenario`` on one variant and judge it on its own.
 
@@ -595,7 +622,9 @@ def judge_variant(
     nothing compared with another variant. A variant's result does not depend
     on the other variants, so a caller comparing many variants with one
     baseline (``kvfuzz mutate``) judges the baseline once and reuses it with
-    :func:`compare_results`.
+    :func:`compare_results`. ``stock_runs``, shared by the variants of one
+    comparison, holds the runs the installed vLLM makes exactly as one of
+    them does, so each is made once (:func:`_run_shared`).
 
     Returns:
         ``(result, notices)``: notices the user should know (an unsupported
@@ -607,7 +636,7 @@ def judge_variant(
     """
     notices: list[str] = []
     started = time.perf_counter()
-    run = run_any(scenario, variant)
+    run = _run_shared(scenario, variant, stock_runs)
     if run.unsupported is not None:
         notices.append(f"{variant.name}: unsupported: {run.unsupported}")
     if run.settings is not None:
@@ -633,12 +662,12 @@ def judge_variant(
         if scenario.retention_interval_tokens is None:
             findings += cross_check_dense(judged, run)
         else:
-            dense_run = run_any(scenario, variant, dense=True)
+            dense_run = _run_shared(scenario, variant, stock_runs, dense=True)
             findings += cross_check_dense(judged, dense_run)
     manager_run = retention0_run = None
     if engine and mode_cross_checkable(scenario):
         try:
-            manager_run = run_any(in_mode(scenario, DriveMode.MANAGER), variant)
+            manager_run = _run_shared(in_mode(scenario, DriveMode.MANAGER), variant, stock_runs)
         except ScenarioError:
             # The manager-level driver does not preempt: a pool the
             # Scheduler copes with can be too small for it, and then
@@ -647,8 +676,8 @@ def judge_variant(
         if manager_run is not None:
             findings += cross_check_modes(scenario, run, manager_run)
     if engine and _collapse_applies(scenario):
-        retention0_run = run_any(
-            dataclasses.replace(scenario, retention_interval_tokens=0), variant
+        retention0_run = _run_shared(
+            dataclasses.replace(scenario, retention_interval_tokens=0), variant, stock_runs
         )
         collapse = eviction_collapse(scenario, run, retention0_run)
         if collapse is not None:
@@ -706,9 +735,14 @@ def _compare_variants(
 ) -> ScenarioResult:
     results: list[VariantResult] = []
     notices: list[str] = []
+    stock_runs: StockRuns = {}
     for variant in variants:
         result, notes = judge_variant(
-            scenario, variant, policy=policy, dense_cross_check=dense_cross_check
+            scenario,
+            variant,
+            policy=policy,
+            dense_cross_check=dense_cross_check,
+            stock_runs=stock_runs,
         )
         results.append(result)
         notices += notes

@@ -22,7 +22,14 @@ if TYPE_CHECKING:
     from differential.driver.fixes import FixStatus, fix_status
     from differential.driver.runner import VLLM_VERSION
 
-__all__ = ["VLLM_VERSION", "FixStatus", "fix_status", "patch_context", "run_variant"]
+__all__ = [
+    "VLLM_VERSION",
+    "FixStatus",
+    "fix_status",
+    "patch_context",
+    "run_variant",
+    "runs_as_stock",
+]
 
 _DENSE = None
 
@@ -49,6 +56,24 @@ def _patch_factory(variant: Variant) -> Callable[[], AbstractContextManager[None
         importlib.import_module(module), function
     )
     return factory
+
+
+def runs_as_stock(scenario: Scenario, variant: Variant, *, dense: bool = False) -> bool:
+    """Whether ``variant`` runs ``scenario`` (``dense``: its dense cross-check,
+    retention ``None``) exactly as the installed vLLM does: no patch, or a
+    patch whose ``stock_when`` predicate holds for the run. Never for a
+    tree, which is another vLLM."""
+    if variant.tree is not None:
+        return False
+    if not variant.patch:
+        return True
+    if not variant.stock_when:
+        return False
+    module, _, function = variant.stock_when.partition(":")
+    predicate: Callable[[Scenario, int | None], bool] = getattr(
+        importlib.import_module(module), function
+    )
+    return predicate(scenario, None if dense else scenario.retention_interval_tokens)
 
 
 def patch_context(variant: Variant) -> AbstractContextManager[None]:

@@ -34,11 +34,14 @@ from vllm.config import SpeculativeConfig
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 
+from differential.scenario import DrafterKind, Scenario
+
 __all__ = [
     "FixStatus",
     "fix_status",
     "patched",
     "seed_pr_fix",
+    "seed_pr_runs_as_stock",
     "union_with_wider_window",
     "widening_mask",
 ]
@@ -118,6 +121,17 @@ def widening_mask(
         )
 
     return mask
+
+
+def seed_pr_runs_as_stock(scenario: Scenario, retention_interval_tokens: int | None) -> bool:
+    """Whether the seed PR's two changes leave a run exactly as the installed
+    vLLM runs it: the drop wrapper changes only Gemma-4 MTP
+    (``use_gemma4_mtp()``, the ``gemma4_mtp`` drafter kind), and the mask
+    wrapper widens only under a positive retention interval
+    (:func:`_seed_pr_widens`), so a run of any other drafter with retention
+    ``retention_interval_tokens`` ``None`` (the dense cross-check) or 0 is
+    the stock run."""
+    return scenario.drafter.kind is not DrafterKind.GEMMA4_MTP and not retention_interval_tokens
 
 
 def _seed_pr_widens(retention: int | None, alignment: int | None, use_eagle: bool) -> bool:

@@ -87,6 +87,13 @@ class Variant:
         fix_scope: for ``fixed``-role variants, what the fix changes.
         base: for mutants, the variant the mutation is applied on top of
             (calibration compares the mutant with it).
+        stock_when: ``"module:function"`` of a predicate ``(scenario,
+            retention_interval_tokens) -> bool`` that holds when the
+            variant's patches leave that run exactly as the installed vLLM
+            runs it (``retention_interval_tokens``: the interval the run
+            uses, ``None`` for the dense cross-check), so a comparison runs
+            it once for both (:func:`differential.driver.runs_as_stock`);
+            ``""``: never assumed.
     """
 
     name: str
@@ -97,6 +104,7 @@ class Variant:
     timeout_s: float = 60.0
     fix_scope: FixScope = FixScope.SEED_PR
     base: str = "fixed"
+    stock_when: str = ""
 
 
 _REGISTRY: dict[str, Variant] = {}
@@ -115,6 +123,7 @@ register(
         "periodic SWA tails A / B_swa blocks wider)",
         VariantRole.FIXED,
         patch="differential.driver.fixes:seed_pr_fix",
+        stock_when="differential.driver.fixes:seed_pr_runs_as_stock",
     )
 )
 register(

@@ -48,3 +48,41 @@ def test_corpus_entry(path: Path) -> None:
         if got != list(expect.findings["layout"]):
             problems.append(f"layout: findings {got}, expected {list(expect.findings['layout'])}")
     assert not problems, f"{path}:\n  " + "\n  ".join(problems)
+
+
+def test_fixed_runs_the_installed_vllm_where_it_is_said_to() -> None:
+    """Where ``fixed``'s ``stock_when`` predicate holds (a comparison then runs
+    stock vLLM once for both, ``differential.compare._run_shared``), its
+    real patched run is the unfixed run, observation for observation: the
+    dense cross-check of every corpus and known-issues scenario whose drafter
+    is not Gemma-4 MTP, and each retention-0 run. And the predicate does not
+    hold where the patches act (a Gemma-4 MTP drafter, a positive retention
+    interval)."""
+    import dataclasses
+
+    from differential.driver import run_variant, runs_as_stock
+    from differential.scenario import DrafterKind
+
+    unfixed, fixed = parse_variants("unfixed,fixed")
+    entries = [
+        load_entry(p) for p in FILES + sorted((CORPORA.parent / "known-issues").glob("*.json"))
+    ]
+    checked = {"dense": 0, "retention 0": 0, "not shared": 0}
+    for entry in entries:
+        s = entry.scenario
+        runs = [(True, s, "dense")]
+        runs.append((False, dataclasses.replace(s, retention_interval_tokens=0), "retention 0"))
+        for dense, scenario, what in runs:
+            if not runs_as_stock(scenario, fixed, dense=dense):
+                assert s.drafter.kind is DrafterKind.GEMMA4_MTP or (
+                    not dense and scenario.retention_interval_tokens
+                )
+                checked["not shared"] += 1
+                continue
+            stock = run_variant(scenario, unfixed, dense=dense)
+            patched = run_variant(scenario, fixed, dense=dense)
+            assert dataclasses.replace(patched, variant="unfixed") == stock, (entry.name, what)
+            checked[what] += 1
+    assert checked["dense"] > 80 and checked["retention 0"] > 80 and checked["not shared"] > 0
+    sparse = dataclasses.replace(entries[0].scenario, retention_interval_tokens=64)
+    assert not runs_as_stock(sparse, fixed)
