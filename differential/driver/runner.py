@@ -48,7 +48,7 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -299,21 +299,81 @@ def manager_settings(
     )
 
 
+# Block hashes vLLM's hasher computed in this process: (hash block size,
+# lookahead tokens, parent hash or NONE_HASH, the tokens from the first
+# unhashed block on) -> the new hashes. A judged comparison makes the same
+# requests in every run of every variant (no variant patches the hasher), so
+# each prompt is hashed once; see memoised_hasher.
+_HASHES: dict[tuple[Any, ...], list[Any]] = {}
+_HASHES_MAX_TOKENS = 4_000_000  # tokens held as keys before the memo is cleared
+_hashes_tokens = 0
+
+
+def memoised_hasher(hasher: Any, block_size: int, lookahead: int) -> Callable[[Request], list[Any]]:
+    """``hasher`` (a ``request_block_hasher`` from vLLM's
+    ``get_request_block_hasher``, vllm/v1/core/kv_cache_utils.py) answering
+    from a per-process memo.
+
+    vLLM's chained hash of a block depends on the parent hash (``NONE_HASH``
+    for the first block), the block's tokens, the lookahead tokens after it
+    and the request's extra keys; kvfuzz's requests have none (no
+    multi-modal features, LoRA, cache salt or prompt embeddings: such a
+    request is hashed afresh). So the new hashes of a request are a function
+    of the parent hash and the tokens from ``len(request.block_hashes) *
+    block_size`` on, the memo's key with ``block_size`` (tokens) and
+    ``lookahead`` (tokens). The memo is keyed by ``hasher``'s module too (a
+    tree's vLLM has its own), and cleared past 4M tokens of keys.
+    """
+    module = kv_cache_utils_module()
+
+    def hashes(request: Request) -> list[Any]:
+        global _hashes_tokens
+        if (
+            getattr(request, "mm_features", None)
+            or getattr(request, "lora_request", None) is not None
+            or getattr(request, "cache_salt", None) is not None
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
+            return hasher(request)  # type: ignore[no-any-return]
+        known = request.block_hashes
+        tail = tuple(request.all_token_ids[len(known) * block_size :])
+        parent = known[-1] if known else getattr(module, "NONE_HASH", None)
+        key = (module, block_size, lookahead, parent, tail)
+        found = _HASHES.get(key)
+        if found is None:
+            found = hasher(request)
+            if _hashes_tokens + len(tail) > _HASHES_MAX_TOKENS:
+                _HASHES.clear()
+                _hashes_tokens = 0
+            _HASHES[key] = found
+            _hashes_tokens += len(tail)
+        return list(found)
+
+    return hashes
+
+
+def kv_cache_utils_module() -> Any:
+    """The ``vllm.v1.core.kv_cache_utils`` module this process drives."""
+    import vllm.v1.core.kv_cache_utils as module
+
+    return module
+
+
 def block_hasher(scenario: Scenario, resolved: ResolvedDrafter) -> Any:
     """vLLM's request block hasher for the scenario's hash block size
-    (``get_request_block_hasher``, vllm/v1/core/kv_cache_utils.py)."""
-    hash_lookahead = (
-        (resolved.num_hash_lookahead_tokens,)
-        if "num_hash_lookahead_tokens" in _HASHER_PARAMETERS
-        else ()
-    )
-    return vllm_call(
+    (``get_request_block_hasher``, vllm/v1/core/kv_cache_utils.py), memoised
+    across runs (:func:`memoised_hasher`)."""
+    with_lookahead = "num_hash_lookahead_tokens" in _HASHER_PARAMETERS
+    lookahead = resolved.num_hash_lookahead_tokens if with_lookahead else 0
+    block_size = scenario.effective_hash_block_size_tokens
+    hasher = vllm_call(
         "get_request_block_hasher",
         get_request_block_hasher,
-        scenario.effective_hash_block_size_tokens,
+        block_size,
         sha256,
-        *hash_lookahead,
+        *((lookahead,) if with_lookahead else ()),
     )
+    return memoised_hasher(hasher, block_size, lookahead)
 
 
 def make_request(

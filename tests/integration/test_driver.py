@@ -325,3 +325,46 @@ def test_the_ignored_hash_block_notice_names_why_beside_a_mamba_group() -> None:
         "its manager in vllm/v1/core/single_type_kv_cache_manager.py supports no "
         "fine-grained ones), so hits align to A = 4 tokens",
     )
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 3])
+def test_memoised_block_hashes_are_vllms_own(lookahead: int) -> None:
+    """The driver's block hasher answers from a per-process memo; its hashes
+    are those vLLM's ``request_block_hasher`` computes, at the prompt and as
+    sampled tokens fill more blocks, and a second request with the same
+    tokens is answered from the memo."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    from differential.driver import runner
+
+    def request(rid: str, hasher: object) -> Request:
+        return Request(
+            request_id=rid,
+            prompt_token_ids=[(7 * k + lookahead) % 50 for k in range(37)],
+            sampling_params=SamplingParams(max_tokens=16),
+            pooling_params=None,
+            block_hasher=hasher,  # type: ignore[arg-type]
+        )
+
+    vllm_hasher = get_request_block_hasher(4, sha256, lookahead)
+    memoised = runner.memoised_hasher(vllm_hasher, 4, lookahead)
+    plain, first, second = (
+        request("plain", vllm_hasher),
+        request("first", memoised),
+        request("second", memoised),
+    )
+    assert len(plain.block_hashes) == (37 - lookahead) // 4 > 0
+    assert first.block_hashes == second.block_hashes == plain.block_hashes
+    for token in (3, 1, 4, 1, 5, 9, 2, 6):
+        for r in (plain, first, second):
+            r.append_output_token_ids(token)
+        assert first.block_hashes == second.block_hashes == plain.block_hashes
+    assert len(plain.block_hashes) == (45 - lookahead) // 4
+    prompt = tuple(plain.prompt_token_ids or ())
+    assert any(key[-1] == prompt for key in runner._HASHES)  # the prompt's hashes are kept
+    before = dict(runner._HASHES)
+    request("third", memoised)
+    assert before == runner._HASHES  # answered from the memo
