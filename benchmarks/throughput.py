@@ -110,7 +110,9 @@ def bare_run(scenario: Any) -> list[int]:
     drives); the same calls as :func:`differential.driver.runner.run_scenario`
     in the same order.
     """
+    from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import RequestStatus
 
@@ -136,7 +138,11 @@ def bare_run(scenario: Any) -> list[int]:
         num_prefill_lookahead=resolved.num_prefill_lookahead_tokens,
     )
     view = SimpleNamespace(num_prefill_lookahead=resolved.num_prefill_lookahead_tokens)
-    hasher = runner.block_hasher(scenario, resolved)
+    # vLLM's own hasher, every prompt hashed in every run (kvfuzz's driver
+    # memoises the hashes; the bare driver stays what it was).
+    hasher = get_request_block_hasher(
+        scenario.effective_hash_block_size_tokens, sha256, resolved.num_hash_lookahead_tokens
+    )
     lookahead = resolved.num_lookahead_tokens
     spec = scenario.drafter.num_speculative_tokens
     hits = []
