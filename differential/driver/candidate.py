@@ -46,9 +46,15 @@ from contextlib import AbstractContextManager, contextmanager
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from differential.driver.fixes import patched, seed_pr_fix, widening_mask
+from differential.driver.fixes import (
+    patched,
+    seed_pr_fix,
+    seed_pr_runs_as_stock,
+    widening_mask,
+)
+from differential.scenario import Scenario
 
-__all__ = ["candidate_fix", "mutant_no_replay_widening"]
+__all__ = ["candidate_fix", "candidate_runs_as_stock", "mutant_no_replay_widening"]
 
 
 def _one_unit_widens(retention: int | None, alignment: int | None, use_eagle: bool) -> bool:
@@ -145,6 +151,15 @@ def _seed_fix_widened(*, boundaries: bool) -> Iterator[None]:
         candidate = one_unit_mask(_installed_mask(), original, boundaries=boundaries)
         with patched(((SlidingWindowManager, "reachable_block_mask", classmethod(candidate)),)):
             yield
+
+
+def candidate_runs_as_stock(scenario: Scenario, retention_interval_tokens: int | None) -> bool:
+    """Whether the candidate leaves a run exactly as the installed vLLM runs
+    it: the seed PR's changes do (:func:`~differential.driver.fixes.seed_pr_runs_as_stock`)
+    and the one-unit widening is off, which needs retention
+    ``retention_interval_tokens`` ``None`` (:func:`_one_unit_widens`: retention
+    0 keeps replay-boundary tails it widens)."""
+    return retention_interval_tokens is None and seed_pr_runs_as_stock(scenario, None)
 
 
 def candidate_fix() -> AbstractContextManager[None]:

@@ -135,6 +135,7 @@ register(
         VariantRole.FIXED,
         patch="differential.driver.candidate:candidate_fix",
         fix_scope=FixScope.ONE_UNIT,
+        stock_when="differential.driver.candidate:candidate_runs_as_stock",
     )
 )
 

@@ -51,7 +51,7 @@ def test_corpus_entry(path: Path) -> None:
 
 
 def test_fixed_runs_the_installed_vllm_where_it_is_said_to() -> None:
-    """Where ``fixed``'s ``stock_when`` predicate holds (a comparison then runs
+    """Where ``fixed``'s (or ``candidate``'s) ``stock_when`` predicate holds (a comparison then runs
     stock vLLM once for both, ``differential.compare._run_shared``), its
     real patched run is the unfixed run, observation for observation: the
     dense cross-check of every corpus and known-issues scenario whose drafter
@@ -63,11 +63,11 @@ def test_fixed_runs_the_installed_vllm_where_it_is_said_to() -> None:
     from differential.driver import run_variant, runs_as_stock
     from differential.scenario import DrafterKind
 
-    unfixed, fixed = parse_variants("unfixed,fixed")
+    unfixed, fixed, candidate = parse_variants("unfixed,fixed,candidate")
     entries = [
         load_entry(p) for p in FILES + sorted((CORPORA.parent / "known-issues").glob("*.json"))
     ]
-    checked = {"dense": 0, "retention 0": 0, "not shared": 0}
+    checked = {"dense": 0, "retention 0": 0, "not shared": 0, "candidate": 0}
     for entry in entries:
         s = entry.scenario
         runs = [(True, s, "dense")]
@@ -83,6 +83,12 @@ def test_fixed_runs_the_installed_vllm_where_it_is_said_to() -> None:
             patched = run_variant(scenario, fixed, dense=dense)
             assert dataclasses.replace(patched, variant="unfixed") == stock, (entry.name, what)
             checked[what] += 1
+            if runs_as_stock(scenario, candidate, dense=dense):
+                assert dense  # retention 0 widens the candidate's replay-boundary tails
+                proposed = run_variant(scenario, candidate, dense=dense)
+                assert dataclasses.replace(proposed, variant="unfixed") == stock, entry.name
+                checked["candidate"] += 1
     assert checked["dense"] > 80 and checked["retention 0"] > 80 and checked["not shared"] > 0
-    sparse = dataclasses.replace(entries[0].scenario, retention_interval_tokens=64)
-    assert not runs_as_stock(sparse, fixed)
+    assert checked["candidate"] == checked["dense"]
+    sparse = next(e.scenario for e in entries if e.scenario.retention_interval_tokens)
+    assert not runs_as_stock(sparse, fixed) and not runs_as_stock(sparse, candidate)
