@@ -200,7 +200,12 @@ class BlockLedger:
                     max(start_tokens, k * size) < cached_before.get(block_id, 0)
                 )
                 holders = block.ref_cnt - (1 if block_id in cow else 0)
-                held_by = self._held_by_other(block, filled.get(block_id), request_index)
+                rec = filled.get(block_id)
+                held_by = (
+                    None
+                    if rec is None or rec[1] == request_index
+                    else self._held_by_other(block, rec, request_index)
+                )
                 if holders != 1 or block.is_null or overwrites or held_by is not None:
                     unsafe.append(
                         BlockWrite(
@@ -218,7 +223,6 @@ class BlockLedger:
                         continue
                 begin = max(k * size, start_tokens) - k * size
                 stop = min((k + 1) * size, end_tokens) - k * size
-                rec = filled.get(block_id)
                 if rec is not None and rec[0] == gid and rec[1] == request_index and rec[2] == k:
                     # The request's own block again. A rewrite (rejected
                     # drafts recomputed, a preempted request resumed into the
