@@ -252,6 +252,18 @@ class RequestObservation:
         finished_step: (scheduler mode) the scheduler step at whose end the
             request had finished and been freed (its blocks released to the
             prefix cache); ``None`` in manager mode or if it never finished.
+        lookup_queue_removals: (scheduler mode) blocks removed from vLLM's
+            free block queue (``FreeKVCacheBlockQueue.popleft``,
+            ``popleft_n``, ``remove``, in vllm/v1/core/kv_cache_utils.py)
+            from the start of the run up to the admitting lookup, in blocks;
+            ``None`` when not recorded (manager mode, older files, a run
+            whose frees could not all be attributed to a request).
+        freed_queue_blocks: (scheduler mode) the free queue's length
+            (``BlockPool.get_num_free_blocks``) just before the first
+            ``BlockPool.free_blocks`` call made on this request's behalf, in
+            blocks; ``None`` when not recorded or never freed.
+        freed_queue_removals: (scheduler mode) the removal count (as
+            ``lookup_queue_removals``) at that same moment, in blocks.
     """
 
     index: int
@@ -267,6 +279,9 @@ class RequestObservation:
     scheduled_step: int | None = None
     lookup_order: int | None = None
     finished_step: int | None = None
+    lookup_queue_removals: int | None = None
+    freed_queue_blocks: int | None = None
+    freed_queue_removals: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
@@ -288,6 +303,9 @@ class RequestObservation:
             scheduled_step=data.get("scheduled_step"),
             lookup_order=data.get("lookup_order"),
             finished_step=data.get("finished_step"),
+            lookup_queue_removals=data.get("lookup_queue_removals"),
+            freed_queue_blocks=data.get("freed_queue_blocks"),
+            freed_queue_removals=data.get("freed_queue_removals"),
         )
 
     @property
@@ -298,7 +316,7 @@ class RequestObservation:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (block fields only when recorded)."""
+        """JSON-ready form (block, timeline and free-queue fields only when recorded)."""
         out = self._base_dict()
         if self.lookup_blocks:
             out["lookup_blocks"] = [
@@ -310,6 +328,11 @@ class RequestObservation:
             out["scheduled_step"] = self.scheduled_step
             out["lookup_order"] = self.lookup_order
             out["finished_step"] = self.finished_step
+        if self.lookup_queue_removals is not None:
+            out["lookup_queue_removals"] = self.lookup_queue_removals
+        if self.freed_queue_blocks is not None:
+            out["freed_queue_blocks"] = self.freed_queue_blocks
+            out["freed_queue_removals"] = self.freed_queue_removals
         return out
 
     def _base_dict(self) -> dict[str, Any]:

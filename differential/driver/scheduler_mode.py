@@ -214,6 +214,7 @@ class _Admission:
     before: Counter[bytes] = field(default_factory=Counter)
     step: int = -1
     blocks: tuple[tuple[BlockRecord | None, ...], ...] = ()
+    queue_removals: int | None = None
 
 
 def _record_lookups(
@@ -224,10 +225,12 @@ def _record_lookups(
     step: list[int],
     failures: list[BaseException],
     ledger: BlockLedger | None = None,
+    clock: _FreeQueueClock | None = None,
 ) -> None:
     """Wrap this manager's ``get_computed_blocks`` (an instance attribute, so
     variant patches on the class still run inside) to record every call, with
-    what its blocks held when ``ledger`` is given.
+    what its blocks held when ``ledger`` is given and the free queue's removal
+    count when ``clock`` is.
 
     An exception in kvfuzz's own bookkeeping is kept in ``failures`` (the
     caller raises it as kvfuzz's failure), never passed off as vLLM's.
@@ -262,6 +265,7 @@ def _record_lookups(
                 before=before,
                 step=step[0],
                 blocks=blocks,
+                queue_removals=None if clock is None else clock.removals,
             )
         )
         return result
@@ -322,6 +326,102 @@ def _record_writes(
         return result
 
     manager.allocate_slots = allocate_slots
+
+
+class _FreeQueueClock:
+    """Removals from vLLM's free block queue, and each request's first free.
+
+    vLLM's ``BlockPool`` (vllm/v1/core/block_pool.py) keeps free blocks in
+    eviction order in a ``FreeKVCacheBlockQueue``
+    (vllm/v1/core/kv_cache_utils.py): ``free_blocks`` appends freed cached
+    blocks and prepends uncached ones, ``get_new_blocks`` pops from the front
+    (``popleft_n``; evicting a cached block it pops) and ``touch`` takes a
+    block a hit adopts out of the queue (``remove``). The clock counts every
+    block removed (``removals``, in blocks; the null block is popped when the
+    pool is built, before the clock is installed) and, per request, the
+    queue's length and the removal count just before the first
+    ``free_blocks`` call made on the request's behalf (``first_free``). A
+    call is attributed to the request whose ``KVCacheManager.allocate_slots``,
+    ``free`` or ``remove_skipped_blocks`` is running; a ``free_blocks`` call
+    outside all three sets ``unattributed`` (the run's counters are then not
+    used). The oracle reads them in
+    :func:`differential.oracle.engine.timeline_writers`.
+    """
+
+    __slots__ = ("current", "first_free", "removals", "unattributed")
+
+    def __init__(self) -> None:
+        self.removals = 0
+        self.current: str | None = None
+        self.first_free: dict[str, tuple[int, int]] = {}
+        self.unattributed = False
+
+    def install(self, manager: Any) -> None:
+        """Wrap the instance attributes of ``manager``'s block pool and free
+        queue, and the manager's three calls that free blocks (instance
+        attributes, so variant patches on the classes still run inside)."""
+        pool = manager.block_pool
+        queue = pool.free_block_queue
+        popleft, popleft_n, remove = queue.popleft, queue.popleft_n, queue.remove
+        free_blocks, num_free = pool.free_blocks, pool.get_num_free_blocks
+
+        def counted_popleft() -> Any:
+            block = popleft()
+            self.removals += 1
+            return block
+
+        def counted_popleft_n(n: int) -> Any:
+            blocks = popleft_n(n)
+            self.removals += n
+            return blocks
+
+        def counted_remove(block: Any) -> None:
+            remove(block)
+            self.removals += 1
+
+        def attributed_free_blocks(ordered_blocks: Any) -> None:
+            rid = self.current
+            if rid is None:
+                self.unattributed = True
+            elif rid not in self.first_free:
+                self.first_free[rid] = (num_free(), self.removals)
+            free_blocks(ordered_blocks)
+
+        queue.popleft, queue.popleft_n, queue.remove = (
+            counted_popleft,
+            counted_popleft_n,
+            counted_remove,
+        )
+        pool.free_blocks = attributed_free_blocks
+        for name in ("allocate_slots", "free"):
+            self._attribute(manager, name, lambda a, k: (a[0] if a else k["request"]).request_id)
+        self._attribute(
+            manager, "remove_skipped_blocks", lambda a, k: a[0] if a else k["request_id"]
+        )
+
+    def _attribute(
+        self, manager: Any, name: str, request_id: Callable[[tuple[Any, ...], dict[str, Any]], str]
+    ) -> None:
+        """Wrap ``manager.<name>`` so the ``free_blocks`` calls it makes are
+        attributed to the request ``request_id(args, kwargs)`` names."""
+        real = getattr(manager, name)
+
+        def attributed(*args: Any, **kwargs: Any) -> Any:
+            outer = self.current
+            self.current = request_id(args, kwargs)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.current = outer
+
+        setattr(manager, name, attributed)
+
+    def freed(self, request_id: str) -> tuple[int | None, int | None]:
+        """(queue length, removals) at the request's first free, in blocks;
+        ``(None, None)`` when never freed or the run's frees were not all attributed."""
+        if self.unattributed or request_id not in self.first_free:
+            return None, None
+        return self.first_free[request_id]
 
 
 def _arrive(
@@ -431,16 +531,19 @@ def _observations(
     finished_step: dict[int, int],
     seen: Counter[bytes],
     writes: dict[int, list[BlockWrite]],
+    clock: _FreeQueueClock,
+    request_ids: list[str],
 ) -> list[RequestObservation]:
     """One observation per admitted request, in scenario order: its admitting
-    lookup (with what its blocks held), the unsafe writes of its steps, and
-    the blocks per group it left cached (at its finish, or at the end of the
-    run: ``seen``)."""
+    lookup (with what its blocks held), the unsafe writes of its steps, the
+    blocks per group it left cached (at its finish, or at the end of the
+    run: ``seen``) and the free queue's counters (:class:`_FreeQueueClock`)."""
     num_groups = len(scenario.kv_cache_groups)
     order = sorted(admitted, key=lambda i: (admitted[i].step, i))
     observed = []
     for i in sorted(admitted):
         a = admitted[i]
+        freed_blocks, freed_removals = clock.freed(request_ids[i])
         end = finished_at.get(i, seen)
         kept = [
             x - y
@@ -465,6 +568,9 @@ def _observations(
                 finished_step=finished_step.get(i),
                 lookup_blocks=a.blocks,
                 unsafe_writes=tuple(writes.get(i, ())),
+                lookup_queue_removals=None if clock.unattributed else a.queue_removals,
+                freed_queue_blocks=freed_blocks,
+                freed_queue_removals=freed_removals,
             )
         )
     return observed
@@ -554,7 +660,8 @@ def run_scheduler_scenario(
         lookups: dict[str, list[_Admission]] = {}
         failures: list[BaseException] = []
         ledger = BlockLedger.for_manager(manager)
-        _record_lookups(scenario, manager, record_cache_map, lookups, step, failures, ledger)
+        clock = _FreeQueueClock()
+        _record_lookups(scenario, manager, record_cache_map, lookups, step, failures, ledger, clock)
         requests = [
             runner.make_request(scenario, i, prompt, hasher, scenario.decode_steps + 1)
             for i, prompt in enumerate(scenario.prompts)
@@ -563,6 +670,7 @@ def run_scheduler_scenario(
         writes: dict[int, list[BlockWrite]] = {}
         if ledger is not None:
             _record_writes(manager, ledger, index_of, writes, failures)
+        clock.install(manager)
         admitted: dict[int, _Admission] = {}
         finished_at: dict[int, Counter[bytes]] = {}
         finished_step: dict[int, int] = {}
@@ -661,7 +769,16 @@ def run_scheduler_scenario(
                     f"pool {pool} blocks)"
                 )
         steps = step[0]
-        observed = _observations(scenario, admitted, finished_at, finished_step, seen, writes)
+        observed = _observations(
+            scenario,
+            admitted,
+            finished_at,
+            finished_step,
+            seen,
+            writes,
+            clock,
+            [r.request_id for r in requests],
+        )
         phase[0] = "count unreachable cached blocks"
         unreachable, cached_blocks = _unreachable(scenario, manager, requests)
     if outcome.unsupported is not None:
