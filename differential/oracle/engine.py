@@ -12,15 +12,22 @@ Three rules on top of the per-lookup invariants of
   request admitted before it, less the drafter-dependent tokens, nor
   ``L - 1``; and it must be a multiple of the hit alignment.
 * **Owed at every lookup, from the timeline** (:func:`timeline_writers`).
-  Without evictions or preemptions, and with turns copying prompts only, a
-  request is owed what the writers that had *finished* before its lookup
-  promise, under the same policies as a sequential run: a request still in
-  flight promises nothing (it may serve more, bounded above), and a writer
-  counts only when its own lookup saw no request in flight that shared a
-  prefix with it, so the junction it pinned is the one the policy models.
-  A shortfall is a ``fallback``; the run's ``needless-drop`` is reported as
-  in a sequential run. Evictions and preemptions may still lower hits
-  freely (attention layouts; state groups are judged sequentially only).
+  Without preemptions, and with turns copying prompts only, a request is
+  owed what the writers that had *finished* before its lookup promise,
+  under the same policies as a sequential run: a request still in flight
+  promises nothing (it may serve more, bounded above), and a writer counts
+  only when its own lookup saw no request in flight that shared a prefix
+  with it, so the junction it pinned is the one the policy models. A
+  shortfall is a ``fallback``; the run's ``needless-drop`` is reported as in
+  a sequential run. Under eviction a writer counts only where the **LRU
+  reference** (:func:`lru_survived`) proves that none of its blocks can have
+  been evicted by the lookup: vLLM's free block queue
+  (vllm/v1/core/block_pool.py ``BlockPool.free_blocks``, ``get_new_blocks``,
+  ``touch``; vllm/v1/core/kv_cache_utils.py ``FreeKVCacheBlockQueue``)
+  appends freed cached blocks and evicts from the front, so a writer's
+  blocks outlive as many removals from the queue as it held blocks when the
+  writer was first freed. Preemptions may still lower hits freely
+  (attention layouts; state groups are judged sequentially only).
 * **Block-level check** (:func:`~differential.oracle.blocks.check_blocks`,
   ``wrong-kv``): every admitting lookup's blocks and every step's writes, as
   in manager mode, evictions included; a block may come from any request
@@ -60,6 +67,7 @@ __all__ = [
     "cross_check_modes",
     "eviction_collapse",
     "judge_engine_run",
+    "lru_survived",
     "mode_cross_checkable",
     "repeated_requests",
     "sequentially_judgeable",
@@ -78,28 +86,73 @@ def sequentially_judgeable(scenario: Scenario, run: RunObservation) -> bool:
     return w.sequential and not w.shares_output and not run.evicted_blocks
 
 
+def lru_survived(writer: RequestObservation, reader: RequestObservation) -> bool:
+    """Whether the LRU reference proves that no block ``writer`` freed can
+    have been evicted by ``reader``'s admitting lookup.
+
+    vLLM's ``BlockPool`` (vllm/v1/core/block_pool.py) keeps its free blocks
+    in a ``FreeKVCacheBlockQueue`` (vllm/v1/core/kv_cache_utils.py):
+    ``free_blocks`` appends a freed cached block at the back ("FIFO reuse of
+    cached blocks for LRU eviction behavior") and prepends an uncached one,
+    ``get_new_blocks`` pops from the front (``popleft_n``), evicting a cached
+    block it pops, and ``touch`` takes a block a hit adopts out of the queue
+    (``remove``). Let ``Q`` be the queue's length just before the first
+    ``free_blocks`` call made on the writer's behalf
+    (``writer.freed_queue_blocks``), in blocks. Every block the writer frees
+    from then on is appended behind each of those ``Q`` blocks still queued
+    (a block re-freed after a hit adopted it, too), and a block leaves only
+    from the front or by ``remove``; so before one of the writer's blocks is
+    popped, each of the ``Q`` has been removed, and the pop is one removal
+    more. The writer's blocks therefore all survive while at most ``Q``
+    blocks have been removed since (``reader.lookup_queue_removals -
+    writer.freed_queue_removals``, in blocks; counting removals of any block
+    only over-counts). ``False`` when either count was not recorded.
+    """
+    if (
+        writer.freed_queue_blocks is None
+        or writer.freed_queue_removals is None
+        or reader.lookup_queue_removals is None
+    ):
+        return False
+    return reader.lookup_queue_removals - writer.freed_queue_removals <= writer.freed_queue_blocks
+
+
 def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[int]] | None:
     """Per request, the earlier requests whose cached blocks it is owed at its
     lookup (see the module docstring); ``None`` when the run's timeline does
-    not support an exact promise (evictions, preemptions, turns copying an
-    answer, state groups, a failed or partial run, no timeline recorded).
+    not support an exact promise (preemptions, turns copying an answer,
+    state groups, a failed or partial run, no timeline recorded, or
+    evictions without the free queue's counters: manager mode, older files).
 
     A writer ``i`` counts for request ``j`` when ``i < j``, ``i`` finished
     (``finished_step``) before the step that admitted ``j``
     (``scheduled_step``), and no request admitted before ``i`` and unfinished
     at ``i``'s admission shares a prefix with ``i``.
+
+    In a run that evicted cached blocks, ``i`` counts for ``j`` only when
+    :func:`lru_survived` proves ``i``'s blocks were all still cached at
+    ``j``'s lookup (units: blocks of vLLM's free queue). Outside layouts of
+    full attention and MLA only, ``i``'s promise also rests on blocks it
+    found cached and did not hold itself (a sliding window or a chunked
+    local group hands out the null block below its window, vLLM
+    ``SlidingWindowManager.find_longest_cache_hit``), and the junction it
+    pinned depends on what its own lookup found: there ``i`` counts only
+    when every request that finished before ``i``'s admission and shares a
+    prefix with ``i`` (prompt, or prompt and answer) survived to ``j``'s
+    lookup as well.
     """
     w = scenario.workload
     requests = run.requests
     if (
         w.shares_output
-        or run.evicted_blocks
         or run.preemptions
         or run.error is not None
         or scenario.mamba_groups
         or [r.index for r in requests] != list(range(len(scenario.requests)))
         or any(r.scheduled_step is None or r.lookup_order is None for r in requests)
     ):
+        return None
+    if run.evicted_blocks and any(r.lookup_queue_removals is None for r in requests):
         return None
     prompts = scenario.prompts
 
@@ -123,8 +176,30 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
         )
 
     clean = {r.index for r in requests if not in_flight_sharers(r)}
-    return [
+    writers = [
         frozenset(q.index for q in finished_before(r) if q.index in clean and q.index < r.index)
+        for r in requests
+    ]
+    if not run.evicted_blocks:
+        return writers
+    if all(g.kind.full_attention_family for g in scenario.kv_cache_groups):
+        ancestors = [frozenset[int]() for _ in requests]
+    else:
+        tokens = [p + scenario.sampled_tokens(i) for i, p in enumerate(prompts)]
+        ancestors = [
+            frozenset(
+                q.index
+                for q in finished_before(r)
+                if common_prefix_tokens(prompts[r.index], tokens[q.index])
+            )
+            for r in requests
+        ]
+    return [
+        frozenset(
+            i
+            for i in writers[r.index]
+            if all(lru_survived(requests[k], r) for k in ancestors[i] | {i})
+        )
         for r in requests
     ]
 

@@ -240,6 +240,7 @@ def test_timeline_promises_nothing_under_eviction_or_copied_answers() -> None:
 
     scenario = _stream()
     run = _timed((0, 0, 12, 16), admitted=(0, 0, 3, 3), finished=(1, 1, 4, 5))
+    # Evictions without the free queue's counters (manager mode, older files).
     assert timeline_writers(scenario, dataclasses.replace(run, evicted_blocks=1)) is None
     assert timeline_writers(scenario, dataclasses.replace(run, preemptions=1)) is None
     copied = dataclasses.replace(
@@ -250,6 +251,82 @@ def test_timeline_promises_nothing_under_eviction_or_copied_answers() -> None:
     late = _timed((0, 0, 12, 16), admitted=(0, 0, 3, 3), finished=(3, 3, 4, 5))
     assert timeline_writers(scenario, late)[2] == frozenset()
     assert judge_engine_run(scenario, late)[1] == ()
+
+
+def _queued(
+    run: RunObservation, counters: dict[int, tuple[int | None, int | None, int | None]]
+) -> RunObservation:
+    """``run`` with free-queue counters per request, in blocks: (removals at
+    the lookup, queue length at the first free, removals at the first free)."""
+    return dataclasses.replace(
+        run,
+        evicted_blocks=3,
+        requests=tuple(
+            dataclasses.replace(
+                r,
+                lookup_queue_removals=counters[r.index][0],
+                freed_queue_blocks=counters[r.index][1],
+                freed_queue_removals=counters[r.index][2],
+            )
+            for r in run.requests
+        ),
+    )
+
+
+def test_lru_keeps_a_writer_for_as_many_removals_as_its_queue_held() -> None:
+    from differential.oracle.engine import timeline_writers
+
+    scenario = _stream()
+    run = _timed((0, 0, 12, 12), admitted=(0, 0, 3, 3), finished=(1, 1, 4, 5))
+    # Request 0 was first freed with 10 blocks in the free queue, after 4
+    # removals. Request 2 looks up 10 removals later: each of those 10 blocks
+    # may have gone, but the next removal would be the first of request 0's
+    # own, so its 16 tokens are still owed. Request 3 looks up 11 removals
+    # later: one of request 0's blocks may be evicted, nothing is owed.
+    lru = _queued(
+        run,
+        {0: (0, 10, 4), 1: (0, 9, 5), 2: (4 + 10, 8, 20), 3: (4 + 11, None, None)},
+    )
+    assert timeline_writers(scenario, lru) == [
+        frozenset(),
+        frozenset(),
+        frozenset({0}),
+        frozenset(),
+    ]
+    _, findings = judge_engine_run(scenario, lru)
+    assert [(f.kind, f.request, f.expected_tokens, f.hit_tokens) for f in findings] == [
+        (FindingKind.FALLBACK, 2, 16, 12)
+    ]
+    # Without the counters (manager mode, older files) nothing is owed.
+    unrecorded = _queued(run, {0: (0, 10, 4), 1: (0, 9, 5), 2: (None, 8, 20), 3: (15, 1, 1)})
+    assert timeline_writers(scenario, unrecorded) is None
+
+
+def test_lru_on_a_sliding_window_needs_the_blocks_the_writer_found_too() -> None:
+    from differential.oracle.engine import timeline_writers
+
+    def sequential(groups: tuple[KVCacheGroup, ...]) -> Scenario:
+        return Scenario(
+            kv_cache_groups=groups,
+            requests=(RequestSpec(16, 4), RequestSpec(16, 8), RequestSpec(16, 4)),
+            shared_prefix_tokens=16,
+            prefill_chunk_tokens=32,
+            workload=Workload(mode=DriveMode.SCHEDULER),
+        )
+
+    fa = KVCacheGroup(GroupKind.FULL_ATTENTION, 4)
+    swa = KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8)
+    run = _timed((0, 16, 16), admitted=(0, 2, 4), finished=(1, 3, 5))
+    # Request 0 (first freed with 5 queued blocks, after 4 removals) may have
+    # lost a block by request 2's lookup (12 - 4 > 5); request 1 (20 queued,
+    # after 6) has not (12 - 6 <= 20).
+    lru = _queued(run, {0: (0, 5, 4), 1: (4, 20, 6), 2: (12, None, None)})
+    # Full attention: request 1 holds every block of its prefix itself.
+    assert timeline_writers(sequential((fa,)), lru)[2] == frozenset({1})
+    # With a sliding window, request 1 found the blocks below its window
+    # cached by request 0 and handed out the null block there: request 0's
+    # possible eviction takes request 1's promise with it.
+    assert timeline_writers(sequential((fa, swa)), lru)[2] == frozenset()
 
 
 def test_repeated_requests_are_recognised_by_tokens() -> None:
