@@ -22,6 +22,11 @@ compose with the seed fix.
 * ``mutant-mamba-eagle-margin``: ``MambaManager.find_longest_cache_hit``
   gets back the EAGLE margin vLLM withholds from Mamba groups, so it can hit a
   state past the point full attention proves.
+* ``mutant-mru-eviction``: ``FreeKVCacheBlockQueue.append_n`` puts the
+  blocks at the front of the free queue, so ``BlockPool.free_blocks`` queues
+  freed cached blocks to be evicted first (most recently used first) instead
+  of last (vllm/v1/core/block_pool.py: "FIFO reuse of cached blocks for LRU
+  eviction behavior"); only a pool that evicts sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SlidingWindowManager
 
 from differential.driver.fixes import patched, seed_pr_fix
@@ -39,6 +45,7 @@ __all__ = [
     "mutant_double_drop",
     "mutant_extra_block",
     "mutant_mamba_eagle_margin",
+    "mutant_mru_eviction",
     "mutant_no_junction",
     "mutant_no_peek",
     "mutant_null_in_window",
@@ -182,4 +189,16 @@ def mutant_mamba_eagle_margin() -> Iterator[None]:
             return current(cls, block_hashes, max_length, *args, **kwargs)
 
         with patched(((MambaManager, "find_longest_cache_hit", classmethod(with_margin)),)):
+            yield
+
+
+@contextmanager
+def mutant_mru_eviction() -> Iterator[None]:
+    """The fixed variant, with freed cached blocks queued for eviction first."""
+    with seed_pr_fix():
+
+        def to_front(self: FreeKVCacheBlockQueue, blocks: list[Any]) -> None:
+            self.prepend_n(list(blocks))
+
+        with patched(((FreeKVCacheBlockQueue, "append_n", to_front),)):
             yield

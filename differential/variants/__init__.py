@@ -154,6 +154,11 @@ for _name, _what, _base in (
         "Mamba groups get the EAGLE margin back (their finder never drops)",
         "fixed",
     ),
+    (
+        "mru-eviction",
+        "freed cached blocks queued to be evicted first, not last (no LRU)",
+        "fixed",
+    ),
 ):
     register(
         Variant(
@@ -185,6 +190,7 @@ MUTANTS = (
     "mutant-null-in-window",
     "mutant-extra-block",
     "mutant-mamba-eagle-margin",
+    "mutant-mru-eviction",
 )
 
 

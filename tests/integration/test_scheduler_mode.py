@@ -548,3 +548,52 @@ def test_explain_prints_the_smallest_pool_of_each_variant(tmp_path: Path) -> Non
         "  unfixed: 48 blocks serve every hit (224 tokens; roomy pool 157 blocks, 9 runs)\n"
         "  candidate: 52 blocks serve every hit (224 tokens; roomy pool 157 blocks, 9 runs)\n"
     ) in proc.stdout
+
+
+def _lru(pool: int) -> Scenario:
+    """One request at a time, full attention in blocks of 8: an unrelated
+    40-token request, a writer of the 64-token prefix (+ 8 own tokens), an
+    unrelated 64-token request whose allocation evicts, and a sibling of the
+    writer (+ 16)."""
+    return Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 8),),
+        requests=(RequestSpec(0, 40), RequestSpec(64, 8), RequestSpec(0, 64), RequestSpec(64, 16)),
+        shared_prefix_tokens=64,
+        prefill_chunk_tokens=128,
+        decode_steps=0,
+        workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=pool),
+    )
+
+
+def test_lru_reference_owes_the_writer_whose_blocks_outlive_the_evictions() -> None:
+    from differential.oracle.engine import timeline_writers
+
+    scenario = _lru(20)
+    result = compare_variants(scenario, parse_variants("unfixed,fixed,mutant-mru-eviction"))
+    runs = {vr.variant.name: vr.run for vr in result.results}
+    fixed = runs["fixed"]
+    # 19 free blocks (the null block taken). Request 0 takes 5 and frees them
+    # with 14 queued; request 1 takes 9 (removals 14), frees with 10 queued:
+    # the 5 fresh ones, then request 0's 5 cached. Request 2 takes 8: the 5
+    # fresh and 3 of request 0's, evicting them (removals 22). Request 3
+    # looks up 22 - 14 = 8 <= 10 removals after request 1's free: request 1
+    # is owed in full, request 0 (22 - 5 = 17 > 14) is not.
+    counters = [
+        (r.lookup_queue_removals, r.freed_queue_blocks, r.freed_queue_removals)
+        for r in fixed.requests
+    ]
+    assert counters == [(0, 14, 5), (5, 10, 14), (14, 11, 22), (22, 9, 32)]
+    assert fixed.evicted_blocks == 5 and fixed.preemptions == 0
+    assert timeline_writers(scenario, fixed) == [
+        frozenset(),
+        frozenset({0}),
+        frozenset({0, 1}),
+        frozenset({1, 2}),
+    ]
+    assert runs["unfixed"].hits == fixed.hits == (0, 0, 0, 64)
+    # Most recently freed first: request 2's allocation takes request 1's
+    # tail blocks, and the sibling keeps only the first block of the prefix.
+    assert runs["mutant-mru-eviction"].hits == (0, 0, 0, 8)
+    assert [
+        (f.owner, f.kind, f.request, f.expected_tokens, f.hit_tokens) for f in result.findings
+    ] == [("mutant-mru-eviction", FindingKind.FALLBACK, 3, 64, 8)]
