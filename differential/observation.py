@@ -15,6 +15,7 @@ __all__ = [
     "GroupLookup",
     "ManagerSettings",
     "RequestObservation",
+    "ResumedLookup",
     "RunObservation",
 ]
 
@@ -218,6 +219,56 @@ class GroupLookup:
 
 
 @dataclass(frozen=True)
+class ResumedLookup:
+    """(Scheduler mode) the lookup that rescheduled a preempted request.
+
+    vLLM's ``Scheduler._preempt_request`` (vllm/v1/core/sched/scheduler.py)
+    frees the request's blocks (``KVCacheManager.free``) and resets its
+    ``num_computed_tokens`` to 0; when the scheduler takes it up again it
+    looks up its whole token sequence so far (``get_computed_blocks``).
+
+    Attributes:
+        step: the scheduler step that rescheduled it.
+        hit_tokens: the hit that lookup returned, in tokens.
+        known_tokens: the request's tokens at the lookup (prompt and sampled
+            tokens, ``Request.num_tokens``), in tokens.
+        preempted_computed_tokens: its ``num_computed_tokens`` when it was
+            preempted, in tokens.
+        freed_queue_blocks: the free block queue's length when the
+            preemption's ``KVCacheManager.free`` began, in blocks (``None``
+            when the run's frees were not all attributed to a request).
+        freed_queue_removals: blocks removed from the free queue since the
+            start of the run at that moment, in blocks.
+        lookup_queue_removals: the same count at the lookup, in blocks.
+    """
+
+    step: int
+    hit_tokens: int
+    known_tokens: int
+    preempted_computed_tokens: int
+    freed_queue_blocks: int | None
+    freed_queue_removals: int | None
+    lookup_queue_removals: int | None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ResumedLookup:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "step": self.step,
+            "hit_tokens": self.hit_tokens,
+            "known_tokens": self.known_tokens,
+            "preempted_computed_tokens": self.preempted_computed_tokens,
+            "freed_queue_blocks": self.freed_queue_blocks,
+            "freed_queue_removals": self.freed_queue_removals,
+            "lookup_queue_removals": self.lookup_queue_removals,
+        }
+
+
+@dataclass(frozen=True)
 class RequestObservation:
     """One request as the real manager served it.
 
@@ -264,6 +315,9 @@ class RequestObservation:
             blocks; ``None`` when not recorded or never freed.
         freed_queue_removals: (scheduler mode) the removal count (as
             ``lookup_queue_removals``) at that same moment, in blocks.
+        resumed: (scheduler mode) the lookups that rescheduled the request
+            after each preemption, in order (empty when never preempted, or
+            not recorded).
     """
 
     index: int
@@ -282,6 +336,7 @@ class RequestObservation:
     lookup_queue_removals: int | None = None
     freed_queue_blocks: int | None = None
     freed_queue_removals: int | None = None
+    resumed: tuple[ResumedLookup, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
@@ -306,6 +361,7 @@ class RequestObservation:
             lookup_queue_removals=data.get("lookup_queue_removals"),
             freed_queue_blocks=data.get("freed_queue_blocks"),
             freed_queue_removals=data.get("freed_queue_removals"),
+            resumed=tuple(ResumedLookup.from_dict(u) for u in data.get("resumed", ())),
         )
 
     @property
@@ -333,6 +389,8 @@ class RequestObservation:
         if self.freed_queue_blocks is not None:
             out["freed_queue_blocks"] = self.freed_queue_blocks
             out["freed_queue_removals"] = self.freed_queue_removals
+        if self.resumed:
+            out["resumed"] = [u.to_dict() for u in self.resumed]
         return out
 
     def _base_dict(self) -> dict[str, Any]:

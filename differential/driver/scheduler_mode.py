@@ -70,7 +70,13 @@ from differential.driver.settings import ResolvedDrafter, _speculative_config, r
 from differential.driver.specs import kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
 from differential.errors import InternalError
-from differential.observation import BlockRecord, BlockWrite, RequestObservation, RunObservation
+from differential.observation import (
+    BlockRecord,
+    BlockWrite,
+    RequestObservation,
+    ResumedLookup,
+    RunObservation,
+)
 from differential.scenario import Scenario
 
 __all__ = ["run_scheduler_scenario"]
@@ -215,6 +221,7 @@ class _Admission:
     step: int = -1
     blocks: tuple[tuple[BlockRecord | None, ...], ...] = ()
     queue_removals: int | None = None
+    known_tokens: int = 0
 
 
 def _record_lookups(
@@ -266,6 +273,7 @@ def _record_lookups(
                 step=step[0],
                 blocks=blocks,
                 queue_removals=None if clock is None else clock.removals,
+                known_tokens=request.num_tokens,
             )
         )
         return result
@@ -344,17 +352,31 @@ class _FreeQueueClock:
     call is attributed to the request whose ``KVCacheManager.allocate_slots``,
     ``free`` or ``remove_skipped_blocks`` is running; a ``free_blocks`` call
     outside all three sets ``unattributed`` (the run's counters are then not
-    used). The oracle reads them in
-    :func:`differential.oracle.engine.timeline_writers`.
+    used). A ``KVCacheManager.free`` of a request that has not finished is
+    vLLM's ``Scheduler._preempt_request``: ``preempted`` keeps, per request,
+    (its lookups so far, its ``num_computed_tokens``, the queue's length,
+    the removal count) as the free begins. The oracle reads them in
+    :func:`differential.oracle.engine.timeline_writers` and
+    :func:`differential.oracle.engine.resumed_findings`.
     """
 
-    __slots__ = ("current", "first_free", "removals", "unattributed")
+    __slots__ = (
+        "current",
+        "first_free",
+        "lookups",
+        "num_free",
+        "preempted",
+        "removals",
+        "unattributed",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, lookups: dict[str, list[_Admission]]) -> None:
         self.removals = 0
         self.current: str | None = None
         self.first_free: dict[str, tuple[int, int]] = {}
         self.unattributed = False
+        self.lookups = lookups
+        self.preempted: dict[str, tuple[int, int, int, int]] = {}
 
     def install(self, manager: Any) -> None:
         """Wrap the instance attributes of ``manager``'s block pool and free
@@ -363,7 +385,8 @@ class _FreeQueueClock:
         pool = manager.block_pool
         queue = pool.free_block_queue
         popleft, popleft_n, remove = queue.popleft, queue.popleft_n, queue.remove
-        free_blocks, num_free = pool.free_blocks, pool.get_num_free_blocks
+        free_blocks = pool.free_blocks
+        num_free = self.num_free = pool.get_num_free_blocks
 
         def counted_popleft() -> Any:
             block = popleft()
@@ -393,8 +416,10 @@ class _FreeQueueClock:
             counted_remove,
         )
         pool.free_blocks = attributed_free_blocks
-        for name in ("allocate_slots", "free"):
-            self._attribute(manager, name, lambda a, k: (a[0] if a else k["request"]).request_id)
+        self._attribute(
+            manager, "allocate_slots", lambda a, k: (a[0] if a else k["request"]).request_id
+        )
+        self._attribute(manager, "free", self._free_of)
         self._attribute(
             manager, "remove_skipped_blocks", lambda a, k: a[0] if a else k["request_id"]
         )
@@ -415,6 +440,40 @@ class _FreeQueueClock:
                 self.current = outer
 
         setattr(manager, name, attributed)
+
+    def _free_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The request ``KVCacheManager.free`` frees, noting a preemption."""
+        request = args[0] if args else kwargs["request"]
+        rid: str = request.request_id
+        if not request.is_finished():
+            self.preempted[rid] = (
+                len(self.lookups.get(rid, ())),
+                request.num_computed_tokens,
+                self.num_free(),
+                self.removals,
+            )
+        return rid
+
+    def resumed(self, request_id: str, step: int) -> ResumedLookup | None:
+        """The lookup that rescheduled ``request_id`` after its last
+        preemption, if it made one since (the preemption is then consumed)."""
+        mark = self.preempted.get(request_id)
+        made = self.lookups.get(request_id, ())
+        if mark is None or len(made) <= mark[0]:
+            return None
+        del self.preempted[request_id]
+        lookup = made[-1]
+        _, computed, queued, removals = mark
+        recorded = not self.unattributed
+        return ResumedLookup(
+            step=step,
+            hit_tokens=lookup.hit_tokens,
+            known_tokens=lookup.known_tokens,
+            preempted_computed_tokens=computed,
+            freed_queue_blocks=queued if recorded else None,
+            freed_queue_removals=removals if recorded else None,
+            lookup_queue_removals=lookup.queue_removals if recorded else None,
+        )
 
     def freed(self, request_id: str) -> tuple[int | None, int | None]:
         """(queue length, removals) at the request's first free, in blocks;
@@ -533,6 +592,7 @@ def _observations(
     writes: dict[int, list[BlockWrite]],
     clock: _FreeQueueClock,
     request_ids: list[str],
+    resumed: dict[int, list[ResumedLookup]],
 ) -> list[RequestObservation]:
     """One observation per admitted request, in scenario order: its admitting
     lookup (with what its blocks held), the unsafe writes of its steps, the
@@ -571,6 +631,17 @@ def _observations(
                 lookup_queue_removals=None if clock.unattributed else a.queue_removals,
                 freed_queue_blocks=freed_blocks,
                 freed_queue_removals=freed_removals,
+                resumed=tuple(
+                    replace(
+                        u,
+                        freed_queue_blocks=None,
+                        freed_queue_removals=None,
+                        lookup_queue_removals=None,
+                    )
+                    if clock.unattributed
+                    else u
+                    for u in resumed.get(i, ())
+                ),
             )
         )
     return observed
@@ -660,7 +731,7 @@ def run_scheduler_scenario(
         lookups: dict[str, list[_Admission]] = {}
         failures: list[BaseException] = []
         ledger = BlockLedger.for_manager(manager)
-        clock = _FreeQueueClock()
+        clock = _FreeQueueClock(lookups)
         _record_lookups(scenario, manager, record_cache_map, lookups, step, failures, ledger, clock)
         requests = [
             runner.make_request(scenario, i, prompt, hasher, scenario.decode_steps + 1)
@@ -672,6 +743,7 @@ def run_scheduler_scenario(
             _record_writes(manager, ledger, index_of, writes, failures)
         clock.install(manager)
         admitted: dict[int, _Admission] = {}
+        resumed: dict[int, list[ResumedLookup]] = {}
         finished_at: dict[int, Counter[bytes]] = {}
         finished_step: dict[int, int] = {}
         added = 0
@@ -702,6 +774,8 @@ def run_scheduler_scenario(
                 i = index_of[rid]
                 if i not in admitted and lookups.get(rid):
                     admitted[i] = lookups[rid][-1]
+                elif rid in clock.preempted and (again := clock.resumed(rid, step[0])):
+                    resumed.setdefault(i, []).append(again)
             preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
             req_ids = list(out.num_scheduled_tokens)
             sampled, drafts, events = model_runner.step(scheduler, out, index_of)
@@ -778,6 +852,7 @@ def run_scheduler_scenario(
             writes,
             clock,
             [r.request_id for r in requests],
+            resumed,
         )
         phase[0] = "count unreachable cached blocks"
         unreachable, cached_blocks = _unreachable(scenario, manager, requests)

@@ -12,12 +12,12 @@ Three rules on top of the per-lookup invariants of
   request admitted before it, less the drafter-dependent tokens, nor
   ``L - 1``; and it must be a multiple of the hit alignment.
 * **Owed at every lookup, from the timeline** (:func:`timeline_writers`).
-  Without preemptions, and with turns copying prompts only, a request is
-  owed what the writers that had *finished* before its lookup promise,
-  under the same policies as a sequential run: a request still in flight
-  promises nothing (it may serve more, bounded above), and a writer counts
-  only when its own lookup saw no request in flight that shared a prefix
-  with it, so the junction it pinned is the one the policy models. A
+  With turns copying prompts only, a request is owed what the writers that
+  had *finished* before its lookup promise, under the same policies as a
+  sequential run: a request still in flight promises nothing (it may serve
+  more, bounded above), and a writer counts only when its own lookup saw no
+  request in flight that shared a prefix with it, so the junction it pinned
+  is the one the policy models. A
   shortfall is a ``fallback``; the run's ``needless-drop`` is reported as in
   a sequential run. Under eviction a writer counts only where the **LRU
   reference** (:func:`lru_survived`) proves that none of its blocks can have
@@ -26,8 +26,15 @@ Three rules on top of the per-lookup invariants of
   ``touch``; vllm/v1/core/kv_cache_utils.py ``FreeKVCacheBlockQueue``)
   appends freed cached blocks and evicts from the front, so a writer's
   blocks outlive as many removals from the queue as it held blocks when the
-  writer was first freed. Preemptions may still lower hits freely
-  (attention layouts; state groups are judged sequentially only).
+  writer was first freed. With preemptions this holds on layouts of full
+  attention and MLA only; elsewhere preemptions may still lower hits freely
+  (state groups are judged sequentially only).
+* **Resumed lookups** (:func:`resumed_findings`). A preempted request
+  looks up again when rescheduled; on layouts of full attention and MLA
+  only it is owed its own prefix, the blocks it had cached when preempted
+  that the same queue argument proves still cached
+  (:func:`resumed_owed_tokens`); a shortfall is a ``fallback`` naming the
+  resumed lookup.
 * **Block-level check** (:func:`~differential.oracle.blocks.check_blocks`,
   ``wrong-kv``): every admitting lookup's blocks and every step's writes, as
   in manager mode, evictions included; a block may come from any request
@@ -49,9 +56,10 @@ from __future__ import annotations
 from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.observation import RequestObservation, RunObservation
+from differential.observation import RequestObservation, ResumedLookup, RunObservation
 from differential.oracle.blocks import check_blocks
 from differential.oracle.core import (
+    DrafterModel,
     SiblingReference,
     drafter_model,
     fallback_finding,
@@ -70,6 +78,8 @@ __all__ = [
     "lru_survived",
     "mode_cross_checkable",
     "repeated_requests",
+    "resumed_findings",
+    "resumed_owed_tokens",
     "sequentially_judgeable",
     "session_hits",
     "session_of",
@@ -120,16 +130,21 @@ def lru_survived(writer: RequestObservation, reader: RequestObservation) -> bool
 def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[int]] | None:
     """Per request, the earlier requests whose cached blocks it is owed at its
     lookup (see the module docstring); ``None`` when the run's timeline does
-    not support an exact promise (preemptions, turns copying an answer,
-    state groups, a failed or partial run, no timeline recorded, or
-    evictions without the free queue's counters: manager mode, older files).
+    not support an exact promise (turns copying an answer, state groups, a
+    failed or partial run, no timeline recorded, preemptions outside layouts
+    of full attention and MLA only or with a KV connector, or evictions
+    without the free queue's counters: manager mode, older files).
 
     A writer ``i`` counts for request ``j`` when ``i < j``, ``i`` finished
     (``finished_step``) before the step that admitted ``j``
     (``scheduled_step``), and no request admitted before ``i`` and unfinished
     at ``i``'s admission shares a prefix with ``i``.
 
-    In a run that evicted cached blocks, ``i`` counts for ``j`` only when
+    A preempted writer is judged like any other on full attention and MLA:
+    every block it holds when it finishes is one it freed (or freed again)
+    at or after its first free, which is all the LRU rule below needs, and
+    those groups cache every full block it computed whatever its lookups
+    found. In a run that evicted cached blocks, ``i`` counts for ``j`` only when
     :func:`lru_survived` proves ``i``'s blocks were all still cached at
     ``j``'s lookup (units: blocks of vLLM's free queue). Outside layouts of
     full attention and MLA only, ``i``'s promise also rests on blocks it
@@ -145,7 +160,7 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     requests = run.requests
     if (
         w.shares_output
-        or run.preemptions
+        or (run.preemptions and (not _full_attention_only(scenario) or scenario.kv_connector))
         or run.error is not None
         or scenario.mamba_groups
         or [r.index for r in requests] != list(range(len(scenario.requests)))
@@ -202,6 +217,105 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
         )
         for r in requests
     ]
+
+
+def _full_attention_only(scenario: Scenario) -> bool:
+    """Every group is driven by vLLM's ``FullAttentionManager`` (full
+    attention, MLA): a request's block table holds every block of its
+    prefix, and no retention mask or junction decides what it caches."""
+    return all(g.kind.full_attention_family for g in scenario.kv_cache_groups)
+
+
+def resumed_owed_tokens(scenario: Scenario, model: DrafterModel, lookup: ResumedLookup) -> int:
+    """What a preempted request's resumed lookup is owed of its own prefix, in tokens.
+
+    Full-attention and MLA groups only (:func:`resumed_findings` says when
+    it applies). When vLLM preempted the request (vllm/v1/core/sched/scheduler.py
+    ``Scheduler._preempt_request``), every full block of its
+    ``C = preempted_computed_tokens`` computed tokens was cached
+    (``KVCacheManager.allocate_slots`` caches ``min(computed + new,
+    num_tokens)`` tokens, ``update_from_output`` the accepted drafts),
+    except the last ``k`` tokens' blocks under lookahead hashes (a block's
+    hash needs ``k`` tokens past it): ``c_g = min(C, T - k) // B_g`` blocks in
+    a group of block size ``B_g``, ``T = known_tokens``. ``KVCacheManager.free``
+    hands them to vLLM's free queue tail block first
+    (vllm/v1/core/block_pool.py ``BlockPool.free_blocks``; vllm/v1/core/kv_cache_utils.py
+    ``FreeKVCacheBlockQueue``), behind the ``Q`` blocks queued; a request
+    holding block ``j`` holds every block before it (full attention keeps
+    its whole prefix), so block ``j`` is never queued ahead of a later one
+    of the same prefix. Block ``j`` can therefore be evicted only after the
+    ``Q`` and the ``c_g - 1 - j`` later blocks have all left the queue: with
+    ``R`` blocks removed between the free and the lookup, the first
+    ``min(c_g, max(0, Q + c_g - R))`` blocks are still cached. The owed hit
+    is then the dense reference on that prefix
+    (:func:`differential.oracle.core.dense_hit`'s rule): within ``T - 1``,
+    one block less in a group that takes the EAGLE drop, a multiple of the
+    hit alignment ``A``. 0 when the counters were not recorded.
+    """
+    if (
+        lookup.freed_queue_blocks is None
+        or lookup.freed_queue_removals is None
+        or lookup.lookup_queue_removals is None
+    ):
+        return 0
+    queued = lookup.freed_queue_blocks
+    removed = lookup.lookup_queue_removals - lookup.freed_queue_removals
+    known = lookup.known_tokens
+    computed = min(lookup.preempted_computed_tokens, known - model.hash_lookahead_tokens)
+    drops = scenario.drop_group_indices if model.drop else frozenset()
+    limit = known - 1
+    for index, group in enumerate(scenario.kv_cache_groups):
+        block = group.block_size_tokens
+        cached = max(0, computed) // block
+        surviving = min(cached, max(0, queued + cached - removed))
+        limit = min(limit, surviving * block - (block if index in drops else 0))
+    alignment = scenario.effective_hit_alignment_tokens
+    return max(0, limit) // alignment * alignment
+
+
+def resumed_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> list[Finding]:
+    """``fallback`` per resumed lookup (:class:`~differential.observation.ResumedLookup`)
+    that hit less than its own surviving prefix (:func:`resumed_owed_tokens`).
+
+    Judged on layouts of full attention and MLA only, without a KV connector
+    (its loads change what a lookup counts as computed) and for drafters
+    whose writer leaves no re-prefillable tail (multi-module MTP does); a
+    resumed lookup is owed only its own prefix, not what other writers
+    cached, and is bounded above by nothing more than the admitting lookup's
+    rules already say.
+    """
+    model = drafter_model(scenario)
+    if (
+        not _full_attention_only(scenario)
+        or scenario.kv_connector
+        or scenario.mamba_groups
+        or model.reprefillable_tokens
+    ):
+        return []
+    findings: list[Finding] = []
+    for r in run.requests:
+        for k, lookup in enumerate(r.resumed):
+            owed = resumed_owed_tokens(scenario, model, lookup)
+            if lookup.hit_tokens >= owed:
+                continue
+            findings.append(
+                Finding(
+                    FindingKind.FALLBACK,
+                    run.variant,
+                    r.index,
+                    f"resumed lookup {k + 1} (step {lookup.step}, after a preemption): hit "
+                    f"{lookup.hit_tokens}, owed {owed} of its own prefix: "
+                    f"{lookup.preempted_computed_tokens} tokens computed when preempted, "
+                    f"{lookup.freed_queue_blocks} blocks queued at the free, "
+                    f"{(lookup.lookup_queue_removals or 0) - (lookup.freed_queue_removals or 0)} "
+                    "removed from the free queue by the lookup",
+                    divergence_tokens=lookup.known_tokens,
+                    expected_tokens=owed,
+                    hit_tokens=lookup.hit_tokens,
+                    policy=policy,
+                )
+            )
+    return findings
 
 
 def _timeline_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> list[Finding]:
@@ -317,6 +431,7 @@ def judge_engine_run(
                 )
             )
     findings += _timeline_findings(scenario, run, policy)
+    findings += resumed_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)
 

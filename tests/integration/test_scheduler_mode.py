@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -597,3 +598,99 @@ def test_lru_reference_owes_the_writer_whose_blocks_outlive_the_evictions() -> N
     assert [
         (f.owner, f.kind, f.request, f.expected_tokens, f.hit_tokens) for f in result.findings
     ] == [("mutant-mru-eviction", FindingKind.FALLBACK, 3, 64, 8)]
+
+
+def _preempting() -> Scenario:
+    """Three unrelated 30-token requests at step 0, full attention in blocks
+    of 8, 40 decode steps each, pool 14 blocks: decode outgrows the pool and
+    the scheduler preempts."""
+    return Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 8),),
+        requests=(RequestSpec(0, 30), RequestSpec(0, 30), RequestSpec(0, 30)),
+        shared_prefix_tokens=0,
+        prefill_chunk_tokens=64,
+        decode_steps=40,
+        workload=Workload(
+            mode=DriveMode.SCHEDULER, pool_blocks=14, arrival_steps=(0, 0, 0), max_num_seqs=3
+        ),
+    )
+
+
+def _resumed(run: object) -> list[list[tuple[int, ...]]]:
+    return [
+        [
+            (
+                u.step,
+                u.hit_tokens,
+                u.known_tokens,
+                u.preempted_computed_tokens,
+                u.freed_queue_blocks,
+                u.lookup_queue_removals - u.freed_queue_removals,
+            )
+            for u in r.resumed
+        ]
+        for r in run.requests
+    ]
+
+
+def test_a_resumed_lookup_is_owed_its_own_prefix_that_survived() -> None:
+    from differential.oracle.core import drafter_model
+    from differential.oracle.engine import resumed_owed_tokens
+
+    scenario = _preempting()
+    result = compare_variants(scenario, UNFIXED)
+    run = result.results[0].run
+    assert run.error is None and run.preemptions == 3 and run.evicted_blocks == 18
+    # (step, hit, known tokens, computed when preempted, queued at the free,
+    # removed from the queue by the lookup). Request 1 was preempted with 48
+    # of its 49 tokens computed: 6 cached blocks, freed tail first behind 0
+    # queued ones; 2 blocks left the queue by its lookup, so at most its 2
+    # last blocks are gone and blocks 0..3 (32 tokens) are owed: it hits 32.
+    # Request 2's first preemption (3 cached blocks) saw 13 removals: owed 0;
+    # its second (5 cached blocks, 1 removal) is owed 4 blocks, 32 tokens.
+    assert _resumed(run) == [
+        [],
+        [(41, 32, 49, 48, 0, 2)],
+        [(41, 0, 32, 31, 0, 13), (63, 32, 41, 40, 0, 1)],
+    ]
+    model = drafter_model(scenario)
+    owed = [[resumed_owed_tokens(scenario, model, u) for u in r.resumed] for r in run.requests]
+    assert owed == [[], [32], [0, 32]]
+    assert result.findings == ()
+
+
+@pytest.fixture
+def forgetful_preemption(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVCacheManager.free`` that, when vLLM preempts a request, also drops
+    its blocks from the prefix cache (``BlockPool.evict_blocks``)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    real = KVCacheManager.free
+
+    def free(self: Any, request: Any) -> None:
+        ids = {b for group in self.get_block_ids(request.request_id) for b in group}
+        real(self, request)
+        if not request.is_finished():
+            self.block_pool.evict_blocks(ids)
+
+    monkeypatch.setattr(KVCacheManager, "free", free)
+
+
+def test_a_resumed_lookup_that_lost_its_own_prefix_is_a_fallback(
+    forgetful_preemption: None,
+) -> None:
+    result = compare_variants(_preempting(), UNFIXED)
+    run = result.results[0].run
+    # The same queue counters as on stock vLLM, so the same 32 and 32 owed.
+    assert _resumed(run) == [
+        [],
+        [(41, 0, 49, 48, 0, 2)],
+        [(41, 0, 32, 31, 0, 13), (63, 0, 41, 40, 0, 1)],
+    ]
+    assert [
+        (f.kind, f.request, f.expected_tokens, f.hit_tokens, f.detail.split(":")[0])
+        for f in result.findings
+    ] == [
+        (FindingKind.FALLBACK, 1, 32, 0, "resumed lookup 1 (step 41, after a preemption)"),
+        (FindingKind.FALLBACK, 2, 32, 0, "resumed lookup 2 (step 63, after a preemption)"),
+    ]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from differential.errors import ScenarioError
-from differential.findings import FindingKind
+from differential.findings import FindingKind, Policy
 from differential.observation import GroupLookup, RequestObservation, RunObservation
 from differential.oracle.engine import (
     cross_check_modes,
@@ -242,7 +242,18 @@ def test_timeline_promises_nothing_under_eviction_or_copied_answers() -> None:
     run = _timed((0, 0, 12, 16), admitted=(0, 0, 3, 3), finished=(1, 1, 4, 5))
     # Evictions without the free queue's counters (manager mode, older files).
     assert timeline_writers(scenario, dataclasses.replace(run, evicted_blocks=1)) is None
-    assert timeline_writers(scenario, dataclasses.replace(run, preemptions=1)) is None
+    # Preemptions are judged on full attention only, where a writer holds
+    # every block of its prefix itself.
+    preempted = dataclasses.replace(run, preemptions=1)
+    assert timeline_writers(scenario, preempted) == timeline_writers(scenario, run)
+    hybrid = dataclasses.replace(
+        scenario,
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8),
+        ),
+    )
+    assert timeline_writers(hybrid, preempted) is None
     copied = dataclasses.replace(
         scenario, workload=dataclasses.replace(scenario.workload, shares_output=True)
     )
@@ -373,3 +384,58 @@ def test_pool_regression_compares_totals_under_pressure_only() -> None:
     assert pool_regression(base, dataclasses.replace(worse, requests=base.requests)) is None
     calm = dataclasses.replace(base, evicted_blocks=0)
     assert pool_regression(calm, dataclasses.replace(worse, evicted_blocks=0)) is None
+
+
+def test_a_resumed_lookup_is_owed_the_prefix_the_free_queue_kept() -> None:
+    from differential.observation import ResumedLookup
+    from differential.oracle.core import drafter_model
+    from differential.oracle.engine import resumed_findings, resumed_owed_tokens
+    from differential.scenario import Drafter, DrafterKind
+
+    def fa8(**changes: object) -> Scenario:
+        scenario = Scenario(
+            kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 8),),
+            requests=(RequestSpec(0, 30),),
+            shared_prefix_tokens=0,
+            prefill_chunk_tokens=64,
+            workload=Workload(mode=DriveMode.SCHEDULER, arrival_steps=(0,)),
+        )
+        return dataclasses.replace(scenario, **changes)
+
+    def lookup(hit: int, queued: int, removed: int) -> ResumedLookup:
+        # Preempted with 48 of its 49 tokens computed: 6 cached blocks.
+        return ResumedLookup(9, hit, 49, 48, queued, 100, 100 + removed)
+
+    plain = fa8()
+    model = drafter_model(plain)
+    # Nothing removed: all 6 blocks, within 49 - 1 tokens: 48.
+    assert resumed_owed_tokens(plain, model, lookup(0, 0, 0)) == 48
+    # 3 queued ahead, 5 removed: at most the 2 last blocks gone, 4 kept: 32.
+    assert resumed_owed_tokens(plain, model, lookup(0, 3, 5)) == 32
+    # 9 removed past the 3: no block is sure to be cached.
+    assert resumed_owed_tokens(plain, model, lookup(0, 3, 9)) == 0
+    # The EAGLE drop (lookahead hashes off) recomputes the last kept block.
+    eagle = fa8(drafter=Drafter(DrafterKind.EAGLE, 1), disable_lookahead_block_hashes=True)
+    assert resumed_owed_tokens(eagle, drafter_model(eagle), lookup(0, 0, 0)) == 40
+    run = dataclasses.replace(
+        _timed((0,), admitted=(0,), finished=(20,)),
+        preemptions=1,
+        requests=(
+            dataclasses.replace(_timed((0,), (0,), (20,)).requests[0], resumed=(lookup(24, 3, 5),)),
+        ),
+    )
+    (finding,) = resumed_findings(plain, run, Policy.VLLM)
+    assert (finding.kind, finding.request, finding.expected_tokens, finding.hit_tokens) == (
+        FindingKind.FALLBACK,
+        0,
+        32,
+        24,
+    )
+    # Not judged where a block table does not hold the whole prefix.
+    swa = fa8(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 8),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 8, 16),
+        )
+    )
+    assert resumed_findings(swa, run, Policy.VLLM) == []
