@@ -35,9 +35,11 @@ Offline work-arounds (stated, not hidden):
 Observation: one :class:`~differential.observation.RequestObservation` per
 request, in scenario order, with the hit of the lookup that admitted it (the
 ``get_computed_blocks`` call followed by a successful ``allocate_slots``; a
-preempted request's later lookups are counted in ``preemptions`` but not
-judged), ``scheduled_step`` (the step it was admitted in) and
-``lookup_order``. Blocks are recorded as in manager mode
+preempted request's lookup when it is rescheduled is recorded apart, as a
+:class:`~differential.observation.ResumedLookup`), ``scheduled_step`` (the
+step it was admitted in), ``lookup_order`` and the free block queue's
+counters (:class:`_FreeQueueClock`, for the oracle's LRU reference). Blocks
+are recorded as in manager mode
 (:class:`~differential.driver.block_ledger.BlockLedger`, for the block-level
 check): what each group's blocks held at the admitting lookup, and every
 ``KVCacheManager.allocate_slots`` the scheduler makes (vLLM
