@@ -190,7 +190,6 @@ MUTANTS = (
     "mutant-null-in-window",
     "mutant-extra-block",
     "mutant-mamba-eagle-margin",
-    "mutant-mru-eviction",
 )
 
 

@@ -106,8 +106,6 @@ def test_retention_0_sibling_before_the_replay_boundary(divergence: int) -> None
         # Each sibling's lookup, in the run and in the dense cross-check run.
         ("mutant-null-in-window", "seeds/toy-mtp1-swa4-fa8-r64", WRONG_KV_1_TO_3),
         ("mutant-extra-block", "seeds/toy-mtp1-swa4-fa8-r64", WRONG_KV_1_TO_3),
-        # Scheduler mode, a pool that evicts: the LRU reference owes the sibling.
-        ("mutant-mru-eviction", "cases/lru-eviction-later-writer-survives", ["fallback@3"]),
     ],
 )
 def test_mutants_are_caught(mutant: str, seed: str, expected: list[str]) -> None:
