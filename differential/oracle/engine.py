@@ -17,11 +17,11 @@ Three rules on top of the per-lookup invariants of
   sequential run: a request still in flight promises nothing (it may serve
   more, bounded above), and a writer counts only when its own lookup saw no
   request in flight that shared a prefix with it, so the junction it pinned
-  is the one the policy models. A
-  shortfall is a ``fallback``; the run's ``needless-drop`` is reported as in
-  a sequential run. Under eviction a writer counts only where the **LRU
-  reference** (:func:`lru_survived`) proves that none of its blocks can have
-  been evicted by the lookup: vLLM's free block queue
+  is the one the policy models. A shortfall is a ``fallback``; the run's
+  ``needless-drop`` is reported as in a sequential run. Under eviction a
+  writer counts only where the **LRU reference** (:func:`lru_survived`)
+  proves that none of its blocks can have been evicted by the lookup:
+  vLLM's free block queue
   (vllm/v1/core/block_pool.py ``BlockPool.free_blocks``, ``get_new_blocks``,
   ``touch``; vllm/v1/core/kv_cache_utils.py ``FreeKVCacheBlockQueue``)
   appends freed cached blocks and evicts from the front, so a writer's
@@ -144,8 +144,8 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     every block it holds when it finishes is one it freed (or freed again)
     at or after its first free, which is all the LRU rule below needs, and
     those groups cache every full block it computed whatever its lookups
-    found. In a run that evicted cached blocks, ``i`` counts for ``j`` only when
-    :func:`lru_survived` proves ``i``'s blocks were all still cached at
+    found. In a run that evicted cached blocks, ``i`` counts for ``j`` only
+    when :func:`lru_survived` proves ``i``'s blocks were all still cached at
     ``j``'s lookup (units: blocks of vLLM's free queue). Outside layouts of
     full attention and MLA only, ``i``'s promise also rests on blocks it
     found cached and did not hold itself (a sliding window or a chunked
@@ -197,7 +197,7 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     ]
     if not run.evicted_blocks:
         return writers
-    if all(g.kind.full_attention_family for g in scenario.kv_cache_groups):
+    if _full_attention_only(scenario):
         ancestors = [frozenset[int]() for _ in requests]
     else:
         tokens = [p + scenario.sampled_tokens(i) for i, p in enumerate(prompts)]
