@@ -311,8 +311,11 @@ class RequestObservation:
             whose frees could not all be attributed to a request).
         freed_queue_blocks: (scheduler mode) the free queue's length
             (``BlockPool.get_num_free_blocks``) just before the first
-            ``BlockPool.free_blocks`` call made on this request's behalf, in
-            blocks; ``None`` when not recorded or never freed.
+            ``BlockPool.free_blocks`` call made on this request's behalf
+            since it was last scheduled from the waiting queue (a
+            preemption's free does not count: the blocks it holds when it
+            finishes are freed later), in blocks; ``None`` when not recorded
+            or never freed.
         freed_queue_removals: (scheduler mode) the removal count (as
             ``lookup_queue_removals``) at that same moment, in blocks.
         resumed: (scheduler mode) the lookups that rescheduled the request

@@ -350,7 +350,10 @@ class _FreeQueueClock:
     block removed (``removals``, in blocks; the null block is popped when the
     pool is built, before the clock is installed) and, per request, the
     queue's length and the removal count just before the first
-    ``free_blocks`` call made on the request's behalf (``first_free``). A
+    ``free_blocks`` call made on the request's behalf since it was last
+    scheduled from the waiting queue (``first_free``: a preemption's free
+    does not count, the request's blocks going back to the queue again
+    later). A
     call is attributed to the request whose ``KVCacheManager.allocate_slots``,
     ``free`` or ``remove_skipped_blocks`` is running; a ``free_blocks`` call
     outside all three sets ``unattributed`` (the run's counters are then not
@@ -421,7 +424,30 @@ class _FreeQueueClock:
         self._attribute(
             manager, "allocate_slots", lambda a, k: (a[0] if a else k["request"]).request_id
         )
-        self._attribute(manager, "free", self._free_of)
+        free = manager.free
+
+        def attributed_free(*args: Any, **kwargs: Any) -> None:
+            request = args[0] if args else kwargs["request"]
+            rid: str = request.request_id
+            preempted = not request.is_finished()
+            if preempted:
+                self.preempted[rid] = (
+                    len(self.lookups.get(rid, ())),
+                    request.num_computed_tokens,
+                    num_free(),
+                    self.removals,
+                )
+            outer, self.current = self.current, rid
+            try:
+                free(*args, **kwargs)
+            finally:
+                self.current = outer
+            if preempted:
+                # Its blocks are handed out again from its resumption on; the
+                # free that counts for what it promises is a later one.
+                self.first_free.pop(rid, None)
+
+        manager.free = attributed_free
         self._attribute(
             manager, "remove_skipped_blocks", lambda a, k: a[0] if a else k["request_id"]
         )
@@ -442,19 +468,6 @@ class _FreeQueueClock:
                 self.current = outer
 
         setattr(manager, name, attributed)
-
-    def _free_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """The request ``KVCacheManager.free`` frees, noting a preemption."""
-        request = args[0] if args else kwargs["request"]
-        rid: str = request.request_id
-        if not request.is_finished():
-            self.preempted[rid] = (
-                len(self.lookups.get(rid, ())),
-                request.num_computed_tokens,
-                self.num_free(),
-                self.removals,
-            )
-        return rid
 
     def resumed(self, request_id: str, step: int) -> ResumedLookup | None:
         """The lookup that rescheduled ``request_id`` after its last

@@ -107,8 +107,9 @@ def lru_survived(writer: RequestObservation, reader: RequestObservation) -> bool
     ``get_new_blocks`` pops from the front (``popleft_n``), evicting a cached
     block it pops, and ``touch`` takes a block a hit adopts out of the queue
     (``remove``). Let ``Q`` be the queue's length just before the first
-    ``free_blocks`` call made on the writer's behalf
-    (``writer.freed_queue_blocks``), in blocks. Every block the writer frees
+    ``free_blocks`` call made on the writer's behalf since it was last
+    scheduled from the waiting queue (``writer.freed_queue_blocks``), in
+    blocks. Every block the writer frees
     from then on is appended behind each of those ``Q`` blocks still queued
     (a block re-freed after a hit adopted it, too), and a block leaves only
     from the front or by ``remove``; so before one of the writer's blocks is
@@ -141,11 +142,12 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     at ``i``'s admission shares a prefix with ``i``.
 
     A preempted writer is judged like any other on full attention and MLA:
-    every block it holds when it finishes is one it freed (or freed again)
-    at or after its first free, which is all the LRU rule below needs, and
     those groups cache every full block it computed whatever its lookups
-    found. In a run that evicted cached blocks, ``i`` counts for ``j`` only
-    when :func:`lru_survived` proves ``i``'s blocks were all still cached at
+    found, its block table holds its whole prefix when it finishes, and its
+    counters are those of the first free after it resumed (its finish: full
+    attention frees nothing earlier), which is all the LRU rule below needs.
+    In a run that evicted cached blocks, ``i`` counts for ``j`` only when
+    :func:`lru_survived` proves ``i``'s blocks were all still cached at
     ``j``'s lookup (units: blocks of vLLM's free queue). Outside layouts of
     full attention and MLA only, ``i``'s promise also rests on blocks it
     found cached and did not hold itself (a sliding window or a chunked

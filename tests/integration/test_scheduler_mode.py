@@ -659,6 +659,38 @@ def test_a_resumed_lookup_is_owed_its_own_prefix_that_survived() -> None:
     assert result.findings == ()
 
 
+def test_a_preempted_writer_is_owed_from_its_finish() -> None:
+    from differential.oracle.engine import timeline_writers
+
+    # The same three requests (requests 2 and 3 share a 24-token prefix),
+    # and a fourth arriving at step 130, after they all finished.
+    scenario = dataclasses.replace(
+        _preempting(),
+        requests=(RequestSpec(0, 30), RequestSpec(0, 30), RequestSpec(24, 6), RequestSpec(24, 10)),
+        shared_prefix_tokens=24,
+        workload=dataclasses.replace(_preempting().workload, arrival_steps=(0, 0, 0, 130)),
+    )
+    result = compare_variants(scenario, UNFIXED)
+    run = result.results[0].run
+    assert run.preemptions == 3 and run.evicted_blocks == 24
+    # Request 2, preempted twice, finished at step 92 and was freed with 4
+    # blocks queued after 42 removals; request 3 looks up at 42 removals:
+    # nothing left the queue since, so request 2's 24 shared tokens are owed.
+    fields = [
+        (r.finished_step, r.lookup_queue_removals, r.freed_queue_blocks, r.freed_queue_removals)
+        for r in run.requests
+    ]
+    assert fields == [(40, 0, 4, 19), (62, 4, 4, 33), (92, 8, 4, 42), (170, 42, 3, 52)]
+    assert timeline_writers(scenario, run) == [
+        frozenset(),
+        frozenset(),
+        frozenset(),
+        frozenset({2}),
+    ]
+    assert run.hits == (0, 0, 0, 24)
+    assert result.findings == ()
+
+
 @pytest.fixture
 def forgetful_preemption(monkeypatch: pytest.MonkeyPatch) -> None:
     """``KVCacheManager.free`` that, when vLLM preempts a request, also drops
