@@ -473,7 +473,7 @@ class _FreeQueueClock:
         """The lookup that rescheduled ``request_id`` after its last
         preemption, if it made one since (the preemption is then consumed)."""
         mark = self.preempted.get(request_id)
-        made = self.lookups.get(request_id, ())
+        made = self.lookups.get(request_id) or []
         if mark is None or len(made) <= mark[0]:
             return None
         del self.preempted[request_id]
