@@ -452,11 +452,9 @@ def _run_shared(
     dense cross-check of a drafter other than Gemma-4 MTP, for example), the
     stock run another variant of the same comparison already made, under
     this variant's name."""
-    if stock_runs is None or variant.tree is not None:
-        return run_any(scenario, variant, dense=dense)
     from differential.driver import runs_as_stock
 
-    if not runs_as_stock(scenario, variant, dense=dense):
+    if stock_runs is None or not runs_as_stock(scenario, variant, dense=dense):
         return run_any(scenario, variant, dense=dense)
     key = (dense, scenario)
     run = stock_runs.get(key)

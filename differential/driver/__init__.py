@@ -48,13 +48,17 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _resolve(path: str) -> Any:
+    """The function a ``"module:function"`` path names (a variant's ``patch``
+    or ``stock_when``), importing its module."""
+    module, _, function = path.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def _patch_factory(variant: Variant) -> Callable[[], AbstractContextManager[None]]:
     if not variant.patch:
         return nullcontext
-    module, _, function = variant.patch.partition(":")
-    factory: Callable[[], AbstractContextManager[None]] = getattr(
-        importlib.import_module(module), function
-    )
+    factory: Callable[[], AbstractContextManager[None]] = _resolve(variant.patch)
     return factory
 
 
@@ -69,10 +73,7 @@ def runs_as_stock(scenario: Scenario, variant: Variant, *, dense: bool = False) 
         return True
     if not variant.stock_when:
         return False
-    module, _, function = variant.stock_when.partition(":")
-    predicate: Callable[[Scenario, int | None], bool] = getattr(
-        importlib.import_module(module), function
-    )
+    predicate: Callable[[Scenario, int | None], bool] = _resolve(variant.stock_when)
     return predicate(scenario, None if dense else scenario.retention_interval_tokens)
 
 
