@@ -54,6 +54,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import vllm
+import vllm.v1.core.kv_cache_utils as kv_cache_utils
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -321,10 +322,10 @@ def memoised_hasher(hasher: Any, block_size: int, lookahead: int) -> Callable[[R
     request is hashed afresh). So the new hashes of a request are a function
     of the parent hash and the tokens from ``len(request.block_hashes) *
     block_size`` on, the memo's key with ``block_size`` (tokens) and
-    ``lookahead`` (tokens). The memo is keyed by ``hasher``'s module too (a
-    tree's vLLM has its own), and cleared past 4M tokens of keys.
+    ``lookahead`` (tokens). The memo is keyed by the ``kv_cache_utils``
+    module this process imported too (a tree's vLLM has its own), and
+    cleared past 4M tokens of keys.
     """
-    module = kv_cache_utils_module()
 
     def hashes(request: Request) -> list[Any]:
         global _hashes_tokens
@@ -337,8 +338,8 @@ def memoised_hasher(hasher: Any, block_size: int, lookahead: int) -> Callable[[R
             return hasher(request)  # type: ignore[no-any-return]
         known = request.block_hashes
         tail = tuple(request.all_token_ids[len(known) * block_size :])
-        parent = known[-1] if known else getattr(module, "NONE_HASH", None)
-        key = (module, block_size, lookahead, parent, tail)
+        parent = known[-1] if known else getattr(kv_cache_utils, "NONE_HASH", None)
+        key = (kv_cache_utils, block_size, lookahead, parent, tail)
         found = _HASHES.get(key)
         if found is None:
             found = hasher(request)
@@ -350,13 +351,6 @@ def memoised_hasher(hasher: Any, block_size: int, lookahead: int) -> Callable[[R
         return list(found)
 
     return hashes
-
-
-def kv_cache_utils_module() -> Any:
-    """The ``vllm.v1.core.kv_cache_utils`` module this process drives."""
-    import vllm.v1.core.kv_cache_utils as module
-
-    return module
 
 
 def block_hasher(scenario: Scenario, resolved: ResolvedDrafter) -> Any:
