@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,28 +66,42 @@ def test_null_in_window_mutant_is_wrong_kv_on_a_concurrent_workload() -> None:
     assert by_request[4].blocks_per_group[1][8:] == (15, None)
 
 
+def _after_request_5s_first_step(
+    monkeypatch: pytest.MonkeyPatch, change: Callable[[Any], int]
+) -> list[int]:
+    """Patch ``KVCacheManager.allocate_slots`` so that right after request 5's
+    first successful step ``change(manager)`` alters the block tables (once);
+    the returned list receives the block id ``change`` returns."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    real = KVCacheManager.allocate_slots
+    changed: list[int] = []
+
+    @functools.wraps(real)
+    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(self, request, *args, **kwargs)
+        if request.request_id == "req-5" and out is not None and not changed:
+            changed.append(change(self))
+        return out
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", allocate_slots)
+    return changed
+
+
 @pytest.fixture
 def corrupted_block_table(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """``KVCacheManager.allocate_slots`` that, on request 5's first step, puts
     vLLM's null block at block index 5 of its full-attention block table,
     where that step writes (a block table another bookkeeping bug left
     wrong). Yields the replaced block ids."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    real = KVCacheManager.allocate_slots
-    replaced: list[int] = []
+    def corrupt(manager: Any) -> int:
+        table = manager.coordinator.single_type_managers[0].req_to_blocks["req-5"]
+        replaced: int = table[5].block_id
+        table[5] = manager.block_pool.null_block
+        return replaced
 
-    @functools.wraps(real)
-    def corrupt(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        out = real(self, request, *args, **kwargs)
-        if request.request_id == "req-5" and out is not None and not replaced:
-            table = self.coordinator.single_type_managers[0].req_to_blocks["req-5"]
-            replaced.append(table[5].block_id)
-            table[5] = self.block_pool.null_block
-        return out
-
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", corrupt)
-    yield replaced
+    yield _after_request_5s_first_step(monkeypatch, corrupt)
 
 
 def test_a_write_into_the_null_block_is_wrong_kv(corrupted_block_table: list[int]) -> None:
@@ -114,23 +128,15 @@ def doubly_allocated_block(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int
     writing) at block index 5 of request 5's table, leaving the reference
     count at 1 (a block handed out twice by a bookkeeping bug). Yields the
     block id."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    real = KVCacheManager.allocate_slots
-    shared: list[int] = []
+    def double(manager: Any) -> int:
+        tables = manager.coordinator.single_type_managers[0].req_to_blocks
+        block = tables["req-4"][-1]
+        tables["req-5"][5] = block
+        shared: int = block.block_id
+        return shared
 
-    @functools.wraps(real)
-    def double(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        out = real(self, request, *args, **kwargs)
-        if request.request_id == "req-5" and out is not None and not shared:
-            tables = self.coordinator.single_type_managers[0].req_to_blocks
-            block = tables["req-4"][-1]
-            shared.append(block.block_id)
-            tables["req-5"][5] = block
-        return out
-
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", double)
-    yield shared
+    yield _after_request_5s_first_step(monkeypatch, double)
 
 
 def test_a_write_into_a_block_another_request_holds_is_wrong_kv(
