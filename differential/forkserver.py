@@ -20,7 +20,8 @@ served (:class:`Unservable`); callers then start a real interpreter.
 
 Protocol, one Unix-socket connection per child: the client sends an 8-byte
 big-endian length with the child's three file descriptors (``SCM_RIGHTS``),
-then that many bytes of JSON ``{"module", "args", "cwd", "env"}``; the server
+then that many bytes of JSON ``{"module", "args", "cwd", "env"}`` (and
+``"address_space_bytes"``, the child's ``RLIMIT_AS``, when one is asked for); the server
 answers one line ``{"pid": N}`` once forked and one line ``{"returncode": N}``
 (``subprocess`` convention: ``-SIG`` when killed by a signal) once the child
 has exited.
@@ -232,22 +233,33 @@ def spawn(
     cwd: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     fds: tuple[int, int, int] | None = None,
+    address_space_bytes: int | None = None,
 ) -> Child:
     """Fork ``python -m MODULE ARGS`` from the server at ``address``.
 
     ``fds`` are the child's stdin, stdout and stderr (default: this process's
     own 0, 1, 2); ``cwd`` and ``env`` default to this process's.
+    ``address_space_bytes``, when given, is the child's ``RLIMIT_AS`` (soft
+    and hard, in bytes), set before its module runs, as a ``preexec_fn``
+    calling ``resource.setrlimit`` sets it for a fresh interpreter. The
+    child's own fresh processes inherit it; children it asks the server for
+    do not, so a caller wanting the limit on every descendant leaves
+    :data:`ENV` out of ``env``. A ``pytest`` child first drops the
+    pre-imported packages of pytest's plugins, which it then imports and
+    assertion-rewrites itself, as a fresh ``python -m pytest`` does.
 
     Raises:
         Unservable: ``env`` differs from the server's in a start-up-only variable.
         OSError: the server cannot be reached.
     """
-    request = {
+    request: dict[str, Any] = {
         "module": module,
         "args": list(args),
         "cwd": os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd()),
         "env": dict(os.environ if env is None else env),
     }
+    if address_space_bytes is not None:
+        request["address_space_bytes"] = address_space_bytes
     body = json.dumps(request).encode()
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -281,10 +293,11 @@ def run_module(
     env: Mapping[str, str] | None = None,
     input_text: str | None = None,
     timeout_s: float | None = None,
+    address_space_bytes: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run([python, -m, MODULE, *ARGS], capture_output=True, text=True)``
     through the server: stdout and stderr captured (as files), stdin
-    ``input_text`` or empty.
+    ``input_text`` or empty; ``address_space_bytes`` as for :func:`spawn`.
 
     Raises:
         Unservable, OSError: as :func:`spawn`.
@@ -305,6 +318,7 @@ def run_module(
             cwd=cwd,
             env=env,
             fds=(stdin.fileno(), stdout.fileno(), stderr.fileno()),
+            address_space_bytes=address_space_bytes,
         )
         try:
             returncode = child.wait(timeout_s)
@@ -447,6 +461,31 @@ def _fork(
     return None
 
 
+def _forget_pytest_plugins() -> None:
+    """Drop the pre-imported packages of pytest's plugins (``anyio``, which
+    vLLM's dependencies import, for one) from ``sys.modules``, so that
+    ``python -m pytest`` in the child imports and assertion-rewrites them as in
+    a fresh interpreter (pytest warns, and fails under ``-W error``, on a
+    plugin package imported before it starts: ``_pytest/config/__init__.py``
+    ``_mark_plugins_for_rewrite``). Modules imported earlier keep the objects
+    they hold."""
+    try:
+        import importlib.metadata
+
+        from _pytest.config import _iter_rewritable_modules
+    except ImportError:  # a pytest without that helper: nothing to emulate
+        return
+    files = [
+        str(file)
+        for dist in importlib.metadata.distributions()
+        if any(entry.group == "pytest11" for entry in dist.entry_points)
+        for file in dist.files or []
+    ]
+    names = set(_iter_rewritable_modules(files))
+    for module in [m for m in sys.modules if m.partition(".")[0] in names]:
+        del sys.modules[module]
+
+
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """Turn this forked child into ``python -m MODULE ARGS`` as ``request`` describes."""
     import runpy
@@ -480,6 +519,13 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     sys.path_importer_cache.clear()
     importlib.invalidate_caches()
     sys.argv = ["-m", *request["args"]]
+    if request["module"] == "pytest":
+        _forget_pytest_plugins()
+    limit = request.get("address_space_bytes")
+    if limit is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (int(limit), int(limit)))
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
     runpy._run_module_as_main(request["module"], alter_argv=True)  # type: ignore[attr-defined]

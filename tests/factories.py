@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import resource
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -70,10 +71,6 @@ def triton(
 
 # Set to 0 to run every ``python -m`` of the tests in a fresh interpreter.
 FORKSERVER_SWITCH = "KVFUZZ_TEST_FORKSERVER"
-# Always fresh interpreters: pytest must import its plugins' packages itself
-# (it rewrites their asserts on import; the server's dependencies include
-# some, e.g. anyio, which pytest then refuses).
-_FRESH_MODULES = frozenset({"pytest"})
 _server: forkserver.ForkServer | None = None
 _server_failed = False
 
@@ -118,6 +115,7 @@ def python_module(
     env: Mapping[str, str] | None = None,
     input: str | None = None,
     timeout: float | None = None,
+    address_space_bytes: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m MODULE ARGS`` with stdout and stderr captured, as
     ``subprocess.run(..., capture_output=True, text=True)`` runs it.
@@ -127,14 +125,23 @@ def python_module(
     every respect the tests see (the module run as ``__main__``, its own
     working directory, environment, ``sys.path``, file descriptors and exit
     status), in 1 CPU-second instead of 7. Its own tree workers are forked
-    from the same server. ``python -m pytest`` always, and everything with
-    ``KVFUZZ_TEST_FORKSERVER=0`` or when the server cannot serve the request,
+    from the same server (``python -m pytest`` too: the child first drops the
+    pre-imported packages of pytest's plugins, see
+    :func:`differential.forkserver.spawn`). Everything with
+    ``KVFUZZ_TEST_FORKSERVER=0``, or when the server cannot serve the request,
     runs in a fresh interpreter.
+
+    ``address_space_bytes``: the process's ``RLIMIT_AS`` (bytes), inherited by
+    everything it starts: its own workers are then fresh interpreters, never
+    forked from the server (which would not inherit the limit).
     """
     environment = dict(os.environ if env is None else env)
-    address = None if module in _FRESH_MODULES else forkserver_address()
+    if address_space_bytes is not None:
+        environment.pop(forkserver.ENV, None)
+    address = forkserver_address()
     if address is not None:
-        environment[forkserver.ENV] = address
+        if address_space_bytes is None:
+            environment[forkserver.ENV] = address
         try:
             return forkserver.run_module(
                 address,
@@ -144,9 +151,15 @@ def python_module(
                 env=environment,
                 input_text=input,
                 timeout_s=timeout,
+                address_space_bytes=address_space_bytes,
             )
         except forkserver.Unservable:
-            del environment[forkserver.ENV]
+            environment.pop(forkserver.ENV, None)
+
+    def limit() -> None:
+        if address_space_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space_bytes, address_space_bytes))
+
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         capture_output=True,
@@ -156,6 +169,7 @@ def python_module(
         input=input,
         timeout=timeout,
         check=False,
+        preexec_fn=None if address_space_bytes is None else limit,
     )
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, ROOT, python_module
 
 pytestmark = pytest.mark.vllm
 
@@ -25,20 +24,14 @@ TOY = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
 _MEMORY_BYTES = 4 << 30  # address space a run may take: a regression fails fast
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_BYTES, _MEMORY_BYTES))
-
-
 def _kvfuzz(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "differential.cli", *args],
-        capture_output=True,
-        text=True,
+    return python_module(
+        "differential.cli",
+        *args,
         cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        preexec_fn=_limit_memory,
-        check=False,
         timeout=300,
+        address_space_bytes=_MEMORY_BYTES,
     )
 
 

@@ -110,6 +110,46 @@ def test_a_start_up_only_variable_is_refused(server) -> None:
         forkserver.run_module(running.address, "kvfuzz_probe", [], env=env)
 
 
+def test_an_address_space_limit_holds_in_the_child_only(server) -> None:
+    running, folder = server
+    (folder / "kvfuzz_limited.py").write_text(
+        "import resource\n"
+        "limit = resource.getrlimit(resource.RLIMIT_AS)\n"
+        "print(limit)\n"
+        "try:\n"
+        "    block = bytearray(1 << 30) if limit[0] != resource.RLIM_INFINITY else None\n"
+        "except MemoryError:\n"
+        "    print('MemoryError')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(folder))
+    limited = forkserver.run_module(
+        running.address, "kvfuzz_limited", [], env=env, address_space_bytes=512 << 20
+    )
+    assert limited.returncode == 0, limited.stderr
+    assert limited.stdout.splitlines() == [str((512 << 20, 512 << 20)), "MemoryError"]
+    free = forkserver.run_module(running.address, "kvfuzz_limited", [], env=env)
+    assert free.stdout.splitlines() == [str((-1, -1))]  # the server itself is not limited
+
+
+def test_pytest_in_a_child_rewrites_a_plugin_package_the_server_imported(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("anyio")
+    (tmp_path / "test_probe.py").write_text("def test_probe():\n    assert 1 + 1 == 2\n")
+    running = forkserver.ForkServer.start(["anyio"])  # a pytest plugin's package
+    try:
+        done = forkserver.run_module(
+            running.address,
+            "pytest",
+            ["-q", "-p", "no:cacheprovider", "-W", "error::pytest.PytestAssertRewriteWarning"],
+            cwd=tmp_path,
+        )
+    finally:
+        running.close()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+
+
 def test_a_timeout_kills_the_child(server) -> None:
     running, folder = server
     (folder / "kvfuzz_sleeper.py").write_text("import time\ntime.sleep(600)\n")
