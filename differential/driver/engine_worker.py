@@ -683,6 +683,13 @@ def main() -> None:
     for key, value in _ENV.items():
         os.environ.setdefault(key, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # The engine's vLLM keeps its caches in its own environment: vLLM keys its
+    # model-info cache by file name and source hash, so two releases sharing
+    # one folder (this one and kvfuzz's own vLLM) evict each other's entries,
+    # and every miss inspects the model class in a fresh subprocess
+    # (vllm/model_executor/models/registry.py, _LazyRegisteredModel.inspect_model_cls).
+    # A VLLM_CACHE_ROOT the user set is kept.
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(sys.prefix, "vllm-cache"))
     _serve(sys.stdin, take_protocol_stdout())
 
 
