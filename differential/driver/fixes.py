@@ -34,7 +34,10 @@ from vllm.config import SpeculativeConfig
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 
+from differential.driver.features import VllmCallError
+from differential.driver.settings import resolve_drafter
 from differential.scenario import DrafterKind, Scenario
+from differential.variants.capabilities import Unsupported
 
 __all__ = [
     "FixStatus",
@@ -127,11 +130,22 @@ def seed_pr_runs_as_stock(scenario: Scenario, retention_interval_tokens: int | N
     """Whether the seed PR's two changes leave a run exactly as the installed
     vLLM runs it: the drop wrapper changes only Gemma-4 MTP
     (``use_gemma4_mtp()``, the ``gemma4_mtp`` drafter kind), and the mask
-    wrapper widens only under a positive retention interval
-    (:func:`_seed_pr_widens`), so a run of any other drafter with retention
-    ``retention_interval_tokens`` ``None`` (the dense cross-check) or 0 is
-    the stock run."""
-    return scenario.drafter.kind is not DrafterKind.GEMMA4_MTP and not retention_interval_tokens
+    wrapper widens only under a positive retention interval and the EAGLE
+    drop (:func:`_seed_pr_widens`), so a run of any other drafter is the
+    stock run when its retention ``retention_interval_tokens`` is ``None``
+    (the dense cross-check) or 0, or when vLLM's config does not drop the
+    last matched block for the scenario's drafter
+    (:func:`~differential.driver.settings.resolve_drafter`: no drafter,
+    lookahead hashes, or the drop disabled). A drafter vLLM's config refuses
+    proves nothing: the run is made."""
+    if scenario.drafter.kind is DrafterKind.GEMMA4_MTP:
+        return False
+    if not retention_interval_tokens:
+        return True
+    try:
+        return not resolve_drafter(scenario).use_eagle_block_drop
+    except (VllmCallError, Unsupported):
+        return False
 
 
 def _seed_pr_widens(retention: int | None, alignment: int | None, use_eagle: bool) -> bool:

@@ -55,28 +55,32 @@ def test_fixed_runs_the_installed_vllm_where_it_is_said_to() -> None:
     stock vLLM once for both, ``differential.compare._run_shared``), its
     real patched run is the unfixed run, observation for observation: the
     dense cross-check of every corpus and known-issues scenario whose drafter
-    is not Gemma-4 MTP, and each retention-0 run. And the predicate does not
-    hold where the patches act (a Gemma-4 MTP drafter, a positive retention
-    interval)."""
+    is not Gemma-4 MTP, each retention-0 run, and each sparse run vLLM's
+    config gives no EAGLE drop. And the predicate does not hold where the
+    patches act (a Gemma-4 MTP drafter, a positive retention interval under
+    the EAGLE drop)."""
     import dataclasses
 
     from differential.driver import run_variant, runs_as_stock
+    from differential.driver.settings import resolve_drafter
     from differential.scenario import DrafterKind
 
     unfixed, fixed, candidate = parse_variants("unfixed,fixed,candidate")
     entries = [
         load_entry(p) for p in FILES + sorted((CORPORA.parent / "known-issues").glob("*.json"))
     ]
-    checked = {"dense": 0, "retention 0": 0, "not shared": 0, "candidate": 0}
+    checked = {"dense": 0, "retention 0": 0, "sparse": 0, "not shared": 0, "candidate": 0}
     for entry in entries:
         s = entry.scenario
         runs = [(True, s, "dense")]
         runs.append((False, dataclasses.replace(s, retention_interval_tokens=0), "retention 0"))
+        if s.retention_interval_tokens:
+            runs.append((False, s, "sparse"))
         for dense, scenario, what in runs:
             if not runs_as_stock(scenario, fixed, dense=dense):
                 assert s.drafter.kind is DrafterKind.GEMMA4_MTP or (
-                    not dense and scenario.retention_interval_tokens
-                )
+                    what == "sparse" and resolve_drafter(s).use_eagle_block_drop
+                ), (entry.name, what)
                 checked["not shared"] += 1
                 continue
             stock = run_variant(scenario, unfixed, dense=dense)
@@ -88,7 +92,12 @@ def test_fixed_runs_the_installed_vllm_where_it_is_said_to() -> None:
                 proposed = run_variant(scenario, candidate, dense=dense)
                 assert dataclasses.replace(proposed, variant="unfixed") == stock, entry.name
                 checked["candidate"] += 1
-    assert checked["dense"] > 80 and checked["retention 0"] > 80 and checked["not shared"] > 0
+    assert checked["dense"] > 80 and checked["retention 0"] > 80 and checked["sparse"] > 5
+    assert checked["not shared"] > 0
     assert checked["candidate"] == checked["dense"]
-    sparse = next(e.scenario for e in entries if e.scenario.retention_interval_tokens)
+    sparse = next(
+        e.scenario
+        for e in entries
+        if e.scenario.retention_interval_tokens and resolve_drafter(e.scenario).use_eagle_block_drop
+    )
     assert not runs_as_stock(sparse, fixed) and not runs_as_stock(sparse, candidate)
