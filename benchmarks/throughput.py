@@ -15,6 +15,8 @@ Triton seed (block 16 / 32, window 1024, retention 8192, 16384-token prefix):
   alternating rounds so that load from other processes hits both alike;
 * the share of the run's time spent in vLLM's own code, from a cProfile of
   the same loop (self time of functions defined in the ``vllm`` package);
+* the oracle's CPU time on one toy-geometry run of 512 requests (each
+  sharing a random part of the first one's prompt) and its dense cross-check;
 * a ``kvfuzz fuzz`` campaign's own executions per second (generated,
   mostly toy-scale scenarios on unfixed + fixed with the dense cross-check),
   to compare with the fixed-scenario figures above, and one restricted to
@@ -293,11 +295,19 @@ def main() -> None:
             engine = (
                 f"\n  one run, scheduler mode:   {sched_rate:8.1f} executions/s (vLLM's Scheduler)"
             )
-        # Both variants and their dense cross-checks, less fixed's dense
-        # cross-check where it is stock's (differential.compare._run_shared).
-        shares = runs_as_stock(scenario, fixed, dense=True)
-        runs = 3 if shares else 4
-        shared = ": fixed's dense cross-check is stock's, run once" if shares else ""
+        # Both variants and their dense cross-checks, less fixed's runs
+        # where they are stock's (differential.compare._run_shared).
+        stock = [
+            what
+            for what, dense in (("fixed's run", False), ("fixed's dense cross-check", True))
+            if runs_as_stock(scenario, fixed, dense=dense)
+        ]
+        runs = 4 - len(stock)
+        shared = (
+            f": {' and '.join(stock)} {'is' if len(stock) == 1 else 'are'} stock's, run once"
+            if stock
+            else ""
+        )
         print(
             f"{label:<11} {name}: {tokens} prompt tokens in {len(scenario.requests)} requests\n"
             f"  one variant run:           {run_rate:8.1f} executions/s\n"
@@ -318,6 +328,34 @@ def main() -> None:
             f"#48435 sessions (12 requests, pool 130 blocks), {mode.value} mode: "
             f"{rate:8.1f} executions/s"
         )
+
+    # The oracle at 512 requests: each shares a random part of request 0's
+    # prompt (toy geometry); the time to judge the run and its dense cross-check.
+    import random
+
+    from differential.oracle.core import cross_check_dense
+
+    rng = random.Random(0)
+    first = toy.requests[0]
+    many = dataclasses.replace(
+        toy,
+        requests=(
+            first,
+            *(
+                dataclasses.replace(first, shares_with=0, divergence_tokens=rng.randrange(257))
+                for _ in range(511)
+            ),
+        ),
+    )
+    run = run_variant(many, unfixed)
+    dense_run = run_variant(many, unfixed, dense=True)
+    cpu = time.process_time()
+    judge_run(many, run)
+    cross_check_dense(many, dense_run)
+    print(
+        f"oracle      {len(many.requests)} requests (toy geometry): judged in "
+        f"{time.process_time() - cpu:.2f} CPU-s (the run and its dense cross-check)"
+    )
 
     import tempfile
 
