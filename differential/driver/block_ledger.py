@@ -61,6 +61,8 @@ class BlockLedger:
         self._filled: dict[int, list[int]] = {}
         # request index -> vLLM request id, for the writers recorded above
         self._request_ids: dict[int, str] = {}
+        # block id -> the record a lookup returns for it, until it is written again
+        self._records: dict[int, BlockRecord] = {}
 
     @classmethod
     def for_manager(cls, manager: KVCacheManager) -> BlockLedger | None:
@@ -84,17 +86,23 @@ class BlockLedger:
         """
         out = []
         filled = self._filled
+        records = self._records
         for group in blocks:
             row: list[BlockRecord | None] = []
             for block in group:
                 if block.is_null:
                     row.append(None)
                     continue
-                rec = filled.get(block.block_id)
-                if rec is None:
-                    row.append(BlockRecord(block.block_id, None, None, None, 0))
-                else:
-                    row.append(BlockRecord(block.block_id, rec[0], rec[1], rec[2], rec[3]))
+                block_id = block.block_id
+                record = records.get(block_id)
+                if record is None:
+                    rec = filled.get(block_id)
+                    if rec is None:
+                        record = BlockRecord(block_id, None, None, None, 0)
+                    else:
+                        record = BlockRecord(block_id, rec[0], rec[1], rec[2], rec[3])
+                    records[block_id] = record
+                row.append(record)
             out.append(tuple(row))
         return tuple(out)
 
@@ -170,6 +178,7 @@ class BlockLedger:
         if end_tokens <= start_tokens:
             return unsafe
         filled = self._filled
+        records = self._records
         self._request_ids[request_index] = request_id
         for gid, manager in enumerate(self._managers):
             if gid in self._state_groups:
@@ -186,6 +195,7 @@ class BlockLedger:
             first = start_tokens // size
             for k, block in enumerate(table[first : (end_tokens - 1) // size + 1], first):
                 block_id = block.block_id
+                records.pop(block_id, None)  # written below (or null, never recorded)
                 rec = filled.get(block_id)
                 if (
                     block_id in cow
