@@ -449,7 +449,8 @@ def _run_shared(
 ) -> RunObservation:
     """:func:`run_any`, or, where ``variant`` runs ``scenario`` exactly as the
     installed vLLM does (:func:`differential.driver.runs_as_stock`: ``fixed``'s
-    dense cross-check of a drafter other than Gemma-4 MTP, for example), the
+    dense cross-check of a drafter other than Gemma-4 MTP, or its run of a
+    scenario vLLM gives no EAGLE drop, for example), the
     stock run another variant of the same comparison already made, under
     this variant's name."""
     from differential.driver import runs_as_stock
