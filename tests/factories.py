@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import resource
 import subprocess
@@ -155,11 +156,13 @@ def python_module(
             )
         except forkserver.Unservable:
             environment.pop(forkserver.ENV, None)
-
-    def limit() -> None:
-        if address_space_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (address_space_bytes, address_space_bytes))
-
+    limit = (
+        None
+        if address_space_bytes is None
+        else functools.partial(
+            resource.setrlimit, resource.RLIMIT_AS, (address_space_bytes, address_space_bytes)
+        )
+    )
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         capture_output=True,
@@ -169,7 +172,7 @@ def python_module(
         input=input,
         timeout=timeout,
         check=False,
-        preexec_fn=None if address_space_bytes is None else limit,
+        preexec_fn=limit,
     )
 
 
