@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 import subprocess
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 from differential.variants import parse_variants
 from fuzz.campaign import CampaignConfig, run_campaign
+from fuzz.target import FindingRaised, build_target
 from tests.factories import CORPORA, ROOT, kvfuzz_cli, python_module
 
 pytestmark = pytest.mark.vllm
@@ -84,22 +87,48 @@ def test_atheris_harness_on_fixed_exits_cleanly(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("crash-*"))
 
 
+def _crashing_input(variants: str, limit: int = 200) -> bytes:
+    """The first of 8192-byte inputs drawn from ``random.Random(0)``
+    whose scenario has a finding on ``variants`` that no known issue explains.
+
+    libFuzzer's own search is not reproducible across machines: it orders
+    equal-sized corpus files as the folder lists them, and every later
+    mutation follows from that order.
+    """
+    target = build_target(parse_variants(variants), dense_cross_check=False)
+    rng = random.Random(0)
+    for _ in range(limit):
+        buffer = rng.randbytes(8192)
+        try:
+            target.hypothesis.fuzz_one_input(buffer)
+        except FindingRaised:
+            return buffer
+    raise AssertionError(f"none of {limit} seeded inputs has a finding on {variants}")
+
+
 def test_atheris_crash_on_unfixed_converts_to_a_fallback(tmp_path: Path) -> None:
     pytest.importorskip("atheris")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    crashing = _crashing_input("unfixed")
+    (seeds / "seed").write_bytes(crashing)
     proc = _harness(
         "--variants",
         "unfixed",
         "--no-dense-check",
         str(corpus),
-        str(CORPORA),
-        "-runs=2000",
+        str(seeds),
+        "-runs=200",
         "-seed=1",
         f"-artifact_prefix={tmp_path}/",
     )
     crashes = list(tmp_path.glob("crash-*"))
     assert crashes, proc.stderr[-2000:]
+    # libFuzzer names the artefact by the input's SHA-1: the seed itself crashed.
+    assert [c.name for c in crashes] == [f"crash-{hashlib.sha1(crashing).hexdigest()}"]
+    assert crashes[0].read_bytes() == crashing
     out = tmp_path / "imported"
     converted = kvfuzz_cli(
         "import-crash", str(crashes[0]), "--variants", "unfixed", "--out", str(out)
