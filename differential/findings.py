@@ -65,6 +65,11 @@ class FindingKind(StrEnum):
     """A hit that is not a multiple of the hit alignment."""
     FALLBACK = "fallback"
     """A hit below the highest checkpoint the policy promises."""
+    PER_GROUP_HIT = "per-group-hit"
+    """A KV cache group looked up alone
+    (``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``, the local
+    hit a KV connector builds on) hits less than the reconciled hit every
+    group holds, or off the hit alignment (:mod:`differential.oracle.per_group`)."""
     VARIANT_REGRESSION = "variant-regression"
     """A variant carrying the fix hits less than one without it."""
     POOL_REGRESSION = "pool-regression"

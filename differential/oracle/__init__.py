@@ -11,6 +11,9 @@ KV cache group kind adds one module here:
 * :mod:`differential.oracle.state` -- the rules for state groups (Mamba):
   where a writer's states exist, what a sibling is owed, the one-unit rule on
   states.
+* :mod:`differential.oracle.per_group` -- each group's own hit
+  (``find_longest_cache_hit_per_group``) against the reconciled hit
+  (``per-group-hit``).
 * :mod:`differential.oracle.layout` -- what a layout costs before any manager
   runs (``alignment-blowup``: a hit alignment above every block size).
 

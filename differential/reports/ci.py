@@ -144,6 +144,7 @@ _LEVEL = {
     FindingKind.CRASH: "error",
     FindingKind.MISALIGNED: "error",
     FindingKind.FALLBACK: "error",
+    FindingKind.PER_GROUP_HIT: "warning",
     FindingKind.VARIANT_REGRESSION: "warning",
     FindingKind.POOL_REGRESSION: "warning",
     FindingKind.VARIANT_DRIFT: "warning",

@@ -368,3 +368,25 @@ def test_memoised_block_hashes_are_vllms_own(lookahead: int) -> None:
     before = dict(runner._HASHES)
     request("third", memoised)
     assert before == runner._HASHES  # answered from the memo
+
+
+def test_per_group_hits_come_from_the_coordinators_own_per_group_lookup() -> None:
+    from differential.corpus import load_entry
+    from differential.driver import run_variant
+    from differential.oracle import judge_run
+    from tests.factories import CORPORA
+
+    (unfixed,) = parse_variants("unfixed")
+    scenario = load_entry(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json").scenario
+    run = run_variant(scenario, unfixed)
+    # Request 1 falls back to 192 (the seed's bug): full attention alone would
+    # hit 248, the sliding window alone only 192. Every per-group hit is at
+    # least the reconciled one and on the 8-token grid, so only the fallback.
+    assert [r.hit_tokens for r in run.requests] == [0, 192, 248, 248]
+    assert [r.per_group_hit_tokens for r in run.requests] == [
+        (0, 0),
+        (248, 192),
+        (248, 248),
+        (248, 248),
+    ]
+    assert [f.kind.value for f in judge_run(scenario, run)[1]] == ["fallback"]

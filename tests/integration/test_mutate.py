@@ -87,6 +87,37 @@ def test_a_real_mutant_is_killed_and_an_equivalent_one_survives(tmp_path: Path) 
     assert run.score(MODULES[0].path) == 1.0 and run.score(MODULES[1].path) == 0.0
 
 
+# find_longest_cache_hit_per_group skipping every group: each group alone
+# then reports 0 tokens.
+PER_GROUP = "kv_cache_coordinator:ZeroIterationForLoop:20"
+
+
+def test_a_per_group_lookup_below_the_reconciled_hit_kills_its_mutant(tmp_path: Path) -> None:
+    root = installed_vllm()
+    pool = enumerate_mutants(root, MODULES[1:2], operators=["core/ZeroIterationForLoop"])
+    mutant = next(m for m in pool[MODULES[1].path] if m.ident == PER_GROUP)
+    assert mutant.function == "HybridKVCacheCoordinator.find_longest_cache_hit_per_group"
+    seed = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
+    run = run_mutation(
+        [mutant],
+        [(seed.name, load_entry(seed).scenario)],
+        vllm_root=root,
+        work=tmp_path,
+        seed=0,
+        generated={m: len(v) for m, v in pool.items()},
+        timeout_s=60.0,
+    )
+    (outcome,) = run.outcomes
+    assert "+        for spec, group_ids, manager_cls, use_eagle in []:" in outcome.diff
+    # Stock's per-group hits on the toy seed are (248, 192), (248, 248) and
+    # (248, 248) over reconciled hits 192, 248, 248 (no per-group-hit); the
+    # mutant's are all 0.
+    assert outcome.status is MutantStatus.KILLED
+    assert outcome.evidence == (
+        f"new finding(s) per-group-hit@1, per-group-hit@2, per-group-hit@3 on {seed.name}"
+    )
+
+
 def test_an_unmutated_tree_equals_stock_on_every_corpus_file_and_known_issue(
     tmp_path: Path,
 ) -> None:

@@ -488,3 +488,43 @@ def test_no_junction_is_promised_where_full_attention_skips_the_drop() -> None:
 )
 def test_fix_cost_line_is_signed(extra: tuple[int, ...], boundaries: int, line: str) -> None:
     assert FixCost("fixed", "unfixed", extra, boundaries).summary() == line
+
+
+def _per_group(hits: list[int], per_group: dict[int, tuple[int, int]]) -> RunObservation:
+    base = run(hits)
+    requests = tuple(
+        dataclasses.replace(r, per_group_hit_tokens=per_group.get(r.index, r.per_group_hit_tokens))
+        for r in base.requests
+    )
+    return dataclasses.replace(base, requests=requests)
+
+
+def test_a_group_alone_hitting_below_the_reconciled_hit_is_a_per_group_hit() -> None:
+    # Triton geometry, A = 32. Request 1's reconciled hit is 16352; the SWA
+    # group alone hitting 16320 (one unit lower) breaks "every group holds the
+    # reconciled prefix". Full attention alone hitting 16384, above it, is fine.
+    findings = judge_run(triton(), _per_group([0, 16352, 16352, 16352], {1: (16384, 16320)}))[1]
+    assert tags(findings) == ["per-group-hit@1"]
+    (f,) = findings
+    assert (f.expected_tokens, f.hit_tokens) == (16352, 16320)
+    assert f.detail.startswith("group 1 (sliding_window, block 16) looked up alone hits 16320")
+    assert judge_run(triton(), _per_group([0, 16352, 16352, 16352], {1: (16384, 16352)}))[1] == ()
+
+
+def test_a_misaligned_per_group_hit_is_a_per_group_hit() -> None:
+    # 16360 is above the reconciled 16352 but 8 tokens off the 32-token grid.
+    findings = judge_run(triton(), _per_group([0, 16352, 16352, 16352], {2: (16352, 16360)}))[1]
+    assert tags(findings) == ["per-group-hit@2"]
+    assert (findings[0].expected_tokens, findings[0].hit_tokens) == (16352, 16360)
+    assert "not a multiple of the hit alignment 32" in findings[0].detail
+
+
+def test_the_dense_cross_check_run_has_its_per_group_hits_judged() -> None:
+    # Dense run hits are the dense references (no dense-mismatch); only the
+    # per-group hit of request 3 is short.
+    dense = dataclasses.replace(
+        _per_group([0, 16352, 16352, 16352], {3: (0, 0)}), variant="v (dense)"
+    )
+    findings = cross_check_dense(triton(), dense)
+    assert tags(findings) == ["per-group-hit@3"]
+    assert findings[0].detail.startswith("dense cross-check run: group 0 (full_attention")
