@@ -170,7 +170,10 @@ def _scaled(s: Scenario, num: int, den: int) -> Scenario | None:
         )
     requests = tuple(
         dataclasses.replace(
-            r, divergence_tokens=f(r.divergence_tokens), suffix_tokens=f(r.suffix_tokens)
+            r,
+            divergence_tokens=f(r.divergence_tokens),
+            suffix_tokens=f(r.suffix_tokens),
+            rejoin_tokens=f(r.rejoin_tokens),
         )
         for r in s.requests
     )
@@ -253,7 +256,7 @@ def _retention(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
 
 
 def _numbers(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
-    used = max((r.divergence_tokens for r in s.requests if r.shares_with is None), default=0)
+    used = max((r.source_tokens for r in s.requests if r.shares_with is None), default=0)
     if used < s.shared_prefix_tokens:
         yield f"shared prefix {used}", _replace(s, shared_prefix_tokens=used)
     alignment = s.effective_hit_alignment_tokens
@@ -263,6 +266,12 @@ def _numbers(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
                 requests = list(s.requests)
                 requests[index] = dataclasses.replace(r, suffix_tokens=suffix)
                 yield f"request {index} suffix {suffix}", _replace(s, requests=tuple(requests))
+    for index, r in enumerate(s.requests):
+        for rejoin in sorted({0, r.rejoin_tokens // 2, r.rejoin_tokens - alignment}):
+            if 0 <= rejoin < r.rejoin_tokens:
+                requests = list(s.requests)
+                requests[index] = dataclasses.replace(r, rejoin_tokens=rejoin)
+                yield f"request {index} rejoin {rejoin}", _replace(s, requests=tuple(requests))
     for index, r in enumerate(s.requests):
         d = r.divergence_tokens
         for target in (d - d % alignment, d - d % alignment + alignment):

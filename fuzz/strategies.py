@@ -13,6 +13,7 @@ campaign and the atheris harness (through ``fuzz_one_input``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -428,6 +429,8 @@ def scenarios(
             "mamba_prefill": draw(st.sampled_from(_MAMBA_PREFILLS)),
             "enable_mamba_shared_prefix_checkpoint": draw(st.integers(0, 2)) == 0,
         }
+    # Drawn last, so that every draw above reads the bytes it read before.
+    requests = _rejoining(draw, requests, prefix, alignment)
     try:
         return Scenario(
             kv_cache_groups=groups,
@@ -444,6 +447,25 @@ def scenarios(
         )
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the scenario generator produced an invalid scenario: {exc}") from exc
+
+
+def _rejoining(
+    draw: st.DrawFn, requests: list[RequestSpec], prefix: int, alignment: int
+) -> list[RequestSpec]:
+    """The requests, one sibling with its own tokens in six rejoining its
+    source after them (``RequestSpec.rejoin_tokens``): to the source's end, a
+    multiple of the hit alignment, or any length that fits. ``prefix`` and
+    ``alignment`` in tokens."""
+    out: list[RequestSpec] = []
+    for index, r in enumerate(requests):
+        source = prefix if r.shares_with is None else out[r.shares_with].prompt_tokens
+        room = source - r.divergence_tokens - r.suffix_tokens
+        if index and r.suffix_tokens and room > 0 and draw(st.integers(0, 5)) == 0:
+            units = [k * alignment for k in range(1, 4) if k * alignment <= room] or [room]
+            rejoin = draw(st.one_of(st.just(room), st.sampled_from(units), st.integers(1, room)))
+            r = dataclasses.replace(r, rejoin_tokens=rejoin)
+        out.append(r)
+    return out
 
 
 def _fine_alignment(groups: tuple[KVCacheGroup, ...], hash_block: int) -> int:

@@ -248,6 +248,7 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
             r,
             divergence_tokens=r.divergence_tokens * factor,
             suffix_tokens=r.suffix_tokens * factor,
+            rejoin_tokens=r.rejoin_tokens * factor,
         )
         for r in scenario.requests
     )
@@ -378,6 +379,13 @@ def engine_plan(
         )
     if scenario.kv_connector:
         raise EngineUnsupported("a KV connector: engine mode configures none")
+    if scenario.workload.shares_output and any(
+        r.rejoin_tokens and r.shares_with is not None for r in scenario.requests
+    ):
+        raise EngineUnsupported(
+            "rejoin_tokens with workload.shares_output: the source's sampled tokens are "
+            "the engine's own, unknown when the plan is made"
+        )
     if scenario.enable_mamba_shared_prefix_checkpoint:
         raise EngineUnsupported("enable_mamba_shared_prefix_checkpoint: not mapped to the engine")
     drafter = scenario.drafter.kind
@@ -446,7 +454,8 @@ def engine_plan(
             {
                 "source": r.shares_with,
                 "divergence": r.divergence_tokens,
-                "own": list(prompts[i][len(prompts[i]) - r.suffix_tokens :])
+                # Its own tokens, then what it rejoins of its source.
+                "own": list(prompts[i][len(prompts[i]) - r.suffix_tokens - r.rejoin_tokens :])
                 if r.suffix_tokens
                 else [],
                 "arrival": None if arrival is None else arrival[i],

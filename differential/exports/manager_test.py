@@ -135,15 +135,17 @@ def {name}() -> None:
     )
     hasher = get_request_block_hasher({hash_block_size}, sha256, num_hash_lookahead)
 
-    # Requests share a prefix, then diverge into tokens of their own:
-    # (source request or None for the shared prefix, divergence point, own tokens).
+    # Requests share a prefix, then diverge into tokens of their own, then may
+    # rejoin their source at the same positions: (source request or None for
+    # the shared prefix, divergence point, own tokens, rejoined tokens).
     shapes = {shapes}
     prefix = [1 + p % 50000 for p in range({prefix_tokens})]
     prompts = []
-    for index, (source, divergence, own) in enumerate(shapes):
+    for index, (source, divergence, own, rejoin) in enumerate(shapes):
         base = prefix if source is None else prompts[source]
         own_base = 1_000_000 * (index + 1)
-        prompts.append(base[:divergence] + [own_base + k for k in range(own)])
+        rejoined = base[divergence + own : divergence + own + rejoin]
+        prompts.append(base[:divergence] + [own_base + k for k in range(own)] + rejoined)
 
     hits = []
     block_counts = []  # per request, blocks the lookup returned per KV cache group
@@ -506,7 +508,10 @@ def export_test(
         f"retention {scenario.retention_interval_tokens}; drafter {scenario.drafter.kind.value} "
         f"x{scenario.drafter.num_speculative_tokens}"
     )
-    shapes = [(r.shares_with, r.divergence_tokens, r.suffix_tokens) for r in scenario.requests]
+    shapes = [
+        (r.shares_with, r.divergence_tokens, r.suffix_tokens, r.rejoin_tokens)
+        for r in scenario.requests
+    ]
     decode = (
         f"        for step in range({scenario.decode_steps}):\n"
         "            request.append_output_token_ids(500_000_000 + 1_000 * index + step)\n"

@@ -128,7 +128,8 @@ class DrafterDocument(BaseModel):
 
 class RequestDocument(BaseModel):
     """One request: the first divergence_tokens tokens of its source, then
-    suffix_tokens tokens of its own that no other request contains."""
+    suffix_tokens tokens of its own that no other request contains, then
+    rejoin_tokens tokens of the source again, at the same positions."""
 
     model_config = _CONFIG
 
@@ -145,6 +146,14 @@ class RequestDocument(BaseModel):
     suffix_tokens: _Count = Field(
         description="The request's own tokens after the divergence point, in tokens."
     )
+    rejoin_tokens: _Count = Field(
+        default=0,
+        exclude_if=lambda v: v == 0,
+        description="Tokens of the source again after the request's own ones, at the same "
+        "positions (the source with a stretch in the middle replaced), in tokens; "
+        "divergence_tokens + suffix_tokens + rejoin_tokens at most the source's length. "
+        "Written only when not 0.",
+    )
 
     def value(self) -> RequestSpec:
         """The request as a value."""
@@ -153,6 +162,7 @@ class RequestDocument(BaseModel):
             suffix_tokens=self.suffix_tokens,
             shares_with=self.shares_with,
             name=self.name,
+            rejoin_tokens=self.rejoin_tokens,
         )
 
 

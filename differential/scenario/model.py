@@ -321,7 +321,7 @@ class Scenario:
         Only the part of the shared prefix some request copies is built: an
         unused prefix costs nothing (and is not counted against the limits).
         """
-        used = max((r.divergence_tokens for r in self.requests if r.shares_with is None), default=0)
+        used = max((r.source_tokens for r in self.requests if r.shares_with is None), default=0)
         prefix = tuple(1 + p % _PREFIX_TOKEN_MODULUS for p in range(used))
         prompts: list[tuple[int, ...]] = []
         for index, request in enumerate(self.requests):
@@ -330,7 +330,12 @@ class Scenario:
                 source = source + self.sampled_tokens(request.shares_with)
             own_base = _OWN_TOKEN_BASE + index * _OWN_TOKEN_STRIDE
             own = tuple(own_base + k for k in range(request.suffix_tokens))
-            prompts.append(source[: request.divergence_tokens] + own)
+            rejoin = request.divergence_tokens + request.suffix_tokens
+            prompts.append(
+                source[: request.divergence_tokens]
+                + own
+                + source[rejoin : rejoin + request.rejoin_tokens]
+            )
         return tuple(prompts)
 
     @property

@@ -182,7 +182,8 @@ def check_workload(s: Scenario) -> None:
 
 def check_requests(s: Scenario) -> None:
     """Each request copies from an earlier one (or the shared prefix), at
-    most its source's length, and has at least one token."""
+    most its source's length (a rejoining request reads its source up to
+    ``D + suffix + rejoin``), and has at least one token."""
     lengths: list[int] = []
     for i, request in enumerate(s.requests):
         where = f"requests[{i}]"
@@ -209,6 +210,20 @@ def check_requests(s: Scenario) -> None:
                 f"{where}.divergence_tokens",
                 request.divergence_tokens,
                 f"0..{source_len} ({source})",
+            )
+        if request.rejoin_tokens and not request.suffix_tokens:
+            raise ScenarioError(
+                f"{where}.rejoin_tokens",
+                request.rejoin_tokens,
+                "0 when suffix_tokens is 0 (a request rejoins its source after its own tokens)",
+            )
+        if request.rejoin_tokens and request.source_tokens > source_len:
+            raise ScenarioError(
+                f"{where}.rejoin_tokens",
+                request.rejoin_tokens,
+                f"0..{max(0, source_len - request.divergence_tokens - request.suffix_tokens)} "
+                f"(divergence_tokens + suffix_tokens + rejoin_tokens at most {source}, "
+                f"{source_len})",
             )
         if request.prompt_tokens < 1:
             raise ScenarioError(

@@ -19,7 +19,13 @@ class RequestSpec:
     The request's prompt is the first ``divergence_tokens`` tokens of its
     source (the scenario's shared prefix, or the prompt of the earlier request
     ``shares_with``) followed by ``suffix_tokens`` tokens of its own, which no
-    other request contains.
+    other request contains, then, when ``rejoin_tokens`` is set, the source's
+    own tokens again at the same positions: the source's ``[D + suffix, D +
+    suffix + rejoin)``. Such a prompt is the source with a stretch in the
+    middle replaced (one edited paragraph, another retrieved document before
+    the same question); it shares only its first ``D`` tokens with the
+    source, since vLLM chains each block's hash to its parent's
+    (``vllm/v1/core/kv_cache_utils.py`` ``hash_block_tokens``).
 
     Attributes:
         divergence_tokens: tokens copied from the source, i.e. the divergence
@@ -28,17 +34,26 @@ class RequestSpec:
         shares_with: index of an earlier request to copy from, or ``None`` for
             the shared prefix.
         name: optional label used in reports.
+        rejoin_tokens: tokens copied from the source again after the
+            request's own ones, at the same positions (0: none).
     """
 
     divergence_tokens: int
     suffix_tokens: int
     shares_with: int | None = None
     name: str | None = None
+    rejoin_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
         """Prompt length ``L`` in tokens."""
-        return self.divergence_tokens + self.suffix_tokens
+        return self.divergence_tokens + self.suffix_tokens + self.rejoin_tokens
+
+    @property
+    def source_tokens(self) -> int:
+        """How far into its source the request reads, in tokens: ``D``, or
+        ``D + suffix + rejoin`` when it rejoins."""
+        return self.prompt_tokens if self.rejoin_tokens else self.divergence_tokens
 
 
 class DriveMode(StrEnum):

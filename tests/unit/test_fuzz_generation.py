@@ -66,6 +66,22 @@ def test_generator_places_divergence_right_after_a_checkpoint() -> None:
     assert after_checkpoint(_find(after_checkpoint))
 
 
+@pytest.mark.parametrize("kind", [GroupKind.SLIDING_WINDOW, GroupKind.MAMBA])
+def test_generator_reaches_a_rejoining_sibling_on_a_model_without_full_attention(
+    kind: GroupKind,
+) -> None:
+    # Without a full-attention group nothing stops a lookup at the edit but
+    # the chained block hashes: the layouts where a rejoin has teeth.
+    found = _find(
+        lambda s: (
+            [g.kind for g in s.kv_cache_groups] == [kind]
+            and any(r.rejoin_tokens for r in s.requests)
+        )
+    )
+    edited = next(r for r in found.requests if r.rejoin_tokens)
+    assert edited.suffix_tokens > 0 and found.prompts[found.requests.index(edited)]
+
+
 def test_generator_covers_every_drafter() -> None:
     for kind in DrafterKind:
         assert _find(lambda s, k=kind: s.drafter.kind is k).drafter.kind is kind

@@ -71,6 +71,36 @@ def test_prompts_share_exactly_the_declared_prefix() -> None:
     assert p[3] == p[0][:64]
 
 
+def test_a_rejoining_request_is_its_source_with_a_stretch_replaced() -> None:
+    scenario = hybrid(
+        8,
+        4,
+        16,
+        prefix=64,
+        requests=(
+            RequestSpec(64, 10),
+            RequestSpec(16, 8, rejoin_tokens=40),
+            RequestSpec(20, 4, shares_with=1, rejoin_tokens=40),
+        ),
+        retention=None,
+    )
+    p = scenario.prompts
+    assert [len(x) for x in p] == [74, 64, 64]
+    # Request 1: the prefix's [0, 16), 8 tokens of its own, the prefix's [24, 64).
+    assert p[1][:16] == p[0][:16] and p[1][24:] == p[0][24:64]
+    assert not set(p[1][16:24]) & set(p[0])
+    assert common_prefix_tokens(p[0], p[1]) == 16
+    # Request 2 edits request 1's [20, 24), its own tokens, and rejoins them.
+    assert common_prefix_tokens(p[1], p[2]) == 20 and p[2][24:] == p[1][24:]
+    assert common_prefix_tokens(p[0], p[2]) == 16
+    assert scenario.requests[1].source_tokens == 64
+    # Written only when set; round trips.
+    data = scenario.to_dict()
+    assert "rejoin_tokens" not in data["requests"][0]
+    assert data["requests"][1]["rejoin_tokens"] == 40
+    assert Scenario.from_dict(data) == scenario
+
+
 def _bad(field: str, **changes: object) -> None:
     data = triton().to_dict()
     for key, value in changes.items():
@@ -124,6 +154,28 @@ def test_unknown_drafter_names_the_allowed_values() -> None:
             {"requests": [{"divergence_tokens": 1, "suffix_tokens": 1, "shares_with": 0}]},
         ),
         ("kv_connector", {"kv_connector": "yes"}),
+        (
+            "requests[1].rejoin_tokens",
+            {
+                "requests": [
+                    {"divergence_tokens": 16384, "suffix_tokens": 64},
+                    {"divergence_tokens": 8192, "suffix_tokens": 64, "rejoin_tokens": 8129},
+                ]
+            },
+        ),
+        (
+            "requests[1].rejoin_tokens",
+            {
+                "requests": [
+                    {"divergence_tokens": 16384, "suffix_tokens": 64},
+                    {"divergence_tokens": 8192, "suffix_tokens": 0, "rejoin_tokens": 64},
+                ]
+            },
+        ),
+        (
+            "requests[0].rejoin_tokens",
+            {"requests": [{"divergence_tokens": 1, "suffix_tokens": 1, "rejoin_tokens": -1}]},
+        ),
     ],
 )
 def test_invalid_fields_are_named(field: str, changes: dict[str, object]) -> None:
