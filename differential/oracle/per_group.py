@@ -34,10 +34,26 @@ every group, which this check passes. Nothing here imports vLLM.
 from __future__ import annotations
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.observation import RunObservation
+from differential.observation import RequestObservation, RunObservation
 from differential.scenario import Scenario
 
-__all__ = ["per_group_findings"]
+__all__ = ["per_group_findings", "wrong_per_group_hit"]
+
+
+def wrong_per_group_hit(request: RequestObservation, alignment: int) -> tuple[int, int] | None:
+    """The first group whose own hit breaks the rule for ``request``, as
+    ``(group index, its hit in tokens)``, or ``None``.
+
+    Args:
+        request: one request's observation (``per_group_hit_tokens``, ``hit_tokens``).
+        alignment: the hit alignment ``A``, in tokens.
+    """
+    for gid, hit in enumerate(request.per_group_hit_tokens):
+        # A per-group hit equal to a misaligned reconciled hit is that hit's
+        # own ``misaligned`` finding, not a second one.
+        if hit < request.hit_tokens or (hit % alignment and hit != request.hit_tokens):
+            return gid, hit
+    return None
 
 
 def per_group_findings(
@@ -59,16 +75,10 @@ def per_group_findings(
     alignment = scenario.effective_hit_alignment_tokens
     findings = []
     for r in run.requests:
-        wrong = [
-            (gid, hit)
-            for gid, hit in enumerate(r.per_group_hit_tokens)
-            # A per-group hit equal to a misaligned reconciled hit is that
-            # hit's own ``misaligned`` finding, not a second one.
-            if hit < r.hit_tokens or (hit % alignment and hit != r.hit_tokens)
-        ]
-        if not wrong:
+        wrong = wrong_per_group_hit(r, alignment)
+        if wrong is None:
             continue
-        gid, hit = wrong[0]
+        gid, hit = wrong
         group = scenario.kv_cache_groups[gid]
         why = (
             f"below the reconciled hit {r.hit_tokens} every group holds"

@@ -73,6 +73,7 @@ from differential.errors import ScenarioError
 from differential.findings import SEVERITY, Finding, FindingKind, Policy
 from differential.observation import GroupLookup, RequestObservation, RunObservation
 from differential.oracle import DrafterModel, drafter_model, judge_run, replay_boundaries
+from differential.oracle.per_group import wrong_per_group_hit
 from differential.scenario import Drafter, DrafterKind, GroupKind, Scenario
 from differential.triage.known import label_known
 
@@ -532,6 +533,19 @@ def _other_cause(scenario: Scenario, vr: VariantResult, finding: Finding) -> Roo
         return RootCause(finding.kind.value, known_issue=finding.known_issue)
     if finding.kind is FindingKind.CRASH:
         return RootCause("crash", detail=_crash_detail(finding))
+    if finding.kind is FindingKind.PER_GROUP_HIT and request is not None:
+        # One cause per manager family whose own lookup came up short, in the
+        # judged run or else the dense cross-check run (whichever has it).
+        wrong = None
+        for run in (vr.run, vr.dense_run):
+            if wrong is None and run is not None and request < len(run.requests):
+                wrong = wrong_per_group_hit(
+                    run.requests[request], scenario.effective_hit_alignment_tokens
+                )
+        if wrong is None:
+            return RootCause("per-group-hit", group_kind="untraced")
+        kind = manager_family(scenario.kv_cache_groups[wrong[0]].kind).value
+        return RootCause("per-group-hit", group_kind=kind)
     if finding.kind is FindingKind.OVER_HIT and request is not None:
         call = None
         if request < len(vr.run.requests):

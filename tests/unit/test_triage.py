@@ -422,3 +422,24 @@ def test_report_md_summarises_long_coverage_tables() -> None:
     assert table[2:4] == ["| mix-006 | 7 |", "| mix-013 | 7 |"]
     rest = sum(n for _, n in mixes) - 10 * 7
     assert table[-1] == (f"| ... 421 more (the full counts: `coverage` in summary.json) | {rest} |")
+
+
+def test_a_per_group_hit_is_named_after_the_group_that_came_up_short() -> None:
+    from differential.oracle import judge_run
+
+    variants = {v.name: v for v in parse_variants("unfixed")}
+    scenario = triton()
+    short = dataclasses.replace(_request(1, 16352), per_group_hit_tokens=(16352, 16320))
+    run = _run("unfixed", _request(0, 0), short, _request(2, 16352), _request(3, 16352))
+    _, findings = judge_run(scenario, run)
+    assert [(f.kind, f.request) for f in findings] == [(FindingKind.PER_GROUP_HIT, 1)]
+    result = ScenarioResult(
+        scenario,
+        None,
+        Policy.VLLM,
+        (VariantResult(variants["unfixed"], run, None, (), findings),),
+    )
+    (triaged,) = triage(result)
+    # Group 1 is the sliding window: its manager's lookup is the one named.
+    assert triaged.root_cause == RootCause("per-group-hit", group_kind="sliding_window")
+    assert triaged.root_cause.text == "per-group-hit | SlidingWindowManager.find_longest_cache_hit"
