@@ -7,11 +7,12 @@ its own; ``KVCacheManager.get_computed_blocks_for_connector``
 hit to a KV connector as the local prefix it builds on (vLLM PR #44243), and
 takes the reconciled hit when a group lags (vLLM PR #48425, for issue
 #46453). The reconciled hit (``find_longest_cache_hit``, what
-``get_computed_blocks`` returns) is a prefix every group holds: PR #48425
-calls it "the reconciled boundary that every group agrees on", and the
-coordinator reads the groups' parting as "an attention group cached a longer
-prefix than the reconciled hit", never a shorter one. So for every request
-and every group ``g``:
+``get_computed_blocks`` returns) is a prefix every group holds: vLLM 0.33.0's
+``get_computed_blocks_for_connector`` calls it "the reconciled boundary that
+every group agrees on", and its coordinator reads the groups' parting only
+as "any attn. group cached a longer prefix than the reconciled hit"
+(``HybridKVCacheCoordinator.find_longest_cache_hit``), never a shorter one.
+So for every request and every group ``g``:
 
     per-group hit of ``g`` (tokens) >= the reconciled hit (tokens)
 
