@@ -656,8 +656,11 @@ def judge_variant(
     else:
         refs, findings = judge_run(judged, run, policy)
     dense_run = None
+    # The dense reference compares prompts; a request that copies an earlier
+    # one's answer (shares_output) reuses decoded blocks it does not model, in
+    # either mode, so such a run has no dense cross-check.
     sequential = scenario.workload.sequential and not scenario.workload.shares_output
-    if dense_cross_check and (not engine or sequential):
+    if dense_cross_check and sequential:
         if scenario.retention_interval_tokens is None:
             findings += cross_check_dense(judged, run)
         else:
