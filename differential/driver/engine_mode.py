@@ -437,11 +437,10 @@ def engine_plan(
         engine["drafter"] = None
     if engine["max_num_batched_tokens"] < engine["max_num_seqs"]:
         engine["max_num_seqs"] = engine["max_num_batched_tokens"]
-    salt, prompts = _mapped_prompts(
-        dataclasses.replace(
-            scenario, workload=dataclasses.replace(scenario.workload, shares_output=False)
-        )
-    )
+    # A request that copies its source's answer (shares_output) gets the
+    # engine's own sampled tokens from the worker; only its own tokens come
+    # from here, so kvfuzz's stand-in answers in these prompts are never sent.
+    salt, prompts = _mapped_prompts(scenario)
     longest = max(len(p) for p in prompts) + scenario.decode_steps + 1
     if scenario.workload.shares_output:
         longest = sum(len(p) for p in prompts) + len(prompts) * (scenario.decode_steps + 1)

@@ -1,0 +1,38 @@
+"""Engine mode's plans (``differential.driver.engine_mode.engine_plan``): what the
+worker is told to send, checked without the engine."""
+
+from __future__ import annotations
+
+from differential.corpus import load_entry
+from differential.driver.engine_mode import engine_plan
+from tests.factories import CORPORA
+
+
+def test_a_turn_copying_the_previous_answer_is_planned_from_the_engines_own_answer() -> None:
+    # Turn 2 copies turn 1's 80-token prompt and its 41 sampled tokens, then
+    # 16 of its own: the worker appends the engine's real answer, so the plan
+    # carries only the 16 own tokens after a 121-token divergence.
+    scenario = load_entry(CORPORA / "cases" / "multi-turn-decoded-blocks.json").scenario
+    plan = engine_plan(scenario)
+    assert plan["shares_output"] is True
+    first, second = plan["requests"]
+    assert (first["source"], first["divergence"], len(first["own"])) == (None, 64, 16)
+    assert (second["source"], second["divergence"], len(second["own"])) == (0, 121, 16)
+    assert second["max_tokens"] == 41
+    assert plan["prefix"][:64] == plan["prefix"] and len(plan["prefix"]) == 64
+
+
+def test_a_rejoining_request_sends_its_own_tokens_then_the_sources_again() -> None:
+    scenario = load_entry(CORPORA / "cases" / "rejoin-swa-only.json").scenario
+    plan = engine_plan(scenario)
+    writer, edited, again = plan["requests"]
+    assert (writer["divergence"], len(writer["own"])) == (512, 32)
+    # The edited sibling: the prefix's first 128 tokens, 64 of its own, then
+    # the prefix's tokens 192 to 512 again.
+    assert (edited["divergence"], len(edited["own"])) == (128, 64 + 320)
+    assert edited["own"][64:] == plan["prefix"][192:512]
+    # A 1024-token vocabulary repeats tokens; what must differ is the first
+    # token after the divergence point.
+    assert edited["own"][0] != plan["prefix"][128]
+    # The second edit rejoins the first sibling's prompt.
+    assert (again["source"], again["divergence"], len(again["own"])) == (1, 256, 32 + 224)
