@@ -454,9 +454,7 @@ def engine_plan(
                 "source": r.shares_with,
                 "divergence": r.divergence_tokens,
                 # Its own tokens, then what it rejoins of its source.
-                "own": list(prompts[i][len(prompts[i]) - r.suffix_tokens - r.rejoin_tokens :])
-                if r.suffix_tokens
-                else [],
+                "own": list(prompts[i][r.divergence_tokens :]),
                 "arrival": None if arrival is None else arrival[i],
                 "max_tokens": scenario.decode_steps + 1,
             }
