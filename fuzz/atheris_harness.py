@@ -8,8 +8,11 @@ managers, the coordinator, the block pool, the scheduler) and kvfuzz's own
 modules are instrumented for coverage: nothing of them is imported before
 ``atheris.instrument_imports``, and the instrumented modules are listed on
 stderr before fuzzing starts. atheris instruments by top-level package, so
-the rest of vLLM the driver imports (its config code, which resolves the
-drafter settings on every run) is instrumented too. A finding raises, so
+the rest of vLLM that the driver imports inside that block (``vllm.v1.request``,
+``vllm.sampling_params``, ...) is instrumented too; vLLM's config, multimodal
+and distributed packages, which do not import ``vllm.v1.core``, are imported
+before it (:data:`PRE_IMPORTED`), which halves the start-up (19 s instead of
+46 s on 2 cores). A finding raises, so
 libFuzzer saves the input as ``crash-<sha1>`` and stops; ``kvfuzz
 import-crash`` turns it into a scenario file that ``kvfuzz replay`` reproduces.
 
@@ -28,10 +31,40 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["INSTRUMENTED", "main"]
+__all__ = ["INSTRUMENTED", "PRE_IMPORTED", "main"]
 
 # Module prefixes atheris instruments for coverage feedback.
 INSTRUMENTED = ("vllm.v1.core", "differential", "fuzz")
+# Imported before instrumenting: half of the vLLM modules the driver needs,
+# none of them importing vllm.v1.core (checked at start-up, see main), so
+# atheris need not rewrite them.
+PRE_IMPORTED = ("vllm.config", "vllm.multimodal", "vllm.distributed", "vllm.v1.kv_cache_interface")
+
+
+def _pre_import() -> None:
+    """Import :data:`PRE_IMPORTED`, uninstrumented.
+
+    Raises:
+        SystemExit: (exit 3) one of them imported a module under
+            :data:`INSTRUMENTED` (a vLLM that does would hide it from coverage).
+    """
+    import importlib
+
+    before = set(sys.modules)
+    for name in PRE_IMPORTED:
+        importlib.import_module(name)
+    early = sorted(
+        name
+        for name in set(sys.modules) - before
+        if any(name == p or name.startswith(p + ".") for p in INSTRUMENTED)
+    )
+    if early:
+        print(
+            f"kvfuzz: error: pre-importing {', '.join(PRE_IMPORTED)} imported "
+            f"{', '.join(early)}, which would then not be instrumented",
+            file=sys.stderr,
+        )
+        sys.exit(3)
 
 
 def _prepare_folders(libfuzzer_args: Sequence[str]) -> None:
@@ -82,9 +115,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("kvfuzz: error: atheris is not installed: pip install atheris", file=sys.stderr)
         sys.exit(2)
     _prepare_folders(libfuzzer_args)
+    _pre_import()
 
-    # Nothing of vLLM or kvfuzz is imported before this block (only the empty
-    # `fuzz` package): every module under INSTRUMENTED is instrumented on import.
+    # Nothing under INSTRUMENTED is imported before this block (only the empty
+    # `fuzz` package): every module under it is instrumented on import.
     before = set(sys.modules)
     with atheris.instrument_imports(include=list(INSTRUMENTED)):
         # The driver imports vLLM lazily; import the modules under test here.
