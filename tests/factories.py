@@ -8,7 +8,7 @@ import os
 import resource
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from differential import forkserver
@@ -74,6 +74,20 @@ def triton(
 FORKSERVER_SWITCH = "KVFUZZ_TEST_FORKSERVER"
 _server: forkserver.ForkServer | None = None
 _server_failed = False
+
+
+def still_alive(pids: Iterable[int], alive: Callable[[int], bool], within_s: float) -> list[int]:
+    """The processes of ``pids`` still alive after ``within_s`` seconds: polled
+    every 0.1 s, returning as soon as none is (a fixed sleep would idle a core)."""
+    import time
+
+    pending = list(pids)
+    deadline = time.monotonic() + within_s
+    while True:
+        pending = [pid for pid in pending if alive(pid)]
+        if not pending or time.monotonic() >= deadline:
+            return pending
+        time.sleep(0.1)
 
 
 def dead_pid() -> int:

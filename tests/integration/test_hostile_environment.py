@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA, ROOT, python_module
+from tests.factories import CORPORA, ROOT, python_module, still_alive
 
 pytestmark = pytest.mark.vllm
 
@@ -234,8 +234,7 @@ def test_a_tree_worker_in_a_hung_scenario_dies_with_its_replay(tmp_path: Path, s
             time.sleep(0.5)
         os.kill(parent.pid, signum)
         _, stderr = parent.communicate(timeout=30)
-        time.sleep(5)
-        assert not [pid for pid in workers if _alive(pid)], "a tree worker outlived its replay"
+        assert not still_alive(workers, _alive, 5.0), "a tree worker outlived its replay"
     finally:
         for pid in workers:
             if _alive(pid):

@@ -28,7 +28,7 @@ from differential.variants import parse_variants
 from fuzz.campaign import Campaign, CampaignConfig, finding_document
 from fuzz.lifetime import stop_on_signals
 from fuzz.signature import signature_of
-from tests.factories import CORPORA, ROOT, kvfuzz_cli, python_module
+from tests.factories import CORPORA, ROOT, kvfuzz_cli, python_module, still_alive
 
 pytestmark = pytest.mark.vllm
 
@@ -156,8 +156,8 @@ def test_signal_stops_every_worker_and_keeps_the_reports(
         os.kill(parent.pid, signum)
         killed = time.monotonic()
         stdout, stderr = parent.communicate(timeout=30)
-        time.sleep(max(0.0, killed + 5.0 - time.monotonic()))
-        assert not [pid for pid in started if _alive(pid)], "processes outlived the campaign"
+        within = max(0.0, killed + 5.0 - time.monotonic())
+        assert not still_alive(started, _alive, within), "processes outlived the campaign"
     finally:
         for pid in [parent.pid, *started]:
             if _alive(pid):
