@@ -1,5 +1,6 @@
 """Skip (or, under KVFUZZ_REQUIRE_VLLM=1, refuse) vLLM tests without vLLM, and
-engine tests without the engine environment (KVFUZZ_REQUIRE_ENGINE=1 refuses)."""
+engine tests without the engine environment (KVFUZZ_REQUIRE_ENGINE=1 refuses);
+the ``forked_tree_workers`` fixture."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import importlib.util
 import os
 
 import pytest
+
+from differential import forkserver
+from tests.factories import forkserver_address
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -20,6 +24,18 @@ def _engine_missing() -> str | None:
     except EngineUnavailable as exc:
         return str(exc)
     return None
+
+
+@pytest.fixture
+def forked_tree_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tree workers started in this test process are forked from the tests'
+    fork server (``KVFUZZ_FORKSERVER``), as the command line's are under
+    ``kvfuzz_cli`` and as ``kvfuzz mutate`` forks its own: about 1 CPU-second
+    a worker instead of 7. Tests without it start fresh interpreters
+    (test_releases' in-process runs, the hostile-environment tests)."""
+    address = forkserver_address()
+    if address is not None:
+        monkeypatch.setenv(forkserver.ENV, address)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

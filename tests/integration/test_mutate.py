@@ -29,7 +29,8 @@ from differential.variants.mutation import (
 from tests.factories import CORPORA, ROOT, kvfuzz_cli
 from tests.trees import SEED_FIX, SPECULATIVE
 
-pytestmark = pytest.mark.vllm
+# Mutant workers forked from the tests' fork server, as `kvfuzz mutate` forks them.
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("forked_tree_workers")]
 
 # Identities in vLLM 0.33.0 (module stem:operator:occurrence); each test also
 # checks the diff, so a different vLLM fails loudly rather than testing another

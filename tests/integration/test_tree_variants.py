@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from differential import forkserver
 from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
 from differential.errors import InternalError, VariantError
 from differential.variants import parse_variants
 from differential.variants.tree import _WORKERS, resolve_tree, run_tree, shutdown_workers
-from tests.factories import CORPORA, forkserver_address, kvfuzz_cli, triton
+from tests.factories import CORPORA, kvfuzz_cli, triton
 from tests.trees import (
     BANNER,
     BROKEN_MASK,
@@ -29,18 +28,9 @@ from tests.trees import (
     make_tree,
 )
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("forked_tree_workers")]
 
 SEEDS = sorted((CORPORA / "seeds").glob("*.json"))
-
-
-@pytest.fixture(autouse=True)
-def _forked_tree_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tree workers forked from the tests' fork server, as the command line's
-    are under ``kvfuzz_cli`` (fresh interpreters: test_releases, test_mutate)."""
-    address = forkserver_address()
-    if address is not None:
-        monkeypatch.setenv(forkserver.ENV, address)
 
 
 @pytest.fixture(scope="module")
