@@ -49,3 +49,20 @@ def test_a_pre_import_that_leaves_instrumented_modules_alone_returns(
         assert "kvfuzz_probe_core" not in sys.modules
     finally:
         sys.modules.pop("kvfuzz_probe_other", None)
+
+
+def test_a_pre_import_a_vllm_lacks_is_left_to_the_instrumented_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _package(tmp_path, "kvfuzz_probe_present", "")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(atheris_harness, "INSTRUMENTED", ("kvfuzz_probe_core",))
+    monkeypatch.setattr(
+        atheris_harness, "PRE_IMPORTED", ("kvfuzz_probe_absent", "kvfuzz_probe_present")
+    )
+    try:
+        atheris_harness._pre_import()
+        assert "kvfuzz_probe_present" in sys.modules
+        assert "kvfuzz_probe_absent" not in sys.modules
+    finally:
+        sys.modules.pop("kvfuzz_probe_present", None)
