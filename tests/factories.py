@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from differential import forkserver
 from differential.scenario import (
@@ -20,6 +21,9 @@ from differential.scenario import (
     RequestSpec,
     Scenario,
 )
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPORA = ROOT / "corpora"
@@ -74,6 +78,37 @@ def triton(
 FORKSERVER_SWITCH = "KVFUZZ_TEST_FORKSERVER"
 _server: forkserver.ForkServer | None = None
 _server_failed = False
+
+
+def reach(
+    condition: Callable[[Scenario], bool], strategy: SearchStrategy[Scenario] | None = None
+) -> Scenario:
+    """An example of ``strategy`` (a Hypothesis strategy of scenarios; default
+    :func:`fuzz.strategies.scenarios`) meeting ``condition``, as a reach test
+    asks: does the generator reach this layout at all?
+
+    The same search every run (derandomized, no example database), of at most
+    3,000 examples, and without shrinking: a reach test needs an example, not
+    the smallest, and shrinking was most of its time.
+
+    Raises:
+        hypothesis.errors.NoSuchExample: no example met ``condition``.
+    """
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    from fuzz.strategies import scenarios
+
+    return find(
+        scenarios() if strategy is None else strategy,
+        condition,
+        settings=settings(
+            max_examples=3000,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+            derandomize=True,
+            phases=(Phase.generate,),
+        ),
+    )
 
 
 def still_alive(pids: Iterable[int], alive: Callable[[int], bool], within_s: float) -> list[int]:

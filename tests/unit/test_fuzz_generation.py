@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import HealthCheck, given, settings
 
 from differential.findings import Finding, FindingKind
 from differential.scenario import DrafterKind, GroupKind, Scenario
 from fuzz.signature import signature_of
 from fuzz.strategies import scenarios
-from tests.factories import triton
+from tests.factories import reach, triton
 
 
 @settings(max_examples=150, suppress_health_check=list(HealthCheck), deadline=None)
@@ -19,22 +19,8 @@ def test_generated_scenarios_are_valid_and_round_trip(scenario: Scenario) -> Non
     assert scenario.requests[0].divergence_tokens == scenario.shared_prefix_tokens
 
 
-def _find(condition, strategy=None) -> Scenario:
-    return find(
-        scenarios() if strategy is None else strategy,
-        condition,
-        settings=settings(
-            max_examples=3000,
-            suppress_health_check=list(HealthCheck),
-            database=None,
-            derandomize=True,  # the same search every run: a reach test must not flake
-            phases=(Phase.generate,),  # a reach test needs an example, not the smallest
-        ),
-    )
-
-
 def test_generator_reaches_real_geometries() -> None:
-    real = _find(
+    real = reach(
         lambda s: (
             bool(s.sliding_window_groups)
             and s.sliding_window_groups[0].block_size_tokens == 64
@@ -48,7 +34,7 @@ def test_generator_reaches_real_geometries() -> None:
 
 @pytest.mark.parametrize("kind", [GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW])
 def test_generator_reaches_single_group_models(kind: GroupKind) -> None:
-    single = _find(lambda s: [g.kind for g in s.kv_cache_groups] == [kind])
+    single = reach(lambda s: [g.kind for g in s.kv_cache_groups] == [kind])
     assert len(single.kv_cache_groups) == 1
 
 
@@ -64,7 +50,7 @@ def test_generator_places_divergence_right_after_a_checkpoint() -> None:
             )
         )
 
-    assert after_checkpoint(_find(after_checkpoint))
+    assert after_checkpoint(reach(after_checkpoint))
 
 
 @pytest.mark.parametrize("kind", [GroupKind.SLIDING_WINDOW, GroupKind.MAMBA])
@@ -73,7 +59,7 @@ def test_generator_reaches_a_rejoining_sibling_on_a_model_without_full_attention
 ) -> None:
     # Without a full-attention group nothing stops a lookup at the edit but
     # the chained block hashes: the layouts where a rejoin has teeth.
-    found = _find(
+    found = reach(
         lambda s: (
             [g.kind for g in s.kv_cache_groups] == [kind]
             and any(r.rejoin_tokens for r in s.requests)
@@ -85,7 +71,7 @@ def test_generator_reaches_a_rejoining_sibling_on_a_model_without_full_attention
 
 def test_generator_covers_every_drafter() -> None:
     for kind in DrafterKind:
-        assert _find(lambda s, k=kind: s.drafter.kind is k).drafter.kind is kind
+        assert reach(lambda s, k=kind: s.drafter.kind is k).drafter.kind is kind
 
 
 def test_signature_of_the_triton_fallback() -> None:

@@ -29,7 +29,7 @@ from differential.scenario import (
     RequestSpec,
     Scenario,
 )
-from tests.factories import ROOT
+from tests.factories import ROOT, reach
 
 FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
 EAGLE = Drafter(DrafterKind.EAGLE, 1)
@@ -303,22 +303,10 @@ def test_pr57444_label_matches_its_mechanism_and_rejects_near_misses() -> None:
 
 
 def test_generator_reaches_mamba_hybrids() -> None:
-    from hypothesis import HealthCheck, Phase, find, settings
-
     from fuzz.strategies import scenarios
 
     def found(condition, kinds=frozenset(), scale=None) -> Scenario:
-        return find(
-            scenarios(scale=scale, kinds=kinds),
-            condition,
-            settings=settings(
-                max_examples=3000,
-                suppress_health_check=list(HealthCheck),
-                database=None,
-                derandomize=True,  # the same search every run: a reach test must not flake
-                phases=(Phase.generate,),  # a reach test needs an example, not the smallest
-            ),
-        )
+        return reach(condition, scenarios(scale=scale, kinds=kinds))
 
     several = found(lambda s: len(s.mamba_groups) >= 2 and s.partial_hash_hits)
     assert several.effective_hit_alignment_tokens < several.mamba_groups[0].block_size_tokens
