@@ -111,9 +111,20 @@ def reach(
     )
 
 
-def still_alive(pids: Iterable[int], alive: Callable[[int], bool], within_s: float) -> list[int]:
-    """The processes of ``pids`` still alive after ``within_s`` seconds: polled
-    every 0.1 s, returning as soon as none is (a fixed sleep would idle a core)."""
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does
+    not), from ``/proc`` (Linux)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def still_alive(pids: Iterable[int], within_s: float) -> list[int]:
+    """The processes of ``pids`` still :func:`alive` after ``within_s`` seconds:
+    polled every 0.1 s, returning as soon as none is (a fixed sleep would idle
+    a core)."""
     import time
 
     pending = list(pids)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA, ROOT, python_module, still_alive
+from tests.factories import CORPORA, ROOT, alive, python_module, still_alive
 
 pytestmark = pytest.mark.vllm
 
@@ -176,14 +176,6 @@ def _workers_of(parent: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _cpu_ticks(pid: int) -> int:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -234,10 +226,10 @@ def test_a_tree_worker_in_a_hung_scenario_dies_with_its_replay(tmp_path: Path, s
             time.sleep(0.5)
         os.kill(parent.pid, signum)
         _, stderr = parent.communicate(timeout=30)
-        assert not still_alive(workers, _alive, 5.0), "a tree worker outlived its replay"
+        assert not still_alive(workers, 5.0), "a tree worker outlived its replay"
     finally:
         for pid in workers:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         if parent.poll() is None:
             parent.kill()

@@ -28,7 +28,7 @@ from differential.variants import parse_variants
 from fuzz.campaign import Campaign, CampaignConfig, finding_document
 from fuzz.lifetime import stop_on_signals
 from fuzz.signature import signature_of
-from tests.factories import CORPORA, ROOT, kvfuzz_cli, python_module, still_alive
+from tests.factories import CORPORA, ROOT, alive, kvfuzz_cli, python_module, still_alive
 
 pytestmark = pytest.mark.vllm
 
@@ -46,14 +46,6 @@ def _children(pid: int) -> set[int]:
         if int(fields[1]) == pid:
             found.add(int(stat.parent.name))
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _spawned(pid: int, generation: int) -> set[int]:
@@ -157,10 +149,10 @@ def test_signal_stops_every_worker_and_keeps_the_reports(
         killed = time.monotonic()
         stdout, stderr = parent.communicate(timeout=30)
         within = max(0.0, killed + 5.0 - time.monotonic())
-        assert not still_alive(started, _alive, within), "processes outlived the campaign"
+        assert not still_alive(started, within), "processes outlived the campaign"
     finally:
         for pid in [parent.pid, *started]:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         parent.communicate()  # reaps the parent and closes its pipes
     assert parent.returncode in (0, 1), stderr
