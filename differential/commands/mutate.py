@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 from pathlib import Path
@@ -26,15 +27,20 @@ from differential.variants.mutation import (
     merge_runs,
     parse_shard,
     pct,
+    recorded_tests,
     render_markdown,
     run_mutation,
     sample_mutants,
     select_modules,
+    select_mutants,
     write_json,
 )
 from differential.variants.vllm_tests import check_tests_folder
 
 __all__ = ["add_parser", "run"]
+
+#: Mutants sampled when neither ``--sample`` nor ``--mutants`` is given.
+DEFAULT_SAMPLE = 40
 
 
 def add_parser(sub: Any) -> None:
@@ -63,9 +69,17 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--sample",
         type=int,
-        default=40,
+        default=None,
         metavar="N",
-        help="mutants to run, spread evenly over the modules (default: %(default)s)",
+        help=f"mutants to run, spread evenly over the modules (default: {DEFAULT_SAMPLE})",
+    )
+    parser.add_argument(
+        "--mutants",
+        default=None,
+        metavar="ID[,ID...]",
+        help="run exactly these mutants, by the id the report prints "
+        "(e.g. kv_cache_manager:ReplaceComparisonOperator_LtE_GtE:0) instead of a sample "
+        "(default: a --sample)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="sampling and campaign seed (default: %(default)s)"
@@ -99,6 +113,15 @@ def add_parser(sub: Any) -> None:
         help="also judge every mutant by vLLM's own tests under PATH/tests/v1/core (a vLLM "
         "checkout or a folder laid out like one): those passing on stock that execute the "
         "mutated statement (by coverage), run on the mutant's tree (default: off)",
+    )
+    parser.add_argument(
+        "--vllm-tests-from",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="take vLLM's tests' verdicts from a recorded run (a --json file of a run "
+        "with --vllm-tests on the same vLLM) instead of running the tests: every mutant "
+        "run must be in FILE with the same diff (default: off)",
     )
     parser.add_argument(
         "--test-timeout",
@@ -181,24 +204,39 @@ def run(args: Any) -> int:
         return _merge(args)
     shard = None if args.shard is None else parse_shard(args.shard)
     modules = select_modules(args.modules)
-    if args.sample < 1:
-        raise VariantError(f"--sample must be >= 1, got {args.sample}")
+    if args.mutants is not None and args.sample is not None:
+        raise VariantError("--mutants and --sample: give one; allowed: a sample or a list")
+    sample = DEFAULT_SAMPLE if args.sample is None else args.sample
+    if sample < 1:
+        raise VariantError(f"--sample must be >= 1, got {sample}")
     if args.campaign_examples < 0:
         raise VariantError(f"--campaign-examples must be >= 0, got {args.campaign_examples}")
+    if args.vllm_tests is not None and args.vllm_tests_from is not None:
+        raise VariantError(
+            "--vllm-tests and --vllm-tests-from: give one; allowed: run the tests or reuse "
+            "a recorded run's verdicts"
+        )
     vllm_tests = None if args.vllm_tests is None else check_tests_folder(args.vllm_tests)
+    recorded = None if args.vllm_tests_from is None else recorded_tests(args.vllm_tests_from)
     _check_output("--json", args.json)
     _check_output("--markdown", args.markdown)
     scenarios = draw_scenarios(args.paths, args.seed, args.campaign_examples)
     vllm_root = installed_vllm()
     generated_by = enumerate_mutants(vllm_root, modules)
-    mutants = sample_mutants(generated_by, args.sample, args.seed)
+    if args.mutants is not None:
+        mutants = select_mutants(generated_by, args.mutants)
+    else:
+        mutants = sample_mutants(generated_by, sample, args.seed)
     if shard is not None:
         mutants = mutants[shard[0] - 1 :: shard[1]]
     if not scenarios:
         raise VariantError("no scenarios: give PATH... or --campaign-examples above 0")
+    if recorded is not None:
+        recorded.check(mutants, vllm_root, importlib.metadata.version("vllm"))
     print(
         f"{sum(len(v) for v in generated_by.values())} mutants generated, {len(mutants)} "
-        f"sampled (seed {args.seed}); {len(scenarios)} scenarios",
+        + ("given" if args.mutants is not None else f"sampled (seed {args.seed})")
+        + f"; {len(scenarios)} scenarios",
         flush=True,
     )
 
@@ -246,7 +284,7 @@ def run(args: Any) -> int:
             command={
                 "paths": [str(p) for p in args.paths],
                 "campaign_examples": args.campaign_examples,
-                "sample": args.sample,
+                **({"sample": sample} if args.mutants is None else {"mutants": args.mutants}),
                 "timeout_s": args.timeout,
                 "policy": args.policy,
                 **({} if args.shard is None else {"shard": args.shard}),
@@ -259,6 +297,8 @@ def run(args: Any) -> int:
             vllm_tests=vllm_tests,
             test_timeout_s=args.test_timeout,
         )
+        if recorded is not None:
+            run = recorded.attach(run)
     finally:
         if server is not None:
             os.environ.pop(forkserver.ENV, None)

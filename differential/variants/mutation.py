@@ -94,6 +94,7 @@ __all__ = [
     "MutantOutcome",
     "MutantStatus",
     "MutationRun",
+    "RecordedTests",
     "build_mutant_tree",
     "campaign_scenarios",
     "check_unmutated",
@@ -103,11 +104,13 @@ __all__ = [
     "judge_stock",
     "mutant_source",
     "reached_statements",
+    "recorded_tests",
     "render_markdown",
     "run_mutant",
     "run_mutation",
     "sample_mutants",
     "scenario_digest",
+    "select_mutants",
     "stock_difference",
 ]
 
@@ -607,6 +610,31 @@ def sample_mutants(mutants: dict[str, list[Mutant]], count: int, seed: int) -> l
     for m in modules:
         pool = mutants[m]
         picked += rng.sample(pool, min(share[m], len(pool)))
+    return picked
+
+
+def select_mutants(mutants: dict[str, list[Mutant]], text: str) -> list[Mutant]:
+    """The mutants named in ``text`` (comma-separated :attr:`Mutant.ident`), in that order.
+
+    Raises:
+        VariantError: an empty list, an id given twice, or one no generated
+            mutant has (naming it and where the ids are listed).
+    """
+    by_id = {m.ident: m for module in mutants.values() for m in module}
+    wanted = [part.strip() for part in text.split(",") if part.strip()]
+    if not wanted:
+        raise VariantError("--mutants is empty; allowed: comma-separated mutant ids")
+    picked: list[Mutant] = []
+    for ident in wanted:
+        mutant = by_id.get(ident)
+        if mutant is None:
+            raise VariantError(
+                f"--mutants {ident!r} is not a mutant of the selected modules; allowed: an id "
+                "as a report prints it (<module stem>:<operator>:<occurrence>)"
+            )
+        if mutant in picked:
+            raise VariantError(f"--mutants {ident!r} is given twice; allowed: each id once")
+        picked.append(mutant)
     return picked
 
 
@@ -1243,6 +1271,88 @@ def run_mutation(
     )
 
 
+@dataclass(frozen=True)
+class RecordedTests:
+    """vLLM's tests' side of a recorded run (``kvfuzz mutate --vllm-tests-from FILE``).
+
+    vLLM's tests judge a mutant by the mutant alone: while vLLM and the
+    mutants are the same, their verdicts do not change when kvfuzz's
+    scenarios, oracle or driver do, so a run that changes only kvfuzz can
+    take them from a run that ran the tests (minutes instead of an hour on
+    2 cores) and print the same side-by-side report.
+
+    Attributes:
+        path: the recorded run's file.
+        run: the recorded run.
+    """
+
+    path: Path
+    run: MutationRun
+
+    def _by_id(self) -> dict[str, MutantOutcome]:
+        return {o.mutant.ident: o for o in self.run.outcomes}
+
+    def check(self, mutants: Sequence[Mutant], vllm_root: Path, vllm_version: str) -> None:
+        """Refuse, before any work, a record that cannot answer for ``mutants``
+        (made from the vLLM ``vllm_version`` installed at ``vllm_root``).
+
+        Raises:
+            VariantError: the record ran no tests, holds another vLLM release,
+                lacks one of ``mutants`` or records another diff for it.
+        """
+        if self.run.tests_baseline is None:
+            raise VariantError(
+                f"--vllm-tests-from {self.path}: the run has no vLLM tests' verdicts; allowed: "
+                "the --json file of a kvfuzz mutate run with --vllm-tests"
+            )
+        if self.run.vllm_version != vllm_version:
+            raise VariantError(
+                f"--vllm-tests-from {self.path}: recorded on vLLM {self.run.vllm_version}, "
+                f"this is {vllm_version}; allowed: a run on the same vLLM"
+            )
+        recorded = self._by_id()
+        for mutant in mutants:
+            one = recorded.get(mutant.ident)
+            if one is None or one.tests is None:
+                raise VariantError(
+                    f"--vllm-tests-from {self.path}: mutant {mutant.ident} has no recorded "
+                    "verdict of vLLM's tests; allowed: mutants the recorded run ran"
+                )
+            if one.diff != mutant_diff(mutant, *mutant_source(vllm_root, mutant)):
+                raise VariantError(
+                    f"--vllm-tests-from {self.path}: mutant {mutant.ident} was recorded with "
+                    "another diff; allowed: a run on the same vLLM source"
+                )
+
+    def attach(self, run: MutationRun) -> MutationRun:
+        """``run`` (kvfuzz's verdicts) with the recorded tests' verdicts and
+        stock baseline, and a note saying where they come from."""
+        recorded = self._by_id()
+        outcomes = tuple(
+            dataclasses.replace(o, tests=recorded[o.mutant.ident].tests) for o in run.outcomes
+        )
+        note = (
+            f"vLLM's tests' verdicts taken from {self.path} (--vllm-tests-from), recorded on "
+            f"vLLM {self.run.vllm_version}; only kvfuzz's side ran"
+        )
+        return dataclasses.replace(
+            run,
+            outcomes=outcomes,
+            tests_baseline=self.run.tests_baseline,
+            notes=(*run.notes, note),
+            command={**run.command, "vllm_tests_from": str(self.path)},
+        )
+
+
+def recorded_tests(path: Path) -> RecordedTests:
+    """The recorded run at ``path`` for ``--vllm-tests-from``.
+
+    Raises:
+        VariantError: unreadable, not a ``kvfuzz mutate --json`` file.
+    """
+    return RecordedTests(path, load_run(path, "--vllm-tests-from"))
+
+
 def pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -1262,6 +1372,7 @@ def render_markdown(run: MutationRun) -> str:
         f"{len(run.excluded)} excluded ({run.check_s:.0f} s; stock judged once, "
         f"{run.stock_s:.0f} s).",
         "",
+        *(f"Note: {note}\n" for note in run.notes),
         "| module | generated | sampled | killed | timed out | survived | equivalent-suspect "
         "| score |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -1433,8 +1544,9 @@ def _side_by_side(run: MutationRun, baseline: VllmTestsBaseline) -> list[str]:
     return lines
 
 
-def load_run(path: Path) -> MutationRun:
-    """Read a run written by :func:`write_json` (``kvfuzz mutate --json``).
+def load_run(path: Path, option: str = "--merge") -> MutationRun:
+    """Read a run written by :func:`write_json` (``kvfuzz mutate --json``);
+    ``option`` names the flag that gave ``path`` in error messages.
 
     Raises:
         VariantError: not a ``kvfuzz.mutation`` version-2 file, or a field missing.
@@ -1442,13 +1554,13 @@ def load_run(path: Path) -> MutationRun:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise VariantError(f"--merge {path}: cannot read it as JSON ({exc})") from exc
+        raise VariantError(f"{option} {path}: cannot read it as JSON ({exc})") from exc
     if not isinstance(data, dict) or (data.get("format"), data.get("version")) != (
         REPORT_FORMAT,
         REPORT_VERSION,
     ):
         raise VariantError(
-            f"--merge {path}: format/version is not {REPORT_FORMAT} {REPORT_VERSION}; "
+            f"{option} {path}: format/version is not {REPORT_FORMAT} {REPORT_VERSION}; "
             "allowed: a kvfuzz mutate --json file"
         )
     try:
@@ -1483,7 +1595,7 @@ def load_run(path: Path) -> MutationRun:
             tests_baseline=baseline,
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise VariantError(f"--merge {path}: field {exc} missing or malformed") from exc
+        raise VariantError(f"{option} {path}: field {exc} missing or malformed") from exc
 
 
 def _outcome_from_dict(m: dict[str, Any]) -> MutantOutcome:

@@ -217,6 +217,15 @@ def test_module_selection() -> None:
         (["--shard", "3/2"], "--shard '3/2': allowed: I/N with 1 <= I <= N"),
         (["--vllm-tests", "/nonexistent-folder"], "no tests/v1/core folder there"),
         (["--merge", "/nonexistent-folder/a.json"], "--merge /nonexistent-folder/a.json: cannot"),
+        (["--mutants", "x:AddNot:0", "--sample", "3"], "--mutants and --sample: give one"),
+        (
+            ["--vllm-tests-from", "/nonexistent-folder/a.json"],
+            "--vllm-tests-from /nonexistent-folder/a.json: cannot",
+        ),
+        (
+            ["--vllm-tests", "/tmp", "--vllm-tests-from", "a.json"],
+            "--vllm-tests and --vllm-tests-from: give one",
+        ),
     ],
 )
 def test_usage_errors_exit_2_before_any_work(
@@ -461,3 +470,86 @@ def test_a_tests_only_kill_in_connector_code_says_it_is_out_of_scope() -> None:
     )
     assert "Scheduler.schedule" in first and "scope" not in second
     assert "1 of these 2 lie in code kvfuzz does not reach by design" in "\n".join(lines)
+
+
+def test_mutants_are_selected_by_id_in_the_order_given(root: Path) -> None:
+    from differential.variants.mutation import select_mutants
+
+    scope = ModuleScope(MODULE, include=("in_scope",))
+    generated = enumerate_mutants(root, [scope])
+    lt = "toy:ReplaceComparisonOperator_Lt_LtE:0"
+    number = "toy:NumberReplacer:1"
+    assert [m.ident for m in select_mutants(generated, f"{number}, {lt}")] == [number, lt]
+    with pytest.raises(VariantError, match=r"--mutants 'toy:AddNot:99' is not a mutant"):
+        select_mutants(generated, f"{lt},toy:AddNot:99")
+    with pytest.raises(VariantError, match="given twice"):
+        select_mutants(generated, f"{lt},{lt}")
+    with pytest.raises(VariantError, match="--mutants is empty"):
+        select_mutants(generated, " , ")
+
+
+def test_recorded_tests_verdicts_are_reused_only_for_the_same_mutants(
+    root: Path, tmp_path: Path
+) -> None:
+    """``--vllm-tests-from``: the tests' verdicts of a recorded run join a
+    kvfuzz-only run mutant for mutant; a record without tests, of another
+    vLLM, without the mutant or with another diff is refused."""
+    from differential.variants.mutation import recorded_tests
+    from differential.variants.vllm_tests import (
+        VllmTestsBaseline,
+        VllmTestsOutcome,
+        VllmTestsVerdict,
+    )
+
+    scope = ModuleScope(MODULE, include=("in_scope",))
+    mutants = sample_mutants(enumerate_mutants(root, [scope]), 2, seed=0)
+    diffs = [mutant_diff(m, *mutant_source(root, m)) for m in mutants]
+    verdicts = [
+        VllmTestsOutcome(VllmTestsVerdict.KILLED, "t.py::a", "failed", 3, 1.5),
+        VllmTestsOutcome(VllmTestsVerdict.SURVIVED, None, "", 2, 2.5),
+    ]
+    recorded_outcomes = tuple(
+        MutantOutcome(m, MutantStatus.SURVIVED, "old", True, 1, 1.0, d, t)
+        for m, d, t in zip(mutants, diffs, verdicts, strict=True)
+    )
+    baseline = VllmTestsBaseline("tests-root", 10, 9, 100.0, 60.0)
+    recorded = MutationRun(
+        "0.33.0", 0, {MODULE: 9}, recorded_outcomes, ("s",), 1.0, tests_baseline=baseline
+    )
+    path = tmp_path / "recorded.json"
+    write_json(recorded, path)
+    reuse = recorded_tests(path)
+    reuse.check(mutants, root, "0.33.0")
+    fresh = MutationRun(
+        "0.33.0",
+        0,
+        {MODULE: 9},
+        tuple(
+            MutantOutcome(m, MutantStatus.KILLED, "new", True, 1, 1.0, d)
+            for m, d in zip(mutants, diffs, strict=True)
+        ),
+        ("s",),
+        1.0,
+        command={"paths": ["corpora"]},
+    )
+    joined = reuse.attach(fresh)
+    assert [o.tests for o in joined.outcomes] == verdicts
+    assert [o.status for o in joined.outcomes] == [MutantStatus.KILLED] * 2  # kvfuzz's own
+    assert joined.tests_baseline == baseline
+    assert joined.tests_score() == pytest.approx(1 / 2) and joined.union_score() == 1.0
+    assert joined.command == {"paths": ["corpora"], "vllm_tests_from": str(path)}
+    assert f"taken from {path}" in render_markdown(joined)
+
+    with pytest.raises(VariantError, match=r"recorded on vLLM 0\.33\.0, this is 0\.34\.0"):
+        reuse.check(mutants, root, "0.34.0")
+    other = enumerate_mutants(root, [ModuleScope(MODULE)])[MODULE]
+    missing = next(m for m in other if m not in mutants)
+    with pytest.raises(VariantError, match=f"mutant {missing.ident} has no recorded verdict"):
+        reuse.check([missing], root, "0.33.0")
+    # Another source (one line added on top) gives every mutant another diff.
+    (root / "v1" / "core" / "toy.py").write_text("# changed\n" + SOURCE)
+    with pytest.raises(VariantError, match="recorded with another diff"):
+        reuse.check(mutants, root, "0.33.0")
+    write_json(dataclasses.replace(recorded, tests_baseline=None), path)
+    with pytest.raises(VariantError, match="has no vLLM tests' verdicts"):
+        recorded_tests(path).check(mutants, root, "0.33.0")
