@@ -667,6 +667,7 @@ def _free(
         lookup=tuple(found.traced),
         lookup_blocks=found.lookup_blocks,
         unsafe_writes=tuple(unsafe_writes),
+        step_tables=d.ledger.take_tables(index) if d.ledger is not None else (),
     )
 
 

@@ -317,6 +317,12 @@ def _record_writes(
                 + given.get("num_external_computed_tokens", 0)
             )
             end = start + given["num_new_tokens"]
+            # What allocate_slots frees against (remove_skipped_blocks).
+            processed = max(
+                0,
+                min(start, getattr(manager, "max_model_len", start))
+                - getattr(request, "num_in_flight_tokens", 0),
+            )
             blocks = given.get("new_computed_blocks")
             adopted = blocks.blocks if blocks is not None else None
             rid = request.request_id
@@ -329,7 +335,7 @@ def _record_writes(
             try:
                 i = index_of[rid]
                 writes.setdefault(i, []).extend(
-                    ledger.after_step(i, rid, start, end, cached_before)
+                    ledger.after_step(i, rid, start, end, cached_before, processed_tokens=processed)
                 )
             except Exception as exc:  # kvfuzz's own failure
                 failures.append(exc)
@@ -608,9 +614,11 @@ def _observations(
     clock: _FreeQueueClock,
     request_ids: list[str],
     resumed: dict[int, list[ResumedLookup]],
+    ledger: BlockLedger | None = None,
 ) -> list[RequestObservation]:
     """One observation per admitted request, in scenario order: its admitting
-    lookup (with what its blocks held), the unsafe writes of its steps, the
+    lookup (with what its blocks held), the unsafe writes and block tables of
+    its steps (``ledger``), the
     blocks per group it left cached (at its finish, or at the end of the
     run: ``seen``) and the free queue's counters (:class:`_FreeQueueClock`)."""
     num_groups = len(scenario.kv_cache_groups)
@@ -643,6 +651,7 @@ def _observations(
                 finished_step=finished_step.get(i),
                 lookup_blocks=a.blocks,
                 unsafe_writes=tuple(writes.get(i, ())),
+                step_tables=ledger.take_tables(i) if ledger is not None else (),
                 lookup_queue_removals=None if clock.unattributed else a.queue_removals,
                 freed_queue_blocks=freed_blocks,
                 freed_queue_removals=freed_removals,
@@ -868,6 +877,7 @@ def run_scheduler_scenario(
             clock,
             [r.request_id for r in requests],
             resumed,
+            ledger,
         )
         phase[0] = "count unreachable cached blocks"
         unreachable, cached_blocks = _unreachable(scenario, manager, requests)
