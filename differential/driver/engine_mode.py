@@ -347,6 +347,11 @@ def engine_plan(
             run it; the message names why.
     """
     groups = scenario.kv_cache_groups
+    if scenario.dcp_world_size > 1:
+        raise EngineUnsupported(
+            f"dcp_world_size {scenario.dcp_world_size}: decode context parallelism shards "
+            "KV over several ranks; the CPU engine runs one"
+        )
     kinds = {g.kind for g in groups}
     unknown = kinds - {GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA}
     if unknown:

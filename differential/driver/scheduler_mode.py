@@ -171,10 +171,19 @@ def _vllm_config(
     # After validation (see the module docstring): what the scheduler reads.
     config.cache_config.num_gpu_blocks = num_blocks
     config.cache_config.enable_prefix_caching = True
+    dcp = scenario.dcp_world_size
+    if dcp > 1:
+        # Decode context parallelism: the Scheduler hands this to its
+        # KVCacheManager (Scheduler.__init__); CacheConfig.block_size is then
+        # the per-rank block (EngineCore resolves the sharded scheduler block,
+        # passed below as block_size, with resolve_kv_cache_block_sizes).
+        config.parallel_config.decode_context_parallel_size = dcp
+        config.cache_config.block_size = scenario.scheduler_block_size_tokens // dcp
     if scenario.mamba_groups:
-        # Prefix caching with Mamba runs in align mode (vllm/config/cache.py).
+        # Prefix caching with Mamba runs in align mode (vllm/config/cache.py),
+        # its block the cache block size (the per-rank one under DCP).
         config.cache_config.mamba_cache_mode = "align"
-        config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens
+        config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens // dcp
     if scenario.enable_mamba_shared_prefix_checkpoint:
         config.cache_config.enable_mamba_shared_prefix_checkpoint = True
     config.scheduler_config.max_num_batched_tokens = budget
@@ -732,12 +741,15 @@ def run_scheduler_scenario(
         phase[0] = "build VllmConfig"
         config = _vllm_config(scenario, resolved, pool, max_model_len)
         phase[0] = "build Scheduler"
+        kv_config = kv_cache_config(scenario, resolved, pool, retention)
+        if scenario.dcp_world_size > 1:
+            runner.check_dcp_block_sizes(scenario, kv_config)
         scheduler = vllm_build(
             "Scheduler",
             "vllm/v1/core/sched/scheduler.py",
             Scheduler,
             vllm_config=config,
-            kv_cache_config=kv_cache_config(scenario, resolved, pool, retention),
+            kv_cache_config=kv_config,
             structured_output_manager=vllm_call(
                 "StructuredOutputManager", StructuredOutputManager, config
             ),
