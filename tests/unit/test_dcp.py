@@ -63,7 +63,9 @@ def test_dcp_mla_hits_land_on_the_sharded_block() -> None:
         shared_prefix_tokens=2000,
         dcp_world_size=8,
     )
-    per_rank = Scenario(kv_cache_groups=(G(K.MLA, 64),), requests=requests, shared_prefix_tokens=2000)
+    per_rank = Scenario(
+        kv_cache_groups=(G(K.MLA, 64),), requests=requests, shared_prefix_tokens=2000
+    )
     assert dense_hit(sharded, drafter_model(sharded), 1, 0, 1600) == 1536
     assert dense_hit(per_rank, drafter_model(per_rank), 1, 0, 1600) == 1600
 
@@ -117,3 +119,42 @@ def test_dcp_out_of_range_is_refused_by_the_json_form() -> None:
     for bad in (0, 2048, True, 2.0):
         with pytest.raises(ScenarioError, match="dcp_world_size"):
             Scenario.from_dict({**data, "dcp_world_size": bad})
+
+
+def test_generator_reaches_decode_context_parallel_layouts() -> None:
+    from fuzz.strategies import engine_scenarios
+    from tests.factories import reach
+
+    mla = reach(lambda s: s.dcp_world_size == 8 and not s.mamba_groups)
+    assert {g.kind for g in mla.kv_cache_groups} <= {K.FULL_ATTENTION, K.MLA}
+    hybrid = reach(lambda s: s.dcp_world_size > 1 and bool(s.mamba_groups))
+    block = hybrid.mamba_groups[0].block_size_tokens
+    assert hybrid.scheduler_block_size_tokens == block * hybrid.dcp_world_size
+    assert reach(lambda s: s.dcp_world_size > 1, engine_scenarios()).workload.mode.value == (
+        "scheduler"
+    )
+
+
+def test_shrinker_tries_one_rank() -> None:
+    from fuzz.minimize import _simplify
+
+    hybrid = Scenario(
+        kv_cache_groups=(G(K.FULL_ATTENTION, 64), G(K.MAMBA, 16)),
+        requests=REQUESTS,
+        shared_prefix_tokens=40,
+        dcp_world_size=4,
+    )
+    steps = dict(_simplify(hybrid))
+    one_rank = steps["no decode context parallelism"]
+    assert one_rank is not None
+    assert one_rank.dcp_world_size == 1
+    # The same per-rank blocks: full attention 16, the Mamba state block 16.
+    assert [g.block_size_tokens for g in one_rank.kv_cache_groups] == [16, 16]
+    mla = Scenario(
+        kv_cache_groups=(G(K.MLA, 512),),
+        requests=REQUESTS,
+        shared_prefix_tokens=40,
+        dcp_world_size=8,
+    )
+    plain = dict(_simplify(mla))["no decode context parallelism"]
+    assert plain is not None and plain.kv_cache_groups == mla.kv_cache_groups
