@@ -492,7 +492,10 @@ def request_violations(
                 f"block index {write.block_index} (block {write.block_id}), {why}",
             )
         )
-    out += freed_early
+    # A step's table null already named (handed out by the lookup, or written
+    # into) is one violation, not two.
+    named = {(v.group, v.block_index) for v in out}
+    out += [v for v in freed_early if (v.group, v.block_index) not in named]
     return out
 
 
