@@ -36,3 +36,17 @@ def test_a_rejoining_request_sends_its_own_tokens_then_the_sources_again() -> No
     assert edited["own"][0] != plan["prefix"][128]
     # The second edit rejoins the first sibling's prompt.
     assert (again["source"], again["divergence"], len(again["own"])) == (1, 256, 32 + 224)
+
+
+def test_decode_context_parallelism_is_unsupported_naming_why() -> None:
+    import pytest
+
+    from differential.driver.engine_mode import EngineUnsupported
+
+    scenario = load_entry(CORPORA / "cases" / "dcp8-mla-hits-at-sharded-block.json").scenario
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(scenario)
+    assert str(info.value) == (
+        "dcp_world_size 8: decode context parallelism shards KV over several ranks; "
+        "the CPU engine runs one"
+    )
