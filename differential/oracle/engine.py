@@ -68,6 +68,7 @@ from differential.oracle.core import (
     promise_policy,
     references,
 )
+from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import common_prefix_tokens
 from differential.scenario import MambaPrefill, Scenario
@@ -436,6 +437,7 @@ def judge_engine_run(
     findings += _timeline_findings(scenario, run, policy)
     findings += resumed_findings(scenario, run, policy)
     findings += per_group_findings(scenario, run, policy)
+    findings += kv_event_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)
 
