@@ -108,6 +108,11 @@ class FindingKind(StrEnum):
     """(engine mode) kvfuzz's manager or scheduler driver on the engine's
     vLLM release gave other hits than vLLM's real engine: both hit lists and
     the first request where they part."""
+    WATERMARK = "watermark"
+    """(scheduler mode) a waiting or preempted request was admitted while
+    others were scheduled and left fewer free blocks than the KV cache
+    watermark (``SchedulerConfig.watermark``, vLLM PR #44594) keeps
+    (:mod:`differential.oracle.watermark`)."""
     EVICTION_COLLAPSE = "eviction-collapse"
     """(scheduler mode) with dense retention every later turn of every
     session hit nothing, while retention 0 at the same pool size keeps

@@ -658,6 +658,12 @@ class RunObservation:
             explain``) one line per scheduler step: arrivals, what each
             request was scheduled for (tokens, prefill or decode, drafts
             accepted), preemptions, finished requests, evicted blocks.
+        watermark_admissions: (scheduler mode, recorded only with a
+            ``workload.watermark``) every ``KVCacheManager.allocate_slots``
+            call that admitted a waiting or preempted request while other
+            requests were scheduled (its ``has_scheduled_reqs``), as
+            ``(request index, step, free blocks right after the call)``, the
+            free blocks in blocks (``BlockPool.get_num_free_blocks``).
         kv_events: the KV cache event stream and the cache beside it
             (:class:`KVEventLog`), recorded only when the scenario turns
             events on (``workload.kv_events``); ``None`` otherwise.
@@ -687,6 +693,7 @@ class RunObservation:
     crash_cache_map: tuple[str, ...] = ()
     newly_cached_blocks_per_group: tuple[int, ...] = ()
     kv_events: KVEventLog | None = None
+    watermark_admissions: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def unreachable_share(self) -> float:
@@ -720,6 +727,9 @@ class RunObservation:
             kv_events=None
             if data.get("kv_events") is None
             else KVEventLog.from_dict(data["kv_events"]),
+            watermark_admissions=tuple(
+                (i, step, free) for i, step, free in data.get("watermark_admissions", ())
+            ),
         )
 
     @property
@@ -747,6 +757,8 @@ class RunObservation:
             out["newly_cached_blocks_per_group"] = list(self.newly_cached_blocks_per_group)
         if self.kv_events is not None:
             out["kv_events"] = self.kv_events.to_dict()
+        if self.watermark_admissions:
+            out["watermark_admissions"] = [list(a) for a in self.watermark_admissions]
         return out
 
     def _base_dict(self) -> dict[str, Any]:

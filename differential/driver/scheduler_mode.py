@@ -363,6 +363,46 @@ def _record_writes(
     manager.allocate_slots = allocate_slots
 
 
+def _record_watermark_admissions(
+    manager: Any,
+    index_of: dict[str, int],
+    step: list[int],
+    admissions: list[tuple[int, int, int]],
+    failures: list[BaseException],
+) -> None:
+    """Wrap this manager's ``allocate_slots`` (an instance attribute, as in
+    :func:`_record_lookups`) to record each successful call for a waiting or
+    preempted request made while other requests were scheduled: the calls
+    ``KVCacheManager.allocate_slots`` applies the watermark to
+    (``has_scheduled_reqs`` and the request's ``RequestStatus``), as
+    ``(request index, step, free blocks right after the call)``."""
+    from vllm.v1.request import RequestStatus
+
+    real = manager.allocate_slots
+    # The method's own parameters (``real`` may be another recorder's wrapper).
+    signature = inspect.signature(type(manager).allocate_slots.__get__(manager))
+    watched = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        try:
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            request = call.arguments["request"]
+            applies = bool(call.arguments.get("has_scheduled_reqs", True)) and (
+                request.status in watched
+            )
+        except Exception as exc:  # kvfuzz's own failure
+            failures.append(exc)
+            return real(*args, **kwargs)
+        result = real(*args, **kwargs)
+        if result is not None and applies and request.request_id in index_of:
+            free = manager.block_pool.get_num_free_blocks()
+            admissions.append((index_of[request.request_id], step[0], free))
+        return result
+
+    manager.allocate_slots = allocate_slots
+
+
 class _FreeQueueClock:
     """Removals from vLLM's free block queue, and each request's first free.
 
@@ -731,6 +771,7 @@ def run_scheduler_scenario(
     ledger: BlockLedger | None = None
     recorder: EventRecorder | None = None
     requests: list[Any] = []
+    watermark_admissions: list[tuple[int, int, int]] = []
     with classified_run("scheduler-mode driver", phase, runner.VLLM_VERSION) as outcome:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -803,6 +844,8 @@ def run_scheduler_scenario(
         if ledger is not None:
             _record_writes(manager, ledger, index_of, writes, failures)
         clock.install(manager)
+        if workload.watermark:
+            _record_watermark_admissions(manager, index_of, step, watermark_admissions, failures)
         admitted: dict[int, _Admission] = {}
         resumed: dict[int, list[ResumedLookup]] = {}
         finished_at: dict[int, Counter[bytes]] = {}
@@ -947,6 +990,7 @@ def run_scheduler_scenario(
         blocks_recorded=ledger is not None,
         newly_cached_blocks_per_group=tuple(newly_cached),
         kv_events=recorder.log(requests) if recorder is not None else None,
+        watermark_admissions=tuple(watermark_admissions),
     )
 
 

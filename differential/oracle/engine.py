@@ -71,6 +71,7 @@ from differential.oracle.core import (
 from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import common_prefix_tokens
+from differential.oracle.watermark import watermark_findings
 from differential.scenario import MambaPrefill, Scenario
 
 __all__ = [
@@ -438,6 +439,7 @@ def judge_engine_run(
     findings += resumed_findings(scenario, run, policy)
     findings += per_group_findings(scenario, run, policy)
     findings += kv_event_findings(scenario, run, policy)
+    findings += watermark_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)
 
