@@ -39,8 +39,10 @@ The contract, rule by rule, judged after every drain of the event queue
     in order; for a full-attention-family group (which never skips a block)
     one hash per block. ``block_size`` is the group's block size (the
     manager's, vLLM PR #49971), or the hash block size for a fine-grained
-    (partial) entry of a layout with partial hash hits, which covers one
-    hash block. ``group_idx`` names a KV cache group and
+    (partial) entry, which registers one hash block's prefix inside a larger
+    block (``BlockPool.cache_partial_block``: a full-attention group's prompt
+    tail when its block is larger than the hash block, a Mamba state at a
+    fine-grained boundary). ``group_idx`` names a KV cache group and
     ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` are that
     group's spec kind and window (vLLM PR #40984: consumers "classify and
     filter groups as they are learned").
@@ -153,7 +155,7 @@ class _Judge:
             self.breach("stored", None, wrong)
             return
         hash_block = s.effective_hash_block_size_tokens
-        sizes = {group.block_size_tokens} | ({hash_block} if s.partial_hash_hits else set())
+        sizes = {group.block_size_tokens, hash_block}
         size = event.block_size
         tokens = tokens_of(event.tokens)
         if size not in sizes or len(tokens) % size or not tokens:
