@@ -234,8 +234,8 @@ class KVEventStep:
     ``allocate_slots``, ``cache_blocks`` and ``free`` call it makes.
 
     Attributes:
-        step: the scheduler step (scheduler mode) or the number of steps
-            begun (manager mode: ``new_step_starts`` calls).
+        step: the scheduler step, from 0 (manager mode: the steps the driver
+            began, ``new_step_starts`` calls, counted from 0 as well).
         events: the events drained, in vLLM's order.
         lookups: the ``get_computed_blocks`` calls made since the last drain.
         pool: the prefix cache's entries whose count changed since the last

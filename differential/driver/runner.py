@@ -188,7 +188,9 @@ def _drain_events(d: _Driver) -> None:
     """With events on, drain vLLM's event queue as the scheduler does once a
     step (``KVCacheManager.take_events``) and record it with the cache."""
     if d.events is not None:
-        d.events.drain(d.steps_begun, vllm_call("KVCacheManager.take_events", d.events.take))
+        # Steps numbered from 0, as scheduler mode numbers them.
+        step = max(0, d.steps_begun - 1)
+        d.events.drain(step, vllm_call("KVCacheManager.take_events", d.events.take))
 
 
 def _cached_keys(manager: KVCacheManager) -> Counter[bytes]:
