@@ -15,7 +15,7 @@ import pytest
 
 from differential.corpus import finding_tag
 from differential.errors import ScenarioError
-from differential.findings import Finding
+from differential.findings import Finding, FindingKind
 from differential.observation import (
     KVEvent,
     KVEventLog,
@@ -251,3 +251,34 @@ def test_workload_fields_are_written_only_when_set_and_checked() -> None:
     data["workload"]["kv_events"] = "yes"
     with pytest.raises(ScenarioError, match="one of 'off', 'incremental', 'full'"):
         Scenario.from_dict(data)
+
+
+def test_the_full_report_crash_is_labelled_only_on_fine_grained_full_reports() -> None:
+    from differential.scenario import KVCacheGroup as Group
+    from differential.triage.known import label_known
+
+    crash = Finding(
+        FindingKind.CRASH,
+        "v",
+        1,
+        "request 1: lookup: KVCacheManager.get_computed_blocks: IndexError: list index out "
+        "of range [raised in BlockHashListWithBlockSize._get_value_at "
+        "(vllm/v1/core/kv_cache_utils.py)]",
+    )
+
+    def mamba(mode: KVEvents, hash_block: int | None = 16) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(Group(GroupKind.FULL_ATTENTION, 64), Group(GroupKind.MAMBA, 64)),
+            requests=(RequestSpec(100, 0), RequestSpec(100, 0, shares_with=0)),
+            shared_prefix_tokens=100,
+            hash_block_size_tokens=hash_block,
+            workload=Workload(kv_events=mode),
+        )
+
+    name = "kv-events-full-report-partial-hit"
+    assert label_known(mamba(KVEvents.FULL), [crash])[0].known_issue == name
+    # Near misses: incremental reports, whole-block hits only, another crash.
+    assert label_known(mamba(KVEvents.INCREMENTAL), [crash])[0].known_issue is None
+    assert label_known(mamba(KVEvents.FULL, None), [crash])[0].known_issue is None
+    other = dataclasses.replace(crash, detail="request 1: free: ValueError: no")
+    assert label_known(mamba(KVEvents.FULL), [other])[0].known_issue is None
