@@ -282,3 +282,21 @@ def test_the_full_report_crash_is_labelled_only_on_fine_grained_full_reports() -
     assert label_known(mamba(KVEvents.FULL, None), [crash])[0].known_issue is None
     other = dataclasses.replace(crash, detail="request 1: free: ValueError: no")
     assert label_known(mamba(KVEvents.FULL), [other])[0].known_issue is None
+
+
+def test_a_broken_stream_is_triaged_by_the_rule_it_breaks() -> None:
+    from differential.compare import ScenarioResult, VariantResult
+    from differential.findings import Policy
+    from differential.triage.identity import RootCause, triage
+    from differential.variants import parse_variants
+
+    (unfixed,) = parse_variants("unfixed")
+    second = KVEventStep(step=2, events=(KVEvent("removed", 1, (7,)),))
+    log = KVEventLog("incremental", (FIRST, second), dict(PREFIXES))
+    run = RunObservation("unfixed", "test", None, (), kv_events=log)
+    findings = tuple(kv_event_findings(scenario(), run))
+    result = ScenarioResult(
+        scenario(), None, Policy.VLLM, (VariantResult(unfixed, run, None, (), findings),)
+    )
+    (triaged,) = triage(result)
+    assert triaged.root_cause == RootCause("kv-events", detail="removed")
