@@ -147,9 +147,9 @@ class _Judge:
     def stored(self, step: int, event: KVEvent) -> None:
         """The ``stored`` rule for a newly cached block's event."""
         s = self.scenario
-        group = s.kv_cache_groups[event.group] if event.group is not None else None
+        assert event.group is not None  # run() checked it names a group
+        group = s.kv_cache_groups[event.group]
         where = f"step {step}: BlockStored of group {event.group}"
-        assert group is not None
         wrong = self.annotation(where, event, group)
         if wrong:
             self.breach("stored", None, wrong)
@@ -215,7 +215,7 @@ class _Judge:
                 f"{size} tokens (a full-attention group skips no block)",
             )
 
-    def lookup(self, step: int, index: int, lookup: KVEventLookup, emitted: list[KVEvent]) -> None:
+    def lookup(self, step: int, lookup: KVEventLookup, emitted: list[KVEvent]) -> None:
         """The ``lookup`` rule for one ``get_computed_blocks`` call."""
         s = self.scenario
         r = lookup.request
@@ -307,7 +307,7 @@ class _Judge:
                 for label in event.hashes:
                     replay[(event.group, label)] += 1
             for index, lookup in enumerate(step.lookups):
-                self.lookup(step.step, index, lookup, emitted.pop(index, []))
+                self.lookup(step.step, lookup, emitted.pop(index, []))
             for group, label, blocks in step.pool:
                 pool[(group, label)] = blocks
             self.compare(step.step, +replay, +pool)

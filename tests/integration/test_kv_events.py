@@ -123,3 +123,42 @@ def test_corpus_cases_replay_clean_on_every_variant() -> None:
     for name in ("kv-events-full-readmission", "watermark-admission-pool10"):
         result = compare_variants(load_entry(CASES / f"{name}.json").scenario, variants)
         assert [finding_tag(f) for f in result.findings] == []
+
+
+def test_an_exported_scheduler_test_sets_the_watermark(tmp_path) -> None:
+    from differential.exports.scheduler_test import export_engine_test
+    from differential.findings import Finding, FindingKind
+
+    scenario = load_entry(CASES / "watermark-admission-pool10.json").scenario
+    owed = Finding(FindingKind.FALLBACK, "unfixed", 2, "owed 64", expected_tokens=64)
+    source = export_engine_test(scenario, owed, signature="s", name="watermark")
+    assert "    config.scheduler_config.watermark = 0.3\n" in source
+    namespace: dict[str, object] = {}
+    exec(compile(source, "exported.py", "exec"), namespace)
+    namespace["test_kvfuzz_watermark"](tmp_path)  # type: ignore[operator]
+
+
+def test_engine_mode_refuses_events_and_the_watermark_naming_why() -> None:
+    from differential.driver.engine_mode import EngineUnsupported, engine_plan
+    from differential.scenario import (
+        GroupKind,
+        KVCacheGroup,
+        KVEvents,
+        RequestSpec,
+        Scenario,
+        Workload,
+    )
+
+    base = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 32),),
+        requests=(RequestSpec(64, 8), RequestSpec(64, 8)),
+        shared_prefix_tokens=64,
+    )
+    events = dataclasses.replace(base, workload=Workload(kv_events=KVEvents.FULL))
+    with pytest.raises(EngineUnsupported, match=r"^workload\.kv_events: the engine publishes"):
+        engine_plan(events)
+    held = dataclasses.replace(
+        base, workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=12, watermark=0.25)
+    )
+    with pytest.raises(EngineUnsupported, match=r"^workload\.watermark: not mapped"):
+        engine_plan(held)
