@@ -300,3 +300,11 @@ def test_a_broken_stream_is_triaged_by_the_rule_it_breaks() -> None:
     )
     (triaged,) = triage(result)
     assert triaged.root_cause == RootCause("kv-events", detail="removed")
+
+
+@pytest.mark.parametrize("mode", [KVEvents.INCREMENTAL, KVEvents.FULL])
+def test_generator_reaches_kv_cache_events(mode: KVEvents) -> None:
+    from tests.factories import reach
+
+    found = reach(lambda s: s.workload.kv_events is mode and len(s.kv_cache_groups) > 1)
+    assert found.workload.kv_events is mode
