@@ -14,9 +14,10 @@ repeated until nothing more can be removed or the time budget is spent:
    their offset inside their retention period);
 5. cut the shared prefix to what requests use, shrink each suffix, and pull
    each divergence point to the nearest alignment boundary;
-6. (scheduler mode) a simpler workload: requests one at a time, no accepted
+6. a simpler workload: (scheduler mode) requests one at a time, no accepted
    drafts, one running sequence (a dropped request takes its arrival step
-   with it).
+   with it), no watermark; KV cache events reported incrementally rather
+   than in full, then off.
 
 Every candidate is a valid :class:`~differential.scenario.Scenario`, run on the
 real manager; a step is kept only if a finding with the *same signature*
@@ -37,6 +38,7 @@ from differential.findings import FindingKind, Policy
 from differential.scenario import (
     Drafter,
     DrafterKind,
+    KVEvents,
     Scenario,
 )
 from differential.variants import Variant
@@ -105,7 +107,22 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         yield "no drafts", _replace(s, workload=dataclasses.replace(w, accepted_drafts=()))
     if w.max_num_seqs is None or w.max_num_seqs > 1:
         yield "one running sequence", _replace(s, workload=dataclasses.replace(w, max_num_seqs=1))
+    if w.watermark:
+        yield "no watermark", _replace(s, workload=dataclasses.replace(w, watermark=0.0))
+    if w.kv_events is KVEvents.FULL:
+        yield (
+            "incremental KV event reports",
+            _replace(s, workload=dataclasses.replace(w, kv_events=KVEvents.INCREMENTAL)),
+        )
+    if w.kv_events is not KVEvents.OFF:
+        yield (
+            "no KV cache events",
+            _replace(s, workload=dataclasses.replace(w, kv_events=KVEvents.OFF)),
+        )
 
+
+# Simpler KV cache event settings first (workload.kv_events).
+_EVENTS_RANK = {KVEvents.OFF: 0, KVEvents.INCREMENTAL: 1, KVEvents.FULL: 2}
 
 _PLAIN = {
     DrafterKind.EAGLE3: DrafterKind.EAGLE,
@@ -298,6 +315,8 @@ def _size(s: Scenario) -> tuple[int, ...]:
         s.workload.arrival_steps is not None,
         len(s.workload.accepted_drafts),
         s.workload.max_num_seqs or 8,
+        round(s.workload.watermark * 1000),
+        _EVENTS_RANK[s.workload.kv_events],
     )
 
 

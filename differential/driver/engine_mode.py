@@ -388,6 +388,13 @@ def engine_plan(
         )
     if scenario.enable_mamba_shared_prefix_checkpoint:
         raise EngineUnsupported("enable_mamba_shared_prefix_checkpoint: not mapped to the engine")
+    if scenario.workload.kv_events.value != "off":
+        raise EngineUnsupported(
+            "workload.kv_events: the engine publishes KV cache events over ZMQ, which "
+            "engine mode does not subscribe to, so the stream would go unjudged"
+        )
+    if scenario.workload.watermark:
+        raise EngineUnsupported("workload.watermark: not mapped to the engine")
     drafter = scenario.drafter.kind
     if drafter is not DrafterKind.NONE and drafter not in _DRAFTERS:
         raise EngineUnsupported(

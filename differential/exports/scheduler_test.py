@@ -282,6 +282,9 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         if scenario.sliding_window_groups
         else ""
     )
+    watermark_config = (  # SchedulerConfig.watermark (0: vLLM's default, no line)
+        f"    config.scheduler_config.watermark = {w.watermark!r}\n" if w.watermark else ""
+    )
     source = _TEMPLATE.format(
         extra_retained=extra_retained,
         title=f"Engine-level prefix-cache regression: {finding.kind.value}.",
@@ -290,7 +293,7 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
             f"Geometry: {geometry}.",
             f"Expected: {expectation}",
         ),
-        mamba_config=mamba_config,
+        mamba_config=watermark_config + mamba_config,
         speculative_config=_speculative_config_source(scenario),
         num_spec=scenario.drafter.num_speculative_tokens,
         name=_test_name(name),

@@ -68,8 +68,10 @@ from differential.oracle.core import (
     promise_policy,
     references,
 )
+from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import common_prefix_tokens
+from differential.oracle.watermark import watermark_findings
 from differential.scenario import MambaPrefill, Scenario
 
 __all__ = [
@@ -436,6 +438,8 @@ def judge_engine_run(
     findings += _timeline_findings(scenario, run, policy)
     findings += resumed_findings(scenario, run, policy)
     findings += per_group_findings(scenario, run, policy)
+    findings += kv_event_findings(scenario, run, policy)
+    findings += watermark_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)
 

@@ -145,6 +145,8 @@ _LEVEL = {
     FindingKind.MISALIGNED: "error",
     FindingKind.FALLBACK: "error",
     FindingKind.PER_GROUP_HIT: "warning",
+    FindingKind.KV_EVENTS: "warning",
+    FindingKind.WATERMARK: "warning",
     FindingKind.VARIANT_REGRESSION: "warning",
     FindingKind.POOL_REGRESSION: "warning",
     FindingKind.VARIANT_DRIFT: "warning",

@@ -108,6 +108,11 @@ def _allowed(schema: _Node, node: _Node, python: bool) -> str:
         if high is not None:
             return f"an integer {low}..{high}" if low is not None else f"an integer <= {high}"
         return "an integer" if low is None else f"an integer >= {low}"
+    if kind == "number":
+        low, below = node.get("minimum"), node.get("exclusiveMaximum")
+        if low is not None and below is not None:
+            return f"a number {low} <= x < {below}"
+        return "a number"
     if kind == "boolean":
         return "true or false"
     if kind == "string":

@@ -29,7 +29,7 @@ from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
 from differential.scenario.models import FormatVersion, ModelDocument, Size, SizeOrZero
-from differential.scenario.workload import DriveMode, RequestSpec, Workload
+from differential.scenario.workload import DriveMode, KVEvents, RequestSpec, Workload
 
 if TYPE_CHECKING:
     from differential.scenario.model import Scenario
@@ -206,6 +206,21 @@ class WorkloadDocument(BaseModel):
         description="Draft tokens accepted per decode step (cycled), each at most "
         "drafter.num_speculative_tokens; empty: no drafts. Scheduler mode only.",
     )
+    kv_events: KVEvents = Field(
+        default=KVEvents.OFF,
+        exclude_if=lambda v: v is KVEvents.OFF,
+        description="KV cache events: 'off'; 'incremental' (events on, vLLM's default "
+        "kv_cache_report_mode); 'full' (events on, every request sent with "
+        "kv_cache_report_mode 'full', so reused blocks are announced again). The stream "
+        "is recorded per step and judged. Written only when not 'off'.",
+    )
+    watermark: Annotated[float, Field(ge=0.0, lt=1.0, strict=True)] = Field(
+        default=0.0,
+        exclude_if=lambda v: v == 0.0,
+        description="SchedulerConfig.watermark: the fraction of the pool's blocks vLLM keeps "
+        "free when admitting a waiting or preempted request while others are scheduled "
+        "(0 <= w < 1). Scheduler mode only. Written only when not 0.",
+    )
 
     def value(self) -> Workload:
         """The workload as a value."""
@@ -217,6 +232,8 @@ class WorkloadDocument(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             shares_output=self.shares_output,
             accepted_drafts=self.accepted_drafts,
+            kv_events=self.kv_events,
+            watermark=self.watermark,
         )
 
 

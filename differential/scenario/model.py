@@ -35,7 +35,7 @@ from differential.scenario.json_form import (
     scenario_to_dict,
 )
 from differential.scenario.rules import check_scenario
-from differential.scenario.workload import DriveMode, RequestSpec, Workload
+from differential.scenario.workload import DriveMode, KVEvents, RequestSpec, Workload
 
 __all__ = [
     "SCENARIO_FORMAT",
@@ -46,6 +46,7 @@ __all__ = [
     "DriveMode",
     "GroupKind",
     "KVCacheGroup",
+    "KVEvents",
     "MambaPrefill",
     "RequestSpec",
     "Scenario",

@@ -171,6 +171,15 @@ def check_workload(s: Scenario) -> None:
                 n,
                 f"at most drafter.num_speculative_tokens ({limit})",
             )
+    if w.mode is DriveMode.MANAGER and w.watermark:
+        # One request at a time: no request is ever scheduled beside the one
+        # admitted, so vLLM's watermark (applied only then) never applies.
+        raise ScenarioError(
+            "workload.mode",
+            w.mode.value,
+            "'scheduler' when watermark is set (vLLM applies the watermark only while "
+            "other requests are scheduled; the manager-level driver runs one at a time)",
+        )
     if w.mode is DriveMode.MANAGER and not w.sequential:
         raise ScenarioError(
             "workload.mode",

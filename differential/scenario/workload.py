@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["DriveMode", "RequestSpec", "Workload"]
+__all__ = ["DriveMode", "KVEvents", "RequestSpec", "Workload"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,27 @@ class DriveMode(StrEnum):
     SCHEDULER = "scheduler"
 
 
+class KVEvents(StrEnum):
+    """Whether vLLM publishes KV cache events in a run, and for which blocks.
+
+    ``OFF`` (the default): events are off, as in every earlier kvfuzz run.
+    ``INCREMENTAL``: events on (``KVCacheManager(enable_kv_cache_events=True)``;
+    in scheduler mode ``KVEventsConfig(enable_kv_cache_events=True)``), each
+    request with vLLM's default ``kv_cache_report_mode`` ``"incremental"``: a
+    ``BlockStored`` for each block the pool newly caches, a ``BlockRemoved``
+    for each cached block it drops. ``FULL``: events on and every request sent
+    with ``SamplingParams.extra_args["kv_cache_report_mode"] = "full"``, so a
+    lookup that reuses cached blocks also announces them again
+    (``KVCacheManager.get_computed_blocks``, vllm/v1/core/kv_cache_manager.py).
+    The stream is recorded per scheduler step and judged
+    (:mod:`differential.oracle.kv_events`).
+    """
+
+    OFF = "off"
+    INCREMENTAL = "incremental"
+    FULL = "full"
+
+
 @dataclass(frozen=True)
 class Workload:
     """How the requests reach the engine: mode, pool, arrivals, turns, drafts.
@@ -100,6 +121,14 @@ class Workload:
         accepted_drafts: draft tokens accepted per decode step (cycled), each
             at most ``drafter.num_speculative_tokens``; the rest of the drafts
             are rejected. Empty: no drafts are proposed. Scheduler mode only.
+        kv_events: KV cache events and the requests' report mode
+            (:class:`KVEvents`); both modes honour it.
+        watermark: ``SchedulerConfig.watermark``: the fraction (``0 <= w <
+            1``) of the pool's blocks vLLM keeps free when it admits a waiting
+            or preempted request while others are scheduled
+            (``KVCacheManager.__init__`` ``watermark_blocks = int(watermark *
+            num_blocks)``, applied in ``KVCacheManager.allocate_slots``).
+            ``0.0`` (vLLM's default) keeps none. Scheduler mode only.
     """
 
     mode: DriveMode = DriveMode.MANAGER
@@ -109,6 +138,8 @@ class Workload:
     max_num_batched_tokens: int | None = None
     shares_output: bool = False
     accepted_drafts: tuple[int, ...] = ()
+    kv_events: KVEvents = KVEvents.OFF
+    watermark: float = 0.0
 
     @property
     def sequential(self) -> bool:
