@@ -16,7 +16,10 @@ repeated until nothing more can be removed or the time budget is spent:
    each divergence point to the nearest alignment boundary;
 6. (scheduler mode) a simpler workload: requests one at a time, no accepted
    drafts, one running sequence (a dropped request takes its arrival step
-   with it).
+   with it);
+7. fewer images and cache salts: a request without its images (their
+   placeholder tokens become tokens of its own), without its cache salt,
+   then each image alone dropped.
 
 Every candidate is a valid :class:`~differential.scenario.Scenario`, run on the
 real manager; a step is kept only if a finding with the *same signature*
@@ -174,6 +177,14 @@ def _scaled(s: Scenario, num: int, den: int) -> Scenario | None:
             divergence_tokens=f(r.divergence_tokens),
             suffix_tokens=f(r.suffix_tokens),
             rejoin_tokens=f(r.rejoin_tokens),
+            mm_inputs=tuple(
+                dataclasses.replace(
+                    m,
+                    suffix_offset_tokens=f(m.suffix_offset_tokens),
+                    length_tokens=max(1, f(m.length_tokens)),
+                )
+                for m in r.mm_inputs
+            ),
         )
         for r in s.requests
     )
@@ -264,7 +275,11 @@ def _numbers(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         for suffix in sorted({0, 1, r.suffix_tokens // 2, r.suffix_tokens - alignment}):
             if 0 <= suffix < r.suffix_tokens:
                 requests = list(s.requests)
-                requests[index] = dataclasses.replace(r, suffix_tokens=suffix)
+                # The images that still fit among the request's own tokens stay.
+                kept = tuple(
+                    m for m in r.mm_inputs if m.suffix_offset_tokens + m.length_tokens <= suffix
+                )
+                requests[index] = dataclasses.replace(r, suffix_tokens=suffix, mm_inputs=kept)
                 yield f"request {index} suffix {suffix}", _replace(s, requests=tuple(requests))
     for index, r in enumerate(s.requests):
         for rejoin in sorted({0, r.rejoin_tokens // 2, r.rejoin_tokens - alignment}):
@@ -281,7 +296,34 @@ def _numbers(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
                 yield f"request {index} divergence {target}", _replace(s, requests=tuple(requests))
 
 
-_PASSES = (_drop_requests, _simplify, _scale_down, _windows, _retention, _numbers, _workload)
+def _multimodal(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    def with_request(index: int, **changes: object) -> Scenario | None:
+        requests = list(s.requests)
+        requests[index] = dataclasses.replace(requests[index], **changes)  # type: ignore[arg-type]
+        return _replace(s, requests=tuple(requests))
+
+    for index, r in enumerate(s.requests):
+        if r.mm_inputs:
+            yield f"request {index} without images", with_request(index, mm_inputs=())
+        if r.cache_salt is not None:
+            yield f"request {index} without a cache salt", with_request(index, cache_salt=None)
+    for index, r in enumerate(s.requests):
+        if len(r.mm_inputs) > 1:
+            for k in range(len(r.mm_inputs)):
+                kept = r.mm_inputs[:k] + r.mm_inputs[k + 1 :]
+                yield f"request {index} without image {k}", with_request(index, mm_inputs=kept)
+
+
+_PASSES = (
+    _drop_requests,
+    _simplify,
+    _scale_down,
+    _windows,
+    _retention,
+    _numbers,
+    _workload,
+    _multimodal,
+)
 
 
 def _size(s: Scenario) -> tuple[int, ...]:
@@ -298,6 +340,7 @@ def _size(s: Scenario) -> tuple[int, ...]:
         s.workload.arrival_steps is not None,
         len(s.workload.accepted_drafts),
         s.workload.max_num_seqs or 8,
+        sum(len(r.mm_inputs) + (r.cache_salt is not None) for r in s.requests),
     )
 
 
