@@ -17,9 +17,9 @@ repeated until nothing more can be removed or the time budget is spent:
 6. (scheduler mode) a simpler workload: requests one at a time, no accepted
    drafts, one running sequence (a dropped request takes its arrival step
    with it);
-7. fewer images and cache salts: a request without its images (their
-   placeholder tokens become tokens of its own), without its cache salt,
-   then each image alone dropped.
+7. fewer images and cache salts: none at all, then a request without its
+   images (their placeholder tokens become tokens of its own) or without
+   its cache salt, then each image alone dropped.
 
 Every candidate is a valid :class:`~differential.scenario.Scenario`, run on the
 real manager; a step is kept only if a finding with the *same signature*
@@ -302,6 +302,12 @@ def _multimodal(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         requests[index] = dataclasses.replace(requests[index], **changes)  # type: ignore[arg-type]
         return _replace(s, requests=tuple(requests))
 
+    if sum(bool(r.mm_inputs) for r in s.requests) > 1:
+        bare = tuple(dataclasses.replace(r, mm_inputs=()) for r in s.requests)
+        yield "no images", _replace(s, requests=bare)
+    if sum(r.cache_salt is not None for r in s.requests) > 1:
+        unsalted = tuple(dataclasses.replace(r, cache_salt=None) for r in s.requests)
+        yield "no cache salts", _replace(s, requests=unsalted)
     for index, r in enumerate(s.requests):
         if r.mm_inputs:
             yield f"request {index} without images", with_request(index, mm_inputs=())

@@ -423,7 +423,7 @@ def make_request(
         "pooling_params": None,
         "block_hasher": hasher,
     }
-    if spec.mm_inputs or scenario.mm_placements[index]:
+    if scenario.mm_placements[index]:
         request_args["mm_features"] = mm_features(scenario, index)
     if spec.cache_salt is not None:
         request_args["cache_salt"] = spec.cache_salt

@@ -85,7 +85,9 @@ class Scenario:
             alignment and never takes the EAGLE drop; ``is_eagle_group`` needs
             a dropping drafter (see :func:`.rules.check_draft_groups`).
         requests: the requests, run in order; each is prefilled, decoded for
-            ``decode_steps`` tokens and freed before the next starts.
+            ``decode_steps`` tokens and freed before the next starts; a
+            request may hold images and a cache salt (:class:`RequestSpec`,
+            :mod:`.multimodal`).
         shared_prefix_tokens: length of the common prefix requests copy from.
         retention_interval_tokens: vLLM's ``prefix_cache_retention_interval``:
             ``None`` (dense), ``0`` (replay boundaries and junctions only) or a

@@ -320,6 +320,7 @@ def test_shrink_steps_drop_and_scale_images() -> None:
     )
     steps = dict(_multimodal(salted))
     assert list(steps) == [
+        "no images",
         "request 0 without images",
         "request 0 without a cache salt",
         "request 2 without images",
