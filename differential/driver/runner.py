@@ -88,7 +88,7 @@ from differential.observation import (
     RunObservation,
 )
 from differential.scenario import GroupKind, KVEvents, MambaPrefill, Scenario
-from differential.variants.capabilities import Feature
+from differential.variants.capabilities import Feature, Unsupported
 
 __all__ = ["VLLM_VERSION", "run_scenario"]
 
@@ -338,14 +338,14 @@ def memoised_hasher(hasher: Any, block_size: int, lookahead: int) -> Callable[[R
 
     vLLM's chained hash of a block depends on the parent hash (``NONE_HASH``
     for the first block), the block's tokens, the lookahead tokens after it
-    and the request's extra keys; kvfuzz's requests have none (no
-    multi-modal features, LoRA, cache salt or prompt embeddings: such a
-    request is hashed afresh). So the new hashes of a request are a function
-    of the parent hash and the tokens from ``len(request.block_hashes) *
-    block_size`` on, the memo's key with ``block_size`` (tokens) and
-    ``lookahead`` (tokens). The memo is keyed by the ``kv_cache_utils``
-    module this process imported too (a tree's vLLM has its own), and
-    cleared past 4M tokens of keys.
+    and the request's extra keys. A request with extra keys (multimodal
+    features or a cache salt, which scenarios may give; LoRA or prompt
+    embeddings) is hashed afresh, by vLLM's hasher alone; for the others
+    the new hashes are a function of the parent hash and the tokens from
+    ``len(request.block_hashes) * block_size`` on, the memo's key with
+    ``block_size`` (tokens) and ``lookahead`` (tokens). The memo is keyed by
+    the ``kv_cache_utils`` module this process imported too (a tree's vLLM
+    has its own), and cleared past 4M tokens of keys.
     """
 
     def hashes(request: Request) -> list[Any]:
@@ -391,12 +391,53 @@ def block_hasher(scenario: Scenario, resolved: ResolvedDrafter) -> Any:
     return memoised_hasher(hasher, block_size, lookahead)
 
 
+def mm_features(scenario: Scenario, index: int) -> list[Any] | None:
+    """Request ``index``'s images as vLLM's ``MultiModalFeatureSpec`` list
+    (vllm/multimodal/inputs.py), as vLLM's own tests build them
+    (``tests/v1/core/utils.py`` ``create_requests``): a dummy encoder input,
+    the ``PlaceholderRange`` (offset and length in tokens), the identifier,
+    modality ``image``; sorted by offset. ``None`` without images, as vLLM's
+    input processor leaves it."""
+    placed = scenario.mm_placements[index]
+    if not placed:
+        return None
+    from vllm.multimodal.inputs import (
+        MultiModalFeatureSpec,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+
+    return [
+        vllm_call(
+            "MultiModalFeatureSpec",
+            MultiModalFeatureSpec,
+            data=vllm_call("MultiModalKwargsItem.dummy", MultiModalKwargsItem.dummy),
+            modality="image",
+            identifier=p.identifier,
+            mm_position=vllm_call(
+                "PlaceholderRange",
+                PlaceholderRange,
+                offset=p.offset_tokens,
+                length=p.length_tokens,
+            ),
+        )
+        for p in placed
+    ]
+
+
 def make_request(
     scenario: Scenario, index: int, prompt: Sequence[int], hasher: Any, max_tokens: int
 ) -> Request:
     """vLLM's ``Request`` for request ``index`` (id ``req-<index>``), with at
-    most ``max_tokens`` sampled tokens; with ``workload.kv_events`` ``full``
-    its ``kv_cache_report_mode`` is ``"full"`` (``SamplingParams.extra_args``)."""
+    most ``max_tokens`` sampled tokens, its images (:func:`mm_features`) and
+    its ``cache_salt``; with ``workload.kv_events`` ``full`` its
+    ``kv_cache_report_mode`` is ``"full"`` (``SamplingParams.extra_args``).
+
+    Raises:
+        Unsupported: the request has images or a cache salt and the running
+            vLLM's ``Request`` takes no ``mm_features`` or ``cache_salt``.
+    """
+    spec = scenario.requests[index]
     sampling: dict[str, Any] = {"max_tokens": max_tokens}
     if scenario.workload.kv_events is KVEvents.FULL:
         # vllm/v1/request.py reads the report mode from the sampling params.
@@ -408,6 +449,13 @@ def make_request(
         "pooling_params": None,
         "block_hasher": hasher,
     }
+    if scenario.mm_placements[index]:
+        request_args["mm_features"] = mm_features(scenario, index)
+    if spec.cache_salt is not None:
+        request_args["cache_salt"] = spec.cache_salt
+    for name in ("mm_features", "cache_salt"):
+        if name in request_args and name not in _REQUEST_PARAMETERS:
+            raise Unsupported(f"Request({name}=) (vllm/v1/request.py)")
     return vllm_call(
         "Request",
         Request,

@@ -225,6 +225,34 @@ def _vllm_config(
     return config
 
 
+def _size_encoder_budget(scheduler: Any, scenario: Scenario) -> None:
+    """Give ``scheduler`` an encoder budget for the scenario's images that
+    never cuts a prefill step.
+
+    ``Scheduler.__init__`` sizes its encoder compute budget and encoder
+    cache from the model's multimodal processor (``MultiModalBudget``,
+    vllm/multimodal/encoder_budget.py), which the tiny text-only model has
+    not: both are 0, and a step stops before any image
+    (``Scheduler._try_schedule_encoder_inputs``). As vLLM's own scheduler
+    tests do (``tests/v1/core/test_scheduler.py``), kvfuzz sets
+    ``max_num_encoder_input_tokens`` and a real ``EncoderCacheManager``
+    (vllm/v1/core/encoder_cache_manager.py) itself, both the scenario's
+    image tokens in all (in tokens): more than any step can schedule, so
+    prefill steps end where they would without images and both driving
+    modes chunk alike; the encoder budget's own scheduling is not what
+    kvfuzz tests. Nothing changes for a scenario without images.
+    """
+    if not scenario.has_mm_inputs:
+        return
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    total = sum(p.length_tokens for placed in scenario.mm_placements for p in placed)
+    scheduler.max_num_encoder_input_tokens = total
+    scheduler.encoder_cache_manager = vllm_call(
+        "EncoderCacheManager", EncoderCacheManager, cache_size=total
+    )
+
+
 @dataclass
 class _Admission:
     """A request's admitting lookup (tokens), recorded around the real call."""
@@ -803,6 +831,7 @@ def run_scheduler_scenario(
             block_size=scenario.scheduler_block_size_tokens,
             hash_block_size=scenario.effective_hash_block_size_tokens,
         )
+        _size_encoder_budget(scheduler, scenario)
         manager = scheduler.kv_cache_manager
         settings = runner.manager_settings(
             manager,

@@ -116,7 +116,7 @@ def _allowed(schema: _Node, node: _Node, python: bool) -> str:
     if kind == "boolean":
         return "true or false"
     if kind == "string":
-        return "a string"
+        return "a non-empty string" if node.get("minLength") else "a string"
     if kind == "array":
         sort = "tuple" if python else "list"
         return f"a non-empty {sort}" if node.get("minItems") else f"a {sort}"

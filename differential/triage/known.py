@@ -133,7 +133,7 @@ def _unit_below_retained_boundary(
     # own hit fell short of it. Without the run's hits, any earlier request may
     # have, so both the pinned and the unpinned writer count.
     dense = [r.dense_tokens for r in references(scenario, model, [0] * index)]
-    prompts = scenario.prompts
+    prompts = scenario.contents
     literal: set[int] = set()
     for writer in range(index):
         shared = common_prefix_tokens(prompts[writer], prompts[index])
