@@ -52,6 +52,10 @@ class EventRecorder:
         self.report_mode = report_mode
         self.hash_block_size = hash_block_size
         self.labels: dict[Any, int] = {}
+        # vLLM's cache key (hash with group id) -> (group, label): converting a
+        # hash for events reads an environment variable each time, and every
+        # drain reads the whole cache.
+        self._keys: dict[Any, tuple[int, int]] = {}
         self.steps: list[KVEventStep] = []
         self.pool: Counter[tuple[int, int]] = Counter()
         # Since the last drain: the lookups made and, per lookup, the span of
@@ -115,10 +119,13 @@ class EventRecorder:
         snapshot, as ``(group, label, blocks)``, in sorted order."""
         now: Counter[tuple[int, int]] = Counter()
         cache = self.manager.block_pool.cached_block_hash_to_block._cache
+        keys = self._keys
         for key, value in cache.items():
-            count = len(value) if isinstance(value, dict) else 1
-            hashed = maybe_convert_block_hash(get_block_hash(key))
-            now[(get_group_id(key), self.label(hashed))] += count
+            entry = keys.get(key)
+            if entry is None:
+                hashed = maybe_convert_block_hash(get_block_hash(key))
+                entry = keys[key] = (get_group_id(key), self.label(hashed))
+            now[entry] += len(value) if isinstance(value, dict) else 1
         changed = sorted(
             (group, label, now.get((group, label), 0))
             for group, label in set(now) | set(self.pool)
