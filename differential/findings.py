@@ -77,6 +77,15 @@ class FindingKind(StrEnum):
     PR #14097), and admission caps a request at its window's blocks
     (``max_admission_blocks_per_request``) on that promise, so the pool is
     over-committed (:func:`differential.oracle.blocks.table_violations`)."""
+    KV_EVENTS = "kv-events"
+    """The KV cache event stream (``BlockStored``, ``BlockRemoved``,
+    ``AllBlocksCleared``) disagrees with the prefix cache it describes:
+    replaying it does not give the pool's cached blocks per group after every
+    step, an event misdescribes its blocks (parent hash, token ids, block
+    size, group, spec kind), removes a block never stored, or a lookup
+    re-announces reused blocks other than the report mode says
+    (:mod:`differential.oracle.kv_events`). A router rebuilding the cache
+    from the stream misroutes requests."""
     VARIANT_REGRESSION = "variant-regression"
     """A variant carrying the fix hits less than one without it."""
     POOL_REGRESSION = "pool-regression"
@@ -106,6 +115,11 @@ class FindingKind(StrEnum):
     """(engine mode) kvfuzz's manager or scheduler driver on the engine's
     vLLM release gave other hits than vLLM's real engine: both hit lists and
     the first request where they part."""
+    WATERMARK = "watermark"
+    """(scheduler mode) a waiting or preempted request was admitted while
+    others were scheduled and left fewer free blocks than the KV cache
+    watermark (``SchedulerConfig.watermark``, vLLM PR #44594) keeps
+    (:mod:`differential.oracle.watermark`)."""
     EVICTION_COLLAPSE = "eviction-collapse"
     """(scheduler mode) with dense retention every later turn of every
     session hit nothing, while retention 0 at the same pool size keeps

@@ -6,18 +6,24 @@ comparison read them. Nothing here imports vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "BlockRecord",
     "BlockWrite",
     "GroupLookup",
+    "KVEvent",
+    "KVEventLog",
+    "KVEventLookup",
+    "KVEventStep",
     "ManagerSettings",
     "RequestObservation",
     "ResumedLookup",
     "RunObservation",
     "StepTable",
+    "runs_of",
+    "tokens_of",
 ]
 
 
@@ -102,6 +108,210 @@ class BlockWrite:
             "null": self.null,
             **({} if self.held_by is None else {"held_by": self.held_by}),
         }
+
+
+def runs_of(tokens: list[int] | tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Token ids as runs of consecutive ids: ``((first id, count), ...)``.
+
+    Lossless (:func:`tokens_of` inverts it); kvfuzz's prompts and answers
+    are runs of consecutive ids, so a block's tokens take a few pairs."""
+    runs: list[list[int]] = []
+    for token in tokens:
+        if runs and runs[-1][0] + runs[-1][1] == token:
+            runs[-1][1] += 1
+        else:
+            runs.append([token, 1])
+    return tuple((first, count) for first, count in runs)
+
+
+def tokens_of(runs: tuple[tuple[int, int], ...]) -> list[int]:
+    """Inverse of :func:`runs_of`."""
+    return [first + k for first, count in runs for k in range(count)]
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """One KV cache event vLLM published (vllm/distributed/kv_events.py),
+    as plain values.
+
+    Block hashes are written as labels (small integers, numbered by the
+    driver in order of first appearance in the run; the same hash has the
+    same label everywhere in the run, pool snapshots included), and
+    :attr:`KVEventLog.prefixes` says which token prefix each label's hash
+    names.
+
+    Attributes:
+        kind: ``"stored"`` (``BlockStored``), ``"removed"``
+            (``BlockRemoved``) or ``"cleared"`` (``AllBlocksCleared``).
+        group: the event's ``group_idx`` (the KV cache group), ``None`` if unset.
+        hashes: the event's ``block_hashes``, as labels.
+        parent: (stored) ``parent_block_hash`` as a label, ``None`` if unset.
+        block_size: (stored) ``block_size``, in tokens.
+        tokens: (stored) ``token_ids`` as runs (:func:`runs_of`).
+        spec_kind: (stored) ``kv_cache_spec_kind``.
+        sliding_window: (stored) ``kv_cache_spec_sliding_window``, in tokens.
+        lookup: the index, in its step's :attr:`KVEventStep.lookups`, of the
+            ``KVCacheManager.get_computed_blocks`` call that emitted the event
+            (the reused blocks a ``"full"`` report re-announces); ``None``
+            for an event any other call emitted.
+    """
+
+    kind: str
+    group: int | None = None
+    hashes: tuple[int, ...] = ()
+    parent: int | None = None
+    block_size: int = 0
+    tokens: tuple[tuple[int, int], ...] = ()
+    spec_kind: str | None = None
+    sliding_window: int | None = None
+    lookup: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVEvent:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            kind=data["kind"],
+            group=data.get("group"),
+            hashes=tuple(data.get("hashes", ())),
+            parent=data.get("parent"),
+            block_size=data.get("block_size", 0),
+            tokens=tuple((a, b) for a, b in data.get("tokens", ())),
+            spec_kind=data.get("spec_kind"),
+            sliding_window=data.get("sliding_window"),
+            lookup=data.get("lookup"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (fields of a ``BlockStored`` only on one)."""
+        out: dict[str, Any] = {"kind": self.kind, "group": self.group}
+        if self.kind != "cleared":
+            out["hashes"] = list(self.hashes)
+        if self.kind == "stored":
+            out["parent"] = self.parent
+            out["block_size"] = self.block_size
+            out["tokens"] = [list(r) for r in self.tokens]
+            out["spec_kind"] = self.spec_kind
+            out["sliding_window"] = self.sliding_window
+        if self.lookup is not None:
+            out["lookup"] = self.lookup
+        return out
+
+
+@dataclass(frozen=True)
+class KVEventLookup:
+    """One ``KVCacheManager.get_computed_blocks`` call made while KV cache
+    events were on.
+
+    Attributes:
+        request: the request's index in the scenario.
+        hit_tokens: the hit it returned, in tokens.
+        blocks_per_group: per KV cache group, how many blocks it returned
+            (null blocks included), in blocks.
+    """
+
+    request: int
+    hit_tokens: int
+    blocks_per_group: tuple[int, ...]
+
+    @classmethod
+    def from_list(cls, data: list[Any]) -> KVEventLookup:
+        """Inverse of :meth:`to_list`."""
+        return cls(data[0], data[1], tuple(data[2]))
+
+    def to_list(self) -> list[Any]:
+        """Compact JSON form ``[request, hit_tokens, blocks_per_group]``."""
+        return [self.request, self.hit_tokens, list(self.blocks_per_group)]
+
+
+@dataclass(frozen=True)
+class KVEventStep:
+    """The KV cache events of one drain of vLLM's event queue and the cache
+    right after it.
+
+    Scheduler mode drains once per scheduler step, at the scheduler's own
+    call (``Scheduler.update_from_output``'s ``KVCacheManager.take_events``,
+    published through its ``kv_event_publisher``); manager mode drains
+    (``KVCacheManager.take_events``) after each lookup and each
+    ``allocate_slots``, ``cache_blocks`` and ``free`` call it makes.
+
+    Attributes:
+        step: the scheduler step, from 0 (manager mode: the steps the driver
+            began, ``new_step_starts`` calls, counted from 0 as well).
+        events: the events drained, in vLLM's order.
+        lookups: the ``get_computed_blocks`` calls made since the last drain.
+        pool: the prefix cache's entries whose count changed since the last
+            drain: ``(group, hash label, blocks)``, ``blocks`` the number of
+            blocks ``BlockPool.cached_block_hash_to_block`` holds under that
+            group and hash now (0: gone).
+    """
+
+    step: int
+    events: tuple[KVEvent, ...] = ()
+    lookups: tuple[KVEventLookup, ...] = ()
+    pool: tuple[tuple[int, int, int], ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVEventStep:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            step=data["step"],
+            events=tuple(KVEvent.from_dict(e) for e in data.get("events", ())),
+            lookups=tuple(KVEventLookup.from_list(u) for u in data.get("lookups", ())),
+            pool=tuple((g, h, n) for g, h, n in data.get("pool", ())),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (empty parts left out)."""
+        out: dict[str, Any] = {"step": self.step}
+        if self.events:
+            out["events"] = [e.to_dict() for e in self.events]
+        if self.lookups:
+            out["lookups"] = [u.to_list() for u in self.lookups]
+        if self.pool:
+            out["pool"] = [list(p) for p in self.pool]
+        return out
+
+
+@dataclass(frozen=True)
+class KVEventLog:
+    """A run's KV cache event stream, drain by drain, and what the cache held.
+
+    Attributes:
+        report_mode: every request's ``kv_cache_report_mode``
+            (``"incremental"`` or ``"full"``).
+        steps: the drains, in order (a drain that changed nothing is left out).
+        prefixes: hash label -> ``(request index, tokens)``: the label's hash
+            is the chained block hash vLLM's hasher gave that request's first
+            ``tokens`` tokens (``Request.block_hashes``, at the hash block
+            size); a label naming no request's prefix is absent.
+    """
+
+    report_mode: str
+    steps: tuple[KVEventStep, ...] = ()
+    prefixes: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVEventLog:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            report_mode=data["report_mode"],
+            steps=tuple(KVEventStep.from_dict(s) for s in data.get("steps", ())),
+            prefixes={int(k): (v[0], v[1]) for k, v in data.get("prefixes", {}).items()},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "report_mode": self.report_mode,
+            "steps": [s.to_dict() for s in self.steps],
+            "prefixes": {str(k): list(v) for k, v in sorted(self.prefixes.items())},
+        }
+
+    @property
+    def num_events(self) -> tuple[int, int, int]:
+        """(stored, removed, cleared) events in the run."""
+        kinds = [e.kind for s in self.steps for e in s.events]
+        return kinds.count("stored"), kinds.count("removed"), kinds.count("cleared")
 
 
 @dataclass(frozen=True)
@@ -508,6 +718,15 @@ class RunObservation:
             explain``) one line per scheduler step: arrivals, what each
             request was scheduled for (tokens, prefill or decode, drafts
             accepted), preemptions, finished requests, evicted blocks.
+        watermark_admissions: (scheduler mode, recorded only with a
+            ``workload.watermark``) every ``KVCacheManager.allocate_slots``
+            call that admitted a waiting or preempted request while other
+            requests were scheduled (its ``has_scheduled_reqs``), as
+            ``(request index, step, free blocks right after the call)``, the
+            free blocks in blocks (``BlockPool.get_num_free_blocks``).
+        kv_events: the KV cache event stream and the cache beside it
+            (:class:`KVEventLog`), recorded only when the scenario turns
+            events on (``workload.kv_events``); ``None`` otherwise.
         crash_cache_map: (manager mode, recorded with the cache map) when vLLM
             raised, the cache map of the request it raised on, taken at that
             request's lookup (as :attr:`RequestObservation.cache_map`), so
@@ -533,6 +752,8 @@ class RunObservation:
     timeline: tuple[str, ...] = ()
     crash_cache_map: tuple[str, ...] = ()
     newly_cached_blocks_per_group: tuple[int, ...] = ()
+    kv_events: KVEventLog | None = None
+    watermark_admissions: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def unreachable_share(self) -> float:
@@ -563,6 +784,12 @@ class RunObservation:
             timeline=tuple(data.get("timeline", ())),
             crash_cache_map=tuple(data.get("crash_cache_map", ())),
             newly_cached_blocks_per_group=tuple(data.get("newly_cached_blocks_per_group", ())),
+            kv_events=None
+            if data.get("kv_events") is None
+            else KVEventLog.from_dict(data["kv_events"]),
+            watermark_admissions=tuple(
+                (i, step, free) for i, step, free in data.get("watermark_admissions", ())
+            ),
         )
 
     @property
@@ -588,6 +815,10 @@ class RunObservation:
             out["crash_cache_map"] = list(self.crash_cache_map)
         if self.newly_cached_blocks_per_group:
             out["newly_cached_blocks_per_group"] = list(self.newly_cached_blocks_per_group)
+        if self.kv_events is not None:
+            out["kv_events"] = self.kv_events.to_dict()
+        if self.watermark_admissions:
+            out["watermark_admissions"] = [list(a) for a in self.watermark_admissions]
         return out
 
     def _base_dict(self) -> dict[str, Any]:

@@ -15,9 +15,13 @@ repeated until nothing more can be removed or the time budget is spent:
    their offset inside their retention period);
 5. cut the shared prefix to what requests use, shrink each suffix, and pull
    each divergence point to the nearest alignment boundary;
-6. (scheduler mode) a simpler workload: requests one at a time, no accepted
+6. a simpler workload: (scheduler mode) requests one at a time, no accepted
    drafts, one running sequence (a dropped request takes its arrival step
-   with it).
+   with it), no watermark; KV cache events reported incrementally rather
+   than in full, then off;
+7. fewer images and cache salts: none at all, then a request without its
+   images (their placeholder tokens become tokens of its own) or without
+   its cache salt, then each image alone dropped.
 
 Every candidate is a valid :class:`~differential.scenario.Scenario`, run on the
 real manager; a step is kept only if a finding with the *same signature*
@@ -39,6 +43,7 @@ from differential.scenario import (
     Drafter,
     DrafterKind,
     GroupKind,
+    KVEvents,
     Scenario,
 )
 from differential.variants import Variant
@@ -107,7 +112,22 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         yield "no drafts", _replace(s, workload=dataclasses.replace(w, accepted_drafts=()))
     if w.max_num_seqs is None or w.max_num_seqs > 1:
         yield "one running sequence", _replace(s, workload=dataclasses.replace(w, max_num_seqs=1))
+    if w.watermark:
+        yield "no watermark", _replace(s, workload=dataclasses.replace(w, watermark=0.0))
+    if w.kv_events is KVEvents.FULL:
+        yield (
+            "incremental KV event reports",
+            _replace(s, workload=dataclasses.replace(w, kv_events=KVEvents.INCREMENTAL)),
+        )
+    if w.kv_events is not KVEvents.OFF:
+        yield (
+            "no KV cache events",
+            _replace(s, workload=dataclasses.replace(w, kv_events=KVEvents.OFF)),
+        )
 
+
+# Simpler KV cache event settings first (workload.kv_events).
+_EVENTS_RANK = {KVEvents.OFF: 0, KVEvents.INCREMENTAL: 1, KVEvents.FULL: 2}
 
 _PLAIN = {
     DrafterKind.EAGLE3: DrafterKind.EAGLE,
@@ -187,6 +207,14 @@ def _scaled(s: Scenario, num: int, den: int) -> Scenario | None:
             divergence_tokens=f(r.divergence_tokens),
             suffix_tokens=f(r.suffix_tokens),
             rejoin_tokens=f(r.rejoin_tokens),
+            mm_inputs=tuple(
+                dataclasses.replace(
+                    m,
+                    suffix_offset_tokens=f(m.suffix_offset_tokens),
+                    length_tokens=max(1, f(m.length_tokens)),
+                )
+                for m in r.mm_inputs
+            ),
         )
         for r in s.requests
     )
@@ -277,7 +305,11 @@ def _numbers(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         for suffix in sorted({0, 1, r.suffix_tokens // 2, r.suffix_tokens - alignment}):
             if 0 <= suffix < r.suffix_tokens:
                 requests = list(s.requests)
-                requests[index] = dataclasses.replace(r, suffix_tokens=suffix)
+                # The images that still fit among the request's own tokens stay.
+                kept = tuple(
+                    m for m in r.mm_inputs if m.suffix_offset_tokens + m.length_tokens <= suffix
+                )
+                requests[index] = dataclasses.replace(r, suffix_tokens=suffix, mm_inputs=kept)
                 yield f"request {index} suffix {suffix}", _replace(s, requests=tuple(requests))
     for index, r in enumerate(s.requests):
         for rejoin in sorted({0, r.rejoin_tokens // 2, r.rejoin_tokens - alignment}):
@@ -294,7 +326,40 @@ def _numbers(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
                 yield f"request {index} divergence {target}", _replace(s, requests=tuple(requests))
 
 
-_PASSES = (_drop_requests, _simplify, _scale_down, _windows, _retention, _numbers, _workload)
+def _multimodal(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    def with_request(index: int, **changes: object) -> Scenario | None:
+        requests = list(s.requests)
+        requests[index] = dataclasses.replace(requests[index], **changes)  # type: ignore[arg-type]
+        return _replace(s, requests=tuple(requests))
+
+    if sum(bool(r.mm_inputs) for r in s.requests) > 1:
+        bare = tuple(dataclasses.replace(r, mm_inputs=()) for r in s.requests)
+        yield "no images", _replace(s, requests=bare)
+    if sum(r.cache_salt is not None for r in s.requests) > 1:
+        unsalted = tuple(dataclasses.replace(r, cache_salt=None) for r in s.requests)
+        yield "no cache salts", _replace(s, requests=unsalted)
+    for index, r in enumerate(s.requests):
+        if r.mm_inputs:
+            yield f"request {index} without images", with_request(index, mm_inputs=())
+        if r.cache_salt is not None:
+            yield f"request {index} without a cache salt", with_request(index, cache_salt=None)
+    for index, r in enumerate(s.requests):
+        if len(r.mm_inputs) > 1:
+            for k in range(len(r.mm_inputs)):
+                kept = r.mm_inputs[:k] + r.mm_inputs[k + 1 :]
+                yield f"request {index} without image {k}", with_request(index, mm_inputs=kept)
+
+
+_PASSES = (
+    _drop_requests,
+    _simplify,
+    _scale_down,
+    _windows,
+    _retention,
+    _numbers,
+    _workload,
+    _multimodal,
+)
 
 
 def _size(s: Scenario) -> tuple[int, ...]:
@@ -311,6 +376,9 @@ def _size(s: Scenario) -> tuple[int, ...]:
         s.workload.arrival_steps is not None,
         len(s.workload.accepted_drafts),
         s.workload.max_num_seqs or 8,
+        round(s.workload.watermark * 1000),
+        _EVENTS_RANK[s.workload.kv_events],
+        sum(len(r.mm_inputs) + (r.cache_salt is not None) for r in s.requests),
         s.dcp_world_size,
     )
 

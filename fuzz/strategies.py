@@ -26,13 +26,18 @@ from differential.scenario import (
     DriveMode,
     GroupKind,
     KVCacheGroup,
+    KVEvents,
     MambaPrefill,
+    MultiModalInput,
     RequestSpec,
     Scenario,
     Workload,
 )
 
 __all__ = ["Scale", "engine_scenarios", "geometries", "mamba_geometries", "scenarios"]
+
+# KV cache events (workload.kv_events): off three times in four.
+_KV_EVENTS = (KVEvents.OFF,) * 6 + (KVEvents.INCREMENTAL, KVEvents.FULL)
 
 # Prefill modes for Mamba hybrids: vLLM's chunking mostly.
 _MAMBA_PREFILLS = (MambaPrefill.SCHEDULER, MambaPrefill.SCHEDULER, MambaPrefill.BLOCK)
@@ -431,6 +436,16 @@ def scenarios(
         }
     # Drawn last, so that every draw above reads the bytes it read before.
     requests = _rejoining(draw, requests, prefix, alignment)
+    decode_steps = draw(st.sampled_from((0, 0, 0, 1, 3)))
+    # Then KV cache events for one scenario in four, in 'full' report mode
+    # only without Mamba groups (vLLM 0.33.0's full report indexes past the
+    # block hashes on a Mamba hit that ends inside a block: vLLM PR #57358).
+    events = draw(st.sampled_from(_KV_EVENTS))
+    if mamba and events is KVEvents.FULL:
+        events = KVEvents.INCREMENTAL
+    # Drawn after everything else, for the same reason.
+    requests = _multimodal(draw, requests, alignment)
+    # Last of all, decode context parallelism (it may scale the groups' blocks).
     groups, dcp = _decode_context_parallel(draw, groups, retention)
     try:
         return Scenario(
@@ -443,7 +458,8 @@ def scenarios(
             disable_lookahead_block_hashes=protection == "disabled",
             disable_eagle_block_drop=disable_drop,
             prefill_chunk_tokens=chunk,
-            decode_steps=draw(st.sampled_from((0, 0, 0, 1, 3))),
+            decode_steps=decode_steps,
+            workload=Workload(kv_events=events),
             dcp_world_size=dcp,
             **mamba_options,  # type: ignore[arg-type]
         )
@@ -506,6 +522,87 @@ def _rejoining(
             rejoin = draw(st.one_of(st.just(room), st.sampled_from(units), st.integers(1, room)))
             r = dataclasses.replace(r, rejoin_tokens=rejoin)
         out.append(r)
+    return out
+
+
+# Image identifiers the generator draws: few, so the same image recurs.
+_IMAGES = ("image-a", "image-b", "image-c")
+_SALTS = ("tenant-a", "tenant-b")
+
+
+def _copy_boundaries(requests: list[RequestSpec]) -> set[int]:
+    """Every prompt position, in tokens, where some request's copy of its
+    source starts or stops (a divergence point, a rejoin's start and end):
+    an image may not straddle one (:func:`differential.scenario.rules.check_mm_inputs`)."""
+    cuts: set[int] = set()
+    for r in requests:
+        if r.shares_with is None:
+            continue
+        cuts.add(r.divergence_tokens)
+        if r.rejoin_tokens:
+            cuts.update((r.divergence_tokens + r.suffix_tokens, r.source_tokens))
+    return cuts
+
+
+def _multimodal(draw: st.DrawFn, requests: list[RequestSpec], alignment: int) -> list[RequestSpec]:
+    """The requests, in one scenario in four with images and cache salts.
+
+    Half the requests with tokens of their own get one to three images
+    among them (``RequestSpec.mm_inputs``; lengths of 1, the hit alignment
+    and either side of it, each identifier one length), placed clear of
+    every copy boundary so that copies carry whole images; then, half the
+    time, a sibling that swaps one of them for another image, every token
+    the same (the source up to the image, the new image, the source's rest
+    rejoined); and one request in six a cache salt of two. ``alignment`` in
+    tokens.
+    """
+    if draw(st.integers(0, 3)):
+        return requests
+    cuts = _copy_boundaries(requests)
+    lengths: dict[str, int] = {}
+    sizes = st.sampled_from((1, max(1, alignment - 1), alignment, alignment + 1, 2 * alignment))
+    out: list[RequestSpec] = []
+    for r in requests:
+        inputs: list[MultiModalInput] = []
+        if r.suffix_tokens and draw(st.booleans()):
+            offset = 0
+            for _ in range(draw(st.integers(1, 3))):
+                identifier = draw(st.sampled_from(_IMAGES))
+                offset += draw(st.sampled_from((0, 0, 1, alignment)))
+                room = r.suffix_tokens - offset
+                length = lengths.get(identifier) or min(draw(sizes), max(1, room))
+                start = r.divergence_tokens + offset
+                inside = [c for c in cuts if start < c < start + length]
+                if inside:  # start at the last copy boundary it straddled
+                    offset += max(inside) - start
+                    start = max(inside)
+                if offset + length > r.suffix_tokens or any(
+                    start < c < start + length for c in cuts
+                ):
+                    break
+                lengths[identifier] = length
+                inputs.append(MultiModalInput(offset, length, identifier))
+                offset += length
+        salt = draw(st.sampled_from(_SALTS)) if draw(st.integers(0, 5)) == 0 else None
+        out.append(dataclasses.replace(r, mm_inputs=tuple(inputs), cache_salt=salt))
+    owners = [i for i, r in enumerate(out) if r.mm_inputs]
+    if bool(owners) and draw(st.booleans()):
+        source = draw(st.sampled_from(owners))
+        image = draw(st.sampled_from(out[source].mm_inputs))
+        start = out[source].divergence_tokens + image.suffix_offset_tokens
+        rest = out[source].prompt_tokens - start - image.length_tokens
+        swapped = f"{image.identifier}-swapped"
+        out.append(
+            RequestSpec(
+                start,
+                image.length_tokens,
+                shares_with=source,
+                name="image swapped",
+                rejoin_tokens=rest,
+                mm_inputs=(MultiModalInput(0, image.length_tokens, swapped),),
+                cache_salt=out[source].cache_salt,
+            )
+        )
     return out
 
 

@@ -57,14 +57,19 @@ def run(args: argparse.Namespace) -> int:
         for vr in result.results
         for f in vr.findings
         if f.request is not None
-        and f.kind is not FindingKind.DENSE_MISMATCH
-        # A block table's null blocks, not a hit: no hit assertion states it.
-        and f.kind is not FindingKind.KEPT_SKIPPED_BLOCK
+        # A block table's null blocks or an event stream, not a hit: no hit
+        # assertion states them.
+        and f.kind
+        not in (FindingKind.DENSE_MISMATCH, FindingKind.KV_EVENTS, FindingKind.KEPT_SKIPPED_BLOCK)
         and (f.kind is FindingKind.CRASH or f.request < len(vr.references))
     ]
     if not candidates:
         raise ScenarioError(
-            "FINDING", str(args.finding), "a scenario with a per-request finding to assert"
+            "FINDING",
+            str(args.finding),
+            "a scenario with a per-request finding to assert on hits (a kv-events "
+            "finding is judged on the event stream, which an exported test does not "
+            "record: replay the file instead)",
         )
     # The finding the file is about (its recorded signature), else the first.
     recorded = [

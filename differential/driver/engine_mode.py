@@ -223,7 +223,7 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
 
     Blocks, windows, chunks, the hash block, the hit alignment, the retention
     interval, the prefill chunk and step budget, the shared prefix, every
-    divergence point and suffix, and the decode steps scale; block counts
+    divergence point and suffix, every image, and the decode steps scale; block counts
     (the pool) and draft counts do not. Every block boundary of the scenario
     maps to one of the scaled scenario, so hits scale by ``factor``.
     """
@@ -249,6 +249,14 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
             divergence_tokens=r.divergence_tokens * factor,
             suffix_tokens=r.suffix_tokens * factor,
             rejoin_tokens=r.rejoin_tokens * factor,
+            mm_inputs=tuple(
+                dataclasses.replace(
+                    m,
+                    suffix_offset_tokens=m.suffix_offset_tokens * factor,
+                    length_tokens=m.length_tokens * factor,
+                )
+                for m in r.mm_inputs
+            ),
         )
         for r in scenario.requests
     )
@@ -346,6 +354,16 @@ def engine_plan(
         EngineUnsupported: the CPU engine (or kvfuzz's tiny models) cannot
             run it; the message names why.
     """
+    if scenario.has_mm_inputs:
+        raise EngineUnsupported(
+            "images (requests' mm_inputs): kvfuzz's engine models are text-only tiny models, "
+            "with no vision encoder and no multimodal processor to expand an image into "
+            "placeholder tokens (vllm/multimodal/processing.py)"
+        )
+    if scenario.has_cache_salts:
+        raise EngineUnsupported(
+            "cache_salt: the engine worker sends each prompt as token ids alone, without a salt"
+        )
     groups = scenario.kv_cache_groups
     if scenario.dcp_world_size > 1:
         raise EngineUnsupported(
@@ -384,6 +402,7 @@ def engine_plan(
         )
     if scenario.kv_connector:
         raise EngineUnsupported("a KV connector: engine mode configures none")
+
     if scenario.workload.shares_output and any(
         r.rejoin_tokens and r.shares_with is not None for r in scenario.requests
     ):
@@ -393,6 +412,13 @@ def engine_plan(
         )
     if scenario.enable_mamba_shared_prefix_checkpoint:
         raise EngineUnsupported("enable_mamba_shared_prefix_checkpoint: not mapped to the engine")
+    if scenario.workload.kv_events.value != "off":
+        raise EngineUnsupported(
+            "workload.kv_events: the engine publishes KV cache events over ZMQ, which "
+            "engine mode does not subscribe to, so the stream would go unjudged"
+        )
+    if scenario.workload.watermark:
+        raise EngineUnsupported("workload.watermark: not mapped to the engine")
     drafter = scenario.drafter.kind
     if drafter is not DrafterKind.NONE and drafter not in _DRAFTERS:
         raise EngineUnsupported(

@@ -76,6 +76,7 @@ from differential.driver.features import (
     vllm_build,
     vllm_call,
 )
+from differential.driver.kv_events import EventRecorder
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
 from differential.driver.specs import dcp_block_sizes, kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
@@ -86,8 +87,8 @@ from differential.observation import (
     RequestObservation,
     RunObservation,
 )
-from differential.scenario import GroupKind, MambaPrefill, Scenario
-from differential.variants.capabilities import Feature
+from differential.scenario import GroupKind, KVEvents, MambaPrefill, Scenario
+from differential.variants.capabilities import Feature, Unsupported
 
 __all__ = ["VLLM_VERSION", "run_scenario"]
 
@@ -196,6 +197,21 @@ def _new_step(manager: KVCacheManager) -> None:
         vllm_call("KVCacheManager.new_step_starts", starts)
 
 
+def _begin_step(d: _Driver) -> None:
+    """A scheduler step begins (:func:`_new_step`), counted for the event log."""
+    _new_step(d.manager)
+    d.steps_begun += 1
+
+
+def _drain_events(d: _Driver) -> None:
+    """With events on, drain vLLM's event queue as the scheduler does once a
+    step (``KVCacheManager.take_events``) and record it with the cache."""
+    if d.events is not None:
+        # Steps numbered from 0, as scheduler mode numbers them.
+        step = max(0, d.steps_begun - 1)
+        d.events.drain(step, vllm_call("KVCacheManager.take_events", d.events.take))
+
+
 def _cached_keys(manager: KVCacheManager) -> Counter[bytes]:
     """Cached block keys (hash + group id) -> number of cached blocks."""
     cache = manager.block_pool.cached_block_hash_to_block._cache
@@ -274,6 +290,11 @@ class _Driver:
     scheduler_view: SimpleNamespace
     ledger: BlockLedger | None
     record_cache_map: bool
+    # The KV cache event recorder (None: events off, nothing recorded).
+    events: EventRecorder | None = None
+    steps_begun: int = 0
+    # vLLM's requests made so far, in order (their hashes name the events').
+    made: list[Request] = field(default_factory=list)
     # The cached block keys after the last request (what the next one looks
     # up against: nothing changes the cache between a free and the next
     # lookup), and their count per group.
@@ -336,14 +357,14 @@ def memoised_hasher(hasher: Any, block_size: int, lookahead: int) -> Callable[[R
 
     vLLM's chained hash of a block depends on the parent hash (``NONE_HASH``
     for the first block), the block's tokens, the lookahead tokens after it
-    and the request's extra keys; kvfuzz's requests have none (no
-    multi-modal features, LoRA, cache salt or prompt embeddings: such a
-    request is hashed afresh). So the new hashes of a request are a function
-    of the parent hash and the tokens from ``len(request.block_hashes) *
-    block_size`` on, the memo's key with ``block_size`` (tokens) and
-    ``lookahead`` (tokens). The memo is keyed by the ``kv_cache_utils``
-    module this process imported too (a tree's vLLM has its own), and
-    cleared past 4M tokens of keys.
+    and the request's extra keys. A request with extra keys (multimodal
+    features or a cache salt, which scenarios may give; LoRA or prompt
+    embeddings) is hashed afresh, by vLLM's hasher alone; for the others
+    the new hashes are a function of the parent hash and the tokens from
+    ``len(request.block_hashes) * block_size`` on, the memo's key with
+    ``block_size`` (tokens) and ``lookahead`` (tokens). The memo is keyed by
+    the ``kv_cache_utils`` module this process imported too (a tree's vLLM
+    has its own), and cleared past 4M tokens of keys.
     """
 
     def hashes(request: Request) -> list[Any]:
@@ -389,18 +410,71 @@ def block_hasher(scenario: Scenario, resolved: ResolvedDrafter) -> Any:
     return memoised_hasher(hasher, block_size, lookahead)
 
 
+def mm_features(scenario: Scenario, index: int) -> list[Any] | None:
+    """Request ``index``'s images as vLLM's ``MultiModalFeatureSpec`` list
+    (vllm/multimodal/inputs.py), as vLLM's own tests build them
+    (``tests/v1/core/utils.py`` ``create_requests``): a dummy encoder input,
+    the ``PlaceholderRange`` (offset and length in tokens), the identifier,
+    modality ``image``; sorted by offset. ``None`` without images, as vLLM's
+    input processor leaves it."""
+    placed = scenario.mm_placements[index]
+    if not placed:
+        return None
+    from vllm.multimodal.inputs import (
+        MultiModalFeatureSpec,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+
+    return [
+        vllm_call(
+            "MultiModalFeatureSpec",
+            MultiModalFeatureSpec,
+            data=vllm_call("MultiModalKwargsItem.dummy", MultiModalKwargsItem.dummy),
+            modality="image",
+            identifier=p.identifier,
+            mm_position=vllm_call(
+                "PlaceholderRange",
+                PlaceholderRange,
+                offset=p.offset_tokens,
+                length=p.length_tokens,
+            ),
+        )
+        for p in placed
+    ]
+
+
 def make_request(
     scenario: Scenario, index: int, prompt: Sequence[int], hasher: Any, max_tokens: int
 ) -> Request:
     """vLLM's ``Request`` for request ``index`` (id ``req-<index>``), with at
-    most ``max_tokens`` sampled tokens."""
+    most ``max_tokens`` sampled tokens, its images (:func:`mm_features`) and
+    its ``cache_salt``; with ``workload.kv_events`` ``full`` its
+    ``kv_cache_report_mode`` is ``"full"`` (``SamplingParams.extra_args``).
+
+    Raises:
+        Unsupported: the request has images or a cache salt and the running
+            vLLM's ``Request`` takes no ``mm_features`` or ``cache_salt``.
+    """
+    spec = scenario.requests[index]
+    sampling: dict[str, Any] = {"max_tokens": max_tokens}
+    if scenario.workload.kv_events is KVEvents.FULL:
+        # vllm/v1/request.py reads the report mode from the sampling params.
+        sampling["extra_args"] = {"kv_cache_report_mode": "full"}
     request_args = {
         "request_id": f"req-{index}",
         "prompt_token_ids": list(prompt),
-        "sampling_params": vllm_call("SamplingParams", SamplingParams, max_tokens=max_tokens),
+        "sampling_params": vllm_call("SamplingParams", SamplingParams, **sampling),
         "pooling_params": None,
         "block_hasher": hasher,
     }
+    if scenario.mm_placements[index]:
+        request_args["mm_features"] = mm_features(scenario, index)
+    if spec.cache_salt is not None:
+        request_args["cache_salt"] = spec.cache_salt
+    for name in ("mm_features", "cache_salt"):
+        if name in request_args and name not in _REQUEST_PARAMETERS:
+            raise Unsupported(f"Request({name}=) (vllm/v1/request.py)")
     return vllm_call(
         "Request",
         Request,
@@ -432,6 +506,8 @@ def _build(
         raise UnsupportedFeature(Feature.PREFILL_LOOKAHEAD)
     if scenario.enable_mamba_shared_prefix_checkpoint:
         optional["enable_mamba_shared_prefix_checkpoint"] = True
+    if scenario.workload.kv_events is not KVEvents.OFF:
+        optional["enable_kv_cache_events"] = True
     config = kv_cache_config(
         scenario,
         resolved,
@@ -469,6 +545,11 @@ def _build(
         record_cache_map=record_cache_map,
         seen=seen,
         seen_per_group=_blocks_per_group(seen, len(scenario.kv_cache_groups)),
+        events=None
+        if scenario.workload.kv_events is KVEvents.OFF
+        else EventRecorder(
+            manager, scenario.workload.kv_events.value, scenario.effective_hash_block_size_tokens
+        ),
     )
 
 
@@ -478,8 +559,9 @@ def _lookup(d: _Driver, index: int, prompt: Sequence[int]) -> _Lookup:
     scenario, manager = d.scenario, d.manager
     coordinator = manager.coordinator
     request = make_request(scenario, index, prompt, d.hasher, scenario.decode_steps + 1)
+    d.made.append(request)
     before = d.seen  # the cache as the previous request's free left it
-    _new_step(manager)
+    _begin_step(d)
     cache_map = _cache_map(scenario, manager, request) if d.record_cache_map else ()
     d.pending_cache_map = cache_map
     per_group = vllm_call(
@@ -489,12 +571,15 @@ def _lookup(d: _Driver, index: int, prompt: Sequence[int]) -> _Lookup:
         coordinator,
         request,
     )
+    queue_start = d.events.queue_length() if d.events is not None else 0
     with trace_lookups(coordinator) as traced:
         lookup = vllm_call(
             "KVCacheManager.get_computed_blocks", manager.get_computed_blocks, request
         )
     # Releases without junction pinning return (blocks, hit tokens).
     blocks, hit, junction = (*lookup, 0) if len(lookup) == 2 else lookup
+    if d.events is not None:
+        d.events.lookup(index, hit, blocks, queue_start)
     request.shared_prefix_boundary = junction
     lookup_blocks = d.ledger.lookup(blocks.blocks) if d.ledger is not None else ()
     if not per_group:
@@ -529,7 +614,7 @@ def _prefill(
         num_new = min(scenario.step_budget_tokens, prompt_tokens - computed)
         stalled_by = "the prefill chunking"
         if not first:
-            _new_step(manager)
+            _begin_step(d)
         if mamba_view is not None and scenario.mamba_prefill is MambaPrefill.BLOCK:
             num_new = _block_carved_chunk(mamba_view, computed, num_new)
         elif mamba_view is not None:
@@ -591,6 +676,7 @@ def _prefill(
             )
         if allocated is None:
             raise _pool_ran_out(d.scenario, f"at {computed} tokens of request {index}")
+        _drain_events(d)
         if ledger is not None:
             unsafe_writes += ledger.after_step(
                 index, request.request_id, computed, computed + num_new, cached_before
@@ -644,7 +730,7 @@ def _decode(d: _Driver, index: int, request: Request, phase: list[str]) -> list[
     computed = request.num_computed_tokens
     for step in range(d.scenario.decode_steps):
         phase[0] = f"request {index}: decode step {step}"
-        _new_step(manager)
+        _begin_step(d)
         _sample(d, index, step, request)
         cached_before = (
             ledger.before_step(request.request_id, computed, computed + 1, None)
@@ -660,6 +746,7 @@ def _decode(d: _Driver, index: int, request: Request, phase: list[str]) -> list[
         )
         if allocated is None:
             raise _pool_ran_out(d.scenario, f"at decode step {step} of request {index}")
+        _drain_events(d)
         if ledger is not None:
             unsafe_writes += ledger.after_step(
                 index, request.request_id, computed, computed + 1, cached_before
@@ -675,6 +762,7 @@ def _free(
     """Free phase: ``free``, count evictions and what the request retained."""
     manager = d.manager
     vllm_call("KVCacheManager.free", manager.free, found.request)
+    _drain_events(d)
     after = _cached_keys(manager)
     d.evicted += sum((d.seen - after).values())
     after_per_group = _blocks_per_group(after, len(d.scenario.kv_cache_groups))
@@ -755,6 +843,7 @@ def run_scenario(
             unsafe_writes += _decode(d, index, found.request, phase)
             phase[0] = f"request {index}: last sampled token"
             _sample(d, index, scenario.decode_steps, found.request)
+            _drain_events(d)
             phase[0] = f"request {index}: free"
             observed.append(_free(d, index, found, unsafe_writes))
             d.pending_cache_map = ()
@@ -777,4 +866,5 @@ def run_scenario(
         retention_interval_tokens=retention,
         blocks_recorded=d is not None and d.ledger is not None,
         crash_cache_map=d.pending_cache_map if d is not None and outcome.error else (),
+        kv_events=d.events.log(d.made) if d is not None and d.events is not None else None,
     )

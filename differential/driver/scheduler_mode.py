@@ -67,6 +67,7 @@ from typing import Any
 import differential.driver.runner as runner
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import VllmCallError, classified_run, vllm_build, vllm_call
+from differential.driver.kv_events import EventRecorder
 from differential.driver.runner import UNSET, resolve_retention
 from differential.driver.settings import ResolvedDrafter, _speculative_config, resolve_drafter
 from differential.driver.specs import kv_cache_config, pool_blocks
@@ -79,7 +80,7 @@ from differential.observation import (
     ResumedLookup,
     RunObservation,
 )
-from differential.scenario import Scenario
+from differential.scenario import KVEvents, Scenario
 
 __all__ = ["run_scheduler_scenario"]
 
@@ -153,6 +154,7 @@ def _vllm_config(
     scheduler reads it."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.config import KVEventsConfig
     from vllm.config.kv_transfer import KVTransferConfig
 
     workload = scenario.workload
@@ -189,6 +191,19 @@ def _vllm_config(
     config.scheduler_config.max_num_batched_tokens = budget
     config.scheduler_config.max_num_scheduled_tokens = None
     config.scheduler_config.long_prefill_token_threshold = 0
+    # vLLM's own range check of the fraction (SchedulerConfig: 0 <= w < 1)
+    # ran on the scenario's field (differential/scenario/json_form.py).
+    config.scheduler_config.watermark = workload.watermark
+    if workload.kv_events is not KVEvents.OFF:
+        # Events on, published nowhere: the driver records each batch at the
+        # scheduler's own publish call (run_scheduler_scenario).
+        object.__setattr__(
+            config,
+            "kv_events_config",
+            vllm_call(
+                "KVEventsConfig", KVEventsConfig, enable_kv_cache_events=True, publisher="null"
+            ),
+        )
     # Synchronous scheduling (each step's output before the next schedule()),
     # whichever platform vLLM resolved in this process: with an unresolved one
     # VllmConfig turns async scheduling on.
@@ -219,6 +234,34 @@ def _vllm_config(
     return config
 
 
+def _size_encoder_budget(scheduler: Any, scenario: Scenario) -> None:
+    """Give ``scheduler`` an encoder budget for the scenario's images that
+    never cuts a prefill step.
+
+    ``Scheduler.__init__`` sizes its encoder compute budget and encoder
+    cache from the model's multimodal processor (``MultiModalBudget``,
+    vllm/multimodal/encoder_budget.py), which the tiny text-only model has
+    not: both are 0, and a step stops before any image
+    (``Scheduler._try_schedule_encoder_inputs``). As vLLM's own scheduler
+    tests do (``tests/v1/core/test_scheduler.py``), kvfuzz sets
+    ``max_num_encoder_input_tokens`` and a real ``EncoderCacheManager``
+    (vllm/v1/core/encoder_cache_manager.py) itself, both the scenario's
+    image tokens in all (in tokens): more than any step can schedule, so
+    prefill steps end where they would without images and both driving
+    modes chunk alike; the encoder budget's own scheduling is not what
+    kvfuzz tests. Nothing changes for a scenario without images.
+    """
+    if not scenario.has_mm_inputs:
+        return
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    total = sum(p.length_tokens for placed in scenario.mm_placements for p in placed)
+    scheduler.max_num_encoder_input_tokens = total
+    scheduler.encoder_cache_manager = vllm_call(
+        "EncoderCacheManager", EncoderCacheManager, cache_size=total
+    )
+
+
 @dataclass
 class _Admission:
     """A request's admitting lookup (tokens), recorded around the real call."""
@@ -244,11 +287,15 @@ def _record_lookups(
     failures: list[BaseException],
     ledger: BlockLedger | None = None,
     clock: _FreeQueueClock | None = None,
+    events: EventRecorder | None = None,
+    index_of: dict[str, int] | None = None,
 ) -> None:
     """Wrap this manager's ``get_computed_blocks`` (an instance attribute, so
     variant patches on the class still run inside) to record every call, with
-    what its blocks held when ``ledger`` is given and the free queue's removal
-    count when ``clock`` is.
+    what its blocks held when ``ledger`` is given, the free queue's removal
+    count when ``clock`` is, and, when ``events`` is, the call and the KV
+    cache events it emitted (``index_of``: request id -> scenario index,
+    filled before the first call).
 
     An exception in kvfuzz's own bookkeeping is kept in ``failures`` (the
     caller raises it as kvfuzz's failure), never passed off as vLLM's.
@@ -264,10 +311,16 @@ def _record_lookups(
             failures.append(exc)
             return real(request, *args, **kwargs)
         per_group = runner._per_group_hits(scenario, coordinator, request)  # diagnostic only
+        queue_start = events.queue_length() if events is not None else 0
         with trace_lookups(coordinator) as traced:
             result = real(request, *args, **kwargs)
         hit = result[1]
         junction = result[2] if len(result) > 2 else 0
+        if events is not None and index_of is not None:
+            try:
+                events.lookup(index_of[request.request_id], hit, result[0], queue_start)
+            except Exception as exc:  # kvfuzz's own failure
+                failures.append(exc)
         try:
             blocks = ledger.lookup(result[0].blocks) if ledger is not None else ()
         except Exception as exc:  # kvfuzz's own failure
@@ -348,6 +401,46 @@ def _record_writes(
                 )
             except Exception as exc:  # kvfuzz's own failure
                 failures.append(exc)
+        return result
+
+    manager.allocate_slots = allocate_slots
+
+
+def _record_watermark_admissions(
+    manager: Any,
+    index_of: dict[str, int],
+    step: list[int],
+    admissions: list[tuple[int, int, int]],
+    failures: list[BaseException],
+) -> None:
+    """Wrap this manager's ``allocate_slots`` (an instance attribute, as in
+    :func:`_record_lookups`) to record each successful call for a waiting or
+    preempted request made while other requests were scheduled: the calls
+    ``KVCacheManager.allocate_slots`` applies the watermark to
+    (``has_scheduled_reqs`` and the request's ``RequestStatus``), as
+    ``(request index, step, free blocks right after the call)``."""
+    from vllm.v1.request import RequestStatus
+
+    real = manager.allocate_slots
+    # The method's own parameters (``real`` may be another recorder's wrapper).
+    signature = inspect.signature(type(manager).allocate_slots.__get__(manager))
+    watched = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        try:
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            request = call.arguments["request"]
+            applies = bool(call.arguments.get("has_scheduled_reqs", True)) and (
+                request.status in watched
+            )
+        except Exception as exc:  # kvfuzz's own failure
+            failures.append(exc)
+            return real(*args, **kwargs)
+        result = real(*args, **kwargs)
+        if result is not None and applies and request.request_id in index_of:
+            free = manager.block_pool.get_num_free_blocks()
+            admissions.append((index_of[request.request_id], step[0], free))
         return result
 
     manager.allocate_slots = allocate_slots
@@ -722,6 +815,9 @@ def run_scheduler_scenario(
     pool = 0
     steps = 0
     ledger: BlockLedger | None = None
+    recorder: EventRecorder | None = None
+    requests: list[Any] = []
+    watermark_admissions: list[tuple[int, int, int]] = []
     with classified_run("scheduler-mode driver", phase, runner.VLLM_VERSION) as outcome:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -756,6 +852,7 @@ def run_scheduler_scenario(
             block_size=scenario.scheduler_block_size_tokens,
             hash_block_size=scenario.effective_hash_block_size_tokens,
         )
+        _size_encoder_budget(scheduler, scenario)
         manager = scheduler.kv_cache_manager
         settings = runner.manager_settings(
             manager,
@@ -768,16 +865,37 @@ def run_scheduler_scenario(
         failures: list[BaseException] = []
         ledger = BlockLedger.for_manager(manager)
         clock = _FreeQueueClock(lookups)
-        _record_lookups(scenario, manager, record_cache_map, lookups, step, failures, ledger, clock)
+        if workload.kv_events is not KVEvents.OFF:
+            recorder = EventRecorder(
+                manager, workload.kv_events.value, scenario.effective_hash_block_size_tokens
+            )
+            # The scheduler's own drain (update_from_output's take_events)
+            # publishes each step's batch here.
+            scheduler.kv_event_publisher.publish = recorder.publish
+        index_of: dict[str, int] = {}
+        _record_lookups(
+            scenario,
+            manager,
+            record_cache_map,
+            lookups,
+            step,
+            failures,
+            ledger,
+            clock,
+            recorder,
+            index_of,
+        )
         requests = [
             runner.make_request(scenario, i, prompt, hasher, scenario.decode_steps + 1)
             for i, prompt in enumerate(scenario.prompts)
         ]
-        index_of = {r.request_id: i for i, r in enumerate(requests)}
+        index_of.update({r.request_id: i for i, r in enumerate(requests)})
         writes: dict[int, list[BlockWrite]] = {}
         if ledger is not None:
             _record_writes(manager, ledger, index_of, writes, failures)
         clock.install(manager)
+        if workload.watermark:
+            _record_watermark_admissions(manager, index_of, step, watermark_admissions, failures)
         admitted: dict[int, _Admission] = {}
         resumed: dict[int, list[ResumedLookup]] = {}
         finished_at: dict[int, Counter[bytes]] = {}
@@ -828,6 +946,8 @@ def run_scheduler_scenario(
                     scheduler.update_draft_token_ids,
                     DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts),
                 )
+            if recorder is not None:
+                recorder.drain(step[0])
             after = runner._cached_keys(manager)
             lost = sum((seen - after).values())
             evicted += lost
@@ -920,6 +1040,8 @@ def run_scheduler_scenario(
         timeline=tuple(timeline) if record_cache_map else (),
         blocks_recorded=ledger is not None,
         newly_cached_blocks_per_group=tuple(newly_cached),
+        kv_events=recorder.log(requests) if recorder is not None else None,
+        watermark_admissions=tuple(watermark_admissions),
     )
 
 

@@ -270,6 +270,28 @@ def _mark_line(exp: Explanation, column_tokens: int, width: int) -> str:
     return "".join(marks)
 
 
+def _image_line(exp: Explanation, column_tokens: int, width: int) -> str | None:
+    """``▒`` in every column holding an image's placeholder tokens of the
+    request (``Scenario.mm_placements``), ``None`` when it has no image."""
+    placed = exp.scenario.mm_placements[exp.request]
+    if not placed:
+        return None
+    cells = [" "] * width
+    for col in range(width):
+        lo = exp.start_tokens + col * column_tokens
+        if any(p.offset_tokens < lo + column_tokens and lo < p.end_tokens for p in placed):
+            cells[col] = "▒"
+    return "".join(cells)
+
+
+def _images_text(exp: Explanation) -> str:
+    """The request's images in words: ``image 'cat' [24, 64)``."""
+    return ", ".join(
+        f"image {p.identifier!r} [{p.offset_tokens}, {p.end_tokens})"
+        for p in exp.scenario.mm_placements[exp.request]
+    )
+
+
 def _column_tokens(scenario: Scenario) -> int:
     """Tokens per picture column: the smallest block, or the hash block when
     Mamba states sit at hash-block positions (fine-grained hits)."""
@@ -318,6 +340,9 @@ def render_text(exp: Explanation) -> str:
         f"tokens {exp.start_tokens}..{exp.end_tokens}, one column per {column} tokens",
         " " * label_width + _mark_line(exp, column, width),
     ]
+    images = _image_line(exp, column, width)
+    if images is not None:
+        lines.append(f"{'images':<{label_width}}{images}  {_images_text(exp)}")
     for row in exp.rows:
         for gid, group in enumerate(scenario.kv_cache_groups):
             kind = _group_kind_label(group)
@@ -346,6 +371,7 @@ def render_text(exp: Explanation) -> str:
             if any(g.is_eagle_group for g in scenario.kv_cache_groups)
             else ""
         )
+        + ("  ▒ image placeholder tokens" if images is not None else "")
     )
     lines += _block_lines(exp)
     lines += [
@@ -481,6 +507,16 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
                 text(left + width * block_px + 10, y + 14, f"{row.outcome}: {row.verdict}")
             )
     bottom = top + len(rows) * row_px
+    for placed in scenario.mm_placements[exp.request]:
+        lo = max(placed.offset_tokens, exp.start_tokens)
+        hi = min(placed.end_tokens, exp.end_tokens)
+        if lo < hi:
+            parts.append(
+                f'<rect x="{x(lo):.1f}" y="{top - 6}" width="{x(hi) - x(lo):.1f}" '
+                f'height="{bottom - top + 6}" fill="#d69e2e" fill-opacity="0.15">'
+                f"<title>image {escape(placed.identifier)} [{placed.offset_tokens}, "
+                f"{placed.end_tokens})</title></rect>"
+            )
     reusable = sorted({r.reusable_tokens for r in exp.rows if r.reusable_tokens is not None})
     marks = (
         *((c, "#718096", f"c={c}") for c in exp.checkpoints),
@@ -500,7 +536,8 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
         text(
             8,
             total_h - 8,
-            "blue = cached, grey = not cached, orange triangle = the variant's hit",
+            "blue = cached, grey = not cached, orange triangle = the variant's hit"
+            + (f"; shaded = {_images_text(exp)}" if scenario.mm_placements[exp.request] else ""),
         )
     )
     for line, line_text in enumerate(block_lines):

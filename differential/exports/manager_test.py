@@ -16,7 +16,13 @@ import re
 from differential.exports._source import import_block, literal, wrapped
 from differential.findings import Finding, FindingKind
 from differential.oracle import SiblingReference
-from differential.scenario import DrafterKind, GroupKind, MambaPrefill, Scenario
+from differential.scenario import (
+    MM_PLACEHOLDER_TOKEN_ID,
+    DrafterKind,
+    GroupKind,
+    MambaPrefill,
+    Scenario,
+)
 
 __all__ = [
     "IMPORTABLE",
@@ -25,6 +31,7 @@ __all__ = [
     "export_test",
     "hit_check",
     "with_imports",
+    "with_mm_inputs",
 ]
 
 _METHOD = {
@@ -234,6 +241,10 @@ IMPORTABLE = {
     "KVTransferConfig": "vllm.config.kv_transfer",
     "SamplingParams": "vllm.sampling_params",
     "sha256": "vllm.utils.hashing",
+    "MultiModalFeatureSpec": "vllm.multimodal.inputs",
+    "MultiModalKwargsItem": "vllm.multimodal.inputs",
+    "PlaceholderRange": "vllm.multimodal.inputs",
+    "EncoderCacheManager": "vllm.v1.core.encoder_cache_manager",
     "KVCacheManager": "vllm.v1.core.kv_cache_manager",
     "get_request_block_hasher": "vllm.v1.core.kv_cache_utils",
     "init_none_hash": "vllm.v1.core.kv_cache_utils",
@@ -573,7 +584,89 @@ def export_test(
         source = source.replace(
             caching, f"        dcp_world_size={scenario.dcp_world_size},\n{caching}"
         )
+    if scenario.has_mm_inputs or scenario.has_cache_salts:
+        source = with_mm_inputs(
+            source,
+            scenario,
+            before="    prefix = [1 + p % 50000",
+            after_prompt="        prompts.append(base[:divergence]",
+            index="index",
+        )
     return with_imports(source)
+
+
+_MM_HELPER = '''
+
+def _mm_features(images: list[tuple[int, int, str]]) -> list[MultiModalFeatureSpec] | None:
+    """A request's images as the engine core receives them, as vLLM's own
+    tests build them (tests/v1/core/utils.py): (offset, length, identifier)."""
+    return [
+        MultiModalFeatureSpec(
+            data=MultiModalKwargsItem.dummy(),
+            mm_position=PlaceholderRange(offset=offset, length=length),
+            identifier=identifier,
+            modality="image",
+        )
+        for offset, length, identifier in images
+    ] or None
+'''
+
+
+def with_mm_inputs(
+    source: str, scenario: Scenario, *, before: str, after_prompt: str | None, index: str
+) -> str:
+    """``source`` (an exported test) sending each request's images
+    (``MultiModalFeatureSpec`` with its ``PlaceholderRange``) and
+    ``cache_salt`` as kvfuzz's driver does
+    (differential/driver/runner.py ``make_request``).
+
+    Args:
+        before: the start of the line the per-request lists go before.
+        after_prompt: the start of the line that appends a prompt built from
+            its shape, after which the images' placeholder tokens are
+            written; ``None`` when the prompts are given token by token.
+        index: the name of the request's index where ``Request`` is built.
+
+    Raises:
+        ValueError: if the template no longer has the lines this edits.
+    """
+    images = [
+        [(p.offset_tokens, p.length_tokens, p.identifier) for p in placed]
+        for placed in scenario.mm_placements
+    ]
+    salts = [r.cache_salt for r in scenario.requests]
+    lists = (
+        "    # Per request: its images (prompt offset, length, identifier), runs of the\n"
+        f"    # placeholder token {MM_PLACEHOLDER_TOKEN_ID}, and its cache salt.\n"
+        f"    images = {literal(images, column=13)}\n"
+        f"    cache_salts = {literal(salts, column=18)}\n"
+    )
+    edits: list[tuple[str, str]] = [
+        ("init_none_hash(sha256)\n", "init_none_hash(sha256)\n" + _MM_HELPER),
+        (before, lists + before),
+        (
+            "            block_hasher=hasher,\n",
+            f"            mm_features=_mm_features(images[{index}]),\n"
+            f"            cache_salt=cache_salts[{index}],\n"
+            "            block_hasher=hasher,\n",
+        ),
+    ]
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise ValueError(f"export template changed: cannot place {old.strip()!r}")
+        source = source.replace(old, new)
+    if after_prompt is not None:
+        start = source.find(after_prompt)
+        end = source.find("\n", start) + 1
+        if start < 0 or source.count(after_prompt) != 1:
+            raise ValueError(f"export template changed: cannot place {after_prompt.strip()!r}")
+        overlay = (
+            "        for offset, length, _ in images[index]:\n"
+            "            prompts[-1][offset : offset + length] = "
+            f"[{MM_PLACEHOLDER_TOKEN_ID}] * length\n"
+        )
+        source = source[:end] + overlay + source[end:]
+    return source
 
 
 # Mamba hybrids: every step starts with new_step_starts and every prefill

@@ -29,6 +29,7 @@ from differential.exports.manager_test import (
     docstring_lines,
     hit_check,
     with_imports,
+    with_mm_inputs,
 )
 from differential.findings import Finding, FindingKind
 from differential.scenario import Scenario
@@ -126,7 +127,7 @@ def {name}(tmp_path: Path) -> None:
     arrivals = {arrivals}
     # Drafts accepted per decode step, cycled.
     accepted = {accepted}
-    num_spec = {num_spec} if accepted else 0
+    num_spec = {num_spec}
     hits = {{}}
     added = step = decode_count = 0
     while added < len(requests) or scheduler.has_requests():
@@ -289,6 +290,9 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         if scenario.sliding_window_groups
         else ""
     )
+    watermark_config = (  # SchedulerConfig.watermark (0: vLLM's default, no line)
+        f"    config.scheduler_config.watermark = {w.watermark!r}\n" if w.watermark else ""
+    )
     source = _TEMPLATE.format(
         extra_retained=extra_retained,
         title=f"Engine-level prefix-cache regression: {finding.kind.value}.",
@@ -297,9 +301,13 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
             f"Geometry: {geometry}.",
             f"Expected: {expectation}",
         ),
-        mamba_config=mamba_config,
+        mamba_config=watermark_config + mamba_config,
         speculative_config=_speculative_config_source(scenario),
-        num_spec=scenario.drafter.num_speculative_tokens,
+        num_spec=(
+            f"{scenario.drafter.num_speculative_tokens} if accepted else 0"
+            if scenario.drafter.num_speculative_tokens
+            else "0"
+        ),
         name=_test_name(name),
         max_model_len=max_model_len,
         scheduler_block_size=scenario.scheduler_block_size_tokens,
@@ -316,4 +324,21 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         max_steps=1_000 + 8 * (total + len(scenario.requests) * (scenario.decode_steps + 1)),
         assertion=check,
     )
+    if scenario.has_mm_inputs or scenario.has_cache_salts:
+        source = with_mm_inputs(
+            source, scenario, before="    prompts = [_tokens(runs)", after_prompt=None, index="i"
+        )
+    if scenario.has_mm_inputs:
+        image_tokens = sum(p.length_tokens for placed in scenario.mm_placements for p in placed)
+        budget_line = "    manager = scheduler.kv_cache_manager\n"
+        if source.count(budget_line) != 1:
+            raise ValueError("export template changed: cannot place the encoder budget")
+        source = source.replace(
+            budget_line,
+            "    # The tiny text model gives the scheduler no encoder budget: one for the\n"
+            "    # scenario's images that never cuts a step, as vLLM's scheduler tests set it.\n"
+            f"    scheduler.max_num_encoder_input_tokens = {image_tokens}\n"
+            "    scheduler.encoder_cache_manager = "
+            f"EncoderCacheManager(cache_size={image_tokens})\n" + budget_line,
+        )
     return with_imports(source)

@@ -14,6 +14,10 @@ KV cache group kind adds one module here:
 * :mod:`differential.oracle.per_group` -- each group's own hit
   (``find_longest_cache_hit_per_group``) against the reconciled hit
   (``per-group-hit``).
+* :mod:`differential.oracle.kv_events` -- the KV cache event stream against
+  the prefix cache it describes (``kv-events``).
+* :mod:`differential.oracle.watermark` -- (scheduler mode) admissions beside
+  scheduled requests leave the KV cache watermark free (``watermark``).
 * :mod:`differential.oracle.layout` -- what a layout costs before any manager
   runs (``alignment-blowup``: a hit alignment above every block size).
 

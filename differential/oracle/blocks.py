@@ -19,7 +19,9 @@ size ``B``, with hit ``h`` tokens:
    a real block, never vLLM's null block.
 3. **Contents**: every real block at index ``k`` was written, in this group,
    at index ``k``, in full (``B`` tokens), by an earlier request whose tokens
-   ``[k * B, (k + 1) * B)`` equal the sibling's. Blocks below a window are
+   ``[k * B, (k + 1) * B)`` equal the sibling's, compared by content
+   (``Scenario.contents``: a placeholder token of another image, or of
+   another cache salt, is another token). Blocks below a window are
    not read (``add_local_computed_blocks`` replaces them with null blocks)
    and are not checked.
 4. **Writes**: no ``allocate_slots`` step writes into a block that was not the
@@ -120,7 +122,9 @@ class TokenView:
     """Which tokens each request wrote, for comparing block contents.
 
     A writer's tokens are its prompt followed by its sampled tokens
-    (``Scenario.output_token``), as the driver feeds them to vLLM.
+    (``Scenario.output_token``), as the driver feeds them to vLLM, as
+    content ids (``Scenario.contents``, ``Scenario.sampled_contents``: the
+    image a placeholder token stands for and the request's cache salt count).
 
     Args:
         scenario: the scenario.
@@ -132,7 +136,7 @@ class TokenView:
     def __init__(self, scenario: Scenario, lookup_order: dict[int, int] | None = None) -> None:
         self._scenario = scenario
         self._order = lookup_order
-        self._prompts = scenario.prompts
+        self._prompts = scenario.contents
         self._written: dict[int, tuple[int, ...]] = {}
         self._common: dict[tuple[int, int], int] = {}
         self._packings: dict[tuple[str, int], bytes | None] = {}
@@ -141,8 +145,8 @@ class TokenView:
         """Every token ``request`` computed KV for."""
         if request not in self._written:
             steps = self._scenario.decode_steps
-            self._written[request] = self._prompts[request] + tuple(
-                self._scenario.output_token(request, s) for s in range(steps)
+            self._written[request] = (
+                self._prompts[request] + self._scenario.sampled_contents(request)[:steps]
             )
         return self._written[request]
 

@@ -46,6 +46,7 @@ from typing import Any
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
 from differential.oracle.blocks import check_blocks
+from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import (
     common_prefix_tokens,
@@ -662,6 +663,7 @@ def judge_run(
                 )
             )
     findings += per_group_findings(scenario, run, policy)
+    findings += kv_event_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return refs, tuple(findings)
 
@@ -700,5 +702,6 @@ def cross_check_dense(scenario: Scenario, dense_run: RunObservation) -> tuple[Fi
     if scenario.retention_interval_tokens is not None:  # else judge_run checked this run
         label = "dense cross-check run: "
         findings += per_group_findings(scenario, dense_run, label=label)
+        findings += kv_event_findings(scenario, dense_run, label=label)
         findings += check_blocks(scenario, dense_run, label=label)
     return tuple(findings)

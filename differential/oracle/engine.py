@@ -68,8 +68,10 @@ from differential.oracle.core import (
     promise_policy,
     references,
 )
+from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import common_prefix_tokens
+from differential.oracle.watermark import watermark_findings
 from differential.scenario import MambaPrefill, Scenario
 
 __all__ = [
@@ -172,7 +174,7 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
         return None
     if run.evicted_blocks and any(r.lookup_queue_removals is None for r in requests):
         return None
-    prompts = scenario.prompts
+    prompts = scenario.contents
 
     def finished_before(r: RequestObservation) -> list[RequestObservation]:
         return [
@@ -203,7 +205,7 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     if _full_attention_only(scenario):
         ancestors = [frozenset[int]() for _ in requests]
     else:
-        tokens = [p + scenario.sampled_tokens(i) for i, p in enumerate(prompts)]
+        tokens = [p + scenario.sampled_contents(i) for i, p in enumerate(prompts)]
         ancestors = [
             frozenset(
                 q.index
@@ -388,8 +390,8 @@ def judge_engine_run(
         )
     model = drafter_model(scenario)
     alignment = scenario.effective_hit_alignment_tokens
-    prompts = scenario.prompts
-    tokens = [p + scenario.sampled_tokens(i) for i, p in enumerate(prompts)]
+    prompts = scenario.contents
+    tokens = [p + scenario.sampled_contents(i) for i, p in enumerate(prompts)]
     order = {
         r.index: (r.lookup_order if r.lookup_order is not None else r.index) for r in run.requests
     }
@@ -436,6 +438,8 @@ def judge_engine_run(
     findings += _timeline_findings(scenario, run, policy)
     findings += resumed_findings(scenario, run, policy)
     findings += per_group_findings(scenario, run, policy)
+    findings += kv_event_findings(scenario, run, policy)
+    findings += watermark_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)
 
@@ -514,8 +518,8 @@ def repeated_requests(scenario: Scenario) -> frozenset[int]:
     (``Scenario.effective_hit_alignment_tokens``), whether written as a later
     turn (``shares_with``) or as plain token content: what a prefix cache is
     for, and so what an eviction collapse loses."""
-    prompts = scenario.prompts
-    tokens = [p + scenario.sampled_tokens(i) for i, p in enumerate(prompts)]
+    prompts = scenario.contents
+    tokens = [p + scenario.sampled_contents(i) for i, p in enumerate(prompts)]
     unit = scenario.effective_hit_alignment_tokens
     return frozenset(
         j

@@ -58,7 +58,7 @@ def _losses(scenario: Scenario, at_block_scenario: Scenario, block_tokens: int) 
     ``at_block_scenario`` over the earlier requests at ``block_tokens``
     granularity, minus ``scenario``'s best at its hit alignment, in tokens."""
     model, block_model = drafter_model(scenario), drafter_model(at_block_scenario)
-    prompts = scenario.prompts
+    prompts = scenario.contents
     losses = [0]
     for j in range(1, len(prompts)):
         at_block, at_alignment = 0, 0

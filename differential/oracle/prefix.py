@@ -125,9 +125,17 @@ def scenario_memo(scenario: object) -> dict[Hashable, Any]:
 def shared_prefixes(scenario: Any) -> list[list[int]]:
     """Row ``j``: for each earlier request ``i``, the tokens the prompts of
     ``scenario`` (a :class:`~differential.scenario.Scenario`) ``i`` and ``j``
-    share (:func:`pairwise_common_prefix_tokens`), computed once per scenario."""
+    share (:func:`pairwise_common_prefix_tokens`), computed once per scenario.
+
+    Prompts are compared by content (``Scenario.contents``): the token id
+    and, where an image lies, its identifier and offset in it, under the
+    request's cache salt, as vLLM's block hashes compare them
+    (vllm/v1/core/kv_cache_utils.py ``generate_block_hash_extra_keys``). Two
+    prompts with the same placeholder tokens but different images share
+    only the tokens before the first differing image; different salts share
+    nothing."""
     memo = scenario_memo(scenario)
     rows: list[list[int]] | None = memo.get("shared_prefixes")
     if rows is None:
-        rows = memo["shared_prefixes"] = pairwise_common_prefix_tokens(scenario.prompts)
+        rows = memo["shared_prefixes"] = pairwise_common_prefix_tokens(scenario.contents)
     return rows

@@ -269,7 +269,7 @@ def _writer_proof(
         scenario.requests[sibling].prompt_tokens,
         shared_prefixes(scenario)[sibling][writer]
         if writer < sibling
-        else common_prefix_tokens(scenario.prompts[writer], scenario.prompts[sibling]),
+        else common_prefix_tokens(scenario.contents[writer], scenario.contents[sibling]),
     )
 
 

@@ -146,6 +146,8 @@ _LEVEL = {
     FindingKind.FALLBACK: "error",
     FindingKind.PER_GROUP_HIT: "warning",
     FindingKind.KEPT_SKIPPED_BLOCK: "warning",
+    FindingKind.KV_EVENTS: "warning",
+    FindingKind.WATERMARK: "warning",
     FindingKind.VARIANT_REGRESSION: "warning",
     FindingKind.POOL_REGRESSION: "warning",
     FindingKind.VARIANT_DRIFT: "warning",

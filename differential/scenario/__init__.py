@@ -6,6 +6,8 @@ import vLLM. Its modules:
 
 * :mod:`.model`: the scenario value and what it derives (block sizes, hit
   alignment, draft groups, prompts);
+* :mod:`.multimodal`: where each request's images lie, and the content ids
+  the oracle compares (token, image, cache salt);
 * :mod:`.groups`, :mod:`.drafter`, :mod:`.workload`: its parts;
 * :mod:`.rules`: the rules between fields, split by concern;
 * :mod:`.json_form`: the JSON form on pydantic (field docs and units,
@@ -18,6 +20,7 @@ naming the field path and the allowed values.
 """
 
 from differential.scenario.model import (
+    MM_PLACEHOLDER_TOKEN_ID,
     SCENARIO_FORMAT,
     SCENARIO_VERSION,
     Drafter,
@@ -26,13 +29,17 @@ from differential.scenario.model import (
     DriveMode,
     GroupKind,
     KVCacheGroup,
+    KVEvents,
     MambaPrefill,
+    MultiModalInput,
+    PlacedInput,
     RequestSpec,
     Scenario,
     Workload,
 )
 
 __all__ = [
+    "MM_PLACEHOLDER_TOKEN_ID",
     "SCENARIO_FORMAT",
     "SCENARIO_VERSION",
     "DraftGroups",
@@ -41,7 +48,10 @@ __all__ = [
     "DriveMode",
     "GroupKind",
     "KVCacheGroup",
+    "KVEvents",
     "MambaPrefill",
+    "MultiModalInput",
+    "PlacedInput",
     "RequestSpec",
     "Scenario",
     "Workload",

@@ -108,10 +108,15 @@ def _allowed(schema: _Node, node: _Node, python: bool) -> str:
         if high is not None:
             return f"an integer {low}..{high}" if low is not None else f"an integer <= {high}"
         return "an integer" if low is None else f"an integer >= {low}"
+    if kind == "number":
+        low, below = node.get("minimum"), node.get("exclusiveMaximum")
+        if low is not None and below is not None:
+            return f"a number {low} <= x < {below}"
+        return "a number"
     if kind == "boolean":
         return "true or false"
     if kind == "string":
-        return "a string"
+        return "a non-empty string" if node.get("minLength") else "a string"
     if kind == "array":
         sort = "tuple" if python else "list"
         return f"a non-empty {sort}" if node.get("minItems") else f"a {sort}"

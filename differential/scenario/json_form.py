@@ -29,7 +29,13 @@ from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
 from differential.scenario.models import FormatVersion, ModelDocument, Size, SizeOrZero
-from differential.scenario.workload import DriveMode, RequestSpec, Workload
+from differential.scenario.workload import (
+    DriveMode,
+    KVEvents,
+    MultiModalInput,
+    RequestSpec,
+    Workload,
+)
 
 if TYPE_CHECKING:
     from differential.scenario.model import Scenario
@@ -40,6 +46,7 @@ __all__ = [
     "SCENARIO_VERSION",
     "DrafterDocument",
     "GroupDocument",
+    "MultiModalInputDocument",
     "RequestDocument",
     "ScenarioDocument",
     "ScenarioFileDocument",
@@ -129,6 +136,31 @@ class DrafterDocument(BaseModel):
         return Drafter(kind=self.kind, num_speculative_tokens=self.num_speculative_tokens)
 
 
+class MultiModalInputDocument(BaseModel):
+    """One image among a request's own tokens: a run of placeholder tokens
+    (vLLM PlaceholderRange) and the image's identity (MultiModalFeatureSpec.identifier)."""
+
+    model_config = _CONFIG
+
+    suffix_offset_tokens: _Count = Field(
+        description="Where the image's first placeholder token sits among the request's own "
+        "tokens, in tokens (0: at the divergence point)."
+    )
+    length_tokens: _Positive = Field(description="The image's placeholder tokens, in tokens.")
+    identifier: Annotated[StrictStr, Field(min_length=1)] = Field(
+        description="The image's identity (vLLM's MultiModalFeatureSpec.identifier): the "
+        "same identifier is the same image, of the same length."
+    )
+
+    def value(self) -> MultiModalInput:
+        """The input as a value."""
+        return MultiModalInput(
+            suffix_offset_tokens=self.suffix_offset_tokens,
+            length_tokens=self.length_tokens,
+            identifier=self.identifier,
+        )
+
+
 class RequestDocument(BaseModel):
     """One request: the first divergence_tokens tokens of its source, then
     suffix_tokens tokens of its own that no other request contains, then
@@ -157,6 +189,20 @@ class RequestDocument(BaseModel):
         "divergence_tokens + suffix_tokens + rejoin_tokens at most the source's length. "
         "Written only when not 0.",
     )
+    mm_inputs: tuple[MultiModalInputDocument, ...] = Field(
+        default=(),
+        exclude_if=lambda v: v == (),
+        description="Images among the request's own tokens, in order, not overlapping: each a "
+        "run of placeholder tokens with the image's identifier, which vLLM's block hashes "
+        "include. The source's images in the copied tokens come with them. Written only "
+        "when not empty.",
+    )
+    cache_salt: Annotated[StrictStr, Field(min_length=1)] | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="vLLM's per-request cache_salt, which the first block's hash includes: "
+        "requests of different salts share no KV. Written only when set.",
+    )
 
     def value(self) -> RequestSpec:
         """The request as a value."""
@@ -166,6 +212,8 @@ class RequestDocument(BaseModel):
             shares_with=self.shares_with,
             name=self.name,
             rejoin_tokens=self.rejoin_tokens,
+            mm_inputs=tuple(m.value() for m in self.mm_inputs),
+            cache_salt=self.cache_salt,
         )
 
 
@@ -209,6 +257,21 @@ class WorkloadDocument(BaseModel):
         description="Draft tokens accepted per decode step (cycled), each at most "
         "drafter.num_speculative_tokens; empty: no drafts. Scheduler mode only.",
     )
+    kv_events: KVEvents = Field(
+        default=KVEvents.OFF,
+        exclude_if=lambda v: v is KVEvents.OFF,
+        description="KV cache events: 'off'; 'incremental' (events on, vLLM's default "
+        "kv_cache_report_mode); 'full' (events on, every request sent with "
+        "kv_cache_report_mode 'full', so reused blocks are announced again). The stream "
+        "is recorded per step and judged. Written only when not 'off'.",
+    )
+    watermark: Annotated[float, Field(ge=0.0, lt=1.0, strict=True)] = Field(
+        default=0.0,
+        exclude_if=lambda v: v == 0.0,
+        description="SchedulerConfig.watermark: the fraction of the pool's blocks vLLM keeps "
+        "free when admitting a waiting or preempted request while others are scheduled "
+        "(0 <= w < 1). Scheduler mode only. Written only when not 0.",
+    )
 
     def value(self) -> Workload:
         """The workload as a value."""
@@ -220,6 +283,8 @@ class WorkloadDocument(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             shares_output=self.shares_output,
             accepted_drafts=self.accepted_drafts,
+            kv_events=self.kv_events,
+            watermark=self.watermark,
         )
 
 

@@ -34,10 +34,23 @@ from differential.scenario.json_form import (
     scenario_fields,
     scenario_to_dict,
 )
+from differential.scenario.multimodal import (
+    MM_PLACEHOLDER_TOKEN_ID,
+    ContentCoder,
+    PlacedInput,
+    placed_inputs,
+)
 from differential.scenario.rules import check_scenario
-from differential.scenario.workload import DriveMode, RequestSpec, Workload
+from differential.scenario.workload import (
+    DriveMode,
+    KVEvents,
+    MultiModalInput,
+    RequestSpec,
+    Workload,
+)
 
 __all__ = [
+    "MM_PLACEHOLDER_TOKEN_ID",
     "SCENARIO_FORMAT",
     "SCENARIO_VERSION",
     "DraftGroups",
@@ -46,7 +59,10 @@ __all__ = [
     "DriveMode",
     "GroupKind",
     "KVCacheGroup",
+    "KVEvents",
     "MambaPrefill",
+    "MultiModalInput",
+    "PlacedInput",
     "RequestSpec",
     "Scenario",
     "Workload",
@@ -76,7 +92,9 @@ class Scenario:
             alignment and never takes the EAGLE drop; ``is_eagle_group`` needs
             a dropping drafter (see :func:`.rules.check_draft_groups`).
         requests: the requests, run in order; each is prefilled, decoded for
-            ``decode_steps`` tokens and freed before the next starts.
+            ``decode_steps`` tokens and freed before the next starts; a
+            request may hold images and a cache salt (:class:`RequestSpec`,
+            :mod:`.multimodal`).
         shared_prefix_tokens: length of the common prefix requests copy from.
         retention_interval_tokens: vLLM's ``prefix_cache_retention_interval``:
             ``None`` (dense), ``0`` (replay boundaries and junctions only) or a
@@ -337,6 +355,10 @@ class Scenario:
 
         Only the part of the shared prefix some request copies is built: an
         unused prefix costs nothing (and is not counted against the limits).
+        A request's own images (``RequestSpec.mm_inputs``) are runs of
+        :data:`~differential.scenario.multimodal.MM_PLACEHOLDER_TOKEN_ID`
+        among its own tokens, so prompts with different images can have the
+        same token ids; :attr:`contents` tells them apart.
         """
         used = max((r.source_tokens for r in self.requests if r.shares_with is None), default=0)
         prefix = tuple(1 + p % _PREFIX_TOKEN_MODULUS for p in range(used))
@@ -347,6 +369,14 @@ class Scenario:
                 source = source + self.sampled_tokens(request.shares_with)
             own_base = _OWN_TOKEN_BASE + index * _OWN_TOKEN_STRIDE
             own = tuple(own_base + k for k in range(request.suffix_tokens))
+            if request.mm_inputs:
+                own_list = list(own)
+                for m in request.mm_inputs:
+                    end = m.suffix_offset_tokens + m.length_tokens
+                    own_list[m.suffix_offset_tokens : end] = [MM_PLACEHOLDER_TOKEN_ID] * (
+                        m.length_tokens
+                    )
+                own = tuple(own_list)
             rejoin = request.divergence_tokens + request.suffix_tokens
             prompts.append(
                 source[: request.divergence_tokens]
@@ -354,6 +384,56 @@ class Scenario:
                 + source[rejoin : rejoin + request.rejoin_tokens]
             )
         return tuple(prompts)
+
+    @property
+    def has_mm_inputs(self) -> bool:
+        """Whether some request has multimodal inputs (``RequestSpec.mm_inputs``)."""
+        return any(r.mm_inputs for r in self.requests)
+
+    @property
+    def has_cache_salts(self) -> bool:
+        """Whether some request has a ``cache_salt``."""
+        return any(r.cache_salt is not None for r in self.requests)
+
+    @cached_property
+    def mm_placements(self) -> tuple[tuple[PlacedInput, ...], ...]:
+        """Per request, every image in its prompt (copied from its source
+        and its own), sorted by offset: vLLM's ``PlaceholderRange`` offsets
+        and lengths in tokens, with the identifiers
+        (:func:`~differential.scenario.multimodal.placed_inputs`)."""
+        return placed_inputs(self.requests)
+
+    @cached_property
+    def _content_coder(self) -> ContentCoder:
+        largest = max((max(p, default=0) for p in self.prompts), default=0)
+        if self.requests:
+            largest = max(largest, self.output_token(len(self.requests) - 1, self.decode_steps))
+        return ContentCoder.build(self.requests, self.mm_placements, largest)
+
+    @cached_property
+    def contents(self) -> tuple[tuple[int, ...], ...]:
+        """Every request's prompt as content ids, what the oracle compares:
+        the token id, and where an image lies its identifier and offset in
+        it, under the request's cache salt (one-to-one;
+        :class:`~differential.scenario.multimodal.ContentCoder`). Two prompts
+        share a prefix of content exactly where vLLM's block hashes can
+        agree. The prompts themselves (:attr:`prompts`) when no request has
+        an image or a salt."""
+        if not self.has_mm_inputs and not self.has_cache_salts:
+            return self.prompts
+        coder = self._content_coder
+        return tuple(
+            coder.prompt(i, prompt, placed)
+            for i, (prompt, placed) in enumerate(zip(self.prompts, self.mm_placements, strict=True))
+        )
+
+    def sampled_contents(self, request_index: int) -> tuple[int, ...]:
+        """:meth:`sampled_tokens` of ``request_index`` as content ids (under
+        its cache salt), to follow :attr:`contents`."""
+        sampled = self.sampled_tokens(request_index)
+        if not self.has_cache_salts:
+            return sampled
+        return self._content_coder.tokens(request_index, sampled)
 
     @property
     def step_budget_tokens(self) -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from differential.errors import ScenarioError
 from differential.scenario.drafter import DROPPING_DRAFTERS, DrafterKind
 from differential.scenario.groups import DraftGroups, GroupKind, MambaPrefill
+from differential.scenario.multimodal import PlacedInput, placed_inputs, split_input
 from differential.scenario.workload import DriveMode
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ __all__ = [
     "check_drafter",
     "check_geometry",
     "check_mamba",
+    "check_mm_inputs",
     "check_pool",
     "check_requests",
     "check_retention",
@@ -53,6 +55,7 @@ def check_scenario(s: Scenario) -> None:
     check_draft_groups(s)
     check_workload(s)
     check_requests(s)
+    check_mm_inputs(s)
     check_pool(s)
 
 
@@ -220,6 +223,15 @@ def check_workload(s: Scenario) -> None:
                 n,
                 f"at most drafter.num_speculative_tokens ({limit})",
             )
+    if w.mode is DriveMode.MANAGER and w.watermark:
+        # One request at a time: no request is ever scheduled beside the one
+        # admitted, so vLLM's watermark (applied only then) never applies.
+        raise ScenarioError(
+            "workload.mode",
+            w.mode.value,
+            "'scheduler' when watermark is set (vLLM applies the watermark only while "
+            "other requests are scheduled; the manager-level driver runs one at a time)",
+        )
     if w.mode is DriveMode.MANAGER and not w.sequential:
         raise ScenarioError(
             "workload.mode",
@@ -281,6 +293,81 @@ def check_requests(s: Scenario) -> None:
                 "at least 1 when divergence_tokens is 0 (a prompt needs a token)",
             )
         lengths.append(request.prompt_tokens)
+
+
+def _image_text(source: int, placed: PlacedInput) -> str:
+    return (
+        f"requests[{source}]'s image {placed.identifier!r} at "
+        f"[{placed.offset_tokens}, {placed.end_tokens})"
+    )
+
+
+def check_mm_inputs(s: Scenario) -> None:
+    """Each request's images lie among its own tokens, in order and apart;
+    an identifier names one image, of one length; a copy carries whole
+    images.
+
+    vLLM's processor expands an image into all of its placeholder tokens,
+    and ``_gen_mm_extra_hash_keys`` (vllm/v1/core/kv_cache_utils.py) assumes
+    a request's inputs sorted by offset and apart; an identifier is the
+    image's hash, so the same identifier is the same encoder output, of the
+    same length (vLLM's own scheduler tests assert as much,
+    ``tests/v1/core/utils.py`` ``create_requests``). A copy boundary inside
+    a source's image (the divergence point, or where a rejoin starts or
+    ends) would make a prompt of part of an image, which no processor
+    writes: refused, naming the image.
+    """
+    lengths: dict[str, tuple[int, int]] = {}
+    for i, request in enumerate(s.requests):
+        end = 0
+        for k, m in enumerate(request.mm_inputs):
+            where = f"requests[{i}].mm_inputs[{k}]"
+            if m.suffix_offset_tokens < end:
+                raise ScenarioError(
+                    f"{where}.suffix_offset_tokens",
+                    m.suffix_offset_tokens,
+                    f"at least {end} (a request's images are in order and do not overlap)",
+                )
+            end = m.suffix_offset_tokens + m.length_tokens
+            if end > request.suffix_tokens:
+                raise ScenarioError(
+                    f"{where}.length_tokens",
+                    m.length_tokens,
+                    f"at most {max(0, request.suffix_tokens - m.suffix_offset_tokens)} (an "
+                    f"image lies among the request's {request.suffix_tokens} own tokens)",
+                )
+            first = lengths.setdefault(m.identifier, (i, m.length_tokens))
+            if first[1] != m.length_tokens:
+                raise ScenarioError(
+                    f"{where}.length_tokens",
+                    m.length_tokens,
+                    f"{first[1]}, the length of image {m.identifier!r} in requests[{first[0]}] "
+                    "(an identifier is one image)",
+                )
+    if not s.has_mm_inputs:
+        return
+    placed = placed_inputs(s.requests)
+    for i, request in enumerate(s.requests):
+        if request.shares_with is None:
+            continue
+        source = placed[request.shares_with]
+        d = request.divergence_tokens
+        cuts = [("divergence_tokens", d)]
+        if request.rejoin_tokens:
+            start = d + request.suffix_tokens
+            cuts += [("suffix_tokens", start), ("rejoin_tokens", start + request.rejoin_tokens)]
+        for field, position in cuts:
+            cut = split_input(source, position)
+            if cut is not None:
+                value = getattr(request, field)
+                raise ScenarioError(
+                    f"requests[{i}].{field}",
+                    value,
+                    f"a value that puts no copy boundary inside "
+                    f"{_image_text(request.shares_with, cut)}: this one puts it at {position} "
+                    f"(a copy of an image is whole: boundaries at {cut.offset_tokens} or "
+                    f"{cut.end_tokens})",
+                )
 
 
 def check_pool(s: Scenario) -> None:

@@ -9,7 +9,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["DriveMode", "RequestSpec", "Workload"]
+__all__ = ["DriveMode", "KVEvents", "MultiModalInput", "RequestSpec", "Workload"]
+
+
+@dataclass(frozen=True)
+class MultiModalInput:
+    """One multimodal input (an image) among a request's own tokens.
+
+    In vLLM a prompt holds an image as a run of placeholder tokens that the
+    encoder's output replaces (vllm/multimodal/inputs.py ``PlaceholderRange``
+    and ``MultiModalFeatureSpec``); the block hasher folds the image's
+    ``identifier`` and its offset into the hash of every block the run
+    overlaps (vllm/v1/core/kv_cache_utils.py ``_gen_mm_extra_hash_keys``), so
+    two prompts with the same placeholder tokens but different images share
+    no KV from the image's first token on.
+
+    Attributes:
+        suffix_offset_tokens: where the image's first placeholder token sits
+            among the request's own tokens, in tokens (0: at the divergence
+            point); the image lies within the request's own tokens.
+        length_tokens: the image's placeholder tokens (``PlaceholderRange.length``),
+            in tokens, at least 1.
+        identifier: the image's identity (``MultiModalFeatureSpec.identifier``,
+            the processor's hash of the image): inputs with the same
+            identifier are the same image and have the same length.
+    """
+
+    suffix_offset_tokens: int
+    length_tokens: int
+    identifier: str
 
 
 @dataclass(frozen=True)
@@ -36,6 +64,15 @@ class RequestSpec:
         name: optional label used in reports.
         rejoin_tokens: tokens copied from the source again after the
             request's own ones, at the same positions (0: none).
+        mm_inputs: the images among the request's own tokens
+            (:class:`MultiModalInput`), in order, not overlapping. The
+            images of the source inside the copied tokens come with them:
+            a copy carries the image (its identifier and position) as well
+            as the placeholder tokens.
+        cache_salt: vLLM's per-request ``cache_salt`` (``None``: none), which
+            the first block's hash includes
+            (``generate_block_hash_extra_keys``): requests of different salts
+            share no KV, requests of the same salt share as if unsalted.
     """
 
     divergence_tokens: int
@@ -43,6 +80,8 @@ class RequestSpec:
     shares_with: int | None = None
     name: str | None = None
     rejoin_tokens: int = 0
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+    cache_salt: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -69,6 +108,27 @@ class DriveMode(StrEnum):
 
     MANAGER = "manager"
     SCHEDULER = "scheduler"
+
+
+class KVEvents(StrEnum):
+    """Whether vLLM publishes KV cache events in a run, and for which blocks.
+
+    ``OFF`` (the default): events are off, as in every earlier kvfuzz run.
+    ``INCREMENTAL``: events on (``KVCacheManager(enable_kv_cache_events=True)``;
+    in scheduler mode ``KVEventsConfig(enable_kv_cache_events=True)``), each
+    request with vLLM's default ``kv_cache_report_mode`` ``"incremental"``: a
+    ``BlockStored`` for each block the pool newly caches, a ``BlockRemoved``
+    for each cached block it drops. ``FULL``: events on and every request sent
+    with ``SamplingParams.extra_args["kv_cache_report_mode"] = "full"``, so a
+    lookup that reuses cached blocks also announces them again
+    (``KVCacheManager.get_computed_blocks``, vllm/v1/core/kv_cache_manager.py).
+    The stream is recorded per scheduler step and judged
+    (:mod:`differential.oracle.kv_events`).
+    """
+
+    OFF = "off"
+    INCREMENTAL = "incremental"
+    FULL = "full"
 
 
 @dataclass(frozen=True)
@@ -100,6 +160,14 @@ class Workload:
         accepted_drafts: draft tokens accepted per decode step (cycled), each
             at most ``drafter.num_speculative_tokens``; the rest of the drafts
             are rejected. Empty: no drafts are proposed. Scheduler mode only.
+        kv_events: KV cache events and the requests' report mode
+            (:class:`KVEvents`); both modes honour it.
+        watermark: ``SchedulerConfig.watermark``: the fraction (``0 <= w <
+            1``) of the pool's blocks vLLM keeps free when it admits a waiting
+            or preempted request while others are scheduled
+            (``KVCacheManager.__init__`` ``watermark_blocks = int(watermark *
+            num_blocks)``, applied in ``KVCacheManager.allocate_slots``).
+            ``0.0`` (vLLM's default) keeps none. Scheduler mode only.
     """
 
     mode: DriveMode = DriveMode.MANAGER
@@ -109,6 +177,8 @@ class Workload:
     max_num_batched_tokens: int | None = None
     shares_output: bool = False
     accepted_drafts: tuple[int, ...] = ()
+    kv_events: KVEvents = KVEvents.OFF
+    watermark: float = 0.0
 
     @property
     def sequential(self) -> bool:

@@ -73,6 +73,7 @@ from differential.errors import ScenarioError
 from differential.findings import SEVERITY, Finding, FindingKind, Policy
 from differential.observation import GroupLookup, RequestObservation, RunObservation
 from differential.oracle import DrafterModel, drafter_model, judge_run, replay_boundaries
+from differential.oracle.kv_events import kv_event_rule
 from differential.oracle.per_group import wrong_per_group_hit
 from differential.scenario import Drafter, DrafterKind, GroupKind, Scenario
 from differential.triage.known import label_known
@@ -546,6 +547,9 @@ def _other_cause(scenario: Scenario, vr: VariantResult, finding: Finding) -> Roo
             return RootCause("per-group-hit", group_kind="untraced")
         kind = manager_family(scenario.kv_cache_groups[wrong[0]].kind).value
         return RootCause("per-group-hit", group_kind=kind)
+    if finding.kind is FindingKind.KV_EVENTS:
+        # One cause per rule of the stream's contract the run breaks.
+        return RootCause("kv-events", detail=kv_event_rule(finding))
     if finding.kind is FindingKind.OVER_HIT and request is not None:
         call = None
         if request < len(vr.run.requests):

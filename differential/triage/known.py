@@ -23,7 +23,7 @@ from differential.oracle import (
     replay_boundaries,
     state,
 )
-from differential.scenario import Scenario
+from differential.scenario import KVEvents, Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
 
@@ -133,7 +133,7 @@ def _unit_below_retained_boundary(
     # own hit fell short of it. Without the run's hits, any earlier request may
     # have, so both the pinned and the unpinned writer count.
     dense = [r.dense_tokens for r in references(scenario, model, [0] * index)]
-    prompts = scenario.prompts
+    prompts = scenario.contents
     literal: set[int] = set()
     for writer in range(index):
         shared = common_prefix_tokens(prompts[writer], prompts[index])
@@ -181,6 +181,19 @@ def _lookahead_index_error_without_full_attention(scenario: Scenario, finding: F
     if "[raised in " in finding.detail:
         return any(f"[raised in {name}" in finding.detail for name in _LOOKUP_FINDERS)
     return "get_computed_blocks" in finding.detail
+
+
+def _full_report_partial_hit(scenario: Scenario, finding: Finding) -> bool:
+    """vLLM raised IndexError in a lookup with KV cache events in 'full' report
+    mode on a layout serving fine-grained hits (a hit can end inside a block),
+    where the re-announcement indexes a block hash the request lacks."""
+    return (
+        finding.kind is FindingKind.CRASH
+        and "IndexError" in finding.detail
+        and "get_computed_blocks" in finding.detail
+        and scenario.workload.kv_events is KVEvents.FULL
+        and scenario.partial_hash_hits
+    )
 
 
 def _padded_draft_above_step_budget(scenario: Scenario, finding: Finding) -> bool:
@@ -694,6 +707,25 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "vllm/v1/core/block_pool.py BlockPool (LRU eviction)",
         example="known-issues/eviction-collapse-48435-pool130-dense.json",
         matches=lambda scenario, finding: finding.kind is FindingKind.EVICTION_COLLAPSE,
+    ),
+    KnownIssue(
+        name="kv-events-full-report-partial-hit",
+        summary=(
+            "With KV cache events on and a request's kv_cache_report_mode 'full', "
+            "KVCacheManager.get_computed_blocks re-announces the reused blocks by "
+            "count: BlockPool.emit_cached_block_events takes the first "
+            "len(group blocks) hashes at the group's block size. A fine-grained hit "
+            "(a Mamba hybrid whose hash block is smaller than its blocks) that ends "
+            "inside a block returns one block more than the request has hashes of "
+            "that size, and the lookup raises IndexError: FA 64 + Mamba 64, hash "
+            "block 16, the same 100-token prompt twice, the second hitting 96. "
+            "In 'incremental' mode the same requests run. vLLM PR #57358 (open) "
+            "re-announces the real hit blocks instead."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_manager.py KVCacheManager.get_computed_blocks "
+        "with vllm/v1/core/block_pool.py BlockPool.emit_cached_block_events",
+        example="known-issues/kv-events-full-report-partial-hit-index-error.json",
+        matches=_full_report_partial_hit,
     ),
 )
 

@@ -1362,8 +1362,9 @@ def render_markdown(run: MutationRun) -> str:
     lines = [
         f"# Mutation score of kvfuzz on vLLM {run.vllm_version}",
         "",
-        f"Score: **{pct(run.score())}** killed ({len(run.outcomes)} mutants sampled with seed "
-        f"{run.seed} from {sum(run.generated.values())} generated; "
+        f"Score: **{pct(run.score())}** killed ({len(run.outcomes)} mutants "
+        + ("given by id" if "mutants" in run.command else f"sampled with seed {run.seed}")
+        + f" from {sum(run.generated.values())} generated; "
         f"{len(run.scenarios)} scenarios; {run.elapsed_s:.0f} s, "
         f"{run.elapsed_s / max(1, len(run.outcomes)):.1f} s per mutant).",
         "",

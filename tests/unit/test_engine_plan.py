@@ -3,8 +3,12 @@ worker is told to send, checked without the engine."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from differential.corpus import load_entry
-from differential.driver.engine_mode import engine_plan
+from differential.driver.engine_mode import EngineUnsupported, engine_plan
 from tests.factories import CORPORA
 
 
@@ -38,11 +42,21 @@ def test_a_rejoining_request_sends_its_own_tokens_then_the_sources_again() -> No
     assert (again["source"], again["divergence"], len(again["own"])) == (1, 256, 32 + 224)
 
 
+def test_images_and_salts_are_unsupported_naming_why() -> None:
+    scenario = load_entry(CORPORA / "cases" / "multimodal-image-swap.json").scenario
+    with pytest.raises(EngineUnsupported, match=r"^images \(requests' mm_inputs\): kvfuzz's"):
+        engine_plan(scenario)
+    salted = dataclasses.replace(
+        scenario,
+        requests=tuple(
+            dataclasses.replace(r, mm_inputs=(), cache_salt="t") for r in scenario.requests
+        ),
+    )
+    with pytest.raises(EngineUnsupported, match=r"^cache_salt: the engine worker sends"):
+        engine_plan(salted)
+
+
 def test_decode_context_parallelism_is_unsupported_naming_why() -> None:
-    import pytest
-
-    from differential.driver.engine_mode import EngineUnsupported
-
     scenario = load_entry(CORPORA / "cases" / "dcp8-mla-hits-at-sharded-block.json").scenario
     with pytest.raises(EngineUnsupported) as info:
         engine_plan(scenario)

@@ -539,6 +539,9 @@ def test_recorded_tests_verdicts_are_reused_only_for_the_same_mutants(
     assert joined.tests_score() == pytest.approx(1 / 2) and joined.union_score() == 1.0
     assert joined.command == {"paths": ["corpora"], "vllm_tests_from": str(path)}
     assert f"taken from {path}" in render_markdown(joined)
+    assert "2 mutants sampled with seed 0 from 9 generated" in render_markdown(joined)
+    given = dataclasses.replace(joined, command={"mutants": "a,b"})
+    assert "2 mutants given by id from 9 generated" in render_markdown(given)
 
     with pytest.raises(VariantError, match=r"recorded on vLLM 0\.33\.0, this is 0\.34\.0"):
         reuse.check(mutants, root, "0.34.0")

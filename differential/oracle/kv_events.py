@@ -1,0 +1,379 @@
+"""KV cache events: the published stream must rebuild the prefix cache exactly.
+
+vLLM publishes KV cache events (vllm/distributed/kv_events.py, RFC #16669,
+PR #16750): ``BlockStored`` when the block pool caches blocks,
+``BlockRemoved`` when it drops a cached block, ``AllBlocksCleared`` when the
+prefix cache is reset (vllm/v1/core/block_pool.py). External routers
+(llm-d's KV-cache-aware routing, NVIDIA Dynamo's KV router) rebuild each
+engine's prefix cache from this stream alone and route requests to the
+engine that holds their prefix; RFC #20492 makes the events "the public
+contract for any component emitting or consuming KV-Cache lifecycle
+events". A stream that disagrees with the cache misroutes: a hash announced
+and never removed sends requests to an engine that recomputes them, a hash
+removed while still cached hides a hit (vLLM PR #55092's example).
+
+The contract, rule by rule, judged after every drain of the event queue
+(:class:`~differential.observation.KVEventStep`; nothing here imports vLLM):
+
+``replay``
+    Replaying the stream gives exactly the cache the pool holds. vLLM's
+    events are per physical block: each ``BlockStored`` hash is one block
+    newly cached, each ``BlockRemoved`` hash one cached block dropped (vLLM
+    0.33.0 emits a ``BlockRemoved`` per physical copy, which a hash served by
+    two blocks has after an identical block-aligned prompt recomputes its
+    last block: PR #55092, open, would emit it only for the last copy). So
+    the replay counts, per KV cache group (``group_idx``, vLLM PR #37688, so
+    that a router tracks sliding-window blocks dropped while full attention
+    keeps them) and hash, stores minus removals, and after every drain must
+    equal the number of blocks ``BlockPool.cached_block_hash_to_block``
+    holds under that group and hash; ``AllBlocksCleared`` empties the
+    replay. The reused blocks a ``"full"`` report re-announces (below) are
+    not new blocks and are not counted.
+``stored``
+    Each ``BlockStored`` describes a real token prefix: its
+    ``parent_block_hash`` is the hash of the prefix its ``token_ids`` extend
+    (``None`` exactly when they start at token 0), its ``token_ids`` are a
+    request's tokens right after that prefix, a whole number of
+    ``block_size`` blocks, and each of its ``block_hashes`` is the chained
+    hash of that request's prefix ending on one of those block boundaries,
+    in order; for a full-attention-family group (which never skips a block)
+    one hash per block. ``block_size`` is the group's block size (the
+    manager's, vLLM PR #49971), or the hash block size for a fine-grained
+    (partial) entry, which registers one hash block's prefix inside a larger
+    block (``BlockPool.cache_partial_block``: a full-attention group's prompt
+    tail when its block is larger than the hash block, a Mamba state at a
+    fine-grained boundary). ``group_idx`` names a KV cache group and
+    ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` are that
+    group's spec kind and window (vLLM PR #40984: consumers "classify and
+    filter groups as they are learned").
+``removed``
+    A ``BlockRemoved`` removes only a block stored before in that group (the
+    replay holds the hash), and names a KV cache group.
+``lookup``
+    With the default ``kv_cache_report_mode`` ``"incremental"`` a lookup
+    (``KVCacheManager.get_computed_blocks``) publishes nothing. With
+    ``"full"`` (vLLM PR #45261: "also emits BlockStored events for
+    prefix-cache-reused blocks, so external consumers can observe the full
+    prefix chain of a request") a lookup that hits publishes, for each group
+    it returned blocks for, in group order, one ``BlockStored`` of those
+    blocks: no parent, the request's first ``n * block_size`` tokens for its
+    ``n`` blocks, their hashes in order, the group's block size and spec
+    annotation; a lookup that misses publishes nothing. The blocks counted
+    are the lookup's own (a sliding window's null blocks below its window
+    included, as vLLM 0.33.0 announces them; PR #57358, open, would skip
+    them).
+
+Every breach is a ``kv-events`` finding whose detail starts with the rule's
+name; one finding per rule per run, naming the first breach and counting
+the rest.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from differential.findings import Finding, FindingKind, Policy
+from differential.observation import KVEvent, KVEventLog, KVEventLookup, RunObservation, tokens_of
+from differential.scenario import GroupKind, KVCacheGroup, Scenario
+
+__all__ = ["RULES", "SPEC_KIND", "kv_event_findings", "kv_event_rule"]
+
+#: The rules, in the order findings are reported.
+RULES = ("replay", "stored", "removed", "lookup")
+
+SPEC_KIND: dict[GroupKind, str] = {
+    GroupKind.FULL_ATTENTION: "full_attention",
+    GroupKind.MLA: "mla_attention",
+    GroupKind.SLIDING_WINDOW: "sliding_window",
+    GroupKind.SLIDING_WINDOW_MLA: "sliding_window_mla",
+    GroupKind.MAMBA: "mamba",
+    GroupKind.CHUNKED_LOCAL_ATTENTION: "chunked_local_attention",
+}
+"""Group kind -> the ``kv_cache_spec_kind`` its events carry (vLLM's
+``KVCacheSpecKind`` of the group's spec, vllm/v1/kv_cache_interface.py)."""
+
+
+def _window(group: KVCacheGroup) -> int | None:
+    """The ``kv_cache_spec_sliding_window`` a group's events carry, in tokens."""
+    return group.sliding_window_tokens if group.kind.sliding_window_family else None
+
+
+@dataclass
+class _Judge:
+    """One run's stream against its cache (see the module docstring)."""
+
+    scenario: Scenario
+    log: KVEventLog
+    sequences: list[tuple[int, ...]]
+    breaches: dict[str, list[tuple[int | None, str]]] = field(
+        default_factory=lambda: {rule: [] for rule in RULES}
+    )
+    common: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def breach(self, rule: str, request: int | None, what: str) -> None:
+        self.breaches[rule].append((request, what))
+
+    def shared(self, a: int, b: int) -> int:
+        """Common prefix of two requests' token sequences, in tokens."""
+        key = (min(a, b), max(a, b))
+        if key not in self.common:
+            x, y = self.sequences[a], self.sequences[b]
+            n = 0
+            for p, q in zip(x, y, strict=False):
+                if p != q:
+                    break
+                n += 1
+            self.common[key] = n
+        return self.common[key]
+
+    def names(self, label: int, request: int, tokens: int) -> bool:
+        """Whether hash ``label`` is the hash of ``request``'s first ``tokens`` tokens."""
+        named = self.log.prefixes.get(label)
+        if named is None or named[1] != tokens:
+            return False
+        return self.shared(named[0], request) >= tokens
+
+    def annotation(self, where: str, event: KVEvent, group: KVCacheGroup) -> str | None:
+        want = (SPEC_KIND[group.kind], _window(group))
+        if (event.spec_kind, event.sliding_window) != want:
+            return (
+                f"{where} carries kv_cache_spec_kind {event.spec_kind!r}, sliding window "
+                f"{event.sliding_window}; group {event.group} ({group.kind.value}) has "
+                f"{want[0]!r}, {want[1]}"
+            )
+        return None
+
+    def stored(self, step: int, event: KVEvent) -> None:
+        """The ``stored`` rule for a newly cached block's event."""
+        s = self.scenario
+        assert event.group is not None  # run() checked it names a group
+        group = s.kv_cache_groups[event.group]
+        where = f"step {step}: BlockStored of group {event.group}"
+        wrong = self.annotation(where, event, group)
+        if wrong:
+            self.breach("stored", None, wrong)
+            return
+        hash_block = s.effective_hash_block_size_tokens
+        sizes = {group.block_size_tokens, hash_block}
+        size = event.block_size
+        tokens = tokens_of(event.tokens)
+        if size not in sizes or len(tokens) % size or not tokens:
+            self.breach(
+                "stored",
+                None,
+                f"{where} has block_size {size} and {len(tokens)} token ids; allowed a block "
+                f"size of {sorted(sizes)} and a positive multiple of it",
+            )
+            return
+        start = 0
+        parent_request = None
+        if event.parent is not None:
+            named = self.log.prefixes.get(event.parent)
+            if named is None:
+                self.breach("stored", None, f"{where}: its parent hash names no request's prefix")
+                return
+            parent_request, start = named
+        end = start + len(tokens)
+        owner = next(
+            (
+                r
+                for r, seq in enumerate(self.sequences)
+                if (parent_request is None or self.shared(r, parent_request) >= start)
+                and list(seq[start:end]) == tokens
+            ),
+            None,
+        )
+        if owner is None:
+            self.breach(
+                "stored",
+                None,
+                f"{where}: its {len(tokens)} token ids are no request's tokens "
+                f"[{start}, {end}) after its parent's prefix of {start} tokens",
+            )
+            return
+        ends = [start + size * (k + 1) for k in range(len(tokens) // size)]
+        dense = group.kind.full_attention_family or size != group.block_size_tokens
+        last = start
+        for k, label in enumerate(event.hashes):
+            fits = [n for n in ends if n > last and self.names(label, owner, n)]
+            if not fits or (dense and fits[0] != ends[k]):
+                self.breach(
+                    "stored",
+                    owner,
+                    f"{where}: block hash {k} of {len(event.hashes)} is not the hash of "
+                    f"request {owner}'s prefix ending on a block boundary after the last "
+                    f"({last} tokens; the event covers tokens [{start}, {end}))",
+                )
+                return
+            last = fits[0]
+        if dense and len(event.hashes) != len(ends):
+            self.breach(
+                "stored",
+                owner,
+                f"{where}: {len(event.hashes)} block hashes for {len(ends)} blocks of "
+                f"{size} tokens (a full-attention group skips no block)",
+            )
+
+    def lookup(self, step: int, lookup: KVEventLookup, emitted: list[KVEvent]) -> None:
+        """The ``lookup`` rule for one ``get_computed_blocks`` call."""
+        s = self.scenario
+        r = lookup.request
+        where = f"step {step}: the lookup of request {r} (hit {lookup.hit_tokens} tokens)"
+        if self.log.report_mode != "full":
+            if emitted:
+                self.breach(
+                    "lookup",
+                    r,
+                    f"{where} published {len(emitted)} event(s) in kv_cache_report_mode "
+                    "'incremental' (a lookup stores nothing; reused blocks are announced "
+                    "only in 'full' mode)",
+                )
+            return
+        due = (
+            [(g, n) for g, n in enumerate(lookup.blocks_per_group) if n > 0]
+            if lookup.hit_tokens > 0
+            else []
+        )
+        shown = [(e.group, len(e.hashes)) for e in emitted]
+        if shown != due or any(e.kind != "stored" for e in emitted):
+            self.breach(
+                "lookup",
+                r,
+                f"{where} re-announced (group, blocks) {shown}; kv_cache_report_mode "
+                f"'full' re-announces the blocks it returned: {due}",
+            )
+            return
+        for event, (g, n) in zip(emitted, due, strict=True):
+            group = s.kv_cache_groups[g]
+            size = group.block_size_tokens
+            wrong = self.annotation(f"{where}: its BlockStored", event, group)
+            expected = list(self.sequences[r][: n * size])
+            if wrong is None and (
+                event.parent is not None
+                or event.block_size != size
+                or tokens_of(event.tokens) != expected
+                or not all(
+                    self.names(label, r, (k + 1) * size) for k, label in enumerate(event.hashes)
+                )
+            ):
+                wrong = (
+                    f"{where}: its BlockStored of group {g} is not request {r}'s first {n} "
+                    f"blocks of {size} tokens with no parent (block_size {event.block_size}, "
+                    f"{len(tokens_of(event.tokens))} token ids, parent "
+                    f"{'none' if event.parent is None else 'set'})"
+                )
+            if wrong:
+                self.breach("lookup", r, wrong)
+                return
+
+    def run(self) -> None:
+        groups = len(self.scenario.kv_cache_groups)
+        replay: Counter[tuple[int, int]] = Counter()
+        pool: Counter[tuple[int, int]] = Counter()
+        for step in self.log.steps:
+            emitted: dict[int, list[KVEvent]] = defaultdict(list)
+            for event in step.events:
+                if event.kind == "cleared":
+                    replay.clear()
+                    continue
+                name = "BlockStored" if event.kind == "stored" else "BlockRemoved"
+                if event.group is None or not 0 <= event.group < groups:
+                    self.breach(
+                        "stored" if event.kind == "stored" else "removed",
+                        None,
+                        f"step {step.step}: {name} with group_idx {event.group}, which names "
+                        f"no KV cache group (0..{groups - 1})",
+                    )
+                    continue
+                if event.lookup is not None:
+                    emitted[event.lookup].append(event)
+                    continue
+                if event.kind == "removed":
+                    for label in event.hashes:
+                        key = (event.group, label)
+                        if replay[key] <= 0:
+                            self.breach(
+                                "removed",
+                                None,
+                                f"step {step.step}: BlockRemoved of group {event.group} for a "
+                                "hash no earlier BlockStored of that group announced (or all "
+                                "its blocks already removed)",
+                            )
+                        else:
+                            replay[key] -= 1
+                    continue
+                self.stored(step.step, event)
+                for label in event.hashes:
+                    replay[(event.group, label)] += 1
+            for index, lookup in enumerate(step.lookups):
+                self.lookup(step.step, lookup, emitted.pop(index, []))
+            for group, label, blocks in step.pool:
+                pool[(group, label)] = blocks
+            self.compare(step.step, +replay, +pool)
+
+    def compare(
+        self, step: int, replay: Counter[tuple[int, int]], pool: Counter[tuple[int, int]]
+    ) -> None:
+        if replay == pool:
+            return
+        keys = sorted(set(replay) | set(pool), key=lambda k: (k[0], k[1]))
+        g, label = next(k for k in keys if replay.get(k, 0) != pool.get(k, 0))
+        named = self.log.prefixes.get(label)
+        prefix = f"request {named[0]}'s first {named[1]} tokens" if named else "no request's prefix"
+        self.breach(
+            "replay",
+            None,
+            f"step {step}: replaying the stream gives {sum(replay.values())} cached blocks, "
+            f"the pool holds {sum(pool.values())}; first difference: group {g}, the hash of "
+            f"{prefix}: {replay.get((g, label), 0)} block(s) in the replay, "
+            f"{pool.get((g, label), 0)} in the pool",
+        )
+
+
+def kv_event_findings(
+    scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM, label: str = ""
+) -> list[Finding]:
+    """One ``kv-events`` finding per rule the run's stream breaks (see the
+    module docstring), naming its first breach; none when the run recorded
+    no events (``run.kv_events`` ``None``: events off).
+
+    Args:
+        scenario: the scenario the run served (its groups' kinds, block
+            sizes in tokens and windows in tokens are what the events must
+            carry; its prompts and sampled tokens, what they describe).
+        run: the run's observation.
+        policy: the policy recorded on the findings (the rules hold under all).
+        label: prefixed to each finding's detail (``"dense cross-check run: "``).
+    """
+    log = run.kv_events
+    if log is None:
+        return []
+    sequences = [
+        scenario.prompts[i] + scenario.sampled_tokens(i) for i in range(len(scenario.requests))
+    ]
+    judge = _Judge(scenario, log, sequences)
+    judge.run()
+    findings = []
+    for rule in RULES:
+        breaches = judge.breaches[rule]
+        if not breaches:
+            continue
+        request, what = breaches[0]
+        more = f" (and {len(breaches) - 1} more)" if len(breaches) > 1 else ""
+        findings.append(
+            Finding(
+                FindingKind.KV_EVENTS,
+                run.variant,
+                request,
+                f"{rule}: {label}{what}{more}",
+                policy=policy,
+            )
+        )
+    return findings
+
+
+def kv_event_rule(finding: Finding) -> str:
+    """The rule a ``kv-events`` finding breaks (the first word of its detail)."""
+    rule = finding.detail.split(":", 1)[0]
+    return rule if rule in RULES else "unknown"

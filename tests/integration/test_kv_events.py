@@ -1,0 +1,164 @@
+"""KV cache events on real runs: exact event counts, the manager driver's
+stream against the scheduler's own, and the watermark's admissions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from differential.compare import compare_variants
+from differential.corpus import finding_tag, load_entry
+from differential.driver import run_variant
+from differential.oracle.engine import judge_engine_run
+from differential.oracle.kv_events import kv_event_findings, kv_event_rule
+from differential.scenario import DriveMode
+from differential.variants import parse_variants
+from tests.factories import CORPORA
+
+pytestmark = pytest.mark.vllm
+
+CASES = CORPORA / "cases"
+
+
+def _run(name: str, mode: DriveMode | None = None):
+    scenario = load_entry(CASES / f"{name}.json").scenario
+    if mode is not None:
+        scenario = dataclasses.replace(
+            scenario, workload=dataclasses.replace(scenario.workload, mode=mode)
+        )
+    (unfixed,) = parse_variants("unfixed")
+    return scenario, run_variant(scenario, unfixed)
+
+
+def _events(run):
+    return [e for step in run.kv_events.steps for e in step.events]
+
+
+def test_full_report_mode_reannounces_reused_blocks_in_both_modes() -> None:
+    scenario, manager = _run("kv-events-full-swa-reannounced")
+    assert manager.hits == (0, 64, 32)
+    # 4 blocks per group stored by request 0, 1 each by requests 1 and 2
+    # (8); request 1 re-announces 4 blocks per group, request 2 two (4 events).
+    assert manager.kv_events.num_events == (12, 0, 0)
+    again = [(e.group, len(e.hashes)) for e in _events(manager) if e.lookup is not None]
+    assert again == [(0, 4), (1, 4), (0, 2), (1, 2)]
+    assert [(s.step, len(s.events)) for s in manager.kv_events.steps] == [
+        (0, 2),
+        (1, 2),
+        (4, 4),
+        (7, 4),
+    ]
+    assert kv_event_findings(scenario, manager) == []
+    # vLLM's Scheduler, draining at its own take_events call, publishes the
+    # same stream, step by step, for the same sequential requests.
+    _, scheduler = _run("kv-events-full-swa-reannounced", DriveMode.SCHEDULER)
+    assert _events(scheduler) == _events(manager)
+    assert [(s.step, len(s.events)) for s in scheduler.kv_events.steps] == [
+        (s.step, len(s.events)) for s in manager.kv_events.steps
+    ]
+
+
+def test_an_evicted_duplicate_block_is_removed_once_per_copy() -> None:
+    scenario, run = _run("kv-events-evicted-duplicate-block")
+    assert run.hits == (0, 48, 0, 32)
+    assert run.kv_events.num_events == (8, 6, 0)
+    events = _events(run)
+    stores = [h for e in events if e.kind == "stored" for h in e.hashes]
+    removals = [h for e in events if e.kind == "removed" for h in e.hashes]
+    # Request 0's fourth block (its 64-token prefix) is stored twice, once
+    # per physical copy, and removed twice when both copies are evicted.
+    fourth = next(label for label, named in run.kv_events.prefixes.items() if named == (0, 64))
+    assert stores.count(fourth) == 3  # twice, then again by request 3
+    assert removals.count(fourth) == 2
+    assert all(e.lookup is None for e in events)  # incremental: lookups publish nothing
+    assert judge_engine_run(scenario, run)[1] == ()
+
+
+def test_full_report_mode_reannounces_at_every_lookup_that_hits() -> None:
+    scenario, run = _run("kv-events-full-readmission")
+    assert run.kv_events.num_events == (11, 6, 0)
+    lookups = [
+        (step.step, u.request, u.hit_tokens, len([e for e in step.events if e.lookup == k]))
+        for step in run.kv_events.steps
+        for k, u in enumerate(step.lookups)
+    ]
+    # Request 3 looks up at step 12 (not admitted) and 13: two re-announcements.
+    assert lookups == [(0, 0, 0, 0), (3, 1, 48, 1), (6, 2, 0, 0), (7, 2, 0, 0), (12, 3, 32, 1),
+                       (13, 3, 32, 1)]  # fmt: skip
+    assert judge_engine_run(scenario, run)[1] == ()
+
+
+def test_a_real_stream_missing_one_removal_breaks_the_replay() -> None:
+    scenario, run = _run("kv-events-evicted-duplicate-block")
+    steps = list(run.kv_events.steps)
+    k = next(i for i, s in enumerate(steps) if any(e.kind == "removed" for e in s.events))
+    dropped = next(j for j, e in enumerate(steps[k].events) if e.kind == "removed")
+    events = steps[k].events[:dropped] + steps[k].events[dropped + 1 :]
+    steps[k] = dataclasses.replace(steps[k], events=events)
+    broken = dataclasses.replace(
+        run, kv_events=dataclasses.replace(run.kv_events, steps=tuple(steps))
+    )
+    (finding,) = kv_event_findings(scenario, broken)
+    assert kv_event_rule(finding) == "replay"
+    assert finding.detail.startswith(f"replay: step {steps[k].step}: replaying the stream gives")
+
+
+def test_the_watermark_holds_a_waiting_request_back_and_prevents_the_preemption() -> None:
+    scenario, held = _run("watermark-admission-pool10")
+    assert held.hits == (0, 0, 64)
+    assert [r.scheduled_step for r in held.requests] == [0, 2, 11]
+    assert held.preemptions == 0
+    # Request 1 is admitted beside request 0, leaving exactly the 3 blocks.
+    assert held.watermark_admissions == ((1, 2, 3),)
+    assert judge_engine_run(scenario, held)[1] == ()
+    _, free = _run("watermark-off-preemption-pool10")
+    assert [r.scheduled_step for r in free.requests] == [0, 2, 2]
+    assert free.preemptions == 1
+    assert free.watermark_admissions == ()  # recorded only with a watermark
+
+
+def test_corpus_cases_replay_clean_on_every_variant() -> None:
+    variants = parse_variants("unfixed,fixed,candidate")
+    for name in ("kv-events-full-readmission", "watermark-admission-pool10"):
+        result = compare_variants(load_entry(CASES / f"{name}.json").scenario, variants)
+        assert [finding_tag(f) for f in result.findings] == []
+
+
+def test_an_exported_scheduler_test_sets_the_watermark(tmp_path) -> None:
+    from differential.exports.scheduler_test import export_engine_test
+    from differential.findings import Finding, FindingKind
+
+    scenario = load_entry(CASES / "watermark-admission-pool10.json").scenario
+    owed = Finding(FindingKind.FALLBACK, "unfixed", 2, "owed 64", expected_tokens=64)
+    source = export_engine_test(scenario, owed, signature="s", name="watermark")
+    assert "    config.scheduler_config.watermark = 0.3\n" in source
+    namespace: dict[str, object] = {}
+    exec(compile(source, "exported.py", "exec"), namespace)
+    namespace["test_kvfuzz_watermark"](tmp_path)  # type: ignore[operator]
+
+
+def test_engine_mode_refuses_events_and_the_watermark_naming_why() -> None:
+    from differential.driver.engine_mode import EngineUnsupported, engine_plan
+    from differential.scenario import (
+        GroupKind,
+        KVCacheGroup,
+        KVEvents,
+        RequestSpec,
+        Scenario,
+        Workload,
+    )
+
+    base = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 32),),
+        requests=(RequestSpec(64, 8), RequestSpec(64, 8)),
+        shared_prefix_tokens=64,
+    )
+    events = dataclasses.replace(base, workload=Workload(kv_events=KVEvents.FULL))
+    with pytest.raises(EngineUnsupported, match=r"^workload\.kv_events: the engine publishes"):
+        engine_plan(events)
+    held = dataclasses.replace(
+        base, workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=12, watermark=0.25)
+    )
+    with pytest.raises(EngineUnsupported, match=r"^workload\.watermark: not mapped"):
+        engine_plan(held)
