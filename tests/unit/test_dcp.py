@@ -158,3 +158,41 @@ def test_shrinker_tries_one_rank() -> None:
     )
     plain = dict(_simplify(mla))["no decode context parallelism"]
     assert plain is not None and plain.kv_cache_groups == mla.kv_cache_groups
+
+
+def test_full_event_reports_under_dcp_are_a_known_issue() -> None:
+    import dataclasses
+
+    from differential.findings import Finding, FindingKind
+    from differential.scenario import KVEvents, Workload
+    from differential.triage.known import label_known
+
+    def mla(dcp: int, events: KVEvents) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(G(K.MLA, 512),),
+            requests=REQUESTS,
+            shared_prefix_tokens=40,
+            dcp_world_size=dcp,
+            workload=Workload(kv_events=events),
+        )
+
+    crash = Finding(
+        FindingKind.CRASH,
+        "unfixed",
+        1,
+        "request 1: lookup: KVCacheManager.get_computed_blocks: AssertionError:  "
+        "[raised in resolve_block_hashes (vllm/v1/core/kv_cache_utils.py)]",
+    )
+    name = "kv-events-full-report-dcp-block-size"
+    assert label_known(mla(8, KVEvents.FULL), [crash])[0].known_issue == name
+    report = dataclasses.replace(
+        crash,
+        kind=FindingKind.KV_EVENTS,
+        detail="lookup: step 2: the lookup of request 1 (hit 32 tokens): its BlockStored ...",
+    )
+    assert label_known(mla(8, KVEvents.FULL), [report])[0].known_issue == name
+    # Near misses: one rank, incremental reports, another crash.
+    assert label_known(mla(1, KVEvents.FULL), [crash])[0].known_issue is None
+    assert label_known(mla(8, KVEvents.INCREMENTAL), [crash])[0].known_issue is None
+    other = dataclasses.replace(crash, detail="request 1: free: ValueError: no")
+    assert label_known(mla(8, KVEvents.FULL), [other])[0].known_issue is None
