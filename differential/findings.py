@@ -70,6 +70,13 @@ class FindingKind(StrEnum):
     (``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``, the local
     hit a KV connector builds on) hits less than the reconciled hit every
     group holds, or off the hit alignment (:mod:`differential.oracle.per_group`)."""
+    KEPT_SKIPPED_BLOCK = "kept-skipped-block"
+    """After an ``allocate_slots`` step a sliding-window or chunked-local
+    group's block table still holds a real block that no later step attends
+    to: vLLM's ``remove_skipped_blocks`` frees such blocks at the step (vLLM
+    PR #14097), and admission caps a request at its window's blocks
+    (``max_admission_blocks_per_request``) on that promise, so the pool is
+    over-committed (:func:`differential.oracle.blocks.table_violations`)."""
     KV_EVENTS = "kv-events"
     """The KV cache event stream (``BlockStored``, ``BlockRemoved``,
     ``AllBlocksCleared``) disagrees with the prefix cache it describes:

@@ -21,6 +21,7 @@ __all__ = [
     "RequestObservation",
     "ResumedLookup",
     "RunObservation",
+    "StepTable",
     "runs_of",
     "tokens_of",
 ]
@@ -314,6 +315,58 @@ class KVEventLog:
 
 
 @dataclass(frozen=True)
+class StepTable:
+    """One attention group's block table for a request right after one of its
+    ``allocate_slots`` steps: where its null blocks are.
+
+    vLLM's ``KVCacheManager.allocate_slots`` first frees the blocks no later
+    step attends to (``SingleTypeKVCacheManager.remove_skipped_blocks``,
+    replacing them with the null block), then adds the step's blocks; a
+    prefix-cache hit's skipped blocks enter the table as null blocks
+    (``add_local_computed_blocks``). The oracle
+    (:func:`differential.oracle.blocks.table_violations`) reads where the
+    nulls are against the window.
+
+    Attributes:
+        processed_tokens: the computed tokens the step frees against, in
+            tokens: vLLM passes ``max(0, total computed - in flight)`` to
+            ``remove_skipped_blocks`` (the hit and external tokens included
+            on the first step).
+        start_tokens: the first token the step computes, in tokens.
+        group: the KV cache group.
+        num_blocks: the table's length, in blocks.
+        first_real: index of its first real (non-null) block, in blocks
+            (``num_blocks`` when it holds none).
+        null_end: one past the index of its last null block, in blocks (0
+            when it holds none).
+    """
+
+    processed_tokens: int
+    start_tokens: int
+    group: int
+    num_blocks: int
+    first_real: int
+    null_end: int
+
+    @classmethod
+    def from_list(cls, data: list[int]) -> StepTable:
+        """Inverse of :meth:`to_list`."""
+        return cls(*data)
+
+    def to_list(self) -> list[int]:
+        """Compact JSON form ``[processed_tokens, start_tokens, group, num_blocks,
+        first_real, null_end]``."""
+        return [
+            self.processed_tokens,
+            self.start_tokens,
+            self.group,
+            self.num_blocks,
+            self.first_real,
+            self.null_end,
+        ]
+
+
+@dataclass(frozen=True)
 class ManagerSettings:
     """The drafter-dependent settings vLLM's config code resolved for a scenario.
 
@@ -504,6 +557,9 @@ class RequestObservation:
             block held (empty when the run did not record blocks).
         unsafe_writes: blocks this request's ``allocate_slots`` steps handed
             out for writing that were not the request's alone.
+        step_tables: each attention group's block table after each of this
+            request's ``allocate_slots`` steps (:class:`StepTable`; empty
+            when the run did not record blocks).
         scheduled_step: (scheduler mode) the scheduler step that admitted
             the request, its lookup being the one judged; ``None`` in
             manager mode.
@@ -550,6 +606,7 @@ class RequestObservation:
     freed_queue_blocks: int | None = None
     freed_queue_removals: int | None = None
     resumed: tuple[ResumedLookup, ...] = ()
+    step_tables: tuple[StepTable, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
@@ -575,6 +632,7 @@ class RequestObservation:
             freed_queue_blocks=data.get("freed_queue_blocks"),
             freed_queue_removals=data.get("freed_queue_removals"),
             resumed=tuple(ResumedLookup.from_dict(u) for u in data.get("resumed", ())),
+            step_tables=tuple(StepTable.from_list(t) for t in data.get("step_tables", ())),
         )
 
     @property
@@ -604,6 +662,8 @@ class RequestObservation:
             out["freed_queue_removals"] = self.freed_queue_removals
         if self.resumed:
             out["resumed"] = [u.to_dict() for u in self.resumed]
+        if self.step_tables:
+            out["step_tables"] = [t.to_list() for t in self.step_tables]
         return out
 
     def _base_dict(self) -> dict[str, Any]:

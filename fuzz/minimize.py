@@ -7,7 +7,8 @@ repeated until nothing more can be removed or the time budget is spent:
 1. drop requests (last first);
 2. simplify: no decode steps, one prefill chunk, no KV connector (disabled
    lookahead hashes instead), one sliding-window group, one speculative token,
-   the plainest drafter of the same class;
+   one rank (no decode context parallelism), the plainest drafter of the
+   same class;
 3. halve every token quantity at once (block sizes, window, retention,
    prefix, divergence points, suffixes), keeping the geometry's shape;
 4. shrink the sliding window, then the retention interval (positions keep
@@ -41,6 +42,7 @@ from differential.findings import FindingKind, Policy
 from differential.scenario import (
     Drafter,
     DrafterKind,
+    GroupKind,
     KVEvents,
     Scenario,
 )
@@ -162,6 +164,17 @@ def _simplify(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
             f"{minimum} speculative token(s)",
             _replace(s, drafter=Drafter(s.drafter.kind, minimum)),
         )
+    dcp = s.dcp_world_size
+    if dcp > 1:
+        # One rank: the same per-rank blocks, which a Mamba state block (not
+        # sharded) must then equal; without Mamba the blocks are kept.
+        groups = tuple(
+            dataclasses.replace(g, block_size_tokens=g.block_size_tokens // dcp)
+            if s.mamba_groups and g.kind is not GroupKind.MAMBA
+            else g
+            for g in s.kv_cache_groups
+        )
+        yield "no decode context parallelism", _replace(s, dcp_world_size=1, kv_cache_groups=groups)
     plain = _PLAIN.get(s.drafter.kind)
     if plain is not None:
         yield (
@@ -366,6 +379,7 @@ def _size(s: Scenario) -> tuple[int, ...]:
         round(s.workload.watermark * 1000),
         _EVENTS_RANK[s.workload.kv_events],
         sum(len(r.mm_inputs) + (r.cache_salt is not None) for r in s.requests),
+        s.dcp_world_size,
     )
 
 

@@ -445,6 +445,8 @@ def scenarios(
         events = KVEvents.INCREMENTAL
     # Drawn after everything else, for the same reason.
     requests = _multimodal(draw, requests, alignment)
+    # Last of all, decode context parallelism (it may scale the groups' blocks).
+    groups, dcp = _decode_context_parallel(draw, groups, retention)
     try:
         return Scenario(
             kv_cache_groups=groups,
@@ -458,10 +460,50 @@ def scenarios(
             prefill_chunk_tokens=chunk,
             decode_steps=decode_steps,
             workload=Workload(kv_events=events),
+            dcp_world_size=dcp,
             **mamba_options,  # type: ignore[arg-type]
         )
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the scenario generator produced an invalid scenario: {exc}") from exc
+
+
+# Decode context parallel sizes drawn (ranks; DeepSeek-V3-class MLA serving
+# uses 8, vLLM's DCP tests 2, 4 and 8).
+_DCP_SIZES = (2, 4, 8)
+# Group kinds vLLM serves under decode context parallelism.
+_DCP_KINDS = frozenset({GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.MAMBA})
+
+
+def _decode_context_parallel(
+    draw: st.DrawFn, groups: tuple[KVCacheGroup, ...], retention: int | None
+) -> tuple[tuple[KVCacheGroup, ...], int]:
+    """The groups and ``dcp_world_size``: one eligible layout in four runs
+    under decode context parallelism (full attention, MLA and Mamba groups
+    only, with a full-attention-family group). Without Mamba the blocks stay
+    (the per-rank block shrinks instead, so the hits are the same as at one
+    rank: vLLM's DCP lookup path must agree); with Mamba, whose state block
+    stays the cache block size, every attention block spans ``dcp`` times it,
+    when the retention interval is still a multiple of that scheduler block.
+    Draws nothing for other layouts, so their bytes are read as before."""
+    kinds = {g.kind for g in groups}
+    if not kinds <= _DCP_KINDS or not any(k.full_attention_family for k in kinds):
+        return groups, 1
+    if draw(st.integers(0, 3)):
+        return groups, 1
+    mamba = GroupKind.MAMBA in kinds
+    if not mamba:
+        sizes = [d for d in _DCP_SIZES if all(g.block_size_tokens % d == 0 for g in groups)]
+        return (groups, draw(st.sampled_from(sizes))) if sizes else (groups, 1)
+    block = next(g.block_size_tokens for g in groups if g.kind is GroupKind.MAMBA)
+    sizes = [d for d in _DCP_SIZES[:2] if not retention or retention % (block * d) == 0]
+    if not sizes:
+        return groups, 1
+    dcp = draw(st.sampled_from(sizes))
+    sharded = tuple(
+        g if g.kind is GroupKind.MAMBA else dataclasses.replace(g, block_size_tokens=block * dcp)
+        for g in groups
+    )
+    return sharded, dcp
 
 
 def _rejoining(
@@ -690,6 +732,9 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
             "hash_block_size_tokens": hash_block,
             "mamba_prefill": MambaPrefill.SCHEDULER,  # what vLLM's Scheduler does
         }
+    # Drawn last, so that every draw above reads the bytes it read before.
+    # (Sharded attention blocks hold more tokens: the pool still suffices.)
+    groups, dcp = _decode_context_parallel(draw, groups, retention)
     try:
         return Scenario(
             kv_cache_groups=groups,
@@ -704,6 +749,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
             decode_steps=decode_steps,
             name="engine",
             workload=workload,
+            dcp_world_size=dcp,
             **mamba_options,
         )
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug

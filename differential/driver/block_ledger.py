@@ -6,6 +6,11 @@ hit length does not carry:
 * for every ``get_computed_blocks``, the blocks of each KV cache group and,
   for each real block, which request wrote KV into it, at which block index,
   and how many of its tokens (:class:`BlockLedger.lookup`);
+* for every ``allocate_slots`` step, where each attention group's block
+  table holds vLLM's null block afterwards (:class:`StepTable`: the blocks
+  ``remove_skipped_blocks`` freed, and a hit's skipped blocks), which
+  :func:`differential.oracle.blocks.table_violations` reads against the
+  window;
 * for every ``allocate_slots`` step, each block the step writes into that
   was not the request's alone: vLLM's null block, a block whose reference
   count (``KVCacheBlock.ref_cnt``, kept by ``vllm/v1/core/block_pool.py``
@@ -34,7 +39,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
-from differential.observation import BlockRecord, BlockWrite
+from differential.observation import BlockRecord, BlockWrite, StepTable
 
 __all__ = ["BlockLedger"]
 
@@ -63,6 +68,9 @@ class BlockLedger:
         self._request_ids: dict[int, str] = {}
         # block id -> the record a lookup returns for it, until it is written again
         self._records: dict[int, BlockRecord] = {}
+        # request index -> its attention groups' tables after each step
+        self._tables: dict[int, list[StepTable]] = {}
+        self._null_id = id(manager.block_pool.null_block)
 
     @classmethod
     def for_manager(cls, manager: KVCacheManager) -> BlockLedger | None:
@@ -158,6 +166,37 @@ class BlockLedger:
             return rec[1]
         return None
 
+    def take_tables(self, request_index: int) -> tuple[StepTable, ...]:
+        """The tables :meth:`after_step` recorded for ``request_index`` since the
+        last call, in step order (then group order); forgets them."""
+        return tuple(self._tables.pop(request_index, ()))
+
+    def _record_tables(
+        self, request_index: int, request_id: str, processed_tokens: int, start_tokens: int
+    ) -> None:
+        """Where each attention group's table for ``request_id`` holds the null
+        block now (:class:`StepTable`). Null entries are one shared object, so
+        they are found by identity at C speed: a step costs O(table length)."""
+        null_id = self._null_id
+        tables = self._tables.setdefault(request_index, [])
+        for gid, manager in enumerate(self._managers):
+            if gid in self._state_groups:
+                continue
+            ids = list(map(id, manager.req_to_blocks.get(request_id, ())))
+            n = len(ids)
+            nulls = ids.count(null_id)
+            if not nulls:
+                first_real, null_end = 0, 0
+            else:
+                ids.reverse()
+                null_end = n - ids.index(null_id)
+                if nulls == null_end:  # the nulls are the table's head
+                    first_real = null_end
+                else:
+                    ids.reverse()
+                    first_real = next(i for i, b in enumerate(ids) if b != null_id)
+            tables.append(StepTable(processed_tokens, start_tokens, gid, n, first_real, null_end))
+
     def after_step(
         self,
         request_index: int,
@@ -165,15 +204,28 @@ class BlockLedger:
         start_tokens: int,
         end_tokens: int,
         cached_before: dict[int, int],
+        *,
+        processed_tokens: int | None = None,
     ) -> list[BlockWrite]:
-        """Record the tokens ``[start, end)`` the step wrote; return unsafe writes.
+        """Record the tokens ``[start, end)`` the step wrote and where each
+        attention group's table holds null blocks (:meth:`take_tables`);
+        return unsafe writes.
 
         Args:
             request_index: the writing request's index in the scenario.
             request_id: its vLLM request id.
             start_tokens, end_tokens: the tokens the step computed.
             cached_before: :meth:`before_step`'s answer for the same step.
+            processed_tokens: the computed tokens ``allocate_slots`` freed
+                against (``max(0, total computed - in flight)``), in tokens;
+                ``None``: ``start_tokens``.
         """
+        self._record_tables(
+            request_index,
+            request_id,
+            start_tokens if processed_tokens is None else processed_tokens,
+            start_tokens,
+        )
         unsafe: list[BlockWrite] = []
         if end_tokens <= start_tokens:
             return unsafe

@@ -365,6 +365,11 @@ def engine_plan(
             "cache_salt: the engine worker sends each prompt as token ids alone, without a salt"
         )
     groups = scenario.kv_cache_groups
+    if scenario.dcp_world_size > 1:
+        raise EngineUnsupported(
+            f"dcp_world_size {scenario.dcp_world_size}: decode context parallelism shards "
+            "KV over several ranks; the CPU engine runs one"
+        )
     kinds = {g.kind for g in groups}
     unknown = kinds - {GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA}
     if unknown:

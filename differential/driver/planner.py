@@ -302,7 +302,8 @@ def resolve_model_scenario(data: Mapping[str, Any], base: Path) -> tuple[Scenari
     one.
 
     Raises:
-        ScenarioError: an invalid description or scenario field.
+        ScenarioError: an invalid description or scenario field, or a
+            ``dcp_world_size`` other than 1.
         VllmCallError: vLLM's planner refused the layout.
         InternalError: kvfuzz derives a different hit alignment than vLLM.
     """
@@ -314,6 +315,14 @@ def resolve_model_scenario(data: Mapping[str, Any], base: Path) -> tuple[Scenari
     body = {k: v for k, v in data.items() if k != "model"}
     if "kv_cache_groups" in body:
         raise ScenarioError("kv_cache_groups", body["kv_cache_groups"], "absent with a model")
+    if body.get("dcp_world_size", 1) != 1:
+        # The planner runs at one rank here; a sharded layout is given as groups.
+        raise ScenarioError(
+            "dcp_world_size",
+            body["dcp_world_size"],
+            "1 with a model (vLLM's planner is run at one rank: give kv_cache_groups, "
+            "with the sharded block sizes, for decode context parallelism)",
+        )
     # The drafter settings alone, on a throwaway one-group scenario.
     probe_block = max(
         model.block_size_tokens,

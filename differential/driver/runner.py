@@ -78,7 +78,7 @@ from differential.driver.features import (
 )
 from differential.driver.kv_events import EventRecorder
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
-from differential.driver.specs import kv_cache_config, pool_blocks
+from differential.driver.specs import dcp_block_sizes, kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
 from differential.errors import InternalError, ScenarioError
 from differential.observation import (
@@ -121,6 +121,23 @@ def resolve_retention(scenario: Scenario, override: int | object | None) -> int 
     return retention
 
 
+def check_dcp_block_sizes(scenario: Scenario, config: Any) -> None:
+    """The scheduler and hash block sizes vLLM's engine resolves under the
+    scenario's decode context parallelism (:func:`~differential.driver.specs.dcp_block_sizes`)
+    must be the scenario's own, which the oracle judges in.
+
+    Raises:
+        InternalError: they differ (kvfuzz's model of DCP is not vLLM's).
+    """
+    resolved = dcp_block_sizes(scenario, config)
+    derived = (scenario.scheduler_block_size_tokens, scenario.effective_hash_block_size_tokens)
+    if resolved != derived:
+        raise InternalError(
+            f"vLLM resolves (scheduler block, hash block) {resolved} tokens at dcp "
+            f"{scenario.dcp_world_size}; the scenario derives {derived}"
+        )
+
+
 def _mamba_scheduler_view(
     scenario: Scenario, manager: KVCacheManager, resolved: ResolvedDrafter
 ) -> SimpleNamespace | None:
@@ -139,7 +156,9 @@ def _mamba_scheduler_view(
         return None
     block = scenario.mamba_groups[0].block_size_tokens
     hash_block = manager.block_pool.hash_block_size
-    partial = hash_block < block and bool(
+    # The scheduler compares the hash block with its own (scheduler) block
+    # size, which decode context parallelism makes larger than the Mamba one.
+    partial = hash_block < scenario.scheduler_block_size_tokens and bool(
         getattr(manager.coordinator, "enable_partial_hash_hits", False)
     )
     return SimpleNamespace(
@@ -489,16 +508,22 @@ def _build(
         optional["enable_mamba_shared_prefix_checkpoint"] = True
     if scenario.workload.kv_events is not KVEvents.OFF:
         optional["enable_kv_cache_events"] = True
+    config = kv_cache_config(
+        scenario,
+        resolved,
+        scenario.workload.pool_blocks or pool_blocks(scenario, resolved),
+        retention,
+    )
+    if scenario.dcp_world_size > 1:
+        # As EngineCore builds the Scheduler's manager: the DCP size from
+        # ParallelConfig, the block sizes from vLLM's own resolver.
+        optional["dcp_world_size"] = scenario.dcp_world_size
+        check_dcp_block_sizes(scenario, config)
     manager = vllm_build(
         "KVCacheManager",
         "vllm/v1/core/kv_cache_manager.py",
         KVCacheManager,
-        kv_cache_config=kv_cache_config(
-            scenario,
-            resolved,
-            scenario.workload.pool_blocks or pool_blocks(scenario, resolved),
-            retention,
-        ),
+        kv_cache_config=config,
         max_model_len=max_model_len,
         scheduler_block_size=scenario.scheduler_block_size_tokens,
         hash_block_size=scenario.effective_hash_block_size_tokens,
@@ -755,6 +780,7 @@ def _free(
         lookup=tuple(found.traced),
         lookup_blocks=found.lookup_blocks,
         unsafe_writes=tuple(unsafe_writes),
+        step_tables=d.ledger.take_tables(index) if d.ledger is not None else (),
     )
 
 

@@ -173,10 +173,19 @@ def _vllm_config(
     # After validation (see the module docstring): what the scheduler reads.
     config.cache_config.num_gpu_blocks = num_blocks
     config.cache_config.enable_prefix_caching = True
+    dcp = scenario.dcp_world_size
+    if dcp > 1:
+        # Decode context parallelism: the Scheduler hands this to its
+        # KVCacheManager (Scheduler.__init__); CacheConfig.block_size is then
+        # the per-rank block (EngineCore resolves the sharded scheduler block,
+        # passed below as block_size, with resolve_kv_cache_block_sizes).
+        config.parallel_config.decode_context_parallel_size = dcp
+        config.cache_config.block_size = scenario.scheduler_block_size_tokens // dcp
     if scenario.mamba_groups:
-        # Prefix caching with Mamba runs in align mode (vllm/config/cache.py).
+        # Prefix caching with Mamba runs in align mode (vllm/config/cache.py),
+        # its block the cache block size (the per-rank one under DCP).
         config.cache_config.mamba_cache_mode = "align"
-        config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens
+        config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens // dcp
     if scenario.enable_mamba_shared_prefix_checkpoint:
         config.cache_config.enable_mamba_shared_prefix_checkpoint = True
     config.scheduler_config.max_num_batched_tokens = budget
@@ -370,6 +379,12 @@ def _record_writes(
                 + given.get("num_external_computed_tokens", 0)
             )
             end = start + given["num_new_tokens"]
+            # What allocate_slots frees against (remove_skipped_blocks).
+            processed = max(
+                0,
+                min(start, getattr(manager, "max_model_len", start))
+                - getattr(request, "num_in_flight_tokens", 0),
+            )
             blocks = given.get("new_computed_blocks")
             adopted = blocks.blocks if blocks is not None else None
             rid = request.request_id
@@ -382,7 +397,7 @@ def _record_writes(
             try:
                 i = index_of[rid]
                 writes.setdefault(i, []).extend(
-                    ledger.after_step(i, rid, start, end, cached_before)
+                    ledger.after_step(i, rid, start, end, cached_before, processed_tokens=processed)
                 )
             except Exception as exc:  # kvfuzz's own failure
                 failures.append(exc)
@@ -701,9 +716,11 @@ def _observations(
     clock: _FreeQueueClock,
     request_ids: list[str],
     resumed: dict[int, list[ResumedLookup]],
+    ledger: BlockLedger | None = None,
 ) -> list[RequestObservation]:
     """One observation per admitted request, in scenario order: its admitting
-    lookup (with what its blocks held), the unsafe writes of its steps, the
+    lookup (with what its blocks held), the unsafe writes and block tables of
+    its steps (``ledger``), the
     blocks per group it left cached (at its finish, or at the end of the
     run: ``seen``) and the free queue's counters (:class:`_FreeQueueClock`)."""
     num_groups = len(scenario.kv_cache_groups)
@@ -736,6 +753,7 @@ def _observations(
                 finished_step=finished_step.get(i),
                 lookup_blocks=a.blocks,
                 unsafe_writes=tuple(writes.get(i, ())),
+                step_tables=ledger.take_tables(i) if ledger is not None else (),
                 lookup_queue_removals=None if clock.unattributed else a.queue_removals,
                 freed_queue_blocks=freed_blocks,
                 freed_queue_removals=freed_removals,
@@ -819,12 +837,15 @@ def run_scheduler_scenario(
         phase[0] = "build VllmConfig"
         config = _vllm_config(scenario, resolved, pool, max_model_len)
         phase[0] = "build Scheduler"
+        kv_config = kv_cache_config(scenario, resolved, pool, retention)
+        if scenario.dcp_world_size > 1:
+            runner.check_dcp_block_sizes(scenario, kv_config)
         scheduler = vllm_build(
             "Scheduler",
             "vllm/v1/core/sched/scheduler.py",
             Scheduler,
             vllm_config=config,
-            kv_cache_config=kv_cache_config(scenario, resolved, pool, retention),
+            kv_cache_config=kv_config,
             structured_output_manager=vllm_call(
                 "StructuredOutputManager", StructuredOutputManager, config
             ),
@@ -988,6 +1009,7 @@ def run_scheduler_scenario(
             clock,
             [r.request_id for r in requests],
             resumed,
+            ledger,
         )
         phase[0] = "count unreachable cached blocks"
         unreachable, cached_blocks = _unreachable(scenario, manager, requests)

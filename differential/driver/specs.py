@@ -8,19 +8,23 @@ A new group kind adds its spec here; both driving modes build from it.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from vllm.v1 import kv_cache_interface
+from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
-from differential.driver.features import UnsupportedFeature, has, vllm_build
+from differential.driver.features import UnsupportedFeature, has, vllm_build, vllm_call
 from differential.driver.settings import ResolvedDrafter
+from differential.errors import InternalError
 from differential.scenario import GroupKind, Scenario
 from differential.variants.capabilities import Feature, Unsupported
 
 __all__ = [
     "attention_spec",
+    "dcp_block_sizes",
     "group_spec",
     "kv_cache_config",
     "mamba_spec",
@@ -121,17 +125,40 @@ def mamba_spec(block_size: int, num_speculative_blocks: int) -> KVCacheSpec:
 
 def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSpec:
     """The spec of group ``index``: attention groups via :func:`attention_spec`, Mamba
-    groups via :func:`mamba_spec`."""
+    groups via :func:`mamba_spec`.
+
+    Under decode context parallelism (``Scenario.dcp_world_size`` ``D > 1``) an
+    attention spec holds the per-rank block, ``block_size_tokens / D`` tokens
+    (vLLM's attention specs are ``dcp_sharded``; the manager scales the block
+    back by ``D``); vLLM's own ``resolve_dcp_kv_block_size``
+    (vllm/v1/core/kv_cache_utils.py) must give back the scenario's block.
+
+    Raises:
+        InternalError: vLLM's DCP block of the spec is not the scenario's.
+    """
     g = scenario.kv_cache_groups[index]
     if g.kind is GroupKind.MAMBA:
         return mamba_spec(g.block_size_tokens, scenario.drafter.num_speculative_tokens)
-    return attention_spec(
-        g.block_size_tokens,
+    dcp = scenario.dcp_world_size
+    spec = attention_spec(
+        g.block_size_tokens // dcp,
         g.kind,
         g.sliding_window_tokens,
         extra_retained,
         g.attention_chunk_size_tokens,
     )
+    if dcp > 1:
+        resolve = getattr(kv_cache_utils, "resolve_dcp_kv_block_size", None)
+        if resolve is None:
+            raise Unsupported("resolve_dcp_kv_block_size (vllm/v1/core/kv_cache_utils.py)")
+        sharded = vllm_call("resolve_dcp_kv_block_size", resolve, spec, dcp)
+        if sharded != g.block_size_tokens:
+            raise InternalError(
+                f"kv_cache_groups[{index}]: vLLM's DCP block is {sharded} tokens for a "
+                f"{g.block_size_tokens // dcp}-token spec at dcp {dcp}, not the scenario's "
+                f"{g.block_size_tokens}"
+            )
+    return spec
 
 
 def pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
@@ -193,3 +220,35 @@ def kv_cache_config(
         kv_cache_groups=groups,
         **optional,
     )
+
+
+def dcp_block_sizes(scenario: Scenario, config: KVCacheConfig) -> tuple[int, int]:
+    """(scheduler block, hash block), in tokens, as vLLM's engine resolves them
+    for ``config``'s groups under the scenario's decode context parallelism:
+    ``resolve_kv_cache_block_sizes`` (vllm/v1/core/kv_cache_utils.py, called
+    by ``EngineCore`` before it builds the ``Scheduler``) on the config
+    fields it reads (``CacheConfig.block_size``, the per-rank block of a
+    single group; ``prefix_match_unit``, the scenario's hash block;
+    ``ParallelConfig.decode_context_parallel_size``; whether a KV connector
+    is configured).
+
+    Raises:
+        Unsupported: the release has no ``resolve_kv_cache_block_sizes``.
+    """
+    resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
+    if resolve is None:
+        raise Unsupported("resolve_kv_cache_block_sizes (vllm/v1/core/kv_cache_utils.py)")
+    dcp = scenario.dcp_world_size
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(
+            block_size=scenario.scheduler_block_size_tokens // dcp,
+            prefix_match_unit=scenario.hash_block_size_tokens,
+            enable_prefix_caching=True,
+        ),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
+        kv_transfer_config=SimpleNamespace() if scenario.kv_connector else None,
+    )
+    scheduler_block, hash_block = vllm_call(
+        "resolve_kv_cache_block_sizes", resolve, config, vllm_config
+    )
+    return int(scheduler_block), int(hash_block)

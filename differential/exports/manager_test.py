@@ -289,11 +289,13 @@ def _layout_text(scenario: Scenario) -> str:
 
 def _groups(scenario: Scenario) -> str:
     """The ``KVCacheGroupSpec`` lines; a Mamba group is vLLM's ``MambaSpec`` in
-    align mode, as the driver builds it."""
+    align mode, as the driver builds it. Under decode context parallelism an
+    attention spec holds the per-rank block (``block_size_tokens /
+    dcp_world_size``), as :func:`differential.driver.specs.group_spec`."""
     lines = []
     for index, g in enumerate(scenario.kv_cache_groups):
         common = [
-            f"block_size={g.block_size_tokens}",
+            f"block_size={g.block_size_tokens // scenario.dcp_world_size}",
             "num_kv_heads=1",
             "head_size=8",
             "dtype=torch.float16",
@@ -574,6 +576,14 @@ def export_test(
         assertion=check,
     )
     source = _with_mamba_steps(source, scenario) if scenario.mamba_groups else source
+    if scenario.dcp_world_size > 1:
+        # The manager as the Scheduler builds it under decode context parallelism.
+        caching = "        enable_caching=True,\n"
+        if source.count(caching) != 1:
+            raise ValueError("the manager-test template lost its enable_caching line")
+        source = source.replace(
+            caching, f"        dcp_world_size={scenario.dcp_world_size},\n{caching}"
+        )
     if scenario.has_mm_inputs or scenario.has_cache_salts:
         source = with_mm_inputs(
             source,
@@ -698,9 +708,11 @@ def _with_mamba_steps(source: str, scenario: Scenario) -> str:
         ValueError: if the template no longer has the lines this edits.
     """
     helper = _BLOCK_HELPER if scenario.mamba_prefill is MambaPrefill.BLOCK else _MAMBA_HELPER
+    # As Scheduler.__init__ compares: the hash block against the scheduler block
+    # (the Mamba block, or dcp_world_size times it under DCP).
     partial = (
         scenario.partial_hash_hits
-        and scenario.effective_hash_block_size_tokens < scenario.mamba_groups[0].block_size_tokens
+        and scenario.effective_hash_block_size_tokens < scenario.scheduler_block_size_tokens
     )
     helper = helper.format(
         block=scenario.mamba_groups[0].block_size_tokens,

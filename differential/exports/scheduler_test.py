@@ -272,12 +272,19 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
     )
     total = sum(r.prompt_tokens for r in scenario.requests)
     budget = scenario.step_budget_tokens
+    dcp = scenario.dcp_world_size
+    per_rank_block = scenario.scheduler_block_size_tokens // dcp
     mamba_config = (
         '    config.cache_config.mamba_cache_mode = "align"\n'
-        f"    config.cache_config.mamba_block_size = {scenario.scheduler_block_size_tokens}\n"
+        f"    config.cache_config.mamba_block_size = {per_rank_block}\n"
         if scenario.mamba_groups
         else ""
     )
+    if dcp > 1:  # decode context parallelism, as the driver sets it
+        mamba_config = (
+            f"    config.parallel_config.decode_context_parallel_size = {dcp}\n"
+            f"    config.cache_config.block_size = {per_rank_block}\n" + mamba_config
+        )
     extra_retained = (  # a sliding-window spec's extra_retained_tokens
         "    extra_retained = max(0, config.num_prefill_lookahead_tokens - 1)\n"
         if scenario.sliding_window_groups

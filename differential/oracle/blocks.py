@@ -27,6 +27,20 @@ size ``B``, with hit ``h`` tokens:
 4. **Writes**: no ``allocate_slots`` step writes into a block that was not the
    request's alone (vLLM ``vllm/v1/core/block_pool.py``
    ``BlockPool.is_block_writable``: not null, reference count 1, not cached).
+5. **Tables** (:func:`table_violations`): after every ``allocate_slots``
+   step that had ``p`` tokens processed, a sliding-window or chunked-local
+   group's block table holds the null block at every index below ``s // B``,
+   where ``s`` are the tokens no later step attends to (``p - W + 1`` minus
+   the extra retained tokens for a window of ``W``, the start of ``p``'s
+   chunk for chunked local attention), and a real block everywhere the step
+   attends to. vLLM PR #14097 made the manager drop the blocks outside the
+   window ("block_table becomes [null_block*1000] + [1k:2k]"; now
+   ``remove_skipped_blocks``, run by ``allocate_slots`` before it allocates),
+   and admission caps a request at its window's blocks on that promise
+   (``SingleTypeKVCacheManager.get_num_blocks_to_allocate``: drift
+   "would re-introduce the deadlock from issue #39734 or, worse,
+   mid-prefill OOM"). A block kept below ``s`` is a ``kept-skipped-block``
+   finding; the null block where the step attends, a ``wrong-kv`` one.
 
 A state group (Mamba, coming with its group kind) is checked by
 :func:`state_group_violations`: register it in :data:`GROUP_CHECKS` under the
@@ -43,7 +57,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.observation import BlockRecord, RequestObservation, RunObservation
+from differential.observation import (
+    BlockRecord,
+    ManagerSettings,
+    RequestObservation,
+    RunObservation,
+    StepTable,
+)
 from differential.oracle.prefix import common_prefix_packed, common_prefix_tokens, packed_tokens
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
 
@@ -56,6 +76,7 @@ __all__ = [
     "check_blocks",
     "render_blocks",
     "state_group_violations",
+    "table_violations",
 ]
 
 
@@ -74,6 +95,8 @@ class ViolationKind(StrEnum):
     """A step wrote into a block that was not the request's alone."""
     STATE_PAST_HIT = "state-past-hit"
     """A state group returned a state other than the one at the hit."""
+    KEPT_SKIPPED = "kept-skipped"
+    """A step left a real block where no later step attends (not freed)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +230,99 @@ def _content_violation(
     return None
 
 
+def _window_start_tokens(group: KVCacheGroup, position_tokens: int) -> int:
+    """The first token the token at ``position_tokens`` attends to, in tokens:
+    ``position - W + 1`` for a window of ``W`` tokens
+    (``SlidingWindowManager.get_num_skipped_tokens``), the start of its chunk
+    for chunked local attention (``ChunkedLocalAttentionManager``), 0 for
+    full attention."""
+    if group.kind.sliding_window_family:
+        window = group.sliding_window_tokens or 1
+        return max(0, position_tokens - window + 1)
+    chunk = group.attention_chunk_size_tokens
+    if chunk is not None:
+        return position_tokens // chunk * chunk
+    return 0
+
+
+def _skipped_tokens(group: KVCacheGroup, processed_tokens: int, extra_retained: int) -> int:
+    """Tokens no step after ``processed_tokens`` processed ones attends to, in
+    tokens (a window keeps ``extra_retained`` more below it for a multi-module
+    MTP re-prefill, ``SlidingWindowSpec.extra_retained_tokens``)."""
+    if group.kind.sliding_window_family:
+        return max(0, _window_start_tokens(group, processed_tokens) - extra_retained)
+    return _window_start_tokens(group, processed_tokens)
+
+
+def table_violations(
+    scenario: Scenario, tables: Sequence[StepTable], extra_retained_tokens: int
+) -> tuple[list[BlockViolation], list[BlockViolation]]:
+    """Rule 5 of the module docstring over one request's step tables.
+
+    Args:
+        scenario: the scenario (each group's kind, block, window or chunk).
+        tables: the request's tables, one per step and attention group.
+        extra_retained_tokens: tokens a sliding window keeps below itself
+            (``max(0, num_prefill_lookahead_tokens - 1)``, as vLLM's planner
+            sets ``SlidingWindowSpec.extra_retained_tokens``), in tokens.
+
+    Returns:
+        (null blocks where a step attends, real blocks kept below what every
+        later step skips): the first of each per group, in step order.
+    """
+    freed: list[BlockViolation] = []
+    kept: list[BlockViolation] = []
+    seen_freed: set[int] = set()
+    seen_kept: set[int] = set()
+    groups = scenario.kv_cache_groups
+    for t in tables:
+        if t.group >= len(groups):
+            continue
+        group = groups[t.group]
+        size = group.block_size_tokens
+        skipped = _skipped_tokens(group, t.processed_tokens, extra_retained_tokens)
+        freed_below = min(skipped // size, t.num_blocks)
+        if t.first_real < freed_below and t.group not in seen_kept:
+            seen_kept.add(t.group)
+            kept.append(
+                BlockViolation(
+                    ViolationKind.KEPT_SKIPPED,
+                    t.group,
+                    t.first_real,
+                    None,
+                    f"after the step at {t.processed_tokens} processed tokens group {t.group} "
+                    f"still holds a real block at block index {t.first_real} (tokens "
+                    f"{t.first_real * size}..{(t.first_real + 1) * size}); no later step "
+                    f"attends below token {skipped}, so blocks 0..{freed_below - 1} are due "
+                    "back to the pool",
+                )
+            )
+        read_from = _window_start_tokens(group, t.start_tokens) // size
+        if t.null_end > read_from and t.group not in seen_freed:
+            seen_freed.add(t.group)
+            index = t.null_end - 1
+            freed.append(
+                BlockViolation(
+                    ViolationKind.NULL_IN_WINDOW,
+                    t.group,
+                    index,
+                    None,
+                    f"after the step at {t.start_tokens} tokens group {t.group} block index "
+                    f"{index} is the null block, inside the tokens "
+                    f"{read_from * size}..{t.start_tokens} the step attends to",
+                )
+            )
+    return freed, kept
+
+
+def _extra_retained(settings: ManagerSettings | None) -> int | None:
+    """``SlidingWindowSpec.extra_retained_tokens`` for a run's settings (``None``:
+    not recorded)."""
+    if settings is None:
+        return None
+    return max(0, settings.num_prefill_lookahead_tokens - 1)
+
+
 def attention_violations(
     group: KVCacheGroup,
     gid: int,
@@ -247,16 +363,7 @@ def attention_violations(
                 f"tokens ({owed} blocks of {size}){extra}",
             )
         )
-    if group.kind.sliding_window_family:
-        window = group.sliding_window_tokens or 1
-        first_read = max(0, hit_tokens - window + 1) // size
-    elif group.attention_chunk_size_tokens is not None:
-        # Chunked local attention reads only the chunk the hit ends in
-        # (ChunkedLocalAttentionManager.get_num_skipped_tokens).
-        first_read = hit_tokens // group.attention_chunk_size_tokens
-        first_read = first_read * group.attention_chunk_size_tokens // size
-    else:
-        first_read = 0
+    first_read = _window_start_tokens(group, hit_tokens) // size
     for index, held in enumerate(blocks[:owed]):
         if held is None:
             if index >= first_read:
@@ -357,9 +464,13 @@ GROUP_CHECKS: dict[GroupKind, GroupCheck] = {
 
 
 def request_violations(
-    scenario: Scenario, obs: RequestObservation, tokens: TokenView
+    scenario: Scenario,
+    obs: RequestObservation,
+    tokens: TokenView,
+    freed_early: Sequence[BlockViolation] = (),
 ) -> list[BlockViolation]:
-    """Every violation of one request's lookup and steps."""
+    """Every violation of one request's lookup and steps (``freed_early``: its
+    steps' null blocks where they attend, from :func:`table_violations`)."""
     out: list[BlockViolation] = []
     for gid, (group, blocks) in enumerate(
         zip(scenario.kv_cache_groups, obs.lookup_blocks, strict=False)
@@ -385,6 +496,10 @@ def request_violations(
                 f"block index {write.block_index} (block {write.block_id}), {why}",
             )
         )
+    # A step's table null already named (handed out by the lookup, or written
+    # into) is one violation, not two.
+    named = {(v.group, v.block_index) for v in out}
+    out += [v for v in freed_early if (v.group, v.block_index) not in named]
     return out
 
 
@@ -407,9 +522,11 @@ def check_blocks(
         label: prefix for the detail, e.g. ``"dense cross-check run: "``.
 
     Returns:
-        One finding per request with violations, naming the first (group,
-        block index, what it held) and how many more there are, with the
-        lookup's block ids per group in ``blocks_per_group``.
+        One ``wrong-kv`` finding per request with violations, naming the
+        first (group, block index, what it held) and how many more there
+        are, with the lookup's block ids per group in ``blocks_per_group``;
+        and one ``kept-skipped-block`` finding per request whose steps kept a
+        block no later step attends to (rule 5), naming the first per group.
     """
     if not run.blocks_recorded or run.unsupported is not None:
         return ()
@@ -418,8 +535,24 @@ def check_blocks(
     order = {r.index: r.lookup_order for r in run.requests if r.lookup_order is not None} or None
     tokens = TokenView(scenario, order)
     findings = []
+    extra = _extra_retained(run.settings)
     for obs in run.requests:
-        violations = request_violations(scenario, obs, tokens)
+        freed, kept = (
+            table_violations(scenario, obs.step_tables, extra) if extra is not None else ([], [])
+        )
+        if kept:
+            more = f" (+{len(kept) - 1} more group(s))" if len(kept) > 1 else ""
+            findings.append(
+                Finding(
+                    FindingKind.KEPT_SKIPPED_BLOCK,
+                    run.variant,
+                    obs.index,
+                    f"{label}{kept[0].detail}{more}",
+                    hit_tokens=obs.hit_tokens,
+                    policy=policy,
+                )
+            )
+        violations = request_violations(scenario, obs, tokens, freed)
         if not violations:
             continue
         more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""

@@ -145,6 +145,7 @@ _LEVEL = {
     FindingKind.MISALIGNED: "error",
     FindingKind.FALLBACK: "error",
     FindingKind.PER_GROUP_HIT: "warning",
+    FindingKind.KEPT_SKIPPED_BLOCK: "warning",
     FindingKind.KV_EVENTS: "warning",
     FindingKind.WATERMARK: "warning",
     FindingKind.VARIANT_REGRESSION: "warning",

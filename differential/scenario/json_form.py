@@ -10,8 +10,8 @@ are the scenario's own (:mod:`differential.scenario.rules`).
 
 The canonical form writes every field except those added after version 1
 shipped (a group's chunk size and draft mark, the Mamba options, the
-workload), which are written only when not their default, so files written
-before them stay byte-identical.
+workload, decode context parallelism), which are written only when not their
+default, so files written before them stay byte-identical.
 
 Units: fields ending in ``_tokens`` are tokens; ``pool_blocks`` is blocks.
 """
@@ -61,6 +61,9 @@ __all__ = [
 SCENARIO_FORMAT: Final = "kvfuzz.scenario"
 SCENARIO_VERSION: Final = 1
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+#: The largest decode context parallel size a scenario may ask for (ranks).
+MAX_DCP_WORLD_SIZE: Final = 1024
 
 # Integers with a lower bound; booleans, floats and strings are refused.
 _Count = Annotated[StrictInt, Field(ge=0)]
@@ -365,6 +368,14 @@ class ScenarioDocument(BaseModel):
         exclude_if=lambda v: v == WorkloadDocument(),
         description="How the requests reach the engine. Written only when not the default.",
     )
+    dcp_world_size: Annotated[StrictInt, Field(ge=1, le=MAX_DCP_WORLD_SIZE)] = Field(
+        default=1,
+        exclude_if=lambda v: v == 1,
+        description="Decode context parallelism (vLLM ParallelConfig."
+        "decode_context_parallel_size): ranks each attention group's KV is sharded over; "
+        "block_size_tokens stays the tokens a block spans (per-rank block times this). "
+        "Full attention, MLA and Mamba groups only. Written only when not 1.",
+    )
     # Documents that embed a scenario (corpus entries, campaign findings)
     # carry these; they are not part of the scenario value and are checked
     # by their readers (differential/corpus.py).
@@ -404,6 +415,7 @@ class ScenarioDocument(BaseModel):
             "enable_mamba_shared_prefix_checkpoint": self.enable_mamba_shared_prefix_checkpoint,
             "mamba_prefill": self.mamba_prefill,
             "workload": self.workload.value(),
+            "dcp_world_size": self.dcp_world_size,
         }
 
 

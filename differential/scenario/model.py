@@ -127,6 +127,15 @@ class Scenario:
         mamba_prefill: where prefill steps end with Mamba groups
             (:class:`MambaPrefill`); written to JSON only when not the
             default ``scheduler``.
+        dcp_world_size: decode context parallelism, vLLM's
+            ``ParallelConfig.decode_context_parallel_size``: each attention
+            group's KV is sharded over this many ranks, so a block spans this
+            many times the tokens one rank holds. Every ``block_size_tokens``
+            stays the tokens a block spans, as the manager sees it (vLLM's
+            ``resolve_dcp_kv_block_size``); the spec's per-rank block is
+            ``block_size_tokens / dcp_world_size``. A Mamba group's state is
+            not sharded. Only full attention, MLA and Mamba groups take it
+            (:func:`.rules.check_dcp`). Written to JSON only when not 1.
     """
 
     kv_cache_groups: tuple[KVCacheGroup, ...]
@@ -146,6 +155,7 @@ class Scenario:
     enable_mamba_shared_prefix_checkpoint: bool = False
     mamba_prefill: MambaPrefill = MambaPrefill.SCHEDULER
     workload: Workload = field(default_factory=Workload)
+    dcp_world_size: int = 1
 
     def __post_init__(self) -> None:
         self._document  # noqa: B018 - checks every field's type and range
@@ -185,7 +195,8 @@ class Scenario:
 
         As ``vllm/v1/core/kv_cache_utils.py`` ``partial_hash_hits_enabled``
         decides for ``HybridKVCacheCoordinator``: some Mamba group (align
-        mode) has a block larger than the hash block, and every other group
+        mode) has a block larger than the hash block (or equal to it under
+        decode context parallelism), and every other group
         either supports fine-grained lookup (full attention, MLA, Mamba:
         ``supports_fine_grained_hash_lookup``) or has a block equal to the hash
         block (sliding window, sliding-window MLA, chunked local attention). A single
@@ -194,8 +205,14 @@ class Scenario:
         if len(self.kv_cache_groups) < 2:
             return False
         hash_block = self.effective_hash_block_size_tokens
+        # Under DCP a Mamba block equal to the hash block also counts: DCP
+        # scales the full-attention block instead (partial_hash_hits_enabled).
         if not any(
-            g.kind is GroupKind.MAMBA and g.block_size_tokens > hash_block
+            g.kind is GroupKind.MAMBA
+            and (
+                g.block_size_tokens > hash_block
+                or (self.dcp_world_size > 1 and g.block_size_tokens >= hash_block)
+            )
             for g in self.kv_cache_groups
         ):
             return False
@@ -446,8 +463,9 @@ class Scenario:
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical, versioned JSON-ready form (every field present, except
-        ``enable_mamba_shared_prefix_checkpoint``, ``mamba_prefill`` and
-        ``workload``, written only when not their default)."""
+        ``enable_mamba_shared_prefix_checkpoint``, ``mamba_prefill``,
+        ``workload`` and ``dcp_world_size``, written only when not their
+        default)."""
         return scenario_to_dict(self._document)
 
     def to_json(self) -> str:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from differential.scenario.model import Scenario
 
 __all__ = [
+    "check_dcp",
     "check_draft_groups",
     "check_drafter",
     "check_geometry",
@@ -46,6 +47,7 @@ def check_scenario(s: Scenario) -> None:
     # Any mix of kinds, in any order, is accepted: one group runs on
     # vLLM's UnitaryKVCacheCoordinator, several on the
     # HybridKVCacheCoordinator (which needs no full-attention group).
+    check_dcp(s)
     check_mamba(s)
     check_geometry(s)
     check_retention(s)
@@ -55,6 +57,53 @@ def check_scenario(s: Scenario) -> None:
     check_requests(s)
     check_mm_inputs(s)
     check_pool(s)
+
+
+#: Group kinds vLLM 0.33.0 serves under decode context parallelism.
+DCP_KINDS = (GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.MAMBA)
+
+
+def check_dcp(s: Scenario) -> None:
+    """What vLLM accepts under decode context parallelism (``dcp_world_size > 1``).
+
+    Refused: a sliding-window, sliding-window MLA or chunked-local group
+    (``SlidingWindowManager.find_longest_cache_hit`` and
+    ``ChunkedLocalAttentionManager.find_longest_cache_hit`` assert "DCP not
+    support sliding window attn now" / "chunked local attn";
+    ``HybridKVCacheCoordinator.__init__``: "DCP with hybrid KV cache layouts
+    only supports full-attention, Mamba, and replicated draft groups"); a
+    layout without a full-attention or MLA group (DCP shards attention KV
+    only: a Mamba state is not sharded, so it would change nothing); an
+    attention group's block that is not a multiple of ``dcp_world_size``
+    (``block_size_tokens`` is the sharded block, ``resolve_dcp_kv_block_size``:
+    the per-rank block times the ranks).
+    """
+    dcp = s.dcp_world_size
+    if dcp == 1:
+        return
+    for i, g in enumerate(s.kv_cache_groups):
+        if g.kind not in DCP_KINDS:
+            raise ScenarioError(
+                "dcp_world_size",
+                dcp,
+                f"1 with a {g.kind.value} group (kv_cache_groups[{i}]): vLLM serves decode "
+                "context parallelism on full_attention, mla and mamba groups only",
+            )
+    if not any(g.kind.full_attention_family for g in s.kv_cache_groups):
+        raise ScenarioError(
+            "dcp_world_size",
+            dcp,
+            "1 for a model without full_attention or mla groups (DCP shards attention KV; "
+            "a Mamba state is not sharded)",
+        )
+    for i, g in enumerate(s.kv_cache_groups):
+        if g.kind is not GroupKind.MAMBA and g.block_size_tokens % dcp:
+            raise ScenarioError(
+                f"kv_cache_groups[{i}].block_size_tokens",
+                g.block_size_tokens,
+                f"a multiple of dcp_world_size {dcp} (the tokens a block spans over the "
+                f"{dcp} ranks: the per-rank block times {dcp})",
+            )
 
 
 def check_geometry(s: Scenario) -> None:
@@ -436,7 +485,9 @@ def check_mamba(s: Scenario) -> None:
     """What vLLM accepts for Mamba groups (prefix caching on, align mode).
 
     Refused: Mamba groups of different block sizes, or (in a hybrid) a
-    Mamba block other than the scheduler block size. vLLM sets
+    Mamba block other than the scheduler block size (divided by
+    ``dcp_world_size`` under decode context parallelism, where the cache
+    block size is the per-rank attention block). vLLM sets
     ``mamba_block_size = cache_config.block_size`` in align mode
     (vllm/model_executor/models/config.py ``verify_and_update_config``,
     vllm/platforms/interface.py), and ``Scheduler._mamba_block_aligned_split``
@@ -460,11 +511,15 @@ def check_mamba(s: Scenario) -> None:
             )
         return
     sizes = sorted({g.block_size_tokens for g in mamba})
-    if len(sizes) > 1 or sizes[0] != s.scheduler_block_size_tokens:
+    # Under DCP the cache block size is the per-rank one: the scheduler block
+    # (the sharded attention block) is dcp_world_size times the Mamba block.
+    dcp = s.dcp_world_size
+    if len(sizes) > 1 or sizes[0] * dcp != s.scheduler_block_size_tokens:
+        per_rank = "" if dcp == 1 else f" divided by dcp_world_size {dcp}"
         raise ScenarioError(
             "kv_cache_groups",
             [g.block_size_tokens for g in s.kv_cache_groups],
             "mamba groups that share one block size equal to the scheduler block "
-            f"size {s.scheduler_block_size_tokens} (vLLM sets mamba_block_size to the "
-            "cache block size in align mode)",
+            f"size {s.scheduler_block_size_tokens}{per_rank} (vLLM sets mamba_block_size "
+            "to the cache block size in align mode)",
         )

@@ -196,6 +196,23 @@ def _full_report_partial_hit(scenario: Scenario, finding: Finding) -> bool:
     )
 
 
+def _full_report_dcp_block_size(scenario: Scenario, finding: Finding) -> bool:
+    """Under decode context parallelism with KV cache events in 'full' report
+    mode, a lookup's re-announcement of reused blocks at the spec's per-rank
+    block size: an AssertionError raised in ``resolve_block_hashes`` inside
+    ``get_computed_blocks`` (the per-rank block smaller than the hash block),
+    or a ``kv-events`` lookup finding (the stream announcing per-rank blocks)."""
+    if scenario.dcp_world_size == 1 or scenario.workload.kv_events is not KVEvents.FULL:
+        return False
+    if finding.kind is FindingKind.CRASH:
+        return (
+            "AssertionError" in finding.detail
+            and "get_computed_blocks" in finding.detail
+            and "resolve_block_hashes" in finding.detail
+        )
+    return finding.kind is FindingKind.KV_EVENTS and "the lookup of request" in finding.detail
+
+
 def _padded_draft_above_step_budget(scenario: Scenario, finding: Finding) -> bool:
     """vLLM's Scheduler scheduled nothing for good (kvfuzz's stall crash) where
     a request's last token, padded to ``1 + num_speculative_tokens``, cannot
@@ -726,6 +743,27 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "with vllm/v1/core/block_pool.py BlockPool.emit_cached_block_events",
         example="known-issues/kv-events-full-report-partial-hit-index-error.json",
         matches=_full_report_partial_hit,
+    ),
+    KnownIssue(
+        name="kv-events-full-report-dcp-block-size",
+        summary=(
+            "With KV cache events on, a request's kv_cache_report_mode 'full' and "
+            "decode context parallelism, KVCacheManager.get_computed_blocks "
+            "re-announces the reused blocks at the spec's per-rank block size "
+            "(the coordinator's emit_cached_block_events passes "
+            "kv_cache_spec.block_size), while the blocks and their hashes span "
+            "block_size * dcp_world_size tokens: one MLA group at DCP 8 (per-rank "
+            "block 64) crashes on the resend's hit with an AssertionError in "
+            "resolve_block_hashes; full attention at DCP 4 beside Mamba (per-rank "
+            "block equal to the hash block) announces 16-token blocks the cache "
+            "never held. vLLM PR #50118 (open) re-announces at the manager's block "
+            "size."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_coordinator.py "
+        "KVCacheCoordinator.emit_cached_block_events with vllm/v1/core/block_pool.py "
+        "BlockPool.emit_cached_block_events",
+        example="known-issues/kv-events-full-report-dcp-block-size-assertion.json",
+        matches=_full_report_dcp_block_size,
     ),
 )
 

@@ -115,7 +115,7 @@ def test_mutants_are_caught(mutant: str, seed: str, expected: list[str]) -> None
     assert got == {base: [], mutant: expected}
 
 
-def test_block_mutants_are_caught_on_the_seeds_by_wrong_kv_alone() -> None:
+def test_block_mutants_are_caught_on_the_seeds_by_the_block_level_check_alone() -> None:
     # The hit length stays right, so only the block-level check can see them.
     entries = [load_entry(p) for p in sorted((CORPORA / "seeds").glob("*.json"))]
     rows, noisy = mutation_table(entries, ("mutant-null-in-window", "mutant-extra-block"))
@@ -125,7 +125,18 @@ def test_block_mutants_are_caught_on_the_seeds_by_wrong_kv_alone() -> None:
     ]
     caught = {row.mutant: {Path(path).stem for path, _ in row.caught_by} for row in rows}
     kinds = {tag.split("@")[0] for row in rows for _, found in row.caught_by for tag in found}
-    assert kinds == {"wrong-kv"}
+    # Both are block-level findings. The null block handed out inside the
+    # window also stops vLLM's freeing of the blocks below it
+    # (_remove_blocks_in_range walks down to the first null block), which the
+    # step tables show on one seed.
+    assert kinds == {"wrong-kv", "kept-skipped-block"}
+    kept = {
+        (row.mutant, Path(path).stem)
+        for row in rows
+        for path, found in row.caught_by
+        if any(tag.startswith("kept-skipped-block") for tag in found)
+    }
+    assert kept == {("mutant-null-in-window", "junction-retention0-swa4-fa8")}
     judged = {p.stem for p in (CORPORA / "seeds").glob("*.json")} - {
         "lookahead-hashes-mtp3-swa16-fa32-r8192"
     }

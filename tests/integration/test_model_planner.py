@@ -3,6 +3,9 @@ description; the groups, block sizes and hits are those of real runs."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from differential.compare import compare_variants
@@ -117,3 +120,14 @@ def test_expectations_of_every_model_scenario() -> None:
         entry = load_entry(path)
         result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"))
         assert not expectation_problems(entry, result), path.name
+
+
+def test_a_model_scenario_refuses_decode_context_parallelism(tmp_path: Path) -> None:
+    data = json.loads((SCENARIOS / "gemma4-mtp.json").read_text())
+    data["model"] = str(SCENARIOS.parent / "gemma4-mtp.json")
+    data["dcp_world_size"] = 2
+    path = tmp_path / "dcp.json"
+    path.write_text(json.dumps(data))
+    proc = kvfuzz_cli("replay", str(path), cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    assert "dcp_world_size = 2 is invalid: allowed 1 with a model" in proc.stderr

@@ -54,3 +54,13 @@ def test_images_and_salts_are_unsupported_naming_why() -> None:
     )
     with pytest.raises(EngineUnsupported, match=r"^cache_salt: the engine worker sends"):
         engine_plan(salted)
+
+
+def test_decode_context_parallelism_is_unsupported_naming_why() -> None:
+    scenario = load_entry(CORPORA / "cases" / "dcp8-mla-hits-at-sharded-block.json").scenario
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(scenario)
+    assert str(info.value) == (
+        "dcp_world_size 8: decode context parallelism shards KV over several ranks; "
+        "the CPU engine runs one"
+    )

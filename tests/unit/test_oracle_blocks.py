@@ -10,6 +10,7 @@ tokens then diverges. Request 1's hit is 48 tokens: 6 full-attention blocks
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +21,7 @@ from differential.observation import (
     ManagerSettings,
     RequestObservation,
     RunObservation,
+    StepTable,
 )
 from differential.oracle import judge_run
 from differential.oracle.blocks import (
@@ -29,8 +31,9 @@ from differential.oracle.blocks import (
     render_blocks,
     request_violations,
     state_group_violations,
+    table_violations,
 )
-from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, RequestSpec
+from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, RequestSpec, Scenario
 from tests.factories import hybrid
 
 SCENARIO = hybrid(
@@ -210,3 +213,80 @@ def test_state_group(blocks: tuple[str | None, ...], expected: list) -> None:
 def test_render_blocks() -> None:
     assert render_blocks([None, 3, 4]) == "[null, 3, 4]"
     assert render_blocks(list(range(20)), edge=2) == "[0, 1, …(16 more)…, 18, 19]"
+
+
+# Rule 5, the tables after each step. After the step at 48 processed tokens
+# the window of the next token starts at 48 - 16 + 1 = 33: SWA blocks 0..7
+# (tokens 0..32) are due back to the pool, and the step attends to tokens
+# 33..48, SWA block indices 8..11.
+
+
+def table_kinds(*tables: StepTable, extra: int = 0) -> list[tuple[ViolationKind, int, int]]:
+    freed, kept = table_violations(SCENARIO, tables, extra)
+    return [(v.kind, v.group, v.block_index) for v in freed + kept]
+
+
+def test_tables_freed_below_the_window_are_clean() -> None:
+    full = StepTable(48, 48, 0, 7, 0, 0)
+    swa = StepTable(48, 48, 1, 13, 8, 8)
+    assert table_kinds(full, swa) == []
+
+
+def test_table_keeps_a_skipped_block() -> None:
+    # Block 0 still real, 1..7 null: what a range that stops short of index 0 leaves.
+    swa = StepTable(48, 48, 1, 13, 0, 8)
+    assert table_kinds(swa) == [(ViolationKind.KEPT_SKIPPED, 1, 0)]
+    # Nothing freed at all is kept too.
+    assert table_kinds(StepTable(48, 48, 1, 13, 0, 0)) == [(ViolationKind.KEPT_SKIPPED, 1, 0)]
+
+
+def test_table_extra_retained_tokens_stay() -> None:
+    # A multi-module MTP re-prefill keeps 2 more tokens below the window:
+    # 33 - 2 = 31 skipped, so only blocks 0..6 are due.
+    swa = StepTable(48, 48, 1, 13, 7, 7)
+    assert table_kinds(swa) == [(ViolationKind.KEPT_SKIPPED, 1, 7)]
+    assert table_kinds(swa, extra=2) == []
+
+
+def test_table_frees_a_block_the_step_attends_to() -> None:
+    swa = StepTable(48, 48, 1, 13, 9, 9)
+    assert table_kinds(swa) == [(ViolationKind.NULL_IN_WINDOW, 1, 8)]
+    # Full attention attends to every block.
+    assert table_kinds(StepTable(48, 48, 0, 7, 0, 3)) == [(ViolationKind.NULL_IN_WINDOW, 0, 2)]
+
+
+def test_table_chunked_local_attention() -> None:
+    chunked = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
+            KVCacheGroup(GroupKind.CHUNKED_LOCAL_ATTENTION, 4, attention_chunk_size_tokens=32),
+        ),
+        requests=(RequestSpec(64, 8),),
+        shared_prefix_tokens=64,
+    )
+    # 40 processed tokens: the chunk 32..64 is read, blocks 0..7 are due.
+    freed, kept = table_violations(chunked, (StepTable(40, 40, 1, 11, 8, 8),), 0)
+    assert freed == kept == []
+    freed, kept = table_violations(chunked, (StepTable(40, 40, 1, 11, 0, 8),), 0)
+    assert [(v.kind, v.block_index) for v in kept] == [(ViolationKind.KEPT_SKIPPED, 0)]
+    assert kept[0].detail == (
+        "after the step at 40 processed tokens group 1 still holds a real block at block "
+        "index 0 (tokens 0..4); no later step attends below token 32, so blocks 0..7 are "
+        "due back to the pool"
+    )
+
+
+def test_kept_skipped_block_finding_round_trips() -> None:
+    base = run_with(good_lookup())
+    tables = (StepTable(48, 48, 0, 7, 0, 0), StepTable(48, 48, 1, 13, 0, 8))
+    run = RunObservation(
+        base.variant,
+        base.vllm_version,
+        base.settings,
+        (base.requests[0], replace(base.requests[1], step_tables=tables)),
+        blocks_recorded=True,
+    )
+    _, findings = judge_run(SCENARIO, run)
+    assert [(f.kind, f.request) for f in findings] == [(FindingKind.KEPT_SKIPPED_BLOCK, 1)]
+    assert RunObservation.from_dict(json.loads(json.dumps(run.to_dict()))) == run
+    assert SEVERITY[FindingKind.WRONG_KV] < SEVERITY[FindingKind.KEPT_SKIPPED_BLOCK]
