@@ -322,7 +322,12 @@ def test_generator_reaches_mamba_hybrids() -> None:
         frozenset({GroupKind.MAMBA}),
         "real",
     )
-    assert production.scheduler_block_size_tokens in (1536, 3200)
+    # Under decode context parallelism the scheduler block is the Mamba block
+    # times the ranks (vLLM's resolve_kv_cache_block_sizes).
+    assert production.scheduler_block_size_tokens in (
+        1536 * production.dcp_world_size,
+        3200 * production.dcp_world_size,
+    )
     with_swa = found(lambda s: bool(s.mamba_groups) and bool(s.sliding_window_groups))
     assert (
         with_swa.full_attention_group.block_size_tokens
