@@ -20,6 +20,8 @@ naming the field path and the allowed values.
 from differential.scenario.model import (
     SCENARIO_FORMAT,
     SCENARIO_VERSION,
+    ConnectorLoad,
+    ConnectorStore,
     Drafter,
     DrafterKind,
     DraftGroups,
@@ -35,6 +37,8 @@ from differential.scenario.model import (
 __all__ = [
     "SCENARIO_FORMAT",
     "SCENARIO_VERSION",
+    "ConnectorLoad",
+    "ConnectorStore",
     "DraftGroups",
     "Drafter",
     "DrafterKind",
