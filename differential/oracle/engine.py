@@ -42,6 +42,11 @@ Three rules on top of the per-lookup invariants of
 * **Mode cross-check** (:func:`cross_check_modes`): a sequential scenario
   gives the same hits through the scheduler as through the manager-level
   driver, else ``mode-mismatch`` naming the first differing call.
+* **KV connector's remote store** (:func:`~differential.oracle.connector.connector_findings`,
+  ``workload.connector``): each request starts computed at the larger of its
+  local hit and what the store holds past the block-aligned local hit, and
+  on layouts of full attention and MLA at least what the store provably
+  held; with prefix caching off no lookup is owed a local hit.
 * **Eviction collapse** (:func:`eviction_collapse`): with dense retention
   every repeated prompt (a later turn of a session, or any prompt that
   repeats an earlier request's tokens for at least one hit alignment:
@@ -58,6 +63,7 @@ from typing import Any
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RequestObservation, ResumedLookup, RunObservation
 from differential.oracle.blocks import check_blocks
+from differential.oracle.connector import connector_findings
 from differential.oracle.core import (
     DrafterModel,
     SiblingReference,
@@ -433,9 +439,11 @@ def judge_engine_run(
                     **common,
                 )
             )
-    findings += _timeline_findings(scenario, run, policy)
-    findings += resumed_findings(scenario, run, policy)
-    findings += per_group_findings(scenario, run, policy)
+    if scenario.prefix_caching:  # else no lookup may hit: nothing is owed locally
+        findings += _timeline_findings(scenario, run, policy)
+        findings += resumed_findings(scenario, run, policy)
+        findings += per_group_findings(scenario, run, policy)
+    findings += connector_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)
 
