@@ -677,6 +677,23 @@ class _ModelRunner:
         self.failed: set[int] = set()  # request indices whose load failed
         self.manager = manager
 
+    @staticmethod
+    def load_events(
+        out: Any, index_of: dict[str, int], lost: list[tuple[str, int, int]]
+    ) -> list[str]:
+        """The timeline's words for the connector's loads this step: each
+        load started, in tokens, and the loads lost (:meth:`loads`)."""
+        meta = getattr(out, "kv_connector_metadata", None)
+        words = [
+            f"req-{index_of[load.request_id]} loads "
+            f"[{load.start_tokens}, {load.end_tokens}) {'async' if load.load_async else 'sync'}"
+            for load in getattr(meta, "loads", ())
+        ]
+        words += [
+            f"req-{index_of[rid]}'s load of [{start}, {end}) fails" for rid, start, end in lost
+        ]
+        return words
+
     def loads(
         self, scheduler: Any, out: Any, index_of: dict[str, int]
     ) -> tuple[Any, list[tuple[str, int, int]]]:
@@ -766,6 +783,7 @@ def _timeline_line(
     aborts: list[int],
     admitted: dict[int, int],
     events: list[str],
+    loads: list[str],
     preempted: list[int],
     done: list[str],
     lost: int,
@@ -780,6 +798,8 @@ def _timeline_line(
         line += f" abort {', '.join(f'req-{k}' for k in aborts)};"
     if admitted:
         line += f" admit {', '.join(f'req-{i} (hit {h})' for i, h in admitted.items())};"
+    if loads:
+        line += f" {'; '.join(loads)};"
     line += f" run {', '.join(events) or 'nothing'}"
     if preempted:
         line += f"; preempt {', '.join(f'req-{i}' for i in preempted)}"
@@ -1005,10 +1025,12 @@ def run_scheduler_scenario(
                     f"recording a lookup or a write at step {step[0]} failed: "
                     f"{type(failures[0]).__name__}: {failures[0]}"
                 )
+            admitted_now = []
             for rid in out.num_scheduled_tokens:
                 i = index_of[rid]
                 if i not in admitted and lookups.get(rid):
                     admitted[i] = lookups[rid][-1]
+                    admitted_now.append(i)
                 elif rid in clock.preempted and (again := clock.resumed(rid, step[0])):
                     resumed.setdefault(i, []).append(again)
             preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
@@ -1046,11 +1068,6 @@ def run_scheduler_scenario(
                     finished_step[i] = step[0]
                     done.append(f"req-{i}")
             if record_cache_map:
-                admitted_now = [
-                    index_of[r]
-                    for r in req_ids
-                    if index_of[r] in admitted and admitted[index_of[r]].step == step[0]
-                ]
                 preempted = sorted(getattr(out, "preempted_req_ids", ()) or ())
                 timeline.append(
                     _timeline_line(
@@ -1059,6 +1076,7 @@ def run_scheduler_scenario(
                         aborts=aborts,
                         admitted={i: admitted[i].hit_tokens for i in admitted_now},
                         events=events,
+                        loads=model_runner.load_events(out, index_of, lost_loads),
                         preempted=[index_of[r] for r in preempted],
                         done=done,
                         lost=lost,
