@@ -30,7 +30,18 @@ Offline work-arounds (stated, not hidden):
 * The KV connector (``kv_connector: true``) is set the same way: vLLM's
   ``KVConnectorFactory`` builds :class:`differential.driver.connector.EmptyRemoteConnector`
   (an external connector with an empty remote store; vLLM's bundled
-  ``ExampleConnector`` refuses hybrid models) on the scheduler side.
+  ``ExampleConnector`` refuses hybrid models) on the scheduler side, or,
+  with ``workload.connector``, :class:`~differential.driver.connector.RemoteStoreConnector`
+  (a store keeping what requests computed), with ``kv_role`` ``kv_both`` and
+  the ``recompute`` load-failure policy. The model runner stands in for the
+  worker's side of it (:meth:`_ModelRunner.loads`): an asynchronous load
+  finishes in the step that starts it (``finished_recving``), or fails as
+  the workload says (``failed_recving``, or ``invalid_block_ids`` for one
+  KV cache group).
+
+Client aborts (``workload.abort_steps``) call ``Scheduler.finish_requests``
+with ``FINISHED_ABORTED`` before a step's ``schedule()``, as vLLM's engine
+core does when a client disconnects.
 
 Observation: one :class:`~differential.observation.RequestObservation` per
 request, in scenario order, with the hit of the lookup that admitted it (the
@@ -44,11 +55,17 @@ are recorded as in manager mode
 check): what each group's blocks held at the admitting lookup, and every
 ``KVCacheManager.allocate_slots`` the scheduler makes (vLLM
 ``Scheduler.schedule``), wrapped like ``get_computed_blocks``, as a write of
-the tokens ``[computed + new computed, + new tokens)`` (drafts included),
-checked against the blocks' reference counts right after the call, before a
-request admitted later in the same step adopts them. Evictions (cached keys
-that disappear) and the unreachable cached blocks at the end of the run are
-counted.
+the tokens ``[computed + new computed, + external + new tokens)`` (a
+connector's load, then the step's tokens, drafts included), checked against
+the blocks' reference counts right after the call, before a request
+admitted later in the same step adopts them; a failed load's tokens are
+forgotten again (:meth:`BlockLedger.forget`). With a connector's store, the
+admitting lookup also records what the store was asked and what vLLM
+adopted (:class:`~differential.observation.ConnectorLookup`; a divergent
+hybrid lookup, ``get_computed_blocks_for_connector``, is recorded as the
+lookup, and a reconcile after it as the same admission's). Evictions
+(cached keys that disappear) and the unreachable cached blocks at the end
+of the run are counted.
 """
 
 from __future__ import annotations
