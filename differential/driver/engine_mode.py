@@ -385,6 +385,10 @@ def engine_plan(
         )
     if scenario.kv_connector:
         raise EngineUnsupported("a KV connector: engine mode configures none")
+    if scenario.workload.abort_steps is not None:
+        raise EngineUnsupported(
+            "workload.abort_steps: engine mode runs every request to its end (it aborts none)"
+        )
     if scenario.workload.shares_output and any(
         r.rejoin_tokens and r.shares_with is not None for r in scenario.requests
     ):

@@ -329,3 +329,34 @@ def test_generated_stores_are_valid_and_configured(s: Scenario) -> None:
     assert not store.failed_loads or store.load is ConnectorLoad.ASYNC
     assert store.prefix_caching or not s.mamba_groups
     assert Scenario.from_json(s.to_json()) == s
+
+
+# ------------------------------------------------------- engine mode, export
+
+
+def test_engine_mode_refuses_a_store_and_aborts_naming_why() -> None:
+    from differential.driver.engine_mode import EngineUnsupported, engine_plan
+
+    fa32 = KVCacheGroup(GroupKind.FULL_ATTENTION, 32)  # a block the CPU kernels take
+    store = dataclasses.replace(_store_scenario(), kv_cache_groups=(fa32,))
+    with pytest.raises(EngineUnsupported, match=r"^workload.connector: .*no worker side"):
+        engine_plan(store)
+    aborted = Scenario(
+        kv_cache_groups=(fa32,),
+        requests=(RequestSpec(100, 0),),
+        shared_prefix_tokens=100,
+        workload=Workload(mode=DriveMode.SCHEDULER, abort_steps=(1,)),
+    )
+    with pytest.raises(EngineUnsupported, match=r"^workload.abort_steps: "):
+        engine_plan(aborted)
+
+
+def test_a_scheduler_export_refuses_a_store_naming_the_field() -> None:
+    from differential.exports.scheduler_test import export_engine_test
+    from differential.findings import Finding
+
+    finding = Finding(FindingKind.FALLBACK, "unfixed", 1, "x", expected_tokens=96, hit_tokens=48)
+    with pytest.raises(ScenarioError) as raised:
+        export_engine_test(_store_scenario(), finding, signature="s", name="n")
+    assert raised.value.field == "workload.connector"
+    assert "a standalone test does not carry" in str(raised.value)
