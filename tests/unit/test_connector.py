@@ -360,3 +360,12 @@ def test_a_scheduler_export_refuses_a_store_naming_the_field() -> None:
         export_engine_test(_store_scenario(), finding, signature="s", name="n")
     assert raised.value.field == "workload.connector"
     assert "a standalone test does not carry" in str(raised.value)
+    aborted = Scenario(
+        kv_cache_groups=(FA16,),
+        requests=(RequestSpec(100, 0), RequestSpec(100, 30, 0)),
+        shared_prefix_tokens=100,
+        workload=Workload(mode=DriveMode.SCHEDULER, abort_steps=(None, 3)),
+    )
+    with pytest.raises(ScenarioError) as raised:
+        export_engine_test(aborted, finding, signature="s", name="n")
+    assert raised.value.field == "workload.abort_steps"
