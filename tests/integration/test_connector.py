@@ -57,6 +57,11 @@ ADOPTED = {
         (0, 0, 0, 0, 0, False, False, False),
         (0, 192, 192, 0, 192, False, False, False),
     ],
+    "connector-mamba-only-async-load-fails-last-block": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 256, 256, 0, 256, True, False, True),
+    ],
     "connector-aborted-producer-partial-tail": [
         (0, 0, 0, 0, 0, False, False, False),
         (80, 80, 16, 80, 0, False, False, False),
@@ -146,3 +151,31 @@ def test_the_plain_connector_gets_what_the_divergent_one_reconciles_away() -> No
         hits[name] = c.computed_tokens
         assert vr.findings == ()
     assert list(hits.values()) == [0, 384]
+
+
+def test_a_mamba_load_failing_at_its_last_block_is_zeroed_and_recomputed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One Mamba group (64-token blocks): the reader's async load of 256 tokens
+    # loses [192, 256); vLLM keeps 192, re-records the blocks after it for
+    # zeroing (Mamba states are read before they are fully written) and
+    # computes the 114 after 192 (306 - 192) in two steps.
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    zeroed: list[tuple[str, int]] = []
+    real = KVCacheManager.record_blocks_for_zeroing
+
+    def record(self: KVCacheManager, request_id: str, start_token: int) -> None:
+        zeroed.append((request_id, start_token))
+        real(self, request_id, start_token)
+
+    monkeypatch.setattr(KVCacheManager, "record_blocks_for_zeroing", record)
+    entry = load_entry(CASES / "connector-mamba-only-async-load-fails-last-block.json")
+    run = run_scheduler_scenario(entry.scenario, "unfixed", record_cache_map=True)
+    assert zeroed == [("req-2", 192)]
+    assert run.timeline[16:19] == (
+        "step 16: arrive req-2; req-2 loads [0, 256) async; req-2's load of [192, 256) fails; "
+        "run nothing; 1 cached blocks evicted",
+        "step 17: admit req-2 (hit 0); run req-2 +64 (prefill)",
+        "step 18: run req-2 +50; finish req-2; 1 cached blocks evicted",
+    )
