@@ -1103,11 +1103,13 @@ def run_scheduler_scenario(
             if idle > _MAX_IDLE_STEPS:
                 # vLLM's scheduler leaves waiting requests unscheduled for good
                 # (an engine would hang): vLLM's behaviour, a crash naming it.
+                # Requests holding KV blocks (an async KV load) wait apart.
+                waiting = len(scheduler.waiting) + len(getattr(scheduler, "kv_holding_waiting", ()))
                 raise VllmCallError(
                     "Scheduler.schedule",
                     RuntimeError(
                         f"scheduled nothing for {_MAX_IDLE_STEPS} steps with "
-                        f"{len(scheduler.waiting)} request(s) waiting (pool {pool} blocks)"
+                        f"{waiting} request(s) waiting (pool {pool} blocks)"
                     ),
                 )
             step[0] += 1

@@ -649,3 +649,34 @@ def test_a_stall_is_the_padded_draft_only_where_the_draft_outgrows_the_budget() 
     assert label_known(_stalling(Drafter(DrafterKind.NONE, 0), 1), [stall])[0].known_issue is None
     other = Finding(FindingKind.CRASH, "v", 0, "request 0: lookup: ValueError: no")
     assert label_known(_stalling(ngram, 1), [other])[0].known_issue is None
+
+
+def test_a_stall_after_a_whole_failed_async_load_is_the_self_reserving_retry() -> None:
+    from differential.scenario import ConnectorLoad, ConnectorStore, DriveMode, Workload
+
+    def stalling(store: ConnectorStore, groups: tuple[KVCacheGroup, ...]) -> Scenario:
+        return Scenario(
+            kv_cache_groups=groups,
+            requests=(RequestSpec(0, 23), RequestSpec(23, 0, shares_with=0)),
+            shared_prefix_tokens=0,
+            kv_connector=True,
+            workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=16, connector=store),
+        )
+
+    hybrid = (
+        KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
+        KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8),
+    )
+    failing = ConnectorStore(ConnectorLoad.ASYNC, failed_loads=(1,), prefix_caching=False)
+    stall = Finding(FindingKind.CRASH, "v", 0, STALL)
+    assert label_known(stalling(failing, hybrid), [stall])[0].known_issue == (
+        "scheduler-stall-failed-load-reserves-itself"
+    )
+    # Near misses: no failed load; one KV cache group (a failure is then one
+    # block, the request keeps its blocks); a crash that is not the stall.
+    plain = ConnectorStore(ConnectorLoad.ASYNC, prefix_caching=False)
+    assert label_known(stalling(plain, hybrid), [stall])[0].known_issue is None
+    single = (KVCacheGroup(GroupKind.FULL_ATTENTION, 4),)
+    assert label_known(stalling(failing, single), [stall])[0].known_issue is None
+    other = Finding(FindingKind.CRASH, "v", 0, "request 0: lookup: ValueError: no")
+    assert label_known(stalling(failing, hybrid), [other])[0].known_issue is None
