@@ -140,8 +140,12 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     lookup (see the module docstring); ``None`` when the run's timeline does
     not support an exact promise (turns copying an answer, state groups, a
     failed or partial run, no timeline recorded, preemptions outside layouts
-    of full attention and MLA only or with a KV connector, or evictions
-    without the free queue's counters: manager mode, older files).
+    of full attention and MLA only or with a KV connector, a KV connector's
+    store outside those layouts, or evictions without the free queue's
+    counters: manager mode, older files). A request whose prefix the store
+    loaded holds only the blocks a sliding-window group reads at its end
+    (``SingleTypeKVCacheManager.allocate_external_computed_blocks`` skips the
+    rest), so it does not cache what a writer that computed them would.
 
     A writer ``i`` counts for request ``j`` when ``i < j``, ``i`` finished
     (``finished_step``) before the step that admitted ``j``
@@ -169,6 +173,7 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     requests = run.requests
     if (
         w.shares_output
+        or (w.connector is not None and not _full_attention_only(scenario))
         or (run.preemptions and (not _full_attention_only(scenario) or scenario.kv_connector))
         or run.error is not None
         or scenario.mamba_groups
