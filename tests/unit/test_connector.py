@@ -369,3 +369,18 @@ def test_a_scheduler_export_refuses_a_store_naming_the_field() -> None:
     with pytest.raises(ScenarioError) as raised:
         export_engine_test(aborted, finding, signature="s", name="n")
     assert raised.value.field == "workload.abort_steps"
+
+
+def test_the_timeline_promises_nothing_local_for_a_store_beside_a_sliding_window() -> None:
+    from differential.oracle.engine import timeline_writers
+
+    fa_only = _store_scenario()
+    two = _store_run(_lookup(0, 0, 96, 96, 0, 96))
+    third = _obs(2, 2, 2, _lookup(128, 128, 0, 128, 128, 0))
+    run = dataclasses.replace(two, requests=(*two.requests, third))
+    assert timeline_writers(fa_only, run) == [frozenset(), frozenset({0}), frozenset({0, 1})]
+    windowed = dataclasses.replace(
+        fa_only,
+        kv_cache_groups=(FA16, KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 32)),
+    )
+    assert timeline_writers(windowed, run) is None
