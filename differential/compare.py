@@ -22,7 +22,7 @@ from pathlib import Path
 
 from differential.errors import ScenarioError
 from differential.findings import Finding, FindingKind, Policy
-from differential.observation import RunObservation
+from differential.observation import RequestObservation, RunObservation
 from differential.oracle import (
     SiblingReference,
     cross_check_dense,
@@ -464,12 +464,17 @@ def _run_shared(
     return run if run.variant == variant.name else dataclasses.replace(run, variant=variant.name)
 
 
-def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -> list[Finding]:
+def compare_unlabelled(
+    scenario: Scenario, a: VariantResult, b: VariantResult, *, costs: bool = True
+) -> list[Finding]:
     """Compare two variants neither of which is labelled fixed.
 
     Every sibling where the hits differ is a ``disagreement`` saying which
-    side the oracle supports (the one without findings on that request); where
-    the hits agree but the blocks kept differ, a ``cost-change``. Both give the
+    side the oracle supports (the one without findings on that request); so
+    is one whose hits agree but whose KV connector store started it with
+    other local and external tokens, or held another prefix of it
+    (:func:`_connector_difference`); where the hits agree but the blocks kept
+    differ, a ``cost-change`` (unless ``costs`` is false). Both give the
     blocks each side kept per group and per periodic checkpoint tail.
     """
     pair = f"{a.variant.name} vs {b.variant.name}"
@@ -520,7 +525,17 @@ def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -
                     hit_tokens=rb.hit_tokens,
                 )
             )
-        elif ra.retained_blocks_per_group != rb.retained_blocks_per_group:
+        elif (store := _connector_difference(ra, rb, a.variant.name, b.variant.name)) is not None:
+            findings.append(
+                Finding(
+                    FindingKind.DISAGREEMENT,
+                    pair,
+                    j,
+                    f"same local hit {ra.hit_tokens}; {store}",
+                    divergence_tokens=divergence[j],
+                )
+            )
+        elif costs and ra.retained_blocks_per_group != rb.retained_blocks_per_group:
             findings.append(
                 Finding(
                     FindingKind.COST_CHANGE,
@@ -531,6 +546,31 @@ def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -
                 )
             )
     return findings
+
+
+def _connector_difference(
+    a: RequestObservation, b: RequestObservation, name_a: str, name_b: str
+) -> str | None:
+    """What a KV connector's remote store did differently for one request on
+    two variants (``workload.connector``): the tokens it started with, local
+    and external (what vLLM adopted, ``KVCacheManager.allocate_slots``), or
+    what the store held, i.e. what vLLM had handed the connector (saved
+    blocks, Mamba boundary states, partial tails); ``None`` when equal or
+    not recorded."""
+    ca, cb = a.connector, b.connector
+    if ca is None or cb is None:
+        return None
+    if (ca.local_tokens, ca.external_tokens) != (cb.local_tokens, cb.external_tokens):
+        return (
+            f"computed tokens {ca.local_tokens} local + {ca.external_tokens} external on "
+            f"{name_a} vs {cb.local_tokens} + {cb.external_tokens} on {name_b}"
+        )
+    if ca.store_tokens != cb.store_tokens:
+        return (
+            f"the connector's store held {ca.store_tokens} tokens of it on {name_a} vs "
+            f"{cb.store_tokens} on {name_b} (what vLLM handed the connector differs)"
+        )
+    return None
 
 
 def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
@@ -813,10 +853,27 @@ def compare_results(
                 if regression is not None:
                     comparison.append(regression)
     if not any(r.variant.role is VariantRole.FIXED for r in supported):
-        baselines = [r for r in supported if r.variant.role is VariantRole.BASELINE]
+        # A KV connector's store makes a run unjudgeable sequentially, but its
+        # hits, hand-offs and what vLLM adopts are deterministic and what a
+        # connector sees: such runs are compared too, on those (the blocks
+        # they keep under pool pressure are not what a fix claims).
+        judged = {id(r) for r in supported}
+        stored = {
+            id(r)
+            for r in results
+            if r.run.unsupported is None
+            and scenario.workload.connector is not None
+            and r.run.mode == "scheduler"
+        }
+        baselines = [
+            r
+            for r in results
+            if id(r) in judged | stored and r.variant.role is VariantRole.BASELINE
+        ]
         for i, a in enumerate(baselines):
             for b in baselines[i + 1 :]:
-                comparison += compare_unlabelled(scenario, a, b)
+                kept = id(a) in judged and id(b) in judged
+                comparison += compare_unlabelled(scenario, a, b, costs=kept)
     return ScenarioResult(
         scenario=scenario,
         source=source,

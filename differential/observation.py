@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "BlockRecord",
     "BlockWrite",
+    "ConnectorLookup",
     "GroupLookup",
     "KVEvent",
     "KVEventLog",
@@ -532,6 +533,84 @@ class ResumedLookup:
 
 
 @dataclass(frozen=True)
+class ConnectorLookup:
+    """(Scheduler mode, ``workload.connector``) what the KV connector's remote
+    store was asked at a request's admitting lookup and what vLLM adopted.
+
+    vLLM's ``Scheduler.schedule`` (vllm/v1/core/sched/scheduler.py, the
+    waiting loop) shows the connector the local hit rounded down to a block
+    (``get_num_new_matched_tokens``), then adopts ``local`` tokens from the
+    prefix cache and ``external`` tokens from the store
+    (``KVCacheManager.allocate_slots``'s ``num_new_computed_tokens`` and
+    ``num_external_computed_tokens``).
+
+    Attributes:
+        local_hit_tokens: the local prefix-cache hit the scheduler built on,
+            in tokens (``get_computed_blocks``, or
+            ``get_computed_blocks_for_connector``'s full-attention hit, before
+            any truncation or reconcile).
+        presented_tokens: that hit rounded down to the scheduler block, as
+            shown to the connector, in tokens.
+        matched_tokens: the tokens the connector reported beyond it, in tokens.
+        store_tokens: the longest prefix of the request the store held, in
+            tokens (what the connector's answer rests on).
+        local_tokens: tokens adopted from the local prefix cache, in tokens.
+        external_tokens: tokens adopted from the store, in tokens.
+        load_async: the store's tokens loaded between steps.
+        diverged: the local lookup was vLLM's
+            ``KVCacheManager.get_computed_blocks_for_connector`` and reported
+            ``hit_diverged`` (a Mamba group hit less than full attention).
+        load_failed: a load of this request failed (kvfuzz's model runner
+            reported it, ``workload.connector.failed_loads``): before this
+            admission (the whole load: this is the lookup that rescheduled
+            it) or after it (its last block).
+    """
+
+    local_hit_tokens: int
+    presented_tokens: int
+    matched_tokens: int
+    store_tokens: int
+    local_tokens: int
+    external_tokens: int
+    load_async: bool = False
+    diverged: bool = False
+    load_failed: bool = False
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the request starts computed, local and external, in tokens."""
+        return self.local_tokens + self.external_tokens
+
+    @property
+    def divergent_hit_kept(self) -> bool:
+        """vLLM adopted a divergent lookup's per-group blocks: each group's own
+        hit (``RequestObservation.per_group_hit_tokens``), a lagging Mamba
+        group's state coming with the load. With no external tokens the
+        scheduler reconciles instead, and the recorded lookup is the
+        reconciled one."""
+        return self.diverged and self.external_tokens > 0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ConnectorLookup:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "local_hit_tokens": self.local_hit_tokens,
+            "presented_tokens": self.presented_tokens,
+            "matched_tokens": self.matched_tokens,
+            "store_tokens": self.store_tokens,
+            "local_tokens": self.local_tokens,
+            "external_tokens": self.external_tokens,
+            "load_async": self.load_async,
+            "diverged": self.diverged,
+            "load_failed": self.load_failed,
+        }
+
+
+@dataclass(frozen=True)
 class RequestObservation:
     """One request as the real manager served it.
 
@@ -587,6 +666,9 @@ class RequestObservation:
         resumed: (scheduler mode) the lookups that rescheduled the request
             after each preemption, in order (empty when never preempted, or
             not recorded).
+        connector: (scheduler mode with a connector's remote store) what the
+            store was asked at the admitting lookup and what vLLM adopted
+            (:class:`ConnectorLookup`); ``None`` otherwise.
     """
 
     index: int
@@ -607,6 +689,7 @@ class RequestObservation:
     freed_queue_removals: int | None = None
     resumed: tuple[ResumedLookup, ...] = ()
     step_tables: tuple[StepTable, ...] = ()
+    connector: ConnectorLookup | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
@@ -633,6 +716,11 @@ class RequestObservation:
             freed_queue_removals=data.get("freed_queue_removals"),
             resumed=tuple(ResumedLookup.from_dict(u) for u in data.get("resumed", ())),
             step_tables=tuple(StepTable.from_list(t) for t in data.get("step_tables", ())),
+            connector=(
+                None
+                if data.get("connector") is None
+                else ConnectorLookup.from_dict(data["connector"])
+            ),
         )
 
     @property
@@ -643,7 +731,8 @@ class RequestObservation:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (block, timeline and free-queue fields only when recorded)."""
+        """JSON-ready form (block, timeline, free-queue and connector fields
+        only when recorded)."""
         out = self._base_dict()
         if self.lookup_blocks:
             out["lookup_blocks"] = [
@@ -664,6 +753,8 @@ class RequestObservation:
             out["resumed"] = [u.to_dict() for u in self.resumed]
         if self.step_tables:
             out["step_tables"] = [t.to_list() for t in self.step_tables]
+        if self.connector is not None:
+            out["connector"] = self.connector.to_dict()
         return out
 
     def _base_dict(self) -> dict[str, Any]:

@@ -16,9 +16,11 @@ repeated until nothing more can be removed or the time budget is spent:
 5. cut the shared prefix to what requests use, shrink each suffix, and pull
    each divergence point to the nearest alignment boundary;
 6. a simpler workload: (scheduler mode) requests one at a time, no accepted
-   drafts, one running sequence (a dropped request takes its arrival step
-   with it), no watermark; KV cache events reported incrementally rather
-   than in full, then off;
+   drafts, one running sequence, no aborts (a dropped request takes its
+   arrival step, abort step and failed load with it), no watermark; KV
+   cache events reported incrementally rather than in full, then off; then
+   a plainer KV connector store: none, fewer failed loads, synchronous
+   loads, no divergent hybrid hits, prefix caching on;
 7. fewer images and cache salts: none at all, then a request without its
    images (their placeholder tokens become tokens of its own) or without
    its cache salt, then each image alone dropped.
@@ -40,6 +42,7 @@ from differential.compare import ScenarioResult, compare_variants
 from differential.errors import ScenarioError
 from differential.findings import FindingKind, Policy
 from differential.scenario import (
+    ConnectorLoad,
     Drafter,
     DrafterKind,
     GroupKind,
@@ -98,6 +101,13 @@ def _drop_requests(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         if workload.arrival_steps is not None:
             arrivals = workload.arrival_steps[:index] + workload.arrival_steps[index + 1 :]
             workload = dataclasses.replace(workload, arrival_steps=arrivals)
+        if workload.abort_steps is not None:
+            aborts = workload.abort_steps[:index] + workload.abort_steps[index + 1 :]
+            workload = dataclasses.replace(workload, abort_steps=aborts)
+        if workload.connector is not None and workload.connector.failed_loads:
+            failed = tuple(k - (k > index) for k in workload.connector.failed_loads if k != index)
+            connector = dataclasses.replace(workload.connector, failed_loads=failed)
+            workload = dataclasses.replace(workload, connector=connector)
         yield f"drop request {index}", _replace(s, requests=tuple(kept), workload=workload)
 
 
@@ -124,6 +134,33 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
             "no KV cache events",
             _replace(s, workload=dataclasses.replace(w, kv_events=KVEvents.OFF)),
         )
+    if w.abort_steps is not None:
+        yield "no aborts", _replace(s, workload=dataclasses.replace(w, abort_steps=None))
+    yield from _connector_store(s)
+
+
+def _connector_store(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
+    """(Scheduler mode) a plainer KV connector store: none at all, no failed
+    loads, synchronous loads, no divergent hybrid hits, prefix caching on."""
+    w = s.workload
+    store = w.connector
+    if store is None:
+        return
+
+    def with_store(**changes: object) -> Scenario | None:
+        plainer = dataclasses.replace(store, **changes)  # type: ignore[arg-type]
+        return _replace(s, workload=dataclasses.replace(w, connector=plainer))
+
+    yield "no remote KV store", _replace(s, workload=dataclasses.replace(w, connector=None))
+    for k in range(len(store.failed_loads) - 1, -1, -1):
+        failed = store.failed_loads[:k] + store.failed_loads[k + 1 :]
+        yield f"request {store.failed_loads[k]}'s load succeeds", with_store(failed_loads=failed)
+    if store.load is not ConnectorLoad.SYNC and not store.failed_loads:
+        yield "synchronous loads", with_store(load=ConnectorLoad.SYNC)
+    if store.divergent_hybrid_hits:
+        yield "no divergent hybrid hits", with_store(divergent_hybrid_hits=False)
+    if not store.prefix_caching:
+        yield "prefix caching on", with_store(prefix_caching=True)
 
 
 # Simpler KV cache event settings first (workload.kv_events).
@@ -142,7 +179,7 @@ def _simplify(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
     longest = max(r.prompt_tokens for r in s.requests)
     if s.prefill_chunk_tokens < longest:
         yield "one prefill chunk", _replace(s, prefill_chunk_tokens=longest)
-    if s.kv_connector:
+    if s.kv_connector and s.workload.connector is None:
         yield (
             "no KV connector (lookahead hashes disabled instead)",
             _replace(s, kv_connector=False, disable_lookahead_block_hashes=True),

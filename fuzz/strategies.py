@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from differential.errors import ScenarioError
 from differential.scenario import (
+    ConnectorLoad,
+    ConnectorStore,
     Drafter,
     DrafterKind,
     DriveMode,
@@ -619,6 +621,28 @@ def _fine_alignment(groups: tuple[KVCacheGroup, ...], hash_block: int) -> int:
 
 
 @st.composite
+def _connector_stores(draw: st.DrawFn, num_requests: int, mamba: bool) -> ConnectorStore | None:
+    """A KV connector's remote store one workload in four (``None``
+    otherwise): synchronous or asynchronous loads, up to two requests whose
+    first asynchronous load fails, divergent hybrid hits on Mamba hybrids,
+    prefix caching off one time in four without Mamba groups (vLLM's align
+    mode needs it)."""
+    if draw(st.integers(0, 3)):
+        return None
+    load = draw(st.sampled_from((ConnectorLoad.SYNC, ConnectorLoad.ASYNC)))
+    failed: tuple[int, ...] = ()
+    if load is ConnectorLoad.ASYNC:
+        picked = draw(st.sets(st.integers(0, num_requests - 1), max_size=2))
+        failed = tuple(sorted(picked))
+    return ConnectorStore(
+        load=load,
+        failed_loads=failed,
+        divergent_hybrid_hits=mamba and draw(st.booleans()),
+        prefix_caching=mamba or draw(st.integers(0, 3)) > 0,
+    )
+
+
+@st.composite
 def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     """A scheduler-mode scenario: chat sessions through vLLM's ``Scheduler``.
 
@@ -631,8 +655,11 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     per step; one layout in four a Mamba hybrid (the Scheduler's own prefill
     chunks, sometimes fine-grained hash blocks); a pool from a third of the
     working set (eviction, preemption) to four times it, never below what
-    the longest request needs alone. ``scale`` is ``toy`` (the only scale
-    drawn so far).
+    the longest request needs alone; one workload in four (not with chunked
+    local attention, whose drop a connector would turn on) a KV connector
+    with a remote store (:func:`_connector_stores`), and one of those in
+    four a client aborting one request a few steps in. ``scale`` is ``toy``
+    (the only scale drawn so far).
     """
     del scale  # toy scale first
     hash_block: int | None = None
@@ -717,14 +744,26 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     factor = draw(st.sampled_from((0.3, 0.6, 1.0, 2.0, 4.0)))
     budget = draw(st.sampled_from((None, 2 * chunk)))
     pool = max(need, int(working * factor))
+    max_num_seqs = min(draw(st.sampled_from((1, 2, 4, 8))), budget or chunk)
+    # Drawn last, so every draw above reads the bytes it read before.
+    store = None if chunked else draw(_connector_stores(len(requests), mamba))
+    aborts = None
+    if store is not None and draw(st.integers(0, 3)) == 0:
+        # A client aborting one request a few steps in (mid-prefill, often):
+        # the producer's hand-off of a request that never finished.
+        doomed = draw(st.integers(0, len(requests) - 1))
+        step = draw(st.sampled_from((1, 2, 3, 5, 8)))
+        aborts = tuple(step if i == doomed else None for i in range(len(requests)))
     workload = Workload(
         mode=DriveMode.SCHEDULER,
         pool_blocks=pool,
         arrival_steps=arrivals,
-        max_num_seqs=min(draw(st.sampled_from((1, 2, 4, 8))), budget or chunk),
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         shares_output=shares_output,
         accepted_drafts=accepted,
+        connector=store,
+        abort_steps=aborts,
     )
     mamba_options: dict[str, Any] = {}
     if mamba:
@@ -750,6 +789,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
             name="engine",
             workload=workload,
             dcp_world_size=dcp,
+            kv_connector=store is not None,
             **mamba_options,
         )
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug

@@ -214,7 +214,8 @@ def release_runs(
                 version,
                 None,
                 (),
-                unsupported="manager mode: requests in flight together or drafts",
+                unsupported="manager mode: requests in flight together, drafts, a KV "
+                "connector's store or client aborts",
             )
             continue
         runs[mode.value] = run_tree(

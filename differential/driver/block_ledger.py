@@ -152,6 +152,26 @@ class BlockLedger:
                     cached[block.block_id] = (k + 1) * size if covered is None else covered
         return cached
 
+    def forget(self, request_id: str, start_tokens: int, end_tokens: int) -> None:
+        """A KV connector's load of the request's tokens ``[start, end)``
+        failed (recorded as written by :meth:`after_step`): the request's
+        blocks covering them hold none of its tokens until it computes them.
+
+        Args:
+            request_id: the request's id.
+            start_tokens, end_tokens: the tokens the load was to write; the
+                start is a block boundary of every group.
+        """
+        for gid, manager in enumerate(self._managers):
+            if gid in self._state_groups or end_tokens <= start_tokens:
+                continue
+            size = self._block_sizes[gid]
+            table = manager.req_to_blocks.get(request_id, ())
+            for block in table[start_tokens // size : (end_tokens - 1) // size + 1]:
+                if not block.is_null:
+                    self._filled.pop(block.block_id, None)
+                    self._records.pop(block.block_id, None)
+
     def _held_by_other(self, block: Any, rec: list[int] | None, request_index: int) -> int | None:
         """The request, other than ``request_index``, that last wrote ``block``
         and whose block table (``req_to_blocks`` of the group it wrote in)
@@ -206,6 +226,7 @@ class BlockLedger:
         cached_before: dict[int, int],
         *,
         processed_tokens: int | None = None,
+        loaded_tokens: int = 0,
     ) -> list[BlockWrite]:
         """Record the tokens ``[start, end)`` the step wrote and where each
         attention group's table holds null blocks (:meth:`take_tables`);
@@ -218,13 +239,21 @@ class BlockLedger:
             cached_before: :meth:`before_step`'s answer for the same step.
             processed_tokens: the computed tokens ``allocate_slots`` freed
                 against (``max(0, total computed - in flight)``), in tokens;
-                ``None``: ``start_tokens``.
+                ``None``: ``start_tokens + loaded_tokens``.
+            loaded_tokens: the first ``loaded_tokens`` of the range a KV
+                connector loads rather than the step computing them: a load
+                writes only the blocks the request holds there, so a null
+                block wholly inside them (a sliding window's skipped block,
+                ``SingleTypeKVCacheManager.allocate_external_computed_blocks``)
+                is no write.
         """
+        # The step computes from past the connector's load.
+        computed_from = start_tokens + loaded_tokens
         self._record_tables(
             request_index,
             request_id,
-            start_tokens if processed_tokens is None else processed_tokens,
-            start_tokens,
+            computed_from if processed_tokens is None else processed_tokens,
+            computed_from,
         )
         unsafe: list[BlockWrite] = []
         if end_tokens <= start_tokens:
@@ -246,6 +275,8 @@ class BlockLedger:
             }
             first = start_tokens // size
             for k, block in enumerate(table[first : (end_tokens - 1) // size + 1], first):
+                if block.is_null and (k + 1) * size <= start_tokens + loaded_tokens:
+                    continue  # a connector's load skips it
                 block_id = block.block_id
                 records.pop(block_id, None)  # written below (or null, never recorded)
                 rec = filled.get(block_id)

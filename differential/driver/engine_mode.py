@@ -400,9 +400,18 @@ def engine_plan(
         raise EngineUnsupported(
             "is_eagle_group marks: the engine's planner decides the draft groups itself"
         )
+    if scenario.workload.connector is not None:
+        raise EngineUnsupported(
+            "workload.connector: the remote store is kvfuzz's scheduler-side connector "
+            "(differential/driver/connector.py), with no worker side to load KV into a real "
+            "engine"
+        )
     if scenario.kv_connector:
         raise EngineUnsupported("a KV connector: engine mode configures none")
-
+    if scenario.workload.abort_steps is not None:
+        raise EngineUnsupported(
+            "workload.abort_steps: engine mode runs every request to its end (it aborts none)"
+        )
     if scenario.workload.shares_output and any(
         r.rejoin_tokens and r.shares_with is not None for r in scenario.requests
     ):

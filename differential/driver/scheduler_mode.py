@@ -30,7 +30,18 @@ Offline work-arounds (stated, not hidden):
 * The KV connector (``kv_connector: true``) is set the same way: vLLM's
   ``KVConnectorFactory`` builds :class:`differential.driver.connector.EmptyRemoteConnector`
   (an external connector with an empty remote store; vLLM's bundled
-  ``ExampleConnector`` refuses hybrid models) on the scheduler side.
+  ``ExampleConnector`` refuses hybrid models) on the scheduler side, or,
+  with ``workload.connector``, :class:`~differential.driver.connector.RemoteStoreConnector`
+  (a store keeping what requests computed), with ``kv_role`` ``kv_both`` and
+  the ``recompute`` load-failure policy. The model runner stands in for the
+  worker's side of it (:meth:`_ModelRunner.loads`): an asynchronous load
+  finishes in the step that starts it (``finished_recving``), or fails as
+  the workload says (``failed_recving``, or ``invalid_block_ids`` for one
+  KV cache group).
+
+Client aborts (``workload.abort_steps``) call ``Scheduler.finish_requests``
+with ``FINISHED_ABORTED`` before a step's ``schedule()``, as vLLM's engine
+core does when a client disconnects.
 
 Observation: one :class:`~differential.observation.RequestObservation` per
 request, in scenario order, with the hit of the lookup that admitted it (the
@@ -44,11 +55,17 @@ are recorded as in manager mode
 check): what each group's blocks held at the admitting lookup, and every
 ``KVCacheManager.allocate_slots`` the scheduler makes (vLLM
 ``Scheduler.schedule``), wrapped like ``get_computed_blocks``, as a write of
-the tokens ``[computed + new computed, + new tokens)`` (drafts included),
-checked against the blocks' reference counts right after the call, before a
-request admitted later in the same step adopts them. Evictions (cached keys
-that disappear) and the unreachable cached blocks at the end of the run are
-counted.
+the tokens ``[computed + new computed, + external + new tokens)`` (a
+connector's load, then the step's tokens, drafts included), checked against
+the blocks' reference counts right after the call, before a request
+admitted later in the same step adopts them; a failed load's tokens are
+forgotten again (:meth:`BlockLedger.forget`). With a connector's store, the
+admitting lookup also records what the store was asked and what vLLM
+adopted (:class:`~differential.observation.ConnectorLookup`; a divergent
+hybrid lookup, ``get_computed_blocks_for_connector``, is recorded as the
+lookup, and a reconcile after it as the same admission's). Evictions
+(cached keys that disappear) and the unreachable cached blocks at the end
+of the run are counted.
 """
 
 from __future__ import annotations
@@ -76,6 +93,7 @@ from differential.errors import InternalError
 from differential.observation import (
     BlockRecord,
     BlockWrite,
+    ConnectorLookup,
     RequestObservation,
     ResumedLookup,
     RunObservation,
@@ -172,7 +190,7 @@ def _vllm_config(
     )
     # After validation (see the module docstring): what the scheduler reads.
     config.cache_config.num_gpu_blocks = num_blocks
-    config.cache_config.enable_prefix_caching = True
+    config.cache_config.enable_prefix_caching = scenario.prefix_caching
     dcp = scenario.dcp_world_size
     if dcp > 1:
         # Decode context parallelism: the Scheduler hands this to its
@@ -219,7 +237,8 @@ def _vllm_config(
             "vllm/config/vllm.py",
             config._set_max_num_scheduled_tokens,
         )
-    if scenario.kv_connector:
+    store = workload.connector
+    if scenario.kv_connector and store is None:
         object.__setattr__(
             config,
             "kv_transfer_config",
@@ -229,6 +248,26 @@ def _vllm_config(
                 kv_connector="EmptyRemoteConnector",
                 kv_connector_module_path="differential.driver.connector",
                 kv_role="kv_both",
+            ),
+        )
+    elif store is not None:
+        object.__setattr__(
+            config,
+            "kv_transfer_config",
+            vllm_call(
+                "KVTransferConfig",
+                KVTransferConfig,
+                kv_connector="RemoteStoreConnector",
+                kv_connector_module_path="differential.driver.connector",
+                kv_role="kv_both",
+                # A cache tier's lost copy is recomputed, not an error.
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={
+                    "load": store.load.value,
+                    "divergent_hybrid_hits": store.divergent_hybrid_hits,
+                    "lookup_unit_tokens": scenario.effective_hit_alignment_tokens,
+                    "hash_block_tokens": scenario.effective_hash_block_size_tokens,
+                },
             ),
         )
     return config
@@ -276,6 +315,12 @@ class _Admission:
     blocks: tuple[tuple[BlockRecord | None, ...], ...] = ()
     queue_removals: int | None = None
     known_tokens: int = 0
+    diverged: bool = False
+    shown_tokens: int = 0  # the local hit shown to a KV connector (before a reconcile)
+    # Set by the admitting allocate_slots (_record_adoption): the local and
+    # external tokens adopted, and the connector's answer to this lookup.
+    adopted: tuple[int, int] | None = None
+    query: Any = None
 
 
 def _record_lookups(
@@ -302,18 +347,28 @@ def _record_lookups(
     """
     real = manager.get_computed_blocks
     coordinator = manager.coordinator
+    inside = [False]  # within get_computed_blocks_for_connector: one lookup, recorded there
 
     def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+        if inside[0]:
+            return real(request, *args, **kwargs)
+        return recorded(real, request, *args, **kwargs)
+
+    def recorded(call: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             cache_map = runner._cache_map(scenario, manager, request) if record_cache_map else ()
             before = runner._cached_keys(manager)
         except Exception as exc:  # kvfuzz's own failure
             failures.append(exc)
             return real(request, *args, **kwargs)
-        per_group = runner._per_group_hits(scenario, coordinator, request)  # diagnostic only
+        per_group = (  # diagnostic only
+            runner._per_group_hits(scenario, coordinator, request)
+            if scenario.prefix_caching
+            else ()
+        )
         queue_start = events.queue_length() if events is not None else 0
         with trace_lookups(coordinator) as traced:
-            result = real(request, *args, **kwargs)
+            result = call(request, *args, **kwargs)
         hit = result[1]
         junction = result[2] if len(result) > 2 else 0
         if events is not None and index_of is not None:
@@ -321,6 +376,13 @@ def _record_lookups(
                 events.lookup(index_of[request.request_id], hit, result[0], queue_start)
             except Exception as exc:  # kvfuzz's own failure
                 failures.append(exc)
+        diverged = bool(result[3]) if len(result) > 3 else False
+        shown = hit
+        made = lookups.get(request.request_id)
+        if made and made[-1].adopted is None and made[-1].step == step[0] and made[-1].diverged:
+            # vLLM's reconcile after a divergent hit the connector added nothing
+            # to (Scheduler.schedule): the same admission's lookup, redone.
+            diverged, shown = True, made[-1].shown_tokens
         try:
             blocks = ledger.lookup(result[0].blocks) if ledger is not None else ()
         except Exception as exc:  # kvfuzz's own failure
@@ -338,11 +400,28 @@ def _record_lookups(
                 blocks=blocks,
                 queue_removals=None if clock is None else clock.removals,
                 known_tokens=request.num_tokens,
+                diverged=diverged,
+                shown_tokens=shown,
             )
         )
         return result
 
     manager.get_computed_blocks = get_computed_blocks
+    for_connector = getattr(manager, "get_computed_blocks_for_connector", None)
+    if for_connector is None:
+        return
+
+    def get_computed_blocks_for_connector(request: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM's Scheduler._get_local_prefix_cache_hit for a connector with
+        # supports_divergent_local_hybrid_hits; its fallback calls
+        # get_computed_blocks, which is then this lookup, not another.
+        inside[0] = True
+        try:
+            return recorded(for_connector, request, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    manager.get_computed_blocks_for_connector = get_computed_blocks_for_connector
 
 
 def _record_writes(
@@ -354,11 +433,13 @@ def _record_writes(
 ) -> None:
     """Wrap this manager's ``allocate_slots`` (an instance attribute, as in
     :func:`_record_lookups`) so the ledger records every step's write: the
-    tokens ``[num_computed_tokens + num_new_computed_tokens +
-    num_external_computed_tokens, + num_new_tokens)`` (vLLM's own layout in
-    ``KVCacheManager.allocate_slots``), the lookup's blocks adopted when
-    ``new_computed_blocks`` is given. Unsafe writes go to ``writes`` per
-    request index; a failure of the ledger to ``failures``.
+    tokens ``[num_computed_tokens + num_new_computed_tokens,
+    + num_external_computed_tokens + num_new_tokens)`` (vLLM's own layout in
+    ``KVCacheManager.allocate_slots``: a KV connector's load writes the
+    request's own tokens after the local hit, then the step computes), the
+    lookup's blocks adopted when ``new_computed_blocks`` is given. Unsafe
+    writes go to ``writes`` per request index; a failure of the ledger to
+    ``failures``.
 
     Under the FCFS policy the scheduler only preempts requests not yet
     scheduled in the step, so every successful call is a step's write.
@@ -373,16 +454,16 @@ def _record_writes(
             call.apply_defaults()
             given = call.arguments
             request = given["request"]
-            start = (
-                request.num_computed_tokens
-                + given.get("num_new_computed_tokens", 0)
-                + given.get("num_external_computed_tokens", 0)
-            )
-            end = start + given["num_new_tokens"]
-            # What allocate_slots frees against (remove_skipped_blocks).
+            # A connector's load writes the request's own tokens after the
+            # local hit, as the step's compute does after it.
+            start = request.num_computed_tokens + given.get("num_new_computed_tokens", 0)
+            loaded = given.get("num_external_computed_tokens", 0)
+            end = start + loaded + given["num_new_tokens"]
+            # What allocate_slots frees against (remove_skipped_blocks): the
+            # total computed tokens, local and external, less those in flight.
             processed = max(
                 0,
-                min(start, getattr(manager, "max_model_len", start))
+                min(start + loaded, getattr(manager, "max_model_len", start + loaded))
                 - getattr(request, "num_in_flight_tokens", 0),
             )
             blocks = given.get("new_computed_blocks")
@@ -397,7 +478,15 @@ def _record_writes(
             try:
                 i = index_of[rid]
                 writes.setdefault(i, []).extend(
-                    ledger.after_step(i, rid, start, end, cached_before, processed_tokens=processed)
+                    ledger.after_step(
+                        i,
+                        rid,
+                        start,
+                        end,
+                        cached_before,
+                        processed_tokens=processed,
+                        loaded_tokens=loaded,
+                    )
                 )
             except Exception as exc:  # kvfuzz's own failure
                 failures.append(exc)
@@ -441,6 +530,47 @@ def _record_watermark_admissions(
         if result is not None and applies and request.request_id in index_of:
             free = manager.block_pool.get_num_free_blocks()
             admissions.append((index_of[request.request_id], step[0], free))
+        return result
+
+    manager.allocate_slots = allocate_slots
+
+
+def _record_adoption(
+    manager: Any,
+    lookups: dict[str, list[_Admission]],
+    connector: Any,
+    failures: list[BaseException],
+) -> None:
+    """Wrap this manager's ``allocate_slots`` (an instance attribute, as in
+    :func:`_record_lookups`) so the first successful call after a lookup
+    records what it adopted: ``num_new_computed_tokens`` (local) and
+    ``num_external_computed_tokens`` (the connector's store), in tokens,
+    and the connector's last answer for the request (``connector``: the
+    :class:`~differential.driver.connector.RemoteStoreConnector`, or
+    ``None``)."""
+    real = manager.allocate_slots
+    # The method's own parameters (``real`` may be another recorder's wrapper).
+    signature = inspect.signature(type(manager).allocate_slots.__get__(manager))
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        if result is None:
+            return result
+        try:
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            given = call.arguments
+            rid = given["request"].request_id
+            made = lookups.get(rid)
+            if made and made[-1].adopted is None:
+                made[-1].adopted = (
+                    given.get("num_new_computed_tokens", 0),
+                    given.get("num_external_computed_tokens", 0),
+                )
+                queries = connector.queries.get(rid) if connector is not None else None
+                made[-1].query = queries[-1] if queries else None
+        except Exception as exc:  # kvfuzz's own failure
+            failures.append(exc)
         return result
 
     manager.allocate_slots = allocate_slots
@@ -631,16 +761,118 @@ def _arrive(
     return added
 
 
+def _abort(
+    scheduler: Any,
+    requests: list[Any],
+    abort_steps: tuple[int | None, ...] | None,
+    added: int,
+    step: int,
+    aborted: set[int],
+    phase: list[str],
+) -> list[int]:
+    """Abort, before ``step``'s ``schedule()``, every request added so far
+    whose abort step has come and that has not finished
+    (``Scheduler.finish_requests`` with ``FINISHED_ABORTED``, as vLLM's
+    engine core aborts a disconnected client's request). Returns the indices
+    aborted now; ``aborted`` collects them."""
+    if abort_steps is None:
+        return []
+    from vllm.v1.request import RequestStatus
+
+    now = []
+    for i in range(added):
+        due = abort_steps[i]
+        if due is None or due > step or i in aborted or requests[i].is_finished():
+            continue
+        phase[0] = f"step {step}: abort req-{i}"
+        vllm_call(
+            "Scheduler.finish_requests",
+            scheduler.finish_requests,
+            requests[i].request_id,
+            RequestStatus.FINISHED_ABORTED,
+        )
+        aborted.add(i)
+        now.append(i)
+    return now
+
+
 class _ModelRunner:
     """kvfuzz in the model runner's place: what each scheduled request samples
     and drafts after a ``schedule()`` (see the module docstring)."""
 
-    def __init__(self, scenario: Scenario) -> None:
+    def __init__(self, scenario: Scenario, manager: Any) -> None:
         self.scenario = scenario
         self.accepted = scenario.workload.accepted_drafts
         # Drafts handed back per request (none when the workload accepts none).
         self.num_spec = scenario.drafter.num_speculative_tokens if self.accepted else 0
         self.decode_count = 0
+        store = scenario.workload.connector
+        self.to_fail = frozenset(store.failed_loads) if store is not None else frozenset()
+        self.failed: set[int] = set()  # request indices whose load failed
+        self.manager = manager
+
+    @staticmethod
+    def load_events(
+        out: Any, index_of: dict[str, int], lost: list[tuple[str, int, int]]
+    ) -> list[str]:
+        """The timeline's words for the connector's loads this step: each
+        load started, in tokens, and the loads lost (:meth:`loads`)."""
+        meta = getattr(out, "kv_connector_metadata", None)
+        words = [
+            f"req-{index_of[load.request_id]} loads "
+            f"[{load.start_tokens}, {load.end_tokens}) {'async' if load.load_async else 'sync'}"
+            for load in getattr(meta, "loads", ())
+        ]
+        words += [
+            f"req-{index_of[rid]}'s load of [{start}, {end}) fails" for rid, start, end in lost
+        ]
+        return words
+
+    def loads(
+        self, scheduler: Any, out: Any, index_of: dict[str, int]
+    ) -> tuple[Any, list[tuple[str, int, int]]]:
+        """The worker's ``KVConnectorOutput`` for the connector's loads this
+        step (``None`` when there are none to report), and the loads lost,
+        as ``(request id, first lost token, end)``.
+
+        Synchronous loads run in the forward pass and are not reported. An
+        asynchronous load finishes within the step (``finished_recving``),
+        unless it is a listed request's first: then it fails, as the whole
+        load (``failed_recving``, also in ``finished_recving``, vLLM's
+        request-level report) or, with a single KV cache group, as its last
+        block (``invalid_block_ids``: the valid prefix before it is kept,
+        vllm/v1/core/sched/scheduler.py ``_update_requests_with_invalid_blocks``).
+        """
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = getattr(out, "kv_connector_metadata", None)
+        finished: set[str] = set()
+        failed: set[str] = set()
+        invalid: set[int] = set()
+        lost: list[tuple[str, int, int]] = []
+        for load in getattr(meta, "loads", ()):
+            if not load.load_async:
+                continue
+            finished.add(load.request_id)
+            i = index_of[load.request_id]
+            if i not in self.to_fail or i in self.failed:
+                continue
+            self.failed.add(i)
+            managers = self.manager.coordinator.single_type_managers
+            if len(managers) == 1:
+                size = managers[0].block_size
+                (table,) = self.manager.get_block_ids(load.request_id)
+                last = (load.end_tokens - 1) // size
+                invalid.add(table[last])
+                lost.append((load.request_id, last * size, load.end_tokens))
+            else:
+                failed.add(load.request_id)
+                lost.append((load.request_id, load.start_tokens, load.end_tokens))
+        if not finished:
+            return None, lost
+        output = KVConnectorOutput(finished_recving=finished, failed_recving=failed)
+        output.invalid_block_ids = invalid
+        return output, lost
 
     def step(
         self, scheduler: Any, out: Any, index_of: dict[str, int]
@@ -682,8 +914,10 @@ def _timeline_line(
     step: int,
     *,
     arrivals: range,
+    aborts: list[int],
     admitted: dict[int, int],
     events: list[str],
+    loads: list[str],
     preempted: list[int],
     done: list[str],
     lost: int,
@@ -694,8 +928,12 @@ def _timeline_line(
     line = f"step {step}:"
     if arrivals:
         line += f" arrive {', '.join(f'req-{k}' for k in arrivals)};"
+    if aborts:
+        line += f" abort {', '.join(f'req-{k}' for k in aborts)};"
     if admitted:
         line += f" admit {', '.join(f'req-{i} (hit {h})' for i, h in admitted.items())};"
+    if loads:
+        line += f" {'; '.join(loads)};"
     line += f" run {', '.join(events) or 'nothing'}"
     if preempted:
         line += f"; preempt {', '.join(f'req-{i}' for i in preempted)}"
@@ -716,6 +954,7 @@ def _observations(
     clock: _FreeQueueClock,
     request_ids: list[str],
     resumed: dict[int, list[ResumedLookup]],
+    failed_loads: set[int],
     ledger: BlockLedger | None = None,
 ) -> list[RequestObservation]:
     """One observation per admitted request, in scenario order: its admitting
@@ -768,9 +1007,30 @@ def _observations(
                     else u
                     for u in resumed.get(i, ())
                 ),
+                connector=_connector_lookup(a, i in failed_loads),
             )
         )
     return observed
+
+
+def _connector_lookup(admission: _Admission, load_failed: bool) -> ConnectorLookup | None:
+    """What the connector's store was asked and what vLLM adopted at the
+    admitting lookup (``None`` without a store's answer)."""
+    query = admission.query
+    if query is None or admission.adopted is None:
+        return None
+    local, external = admission.adopted
+    return ConnectorLookup(
+        local_hit_tokens=admission.shown_tokens,
+        presented_tokens=query.presented_tokens,
+        matched_tokens=query.matched_tokens,
+        store_tokens=query.store_tokens,
+        local_tokens=local,
+        external_tokens=external,
+        load_async=query.load_async,
+        diverged=admission.diverged,
+        load_failed=load_failed,
+    )
 
 
 def run_scheduler_scenario(
@@ -893,16 +1153,19 @@ def run_scheduler_scenario(
         writes: dict[int, list[BlockWrite]] = {}
         if ledger is not None:
             _record_writes(manager, ledger, index_of, writes, failures)
+        store = scheduler.connector if workload.connector is not None else None
+        _record_adoption(manager, lookups, store, failures)
         clock.install(manager)
         if workload.watermark:
             _record_watermark_admissions(manager, index_of, step, watermark_admissions, failures)
         admitted: dict[int, _Admission] = {}
+        aborted: set[int] = set()
         resumed: dict[int, list[ResumedLookup]] = {}
         finished_at: dict[int, Counter[bytes]] = {}
         finished_step: dict[int, int] = {}
         added = 0
         seen: Counter[bytes] = Counter()
-        model_runner = _ModelRunner(scenario)
+        model_runner = _ModelRunner(scenario, manager)
         num_spec = model_runner.num_spec
         idle = 0
         total_tokens = sum(len(p) for p in scenario.prompts) + len(requests) * (
@@ -917,6 +1180,9 @@ def run_scheduler_scenario(
                 step[0] = max(step[0], workload.arrival_steps[added])
             arrived = added
             added = _arrive(scheduler, requests, workload.arrival_steps, added, step[0], phase)
+            aborts = _abort(
+                scheduler, requests, workload.abort_steps, added, step[0], aborted, phase
+            )
             phase[0] = f"step {step[0]}: schedule"
             out = vllm_call("Scheduler.schedule", scheduler.schedule)
             if failures:
@@ -924,20 +1190,27 @@ def run_scheduler_scenario(
                     f"recording a lookup or a write at step {step[0]} failed: "
                     f"{type(failures[0]).__name__}: {failures[0]}"
                 )
+            admitted_now = []
             for rid in out.num_scheduled_tokens:
                 i = index_of[rid]
                 if i not in admitted and lookups.get(rid):
                     admitted[i] = lookups[rid][-1]
+                    admitted_now.append(i)
                 elif rid in clock.preempted and (again := clock.resumed(rid, step[0])):
                     resumed.setdefault(i, []).append(again)
             preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
             req_ids = list(out.num_scheduled_tokens)
             sampled, drafts, events = model_runner.step(scheduler, out, index_of)
+            transfers, lost_loads = model_runner.loads(scheduler, out, index_of)
+            if ledger is not None:
+                for rid, lost_from, lost_to in lost_loads:
+                    ledger.forget(rid, lost_from, lost_to)
             phase[0] = f"step {step[0]}: update_from_output"
             output = ModelRunnerOutput(
                 req_ids=req_ids,
                 req_id_to_index={rid: k for k, rid in enumerate(req_ids)},
                 sampled_token_ids=sampled,
+                kv_connector_output=transfers,
             )
             vllm_call("Scheduler.update_from_output", scheduler.update_from_output, out, output)
             if num_spec:
@@ -962,18 +1235,15 @@ def run_scheduler_scenario(
                     finished_step[i] = step[0]
                     done.append(f"req-{i}")
             if record_cache_map:
-                admitted_now = [
-                    index_of[r]
-                    for r in req_ids
-                    if index_of[r] in admitted and admitted[index_of[r]].step == step[0]
-                ]
                 preempted = sorted(getattr(out, "preempted_req_ids", ()) or ())
                 timeline.append(
                     _timeline_line(
                         step[0],
                         arrivals=range(arrived, added),
+                        aborts=aborts,
                         admitted={i: admitted[i].hit_tokens for i in admitted_now},
                         events=events,
+                        loads=model_runner.load_events(out, index_of, lost_loads),
                         preempted=[index_of[r] for r in preempted],
                         done=done,
                         lost=lost,
@@ -983,11 +1253,13 @@ def run_scheduler_scenario(
             if idle > _MAX_IDLE_STEPS:
                 # vLLM's scheduler leaves waiting requests unscheduled for good
                 # (an engine would hang): vLLM's behaviour, a crash naming it.
+                # Requests holding KV blocks (an async KV load) wait apart.
+                waiting = len(scheduler.waiting) + len(getattr(scheduler, "kv_holding_waiting", ()))
                 raise VllmCallError(
                     "Scheduler.schedule",
                     RuntimeError(
                         f"scheduled nothing for {_MAX_IDLE_STEPS} steps with "
-                        f"{len(scheduler.waiting)} request(s) waiting (pool {pool} blocks)"
+                        f"{waiting} request(s) waiting (pool {pool} blocks)"
                     ),
                 )
             step[0] += 1
@@ -1009,10 +1281,13 @@ def run_scheduler_scenario(
             clock,
             [r.request_id for r in requests],
             resumed,
+            model_runner.failed,
             ledger,
         )
         phase[0] = "count unreachable cached blocks"
-        unreachable, cached_blocks = _unreachable(scenario, manager, requests)
+        unreachable, cached_blocks = (
+            _unreachable(scenario, manager, requests) if scenario.prefix_caching else (0, 0)
+        )
     if outcome.unsupported is not None:
         return RunObservation(
             variant=variant,

@@ -120,13 +120,14 @@ def render_timeline(result: ScenarioResult, request: int) -> str:
     ``request`` is marked.
     """
     from differential.compare import run_any
-    from differential.reports.table import engine_summary
+    from differential.reports.table import connector_summary, engine_summary
 
     lines: list[str] = []
     for vr in result.results:
         run = run_any(result.scenario, vr.variant, record_cache_map=True)
         lines.append(f"{vr.variant.name}: {engine_summary(run)}")
         lines += [f"  {line}" for line in run.timeline]
+        lines += [f"  {connector_summary(obs)}" for obs in run.requests if obs.connector]
         lines.append(f"  {'req':>4} {'step':>5} {'hit':>6}  cached prompt blocks per group")
         for obs in run.requests:
             kinds = sorted(

@@ -252,12 +252,26 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
     ``Scheduler`` (see the module docstring).
 
     Raises:
-        ScenarioError: the scenario has a KV connector, or the finding is
-            whole-run and not ``eviction-collapse``.
+        ScenarioError: the scenario has a KV connector (a remote store, named
+            ``workload.connector``, or an empty one) or client aborts, or the
+            finding is whole-run and not ``eviction-collapse``.
     """
+    if scenario.workload.connector is not None:
+        raise ScenarioError(
+            "workload.connector",
+            "a remote store",
+            "null for a scheduler-mode export (the store is kvfuzz's own connector, "
+            "differential/driver/connector.py, which a standalone test does not carry)",
+        )
     if scenario.kv_connector:
         raise ScenarioError(
             "kv_connector", True, "false for a scheduler-mode export (kvfuzz's own connector)"
+        )
+    if scenario.workload.abort_steps is not None:
+        raise ScenarioError(
+            "workload.abort_steps",
+            list(scenario.workload.abort_steps),
+            "null for a scheduler-mode export (the exported test runs every request to its end)",
         )
     check, expectation = _assertion(scenario, finding)
     longest = max(r.prompt_tokens for r in scenario.requests)

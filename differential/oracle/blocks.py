@@ -472,10 +472,14 @@ def request_violations(
     """Every violation of one request's lookup and steps (``freed_early``: its
     steps' null blocks where they attend, from :func:`table_violations`)."""
     out: list[BlockViolation] = []
+    # A KV connector's divergent hybrid lookup hands out each group's own hit
+    # (vLLM KVCacheManager.get_computed_blocks_for_connector).
+    divergent = obs.connector is not None and obs.connector.divergent_hit_kept
     for gid, (group, blocks) in enumerate(
         zip(scenario.kv_cache_groups, obs.lookup_blocks, strict=False)
     ):
-        out += GROUP_CHECKS[group.kind](group, gid, obs.hit_tokens, blocks, obs.index, tokens)
+        hit = obs.per_group_hit_tokens[gid] if divergent else obs.hit_tokens
+        out += GROUP_CHECKS[group.kind](group, gid, hit, blocks, obs.index, tokens)
     for write in obs.unsafe_writes:
         why = (
             "the null block"

@@ -42,6 +42,11 @@ Three rules on top of the per-lookup invariants of
 * **Mode cross-check** (:func:`cross_check_modes`): a sequential scenario
   gives the same hits through the scheduler as through the manager-level
   driver, else ``mode-mismatch`` naming the first differing call.
+* **KV connector's remote store** (:func:`~differential.oracle.connector.connector_findings`,
+  ``workload.connector``): each request starts computed at the larger of its
+  local hit and what the store holds past the block-aligned local hit, and
+  on layouts of full attention and MLA at least what the store provably
+  held; with prefix caching off no lookup is owed a local hit.
 * **Eviction collapse** (:func:`eviction_collapse`): with dense retention
   every repeated prompt (a later turn of a session, or any prompt that
   repeats an earlier request's tokens for at least one hit alignment:
@@ -58,6 +63,7 @@ from typing import Any
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RequestObservation, ResumedLookup, RunObservation
 from differential.oracle.blocks import check_blocks
+from differential.oracle.connector import connector_findings
 from differential.oracle.core import (
     DrafterModel,
     SiblingReference,
@@ -136,8 +142,12 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     lookup (see the module docstring); ``None`` when the run's timeline does
     not support an exact promise (turns copying an answer, state groups, a
     failed or partial run, no timeline recorded, preemptions outside layouts
-    of full attention and MLA only or with a KV connector, or evictions
-    without the free queue's counters: manager mode, older files).
+    of full attention and MLA only or with a KV connector, a KV connector's
+    store outside those layouts, or evictions without the free queue's
+    counters: manager mode, older files). A request whose prefix the store
+    loaded holds only the blocks a sliding-window group reads at its end
+    (``SingleTypeKVCacheManager.allocate_external_computed_blocks`` skips the
+    rest), so it does not cache what a writer that computed them would.
 
     A writer ``i`` counts for request ``j`` when ``i < j``, ``i`` finished
     (``finished_step``) before the step that admitted ``j``
@@ -165,6 +175,7 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     requests = run.requests
     if (
         w.shares_output
+        or (w.connector is not None and not _full_attention_only(scenario))
         or (run.preemptions and (not _full_attention_only(scenario) or scenario.kv_connector))
         or run.error is not None
         or scenario.mamba_groups
@@ -435,11 +446,13 @@ def judge_engine_run(
                     **common,
                 )
             )
-    findings += _timeline_findings(scenario, run, policy)
-    findings += resumed_findings(scenario, run, policy)
-    findings += per_group_findings(scenario, run, policy)
+    if scenario.prefix_caching:  # else no lookup may hit: nothing is owed locally
+        findings += _timeline_findings(scenario, run, policy)
+        findings += resumed_findings(scenario, run, policy)
+        findings += per_group_findings(scenario, run, policy)
     findings += kv_event_findings(scenario, run, policy)
     findings += watermark_findings(scenario, run, policy)
+    findings += connector_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)
 

@@ -26,6 +26,11 @@ from a misaligned local hit starts off the grid the other groups' blocks and
 states lie on. Either is a ``per-group-hit`` finding naming the group, its
 own hit and the reconciled one.
 
+A lookup vLLM adopted as a connector's divergent hit (a Mamba group lagging
+full attention, its state coming with the connector's load: vLLM PR #50344)
+returns the full-attention hit, not the reconciled one, and is not judged
+here.
+
 The driver records the per-group hits right before each lookup
 (``RequestObservation.per_group_hit_tokens``); a release or coordinator
 without ``find_longest_cache_hit_per_group`` records the reconciled hit for
@@ -76,6 +81,8 @@ def per_group_findings(
     alignment = scenario.effective_hit_alignment_tokens
     findings = []
     for r in run.requests:
+        if r.connector is not None and r.connector.divergent_hit_kept:
+            continue  # the full-attention hit, not the reconciled one (PR #50344)
         wrong = wrong_per_group_hit(r, alignment)
         if wrong is None:
             continue

@@ -9,10 +9,11 @@ from typing import Any
 from differential.compare import ScenarioResult
 from differential.errors import printable
 from differential.findings import Finding, Policy
-from differential.observation import RunObservation
+from differential.observation import RequestObservation, RunObservation
 
 __all__ = [
     "REPORT_FORMAT",
+    "connector_summary",
     "engine_figures",
     "engine_summary",
     "printable",
@@ -88,6 +89,9 @@ def render_text(
                 lines.append(f"  {vr.variant.name:<10} run: {kind}")
             if vr.run.mode == "scheduler":
                 lines.append(f"  {vr.variant.name:<10} engine: {engine_summary(vr.run)}")
+                for obs in vr.run.requests:
+                    if obs.connector is not None:
+                        lines.append(f"  {vr.variant.name:<10} {connector_summary(obs)}")
         for finding in result.findings:
             lines.append(f"  ! {finding.summary()}")
         for cost in result.costs:
@@ -192,6 +196,21 @@ def engine_summary(run: RunObservation) -> str:
         f"{run.preemptions} preemptions, {run.evicted_blocks} evicted blocks; "
         f"{run.unreachable_cached_blocks} cached blocks unreachable by any lookup "
         f"({100 * run.unreachable_share:.1f}% of the pool)"
+    )
+
+
+def connector_summary(obs: RequestObservation) -> str:
+    """One line of what a request's KV connector store held and what vLLM
+    adopted at its admission, in tokens (``workload.connector``)."""
+    c = obs.connector
+    assert c is not None
+    return (
+        f"connector: req {obs.index}: local hit {c.local_hit_tokens}, store held "
+        f"{c.store_tokens}, answered {c.matched_tokens} past {c.presented_tokens}; "
+        f"started with {c.local_tokens} local + {c.external_tokens} external"
+        + (" (async load)" if c.load_async else "")
+        + (" (divergent hybrid hit)" if c.diverged else "")
+        + (" (a load failed)" if c.load_failed else "")
     )
 
 

@@ -30,6 +30,8 @@ from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
 from differential.scenario.models import FormatVersion, ModelDocument, Size, SizeOrZero
 from differential.scenario.workload import (
+    ConnectorLoad,
+    ConnectorStore,
     DriveMode,
     KVEvents,
     MultiModalInput,
@@ -44,6 +46,7 @@ __all__ = [
     "JSON_SCHEMA_DIALECT",
     "SCENARIO_FORMAT",
     "SCENARIO_VERSION",
+    "ConnectorDocument",
     "DrafterDocument",
     "GroupDocument",
     "MultiModalInputDocument",
@@ -217,6 +220,49 @@ class RequestDocument(BaseModel):
         )
 
 
+class ConnectorDocument(BaseModel):
+    """The KV connector's remote store (scheduler mode): a CPU-offload tier
+    keeping what requests computed; every default is the store's usual
+    behaviour. Fields are written only when not their default."""
+
+    model_config = _CONFIG
+
+    load: ConnectorLoad = Field(
+        default=ConnectorLoad.SYNC,
+        exclude_if=lambda v: v is ConnectorLoad.SYNC,
+        description="'sync': the store's tokens load in the admitting step's forward pass; "
+        "'async': between steps, the request waiting in WAITING_FOR_REMOTE_KVS.",
+    )
+    failed_loads: tuple[_Count, ...] = Field(
+        default=(),
+        exclude_if=lambda v: v == (),
+        description="Request indices whose first load fails (async loads only): the whole "
+        "load (failed_recving), or with a single KV cache group its last block "
+        "(invalid_block_ids).",
+    )
+    divergent_hybrid_hits: StrictBool = Field(
+        default=False,
+        exclude_if=_is_false,
+        description="The connector's supports_divergent_local_hybrid_hits: a Mamba hybrid "
+        "shows it the full-attention hit even when a Mamba group hit less.",
+    )
+    prefix_caching: StrictBool = Field(
+        default=True,
+        exclude_if=lambda v: v is True,
+        description="CacheConfig.enable_prefix_caching; false: the store is the only source "
+        "of computed tokens (not with mamba groups).",
+    )
+
+    def value(self) -> ConnectorStore:
+        """The store as a value."""
+        return ConnectorStore(
+            load=self.load,
+            failed_loads=self.failed_loads,
+            divergent_hybrid_hits=self.divergent_hybrid_hits,
+            prefix_caching=self.prefix_caching,
+        )
+
+
 class WorkloadDocument(BaseModel):
     """How the requests reach the engine; every default reproduces the
     manager-level run (one request at a time, nothing evicted, no drafts)."""
@@ -273,6 +319,21 @@ class WorkloadDocument(BaseModel):
         "(0 <= w < 1). Scheduler mode only. Written only when not 0.",
     )
 
+    connector: ConnectorDocument | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="The KV connector's remote store (needs kv_connector true); null: a "
+        "configured connector's store is empty. Scheduler mode only. Written only when set.",
+    )
+
+    abort_steps: tuple[_Count | None, ...] | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="Per request, the scheduler step from which its client aborts it "
+        "(Scheduler.finish_requests, FINISHED_ABORTED), or null: never; null: no aborts. "
+        "Scheduler mode only. Written only when set.",
+    )
+
     def value(self) -> Workload:
         """The workload as a value."""
         return Workload(
@@ -285,6 +346,8 @@ class WorkloadDocument(BaseModel):
             accepted_drafts=self.accepted_drafts,
             kv_events=self.kv_events,
             watermark=self.watermark,
+            connector=None if self.connector is None else self.connector.value(),
+            abort_steps=self.abort_steps,
         )
 
 

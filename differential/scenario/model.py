@@ -42,6 +42,8 @@ from differential.scenario.multimodal import (
 )
 from differential.scenario.rules import check_scenario
 from differential.scenario.workload import (
+    ConnectorLoad,
+    ConnectorStore,
     DriveMode,
     KVEvents,
     MultiModalInput,
@@ -53,6 +55,8 @@ __all__ = [
     "MM_PLACEHOLDER_TOKEN_ID",
     "SCENARIO_FORMAT",
     "SCENARIO_VERSION",
+    "ConnectorLoad",
+    "ConnectorStore",
     "DraftGroups",
     "Drafter",
     "DrafterKind",
@@ -222,6 +226,14 @@ class Scenario:
             or g.block_size_tokens == hash_block
             for g in self.kv_cache_groups
         )
+
+    @property
+    def prefix_caching(self) -> bool:
+        """vLLM's ``CacheConfig.enable_prefix_caching``: on unless the
+        workload's connector store turns it off
+        (:attr:`ConnectorStore.prefix_caching`)."""
+        store = self.workload.connector
+        return store is None or store.prefix_caching
 
     @cached_property
     def effective_hit_alignment_tokens(self) -> int:

@@ -16,12 +16,13 @@ from differential.errors import ScenarioError
 from differential.scenario.drafter import DROPPING_DRAFTERS, DrafterKind
 from differential.scenario.groups import DraftGroups, GroupKind, MambaPrefill
 from differential.scenario.multimodal import PlacedInput, placed_inputs, split_input
-from differential.scenario.workload import DriveMode
+from differential.scenario.workload import ConnectorLoad, DriveMode
 
 if TYPE_CHECKING:
     from differential.scenario.model import Scenario
 
 __all__ = [
+    "check_connector",
     "check_dcp",
     "check_draft_groups",
     "check_drafter",
@@ -232,12 +233,80 @@ def check_workload(s: Scenario) -> None:
             "'scheduler' when watermark is set (vLLM applies the watermark only while "
             "other requests are scheduled; the manager-level driver runs one at a time)",
         )
+    check_connector(s)
+    if w.abort_steps is not None:
+        if w.mode is DriveMode.MANAGER:
+            raise ScenarioError(
+                "workload.abort_steps",
+                list(w.abort_steps),
+                "null in manager mode (aborts happen between scheduler steps: "
+                "workload.mode 'scheduler')",
+            )
+        if len(w.abort_steps) != len(s.requests):
+            raise ScenarioError(
+                "workload.abort_steps",
+                list(w.abort_steps),
+                f"null or a list of {len(s.requests)} steps or nulls (one per request)",
+            )
     if w.mode is DriveMode.MANAGER and not w.sequential:
         raise ScenarioError(
             "workload.mode",
             w.mode.value,
             "'scheduler' when arrival_steps or accepted_drafts are set "
             "(the manager-level driver runs one request at a time, without drafts)",
+        )
+
+
+def check_connector(s: Scenario) -> None:
+    """The connector's remote store (``workload.connector``): scheduler mode
+    only, with a configured connector; failed loads name requests and are
+    asynchronous (a failed synchronous load is reported by block id only, for
+    a single KV cache group, and its blocks stay in the prefix cache until
+    recomputed: vllm/v1/core/sched/scheduler.py ``_handle_invalid_blocks``);
+    prefix caching off only without Mamba groups (align mode needs it,
+    vllm/config/cache.py)."""
+    store = s.workload.connector
+    if store is None:
+        return
+    if s.workload.mode is DriveMode.MANAGER:
+        raise ScenarioError(
+            "workload.connector",
+            "a remote store",
+            "null in manager mode (a KV connector's store is driven through vLLM's "
+            "Scheduler only: workload.mode 'scheduler')",
+        )
+    if not s.kv_connector:
+        raise ScenarioError(
+            "workload.connector",
+            "a remote store",
+            "null unless kv_connector is true (the store is the configured connector's)",
+        )
+    count = len(s.requests)
+    for i, index in enumerate(store.failed_loads):
+        if index >= count:
+            raise ScenarioError(
+                f"workload.connector.failed_loads[{i}]",
+                index,
+                f"a request index 0..{count - 1}",
+            )
+        if index in store.failed_loads[:i]:
+            raise ScenarioError(
+                f"workload.connector.failed_loads[{i}]",
+                index,
+                "each request at most once (only a request's first load fails)",
+            )
+    if store.failed_loads and store.load is not ConnectorLoad.ASYNC:
+        raise ScenarioError(
+            "workload.connector.failed_loads",
+            list(store.failed_loads),
+            "[] unless workload.connector.load is 'async' (a failed synchronous load is "
+            "reported by block id, its blocks left cached until recomputed)",
+        )
+    if not store.prefix_caching and s.mamba_groups:
+        raise ScenarioError(
+            "workload.connector.prefix_caching",
+            False,
+            "true with mamba groups (vLLM's Mamba align mode needs prefix caching)",
         )
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["DriveMode", "KVEvents", "MultiModalInput", "RequestSpec", "Workload"]
+__all__ = [
+    "ConnectorLoad",
+    "ConnectorStore",
+    "DriveMode",
+    "KVEvents",
+    "MultiModalInput",
+    "RequestSpec",
+    "Workload",
+]
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,54 @@ class KVEvents(StrEnum):
     FULL = "full"
 
 
+class ConnectorLoad(StrEnum):
+    """How the connector's remote store hands its tokens to vLLM.
+
+    ``SYNC``: during the forward pass of the step that admits the request
+    (``get_num_new_matched_tokens`` returns ``load_kv_async`` false).
+    ``ASYNC``: between steps: the scheduler parks the request in
+    ``WAITING_FOR_REMOTE_KVS`` until the worker reports the load finished
+    (``KVConnectorOutput.finished_recving``), vllm/v1/core/sched/scheduler.py
+    ``_update_waiting_for_remote_kv``.
+    """
+
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+@dataclass(frozen=True)
+class ConnectorStore:
+    """(Scheduler mode) the KV connector's remote store and how it behaves.
+
+    The connector is :class:`differential.driver.connector.RemoteStoreConnector`,
+    a CPU-offload tier: it keeps the KV of every token a request computed
+    (attention blocks, keyed by vLLM's chained block hashes) and the Mamba
+    states vLLM hands off (boundary states and a producer's partial tail),
+    never evicts, and answers ``get_num_new_matched_tokens`` with the tokens
+    it holds beyond the local hit it is shown. Needs ``kv_connector`` true.
+
+    Attributes:
+        load: :class:`ConnectorLoad`, synchronous or asynchronous loads.
+        failed_loads: request indices whose first load fails (asynchronous
+            loads only): reported as ``failed_recving`` (the whole load is
+            lost and the request is rescheduled from scratch), or, with a
+            single KV cache group, as the last loaded block in
+            ``invalid_block_ids`` (the valid prefix is kept).
+        divergent_hybrid_hits: the connector's
+            ``supports_divergent_local_hybrid_hits``: the scheduler shows it
+            the full-attention hit of a Mamba hybrid even when a Mamba group
+            hit less (``KVCacheManager.get_computed_blocks_for_connector``).
+        prefix_caching: ``CacheConfig.enable_prefix_caching``; false leaves
+            the store as the only source of computed tokens (no Mamba
+            groups: vLLM's align mode needs prefix caching).
+    """
+
+    load: ConnectorLoad = ConnectorLoad.SYNC
+    failed_loads: tuple[int, ...] = ()
+    divergent_hybrid_hits: bool = False
+    prefix_caching: bool = True
+
+
 @dataclass(frozen=True)
 class Workload:
     """How the requests reach the engine: mode, pool, arrivals, turns, drafts.
@@ -168,6 +224,16 @@ class Workload:
             (``KVCacheManager.__init__`` ``watermark_blocks = int(watermark *
             num_blocks)``, applied in ``KVCacheManager.allocate_slots``).
             ``0.0`` (vLLM's default) keeps none. Scheduler mode only.
+        connector: the KV connector's remote store (:class:`ConnectorStore`);
+            ``None``: a configured connector's store is empty. Scheduler mode
+            only.
+        abort_steps: per request, the scheduler step from which its client
+            aborts it (``None``: never): before that step's ``schedule()``,
+            or the first one after it at which the request has arrived,
+            kvfuzz calls ``Scheduler.finish_requests`` with
+            ``FINISHED_ABORTED``, as vLLM's engine core does when a client
+            disconnects; a request already finished is left alone. ``None``:
+            no request is aborted. Scheduler mode only.
     """
 
     mode: DriveMode = DriveMode.MANAGER
@@ -179,9 +245,17 @@ class Workload:
     accepted_drafts: tuple[int, ...] = ()
     kv_events: KVEvents = KVEvents.OFF
     watermark: float = 0.0
+    connector: ConnectorStore | None = None
+    abort_steps: tuple[int | None, ...] | None = None
 
     @property
     def sequential(self) -> bool:
-        """Requests run one at a time and nothing is drafted (so the
-        manager-level driver reconstructs the same calls)."""
-        return self.arrival_steps is None and not self.accepted_drafts
+        """Requests run one at a time to their end, nothing is drafted and no
+        remote store serves tokens (so the manager-level driver reconstructs
+        the same calls)."""
+        return (
+            self.arrival_steps is None
+            and not self.accepted_drafts
+            and self.connector is None
+            and self.abort_steps is None
+        )

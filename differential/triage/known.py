@@ -23,7 +23,7 @@ from differential.oracle import (
     replay_boundaries,
     state,
 )
-from differential.scenario import KVEvents, Scenario
+from differential.scenario import ConnectorLoad, KVEvents, Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
 
@@ -224,6 +224,43 @@ def _padded_draft_above_step_budget(scenario: Scenario, finding: Finding) -> boo
         return False
     spec = scenario.drafter.num_speculative_tokens
     return spec > 0 and 1 + spec > scenario.step_budget_tokens
+
+
+def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
+    """vLLM's Scheduler scheduled nothing for good (kvfuzz's stall crash) after
+    a KV connector's asynchronous load failed as a whole: with several KV
+    cache groups the failure is ``failed_recving``, after which
+    ``Scheduler._update_waiting_for_remote_kv`` frees the request's blocks
+    but leaves it in ``Scheduler._inflight_prefills``, so its next async
+    admission reserves its own remaining blocks besides allocating them
+    (``_inflight_prefill_reserved_blocks``, vllm/v1/core/sched/scheduler.py)."""
+    if finding.kind is not FindingKind.CRASH or "scheduled nothing for" not in finding.detail:
+        return False
+    store = scenario.workload.connector
+    return (
+        store is not None
+        and store.load is ConnectorLoad.ASYNC
+        and bool(store.failed_loads)
+        and len(scenario.kv_cache_groups) > 1
+    )
+
+
+def _external_mamba_block_uncounted(scenario: Scenario, finding: Finding) -> bool:
+    """``BlockPool.get_new_blocks`` raised inside ``Scheduler.schedule`` on a
+    Mamba hybrid with speculative blocks and a KV connector's store:
+    ``MambaManager.get_num_blocks_to_allocate`` caps a new request's blocks
+    at its state and speculative blocks, and
+    ``SingleTypeKVCacheManager.allocate_external_computed_blocks`` gives the
+    Mamba group one more for the external tokens (vllm/v1/core/single_type_kv_cache_manager.py),
+    so ``KVCacheManager.allocate_slots`` admits it a block short."""
+    return (
+        finding.kind is FindingKind.CRASH
+        and "free blocks from the pool" in finding.detail
+        and "[raised in BlockPool.get_new_blocks" in finding.detail
+        and scenario.workload.connector is not None
+        and bool(scenario.mamba_groups)
+        and scenario.drafter.num_speculative_tokens > 0
+    )
 
 
 def _writer_states(
@@ -686,6 +723,46 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "VllmConfig._set_max_num_scheduled_tokens",
         example="known-issues/ngram-padded-draft-above-step-budget-stalls.json",
         matches=_padded_draft_above_step_budget,
+    ),
+    KnownIssue(
+        name="scheduler-stall-failed-load-reserves-itself",
+        summary=(
+            "With a KV connector loading asynchronously on a model of several KV "
+            "cache groups, a load that fails as a whole (failed_recving, the "
+            "recompute policy) frees the request's blocks but leaves the request "
+            "among the scheduler's in-flight prefills. Looked up again, its next "
+            "asynchronous load must leave the blocks every in-flight prefill still "
+            "needs free, its own among them, besides allocating them: under a pool "
+            "of less than twice what it needs it never fits, and the requests "
+            "behind it never run: the engine stalls (full attention 4 + a sliding "
+            "window of 8 in blocks of 4, prefix caching off, a 23-token prompt "
+            "resent, pool 16: it takes 7 blocks and reserves its own 12, of 15 "
+            "free). Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/sched/scheduler.py Scheduler._update_waiting_for_remote_kv "
+        "(a failed load's free) with Scheduler._inflight_prefill_reserved_blocks",
+        example="known-issues/connector-failed-load-reserves-itself-stalls.json",
+        matches=_failed_load_reserves_itself,
+    ),
+    KnownIssue(
+        name="mamba-external-block-uncounted",
+        summary=(
+            "A KV connector's external tokens on a Mamba hybrid (align mode) with "
+            "speculative decoding: KVCacheManager.allocate_slots counts a new "
+            "request's Mamba blocks as its state and speculative blocks (capped so "
+            "in MambaManager.get_num_blocks_to_allocate), but "
+            "allocate_external_computed_blocks gives the Mamba group one more block "
+            "for the external tokens, so with exactly the counted blocks free "
+            "BlockPool.get_new_blocks raises ValueError and the engine crashes "
+            "(full attention 16 + Mamba 16, hash block 4, MTP with 2 speculative "
+            "tokens, 16 external tokens, pool 12: 5 blocks counted, 5 free, 6 "
+            "taken). Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "MambaManager.get_num_blocks_to_allocate with "
+        "SingleTypeKVCacheManager.allocate_external_computed_blocks",
+        example="known-issues/connector-external-mamba-block-uncounted.json",
+        matches=_external_mamba_block_uncounted,
     ),
     KnownIssue(
         name="mamba-state-cached-one-token-short",

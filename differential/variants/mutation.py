@@ -118,25 +118,18 @@ REPORT_FORMAT = "kvfuzz.mutation"
 REPORT_VERSION = 2
 
 
-_CONNECTOR = "vLLM calls it only with a KV connector, which kvfuzz does not drive: "
 # Sampled functions whose mutants kvfuzz cannot reach by design: the report
 # says so beside every mutant only vLLM's own tests kill there. Each reason
 # names the vLLM 0.33.0 code that makes it so.
 OUT_OF_SCOPE: dict[str, str] = {
-    "KVCacheManager.truncate_computed_blocks": _CONNECTOR
-    + "Scheduler.schedule, when the connector's external hit exceeds a partial local hit "
-    "(vllm/v1/core/sched/scheduler.py)",
-    "KVCacheManager.get_computed_blocks_for_connector": _CONNECTOR
-    + "Scheduler._get_local_prefix_cache_hit, for a connector with "
-    "supports_divergent_local_hybrid_hits (vllm/v1/core/sched/scheduler.py)",
-    "KVCacheManager.finalize_partial_tail_offloads": _CONNECTOR
-    + "Scheduler._connector_finished, for a KV producer (vllm/v1/core/sched/scheduler.py)",
-    "SingleTypeKVCacheManager.allocate_external_computed_blocks": _CONNECTOR
-    + "KVCacheCoordinator.allocate_new_computed_blocks, for the external computed tokens "
-    "only a connector reports (vllm/v1/core/kv_cache_coordinator.py)",
     "KVCacheManager.get_num_common_prefix_blocks": "deprecated in vLLM 0.33.0: cascade "
     "attention was removed, it returns zeros and the scheduler no longer calls it "
     "(vllm/v1/core/kv_cache_manager.py)",
+    "KVCacheManager.record_blocks_for_zeroing": "its loop body runs only for a group whose "
+    "new blocks are zeroed (attention beside Mamba layers, or mixed precisions) of a request "
+    "a failed KV load left partly valid, which vLLM 0.33.0 reports by block id for a single "
+    "KV cache group only (Scheduler._handle_invalid_blocks, "
+    "vllm/v1/core/sched/scheduler.py): such a group is never zeroed",
 }
 
 

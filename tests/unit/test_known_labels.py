@@ -649,3 +649,68 @@ def test_a_stall_is_the_padded_draft_only_where_the_draft_outgrows_the_budget() 
     assert label_known(_stalling(Drafter(DrafterKind.NONE, 0), 1), [stall])[0].known_issue is None
     other = Finding(FindingKind.CRASH, "v", 0, "request 0: lookup: ValueError: no")
     assert label_known(_stalling(ngram, 1), [other])[0].known_issue is None
+
+
+def test_a_stall_after_a_whole_failed_async_load_is_the_self_reserving_retry() -> None:
+    from differential.scenario import ConnectorLoad, ConnectorStore, DriveMode, Workload
+
+    def stalling(store: ConnectorStore, groups: tuple[KVCacheGroup, ...]) -> Scenario:
+        return Scenario(
+            kv_cache_groups=groups,
+            requests=(RequestSpec(0, 23), RequestSpec(23, 0, shares_with=0)),
+            shared_prefix_tokens=0,
+            kv_connector=True,
+            workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=16, connector=store),
+        )
+
+    hybrid = (
+        KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
+        KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8),
+    )
+    failing = ConnectorStore(ConnectorLoad.ASYNC, failed_loads=(1,), prefix_caching=False)
+    stall = Finding(FindingKind.CRASH, "v", 0, STALL)
+    assert label_known(stalling(failing, hybrid), [stall])[0].known_issue == (
+        "scheduler-stall-failed-load-reserves-itself"
+    )
+    # Near misses: no failed load; one KV cache group (a failure is then one
+    # block, the request keeps its blocks); a crash that is not the stall.
+    plain = ConnectorStore(ConnectorLoad.ASYNC, prefix_caching=False)
+    assert label_known(stalling(plain, hybrid), [stall])[0].known_issue is None
+    single = (KVCacheGroup(GroupKind.FULL_ATTENTION, 4),)
+    assert label_known(stalling(failing, single), [stall])[0].known_issue is None
+    other = Finding(FindingKind.CRASH, "v", 0, "request 0: lookup: ValueError: no")
+    assert label_known(stalling(failing, hybrid), [other])[0].known_issue is None
+
+
+def test_a_pool_error_with_external_tokens_on_a_mamba_hybrid_is_the_uncounted_block() -> None:
+    from differential.scenario import ConnectorStore, DriveMode, Workload
+
+    def hybrid(drafter: Drafter, store: ConnectorStore | None) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(
+                KVCacheGroup(GroupKind.FULL_ATTENTION, 16),
+                KVCacheGroup(GroupKind.MAMBA, 16),
+            ),
+            requests=(RequestSpec(0, 21), RequestSpec(20, 0, shares_with=0)),
+            shared_prefix_tokens=0,
+            hash_block_size_tokens=4,
+            drafter=drafter,
+            kv_connector=True,
+            workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=12, connector=store),
+        )
+
+    crash = Finding(
+        FindingKind.CRASH,
+        "v",
+        0,
+        "step 5: schedule: Scheduler.schedule: ValueError: Cannot get 3 free blocks from "
+        "the pool [raised in BlockPool.get_new_blocks (vllm/v1/core/block_pool.py)]",
+    )
+    mtp = Drafter(DrafterKind.MTP, 2)
+    assert label_known(hybrid(mtp, ConnectorStore()), [crash])[0].known_issue == (
+        "mamba-external-block-uncounted"
+    )
+    # Near misses: no store (no external tokens), no speculative blocks.
+    assert label_known(hybrid(mtp, None), [crash])[0].known_issue is None
+    plain = Drafter(DrafterKind.NONE, 0)
+    assert label_known(hybrid(plain, ConnectorStore()), [crash])[0].known_issue is None

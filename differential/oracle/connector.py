@@ -1,0 +1,198 @@
+"""What a KV connector's remote store is owed (scheduler mode, ``workload.connector``).
+
+Two rules, per admitted request with a :class:`~differential.observation.ConnectorLookup`:
+
+* **Adoption** (:func:`adoption_owed`, any layout). vLLM's ``Scheduler.schedule``
+  (vllm/v1/core/sched/scheduler.py, the waiting loop) shows the connector its
+  local hit ``h`` rounded down to the scheduler block ``B`` (``a = h - h % B``)
+  and the connector answers the tokens ``m`` it holds beyond ``a``
+  (``get_num_new_matched_tokens``: "the number of new tokens that can be
+  loaded from the external KV cache beyond the num_computed_tokens",
+  vllm/distributed/kv_transfer/kv_connector/v1/base.py). The request then
+  starts computed at ``max(h, a + m)``: a sub-block local tail is kept unless
+  the remote hit strictly exceeds it, in which case the tail is dropped and
+  the load covers it (``truncate_computed_blocks``, vLLM PR #49502, whose
+  caller "present[s] a block-aligned local hit to the connector so a
+  strictly longer remote hit can supersede a local sub-block tail"), and
+  otherwise local and external add up (vLLM PR #15960, the connector API:
+  computed = local + external). One trim is vLLM's documented policy and is
+  not judged: a Mamba hybrid whose connector declares
+  ``supports_divergent_local_hybrid_hits`` is shown the full-attention hit
+  even where a Mamba group hit less; when the connector adds nothing the
+  scheduler reconciles to the hit every group holds, without asking the
+  connector again (vLLM PR #50344, "an external miss ... uses a locally
+  consistent boundary", after issue #46453 and PR #48425). Prefix replay
+  (``prefix_replay_tokens``, DeepSeek-V4's bounded sliding-window replay),
+  the other trim, is off on every layout kvfuzz builds. Fewer tokens is a
+  ``fallback``, more an ``over-hit`` (KV nobody holds).
+* **The store** (:func:`store_owed`, layouts of full attention and MLA only).
+  The store keeps the KV of every token a request computed
+  (:class:`differential.driver.connector.RemoteStoreConnector`) and never
+  evicts, so at a request's lookup it provably holds, of the request's
+  prompt, the longest common prefix with the tokens of any request that had
+  *finished* before that lookup (its prompt, and its sampled tokens but the
+  last, which is never computed; the prompt alone with drafts), in whole
+  hash blocks; a request is owed that prefix in multiples of the hit
+  alignment, within ``L - 1`` (one token is left to compute, as vLLM PR
+  #43494 keeps full hits: "rounding the full hit down to ``(num_tokens - 1)
+  // block_size * block_size``"), whatever the local cache still holds.
+  Falling short is a ``fallback``. A request still in flight promises
+  nothing (it may have saved more). On other layouts what the store holds
+  rests on vLLM's hand-offs (Mamba boundary states, the sliding-window
+  blocks its reachability mask keeps), judged through the adoption rule and
+  the comparison of variants only.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from differential.findings import Finding, FindingKind, Policy
+from differential.observation import ConnectorLookup, RunObservation
+from differential.oracle.prefix import common_prefix_tokens
+from differential.scenario import Scenario
+
+__all__ = ["StoreOwed", "adoption_owed", "connector_findings", "store_owed"]
+
+
+def adoption_owed(connector: ConnectorLookup, block_tokens: int) -> int | None:
+    """The computed tokens, local and external, vLLM owes a request for the
+    store's answer (see the module docstring); ``None`` where the policy's
+    divergent-hit reconcile applies (not judged).
+
+    Args:
+        connector: what the connector was asked and answered.
+        block_tokens: the scheduler block ``B``, in tokens.
+    """
+    h = connector.local_hit_tokens
+    m = connector.matched_tokens
+    if connector.diverged and connector.external_tokens == 0:
+        return None
+    tail = h % block_tokens
+    if tail and m > tail:
+        return h - tail + m
+    if tail:
+        return h
+    return h + m
+
+
+@dataclass(frozen=True)
+class StoreOwed:
+    """What the store provably held of one request at its lookup.
+
+    Attributes:
+        tokens: the prefix owed, in tokens (a multiple of the hit alignment).
+        writer: the finished request whose tokens the prefix is, or ``None``
+            when nothing is owed.
+        shared_tokens: tokens the writer's saved tokens share with the
+            request's prompt, in tokens.
+    """
+
+    tokens: int
+    writer: int | None
+    shared_tokens: int
+
+
+def store_owed(scenario: Scenario, run: RunObservation) -> dict[int, StoreOwed]:
+    """Per request index (those with a connector lookup and a recorded step),
+    what the store provably held of it at its lookup (see the module
+    docstring); empty unless every group is full attention or MLA."""
+    if not all(g.kind.full_attention_family for g in scenario.kv_cache_groups):
+        return {}
+    prompts = scenario.prompts
+    drafts = bool(scenario.workload.accepted_drafts)
+    saved = [
+        p if drafts else p + scenario.sampled_tokens(i)[: scenario.decode_steps]
+        for i, p in enumerate(prompts)
+    ]
+    hash_block = scenario.effective_hash_block_size_tokens
+    alignment = scenario.effective_hit_alignment_tokens
+    out: dict[int, StoreOwed] = {}
+    for r in run.requests:
+        if r.connector is None or r.scheduled_step is None:
+            continue
+        best = StoreOwed(0, None, 0)
+        for q in run.requests:
+            if q.index == r.index or q.finished_step is None or q.finished_step >= r.scheduled_step:
+                continue
+            shared = common_prefix_tokens(prompts[r.index], saved[q.index])
+            if shared > best.shared_tokens:
+                best = StoreOwed(0, q.index, shared)
+        limit = min(best.shared_tokens // hash_block * hash_block, len(prompts[r.index]) - 1)
+        tokens = max(0, limit) // alignment * alignment
+        out[r.index] = StoreOwed(tokens, best.writer if tokens else None, best.shared_tokens)
+    return out
+
+
+def connector_findings(
+    scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
+) -> list[Finding]:
+    """``fallback`` / ``over-hit`` per request whose computed tokens at
+    admission (local and external) break the adoption rule or fall short of
+    what the store provably held (see the module docstring)."""
+    if scenario.workload.connector is None or run.unsupported is not None:
+        return []
+    block = scenario.scheduler_block_size_tokens
+    owed_by_store = store_owed(scenario, run)
+    findings: list[Finding] = []
+    for r in run.requests:
+        c = r.connector
+        if c is None:
+            continue
+        computed = c.computed_tokens
+        adopted = adoption_owed(c, block)
+        stored = owed_by_store.get(r.index, StoreOwed(0, None, 0))
+        common: dict[str, Any] = {
+            "divergence_tokens": stored.shared_tokens,
+            "hit_tokens": computed,
+            "policy": policy,
+        }
+        answer = (
+            f"local hit {c.local_hit_tokens}, shown {c.presented_tokens} to the connector, "
+            f"which held {c.store_tokens} and answered {c.matched_tokens} more; adopted "
+            f"{c.local_tokens} local + {c.external_tokens} external"
+        )
+        if adopted is not None and computed > adopted:
+            findings.append(
+                Finding(
+                    FindingKind.OVER_HIT,
+                    run.variant,
+                    r.index,
+                    f"connector: starts with {computed} computed tokens, more than the "
+                    f"{adopted} its local hit and the store's answer hold ({answer})",
+                    expected_tokens=adopted,
+                    **common,
+                )
+            )
+            continue
+        if adopted is not None and computed < adopted:
+            findings.append(
+                Finding(
+                    FindingKind.FALLBACK,
+                    run.variant,
+                    r.index,
+                    f"connector: starts with {computed} computed tokens, owed {adopted}: "
+                    f"the larger of its local hit and what the store holds past the "
+                    f"block-aligned hit ({answer})",
+                    expected_tokens=adopted,
+                    **common,
+                )
+            )
+            continue
+        if computed < stored.tokens:
+            findings.append(
+                Finding(
+                    FindingKind.FALLBACK,
+                    run.variant,
+                    r.index,
+                    f"connector: starts with {computed} computed tokens, owed {stored.tokens} "
+                    f"the store holds since request {stored.writer} finished "
+                    f"({stored.shared_tokens} tokens in common; {answer})",
+                    expected_tokens=stored.tokens,
+                    **common,
+                )
+            )
+    return findings

@@ -1,0 +1,181 @@
+"""A KV connector with a remote store through vLLM's real Scheduler: what the
+store held and what vLLM adopted, exactly, on every ``connector-`` corpus case."""
+
+from __future__ import annotations
+
+import pytest
+
+from differential.compare import compare_variants
+from differential.corpus import load_entry
+from differential.driver.scheduler_mode import run_scheduler_scenario
+from differential.variants import parse_variants
+from tests.factories import ROOT
+
+pytestmark = pytest.mark.vllm
+
+CASES = ROOT / "corpora" / "cases"
+
+# Per request: (local hit, store held, answered, adopted local, adopted
+# external, async, divergent, a load failed), in tokens.
+ADOPTED = {
+    "connector-prefix-caching-off": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 96, 96, 0, 96, False, False, False),
+    ],
+    "connector-async-load-fails-last-block": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 96, 96, 0, 96, True, False, True),
+        (0, 128, 128, 0, 128, True, False, False),
+    ],
+    "connector-async-load-fails-hybrid": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 128, 128, 0, 128, True, False, True),
+    ],
+    "connector-divergent-hybrid-hit-truncated": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (288, 288, 32, 288, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+        (368, 384, 64, 320, 64, False, True, False),
+    ],
+    "connector-divergent-hybrid-hit-reconciled": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (288, 288, 32, 288, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+        (384, 384, 0, 0, 0, False, True, False),
+    ],
+    "connector-divergent-hybrid-hit-reconciled--plain-connector": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (288, 288, 32, 288, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 384, 384, 0, 384, False, False, False),
+    ],
+    "connector-divergent-resend": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (112, 112, 48, 112, 0, False, False, False),
+    ],
+    "connector-sliding-window-store": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 192, 192, 0, 192, False, False, False),
+    ],
+    "connector-mamba-only-async-load-fails-last-block": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 256, 256, 0, 256, True, False, True),
+    ],
+    "connector-aborted-producer-partial-tail": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (80, 80, 16, 80, 0, False, False, False),
+    ],
+}
+
+
+def test_every_connector_case_is_pinned_here() -> None:
+    assert sorted(p.stem for p in CASES.glob("connector-*.json")) == sorted(ADOPTED)
+
+
+@pytest.mark.parametrize("name", sorted(ADOPTED))
+def test_what_the_store_held_and_vllm_adopted(name: str) -> None:
+    entry = load_entry(CASES / f"{name}.json")
+    run = run_scheduler_scenario(entry.scenario, "unfixed")
+    assert run.error is None
+    got = []
+    for r in run.requests:
+        c = r.connector
+        assert c is not None
+        got.append(
+            (
+                c.local_hit_tokens,
+                c.store_tokens,
+                c.matched_tokens,
+                c.local_tokens,
+                c.external_tokens,
+                c.load_async,
+                c.diverged,
+                c.load_failed,
+            )
+        )
+    assert got == ADOPTED[name]
+
+
+def test_a_failed_last_block_is_recomputed_from_the_valid_prefix() -> None:
+    # The reader's 96 loaded tokens lose their last 16-token block: vLLM
+    # keeps 80 and computes the 50 after them (130 - 80) in the next step.
+    entry = load_entry(CASES / "connector-async-load-fails-last-block.json")
+    run = run_scheduler_scenario(entry.scenario, "unfixed", record_cache_map=True)
+    assert run.timeline[1:3] == (
+        "step 1: arrive req-1; req-1 loads [0, 96) async; req-1's load of [80, 96) fails; "
+        "run nothing",
+        "step 2: admit req-1 (hit 0); run req-1 +50; finish req-1",
+    )
+
+
+def test_a_whole_failed_load_is_looked_up_again() -> None:
+    # Several KV cache groups: the load fails as a whole (failed_recving),
+    # vLLM frees the reader's blocks and its second lookup loads 128 again.
+    entry = load_entry(CASES / "connector-async-load-fails-hybrid.json")
+    run = run_scheduler_scenario(entry.scenario, "unfixed", record_cache_map=True)
+    assert run.timeline[1:4] == (
+        "step 1: arrive req-1; req-1 loads [0, 128) async; req-1's load of [0, 128) fails; "
+        "run nothing",
+        "step 2: req-1 loads [0, 128) async; run nothing",
+        "step 3: admit req-1 (hit 0); run req-1 +40; finish req-1",
+    )
+
+
+def test_an_aborted_producer_hands_off_its_partial_tail() -> None:
+    entry = load_entry(CASES / "connector-aborted-producer-partial-tail.json")
+    run = run_scheduler_scenario(entry.scenario, "unfixed", record_cache_map=True)
+    assert run.timeline[:3] == (
+        "step 0: arrive req-0; admit req-0 (hit 0); run req-0 +64 (prefill)",
+        "step 1: run req-0 +16 (prefill)",
+        "step 2: abort req-0; run nothing",
+    )
+    assert run.requests[0].finished_step is None  # aborted, never finished
+
+
+def test_the_plain_connector_gets_what_the_divergent_one_reconciles_away() -> None:
+    # Same workload and pool: a connector declaring divergent hybrid hits is
+    # shown the full-attention 384, the store holds nothing past it, and the
+    # scheduler reconciles to 0; a plain connector is shown 0 and loads 384.
+    hits = {}
+    for name in (
+        "connector-divergent-hybrid-hit-reconciled",
+        "connector-divergent-hybrid-hit-reconciled--plain-connector",
+    ):
+        result = compare_variants(
+            load_entry(CASES / f"{name}.json").scenario, parse_variants("unfixed")
+        )
+        (vr,) = result.results
+        c = vr.run.requests[3].connector
+        assert c is not None
+        hits[name] = c.computed_tokens
+        assert vr.findings == ()
+    assert list(hits.values()) == [0, 384]
+
+
+def test_a_mamba_load_failing_at_its_last_block_is_zeroed_and_recomputed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One Mamba group (64-token blocks): the reader's async load of 256 tokens
+    # loses [192, 256); vLLM keeps 192, re-records the blocks after it for
+    # zeroing (Mamba states are read before they are fully written) and
+    # computes the 114 after 192 (306 - 192) in two steps.
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    zeroed: list[tuple[str, int]] = []
+    real = KVCacheManager.record_blocks_for_zeroing
+
+    def record(self: KVCacheManager, request_id: str, start_token: int) -> None:
+        zeroed.append((request_id, start_token))
+        real(self, request_id, start_token)
+
+    monkeypatch.setattr(KVCacheManager, "record_blocks_for_zeroing", record)
+    entry = load_entry(CASES / "connector-mamba-only-async-load-fails-last-block.json")
+    run = run_scheduler_scenario(entry.scenario, "unfixed", record_cache_map=True)
+    assert zeroed == [("req-2", 192)]
+    assert run.timeline[16:19] == (
+        "step 16: arrive req-2; req-2 loads [0, 256) async; req-2's load of [192, 256) fails; "
+        "run nothing; 1 cached blocks evicted",
+        "step 17: admit req-2 (hit 0); run req-2 +64 (prefill)",
+        "step 18: run req-2 +50; finish req-2; 1 cached blocks evicted",
+    )
