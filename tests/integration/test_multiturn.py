@@ -11,11 +11,15 @@ are in ``tests/unit/test_multiturn_oracle.py``.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from differential.compare import compare_variants, in_mode
 from differential.corpus import load_entry
+from differential.exports.manager_test import export_test
+from differential.findings import Finding, FindingKind
+from differential.oracle import drafter_model, references
 from differential.scenario import (
     Drafter,
     DrafterKind,
@@ -27,7 +31,7 @@ from differential.scenario import (
     Workload,
 )
 from differential.variants import parse_variants
-from tests.factories import CORPORA
+from tests.factories import CORPORA, python_module
 
 pytestmark = pytest.mark.vllm
 
@@ -150,3 +154,25 @@ def test_mamba_state_kept_while_decoding(mode: DriveMode) -> None:
     assert judged(scenario, mode) == ((0, 48), [0, 48], [])
     mtp3 = dataclasses.replace(scenario, drafter=Drafter(DrafterKind.MULTI_MODULE_MTP, 3))
     assert judged(mtp3, DriveMode.MANAGER) == ((0, 32), [0, 32], [])
+
+
+@pytest.mark.parametrize(
+    "name", ["multi-turn-decoded-blocks", "multi-turn-decoded-blocks--two-lookahead-tokens"]
+)
+def test_the_exported_manager_test_replays_the_chat(tmp_path: Path, name: str) -> None:
+    # The manager-mode export builds turn 2 from turn 1's prompt and answer
+    # and appends the answer as the driver does, so on stock vLLM it hits
+    # exactly what the oracle owes.
+    scenario = load_entry(CORPORA / "cases" / f"{name}.json").scenario
+    owed = references(scenario, drafter_model(scenario), [0, 0])[1]
+    finding = Finding(
+        FindingKind.FALLBACK, "v", 1, "", expected_tokens=owed.expected_tokens, hit_tokens=0
+    )
+    source = export_test(
+        scenario, finding, owed, signature="s", name="chat", fixed_hit_tokens=owed.expected_tokens
+    )
+    assert f"assert hits[1] == {owed.expected_tokens}" in source
+    test_file = tmp_path / "test_exported_chat.py"
+    test_file.write_text(source)
+    stock = python_module("pytest", "-q", "-p", "no:cacheprovider", str(test_file), cwd=tmp_path)
+    assert stock.returncode == 0, stock.stdout[-1500:]
