@@ -692,15 +692,15 @@ def judge_variant(
         judged = scenario_as_run(variant.name, scenario)
     engine = scenario.workload.mode is DriveMode.SCHEDULER
     if engine or scenario.workload.shares_output:
+        # A sequential run without evictions is judged by judge_run there
+        # too; an evicting manager-mode chat keeps the per-lookup bounds.
         refs, findings = judge_engine_run(judged, run, policy)
     else:
         refs, findings = judge_run(judged, run, policy)
     dense_run = None
-    # The dense reference compares prompts; a request that copies an earlier
-    # one's answer (shares_output) reuses decoded blocks it does not model, in
-    # either mode, so such a run has no dense cross-check.
-    sequential = scenario.workload.sequential and not scenario.workload.shares_output
-    if dense_cross_check and sequential:
+    # A turn copying an earlier answer (shares_output) is cross-checked too:
+    # the dense reference counts the decoded blocks its source cached.
+    if dense_cross_check and scenario.workload.sequential:
         if scenario.retention_interval_tokens is None:
             findings += cross_check_dense(judged, run)
         else:

@@ -526,16 +526,20 @@ def export_test(
         for r in scenario.requests
     ]
     decode = (
-        f"        for step in range({scenario.decode_steps}):\n"
-        "            request.append_output_token_ids(500_000_000 + 1_000 * index + step)\n"
-        "            assert manager.allocate_slots("
-        "request, 1, num_lookahead_tokens=num_lookahead), (\n"
-        '                f"request {index}: no room for decode step {step}"\n'
-        "            )\n"
-        "            computed += 1\n"
-        "            request.num_computed_tokens = computed\n"
-        if scenario.decode_steps
-        else ""
+        _answer_decode(scenario)
+        if scenario.workload.shares_output
+        else (
+            f"        for step in range({scenario.decode_steps}):\n"
+            "            request.append_output_token_ids(500_000_000 + 1_000 * index + step)\n"
+            "            assert manager.allocate_slots("
+            "request, 1, num_lookahead_tokens=num_lookahead), (\n"
+            '                f"request {index}: no room for decode step {step}"\n'
+            "            )\n"
+            "            computed += 1\n"
+            "            request.num_computed_tokens = computed\n"
+            if scenario.decode_steps
+            else ""
+        )
     )
     drafter = scenario.drafter.kind in _METHOD
     extra_retained = (  # a sliding-window spec's extra_retained_tokens
@@ -575,6 +579,8 @@ def export_test(
         chunk=scenario.prefill_chunk_tokens,
         assertion=check,
     )
+    if scenario.workload.shares_output:
+        source = _with_answers(source, scenario)
     source = _with_mamba_steps(source, scenario) if scenario.mamba_groups else source
     if scenario.dcp_world_size > 1:
         # The manager as the Scheduler builds it under decode context parallelism.
@@ -593,6 +599,67 @@ def export_test(
             index="index",
         )
     return with_imports(source)
+
+
+def _answer_decode(scenario: Scenario) -> str:
+    """The decode lines of a multi-turn chat's exported test: each request
+    samples its answer (``decode_steps + 1`` tokens, kvfuzz's stream
+    ``Scenario.output_token``), ``decode_steps`` of them computed one step
+    each, as the driver does (differential/driver/runner.py ``_decode`` and
+    ``_sample``): a sampled token is appended, then under speculative
+    decoding the request's blocks are cached up to its computed tokens
+    (``Scheduler.update_from_output`` calls ``KVCacheManager.cache_blocks``),
+    so the blocks whose lookahead hash needs that token are cached; the last
+    sampled token is appended too, and its KV never computed."""
+    cache = (
+        "            manager.cache_blocks(request, computed)\n"
+        if scenario.drafter.num_speculative_tokens
+        else ""
+    )
+    return (
+        f"        for step in range({scenario.decode_steps}):\n"
+        "            request.append_output_token_ids(answers[index][step])\n"
+        f"{cache}"
+        "            assert manager.allocate_slots("
+        "request, 1, num_lookahead_tokens=num_lookahead), (\n"
+        '                f"request {index}: no room for decode step {step}"\n'
+        "            )\n"
+        "            computed += 1\n"
+        "            request.num_computed_tokens = computed\n"
+        f"        request.append_output_token_ids(answers[index][{scenario.decode_steps}])\n"
+        + cache.replace("            ", "        ", 1)
+    )
+
+
+def _with_answers(source: str, scenario: Scenario) -> str:
+    """``source`` (an exported manager-mode test) building a multi-turn chat
+    (``workload.shares_output``): each request's answer is listed, and a
+    request with a source copies the source's prompt followed by its answer,
+    as ``Scenario.prompts`` builds it.
+
+    Raises:
+        ValueError: if the template no longer has the lines this edits.
+    """
+    answers = (
+        "    # Each request's answer, the decode_steps + 1 tokens it samples; a later\n"
+        "    # turn copies its source's prompt and answer (a multi-turn chat).\n"
+        "    answers = [\n"
+        f"        [1_500_000 + 1_000_000 * index + k for k in range({scenario.decode_steps + 1})]\n"
+        "        for index in range(len(shapes))\n"
+        "    ]\n"
+    )
+    edits = (
+        ("    prefix = [1 + p % 50000", answers + "    prefix = [1 + p % 50000"),
+        (
+            "        base = prefix if source is None else prompts[source]\n",
+            "        base = prefix if source is None else prompts[source] + answers[source]\n",
+        ),
+    )
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise ValueError(f"export template changed: cannot place {old.strip()!r}")
+        source = source.replace(old, new)
+    return source
 
 
 _MM_HELPER = '''

@@ -48,6 +48,7 @@ from differential.oracle.core import (
     promise_policy,
     references,
     replay_boundaries,
+    writer_extent,
 )
 from differential.oracle.prefix import common_prefix_tokens
 from differential.oracle.state import (
@@ -76,4 +77,5 @@ __all__ = [
     "state_group_indices",
     "state_positions",
     "state_references",
+    "writer_extent",
 ]

@@ -71,6 +71,7 @@ __all__ = [
     "promise_policy",
     "references",
     "replay_boundaries",
+    "writer_extent",
 ]
 
 # Tokens past a position that the drafter's KV at that position reads.
@@ -204,10 +205,36 @@ def _dense_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]]:
     return rows
 
 
-def _writer_extent(scenario: Scenario, model: DrafterModel, writer: int) -> tuple[int, int]:
-    """(cached tokens, total tokens) the writer left behind when freed."""
-    total = scenario.requests[writer].prompt_tokens + scenario.decode_steps
-    return total - model.reprefillable_tokens, total
+def writer_extent(scenario: Scenario, model: DrafterModel, writer: int) -> tuple[int, int, int]:
+    """``(cached, computed, hashed)``, in tokens: how far ``writer``'s blocks
+    reach when it is freed, from first principles.
+
+    * ``computed = L + decode_steps``: the KV of the prompt and of every
+      sampled token but the last (a sampled token's KV is computed by the
+      next step, and the request finishes on its last one; vLLM
+      ``KVCacheManager.allocate_slots`` caches at most ``request.num_tokens``
+      tokens, the step's own).
+    * ``hashed = L + decode_steps + 1 - k``: a block's hash needs the ``k``
+      lookahead tokens after it, and the request ends with ``L +
+      decode_steps + 1`` tokens (vllm/v1/core/kv_cache_utils.py
+      ``request_block_hasher``); the last sampled token reaches the cache as
+      a lookahead token through ``cache_blocks`` after it is appended
+      (``Scheduler.update_from_output`` under speculative decoding, which
+      every drafter with lookahead hashes runs).
+    * ``cached = computed - reprefillable``: the drafter's last tokens whose
+      draft KV is not final are never cached
+      (``KVCacheCoordinator.get_num_cacheable_tokens``).
+
+    A group caches its full blocks within ``min(cached, hashed)`` (within
+    ``min(computed, hashed)`` for a hybrid's groups that skip the drop,
+    ``HybridKVCacheCoordinator.get_num_cacheable_tokens``). Only a later
+    turn that copies the writer's answer (``workload.shares_output``) can
+    share tokens past its prompt, so for every other sibling only the
+    prompt's blocks matter.
+    """
+    computed = scenario.requests[writer].prompt_tokens + scenario.decode_steps
+    hashed = computed + 1 - model.hash_lookahead_tokens
+    return computed - model.reprefillable_tokens, computed, hashed
 
 
 def dense_hit(
@@ -223,8 +250,11 @@ def dense_hit(
     The largest multiple of ``A`` that is at most ``L - 1`` (the last prompt
     token is always recomputed) such that, in every KV cache group of block
     size ``B``, the blocks up to the hit (plus one more under the drop) are
-    full blocks the writer cached and whose hashes, including any lookahead
-    tokens, match.
+    full blocks the writer cached (its prompt's and, in a multi-turn chat,
+    those it completed while decoding: :func:`writer_extent`) and whose
+    hashes, including any lookahead tokens, match: ``shared_tokens`` is the
+    common prefix of the sibling's prompt and the writer's written content
+    (:func:`~differential.oracle.prefix.shared_prefixes`).
 
     Per group kind: full attention and MLA (``FullAttentionManager``),
     sliding window and sliding-window MLA (``SlidingWindowManager``) need
@@ -242,7 +272,7 @@ def dense_hit(
     alignment, :mod:`differential.oracle.layout`).
     """
     alignment = alignment_tokens or scenario.effective_hit_alignment_tokens
-    cached, total = _writer_extent(scenario, model, writer)
+    cached, computed, hashed = writer_extent(scenario, model, writer)
     lookahead = model.hash_lookahead_tokens
     limit = scenario.requests[sibling].prompt_tokens - 1
     drops = scenario.drop_group_indices if model.drop else frozenset()
@@ -250,8 +280,8 @@ def dense_hit(
     chunked: list[tuple[int, int]] = []  # (proven tokens, chunk tokens)
     for index, group in enumerate(scenario.kv_cache_groups):
         block = group.block_size_tokens
-        group_cached = total if model.drop and hybrid and index not in drops else cached
-        proven = min(shared_tokens - lookahead, group_cached, total - lookahead)
+        group_cached = computed if model.drop and hybrid and index not in drops else cached
+        proven = min(shared_tokens - lookahead, group_cached, hashed)
         proven = max(0, proven) // block * block
         if group.attention_chunk_size_tokens is not None:
             chunked.append((proven, group.attention_chunk_size_tokens))

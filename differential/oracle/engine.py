@@ -12,8 +12,9 @@ Three rules on top of the per-lookup invariants of
   request admitted before it, less the drafter-dependent tokens, nor
   ``L - 1``; and it must be a multiple of the hit alignment.
 * **Owed at every lookup, from the timeline** (:func:`timeline_writers`).
-  With turns copying prompts only, a request is owed what the writers that
-  had *finished* before its lookup promise, under the same policies as a
+  A request is owed what the writers that had *finished* before its lookup
+  promise (a turn copying an earlier answer, ``workload.shares_output``,
+  the blocks its source completed while decoding too), under the same policies as a
   sequential run: a request still in flight promises nothing (it may serve
   more, bounded above), and a writer counts only when its own lookup saw no
   request in flight that shared a prefix with it, so the junction it pinned
@@ -76,7 +77,7 @@ from differential.oracle.core import (
 )
 from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.per_group import per_group_findings
-from differential.oracle.prefix import common_prefix_tokens
+from differential.oracle.prefix import common_prefix_tokens, written_contents
 from differential.oracle.watermark import watermark_findings
 from differential.scenario import MambaPrefill, Scenario
 
@@ -98,11 +99,12 @@ __all__ = [
 
 def sequentially_judgeable(scenario: Scenario, run: RunObservation) -> bool:
     """Whether the manager-mode judgement applies exactly: one request at a
-    time, no drafts, nothing evicted, and later turns copying prompts only
-    (the sequential references do not model a turn that copies an earlier
-    request's answer, ``workload.shares_output``)."""
+    time, no drafts and nothing evicted. A later turn that copies an earlier
+    request's answer (``workload.shares_output``) is judged so too: the
+    references count the blocks its source completed while decoding
+    (:func:`~differential.oracle.core.writer_extent`)."""
     w = scenario.workload
-    return w.sequential and not w.shares_output and not run.evicted_blocks
+    return w.sequential and not run.evicted_blocks
 
 
 def lru_survived(writer: RequestObservation, reader: RequestObservation) -> bool:
@@ -140,19 +142,25 @@ def lru_survived(writer: RequestObservation, reader: RequestObservation) -> bool
 def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[int]] | None:
     """Per request, the earlier requests whose cached blocks it is owed at its
     lookup (see the module docstring); ``None`` when the run's timeline does
-    not support an exact promise (turns copying an answer, state groups, a
-    failed or partial run, no timeline recorded, preemptions outside layouts
-    of full attention and MLA only or with a KV connector, a KV connector's
-    store outside those layouts, or evictions without the free queue's
-    counters: manager mode, older files). A request whose prefix the store
-    loaded holds only the blocks a sliding-window group reads at its end
+    not support an exact promise (state groups, a failed or partial run, no
+    timeline recorded, preemptions outside layouts of full attention and MLA
+    only or with a KV connector, a KV connector's store outside those
+    layouts, or evictions without the free queue's counters: manager mode,
+    older files). A request whose prefix the store loaded holds only the
+    blocks a sliding-window group reads at its end
     (``SingleTypeKVCacheManager.allocate_external_computed_blocks`` skips the
     rest), so it does not cache what a writer that computed them would.
 
     A writer ``i`` counts for request ``j`` when ``i < j``, ``i`` finished
     (``finished_step``) before the step that admitted ``j``
     (``scheduled_step``), and no request admitted before ``i`` and unfinished
-    at ``i``'s admission shares a prefix with ``i``.
+    at ``i``'s admission shares a prefix with ``i`` (with ``i``'s prompt
+    continuing its content, its answer included in a multi-turn chat:
+    :func:`~differential.oracle.prefix.written_contents`). A writer promises
+    the blocks it completed while decoding as well as its prompt's
+    (:func:`~differential.oracle.core.writer_extent`); with accepted drafts
+    it may have computed more (a step's accepted drafts past its last
+    token), which it may serve, never less.
 
     A preempted writer is judged like any other on full attention and MLA:
     those groups cache every full block it computed whatever its lookups
@@ -171,11 +179,9 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     prefix with ``i`` (prompt, or prompt and answer) survived to ``j``'s
     lookup as well.
     """
-    w = scenario.workload
     requests = run.requests
     if (
-        w.shares_output
-        or (w.connector is not None and not _full_attention_only(scenario))
+        (scenario.workload.connector is not None and not _full_attention_only(scenario))
         or (run.preemptions and (not _full_attention_only(scenario) or scenario.kv_connector))
         or run.error is not None
         or scenario.mamba_groups
@@ -186,6 +192,7 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     if run.evicted_blocks and any(r.lookup_queue_removals is None for r in requests):
         return None
     prompts = scenario.contents
+    written = written_contents(scenario)
 
     def finished_before(r: RequestObservation) -> list[RequestObservation]:
         return [
@@ -199,7 +206,7 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     def in_flight_sharers(r: RequestObservation) -> bool:
         done = {q.index for q in finished_before(r)}
         return any(
-            q.index not in done and common_prefix_tokens(prompts[q.index], prompts[r.index])
+            q.index not in done and common_prefix_tokens(written[q.index], prompts[r.index])
             for q in requests
             if q.lookup_order is not None
             and r.lookup_order is not None

@@ -31,7 +31,7 @@ import dataclasses
 from differential.errors import ScenarioError
 from differential.findings import Finding, FindingKind
 from differential.oracle.core import dense_hit, drafter_model
-from differential.oracle.prefix import common_prefix_tokens
+from differential.oracle.prefix import shared_prefixes
 from differential.scenario import Scenario
 
 __all__ = ["LAYOUT_VARIANT", "alignment_blowup", "alignment_losses"]
@@ -58,12 +58,14 @@ def _losses(scenario: Scenario, at_block_scenario: Scenario, block_tokens: int) 
     ``at_block_scenario`` over the earlier requests at ``block_tokens``
     granularity, minus ``scenario``'s best at its hit alignment, in tokens."""
     model, block_model = drafter_model(scenario), drafter_model(at_block_scenario)
-    prompts = scenario.contents
+    # Shared tokens by content, an earlier turn's answer included in a
+    # multi-turn chat (both scenarios have the same requests).
+    rows = shared_prefixes(scenario)
     losses = [0]
-    for j in range(1, len(prompts)):
+    for j in range(1, len(rows)):
         at_block, at_alignment = 0, 0
         for i in range(j):
-            shared = common_prefix_tokens(prompts[i], prompts[j])
+            shared = rows[j][i]
             at_block = max(
                 at_block, dense_hit(at_block_scenario, block_model, j, i, shared, block_tokens)
             )

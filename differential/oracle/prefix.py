@@ -22,6 +22,7 @@ __all__ = [
     "pairwise_common_prefix_tokens",
     "scenario_memo",
     "shared_prefixes",
+    "written_contents",
 ]
 
 _TOKEN_BYTES = 8  # array typecode "q"
@@ -122,10 +123,42 @@ def scenario_memo(scenario: object) -> dict[Hashable, Any]:
     return entry[1]
 
 
+def written_contents(scenario: Any) -> tuple[tuple[int, ...], ...]:
+    """Per request of ``scenario`` (a :class:`~differential.scenario.Scenario`),
+    the content of the tokens its KV was written for and that a later prompt
+    can contain: its prompt (``Scenario.contents``) and, in a multi-turn chat
+    (``workload.shares_output``), its ``decode_steps + 1`` sampled tokens
+    after it (``Scenario.sampled_contents``), which the next turn copies.
+
+    A request caches the blocks it completes while decoding as well as its
+    prompt's (vllm/v1/core/kv_cache_manager.py ``KVCacheManager.allocate_slots``
+    caches ``min(computed + new, request.num_tokens)`` tokens each step, and
+    ``Scheduler.update_from_output`` calls ``cache_blocks`` again after each
+    sampled token under speculative decoding; the block hashes of decoded
+    tokens are computed as the tokens arrive,
+    vllm/v1/core/kv_cache_utils.py ``request_block_hasher``). Without
+    ``shares_output`` no prompt contains a sampled token (every sampled token
+    id is the request's own, ``Scenario.output_token``), so the prompts
+    alone decide what two requests share. Computed once per scenario.
+    """
+    memo = scenario_memo(scenario)
+    written: tuple[tuple[int, ...], ...] | None = memo.get("written_contents")
+    if written is None:
+        contents = scenario.contents
+        if scenario.workload.shares_output:
+            written = tuple(p + scenario.sampled_contents(i) for i, p in enumerate(contents))
+        else:
+            written = tuple(contents)
+        memo["written_contents"] = written
+    return written
+
+
 def shared_prefixes(scenario: Any) -> list[list[int]]:
-    """Row ``j``: for each earlier request ``i``, the tokens the prompts of
-    ``scenario`` (a :class:`~differential.scenario.Scenario`) ``i`` and ``j``
-    share (:func:`pairwise_common_prefix_tokens`), computed once per scenario.
+    """Row ``j``: for each earlier request ``i``, the tokens of request ``j``'s
+    prompt that continue request ``i``'s written content
+    (:func:`written_contents`: its prompt, and its answer in a multi-turn
+    chat), i.e. the longest common prefix of prompt ``j`` and what ``i``
+    wrote, in tokens, computed once per scenario.
 
     Prompts are compared by content (``Scenario.contents``): the token id
     and, where an image lies, its identifier and offset in it, under the
@@ -133,9 +166,19 @@ def shared_prefixes(scenario: Any) -> list[list[int]]:
     (vllm/v1/core/kv_cache_utils.py ``generate_block_hash_extra_keys``). Two
     prompts with the same placeholder tokens but different images share
     only the tokens before the first differing image; different salts share
-    nothing."""
+    nothing.
+
+    Computed over whole written contents (:func:`pairwise_common_prefix_tokens`)
+    and capped at prompt ``j``'s length: request ``j``'s own sampled tokens
+    are its own ids, so no earlier request's content continues past its
+    prompt into them, and the cap only states it."""
     memo = scenario_memo(scenario)
     rows: list[list[int]] | None = memo.get("shared_prefixes")
     if rows is None:
-        rows = memo["shared_prefixes"] = pairwise_common_prefix_tokens(scenario.contents)
+        written = written_contents(scenario)
+        rows = pairwise_common_prefix_tokens(written)
+        if scenario.workload.shares_output:
+            lengths = [len(p) for p in scenario.contents]
+            rows = [[min(shared, lengths[j]) for shared in row] for j, row in enumerate(rows)]
+        memo["shared_prefixes"] = rows
     return rows

@@ -58,16 +58,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from differential.findings import Policy
-from differential.oracle.prefix import common_prefix_tokens, shared_prefixes
+from differential.oracle.prefix import common_prefix_tokens, shared_prefixes, written_contents
 from differential.scenario import GroupKind, MambaPrefill, Scenario
 
 __all__ = [
     "attention_dense_hit",
     "attention_proofs",
+    "decode_states",
     "floor_state",
     "state_group_indices",
     "state_positions",
     "state_references",
+    "written_extent",
 ]
 
 
@@ -84,6 +86,7 @@ def attention_dense_hit(
     total_tokens: int,
     sibling_prompt_tokens: int,
     shared_tokens: int,
+    hashed_tokens: int | None = None,
 ) -> int:
     """What every attention group proves for a sibling, in tokens.
 
@@ -94,25 +97,27 @@ def attention_dense_hit(
     hash block, and a full-attention group proves its whole blocks plus the
     one partial block the writer's prompt ends in, keyed only at the prompt's
     last usable hash boundary (a resend's reach), and drops one hash block
-    under the EAGLE drop. ``total_tokens`` is the writer's prompt length. A
-    state group only bounds the hit by the tokens its state's hash covers
-    (the shared tokens less the lookahead); it takes no drop, since the
-    drafter's KV lives in attention layers. Under the drop only the groups
-    that take it (:attr:`Scenario.drop_group_indices`) prove the extra unit.
+    under the EAGLE drop. ``total_tokens`` is the writer's prompt length,
+    ``cached_tokens`` how far its finalized KV reaches (its answer's
+    included: :func:`differential.oracle.core.writer_extent`) and
+    ``hashed_tokens`` how far its block hashes reach (default: its prompt
+    less the lookahead tokens). A state group only bounds the hit by the
+    tokens its state's hash covers (the shared tokens less the lookahead);
+    it takes no drop, since the drafter's KV lives in attention layers.
+    Under the drop only the groups that take it
+    (:attr:`Scenario.drop_group_indices`) prove the extra unit.
     """
+    if hashed_tokens is None:
+        hashed_tokens = total_tokens - hash_lookahead_tokens
     alignment = scenario.effective_hit_alignment_tokens
     limit = sibling_prompt_tokens - 1
     drops = scenario.drop_group_indices
     for index, group in enumerate(scenario.kv_cache_groups):
         if group.kind is GroupKind.MAMBA:
-            limit = min(
-                limit,
-                shared_tokens - hash_lookahead_tokens,
-                total_tokens - hash_lookahead_tokens,
-            )
+            limit = min(limit, shared_tokens - hash_lookahead_tokens, hashed_tokens)
             continue
         block = group.block_size_tokens
-        extent = min(cached_tokens, total_tokens - hash_lookahead_tokens)
+        extent = min(cached_tokens, hashed_tokens)
         reach = max(0, min(shared_tokens - hash_lookahead_tokens, extent))
         proven = reach // block * block
         unit = block
@@ -218,8 +223,11 @@ def state_positions(
 
     Only states the writer computed itself (above its own hit
     ``writer_hit_tokens``) and within its cached extent (its prompt less the
-    re-prefillable tail) count; states past its prompt serve no sibling.
-    Returns sorted positions, without 0.
+    re-prefillable tail) count. In a multi-turn chat
+    (``workload.shares_output``, where a later turn copies the answer) the
+    states it kept while decoding count too (:func:`decode_states`);
+    otherwise states past its prompt serve no sibling. Returns sorted
+    positions, without 0.
     """
     length = scenario.requests[writer].prompt_tokens
     block = scenario.mamba_groups[0].block_size_tokens
@@ -232,6 +240,8 @@ def state_positions(
         else -1
     )
     cached = min(length - reprefillable_tokens, length - hash_lookahead_tokens)
+    chat = scenario.workload.shares_output
+    final = length + scenario.decode_steps
     kept = {
         end
         for end in _step_ends(
@@ -244,10 +254,97 @@ def state_positions(
             prefill_lookahead_tokens,
             option,
         )
-        if end <= cached
-        and (end % block == 0 or end == tail or (option and end == junction_tokens))
+        if (end % block == 0 or end == tail or (option and end == junction_tokens))
+        and (
+            end <= cached
+            or (
+                chat
+                and end % block == 0
+                and _late_state_kept(
+                    end, length, final, hash_lookahead_tokens, reprefillable_tokens
+                )
+            )
+        )
     }
+    if chat:
+        kept.update(decode_states(scenario, writer, hash_lookahead_tokens, reprefillable_tokens))
     return tuple(sorted(p for p in kept if p > 0))
+
+
+def _late_state_kept(
+    position: int, length: int, final: int, hash_lookahead_tokens: int, reprefillable_tokens: int
+) -> bool:
+    """Whether a state on the Mamba block grid at ``position`` (tokens), whose
+    block hash or finalized KV the writer's prefill alone does not give
+    (``position`` past ``L - k`` or ``L - r``), is cached before its block
+    is freed; ``final = L + decode_steps`` is the writer's last computed
+    position, ``k`` the lookahead hash tokens and ``r`` the re-prefillable
+    tail, in tokens.
+
+    In align mode the state block of the block a step completes is released
+    by the next step but one (vllm/v1/core/single_type_kv_cache_manager.py
+    ``MambaManager.remove_skipped_blocks`` frees ``last_state_block_idx``,
+    which ``allocate_new_blocks`` set when the next step began), so it is
+    kept only if one of the ``cache_blocks`` calls before that can key it:
+    the next step's ``KVCacheManager.allocate_slots`` (``p + 1`` tokens
+    known and computed) and, under speculative decoding, its
+    ``Scheduler.update_from_output`` (``p + 2`` known). A hash needs ``k``
+    tokens past the block and ``get_num_cacheable_tokens`` holds back the
+    last ``r`` computed tokens, so a decoded state is kept when ``k <= 2``
+    and ``r <= 1`` (the writer's last state, at ``final``, only with ``k <=
+    1`` and ``r = 0``: the request ends there). A prefill step end before
+    the prompt's last token is keyed at the latest by the
+    ``update_from_output`` after the prompt's last chunk (``L + 1`` tokens
+    known, ``L`` computed). Measured on vLLM 0.33.0: FA 16 + Mamba 16, a
+    40-token prompt and 17 decode steps keep the decoded state at 48 with
+    no drafter, EAGLE, or two-module MTP (lookahead hashes or the drop),
+    and lose it with three-module MTP either way.
+    """
+    k, r = hash_lookahead_tokens, reprefillable_tokens
+    if position < length:
+        return position + k <= length + 1 and position + r <= length
+    return k <= 2 and r <= 1 and position + k <= final + 1 and position + r <= final
+
+
+def written_extent(
+    scenario: Scenario, writer: int, hash_lookahead_tokens: int, reprefillable_tokens: int
+) -> tuple[int, int]:
+    """``(cached, hashed)``, in tokens: how far ``writer``'s finalized KV and
+    its block hashes reach when it is freed, its answer included (the
+    rule of :func:`differential.oracle.core.writer_extent`: ``L +
+    decode_steps`` computed, less the re-prefillable tail; hashes over its
+    ``L + decode_steps + 1`` tokens less the lookahead)."""
+    computed = scenario.requests[writer].prompt_tokens + scenario.decode_steps
+    return computed - reprefillable_tokens, computed + 1 - hash_lookahead_tokens
+
+
+def decode_states(
+    scenario: Scenario, writer: int, hash_lookahead_tokens: int, reprefillable_tokens: int
+) -> tuple[int, ...]:
+    """Positions, in tokens, past ``writer``'s prompt where it kept a Mamba
+    state while decoding: every multiple of the Mamba block ``B_m`` in
+    ``(L, L + decode_steps]`` that is keyed before its block is freed
+    (:func:`_late_state_kept`).
+
+    A decode step computes one token, so the running state passes every
+    position, and in align mode the state block of the block a step
+    completes keeps the state at its end: ``MambaManager.allocate_new_blocks``
+    (vllm/v1/core/single_type_kv_cache_manager.py) gives the next step a new
+    block and copies the state forward, and ``cache_blocks`` keys the
+    completed block once its hash exists (``KVCacheManager.allocate_slots``,
+    and ``Scheduler.update_from_output`` under speculative decoding, which
+    every drafter with lookahead hashes runs). Decode never stops off the
+    block grid, so no partial state is kept past the prompt.
+    """
+    block = scenario.mamba_groups[0].block_size_tokens
+    length = scenario.requests[writer].prompt_tokens
+    final = length + scenario.decode_steps
+    first = length // block * block + block
+    return tuple(
+        p
+        for p in range(first, final + 1, block)
+        if _late_state_kept(p, length, final, hash_lookahead_tokens, reprefillable_tokens)
+    )
 
 
 def _writer_proof(
@@ -259,17 +356,26 @@ def _writer_proof(
     sibling: int,
 ) -> int:
     """What ``writer``'s attention blocks alone prove for ``sibling``, in
-    tokens (:func:`attention_dense_hit` over their common prefix)."""
+    tokens (:func:`attention_dense_hit` over their common prefix: the
+    writer's prompt, and in a multi-turn chat its answer too, whose blocks
+    it cached while decoding, :func:`written_extent`)."""
+    length = scenario.requests[writer].prompt_tokens
+    cached, hashed = length - reprefillable_tokens, length - hash_lookahead_tokens
+    if scenario.workload.shares_output:
+        cached, hashed = written_extent(
+            scenario, writer, hash_lookahead_tokens, reprefillable_tokens
+        )
     return attention_dense_hit(
         scenario,
         drop,
         hash_lookahead_tokens,
-        scenario.requests[writer].prompt_tokens - reprefillable_tokens,
-        scenario.requests[writer].prompt_tokens,
+        cached,
+        length,
         scenario.requests[sibling].prompt_tokens,
         shared_prefixes(scenario)[sibling][writer]
         if writer < sibling
-        else common_prefix_tokens(scenario.contents[writer], scenario.contents[sibling]),
+        else common_prefix_tokens(written_contents(scenario)[writer], scenario.contents[sibling]),
+        hashed_tokens=hashed,
     )
 
 

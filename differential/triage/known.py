@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from differential.findings import Finding, FindingKind, Policy
 from differential.oracle import (
     checkpoints,
-    common_prefix_tokens,
     dense_hit,
     drafter_model,
     references,
     replay_boundaries,
     state,
 )
+from differential.oracle.prefix import shared_prefixes
 from differential.scenario import ConnectorLoad, KVEvents, Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
@@ -133,10 +133,10 @@ def _unit_below_retained_boundary(
     # own hit fell short of it. Without the run's hits, any earlier request may
     # have, so both the pinned and the unpinned writer count.
     dense = [r.dense_tokens for r in references(scenario, model, [0] * index)]
-    prompts = scenario.contents
+    shared_row = shared_prefixes(scenario)[index]
     literal: set[int] = set()
     for writer in range(index):
-        shared = common_prefix_tokens(prompts[writer], prompts[index])
+        shared = shared_row[writer]
         if dense_hit(scenario, model, index, writer, shared) < expected:
             continue  # this writer's data cannot serve the sibling there at all
         pinned = hits is None or hits[writer] < dense[writer]

@@ -235,7 +235,7 @@ def test_timeline_owes_what_finished_writers_promise() -> None:
     assert judge_engine_run(scenario, clean)[1] == ()
 
 
-def test_timeline_promises_nothing_under_eviction_or_copied_answers() -> None:
+def test_timeline_promises_nothing_under_eviction_without_counters() -> None:
     from differential.oracle.engine import timeline_writers
 
     scenario = _stream()
@@ -254,10 +254,12 @@ def test_timeline_promises_nothing_under_eviction_or_copied_answers() -> None:
         ),
     )
     assert timeline_writers(hybrid, preempted) is None
+    # A later turn copying an answer is owed by the same finished writers
+    # (their decoded blocks count: oracle.core.writer_extent).
     copied = dataclasses.replace(
         scenario, workload=dataclasses.replace(scenario.workload, shares_output=True)
     )
-    assert timeline_writers(copied, run) is None
+    assert timeline_writers(copied, run) == timeline_writers(scenario, run)
     # A writer that had not finished before the lookup promises nothing.
     late = _timed((0, 0, 12, 16), admitted=(0, 0, 3, 3), finished=(3, 3, 4, 5))
     assert timeline_writers(scenario, late)[2] == frozenset()
