@@ -190,6 +190,9 @@ def _dense_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]]:
     if rows is not None:
         return rows
     lengths = [r.prompt_tokens for r in scenario.requests]
+    plan = _dense_plan(scenario, model, None)
+    extents = [writer_extent(scenario, model, i) for i in range(len(lengths))]
+    lookahead = model.hash_lookahead_tokens
     seen: dict[tuple[int, int, int], int] = {}
     rows = []
     for j, shared_row in enumerate(shared_prefixes(scenario)):
@@ -198,7 +201,9 @@ def _dense_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]]:
             key = (lengths[j], lengths[i], shared)
             h = seen.get(key)
             if h is None:
-                h = seen[key] = dense_hit(scenario, model, j, i, shared)
+                h = seen[key] = _planned_dense_hit(
+                    plan, extents[i], lookahead, lengths[j] - 1, shared
+                )
             row.append(h)
         rows.append(row)
     memo[("dense_rows", model)] = rows
@@ -237,6 +242,34 @@ def writer_extent(scenario: Scenario, model: DrafterModel, writer: int) -> tuple
     return computed - model.reprefillable_tokens, computed, hashed
 
 
+def _dense_plan(
+    scenario: Scenario, model: DrafterModel, alignment_tokens: int | None
+) -> tuple[int, tuple[tuple[int, int | None, bool, bool], ...]]:
+    """What :func:`dense_hit` reads of the layout, once per scenario, model and
+    alignment: ``A`` in tokens and, per KV cache group, ``(block size in
+    tokens, chunk in tokens or None, takes the drop, caches the
+    re-prefillable tail)``."""
+    memo = scenario_memo(scenario)
+    key = ("dense_plan", model, alignment_tokens)
+    plan: tuple[int, tuple[tuple[int, int | None, bool, bool], ...]] | None = memo.get(key)
+    if plan is None:
+        drops = scenario.drop_group_indices if model.drop else frozenset()
+        hybrid = len(scenario.kv_cache_groups) > 1
+        plan = memo[key] = (
+            alignment_tokens or scenario.effective_hit_alignment_tokens,
+            tuple(
+                (
+                    g.block_size_tokens,
+                    g.attention_chunk_size_tokens,
+                    index in drops,
+                    model.drop and hybrid and index not in drops,
+                )
+                for index, g in enumerate(scenario.kv_cache_groups)
+            ),
+        )
+    return plan
+
+
 def dense_hit(
     scenario: Scenario,
     model: DrafterModel,
@@ -271,22 +304,35 @@ def dense_hit(
     group accepts. ``alignment_tokens`` replaces ``A`` (to price a layout's
     alignment, :mod:`differential.oracle.layout`).
     """
-    alignment = alignment_tokens or scenario.effective_hit_alignment_tokens
-    cached, computed, hashed = writer_extent(scenario, model, writer)
-    lookahead = model.hash_lookahead_tokens
-    limit = scenario.requests[sibling].prompt_tokens - 1
-    drops = scenario.drop_group_indices if model.drop else frozenset()
-    hybrid = len(scenario.kv_cache_groups) > 1
+    return _planned_dense_hit(
+        _dense_plan(scenario, model, alignment_tokens),
+        writer_extent(scenario, model, writer),
+        model.hash_lookahead_tokens,
+        scenario.requests[sibling].prompt_tokens - 1,
+        shared_tokens,
+    )
+
+
+def _planned_dense_hit(
+    plan: tuple[int, tuple[tuple[int, int | None, bool, bool], ...]],
+    extent: tuple[int, int, int],
+    lookahead: int,
+    limit: int,
+    shared_tokens: int,
+) -> int:
+    """:func:`dense_hit` from its :func:`_dense_plan`, the writer's
+    :func:`writer_extent`, the lookahead tokens and the sibling's ``L - 1``."""
+    alignment, groups = plan
+    cached, computed, hashed = extent
     chunked: list[tuple[int, int]] = []  # (proven tokens, chunk tokens)
-    for index, group in enumerate(scenario.kv_cache_groups):
-        block = group.block_size_tokens
-        group_cached = computed if model.drop and hybrid and index not in drops else cached
+    for block, chunk, drops, keeps_tail in groups:
+        group_cached = computed if keeps_tail else cached
         proven = min(shared_tokens - lookahead, group_cached, hashed)
         proven = max(0, proven) // block * block
-        if group.attention_chunk_size_tokens is not None:
-            chunked.append((proven, group.attention_chunk_size_tokens))
+        if chunk is not None:
+            chunked.append((proven, chunk))
             continue
-        limit = min(limit, proven - (block if index in drops else 0))
+        limit = min(limit, proven - (block if drops else 0))
     hit = max(0, limit) // alignment * alignment
     for proven, chunk in chunked:
         if hit > proven:

@@ -282,7 +282,7 @@ class Scenario:
             name if n == 1 else f"{n}x{name}" for (_, _, name), n in sorted(counts.items())
         )
 
-    @property
+    @cached_property
     def draft_groups(self) -> DraftGroups:
         """Which groups the EAGLE block drop applies to (:class:`DraftGroups`).
 
@@ -302,7 +302,7 @@ class Scenario:
             return DraftGroups.ANNOTATED
         return DraftGroups.FALLBACK
 
-    @property
+    @cached_property
     def drop_group_indices(self) -> frozenset[int]:
         """Indices of the groups that take the EAGLE drop when the manager
         drops (``KVCacheCoordinator.eagle_group_ids``).
