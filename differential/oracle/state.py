@@ -19,9 +19,11 @@ attention group serves every position up to what it proves. The rules:
    * its pinned shared-prefix junction, with the shared-prefix checkpoint
      option in effect (EAGLE drop, fine-grained hits, no re-prefill tail).
 
-   Step ends come from the prefill mode: ``block`` ends a step at every
-   block boundary (and wherever the chunk budget runs out before one);
-   ``scheduler`` (vLLM's own chunking) spends the chunk budget, ends long
+   Step ends come from the prefill mode and the chunk budget (the step
+   budget, :attr:`Scenario.step_budget_tokens`: ``max_num_batched_tokens``
+   when the workload sets it, as both drivers schedule): ``block`` ends a
+   step at every block boundary (and wherever the budget runs out before
+   one); ``scheduler`` (vLLM's own chunking) spends the budget, ends long
    steps on the block grid, and must stop at the block grid's resume
    position, at the EAGLE resume position and at the junction
    (floored to the block grid without the option), since a state skipped
@@ -167,15 +169,17 @@ def _step_ends(
 ) -> list[int]:
     """Positions where the writer's prefill steps end, in tokens (rule 1)."""
     block = scenario.mamba_groups[0].block_size_tokens
+    # Both drivers schedule prefill chunks of the step budget
+    # (workload.max_num_batched_tokens when set, else prefill_chunk_tokens).
+    budget = scenario.step_budget_tokens
     if scenario.mamba_prefill is MambaPrefill.BLOCK:
         # The chunk budget, never crossing a block boundary.
         carved: list[int] = []
         while start < length:
-            start = min(start + scenario.prefill_chunk_tokens, (start // block + 1) * block, length)
+            start = min(start + budget, (start // block + 1) * block, length)
             carved.append(start)
         return carved
     alignment = scenario.effective_hit_alignment_tokens
-    budget = scenario.prefill_chunk_tokens
     grid_resume = _resume_position(length, block, drop, hash_lookahead_tokens)
     tail = (
         _resume_position(length, alignment, drop, hash_lookahead_tokens)
