@@ -138,3 +138,23 @@ def test_scheduler_chunks_mamba_prefill_by_the_step_budget(
     ends = state_positions(s, 0, 0, 0, model.drop, model.hash_lookahead_tokens, 0)
     assert [0, *ends[:-1]] == writer_steps
 
+
+def test_a_one_token_window_beside_mamba_groups_hits_nothing() -> None:
+    # The layout a 1-token hash block gives a Mamba hybrid's sliding window:
+    # with window 2 (what the generator draws) vLLM's dense run hits the 8 the
+    # oracle owes; with window 1 it keeps no sliding-window block and hits 0.
+    import dataclasses
+
+    entry = load_entry(REGRESSIONS / "mamba-hash-block-1-swa-block-1-window-2.json")
+    s = entry.scenario
+    result = compare_variants(s, parse_variants("unfixed"))
+    assert result.findings == ()
+    vr = result.results[0]
+    assert vr.dense_run is not None and list(vr.dense_run.hits) == [0, 8]
+    groups = list(s.kv_cache_groups)
+    groups[1] = dataclasses.replace(groups[1], sliding_window_tokens=1)
+    one = dataclasses.replace(s, kv_cache_groups=tuple(groups))
+    result = compare_variants(one, parse_variants("unfixed"))
+    vr = result.results[0]
+    assert vr.dense_run is not None and list(vr.dense_run.hits) == [0, 0]
+    assert [f.kind.value for f in result.findings] == ["dense-mismatch"]
