@@ -158,3 +158,21 @@ def test_a_one_token_window_beside_mamba_groups_hits_nothing() -> None:
     vr = result.results[0]
     assert vr.dense_run is not None and list(vr.dense_run.hits) == [0, 0]
     assert [f.kind.value for f in result.findings] == ["dense-mismatch"]
+
+
+@pytest.mark.parametrize(
+    ("name", "dense_hits"),
+    [
+        # Full attention looks up at 63: one whole 32-token block, no partial key.
+        ("dcp4-mamba-lookup-length-cuts-an-attention-block", [0, 32]),
+        # Up to 8 under the drop, then the state at 4 trims the block to 4.
+        ("dcp2-mamba-chat-hit-trimmed-inside-an-attention-block", [0, 4]),
+    ],
+)
+def test_dcp_mamba_hybrid_full_attention_looks_up_once(name: str, dense_hits: list[int]) -> None:
+    entry = load_entry(REGRESSIONS / f"{name}.json")
+    result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"))
+    assert result.findings == ()
+    for vr in result.results:
+        assert vr.dense_run is not None and list(vr.dense_run.hits) == dense_hits
+        assert [r.dense_tokens for r in vr.references] == dense_hits
