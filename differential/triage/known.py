@@ -247,19 +247,19 @@ def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
 
 def _external_mamba_block_uncounted(scenario: Scenario, finding: Finding) -> bool:
     """``BlockPool.get_new_blocks`` raised inside ``Scheduler.schedule`` on a
-    Mamba hybrid with speculative blocks and a KV connector's store:
+    Mamba hybrid with a KV connector's store:
     ``MambaManager.get_num_blocks_to_allocate`` caps a new request's blocks
-    at its state and speculative blocks, and
-    ``SingleTypeKVCacheManager.allocate_external_computed_blocks`` gives the
-    Mamba group one more for the external tokens (vllm/v1/core/single_type_kv_cache_manager.py),
-    so ``KVCacheManager.allocate_slots`` admits it a block short."""
+    at its running state block and its speculative blocks (none without a
+    drafter), and ``SingleTypeKVCacheManager.allocate_external_computed_blocks``
+    gives the Mamba group one more for the external tokens
+    (vllm/v1/core/single_type_kv_cache_manager.py), so
+    ``KVCacheManager.allocate_slots`` admits it a block short per Mamba group."""
     return (
         finding.kind is FindingKind.CRASH
         and "free blocks from the pool" in finding.detail
         and "[raised in BlockPool.get_new_blocks" in finding.detail
         and scenario.workload.connector is not None
         and bool(scenario.mamba_groups)
-        and scenario.drafter.num_speculative_tokens > 0
     )
 
 
@@ -771,16 +771,18 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue(
         name="mamba-external-block-uncounted",
         summary=(
-            "A KV connector's external tokens on a Mamba hybrid (align mode) with "
-            "speculative decoding: KVCacheManager.allocate_slots counts a new "
-            "request's Mamba blocks as its state and speculative blocks (capped so "
-            "in MambaManager.get_num_blocks_to_allocate), but "
+            "A KV connector's external tokens on a Mamba hybrid (align mode): "
+            "KVCacheManager.allocate_slots counts a new request's Mamba blocks as "
+            "its running state block and its speculative blocks (capped so in "
+            "MambaManager.get_num_blocks_to_allocate), but "
             "allocate_external_computed_blocks gives the Mamba group one more block "
             "for the external tokens, so with exactly the counted blocks free "
             "BlockPool.get_new_blocks raises ValueError and the engine crashes "
             "(full attention 16 + Mamba 16, hash block 4, MTP with 2 speculative "
             "tokens, 16 external tokens, pool 12: 5 blocks counted, 5 free, 6 "
-            "taken). Found by kvfuzz."
+            "taken; without a drafter, a 31-token request with 16 external tokens: "
+            "3 counted, 3 free, 4 taken). Also on vLLM 0.31.0 and 0.32.0. Found by "
+            "kvfuzz."
         ),
         vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
         "MambaManager.get_num_blocks_to_allocate with "

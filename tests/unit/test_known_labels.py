@@ -710,10 +710,22 @@ def test_a_pool_error_with_external_tokens_on_a_mamba_hybrid_is_the_uncounted_bl
     assert label_known(hybrid(mtp, ConnectorStore()), [crash])[0].known_issue == (
         "mamba-external-block-uncounted"
     )
-    # Near misses: no store (no external tokens), no speculative blocks.
-    assert label_known(hybrid(mtp, None), [crash])[0].known_issue is None
+    # Without speculative blocks the cap is the running state block alone,
+    # and the external block is still on top of it.
     plain = Drafter(DrafterKind.NONE, 0)
-    assert label_known(hybrid(plain, ConnectorStore()), [crash])[0].known_issue is None
+    assert label_known(hybrid(plain, ConnectorStore()), [crash])[0].known_issue == (
+        "mamba-external-block-uncounted"
+    )
+    # Near misses: no store (no external tokens); no Mamba group.
+    assert label_known(hybrid(mtp, None), [crash])[0].known_issue is None
+    attention = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+        requests=(RequestSpec(0, 21), RequestSpec(20, 0, shares_with=0)),
+        shared_prefix_tokens=0,
+        kv_connector=True,
+        workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=12, connector=ConnectorStore()),
+    )
+    assert label_known(attention, [crash])[0].known_issue is None
 
 
 def test_a_null_block_in_the_window_after_a_failed_block_is_the_rewind_into_freed_blocks() -> None:
