@@ -19,9 +19,11 @@ attention group serves every position up to what it proves. The rules:
    * its pinned shared-prefix junction, with the shared-prefix checkpoint
      option in effect (EAGLE drop, fine-grained hits, no re-prefill tail).
 
-   Step ends come from the prefill mode: ``block`` ends a step at every
-   block boundary (and wherever the chunk budget runs out before one);
-   ``scheduler`` (vLLM's own chunking) spends the chunk budget, ends long
+   Step ends come from the prefill mode and the chunk budget (the step
+   budget, :attr:`Scenario.step_budget_tokens`: ``max_num_batched_tokens``
+   when the workload sets it, as both drivers schedule): ``block`` ends a
+   step at every block boundary (and wherever the budget runs out before
+   one); ``scheduler`` (vLLM's own chunking) spends the budget, ends long
    steps on the block grid, and must stop at the block grid's resume
    position, at the EAGLE resume position and at the junction
    (floored to the block grid without the option), since a state skipped
@@ -87,6 +89,8 @@ def attention_dense_hit(
     sibling_prompt_tokens: int,
     shared_tokens: int,
     hashed_tokens: int | None = None,
+    *,
+    lookup: bool = True,
 ) -> int:
     """What every attention group proves for a sibling, in tokens.
 
@@ -101,8 +105,15 @@ def attention_dense_hit(
     ``cached_tokens`` how far its finalized KV reaches (its answer's
     included: :func:`differential.oracle.core.writer_extent`) and
     ``hashed_tokens`` how far its block hashes reach (default: its prompt
-    less the lookahead tokens). A state group only bounds the hit by the
-    tokens its state's hash covers (the shared tokens less the lookahead);
+    less the lookahead tokens). With fine-grained hits and ``lookup`` (the
+    hit vLLM can land on) full attention proves only what its one lookup at
+    the sibling's ``L - 1`` (plus one hash unit under the drop) finds, whole
+    blocks and the partial key below it: a block that length cuts proves
+    nothing past its start; without ``lookup`` (the positions the sibling
+    reaches, which the one-unit rule's boundaries are held to) it proves
+    every hash block it shares. A state group
+    only bounds the hit by the tokens its state's hash covers (the shared
+    tokens less the lookahead);
     it takes no drop, since the drafter's KV lives in attention layers.
     Under the drop only the groups that take it
     (:attr:`Scenario.drop_group_indices`) prove the extra unit.
@@ -123,6 +134,19 @@ def attention_dense_hit(
         unit = block
         if scenario.partial_hash_hits:
             unit = alignment
+            if lookup and group.kind.full_attention_family:
+                # Full attention looks up once, at the coordinator's length
+                # (L - 1, one hash unit more under the drop, within the
+                # sibling's hashes), and hits the whole blocks and the one
+                # cached partial block below it; a lower candidate only trims
+                # that hit (HybridKVCacheCoordinator.find_longest_cache_hit:
+                # "full attention is downward-closed"). So a block the length
+                # cuts proves nothing past its start.
+                length = sibling_prompt_tokens - 1
+                if drop and index in drops:
+                    length = min(length + alignment, sibling_prompt_tokens // alignment * alignment)
+                reach = min(reach, length)
+                proven = reach // block * block
             # The one partial key: the prompt's last hash boundary a lookup
             # can use (the whole prompt under the drop, else all but its last
             # token).
@@ -167,15 +191,17 @@ def _step_ends(
 ) -> list[int]:
     """Positions where the writer's prefill steps end, in tokens (rule 1)."""
     block = scenario.mamba_groups[0].block_size_tokens
+    # Both drivers schedule prefill chunks of the step budget
+    # (workload.max_num_batched_tokens when set, else prefill_chunk_tokens).
+    budget = scenario.step_budget_tokens
     if scenario.mamba_prefill is MambaPrefill.BLOCK:
         # The chunk budget, never crossing a block boundary.
         carved: list[int] = []
         while start < length:
-            start = min(start + scenario.prefill_chunk_tokens, (start // block + 1) * block, length)
+            start = min(start + budget, (start // block + 1) * block, length)
             carved.append(start)
         return carved
     alignment = scenario.effective_hit_alignment_tokens
-    budget = scenario.prefill_chunk_tokens
     grid_resume = _resume_position(length, block, drop, hash_lookahead_tokens)
     tail = (
         _resume_position(length, alignment, drop, hash_lookahead_tokens)
@@ -354,11 +380,13 @@ def _writer_proof(
     reprefillable_tokens: int,
     writer: int,
     sibling: int,
+    *,
+    lookup: bool = True,
 ) -> int:
     """What ``writer``'s attention blocks alone prove for ``sibling``, in
     tokens (:func:`attention_dense_hit` over their common prefix: the
     writer's prompt, and in a multi-turn chat its answer too, whose blocks
-    it cached while decoding, :func:`written_extent`)."""
+    it cached while decoding, :func:`written_extent`; ``lookup`` as there)."""
     length = scenario.requests[writer].prompt_tokens
     cached, hashed = length - reprefillable_tokens, length - hash_lookahead_tokens
     if scenario.workload.shares_output:
@@ -376,6 +404,7 @@ def _writer_proof(
         if writer < sibling
         else common_prefix_tokens(written_contents(scenario)[writer], scenario.contents[sibling]),
         hashed_tokens=hashed,
+        lookup=lookup,
     )
 
 
@@ -385,9 +414,12 @@ def attention_proofs(
     hash_lookahead_tokens: int,
     reprefillable_tokens: int,
     num_requests: int,
+    *,
+    lookup: bool = True,
 ) -> tuple[int, ...]:
     """Per request, what its attention groups prove from every earlier
-    request, in tokens (:func:`attention_dense_hit`, best over writers).
+    request, in tokens (:func:`attention_dense_hit`, best over writers;
+    ``lookup`` as there).
 
     Attention groups are content-addressed and downward-closed: any writer's
     blocks of the shared prefix serve, so they prove the best over writers (a
@@ -401,7 +433,15 @@ def attention_proofs(
         proofs.append(
             max(
                 (
-                    _writer_proof(scenario, drop, hash_lookahead_tokens, reprefillable_tokens, i, j)
+                    _writer_proof(
+                        scenario,
+                        drop,
+                        hash_lookahead_tokens,
+                        reprefillable_tokens,
+                        i,
+                        j,
+                        lookup=lookup,
+                    )
                     for i in range(j)
                 ),
                 default=0,
@@ -432,12 +472,22 @@ def state_references(
     each is mapped to the highest state at or below it (rule 3). A request
     pins as its junction what its attention groups prove when its own hit
     fell short of it (vLLM ``KVCacheManager.get_computed_blocks``: the hit
-    plus the uncached common prefix).
+    plus the uncached common prefix). The dense reference is capped by the
+    hit full attention's lookup can land on; a promised boundary counts
+    where the sibling reaches it (:func:`attention_dense_hit`'s ``lookup``).
     """
     shared_rows = shared_prefixes(scenario)
     block = scenario.mamba_groups[0].block_size_tokens
     attention_by_request = attention_proofs(
         scenario, drop, hash_lookahead_tokens, reprefillable_tokens, len(observed_hits)
+    )
+    reach_by_request = attention_proofs(
+        scenario,
+        drop,
+        hash_lookahead_tokens,
+        reprefillable_tokens,
+        len(observed_hits),
+        lookup=False,
     )
     out: list[tuple[int, int, int, int | None, tuple[int, ...]]] = []
     for j in range(len(observed_hits)):
@@ -466,18 +516,19 @@ def state_references(
             # A boundary's SWA tail (and its peek block under the drop) is the
             # writer's own: it serves only as far as the writer alone proves.
             # Full-attention blocks are all kept, by any writer.
-            reach = cap
+            shared_reach = min(reach_by_request[j], shared[i] - hash_lookahead_tokens)
+            reach = shared_reach
             if scenario.sliding_window_groups:
                 own = _writer_proof(
-                    scenario, drop, hash_lookahead_tokens, reprefillable_tokens, i, j
+                    scenario, drop, hash_lookahead_tokens, reprefillable_tokens, i, j, lookup=False
                 )
-                reach = min(cap, own)
+                reach = min(reach, own)
             promised = checkpoints_for(i, junction, reach, observed_hits[i])
             mapped = {floor_state(states, c) for c in promised if c <= reach} | {0}
             mapped = {p for p in mapped if p <= dense}
             points.update(mapped)
             if policy is Policy.IDEAL:
-                owed = max(dense, max(0, cap) // block * block)
+                owed = max(dense, max(0, shared_reach) // block * block)
             else:
                 owed = max(mapped)
             if owed > best_expected or best_writer is None:

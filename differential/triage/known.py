@@ -247,19 +247,43 @@ def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
 
 def _external_mamba_block_uncounted(scenario: Scenario, finding: Finding) -> bool:
     """``BlockPool.get_new_blocks`` raised inside ``Scheduler.schedule`` on a
-    Mamba hybrid with speculative blocks and a KV connector's store:
+    Mamba hybrid with a KV connector's store:
     ``MambaManager.get_num_blocks_to_allocate`` caps a new request's blocks
-    at its state and speculative blocks, and
-    ``SingleTypeKVCacheManager.allocate_external_computed_blocks`` gives the
-    Mamba group one more for the external tokens (vllm/v1/core/single_type_kv_cache_manager.py),
-    so ``KVCacheManager.allocate_slots`` admits it a block short."""
+    at its running state block and its speculative blocks (none without a
+    drafter), and ``SingleTypeKVCacheManager.allocate_external_computed_blocks``
+    gives the Mamba group one more for the external tokens
+    (vllm/v1/core/single_type_kv_cache_manager.py), so
+    ``KVCacheManager.allocate_slots`` admits it a block short per Mamba group."""
     return (
         finding.kind is FindingKind.CRASH
         and "free blocks from the pool" in finding.detail
         and "[raised in BlockPool.get_new_blocks" in finding.detail
         and scenario.workload.connector is not None
         and bool(scenario.mamba_groups)
-        and scenario.drafter.num_speculative_tokens > 0
+    )
+
+
+def _failed_block_recompute_reads_freed_window(scenario: Scenario, finding: Finding) -> bool:
+    """The null block where a step attends (the block-level check's step-table
+    ``wrong-kv``) on a request whose asynchronous KV connector load failed, on
+    a model of one sliding-window KV cache group: the load's failure is
+    block-level there (``invalid_block_ids``), and
+    ``Scheduler._update_requests_with_invalid_blocks``
+    (vllm/v1/core/sched/scheduler.py) rewinds the request to the failed
+    block's first token, below blocks its table already holds as null
+    (skipped for the computed tokens before the rewind:
+    ``add_local_computed_blocks``, ``remove_skipped_blocks``), so the
+    recomputed tokens attend to the null block."""
+    store = scenario.workload.connector
+    return (
+        finding.kind is FindingKind.WRONG_KV
+        and finding.detail.startswith("after the step at ")
+        and "is the null block" in finding.detail
+        and store is not None
+        and store.load is ConnectorLoad.ASYNC
+        and finding.request in store.failed_loads
+        and len(scenario.kv_cache_groups) == 1
+        and scenario.kv_cache_groups[0].kind.sliding_window_family
     )
 
 
@@ -747,22 +771,52 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue(
         name="mamba-external-block-uncounted",
         summary=(
-            "A KV connector's external tokens on a Mamba hybrid (align mode) with "
-            "speculative decoding: KVCacheManager.allocate_slots counts a new "
-            "request's Mamba blocks as its state and speculative blocks (capped so "
-            "in MambaManager.get_num_blocks_to_allocate), but "
+            "A KV connector's external tokens on a Mamba hybrid (align mode): "
+            "KVCacheManager.allocate_slots counts a new request's Mamba blocks as "
+            "its running state block and its speculative blocks (capped so in "
+            "MambaManager.get_num_blocks_to_allocate), but "
             "allocate_external_computed_blocks gives the Mamba group one more block "
             "for the external tokens, so with exactly the counted blocks free "
             "BlockPool.get_new_blocks raises ValueError and the engine crashes "
             "(full attention 16 + Mamba 16, hash block 4, MTP with 2 speculative "
             "tokens, 16 external tokens, pool 12: 5 blocks counted, 5 free, 6 "
-            "taken). Found by kvfuzz."
+            "taken; without a drafter, a 31-token request with 16 external tokens: "
+            "3 counted, 3 free, 4 taken). Also on vLLM 0.31.0 and 0.32.0. Found by "
+            "kvfuzz."
         ),
         vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
         "MambaManager.get_num_blocks_to_allocate with "
         "SingleTypeKVCacheManager.allocate_external_computed_blocks",
         example="known-issues/connector-external-mamba-block-uncounted.json",
         matches=_external_mamba_block_uncounted,
+    ),
+    KnownIssue(
+        name="failed-block-recompute-reads-freed-window",
+        summary=(
+            "A KV connector's asynchronous load on a model of one sliding-window "
+            "KV cache group, with the recompute policy: the request's block table "
+            "holds the null block below the window of everything it will have "
+            "computed, the hit and the load together (add_local_computed_blocks "
+            "pads the skipped tokens), and when the connector reports a block of "
+            "the load failed (invalid_block_ids) "
+            "Scheduler._update_requests_with_invalid_blocks rewinds the request "
+            "to that block's first token, whose window reaches back into blocks "
+            "already null: the recomputed tokens read KV never loaded (sliding "
+            "window 32 in blocks of 16, prefix caching off, a 96-token load whose "
+            "last block fails: recomputed from 80, attending from 49, and block 3, "
+            "tokens 48..64, is the null block). A whole-request failure "
+            "(failed_recving, several groups) rewinds to 0. vLLM PR #51731 "
+            "(closed) named the mechanism for hybrid models (rewinding a "
+            "sliding-window group 'may expose null blocks that were already "
+            "released'); PR #42461 (open) would drop block-level recovery for a "
+            "rewind to 0. Also on vLLM 0.31.0 and 0.32.0. Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/sched/scheduler.py "
+        "Scheduler._update_requests_with_invalid_blocks with "
+        "vllm/v1/core/single_type_kv_cache_manager.py "
+        "SingleTypeKVCacheManager.add_local_computed_blocks",
+        example="known-issues/connector-failed-block-recompute-reads-freed-window.json",
+        matches=_failed_block_recompute_reads_freed_window,
     ),
     KnownIssue(
         name="mamba-state-cached-one-token-short",

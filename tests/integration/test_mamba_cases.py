@@ -103,3 +103,76 @@ def test_exported_mamba_test_drives_the_state_group(tmp_path) -> None:
     stock = run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), cwd=tmp_path)
     assert stock.returncode == 1, stock.stdout[-1500:]
     assert "assert 0 >= 64" in stock.stdout
+
+
+REGRESSIONS = ROOT / "corpora" / "regressions"
+
+
+@pytest.mark.parametrize(
+    ("name", "writer_steps"),
+    [
+        # Budget 8 (prefill_chunk_tokens 4): the 6-token writer's steps start
+        # at 0 and at the block grid's resume position 5.
+        ("mamba-scheduler-chunks-of-the-step-budget--periodic", [0, 5]),
+        # Budget 2 (prefill_chunk_tokens 1): the 3-token writer's at 0 and 2.
+        ("mamba-scheduler-chunks-of-the-step-budget--dense", [0, 2]),
+    ],
+)
+def test_scheduler_chunks_mamba_prefill_by_the_step_budget(
+    name: str, writer_steps: list[int]
+) -> None:
+    from differential.oracle import drafter_model, state_positions
+
+    entry = load_entry(REGRESSIONS / f"{name}.json")
+    s = entry.scenario
+    result = compare_variants(s, parse_variants("unfixed,fixed"))
+    assert result.findings == ()
+    for vr in result.results:
+        assert list(vr.run.hits) == [0, 0]
+        assert vr.dense_run is None or list(vr.dense_run.hits) == [0, 0]
+        assert [r.dense_tokens for r in vr.references] == [0, 0]
+        # vLLM's Scheduler started the writer's steps where the oracle ends them.
+        starts = sorted({t.start_tokens for t in vr.run.requests[0].step_tables})
+        assert starts == writer_steps
+    model = drafter_model(s)
+    ends = state_positions(s, 0, 0, 0, model.drop, model.hash_lookahead_tokens, 0)
+    assert [0, *ends[:-1]] == writer_steps
+
+
+def test_a_one_token_window_beside_mamba_groups_hits_nothing() -> None:
+    # The layout a 1-token hash block gives a Mamba hybrid's sliding window:
+    # with window 2 (what the generator draws) vLLM's dense run hits the 8 the
+    # oracle owes; with window 1 it keeps no sliding-window block and hits 0.
+    import dataclasses
+
+    entry = load_entry(REGRESSIONS / "mamba-hash-block-1-swa-block-1-window-2.json")
+    s = entry.scenario
+    result = compare_variants(s, parse_variants("unfixed"))
+    assert result.findings == ()
+    vr = result.results[0]
+    assert vr.dense_run is not None and list(vr.dense_run.hits) == [0, 8]
+    groups = list(s.kv_cache_groups)
+    groups[1] = dataclasses.replace(groups[1], sliding_window_tokens=1)
+    one = dataclasses.replace(s, kv_cache_groups=tuple(groups))
+    result = compare_variants(one, parse_variants("unfixed"))
+    vr = result.results[0]
+    assert vr.dense_run is not None and list(vr.dense_run.hits) == [0, 0]
+    assert [f.kind.value for f in result.findings] == ["dense-mismatch"]
+
+
+@pytest.mark.parametrize(
+    ("name", "dense_hits"),
+    [
+        # Full attention looks up at 63: one whole 32-token block, no partial key.
+        ("dcp4-mamba-lookup-length-cuts-an-attention-block", [0, 32]),
+        # Up to 8 under the drop, then the state at 4 trims the block to 4.
+        ("dcp2-mamba-chat-hit-trimmed-inside-an-attention-block", [0, 4]),
+    ],
+)
+def test_dcp_mamba_hybrid_full_attention_looks_up_once(name: str, dense_hits: list[int]) -> None:
+    entry = load_entry(REGRESSIONS / f"{name}.json")
+    result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"))
+    assert result.findings == ()
+    for vr in result.results:
+        assert vr.dense_run is not None and list(vr.dense_run.hits) == dense_hits
+        assert [r.dense_tokens for r in vr.references] == dense_hits

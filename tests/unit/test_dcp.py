@@ -8,6 +8,7 @@ units are the sharded ones.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -53,6 +54,44 @@ def test_dcp_mamba_hybrid_derives_vllms_sizes() -> None:
     # key at its last usable hash boundary (39 // 16 * 16), inside the first
     # 64-token block.
     assert attention_dense_hit(s, False, 0, 40, 40, 48, 40) == 32
+
+
+def test_dcp_full_attention_proves_no_block_its_lookup_length_cuts() -> None:
+    # FA 32 (8 per rank) + Mamba 8 at dcp 4, hash block 8 (A = 8), dense
+    # retention; a 67-token writer prefilled in chunks of 16 keeps states at
+    # 16, 32, 48 and 64 (its resume position (67 - 1) // 8 * 8). Its first 64
+    # tokens resent: full attention looks up once, at L - 1 = 63, and hits the
+    # whole block [0, 32) only (no partial key lies in [32, 63]: the writer's,
+    # 64, is a block boundary), so it proves 32 and the sibling is owed the
+    # state at 32, not 48.
+    from differential.oracle import judge_run, state_positions
+    from differential.oracle.state import attention_dense_hit as proof
+    from differential.scenario import Drafter, DrafterKind
+    from tests.unit.test_mamba_model import observed
+
+    s = Scenario(
+        kv_cache_groups=(G(K.FULL_ATTENTION, 32), G(K.MAMBA, 8)),
+        requests=(RequestSpec(64, 3), RequestSpec(64, 0)),
+        shared_prefix_tokens=64,
+        prefill_chunk_tokens=16,
+        dcp_world_size=4,
+    )
+    assert (s.effective_hit_alignment_tokens, s.partial_hash_hits) == (8, True)
+    assert state_positions(s, 0, 0, 0, False, 0, 0) == (16, 32, 48, 64)
+    assert proof(s, False, 0, 67, 67, 64, 64) == 32
+    refs, findings = judge_run(s, observed(s, [0, 32]))
+    assert [(r.dense_tokens, r.expected_tokens) for r in refs] == [(0, 0), (32, 32)]
+    assert findings == ()
+    # Under the EAGLE drop the lookup reaches one hash unit further, to 64:
+    # both blocks, less one hash unit, 56; the writer's steps stop at its
+    # resume position 67 // 8 * 8 - 8 = 56, whose state serves.
+    eagle = dataclasses.replace(
+        s, drafter=Drafter(DrafterKind.EAGLE, 1), disable_lookahead_block_hashes=True
+    )
+    assert state_positions(eagle, 0, 0, 0, True, 0, 0) == (16, 32, 48, 56)
+    assert proof(eagle, True, 0, 67, 67, 64, 64) == 56
+    refs, findings = judge_run(eagle, observed(eagle, [0, 56]))
+    assert [(r.dense_tokens, r.expected_tokens) for r in refs] == [(0, 0), (56, 56)]
 
 
 def test_dcp_mla_hits_land_on_the_sharded_block() -> None:

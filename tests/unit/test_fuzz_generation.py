@@ -106,3 +106,35 @@ def test_known_findings_share_one_signature_per_issue() -> None:
     signature = signature_of(triton(), known)
     assert signature.text == "fallback | fixed | * | * | * | known:swa-short-run-align-before-drop"
     assert signature_of(triton(retention=None), known) == signature
+
+
+def test_mamba_hybrids_draw_no_one_token_window() -> None:
+    # A hash block of 1 token makes a 1-token SWA block beside Mamba groups;
+    # its window stays >= 2 tokens (a 1-token window needs no block, vLLM's
+    # reachable_block_mask keeps none and every hit is 0: degenerate geometry
+    # no model has). The block-1 window itself is still drawn.
+    from hypothesis import HealthCheck, Phase, find
+    from hypothesis.errors import NoSuchExample
+
+    from differential.scenario import KVCacheGroup
+    from fuzz.strategies import mamba_geometries
+
+    search = settings(
+        max_examples=3000,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+    )
+
+    def windows(drawn: tuple[tuple[KVCacheGroup, ...], int | None]) -> list[int]:
+        return [g.sliding_window_tokens for g in drawn[0] if g.sliding_window_tokens is not None]
+
+    with pytest.raises(NoSuchExample):
+        find(mamba_geometries("toy"), lambda d: 1 in windows(d), settings=search)
+    groups, hash_block = find(
+        mamba_geometries("toy"),
+        lambda d: any(g.block_size_tokens == 1 for g in d[0] if g.sliding_window_tokens),
+        settings=search,
+    )
+    assert hash_block == 1 and min(windows((groups, hash_block))) >= 2

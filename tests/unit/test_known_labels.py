@@ -710,7 +710,63 @@ def test_a_pool_error_with_external_tokens_on_a_mamba_hybrid_is_the_uncounted_bl
     assert label_known(hybrid(mtp, ConnectorStore()), [crash])[0].known_issue == (
         "mamba-external-block-uncounted"
     )
-    # Near misses: no store (no external tokens), no speculative blocks.
-    assert label_known(hybrid(mtp, None), [crash])[0].known_issue is None
+    # Without speculative blocks the cap is the running state block alone,
+    # and the external block is still on top of it.
     plain = Drafter(DrafterKind.NONE, 0)
-    assert label_known(hybrid(plain, ConnectorStore()), [crash])[0].known_issue is None
+    assert label_known(hybrid(plain, ConnectorStore()), [crash])[0].known_issue == (
+        "mamba-external-block-uncounted"
+    )
+    # Near misses: no store (no external tokens); no Mamba group.
+    assert label_known(hybrid(mtp, None), [crash])[0].known_issue is None
+    attention = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+        requests=(RequestSpec(0, 21), RequestSpec(20, 0, shares_with=0)),
+        shared_prefix_tokens=0,
+        kv_connector=True,
+        workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=12, connector=ConnectorStore()),
+    )
+    assert label_known(attention, [crash])[0].known_issue is None
+
+
+def test_a_null_block_in_the_window_after_a_failed_block_is_the_rewind_into_freed_blocks() -> None:
+    from differential.scenario import ConnectorLoad, ConnectorStore, DriveMode, Workload
+
+    def reader(store: ConnectorStore, groups: tuple[KVCacheGroup, ...]) -> Scenario:
+        return Scenario(
+            kv_cache_groups=groups,
+            requests=(RequestSpec(0, 100), RequestSpec(100, 30, shares_with=0)),
+            shared_prefix_tokens=0,
+            prefill_chunk_tokens=64,
+            kv_connector=True,
+            workload=Workload(mode=DriveMode.SCHEDULER, connector=store),
+        )
+
+    swa = (KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 32),)
+    failing = ConnectorStore(ConnectorLoad.ASYNC, failed_loads=(1,), prefix_caching=False)
+    null = Finding(
+        FindingKind.WRONG_KV,
+        "v",
+        1,
+        "after the step at 80 tokens group 0 block index 3 is the null block, inside "
+        "the tokens 48..80 the step attends to",
+    )
+    name = "failed-block-recompute-reads-freed-window"
+    assert label_known(reader(failing, swa), [null])[0].known_issue == name
+    swmla = (KVCacheGroup(GroupKind.SLIDING_WINDOW_MLA, 16, 32),)
+    assert label_known(reader(failing, swmla), [null])[0].known_issue == name
+    # Near misses: no failed load; the failure on another request; two KV
+    # cache groups (a whole-request failure rewinds to 0); the block-level
+    # check's other wrong-kv (a lookup handing out the null block where its
+    # hit's attention reads, or a block of other tokens).
+    plain = ConnectorStore(ConnectorLoad.ASYNC, prefix_caching=False)
+    assert label_known(reader(plain, swa), [null])[0].known_issue is None
+    other = ConnectorStore(ConnectorLoad.ASYNC, failed_loads=(0,), prefix_caching=False)
+    assert label_known(reader(other, swa), [null])[0].known_issue is None
+    hybrid = (KVCacheGroup(GroupKind.FULL_ATTENTION, 16), *swa)
+    assert label_known(reader(failing, hybrid), [null])[0].known_issue is None
+    for detail in (
+        "group 0 block index 3 is the null block, inside the tokens 48..80 attention reads",
+        "group 0 block index 2 is block 7 of request 0, not request 1's tokens 32..48",
+    ):
+        lookup = Finding(FindingKind.WRONG_KV, "v", 1, detail)
+        assert label_known(reader(failing, swa), [lookup])[0].known_issue is None

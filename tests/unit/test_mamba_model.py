@@ -173,6 +173,34 @@ def test_states_exist_where_steps_ended() -> None:
     assert state_positions(s, 0, 0, 80, True, 0, 0) == (80, 128, 176, 192)
 
 
+def test_states_exist_where_steps_of_the_step_budget_ended() -> None:
+    # FA 4 + Mamba 4, no drafter, a 24-token writer whose chunks are the
+    # workload's max_num_batched_tokens (16), not prefill_chunk_tokens (8):
+    # vLLM's chunking ends a step at 16, then at the block grid's resume
+    # position (24 - 1) // 4 * 4 = 20, then at 24. No step ends at 8.
+    from differential.scenario import DriveMode, Workload
+
+    s = Scenario(
+        kv_cache_groups=(KVCacheGroup(FA, 4), KVCacheGroup(MAMBA, 4)),
+        requests=(RequestSpec(12, 12), RequestSpec(12, 1)),
+        shared_prefix_tokens=12,
+        prefill_chunk_tokens=8,
+        workload=Workload(mode=DriveMode.SCHEDULER, max_num_batched_tokens=16, max_num_seqs=1),
+    )
+    assert s.step_budget_tokens == 16
+    assert state_positions(s, 0, 0, 0, False, 0, 0) == (16, 20, 24)
+    # The sibling shares 12 tokens: full attention proves 12, but the highest
+    # state at or below it is none, so it is owed 0 and its hit 0 is clean
+    # (chunks of 8 would have kept a state at 8 and owed it).
+    refs, findings = judge_run(s, observed(s, [0, 0]))
+    assert [(r.dense_tokens, r.expected_tokens) for r in refs] == [(0, 0), (0, 0)]
+    assert findings == ()
+    # Without the workload's budget the chunks are prefill_chunk_tokens: 8, 16, 20, 24.
+    s = dataclasses.replace(s, workload=Workload())
+    assert state_positions(s, 0, 0, 0, False, 0, 0) == (8, 16, 20, 24)
+    assert [r.expected_tokens for r in judge_run(s, observed(s, [0, 8]))[0]] == [0, 8]
+
+
 def test_attention_proves_per_hash_block_with_fine_grained_hits() -> None:
     s = fa_mamba(100)
     # 100 shared tokens, resend capped at 99: FA proves 96, the drop gives one
