@@ -258,3 +258,16 @@ def test_drafter_default_is_none() -> None:
     data = triton().to_dict()
     del data["drafter"]
     assert Scenario.from_dict(data).drafter == Drafter(DrafterKind.NONE, 0)
+
+
+def test_an_unknown_field_of_a_nullable_object_lists_its_known_fields() -> None:
+    # workload.connector is an object or null: the known fields are the object's.
+    data = triton().to_dict()
+    data["kv_connector"] = True
+    data["workload"] = {"mode": "scheduler", "connector": {"lod": "sync"}}
+    with pytest.raises(ScenarioError) as info:
+        Scenario.from_dict(data)
+    assert str(info.value) == (
+        "workload.connector.lod = 'sync' is invalid: allowed no such field; known fields: "
+        "divergent_hybrid_hits, failed_loads, load, prefix_caching"
+    )
