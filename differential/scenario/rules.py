@@ -248,6 +248,15 @@ def check_workload(s: Scenario) -> None:
                 list(w.abort_steps),
                 f"null or a list of {len(s.requests)} steps or nulls (one per request)",
             )
+        if all(step is None for step in w.abort_steps):
+            # Aborting nothing, yet not null: the run would be judged as one
+            # with aborts (per lookup as scheduled, not exactly).
+            raise ScenarioError(
+                "workload.abort_steps",
+                list(w.abort_steps),
+                "null or a list with at least one step (a list of nulls aborts nothing: "
+                "write null)",
+            )
     if w.mode is DriveMode.MANAGER and not w.sequential:
         raise ScenarioError(
             "workload.mode",

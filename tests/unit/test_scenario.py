@@ -11,11 +11,14 @@ from differential.oracle import common_prefix_tokens
 from differential.scenario import (
     Drafter,
     DrafterKind,
+    DriveMode,
     GroupKind,
     KVCacheGroup,
     RequestSpec,
     Scenario,
+    Workload,
 )
+from fuzz.minimize import _drop_requests
 from tests.factories import CORPORA, hybrid, triton
 
 
@@ -271,3 +274,27 @@ def test_an_unknown_field_of_a_nullable_object_lists_its_known_fields() -> None:
         "workload.connector.lod = 'sync' is invalid: allowed no such field; known fields: "
         "divergent_hybrid_hits, failed_loads, load, prefix_caching"
     )
+
+
+def _aborting(aborts: tuple[int | None, ...]) -> Scenario:
+    """FA 16, scheduler mode: a writer and two readers, the given abort steps."""
+    return Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+        requests=(RequestSpec(64, 0), RequestSpec(64, 8), RequestSpec(64, 8)),
+        shared_prefix_tokens=64,
+        workload=Workload(mode=DriveMode.SCHEDULER, abort_steps=aborts),
+    )
+
+
+def test_abort_steps_of_nulls_only_are_refused_and_the_shrinker_writes_null() -> None:
+    # A list that aborts nothing would turn a sequential run's exact judgment
+    # off (it is judged per lookup as scheduled): it is written null.
+    with pytest.raises(ScenarioError) as info:
+        _aborting((None, None, None))
+    assert str(info.value) == (
+        "workload.abort_steps = [None, None, None] is invalid: allowed null or a list with "
+        "at least one step (a list of nulls aborts nothing: write null)"
+    )
+    dropped = dict(_drop_requests(_aborting((None, None, 3))))["drop request 2"]
+    assert dropped is not None and dropped.workload.abort_steps is None
+    assert dropped.workload.sequential
