@@ -44,6 +44,13 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     entry = load_scenario(args, args.finding)
+    if entry.scenario.workload.mode is DriveMode.SCHEDULER:
+        from differential.exports.scheduler_test import check_exportable
+
+        try:  # before anything runs: these refusals hold whatever is found
+            check_exportable(entry.scenario)
+        except ScenarioError as exc:
+            raise exc.with_source(str(args.finding)) from None
     from differential.compare import compare_variants
     from differential.exports.manager_test import export_test
     from fuzz.signature import signature_of

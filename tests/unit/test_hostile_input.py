@@ -136,6 +136,14 @@ def _huge_block(tmp: Path) -> list[str]:
     return ["replay", str(path)]
 
 
+def _scheduler_export(tmp: Path, **workload: object) -> list[str]:
+    # Refused whatever the run finds, so before it runs (it took a whole
+    # replay first, and the line named no file).
+    connector = "connector" in workload
+    path = _scenario(tmp, kv_connector=connector, workload={"mode": "scheduler", **workload})
+    return ["export-test", str(path)]
+
+
 def _case(name: str, build: Callable[[Path], list[str]], named: str, **kw: object) -> object:
     return pytest.param(build, named, id=name, **kw)
 
@@ -294,6 +302,19 @@ CASES = [
         "--out",
     ),
     _case("shrink-finding-is-a-string", lambda t: ["shrink", str(_finding_file(t))], "finding = "),
+    _case(
+        "scheduler-export-of-a-remote-store",
+        lambda t: _scheduler_export(t, connector={}),
+        "s.json: workload.connector = 'a remote store' is invalid: allowed null for a "
+        "scheduler-mode export (the store is kvfuzz's own connector, "
+        "differential/driver/connector.py, which a standalone test does not carry)",
+    ),
+    _case(
+        "scheduler-export-of-an-abort",
+        lambda t: _scheduler_export(t, abort_steps=[None, 3, None, None]),
+        "s.json: workload.abort_steps = [None, 3, None, None] is invalid: allowed null for a "
+        "scheduler-mode export (the exported test runs every request to its end)",
+    ),
     _case(
         "read-only-findings-folder",
         _read_only_findings,
