@@ -16,10 +16,12 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from differential.errors import ScenarioError
+from differential.findings import FindingKind
 from differential.scenario import RequestSpec, Scenario
 from differential.scenario.bounds import DEFAULT_LIMITS, Limits, check_cost, scenario_cost
 from differential.variants import parse_variants
@@ -524,3 +526,42 @@ def test_bootstrap_says_each_step(tmp_path: Path) -> None:
     assert "CPU torch (torch==2.13.0" in steps[2]
     assert proc.stderr.splitlines()[-1] == "kvfuzz: venv is ready"
     assert len((python.parent / "calls").read_text().splitlines()) == 7  # 6 pip calls, 1 import
+
+
+@pytest.mark.parametrize(
+    ("found", "why"),
+    [
+        ((), "this one shows no finding on unfixed, fixed"),
+        (
+            (FindingKind.KV_EVENTS, FindingKind.NEEDLESS_DROP),
+            "this one shows only kv-events, needless-drop, which an exported test does not "
+            "assert: replay the file instead",
+        ),
+    ],
+)
+def test_export_test_with_nothing_to_export_says_what_the_run_found(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    found: tuple[FindingKind, ...],
+    why: str,
+) -> None:
+    # It blamed a kv-events finding whatever the run found, none included.
+    import differential.compare
+    from differential.cli import main
+
+    findings = tuple(SimpleNamespace(kind=kind, request=None) for kind in found)
+    result = SimpleNamespace(
+        results=(
+            SimpleNamespace(variant=SimpleNamespace(name="unfixed"), findings=findings),
+            SimpleNamespace(variant=SimpleNamespace(name="fixed"), findings=()),
+        ),
+        findings=findings,
+    )
+    monkeypatch.setattr(differential.compare, "compare_variants", lambda *a, **k: result)
+    path = _scenario(tmp_path)
+    assert main(["export-test", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvfuzz: error: FINDING = '{path}' is invalid: allowed a scenario with a "
+        f"per-request finding to assert on hits; {why}\n"
+    )
