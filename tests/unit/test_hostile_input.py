@@ -294,6 +294,19 @@ CASES = [
         "--svg",
     ),
     _case(
+        # Judged per lookup as scheduled, it has no picture: the SVG was
+        # silently not written, exit 0.
+        "svg-of-a-scheduler-run-with-arrivals",
+        lambda t: [
+            "explain",
+            str(_scenario(t, workload={"mode": "scheduler", "arrival_steps": [0, 0, 0, 0]})),
+            "--svg",
+            str(t / "p.svg"),
+        ],
+        "p.svg' is invalid: allowed no --svg for a scheduler-mode run with arrivals, drafts, "
+        "a store or aborts (judged per lookup as scheduled: the timeline is its picture)",
+    ),
+    _case(
         "shrink-out-under-a-file",
         lambda t: ["shrink", str(_scenario(t)), "--out", str(_file(t) / "r")],
         "--out",
