@@ -578,3 +578,44 @@ def test_export_test_with_nothing_to_export_says_what_the_run_found(
         f"kvfuzz: error: FINDING = '{path}' is invalid: allowed a scenario with a "
         f"per-request finding to assert on hits; {why}\n"
     )
+
+
+def test_a_request_aborted_before_admission_has_a_row_saying_so() -> None:
+    # Aborted at step 0, it has no lookup: its row was missing without a word.
+    from differential.compare import ScenarioResult, VariantResult
+    from differential.findings import Policy
+    from differential.observation import RequestObservation, RunObservation
+    from differential.reports.table import render_text
+    from differential.scenario import DriveMode, GroupKind, KVCacheGroup, Workload
+
+    scenario = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+        requests=(RequestSpec(64, 0), RequestSpec(64, 8)),
+        shared_prefix_tokens=64,
+        workload=Workload(mode=DriveMode.SCHEDULER, abort_steps=(0, None)),
+    )
+    reader = RequestObservation(
+        index=1,
+        prompt_tokens=72,
+        hit_tokens=0,
+        shared_prefix_boundary_tokens=0,
+        per_group_hit_tokens=(0,),
+        retained_blocks_per_group=(0,),
+        scheduled_step=1,
+    )
+    run = RunObservation(
+        variant="unfixed",
+        vllm_version="0.33.0",
+        settings=None,
+        requests=(reader,),
+        mode="scheduler",
+    )
+    (variant,) = parse_variants("unfixed")
+    result = ScenarioResult(
+        scenario, "s.json", Policy.VLLM, (VariantResult(variant, run, None, (), (), 0.0),)
+    )
+    rows = render_text([result], "0.33.0").splitlines()[4:6]
+    assert rows == [
+        "  unfixed      1          -         -         0         -  ok",
+        "  unfixed      0 aborted from step 0 before it was admitted",
+    ]
