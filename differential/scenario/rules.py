@@ -453,25 +453,29 @@ def check_pool(s: Scenario) -> None:
 
     vLLM's ``BlockPool`` (vllm/v1/core/block_pool.py) takes the null block
     from the pool; a request keeps every full-attention-family block it
-    computed until it finishes, and any other group holds at least one
-    block. A smaller pool can never run the request in either mode, so it is
-    bad input, named before anything runs.
+    computed until it finishes (its prompt and ``decode_steps`` decoded
+    tokens: the last sampled token is never computed), and any other group
+    holds at least one block. A smaller pool can never run the request in
+    either mode (the manager-level driver runs out, vLLM's ``Scheduler``
+    never schedules it), so it is bad input, named before anything runs.
     """
     pool = s.workload.pool_blocks
     if pool is None:
         return
     longest = max(r.prompt_tokens for r in s.requests)
+    computed = longest + s.decode_steps
     need = 1 + sum(
-        -(-longest // g.block_size_tokens) if g.kind.full_attention_family else 1
+        -(-computed // g.block_size_tokens) if g.kind.full_attention_family else 1
         for g in s.kv_cache_groups
     )
     if pool < need:
+        decoded = f" and its {s.decode_steps} decoded tokens" if s.decode_steps else ""
         raise ScenarioError(
             "workload.pool_blocks",
             pool,
             f"null or at least {need} blocks (the null block, the longest prompt of "
-            f"{longest} tokens in each full-attention group's blocks, one block per "
-            "other group)",
+            f"{longest} tokens{decoded} in each full-attention group's blocks, one block "
+            "per other group)",
         )
 
 

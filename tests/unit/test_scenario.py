@@ -298,3 +298,27 @@ def test_abort_steps_of_nulls_only_are_refused_and_the_shrinker_writes_null() ->
     dropped = dict(_drop_requests(_aborting((None, None, 3))))["drop request 2"]
     assert dropped is not None and dropped.workload.abort_steps is None
     assert dropped.workload.sequential
+
+
+def test_a_pool_must_hold_the_longest_request_with_its_decoded_tokens() -> None:
+    # FA 16: a 64-token prompt and 40 decode steps compute 104 tokens, 7
+    # blocks, plus the null block. A pool of 6 passed (the prompt's 4 blocks)
+    # and then ran out mid-decode (manager mode) or never scheduled the
+    # request, reported as a vLLM crash (scheduler mode).
+    def scenario(pool: int) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+            requests=(RequestSpec(64, 0),),
+            shared_prefix_tokens=64,
+            decode_steps=40,
+            workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=pool),
+        )
+
+    assert scenario(8).workload.pool_blocks == 8
+    with pytest.raises(ScenarioError) as info:
+        scenario(7)
+    assert str(info.value) == (
+        "workload.pool_blocks = 7 is invalid: allowed null or at least 8 blocks (the null "
+        "block, the longest prompt of 64 tokens and its 40 decoded tokens in each "
+        "full-attention group's blocks, one block per other group)"
+    )
