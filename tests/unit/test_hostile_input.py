@@ -138,6 +138,16 @@ def _huge_block(tmp: Path) -> list[str]:
     return ["replay", str(path)]
 
 
+def _model_level(tmp: Path, model: str, **changes: object) -> list[str]:
+    # Checked before vLLM's planner is imported (it was imported first).
+    data = triton().to_dict()
+    del data["kv_cache_groups"]
+    data.update(model=model, **changes)
+    path = tmp / "m.json"
+    path.write_text(json.dumps(data))
+    return ["replay", str(path)]
+
+
 def _scheduler_export(tmp: Path, **workload: object) -> list[str]:
     # Refused whatever the run finds, so before it runs (it took a whole
     # replay first, and the line named no file).
@@ -315,6 +325,20 @@ CASES = [
         "import-crash-out-under-a-file",
         lambda t: ["import-crash", str(_file(t)), "--out", str(_file(t) / "r")],
         "--out",
+    ),
+    _case(
+        "model-file-missing",
+        lambda t: _model_level(t, "no-such-model.json"),
+        "no-such-model.json' is invalid: allowed a readable file (No such file or directory)",
+    ),
+    _case(
+        "dcp-with-a-model",
+        lambda t: _model_level(
+            t, str(ROOT / "models" / "gpt-oss-20b-eagle3.json"), dcp_world_size=2
+        ),
+        "m.json: dcp_world_size = 2 is invalid: allowed 1 with a model (vLLM's planner is run "
+        "at one rank: give kv_cache_groups, with the sharded block sizes, for decode context "
+        "parallelism)",
     ),
     _case("shrink-finding-is-a-string", lambda t: ["shrink", str(_finding_file(t))], "finding = "),
     _case(
