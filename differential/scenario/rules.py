@@ -311,6 +311,17 @@ def check_connector(s: Scenario) -> None:
             "[] unless workload.connector.load is 'async' (a failed synchronous load is "
             "reported by block id, its blocks left cached until recomputed)",
         )
+    if store.divergent_hybrid_hits and not (
+        s.mamba_groups and any(g.kind.full_attention_family for g in s.kv_cache_groups)
+    ):
+        # vLLM's get_computed_blocks_for_connector falls back to
+        # get_computed_blocks on any other layout: the flag would do nothing.
+        raise ScenarioError(
+            "workload.connector.divergent_hybrid_hits",
+            True,
+            "false for a model without mamba groups beside a full_attention or mla group "
+            "(vLLM shows a connector divergent hits on such Mamba hybrids only)",
+        )
     if not store.prefix_caching and s.mamba_groups:
         raise ScenarioError(
             "workload.connector.prefix_caching",

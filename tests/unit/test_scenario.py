@@ -9,6 +9,7 @@ import pytest
 from differential.errors import ScenarioError
 from differential.oracle import common_prefix_tokens
 from differential.scenario import (
+    ConnectorStore,
     Drafter,
     DrafterKind,
     DriveMode,
@@ -321,4 +322,24 @@ def test_a_pool_must_hold_the_longest_request_with_its_decoded_tokens() -> None:
         "workload.pool_blocks = 7 is invalid: allowed null or at least 8 blocks (the null "
         "block, the longest prompt of 64 tokens and its 40 decoded tokens in each "
         "full-attention group's blocks, one block per other group)"
+    )
+
+
+def test_divergent_hybrid_hits_need_a_mamba_hybrid() -> None:
+    # vLLM reads the flag only on Mamba hybrids with full attention: elsewhere
+    # it silently did nothing.
+    with pytest.raises(ScenarioError) as info:
+        Scenario(
+            kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+            requests=(RequestSpec(64, 0), RequestSpec(64, 8)),
+            shared_prefix_tokens=64,
+            kv_connector=True,
+            workload=Workload(
+                mode=DriveMode.SCHEDULER, connector=ConnectorStore(divergent_hybrid_hits=True)
+            ),
+        )
+    assert str(info.value) == (
+        "workload.connector.divergent_hybrid_hits = True is invalid: allowed false for a "
+        "model without mamba groups beside a full_attention or mla group (vLLM shows a "
+        "connector divergent hits on such Mamba hybrids only)"
     )
