@@ -643,3 +643,47 @@ def test_a_request_aborted_before_admission_has_a_row_saying_so() -> None:
         "  unfixed      1          -         -         0         -  ok",
         "  unfixed      0 aborted from step 0 before it was admitted",
     ]
+
+
+def test_full_report_crashes_are_known_in_scheduler_mode_too() -> None:
+    # The scheduler makes the lookup inside Scheduler.schedule, so its crash
+    # names that call: the two known issues' labels read only the manager
+    # driver's get_computed_blocks, and scheduler-mode campaigns filed them new.
+    from differential.findings import Finding
+    from differential.scenario import DriveMode, GroupKind, KVCacheGroup, KVEvents, Workload
+    from differential.triage.known import label_known
+
+    def crash(error: str, where: str) -> Finding:
+        detail = f"step 2: schedule: Scheduler.schedule: {error} [raised in {where}]"
+        return Finding(FindingKind.CRASH, "unfixed", 0, detail)
+
+    dcp = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.MLA, 512),),
+        requests=(RequestSpec(2000, 0), RequestSpec(2000, 0)),
+        shared_prefix_tokens=2000,
+        prefill_chunk_tokens=1024,
+        dcp_world_size=8,
+        workload=Workload(mode=DriveMode.SCHEDULER, kv_events=KVEvents.FULL),
+    )
+    assertion = crash("AssertionError: ", "resolve_block_hashes (vllm/v1/core/kv_cache_utils.py)")
+    (labelled,) = label_known(dcp, [assertion])
+    assert labelled.known_issue == "kv-events-full-report-dcp-block-size"
+    partial = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 64),
+            KVCacheGroup(GroupKind.MAMBA, 64),
+        ),
+        requests=(RequestSpec(100, 0), RequestSpec(100, 0)),
+        shared_prefix_tokens=100,
+        hash_block_size_tokens=16,
+        workload=Workload(mode=DriveMode.SCHEDULER, kv_events=KVEvents.FULL),
+    )
+    index = crash(
+        "IndexError: list index out of range",
+        "BlockHashListWithBlockSize._get_value_at (vllm/v1/core/kv_cache_utils.py)",
+    )
+    (labelled,) = label_known(partial, [index])
+    assert labelled.known_issue == "kv-events-full-report-partial-hit"
+    # Another scheduler-mode crash stays new.
+    other = crash("RuntimeError: scheduled nothing for 64 steps", "Scheduler.schedule")
+    assert label_known(dcp, [other])[0].known_issue is None
