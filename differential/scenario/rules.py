@@ -417,6 +417,19 @@ def check_mm_inputs(s: Scenario) -> None:
                     m.suffix_offset_tokens,
                     f"at least {end} (a request's images are in order and do not overlap)",
                 )
+            if not request.suffix_tokens:
+                raise ScenarioError(
+                    f"requests[{i}].mm_inputs",
+                    f"{len(request.mm_inputs)} image(s)",
+                    "[] when suffix_tokens is 0 (an image lies among the request's own tokens)",
+                )
+            if m.suffix_offset_tokens >= request.suffix_tokens:
+                raise ScenarioError(
+                    f"{where}.suffix_offset_tokens",
+                    m.suffix_offset_tokens,
+                    f"0..{request.suffix_tokens - 1} (an image starts among the request's "
+                    f"{request.suffix_tokens} own tokens)",
+                )
             end = m.suffix_offset_tokens + m.length_tokens
             if end > request.suffix_tokens:
                 raise ScenarioError(

@@ -15,6 +15,7 @@ from differential.scenario import (
     DriveMode,
     GroupKind,
     KVCacheGroup,
+    MultiModalInput,
     RequestSpec,
     Scenario,
     Workload,
@@ -370,3 +371,40 @@ def test_the_generator_draws_no_divergent_hybrid_hits_without_full_attention() -
         lambda c: bool(c and c.divergent_hybrid_hits),
         settings=quick,
     )
+
+
+@pytest.mark.parametrize(
+    ("offset", "suffix", "message"),
+    [
+        (
+            200,
+            84,
+            "requests[0].mm_inputs[0].suffix_offset_tokens = 200 is invalid: allowed 0..83 "
+            "(an image starts among the request's 84 own tokens)",
+        ),
+        (
+            80,
+            84,
+            "requests[0].mm_inputs[0].length_tokens = 40 is invalid: allowed at most 4 (an "
+            "image lies among the request's 84 own tokens)",
+        ),
+        (
+            0,
+            0,
+            "requests[0].mm_inputs = '1 image(s)' is invalid: allowed [] when suffix_tokens "
+            "is 0 (an image lies among the request's own tokens)",
+        ),
+    ],
+)
+def test_an_image_past_the_own_tokens_names_its_offset(
+    offset: int, suffix: int, message: str
+) -> None:
+    # An offset past the request's own tokens blamed the length ("at most 0").
+    image = MultiModalInput(suffix_offset_tokens=offset, length_tokens=40, identifier="cat")
+    with pytest.raises(ScenarioError) as info:
+        Scenario(
+            kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+            requests=(RequestSpec(16, suffix, mm_inputs=(image,)),),
+            shared_prefix_tokens=16,
+        )
+    assert str(info.value) == message
