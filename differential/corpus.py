@@ -30,6 +30,7 @@ from differential.errors import ScenarioError, printable, short_repr
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
 from differential.scenario.json_form import json_data
+from differential.scenario.models import model_scenario_parts
 
 if TYPE_CHECKING:
     from differential.compare import ScenarioResult
@@ -160,7 +161,11 @@ def load_entry(path: Path) -> CorpusEntry:
     data: Any = json_data(text, source=source)
     if isinstance(data, dict) and "model" in data and "kv_cache_groups" not in data:
         # A model description instead of groups: vLLM's planner lays it out
-        # (imports vLLM).
+        # (imports vLLM), after what can be checked without it.
+        try:
+            model_scenario_parts(data, path.parent)
+        except ScenarioError as exc:  # named by the file at fault: this one or its model's
+            raise (exc if exc.source else exc.with_source(source)) from None
         from differential.driver.planner import resolve_model_scenario
 
         try:

@@ -103,7 +103,9 @@ def _drop_requests(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
             workload = dataclasses.replace(workload, arrival_steps=arrivals)
         if workload.abort_steps is not None:
             aborts = workload.abort_steps[:index] + workload.abort_steps[index + 1 :]
-            workload = dataclasses.replace(workload, abort_steps=aborts)
+            # Null once the aborted request went: a list of nulls is refused.
+            kept_aborts = aborts if any(step is not None for step in aborts) else None
+            workload = dataclasses.replace(workload, abort_steps=kept_aborts)
         if workload.connector is not None and workload.connector.failed_loads:
             failed = tuple(k - (k > index) for k in workload.connector.failed_loads if k != index)
             connector = dataclasses.replace(workload.connector, failed_loads=failed)

@@ -625,10 +625,14 @@ def _fine_alignment(groups: tuple[KVCacheGroup, ...], hash_block: int) -> int:
 
 
 @st.composite
-def _connector_stores(draw: st.DrawFn, num_requests: int, mamba: bool) -> ConnectorStore | None:
+def _connector_stores(
+    draw: st.DrawFn, num_requests: int, mamba: bool, full_attention: bool
+) -> ConnectorStore | None:
     """A KV connector's remote store one workload in four (``None``
     otherwise): synchronous or asynchronous loads, up to two requests whose
-    first asynchronous load fails, divergent hybrid hits on Mamba hybrids,
+    first asynchronous load fails, divergent hybrid hits on Mamba hybrids
+    with full attention (the only layouts vLLM reads them on; the draw is
+    made on every Mamba layout, so the bytes read stay those of before),
     prefix caching off one time in four without Mamba groups (vLLM's align
     mode needs it)."""
     if draw(st.integers(0, 3)):
@@ -641,7 +645,7 @@ def _connector_stores(draw: st.DrawFn, num_requests: int, mamba: bool) -> Connec
     return ConnectorStore(
         load=load,
         failed_loads=failed,
-        divergent_hybrid_hits=mamba and draw(st.booleans()),
+        divergent_hybrid_hits=mamba and draw(st.booleans()) and full_attention,
         prefix_caching=mamba or draw(st.integers(0, 3)) > 0,
     )
 
@@ -750,7 +754,8 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     pool = max(need, int(working * factor))
     max_num_seqs = min(draw(st.sampled_from((1, 2, 4, 8))), budget or chunk)
     # Drawn last, so every draw above reads the bytes it read before.
-    store = None if chunked else draw(_connector_stores(len(requests), mamba))
+    full_attention = any(g.kind.full_attention_family for g in groups)
+    store = None if chunked else draw(_connector_stores(len(requests), mamba, full_attention))
     aborts = None
     if store is not None and draw(st.integers(0, 3)) == 0:
         # A client aborting one request a few steps in (mid-prefill, often):

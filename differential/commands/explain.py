@@ -13,7 +13,7 @@ from differential.commands.options import (
     add_common,
     load_scenario,
 )
-from differential.errors import ScenarioError
+from differential.errors import ScenarioError, printable
 from differential.findings import Policy
 from differential.scenario import DriveMode
 from differential.variants import (
@@ -59,6 +59,14 @@ def run(args: argparse.Namespace) -> int:
 
         check_output_file(args.svg, "--svg")
         check_not_an_input(args.svg, "--svg", [args.scenario])
+        if scenario.workload.mode is DriveMode.SCHEDULER and not scenario.workload.sequential:
+            # No sequential reference to draw against: only the timeline.
+            raise ScenarioError(
+                "--svg",
+                str(args.svg),
+                "no --svg for a scheduler-mode run with arrivals, drafts, a store or "
+                "aborts (judged per lookup as scheduled: the timeline is its picture)",
+            )
     if args.request is not None and not 0 <= args.request < len(scenario.requests):
         raise ScenarioError(
             "--request", args.request, f"0..{len(scenario.requests) - 1} (the scenario's requests)"
@@ -86,6 +94,14 @@ def run(args: argparse.Namespace) -> int:
     exp = explain_request(result, request)
     if exp is None:
         if engine:  # judged per lookup as scheduled: the timeline is the picture
+            if args.svg is not None:  # known only now: say why no SVG came
+                print(
+                    f"kvfuzz: no SVG written to {printable(str(args.svg))}: no run of request "
+                    f"{request} has a sequential reference to draw against (a run that evicted "
+                    "cached blocks is judged per lookup as scheduled; one that stopped before "
+                    "the request has none): the timeline is its picture",
+                    file=sys.stderr,
+                )
             return EXIT_FOUND if result.findings else EXIT_CLEAN
         raise ScenarioError("--request", request, "a request every variant completed")
     sys.stdout.write(render_text(exp))

@@ -44,6 +44,13 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     entry = load_scenario(args, args.finding)
+    if entry.scenario.workload.mode is DriveMode.SCHEDULER:
+        from differential.exports.scheduler_test import check_exportable
+
+        try:  # before anything runs: these refusals hold whatever is found
+            check_exportable(entry.scenario)
+        except ScenarioError as exc:
+            raise exc.with_source(str(args.finding)) from None
     from differential.compare import compare_variants
     from differential.exports.manager_test import export_test
     from fuzz.signature import signature_of
@@ -67,9 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise ScenarioError(
             "FINDING",
             str(args.finding),
-            "a scenario with a per-request finding to assert on hits (a kv-events "
-            "finding is judged on the event stream, which an exported test does not "
-            "record: replay the file instead)",
+            "a scenario with a per-request finding to assert on hits" + _found(result),
         )
     # The finding the file is about (its recorded signature), else the first.
     recorded = [
@@ -97,6 +102,18 @@ def run(args: argparse.Namespace) -> int:
     )
     sys.stdout.write(source)
     return EXIT_CLEAN
+
+
+def _found(result: Any) -> str:
+    """What a run with nothing to export found, for the refusal's message."""
+    kinds = sorted({f.kind.value for f in result.findings})
+    if not kinds:
+        variants = ", ".join(vr.variant.name for vr in result.results)
+        return f"; this one shows no finding on {variants}"
+    return (
+        f"; this one shows only {', '.join(kinds)}, which an exported test does not assert: "
+        "replay the file instead"
+    )
 
 
 def _export_scheduler_test(args: argparse.Namespace, entry: Any, result: Any) -> int:
@@ -127,7 +144,7 @@ def _export_scheduler_test(args: argparse.Namespace, entry: Any, result: Any) ->
             "FINDING",
             str(args.finding),
             "a scheduler-mode scenario with an eviction-collapse, over-hit, misaligned, "
-            "fallback, mode-mismatch or crash finding",
+            "fallback, mode-mismatch or crash finding" + _found(result),
         )
     recorded = [
         (vr, f) for vr, f in candidates if signature_of(scenario, f).text == entry.signature

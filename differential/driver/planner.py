@@ -65,7 +65,7 @@ from differential.driver.settings import _kv_transfer_config, _speculative_confi
 from differential.driver.specs import spec_for_kind
 from differential.errors import InternalError, ScenarioError
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
-from differential.scenario.models import LayerSpec, ModelDescription
+from differential.scenario.models import LayerSpec, ModelDescription, model_scenario_parts
 
 __all__ = ["PlannedLayout", "layer_specs", "plan_model", "resolve_model_scenario"]
 
@@ -307,22 +307,7 @@ def resolve_model_scenario(data: Mapping[str, Any], base: Path) -> tuple[Scenari
         VllmCallError: vLLM's planner refused the layout.
         InternalError: kvfuzz derives a different hit alignment than vLLM.
     """
-    raw_model = data["model"]
-    if isinstance(raw_model, str):
-        model = ModelDescription.load(base / raw_model)
-    else:
-        model = ModelDescription.from_dict(raw_model)
-    body = {k: v for k, v in data.items() if k != "model"}
-    if "kv_cache_groups" in body:
-        raise ScenarioError("kv_cache_groups", body["kv_cache_groups"], "absent with a model")
-    if body.get("dcp_world_size", 1) != 1:
-        # The planner runs at one rank here; a sharded layout is given as groups.
-        raise ScenarioError(
-            "dcp_world_size",
-            body["dcp_world_size"],
-            "1 with a model (vLLM's planner is run at one rank: give kv_cache_groups, "
-            "with the sharded block sizes, for decode context parallelism)",
-        )
+    model, body = model_scenario_parts(data, base)
     # The drafter settings alone, on a throwaway one-group scenario.
     probe_block = max(
         model.block_size_tokens,

@@ -34,7 +34,7 @@ from differential.exports.manager_test import (
 from differential.findings import Finding, FindingKind
 from differential.scenario import Scenario
 
-__all__ = ["export_engine_test"]
+__all__ = ["check_exportable", "export_engine_test"]
 
 _TEMPLATE = '''\
 # SPDX-License-Identifier: Apache-2.0
@@ -247,14 +247,13 @@ def _assertion(scenario: Scenario, finding: Finding) -> tuple[str, str]:
     )
 
 
-def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, name: str) -> str:
-    """The pytest source asserting ``finding``'s expectation through vLLM's
-    ``Scheduler`` (see the module docstring).
+def check_exportable(scenario: Scenario) -> None:
+    """What a scheduler-mode export refuses whatever the finding, checked
+    before anything runs.
 
     Raises:
         ScenarioError: the scenario has a KV connector (a remote store, named
-            ``workload.connector``, or an empty one) or client aborts, or the
-            finding is whole-run and not ``eviction-collapse``.
+            ``workload.connector``, or an empty one) or client aborts.
     """
     if scenario.workload.connector is not None:
         raise ScenarioError(
@@ -273,6 +272,17 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
             list(scenario.workload.abort_steps),
             "null for a scheduler-mode export (the exported test runs every request to its end)",
         )
+
+
+def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, name: str) -> str:
+    """The pytest source asserting ``finding``'s expectation through vLLM's
+    ``Scheduler`` (see the module docstring).
+
+    Raises:
+        ScenarioError: what :func:`check_exportable` refuses, or the finding
+            is whole-run and not ``eviction-collapse``.
+    """
+    check_exportable(scenario)
     check, expectation = _assertion(scenario, finding)
     longest = max(r.prompt_tokens for r in scenario.requests)
     max_model_len = (

@@ -10,6 +10,7 @@ from differential.compare import ScenarioResult
 from differential.errors import printable
 from differential.findings import Finding, Policy
 from differential.observation import RequestObservation, RunObservation
+from differential.scenario import Scenario
 
 __all__ = [
     "REPORT_FORMAT",
@@ -85,6 +86,7 @@ def render_text(
                         f"  {vr.variant.name:<10} {obs.index:>3} {'-':>10} {'-':>9} "
                         f"{obs.hit_tokens:>9} {'-':>9}  {', '.join(dict.fromkeys(kinds)) or 'ok'}"
                     )
+                lines += _aborted_unadmitted(scenario, vr)
             for kind in verdicts.get(None, []):
                 lines.append(f"  {vr.variant.name:<10} run: {kind}")
             if vr.run.mode == "scheduler":
@@ -104,6 +106,20 @@ def render_text(
     else:
         lines.append(f"{len(results)} scenario(s); no findings")
     return "\n".join(lines) + "\n"
+
+
+def _aborted_unadmitted(scenario: Scenario, vr: Any) -> list[str]:
+    """A row per request its client aborted before it was admitted: it has
+    no lookup to judge, so it would otherwise be missing without a word."""
+    aborts = scenario.workload.abort_steps
+    if aborts is None or vr.run.error is not None:
+        return []
+    seen = {obs.index for obs in vr.run.requests}
+    return [
+        f"  {vr.variant.name:<10} {i:>3} aborted from step {step} before it was admitted"
+        for i, step in enumerate(aborts)
+        if step is not None and i not in seen
+    ]
 
 
 def expected_line(

@@ -57,6 +57,9 @@ def scenario_error(
     where = field_path(loc, prefix=prefix, root=root)
     if error["type"] == "extra_forbidden":
         parent = _node_at(schema, loc[:-1])
+        if "anyOf" in parent:  # a nullable object (workload.connector): its object branch
+            branches = [_resolve(schema, b) for b in parent["anyOf"]]
+            parent = next((b for b in branches if "properties" in b), {})
         known = ", ".join(sorted(parent.get("properties", {})))
         return ScenarioError(where, error["input"], f"no such field; known fields: {known}")
     if error["type"] == "missing":

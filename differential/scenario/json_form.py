@@ -330,7 +330,8 @@ class WorkloadDocument(BaseModel):
         default=None,
         exclude_if=_is_none,
         description="Per request, the scheduler step from which its client aborts it "
-        "(Scheduler.finish_requests, FINISHED_ABORTED), or null: never; null: no aborts. "
+        "(Scheduler.finish_requests, FINISHED_ABORTED), or null: never, at least one a step; "
+        "null: no aborts. "
         "Scheduler mode only. Written only when set.",
     )
 

@@ -25,6 +25,7 @@ Mamba state shapes are elements.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -54,6 +55,7 @@ __all__ = [
     "LayerSpec",
     "ModelDescription",
     "ModelDocument",
+    "model_scenario_parts",
     "model_schema",
 ]
 
@@ -350,3 +352,38 @@ class ModelDescription:
             return cls.from_dict(data)
         except ScenarioError as exc:
             raise exc.with_source(str(path)) from None
+
+
+def model_scenario_parts(
+    data: Mapping[str, Any], base: Path
+) -> tuple[ModelDescription, dict[str, Any]]:
+    """A model-level scenario's description and its other fields, checked as
+    far as they can be before vLLM's planner lays out the groups (so a
+    missing description file or a refused field is named before vLLM is
+    imported).
+
+    ``data["model"]`` is a description file path relative to ``base`` (the
+    scenario file's folder) or an inline description.
+
+    Raises:
+        ScenarioError: an unreadable or invalid description, groups beside
+            it, or a ``dcp_world_size`` other than 1 (the planner runs at one
+            rank).
+    """
+    raw_model = data["model"]
+    if isinstance(raw_model, str):
+        model = ModelDescription.load(base / raw_model)
+    else:
+        model = ModelDescription.from_dict(raw_model)
+    body = {k: v for k, v in data.items() if k != "model"}
+    if "kv_cache_groups" in body:
+        raise ScenarioError("kv_cache_groups", body["kv_cache_groups"], "absent with a model")
+    if body.get("dcp_world_size", 1) != 1:
+        # The planner runs at one rank here; a sharded layout is given as groups.
+        raise ScenarioError(
+            "dcp_world_size",
+            body["dcp_world_size"],
+            "1 with a model (vLLM's planner is run at one rank: give kv_cache_groups, "
+            "with the sharded block sizes, for decode context parallelism)",
+        )
+    return model, body

@@ -248,6 +248,15 @@ def check_workload(s: Scenario) -> None:
                 list(w.abort_steps),
                 f"null or a list of {len(s.requests)} steps or nulls (one per request)",
             )
+        if all(step is None for step in w.abort_steps):
+            # Aborting nothing, yet not null: the run would be judged as one
+            # with aborts (per lookup as scheduled, not exactly).
+            raise ScenarioError(
+                "workload.abort_steps",
+                list(w.abort_steps),
+                "null or a list with at least one step (a list of nulls aborts nothing: "
+                "write null)",
+            )
     if w.mode is DriveMode.MANAGER and not w.sequential:
         raise ScenarioError(
             "workload.mode",
@@ -301,6 +310,17 @@ def check_connector(s: Scenario) -> None:
             list(store.failed_loads),
             "[] unless workload.connector.load is 'async' (a failed synchronous load is "
             "reported by block id, its blocks left cached until recomputed)",
+        )
+    if store.divergent_hybrid_hits and not (
+        s.mamba_groups and any(g.kind.full_attention_family for g in s.kv_cache_groups)
+    ):
+        # vLLM's get_computed_blocks_for_connector falls back to
+        # get_computed_blocks on any other layout: the flag would do nothing.
+        raise ScenarioError(
+            "workload.connector.divergent_hybrid_hits",
+            True,
+            "false for a model without mamba groups beside a full_attention or mla group "
+            "(vLLM shows a connector divergent hits on such Mamba hybrids only)",
         )
     if not store.prefix_caching and s.mamba_groups:
         raise ScenarioError(
@@ -397,6 +417,19 @@ def check_mm_inputs(s: Scenario) -> None:
                     m.suffix_offset_tokens,
                     f"at least {end} (a request's images are in order and do not overlap)",
                 )
+            if not request.suffix_tokens:
+                raise ScenarioError(
+                    f"requests[{i}].mm_inputs",
+                    f"{len(request.mm_inputs)} image(s)",
+                    "[] when suffix_tokens is 0 (an image lies among the request's own tokens)",
+                )
+            if m.suffix_offset_tokens >= request.suffix_tokens:
+                raise ScenarioError(
+                    f"{where}.suffix_offset_tokens",
+                    m.suffix_offset_tokens,
+                    f"0..{request.suffix_tokens - 1} (an image starts among the request's "
+                    f"{request.suffix_tokens} own tokens)",
+                )
             end = m.suffix_offset_tokens + m.length_tokens
             if end > request.suffix_tokens:
                 raise ScenarioError(
@@ -444,25 +477,29 @@ def check_pool(s: Scenario) -> None:
 
     vLLM's ``BlockPool`` (vllm/v1/core/block_pool.py) takes the null block
     from the pool; a request keeps every full-attention-family block it
-    computed until it finishes, and any other group holds at least one
-    block. A smaller pool can never run the request in either mode, so it is
-    bad input, named before anything runs.
+    computed until it finishes (its prompt and ``decode_steps`` decoded
+    tokens: the last sampled token is never computed), and any other group
+    holds at least one block. A smaller pool can never run the request in
+    either mode (the manager-level driver runs out, vLLM's ``Scheduler``
+    never schedules it), so it is bad input, named before anything runs.
     """
     pool = s.workload.pool_blocks
     if pool is None:
         return
     longest = max(r.prompt_tokens for r in s.requests)
+    computed = longest + s.decode_steps
     need = 1 + sum(
-        -(-longest // g.block_size_tokens) if g.kind.full_attention_family else 1
+        -(-computed // g.block_size_tokens) if g.kind.full_attention_family else 1
         for g in s.kv_cache_groups
     )
     if pool < need:
+        decoded = f" and its {s.decode_steps} decoded tokens" if s.decode_steps else ""
         raise ScenarioError(
             "workload.pool_blocks",
             pool,
             f"null or at least {need} blocks (the null block, the longest prompt of "
-            f"{longest} tokens in each full-attention group's blocks, one block per "
-            "other group)",
+            f"{longest} tokens{decoded} in each full-attention group's blocks, one block "
+            "per other group)",
         )
 
 

@@ -233,7 +233,8 @@ class Workload:
             kvfuzz calls ``Scheduler.finish_requests`` with
             ``FINISHED_ABORTED``, as vLLM's engine core does when a client
             disconnects; a request already finished is left alone. ``None``:
-            no request is aborted. Scheduler mode only.
+            no request is aborted (a list holds at least one step). Scheduler
+            mode only.
     """
 
     mode: DriveMode = DriveMode.MANAGER

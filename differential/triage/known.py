@@ -183,6 +183,13 @@ def _lookahead_index_error_without_full_attention(scenario: Scenario, finding: F
     return "get_computed_blocks" in finding.detail
 
 
+def _in_a_lookup(detail: str) -> bool:
+    """A crash's detail names a lookup: ``get_computed_blocks`` called by the
+    manager-level driver, or ``Scheduler.schedule``, which makes the lookup
+    in scheduler mode (a crash there names the call, not the lookup)."""
+    return "get_computed_blocks" in detail or "Scheduler.schedule" in detail
+
+
 def _full_report_partial_hit(scenario: Scenario, finding: Finding) -> bool:
     """vLLM raised IndexError in a lookup with KV cache events in 'full' report
     mode on a layout serving fine-grained hits (a hit can end inside a block),
@@ -190,7 +197,7 @@ def _full_report_partial_hit(scenario: Scenario, finding: Finding) -> bool:
     return (
         finding.kind is FindingKind.CRASH
         and "IndexError" in finding.detail
-        and "get_computed_blocks" in finding.detail
+        and _in_a_lookup(finding.detail)
         and scenario.workload.kv_events is KVEvents.FULL
         and scenario.partial_hash_hits
     )
@@ -207,7 +214,7 @@ def _full_report_dcp_block_size(scenario: Scenario, finding: Finding) -> bool:
     if finding.kind is FindingKind.CRASH:
         return (
             "AssertionError" in finding.detail
-            and "get_computed_blocks" in finding.detail
+            and _in_a_lookup(finding.detail)
             and "resolve_block_hashes" in finding.detail
         )
     return finding.kind is FindingKind.KV_EVENTS and "the lookup of request" in finding.detail

@@ -54,24 +54,25 @@ def test_store_fields_are_written_only_when_not_default_and_round_trip() -> None
     plain = _store_scenario()
     assert plain.to_dict()["workload"]["connector"] == {}
     assert "abort_steps" not in plain.to_dict()["workload"]
-    store = ConnectorStore(
-        load=ConnectorLoad.ASYNC,
-        failed_loads=(1,),
-        divergent_hybrid_hits=True,
-        prefix_caching=False,
-    )
+    store = ConnectorStore(load=ConnectorLoad.ASYNC, failed_loads=(1,), prefix_caching=False)
     s = _store_scenario(store, abort_steps=(None, 3, None))
     w = s.to_dict()["workload"]
-    assert w["connector"] == {
-        "load": "async",
-        "failed_loads": [1],
-        "divergent_hybrid_hits": True,
-        "prefix_caching": False,
-    }
+    assert w["connector"] == {"load": "async", "failed_loads": [1], "prefix_caching": False}
     assert w["abort_steps"] == [None, 3, None]
     assert Scenario.from_json(s.to_json()) == s
     assert not s.prefix_caching and plain.prefix_caching
     assert not s.workload.sequential
+    # Divergent hybrid hits need a Mamba hybrid (which needs prefix caching).
+    hybrid = dataclasses.replace(
+        s,
+        kv_cache_groups=(FA16, MAMBA64),
+        hash_block_size_tokens=16,
+        workload=dataclasses.replace(
+            s.workload, connector=ConnectorStore(divergent_hybrid_hits=True)
+        ),
+    )
+    assert hybrid.to_dict()["workload"]["connector"] == {"divergent_hybrid_hits": True}
+    assert Scenario.from_json(hybrid.to_json()) == hybrid
 
 
 def test_a_scenario_without_a_store_keeps_its_json() -> None:

@@ -16,10 +16,12 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from differential.errors import ScenarioError
+from differential.findings import FindingKind
 from differential.scenario import RequestSpec, Scenario
 from differential.scenario.bounds import DEFAULT_LIMITS, Limits, check_cost, scenario_cost
 from differential.variants import parse_variants
@@ -134,6 +136,24 @@ def _huge_block(tmp: Path) -> list[str]:
     path = tmp / "block.json"
     path.write_text(json.dumps(data))
     return ["replay", str(path)]
+
+
+def _model_level(tmp: Path, model: str, **changes: object) -> list[str]:
+    # Checked before vLLM's planner is imported (it was imported first).
+    data = triton().to_dict()
+    del data["kv_cache_groups"]
+    data.update(model=model, **changes)
+    path = tmp / "m.json"
+    path.write_text(json.dumps(data))
+    return ["replay", str(path)]
+
+
+def _scheduler_export(tmp: Path, **workload: object) -> list[str]:
+    # Refused whatever the run finds, so before it runs (it took a whole
+    # replay first, and the line named no file).
+    connector = "connector" in workload
+    path = _scenario(tmp, kv_connector=connector, workload={"mode": "scheduler", **workload})
+    return ["export-test", str(path)]
 
 
 def _case(name: str, build: Callable[[Path], list[str]], named: str, **kw: object) -> object:
@@ -284,6 +304,19 @@ CASES = [
         "--svg",
     ),
     _case(
+        # Judged per lookup as scheduled, it has no picture: the SVG was
+        # silently not written, exit 0.
+        "svg-of-a-scheduler-run-with-arrivals",
+        lambda t: [
+            "explain",
+            str(_scenario(t, workload={"mode": "scheduler", "arrival_steps": [0, 0, 0, 0]})),
+            "--svg",
+            str(t / "p.svg"),
+        ],
+        "p.svg' is invalid: allowed no --svg for a scheduler-mode run with arrivals, drafts, "
+        "a store or aborts (judged per lookup as scheduled: the timeline is its picture)",
+    ),
+    _case(
         "shrink-out-under-a-file",
         lambda t: ["shrink", str(_scenario(t)), "--out", str(_file(t) / "r")],
         "--out",
@@ -293,7 +326,34 @@ CASES = [
         lambda t: ["import-crash", str(_file(t)), "--out", str(_file(t) / "r")],
         "--out",
     ),
+    _case(
+        "model-file-missing",
+        lambda t: _model_level(t, "no-such-model.json"),
+        "no-such-model.json' is invalid: allowed a readable file (No such file or directory)",
+    ),
+    _case(
+        "dcp-with-a-model",
+        lambda t: _model_level(
+            t, str(ROOT / "models" / "gpt-oss-20b-eagle3.json"), dcp_world_size=2
+        ),
+        "m.json: dcp_world_size = 2 is invalid: allowed 1 with a model (vLLM's planner is run "
+        "at one rank: give kv_cache_groups, with the sharded block sizes, for decode context "
+        "parallelism)",
+    ),
     _case("shrink-finding-is-a-string", lambda t: ["shrink", str(_finding_file(t))], "finding = "),
+    _case(
+        "scheduler-export-of-a-remote-store",
+        lambda t: _scheduler_export(t, connector={}),
+        "s.json: workload.connector = 'a remote store' is invalid: allowed null for a "
+        "scheduler-mode export (the store is kvfuzz's own connector, "
+        "differential/driver/connector.py, which a standalone test does not carry)",
+    ),
+    _case(
+        "scheduler-export-of-an-abort",
+        lambda t: _scheduler_export(t, abort_steps=[None, 3, None, None]),
+        "s.json: workload.abort_steps = [None, 3, None, None] is invalid: allowed null for a "
+        "scheduler-mode export (the exported test runs every request to its end)",
+    ),
     _case(
         "read-only-findings-folder",
         _read_only_findings,
@@ -503,3 +563,127 @@ def test_bootstrap_says_each_step(tmp_path: Path) -> None:
     assert "CPU torch (torch==2.13.0" in steps[2]
     assert proc.stderr.splitlines()[-1] == "kvfuzz: venv is ready"
     assert len((python.parent / "calls").read_text().splitlines()) == 7  # 6 pip calls, 1 import
+
+
+@pytest.mark.parametrize(
+    ("found", "why"),
+    [
+        ((), "this one shows no finding on unfixed, fixed"),
+        (
+            (FindingKind.KV_EVENTS, FindingKind.NEEDLESS_DROP),
+            "this one shows only kv-events, needless-drop, which an exported test does not "
+            "assert: replay the file instead",
+        ),
+    ],
+)
+def test_export_test_with_nothing_to_export_says_what_the_run_found(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    found: tuple[FindingKind, ...],
+    why: str,
+) -> None:
+    # It blamed a kv-events finding whatever the run found, none included.
+    import differential.compare
+    from differential.cli import main
+
+    findings = tuple(SimpleNamespace(kind=kind, request=None) for kind in found)
+    result = SimpleNamespace(
+        results=(
+            SimpleNamespace(variant=SimpleNamespace(name="unfixed"), findings=findings),
+            SimpleNamespace(variant=SimpleNamespace(name="fixed"), findings=()),
+        ),
+        findings=findings,
+    )
+    monkeypatch.setattr(differential.compare, "compare_variants", lambda *a, **k: result)
+    path = _scenario(tmp_path)
+    assert main(["export-test", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvfuzz: error: FINDING = '{path}' is invalid: allowed a scenario with a "
+        f"per-request finding to assert on hits; {why}\n"
+    )
+
+
+def test_a_request_aborted_before_admission_has_a_row_saying_so() -> None:
+    # Aborted at step 0, it has no lookup: its row was missing without a word.
+    from differential.compare import ScenarioResult, VariantResult
+    from differential.findings import Policy
+    from differential.observation import RequestObservation, RunObservation
+    from differential.reports.table import render_text
+    from differential.scenario import DriveMode, GroupKind, KVCacheGroup, Workload
+
+    scenario = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+        requests=(RequestSpec(64, 0), RequestSpec(64, 8)),
+        shared_prefix_tokens=64,
+        workload=Workload(mode=DriveMode.SCHEDULER, abort_steps=(0, None)),
+    )
+    reader = RequestObservation(
+        index=1,
+        prompt_tokens=72,
+        hit_tokens=0,
+        shared_prefix_boundary_tokens=0,
+        per_group_hit_tokens=(0,),
+        retained_blocks_per_group=(0,),
+        scheduled_step=1,
+    )
+    run = RunObservation(
+        variant="unfixed",
+        vllm_version="0.33.0",
+        settings=None,
+        requests=(reader,),
+        mode="scheduler",
+    )
+    (variant,) = parse_variants("unfixed")
+    result = ScenarioResult(
+        scenario, "s.json", Policy.VLLM, (VariantResult(variant, run, None, (), (), 0.0),)
+    )
+    rows = render_text([result], "0.33.0").splitlines()[4:6]
+    assert rows == [
+        "  unfixed      1          -         -         0         -  ok",
+        "  unfixed      0 aborted from step 0 before it was admitted",
+    ]
+
+
+def test_full_report_crashes_are_known_in_scheduler_mode_too() -> None:
+    # The scheduler makes the lookup inside Scheduler.schedule, so its crash
+    # names that call: the two known issues' labels read only the manager
+    # driver's get_computed_blocks, and scheduler-mode campaigns filed them new.
+    from differential.findings import Finding
+    from differential.scenario import DriveMode, GroupKind, KVCacheGroup, KVEvents, Workload
+    from differential.triage.known import label_known
+
+    def crash(error: str, where: str) -> Finding:
+        detail = f"step 2: schedule: Scheduler.schedule: {error} [raised in {where}]"
+        return Finding(FindingKind.CRASH, "unfixed", 0, detail)
+
+    dcp = Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.MLA, 512),),
+        requests=(RequestSpec(2000, 0), RequestSpec(2000, 0)),
+        shared_prefix_tokens=2000,
+        prefill_chunk_tokens=1024,
+        dcp_world_size=8,
+        workload=Workload(mode=DriveMode.SCHEDULER, kv_events=KVEvents.FULL),
+    )
+    assertion = crash("AssertionError: ", "resolve_block_hashes (vllm/v1/core/kv_cache_utils.py)")
+    (labelled,) = label_known(dcp, [assertion])
+    assert labelled.known_issue == "kv-events-full-report-dcp-block-size"
+    partial = Scenario(
+        kv_cache_groups=(
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 64),
+            KVCacheGroup(GroupKind.MAMBA, 64),
+        ),
+        requests=(RequestSpec(100, 0), RequestSpec(100, 0)),
+        shared_prefix_tokens=100,
+        hash_block_size_tokens=16,
+        workload=Workload(mode=DriveMode.SCHEDULER, kv_events=KVEvents.FULL),
+    )
+    index = crash(
+        "IndexError: list index out of range",
+        "BlockHashListWithBlockSize._get_value_at (vllm/v1/core/kv_cache_utils.py)",
+    )
+    (labelled,) = label_known(partial, [index])
+    assert labelled.known_issue == "kv-events-full-report-partial-hit"
+    # Another scheduler-mode crash stays new.
+    other = crash("RuntimeError: scheduled nothing for 64 steps", "Scheduler.schedule")
+    assert label_known(dcp, [other])[0].known_issue is None

@@ -9,13 +9,18 @@ import pytest
 from differential.errors import ScenarioError
 from differential.oracle import common_prefix_tokens
 from differential.scenario import (
+    ConnectorStore,
     Drafter,
     DrafterKind,
+    DriveMode,
     GroupKind,
     KVCacheGroup,
+    MultiModalInput,
     RequestSpec,
     Scenario,
+    Workload,
 )
+from fuzz.minimize import _drop_requests
 from tests.factories import CORPORA, hybrid, triton
 
 
@@ -258,3 +263,148 @@ def test_drafter_default_is_none() -> None:
     data = triton().to_dict()
     del data["drafter"]
     assert Scenario.from_dict(data).drafter == Drafter(DrafterKind.NONE, 0)
+
+
+def test_an_unknown_field_of_a_nullable_object_lists_its_known_fields() -> None:
+    # workload.connector is an object or null: the known fields are the object's.
+    data = triton().to_dict()
+    data["kv_connector"] = True
+    data["workload"] = {"mode": "scheduler", "connector": {"lod": "sync"}}
+    with pytest.raises(ScenarioError) as info:
+        Scenario.from_dict(data)
+    assert str(info.value) == (
+        "workload.connector.lod = 'sync' is invalid: allowed no such field; known fields: "
+        "divergent_hybrid_hits, failed_loads, load, prefix_caching"
+    )
+
+
+def _aborting(aborts: tuple[int | None, ...]) -> Scenario:
+    """FA 16, scheduler mode: a writer and two readers, the given abort steps."""
+    return Scenario(
+        kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+        requests=(RequestSpec(64, 0), RequestSpec(64, 8), RequestSpec(64, 8)),
+        shared_prefix_tokens=64,
+        workload=Workload(mode=DriveMode.SCHEDULER, abort_steps=aborts),
+    )
+
+
+def test_abort_steps_of_nulls_only_are_refused_and_the_shrinker_writes_null() -> None:
+    # A list that aborts nothing would turn a sequential run's exact judgment
+    # off (it is judged per lookup as scheduled): it is written null.
+    with pytest.raises(ScenarioError) as info:
+        _aborting((None, None, None))
+    assert str(info.value) == (
+        "workload.abort_steps = [None, None, None] is invalid: allowed null or a list with "
+        "at least one step (a list of nulls aborts nothing: write null)"
+    )
+    dropped = dict(_drop_requests(_aborting((None, None, 3))))["drop request 2"]
+    assert dropped is not None and dropped.workload.abort_steps is None
+    assert dropped.workload.sequential
+
+
+def test_a_pool_must_hold_the_longest_request_with_its_decoded_tokens() -> None:
+    # FA 16: a 64-token prompt and 40 decode steps compute 104 tokens, 7
+    # blocks, plus the null block. A pool of 6 passed (the prompt's 4 blocks)
+    # and then ran out mid-decode (manager mode) or never scheduled the
+    # request, reported as a vLLM crash (scheduler mode).
+    def scenario(pool: int) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+            requests=(RequestSpec(64, 0),),
+            shared_prefix_tokens=64,
+            decode_steps=40,
+            workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=pool),
+        )
+
+    assert scenario(8).workload.pool_blocks == 8
+    with pytest.raises(ScenarioError) as info:
+        scenario(7)
+    assert str(info.value) == (
+        "workload.pool_blocks = 7 is invalid: allowed null or at least 8 blocks (the null "
+        "block, the longest prompt of 64 tokens and its 40 decoded tokens in each "
+        "full-attention group's blocks, one block per other group)"
+    )
+
+
+def test_divergent_hybrid_hits_need_a_mamba_hybrid() -> None:
+    # vLLM reads the flag only on Mamba hybrids with full attention: elsewhere
+    # it silently did nothing.
+    with pytest.raises(ScenarioError) as info:
+        Scenario(
+            kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+            requests=(RequestSpec(64, 0), RequestSpec(64, 8)),
+            shared_prefix_tokens=64,
+            kv_connector=True,
+            workload=Workload(
+                mode=DriveMode.SCHEDULER, connector=ConnectorStore(divergent_hybrid_hits=True)
+            ),
+        )
+    assert str(info.value) == (
+        "workload.connector.divergent_hybrid_hits = True is invalid: allowed false for a "
+        "model without mamba groups beside a full_attention or mla group (vLLM shows a "
+        "connector divergent hits on such Mamba hybrids only)"
+    )
+
+
+def test_the_generator_draws_no_divergent_hybrid_hits_without_full_attention() -> None:
+    # A Mamba-only layout's store drew divergent hits, which the rule above
+    # refuses: a scheduler-mode campaign on Mamba layouts stopped with exit 3.
+    from hypothesis import HealthCheck, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    from fuzz.strategies import _connector_stores
+
+    quick = settings(
+        max_examples=200,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    with pytest.raises(NoSuchExample):
+        find(
+            _connector_stores(3, True, False),
+            lambda c: bool(c and c.divergent_hybrid_hits),
+            settings=quick,
+        )
+    assert find(
+        _connector_stores(3, True, True),
+        lambda c: bool(c and c.divergent_hybrid_hits),
+        settings=quick,
+    )
+
+
+@pytest.mark.parametrize(
+    ("offset", "suffix", "message"),
+    [
+        (
+            200,
+            84,
+            "requests[0].mm_inputs[0].suffix_offset_tokens = 200 is invalid: allowed 0..83 "
+            "(an image starts among the request's 84 own tokens)",
+        ),
+        (
+            80,
+            84,
+            "requests[0].mm_inputs[0].length_tokens = 40 is invalid: allowed at most 4 (an "
+            "image lies among the request's 84 own tokens)",
+        ),
+        (
+            0,
+            0,
+            "requests[0].mm_inputs = '1 image(s)' is invalid: allowed [] when suffix_tokens "
+            "is 0 (an image lies among the request's own tokens)",
+        ),
+    ],
+)
+def test_an_image_past_the_own_tokens_names_its_offset(
+    offset: int, suffix: int, message: str
+) -> None:
+    # An offset past the request's own tokens blamed the length ("at most 0").
+    image = MultiModalInput(suffix_offset_tokens=offset, length_tokens=40, identifier="cat")
+    with pytest.raises(ScenarioError) as info:
+        Scenario(
+            kv_cache_groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, 16),),
+            requests=(RequestSpec(16, suffix, mm_inputs=(image,)),),
+            shared_prefix_tokens=16,
+        )
+    assert str(info.value) == message
