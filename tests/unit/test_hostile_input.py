@@ -228,7 +228,9 @@ CASES = [
         "expect-misspelt-kind",
         lambda t: [
             "replay",
-            str(_scenario(t, expect={"findings": {"unfixed": ["fallback@1", "fallbak@1"]}})),
+            # relative to the cwd: a long temporary path would elide the
+            # message's middle (it lists every finding kind)
+            _scenario(t, expect={"findings": {"unfixed": ["fallback@1", "fallbak@1"]}}).name,
         ],
         "expect.findings.unfixed[1] = 'fallbak@1' is invalid: allowed 'kind@N' (N a request "
         "index) or 'kind@run', kind one of wrong-output, wrong-kv, over-hit",
@@ -596,10 +598,11 @@ def test_export_test_with_nothing_to_export_says_what_the_run_found(
         findings=findings,
     )
     monkeypatch.setattr(differential.compare, "compare_variants", lambda *a, **k: result)
-    path = _scenario(tmp_path)
-    assert main(["export-test", str(path)]) == 2
+    _scenario(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a short path: long values are elided in the message
+    assert main(["export-test", "s.json"]) == 2
     assert capsys.readouterr().err == (
-        f"kvfuzz: error: FINDING = '{path}' is invalid: allowed a scenario with a "
+        "kvfuzz: error: FINDING = 's.json' is invalid: allowed a scenario with a "
         f"per-request finding to assert on hits; {why}\n"
     )
 
