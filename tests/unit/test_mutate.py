@@ -333,14 +333,17 @@ def test_a_scenario_digest_changes_with_the_scenario() -> None:
     assert scenario_digest(other) != scenario_digest(scenario)
 
 
+@pytest.mark.parametrize("record", ["mutation-run.json", "mutation-side-by-side-run.json"])
 def test_the_recorded_run_draws_the_scenarios_its_command_draws_today(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, record: str
 ) -> None:
-    """docs/mutation-run.json must be the run its documented command makes on
-    today's code: the same corpus files and campaign scenarios, byte for byte
-    (by digest). A corpus or generator change that draws other scenarios
-    fails here: rerun the command in docs/mutation-report.md."""
-    recorded = json.loads((ROOT / "docs" / "mutation-run.json").read_text())
+    """docs/mutation-run.json (the 60-mutant score) and
+    docs/mutation-side-by-side-run.json (the 120 mutants beside vLLM's tests)
+    must be the runs their documented commands make on today's code: the same
+    corpus files and campaign scenarios, byte for byte (by digest). A corpus
+    or generator change that draws other scenarios fails here: rerun the
+    commands in docs/mutation-report.md."""
+    recorded = json.loads((ROOT / "docs" / record).read_text())
     command = recorded["command"]
     monkeypatch.chdir(ROOT)  # corpus files are named by their path as given
     drawn = draw_scenarios(command["paths"], recorded["seed"], command["campaign_examples"])
@@ -351,9 +354,7 @@ def test_the_recorded_run_draws_the_scenarios_its_command_draws_today(
         for (name, scenario), digest in zip(drawn, recorded["scenario_sha256"], strict=True)
         if scenario_digest(scenario) != digest
     ]
-    assert changed == [], (
-        f"{len(changed)} scenarios differ from docs/mutation-run.json; regenerate it"
-    )
+    assert changed == [], f"{len(changed)} scenarios differ from docs/{record}; regenerate it"
     # The documented command is the one recorded.
     report = (ROOT / "docs" / "mutation-report.md").read_text()
     assert (
