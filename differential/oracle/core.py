@@ -210,6 +210,48 @@ def _dense_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]]:
     return rows
 
 
+def _junction_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]] | None:
+    """Row ``j``: the hit, in tokens, that the first full-attention-family
+    group alone gives request ``j`` on each earlier writer ``i`` (``None``
+    for a layout without one), computed once per scenario and model.
+
+    It is where vLLM pins a request's shared-prefix junction:
+    ``HybridKVCacheCoordinator.find_longest_cache_hit`` puts full attention
+    first (``verify_and_split_kv_cache_groups`` sorts it there), so the
+    longest hit it records is that group's own, and
+    ``KVCacheManager.get_computed_blocks`` returns ``shared_prefix_boundary
+    = hit + num_uncached = longest hit`` (vllm/v1/core/kv_cache_coordinator.py,
+    vllm/v1/core/kv_cache_manager.py). Full attention keeps every block, so
+    its hit on a dense cache is its hit on the real one. A group needing a
+    block past the divergence (a sliding-window block larger than full
+    attention's, under the drop) makes the combined dense hit lower than the
+    junction."""
+    first = next(
+        (i for i, g in enumerate(scenario.kv_cache_groups) if g.kind.full_attention_family),
+        None,
+    )
+    if first is None:
+        return None
+    memo = scenario_memo(scenario)
+    rows: list[list[int]] | None = memo.get(("junction_rows", model))
+    if rows is not None:
+        return rows
+    alignment, groups = _dense_plan(scenario, model, None)
+    plan = (alignment, (groups[first],))
+    lengths = [r.prompt_tokens for r in scenario.requests]
+    extents = [writer_extent(scenario, model, i) for i in range(len(lengths))]
+    lookahead = model.hash_lookahead_tokens
+    rows = [
+        [
+            _planned_dense_hit(plan, extents[i], lookahead, lengths[j] - 1, shared)
+            for i, shared in enumerate(shared_row)
+        ]
+        for j, shared_row in enumerate(shared_prefixes(scenario))
+    ]
+    memo[("junction_rows", model)] = rows
+    return rows
+
+
 def writer_extent(scenario: Scenario, model: DrafterModel, writer: int) -> tuple[int, int, int]:
     """``(cached, computed, hashed)``, in tokens: how far ``writer``'s blocks
     reach when it is freed, from first principles.
@@ -440,6 +482,11 @@ class SiblingReference:
             when nothing is owed).
         checkpoints: the promised checkpoints at or below ``h_dense`` across
             all writers, in tokens, sorted.
+        junction_tokens: where the request pins its shared-prefix junction
+            when its own hit falls short of it, in tokens: the longest
+            single-group hit (:func:`_junction_rows`), at least ``h_dense``;
+            0 where not modelled (state groups, judged by
+            :mod:`differential.oracle.state`).
     """
 
     index: int
@@ -448,6 +495,7 @@ class SiblingReference:
     expected_tokens: int
     writer: int | None
     checkpoints: tuple[int, ...]
+    junction_tokens: int = 0
 
 
 def references(
@@ -460,8 +508,9 @@ def references(
     """Reference values for every request whose hit was observed.
 
     ``observed_hits`` decides which writers pinned a junction: a request pins
-    its dense hit as a junction when its own hit fell short of it (vLLM
-    ``KVCacheManager.get_computed_blocks``). ``writers`` (per request, the
+    one where its first full-attention group alone hits (its dense hit on a
+    layout without one) when its own hit fell short of that (vLLM
+    ``KVCacheManager.get_computed_blocks``, :func:`_junction_rows`). ``writers`` (per request, the
     earlier requests that had finished and been freed when it looked up;
     default: every earlier one, a sequential run) limits whose cached blocks
     a request is owed. A scenario with state groups (Mamba) is judged by
@@ -477,6 +526,7 @@ def references(
     # (the first writer owed the most is kept).
     shared_rows = shared_prefixes(scenario)
     dense_rows = _dense_rows(scenario, model)
+    junction_rows = _junction_rows(scenario, model)
     lengths = [r.prompt_tokens for r in scenario.requests]
     pins_junctions = scenario.pins_junctions
     promised: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
@@ -507,12 +557,17 @@ def references(
             if owed > best_expected or best_writer is None:
                 best_expected, best_writer = owed, i
         dense_by_request.append(best_dense)
-        # A request pins its dense hit as a junction when its own hit fell
-        # short of it, on layouts where vLLM reports an uncached common
-        # prefix (Scenario.pins_junctions: not a single group or a single
-        # attention type, UnitaryKVCacheCoordinator reports nothing).
-        pins = pins_junctions and observed_hits[j] < best_dense
-        junctions.append(best_dense if pins else 0)
+        # A request pins a junction when its own hit fell short of the
+        # longest single-group hit, on layouts where vLLM reports an
+        # uncached common prefix (Scenario.pins_junctions: not a single group
+        # or a single attention type, UnitaryKVCacheCoordinator reports
+        # nothing): full attention's own hit (_junction_rows), else the
+        # dense hit.
+        junction = best_dense
+        if junction_rows is not None:
+            junction = max([junction, *(junction_rows[j][i] for i in chosen)])
+        pins = pins_junctions and observed_hits[j] < junction
+        junctions.append(junction if pins else 0)
         out.append(
             SiblingReference(
                 index=j,
@@ -521,6 +576,7 @@ def references(
                 expected_tokens=best_expected,
                 writer=best_writer,
                 checkpoints=tuple(sorted(points)),
+                junction_tokens=junction,
             )
         )
     return tuple(out)

@@ -129,18 +129,20 @@ def _unit_below_retained_boundary(
         # the sliding-window groups from dropping, not the mechanism).
         return False
     index = finding.request
-    # Junctions depend on earlier hits: a request pins its dense hit when its
-    # own hit fell short of it. Without the run's hits, any earlier request may
-    # have, so both the pinned and the unpinned writer count.
-    dense = [r.dense_tokens for r in references(scenario, model, [0] * index)]
+    # Junctions depend on earlier hits: a request pins its longest
+    # single-group hit when its own hit fell short of it. Without the run's
+    # hits, any earlier request may have, so both the pinned and the unpinned
+    # writer count.
+    refs = references(scenario, model, [0] * index)
     shared_row = shared_prefixes(scenario)[index]
     literal: set[int] = set()
     for writer in range(index):
         shared = shared_row[writer]
         if dense_hit(scenario, model, index, writer, shared) < expected:
             continue  # this writer's data cannot serve the sibling there at all
-        pinned = hits is None or hits[writer] < dense[writer]
-        junctions = {0, dense[writer]} if scenario.pins_junctions and pinned else {0}
+        pinned_at = refs[writer].junction_tokens
+        pinned = hits is None or hits[writer] < pinned_at
+        junctions = {0, pinned_at} if scenario.pins_junctions and pinned else {0}
         # A writer keeps its own boundaries only where it computed blocks,
         # at or above its own hit (unknown without the run: 0).
         writer_hit = 0 if hits is None else hits[writer]

@@ -6,7 +6,7 @@ import pytest
 
 from differential.scenario import DrafterKind, RequestSpec
 from differential.variants import parse_variants
-from tests.factories import triton
+from tests.factories import ROOT, triton
 
 pytestmark = pytest.mark.vllm
 
@@ -111,6 +111,29 @@ def test_observation_details_triton() -> None:
     widened = run_variant(triton(), fixed)
     assert base.requests[0].retained_blocks_per_group == (514, 132)
     assert widened.requests[0].retained_blocks_per_group == (514, 136)
+
+
+def test_the_junction_vllm_pins_is_full_attentions_own_hit() -> None:
+    # FA 8 beside sliding-window groups of block 32 under the drop: request 1
+    # shares 479 tokens, so full attention alone matches 59 blocks (472),
+    # drops one (464) and aligns to 448, while the 32-token groups need a
+    # peek block past the divergence: the dense hit is 416. vLLM pins the
+    # longest single-group hit, 448, as the oracle now models.
+    from differential.corpus import load_entry
+    from differential.driver import run_variant
+    from differential.oracle import drafter_model, references
+
+    path = ROOT / "corpora/regressions/junction-at-full-attention-hit-swa32-above-fa8.json"
+    scenario = load_entry(path).scenario
+    (unfixed,) = parse_variants("unfixed")
+    run = run_variant(scenario, unfixed)
+    assert [r.hit_tokens for r in run.requests] == [0, 0, 0]
+    assert [r.shared_prefix_boundary_tokens for r in run.requests] == [0, 448, 384]
+    refs = references(scenario, drafter_model(scenario), [0, 0, 0])
+    assert [(r.dense_tokens, r.junction_tokens) for r in refs] == [(0, 0), (416, 448), (384, 384)]
+    # Through the junction at 448 request 2 (416 tokens, dense 384) is owed
+    # nothing: 448 and 416 are above its dense hit.
+    assert refs[2].expected_tokens == 0
 
 
 def test_dense_cross_check_run_uses_no_retention() -> None:
