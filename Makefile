@@ -19,6 +19,6 @@ replay: setup
 test: setup
 	@$(VENV)/bin/ruff check differential fuzz tests benchmarks
 	@$(VENV)/bin/mypy
-	@KVFUZZ_REQUIRE_VLLM=1 KVFUZZ_REQUIRE_RELEASES=1 $(VENV)/bin/python -m pytest -n 2 || { rc=$$?; \
+	@KVFUZZ_REQUIRE_VLLM=1 KVFUZZ_REQUIRE_RELEASES=1 $(VENV)/bin/python -m pytest -n 2 --dist worksteal || { rc=$$?; \
 	    if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): nothing to fail"; \
 	    else exit $$rc; fi; }
