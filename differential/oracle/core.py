@@ -241,13 +241,19 @@ def _junction_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]] |
     lengths = [r.prompt_tokens for r in scenario.requests]
     extents = [writer_extent(scenario, model, i) for i in range(len(lengths))]
     lookahead = model.hash_lookahead_tokens
-    rows = [
-        [
-            _planned_dense_hit(plan, extents[i], lookahead, lengths[j] - 1, shared)
-            for i, shared in enumerate(shared_row)
-        ]
-        for j, shared_row in enumerate(shared_prefixes(scenario))
-    ]
+    seen: dict[tuple[int, int, int], int] = {}  # as in _dense_rows
+    rows = []
+    for j, shared_row in enumerate(shared_prefixes(scenario)):
+        row = []
+        for i, shared in enumerate(shared_row):
+            key = (lengths[j], lengths[i], shared)
+            h = seen.get(key)
+            if h is None:
+                h = seen[key] = _planned_dense_hit(
+                    plan, extents[i], lookahead, lengths[j] - 1, shared
+                )
+            row.append(h)
+        rows.append(row)
     memo[("junction_rows", model)] = rows
     return rows
 
