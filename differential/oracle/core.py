@@ -189,8 +189,21 @@ def _dense_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]]:
     rows: list[list[int]] | None = memo.get(("dense_rows", model))
     if rows is not None:
         return rows
+    rows = _hit_rows(scenario, model, _dense_plan(scenario, model, None))
+    memo[("dense_rows", model)] = rows
+    return rows
+
+
+def _hit_rows(
+    scenario: Scenario,
+    model: DrafterModel,
+    plan: tuple[int, tuple[tuple[int, int | None, bool, bool], ...]],
+) -> list[list[int]]:
+    """Row ``j``: :func:`_planned_dense_hit` of ``plan`` for request ``j`` on
+    each earlier writer ``i``, in tokens. It reads the two requests only
+    through their prompt lengths, so equal (lengths, shared prefix) share one
+    evaluation."""
     lengths = [r.prompt_tokens for r in scenario.requests]
-    plan = _dense_plan(scenario, model, None)
     extents = [writer_extent(scenario, model, i) for i in range(len(lengths))]
     lookahead = model.hash_lookahead_tokens
     seen: dict[tuple[int, int, int], int] = {}
@@ -206,7 +219,6 @@ def _dense_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]]:
                 )
             row.append(h)
         rows.append(row)
-    memo[("dense_rows", model)] = rows
     return rows
 
 
@@ -237,23 +249,7 @@ def _junction_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]] |
     if rows is not None:
         return rows
     alignment, groups = _dense_plan(scenario, model, None)
-    plan = (alignment, (groups[first],))
-    lengths = [r.prompt_tokens for r in scenario.requests]
-    extents = [writer_extent(scenario, model, i) for i in range(len(lengths))]
-    lookahead = model.hash_lookahead_tokens
-    seen: dict[tuple[int, int, int], int] = {}  # as in _dense_rows
-    rows = []
-    for j, shared_row in enumerate(shared_prefixes(scenario)):
-        row = []
-        for i, shared in enumerate(shared_row):
-            key = (lengths[j], lengths[i], shared)
-            h = seen.get(key)
-            if h is None:
-                h = seen[key] = _planned_dense_hit(
-                    plan, extents[i], lookahead, lengths[j] - 1, shared
-                )
-            row.append(h)
-        rows.append(row)
+    rows = _hit_rows(scenario, model, (alignment, (groups[first],)))
     memo[("junction_rows", model)] = rows
     return rows
 
