@@ -238,36 +238,33 @@ def _vllm_config(
             config._set_max_num_scheduled_tokens,
         )
     store = workload.connector
-    if scenario.kv_connector and store is None:
-        object.__setattr__(
-            config,
-            "kv_transfer_config",
-            vllm_call(
-                "KVTransferConfig",
-                KVTransferConfig,
-                kv_connector="EmptyRemoteConnector",
-                kv_connector_module_path="differential.driver.connector",
-                kv_role="kv_both",
-            ),
-        )
-    elif store is not None:
-        object.__setattr__(
-            config,
-            "kv_transfer_config",
-            vllm_call(
-                "KVTransferConfig",
-                KVTransferConfig,
-                kv_connector="RemoteStoreConnector",
-                kv_connector_module_path="differential.driver.connector",
-                kv_role="kv_both",
-                # A cache tier's lost copy is recomputed, not an error.
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config={
+    if scenario.kv_connector or store is not None:
+        # An external connector with an empty remote store, or with a store
+        # keeping what requests computed (workload.connector); a cache tier's
+        # lost copy is recomputed, not an error.
+        stored: dict[str, Any] = (
+            {}
+            if store is None
+            else {
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
                     "load": store.load.value,
                     "divergent_hybrid_hits": store.divergent_hybrid_hits,
                     "lookup_unit_tokens": scenario.effective_hit_alignment_tokens,
                     "hash_block_tokens": scenario.effective_hash_block_size_tokens,
                 },
+            }
+        )
+        object.__setattr__(
+            config,
+            "kv_transfer_config",
+            vllm_call(
+                "KVTransferConfig",
+                KVTransferConfig,
+                kv_connector="EmptyRemoteConnector" if store is None else "RemoteStoreConnector",
+                kv_connector_module_path="differential.driver.connector",
+                kv_role="kv_both",
+                **stored,
             ),
         )
     return config
