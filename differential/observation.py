@@ -116,6 +116,8 @@ def runs_of(tokens: list[int] | tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
     Lossless (:func:`tokens_of` inverts it); kvfuzz's prompts and answers
     are runs of consecutive ids, so a block's tokens take a few pairs."""
+    if tokens and list(tokens) == list(range(tokens[0], tokens[0] + len(tokens))):
+        return ((tokens[0], len(tokens)),)  # one run, checked in C
     runs: list[list[int]] = []
     for token in tokens:
         if runs and runs[-1][0] + runs[-1][1] == token:

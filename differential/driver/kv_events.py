@@ -21,7 +21,6 @@ prefix each label's hash stands for, read off vLLM's own
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,7 +56,10 @@ class EventRecorder:
         # drain reads the whole cache.
         self._keys: dict[Any, tuple[int, int]] = {}
         self.steps: list[KVEventStep] = []
-        self.pool: Counter[tuple[int, int]] = Counter()
+        # The cache at the last snapshot: blocks per cache key, and per
+        # (group, label) (positive counts only).
+        self._blocks: dict[Any, int] = {}
+        self.pool: dict[tuple[int, int], int] = {}
         # Since the last drain: the lookups made and, per lookup, the span of
         # the event queue its call appended.
         self.lookups: list[KVEventLookup] = []
@@ -117,22 +119,46 @@ class EventRecorder:
     def snapshot(self) -> tuple[tuple[int, int, int], ...]:
         """The cache's entries whose block count changed since the last
         snapshot, as ``(group, label, blocks)``, in sorted order."""
-        now: Counter[tuple[int, int]] = Counter()
         cache = self.manager.block_pool.cached_block_hash_to_block._cache
+        blocks = {key: len(value) if isinstance(value, dict) else 1 for key, value in cache.items()}
+        before = self._blocks
+        self._blocks = blocks
+        # The keys whose block count changed (compared in C, not key by key).
+        moved = {key for key, _ in blocks.items() ^ before.items()}
+        if not moved:
+            return ()
         keys = self._keys
-        for key, value in cache.items():
-            entry = keys.get(key)
-            if entry is None:
-                hashed = maybe_convert_block_hash(get_block_hash(key))
-                entry = keys[key] = (get_group_id(key), self.label(hashed))
-            now[entry] += len(value) if isinstance(value, dict) else 1
-        changed = sorted(
-            (group, label, now.get((group, label), 0))
-            for group, label in set(now) | set(self.pool)
-            if now.get((group, label), 0) != self.pool.get((group, label), 0)
+        fresh = [key for key in moved if key not in keys]
+        if fresh:
+            converted = {key: maybe_convert_block_hash(get_block_hash(key)) for key in fresh}
+            unlabelled = {key for key, hashed in converted.items() if hashed not in self.labels}
+            if len(unlabelled) > 1:
+                # New labels are numbered in the cache's order, as a full scan
+                # would meet them (the set above has no stable order).
+                fresh = [key for key in blocks if key in unlabelled] + [
+                    key for key in fresh if key not in unlabelled
+                ]
+            for key in fresh:
+                keys[key] = (get_group_id(key), self.label(converted[key]))
+        pool = self.pool
+        prior: dict[tuple[int, int], int] = {}
+        for key in moved:
+            entry = keys[key]
+            count = pool.get(entry, 0)
+            prior.setdefault(entry, count)
+            count += blocks.get(key, 0) - before.get(key, 0)
+            if count:
+                pool[entry] = count
+            else:
+                pool.pop(entry, None)
+        # An entry whose keys' changes cancel out has not changed.
+        return tuple(
+            sorted(
+                (group, label, pool.get((group, label), 0))
+                for (group, label), count in prior.items()
+                if pool.get((group, label), 0) != count
+            )
         )
-        self.pool = now
-        return tuple(changed)
 
     def _event(self, event: Any, lookup: int | None) -> KVEvent:
         name = type(event).__name__
@@ -162,8 +188,12 @@ class EventRecorder:
         """The run's log; ``requests`` are vLLM's ``Request`` objects of the
         run, in scenario order (their block hashes name the labels' prefixes)."""
         prefixes: dict[int, tuple[int, int]] = {}
+        seen: set[Any] = set()  # requests share prefixes: convert each hash once
         for index, request in enumerate(requests):
             for k, block_hash in enumerate(request.block_hashes):
+                if block_hash in seen:
+                    continue
+                seen.add(block_hash)
                 label = self.labels.get(maybe_convert_block_hash(block_hash))
                 if label is not None and label not in prefixes:
                     prefixes[label] = (index, (k + 1) * self.hash_block_size)

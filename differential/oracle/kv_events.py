@@ -70,11 +70,12 @@ the rest.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import KVEvent, KVEventLog, KVEventLookup, RunObservation, tokens_of
+from differential.oracle.prefix import common_prefix_tokens
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
 
 __all__ = ["RULES", "SPEC_KIND", "kv_event_findings", "kv_event_rule"]
@@ -117,15 +118,10 @@ class _Judge:
     def shared(self, a: int, b: int) -> int:
         """Common prefix of two requests' token sequences, in tokens."""
         key = (min(a, b), max(a, b))
-        if key not in self.common:
-            x, y = self.sequences[a], self.sequences[b]
-            n = 0
-            for p, q in zip(x, y, strict=False):
-                if p != q:
-                    break
-                n += 1
-            self.common[key] = n
-        return self.common[key]
+        n = self.common.get(key)
+        if n is None:
+            n = self.common[key] = common_prefix_tokens(self.sequences[a], self.sequences[b])
+        return n
 
     def names(self, label: int, request: int, tokens: int) -> bool:
         """Whether hash ``label`` is the hash of ``request``'s first ``tokens`` tokens."""
@@ -195,8 +191,19 @@ class _Judge:
         ends = [start + size * (k + 1) for k in range(len(tokens) // size)]
         dense = group.kind.full_attention_family or size != group.block_size_tokens
         last = start
+        boundaries = set(ends)
         for k, label in enumerate(event.hashes):
-            fits = [n for n in ends if n > last and self.names(label, owner, n)]
+            # The first block boundary after the last whose prefix ``label``
+            # names: ``names`` holds for one length at most, its own.
+            named = self.log.prefixes.get(label)
+            fits = (
+                [named[1]]
+                if named is not None
+                and named[1] > last
+                and named[1] in boundaries
+                and self.names(label, owner, named[1])
+                else []
+            )
             if not fits or (dense and fits[0] != ends[k]):
                 self.breach(
                     "stored",
@@ -269,8 +276,10 @@ class _Judge:
 
     def run(self) -> None:
         groups = len(self.scenario.kv_cache_groups)
-        replay: Counter[tuple[int, int]] = Counter()
-        pool: Counter[tuple[int, int]] = Counter()
+        # Block counts per (group, label), positive counts only, so that
+        # comparing the two is one dict comparison.
+        replay: dict[tuple[int, int], int] = {}
+        pool: dict[tuple[int, int], int] = {}
         for step in self.log.steps:
             emitted: dict[int, list[KVEvent]] = defaultdict(list)
             for event in step.events:
@@ -292,7 +301,8 @@ class _Judge:
                 if event.kind == "removed":
                     for label in event.hashes:
                         key = (event.group, label)
-                        if replay[key] <= 0:
+                        held = replay.get(key, 0)
+                        if held <= 0:
                             self.breach(
                                 "removed",
                                 None,
@@ -300,20 +310,26 @@ class _Judge:
                                 "hash no earlier BlockStored of that group announced (or all "
                                 "its blocks already removed)",
                             )
+                        elif held == 1:
+                            del replay[key]
                         else:
-                            replay[key] -= 1
+                            replay[key] = held - 1
                     continue
                 self.stored(step.step, event)
                 for label in event.hashes:
-                    replay[(event.group, label)] += 1
+                    key = (event.group, label)
+                    replay[key] = replay.get(key, 0) + 1
             for index, lookup in enumerate(step.lookups):
                 self.lookup(step.step, lookup, emitted.pop(index, []))
             for group, label, blocks in step.pool:
-                pool[(group, label)] = blocks
-            self.compare(step.step, +replay, +pool)
+                if blocks > 0:
+                    pool[(group, label)] = blocks
+                else:
+                    pool.pop((group, label), None)
+            self.compare(step.step, replay, pool)
 
     def compare(
-        self, step: int, replay: Counter[tuple[int, int]], pool: Counter[tuple[int, int]]
+        self, step: int, replay: dict[tuple[int, int], int], pool: dict[tuple[int, int], int]
     ) -> None:
         if replay == pool:
             return
