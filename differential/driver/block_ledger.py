@@ -62,6 +62,12 @@ class BlockLedger:
         self._state_groups = {
             gid for gid, m in enumerate(self._managers) if isinstance(m, MambaManager)
         }
+        # (group, manager, block size in tokens) of the attention groups.
+        self._attention = [
+            (gid, m, self._block_sizes[gid])
+            for gid, m in enumerate(self._managers)
+            if gid not in self._state_groups
+        ]
         # block id -> [group, writer request index, writer block index, filled tokens]
         self._filled: dict[int, list[int]] = {}
         # request index -> vLLM request id, for the writers recorded above
@@ -199,9 +205,7 @@ class BlockLedger:
         they are found by identity at C speed: a step costs O(table length)."""
         null_id = self._null_id
         tables = self._tables.setdefault(request_index, [])
-        for gid, manager in enumerate(self._managers):
-            if gid in self._state_groups:
-                continue
+        for gid, manager, _size in self._attention:
             ids = list(map(id, manager.req_to_blocks.get(request_id, ())))
             n = len(ids)
             nulls = ids.count(null_id)
@@ -261,61 +265,71 @@ class BlockLedger:
         filled = self._filled
         records = self._records
         self._request_ids[request_index] = request_id
-        for gid, manager in enumerate(self._managers):
-            if gid in self._state_groups:
+        last_block = end_tokens - 1
+        for gid, manager, size in self._attention:
+            table = manager.req_to_blocks.get(request_id)
+            if not table:
                 continue
-            size = self._block_sizes[gid]
-            table = manager.req_to_blocks.get(request_id, ())
             # A fine-grained partial hit is redirected to a private copy-on-write
             # block (SingleTypeKVCacheManager._apply_cow): it holds one extra
             # reference until the worker has copied the shared block into it.
-            cow = {
-                dst.block_id: src.block_id
-                for src, dst in getattr(manager, "_pending_cow_copies", ())
-            }
+            pending = getattr(manager, "_pending_cow_copies", None)
+            cow = {dst.block_id: src.block_id for src, dst in pending} if pending else None
             first = start_tokens // size
-            for k, block in enumerate(table[first : (end_tokens - 1) // size + 1], first):
-                if block.is_null and (k + 1) * size <= start_tokens + loaded_tokens:
+            for k, block in enumerate(table[first : last_block // size + 1], first):
+                null = block.is_null
+                if null and (k + 1) * size <= computed_from:
                     continue  # a connector's load skips it
                 block_id = block.block_id
                 records.pop(block_id, None)  # written below (or null, never recorded)
                 rec = filled.get(block_id)
+                copied = cow is not None and block_id in cow
                 if (
-                    block_id in cow
-                    and cow[block_id] in filled
+                    copied
+                    and cow[block_id] in filled  # type: ignore[index]
                     and (rec is None or rec[:3] != [gid, request_index, k])
                 ):
                     # The copy holds the hit tokens before this step: the
                     # request's own tokens (it matched them), written by it,
                     # whatever the block held before it was freed and reused.
-                    filled[block_id] = [gid, request_index, k, max(0, start_tokens - k * size)]
+                    rec = filled[block_id] = [
+                        gid,
+                        request_index,
+                        k,
+                        max(0, start_tokens - k * size),
+                    ]
                 overwrites = bool(cached_before) and (
                     max(start_tokens, k * size) < cached_before.get(block_id, 0)
                 )
-                holders = block.ref_cnt - (1 if block_id in cow else 0)
-                rec = filled.get(block_id)
+                ref_cnt = block.ref_cnt
                 held_by = (
                     None
                     if rec is None or rec[1] == request_index
                     else self._held_by_other(block, rec, request_index)
                 )
-                if holders != 1 or block.is_null or overwrites or held_by is not None:
+                if (
+                    (ref_cnt - 1 if copied else ref_cnt) != 1
+                    or null
+                    or overwrites
+                    or held_by is not None
+                ):
                     unsafe.append(
                         BlockWrite(
                             position_tokens=start_tokens,
                             group=gid,
                             block_index=k,
                             block_id=block_id,
-                            ref_cnt=block.ref_cnt,
+                            ref_cnt=ref_cnt,
                             cached=overwrites,
-                            null=bool(block.is_null),
+                            null=bool(null),
                             held_by=held_by,
                         )
                     )
-                    if block.is_null:
+                    if null:
                         continue
-                begin = max(k * size, start_tokens) - k * size
-                stop = min((k + 1) * size, end_tokens) - k * size
+                base = k * size
+                begin = max(base, start_tokens) - base
+                stop = min(base + size, end_tokens) - base
                 if rec is not None and rec[0] == gid and rec[1] == request_index and rec[2] == k:
                     # The request's own block again. A rewrite (rejected
                     # drafts recomputed, a preempted request resumed into the

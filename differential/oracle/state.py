@@ -60,7 +60,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from differential.findings import Policy
-from differential.oracle.prefix import common_prefix_tokens, shared_prefixes, written_contents
+from differential.oracle.prefix import (
+    common_prefix_tokens,
+    scenario_memo,
+    shared_prefixes,
+    written_contents,
+)
 from differential.scenario import GroupKind, MambaPrefill, Scenario
 
 __all__ = [
@@ -255,6 +260,45 @@ def state_positions(
     otherwise states past its prompt serve no sibling. Returns sorted
     positions, without 0.
     """
+    # A function of the scenario and the arguments: each variant's run, its
+    # dense cross-check and every sibling of the writer ask the same.
+    key = (
+        "state_positions",
+        writer,
+        writer_hit_tokens,
+        junction_tokens,
+        drop,
+        hash_lookahead_tokens,
+        reprefillable_tokens,
+        prefill_lookahead_tokens,
+    )
+    memo = scenario_memo(scenario)
+    positions: tuple[int, ...] | None = memo.get(key)
+    if positions is None:
+        positions = memo[key] = _state_positions(
+            scenario,
+            writer,
+            writer_hit_tokens,
+            junction_tokens,
+            drop,
+            hash_lookahead_tokens,
+            reprefillable_tokens,
+            prefill_lookahead_tokens,
+        )
+    return positions
+
+
+def _state_positions(
+    scenario: Scenario,
+    writer: int,
+    writer_hit_tokens: int,
+    junction_tokens: int,
+    drop: bool,
+    hash_lookahead_tokens: int,
+    reprefillable_tokens: int,
+    prefill_lookahead_tokens: int,
+) -> tuple[int, ...]:
+    """:func:`state_positions`, computed."""
     length = scenario.requests[writer].prompt_tokens
     block = scenario.mamba_groups[0].block_size_tokens
     option = _shared_prefix_checkpoint(scenario, drop, reprefillable_tokens)
