@@ -179,7 +179,9 @@ def _vllm_config(
     budget = scenario.step_budget_tokens
     # vLLM's config notices (CPU backend, model runner choice) say nothing
     # about the scenario: keep them off kvfuzz's stderr.
-    logging.getLogger("vllm").setLevel(logging.ERROR)
+    vllm_logger = logging.getLogger("vllm")
+    if vllm_logger.level != logging.ERROR:
+        vllm_logger.setLevel(logging.ERROR)  # clears every logger's cache: once
     config = copy.deepcopy(
         _validated_config(
             scenario.scheduler_block_size_tokens,
@@ -421,6 +423,50 @@ def _record_lookups(
     manager.get_computed_blocks_for_connector = get_computed_blocks_for_connector
 
 
+def _binder(function: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
+    """A function taking ``function``'s arguments and returning them by
+    parameter name, defaults filled in: ``inspect.signature(function).bind``
+    then ``apply_defaults``, without building a ``BoundArguments`` on every
+    call when the parameters are plain (no ``*args`` or ``**kwargs``; the
+    recorders below wrap ``allocate_slots`` on every step). Names the
+    parameters by name, as their order differs between releases.
+
+    Raises (from the returned function):
+        TypeError: more positional arguments than ``function`` takes, a
+            keyword it lacks or one given twice (a missing required
+            argument is absent from the answer).
+    """
+    signature = inspect.signature(function)
+    parameters = list(signature.parameters.values())
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+
+        def bound(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            return dict(call.arguments)
+
+        return bound
+    positional = [
+        p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    names = {p.name for p in parameters if p.kind is not p.POSITIONAL_ONLY}
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+
+    def fast(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        if (
+            len(args) > len(positional)
+            or not names.issuperset(kwargs)
+            or (kwargs and not kwargs.keys().isdisjoint(positional[: len(args)]))
+        ):
+            raise TypeError(f"arguments {args!r}, {kwargs!r} do not fit {signature}")
+        given = dict(defaults)
+        given.update(zip(positional, args, strict=False))
+        given.update(kwargs)
+        return given
+
+    return fast
+
+
 def _record_writes(
     manager: Any,
     ledger: BlockLedger,
@@ -443,13 +489,11 @@ def _record_writes(
     """
     real = manager.allocate_slots
     # Bound by name: the parameters' order differs between releases.
-    signature = inspect.signature(real)
+    bind = _binder(real)
 
     def allocate_slots(*args: Any, **kwargs: Any) -> Any:
         try:
-            call = signature.bind(*args, **kwargs)
-            call.apply_defaults()
-            given = call.arguments
+            given = bind(*args, **kwargs)
             request = given["request"]
             # A connector's load writes the request's own tokens after the
             # local hit, as the step's compute does after it.
@@ -509,17 +553,14 @@ def _record_watermark_admissions(
 
     real = manager.allocate_slots
     # The method's own parameters (``real`` may be another recorder's wrapper).
-    signature = inspect.signature(type(manager).allocate_slots.__get__(manager))
+    bind = _binder(type(manager).allocate_slots.__get__(manager))
     watched = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
     def allocate_slots(*args: Any, **kwargs: Any) -> Any:
         try:
-            call = signature.bind(*args, **kwargs)
-            call.apply_defaults()
-            request = call.arguments["request"]
-            applies = bool(call.arguments.get("has_scheduled_reqs", True)) and (
-                request.status in watched
-            )
+            given = bind(*args, **kwargs)
+            request = given["request"]
+            applies = bool(given.get("has_scheduled_reqs", True)) and (request.status in watched)
         except Exception as exc:  # kvfuzz's own failure
             failures.append(exc)
             return real(*args, **kwargs)
@@ -547,16 +588,14 @@ def _record_adoption(
     ``None``)."""
     real = manager.allocate_slots
     # The method's own parameters (``real`` may be another recorder's wrapper).
-    signature = inspect.signature(type(manager).allocate_slots.__get__(manager))
+    bind = _binder(type(manager).allocate_slots.__get__(manager))
 
     def allocate_slots(*args: Any, **kwargs: Any) -> Any:
         result = real(*args, **kwargs)
         if result is None:
             return result
         try:
-            call = signature.bind(*args, **kwargs)
-            call.apply_defaults()
-            given = call.arguments
+            given = bind(*args, **kwargs)
             rid = given["request"].request_id
             made = lookups.get(rid)
             if made and made[-1].adopted is None:
