@@ -262,6 +262,7 @@ def state_positions(
     """
     # A function of the scenario and the arguments: each variant's run, its
     # dense cross-check and every sibling of the writer ask the same.
+    memo = scenario_memo(scenario)
     key = (
         "state_positions",
         writer,
@@ -272,33 +273,9 @@ def state_positions(
         reprefillable_tokens,
         prefill_lookahead_tokens,
     )
-    memo = scenario_memo(scenario)
-    positions: tuple[int, ...] | None = memo.get(key)
-    if positions is None:
-        positions = memo[key] = _state_positions(
-            scenario,
-            writer,
-            writer_hit_tokens,
-            junction_tokens,
-            drop,
-            hash_lookahead_tokens,
-            reprefillable_tokens,
-            prefill_lookahead_tokens,
-        )
-    return positions
-
-
-def _state_positions(
-    scenario: Scenario,
-    writer: int,
-    writer_hit_tokens: int,
-    junction_tokens: int,
-    drop: bool,
-    hash_lookahead_tokens: int,
-    reprefillable_tokens: int,
-    prefill_lookahead_tokens: int,
-) -> tuple[int, ...]:
-    """:func:`state_positions`, computed."""
+    known: tuple[int, ...] | None = memo.get(key)
+    if known is not None:
+        return known
     length = scenario.requests[writer].prompt_tokens
     block = scenario.mamba_groups[0].block_size_tokens
     option = _shared_prefix_checkpoint(scenario, drop, reprefillable_tokens)
@@ -338,7 +315,8 @@ def _state_positions(
     }
     if chat:
         kept.update(decode_states(scenario, writer, hash_lookahead_tokens, reprefillable_tokens))
-    return tuple(sorted(p for p in kept if p > 0))
+    positions = memo[key] = tuple(sorted(p for p in kept if p > 0))
+    return positions
 
 
 def _late_state_kept(
