@@ -283,10 +283,11 @@ class BlockLedger:
                 block_id = block.block_id
                 records.pop(block_id, None)  # written below (or null, never recorded)
                 rec = filled.get(block_id)
-                copied = cow is not None and block_id in cow
+                source = cow.get(block_id) if cow is not None else None
+                copied = source is not None
                 if (
                     copied
-                    and cow[block_id] in filled  # type: ignore[index]
+                    and source in filled
                     and (rec is None or rec[:3] != [gid, request_index, k])
                 ):
                     # The copy holds the hit tokens before this step: the

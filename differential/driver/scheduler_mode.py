@@ -428,8 +428,9 @@ def _binder(function: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
     parameter name, defaults filled in: ``inspect.signature(function).bind``
     then ``apply_defaults``, without building a ``BoundArguments`` on every
     call when the parameters are plain (no ``*args`` or ``**kwargs``; the
-    recorders below wrap ``allocate_slots`` on every step). Names the
-    parameters by name, as their order differs between releases.
+    recorders below wrap ``allocate_slots`` on every step). The answer is
+    keyed by parameter name, as the parameters' order differs between
+    releases.
 
     Raises (from the returned function):
         TypeError: more positional arguments than ``function`` takes, a
