@@ -764,9 +764,16 @@ def _free(
     vllm_call("KVCacheManager.free", manager.free, found.request)
     _drain_events(d)
     after = _cached_keys(manager)
-    d.evicted += sum((d.seen - after).values())
-    after_per_group = _blocks_per_group(after, len(d.scenario.kv_cache_groups))
+    seen = d.seen
+    # The keys whose count changed (the cache compared in C): evictions are
+    # the counts they lost, and the per-group counts move by their changes.
     # found.before is d.seen: its per-group counts are d.seen_per_group.
+    moved = {key for key, _ in seen.items() ^ after.items()}
+    after_per_group = list(d.seen_per_group)
+    for key in moved:
+        was, now = seen.get(key, 0), after.get(key, 0)
+        d.evicted += max(0, was - now)
+        after_per_group[get_group_id(key)] += now - was
     added = [a - b for a, b in zip(after_per_group, d.seen_per_group, strict=True)]
     d.seen, d.seen_per_group = after, after_per_group
     return RequestObservation(

@@ -81,6 +81,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from vllm.v1.core.kv_cache_utils import get_group_id
+
 import differential.driver.runner as runner
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import VllmCallError, classified_run, vllm_build, vllm_call
@@ -1259,10 +1261,16 @@ def run_scheduler_scenario(
             if recorder is not None:
                 recorder.drain(step[0])
             after = runner._cached_keys(manager)
-            lost = sum((seen - after).values())
+            # Only the keys whose count changed (the cache compared in C):
+            # the counts they lost were evicted, those they gained newly cached.
+            lost = 0
+            for key in {key for key, _ in seen.items() ^ after.items()}:
+                was, now = seen.get(key, 0), after.get(key, 0)
+                if was > now:
+                    lost += was - now
+                else:
+                    newly_cached[get_group_id(key)] += now - was
             evicted += lost
-            for gid, n in enumerate(runner._blocks_per_group(after - seen, num_groups)):
-                newly_cached[gid] += n
             seen = after
             done = []
             for rid in req_ids:
