@@ -14,6 +14,7 @@ campaign and the atheris harness (through ``fuzz_one_input``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -301,6 +302,32 @@ def _near(points: list[int], alignment: int) -> st.SearchStrategy[int]:
     return st.builds(lambda p, d: max(0, p + d), st.sampled_from(points), offsets)
 
 
+# The per-layout strategies below are kept, not rebuilt for every example:
+# Hypothesis validates each new strategy object on its first draw, which cost
+# about a fifth of generating a scenario. The same object draws the same
+# values from the same choices, so the scenarios drawn do not change.
+
+
+@functools.lru_cache(maxsize=4096)
+def _divergence(
+    checkpoints: tuple[int, ...], alignment: int, prefix: int
+) -> st.SearchStrategy[int]:
+    """A sibling's divergence point, in tokens: near a checkpoint, anywhere in
+    the shared prefix, or all of it."""
+    return st.one_of(
+        _near(list(checkpoints), alignment), st.integers(0, prefix), st.just(prefix)
+    ).map(lambda d: min(d, prefix))
+
+
+@functools.lru_cache(maxsize=1024)
+def _suffix(alignment: int) -> st.SearchStrategy[int]:
+    """A request's tokens after its shared part: around the hit alignment."""
+    return st.one_of(
+        st.sampled_from((0, 1, alignment, 2 * alignment, alignment + 1)),
+        st.integers(0, 3 * alignment),
+    )
+
+
 @st.composite
 def scenarios(
     draw: st.DrawFn,
@@ -401,13 +428,8 @@ def scenarios(
 
     checkpoints = sorted({k * period for k in range(1, prefix // period + 1)} | {prefix})
     checkpoints += [c - alignment for c in checkpoints if c > alignment]
-    divergence = st.one_of(
-        _near(checkpoints, alignment), st.integers(0, prefix), st.just(prefix)
-    ).map(lambda d: min(d, prefix))
-    suffix = st.one_of(
-        st.sampled_from((0, 1, alignment, 2 * alignment, alignment + 1)),
-        st.integers(0, 3 * alignment),
-    )
+    divergence = _divergence(tuple(checkpoints), alignment, prefix)
+    suffix = _suffix(alignment)
     requests = [RequestSpec(prefix, draw(suffix), name="writer")]
     for _ in range(draw(st.integers(1, 4))):
         index = len(requests)
