@@ -20,7 +20,8 @@ excluded. Measured, on work both trees do identically:
 * a campaign on identical work: ``--examples`` scenarios drawn by the
   earlier commit's own generator (``fuzz.strategies.scenarios``, derandomized
   Hypothesis, seed ``--seed``), the time that generator takes per example
-  added to both sides, and each tree judging every one of them as a pair.
+  added to both sides (measured once per round, beside that round's
+  judging), and each tree judging every one of them as a pair.
   The generator of this tree draws other (richer) scenarios, so a campaign
   of each tree with its own generator does other work; its figure is
   printed too, as ``own generators``.
@@ -83,7 +84,7 @@ def generate(folder, examples, seed):
     start = time.process_time()
     draw()
     cpu = time.process_time() - start
-    for k, s in enumerate(written):
+    for k, s in enumerate(written if folder else ()):
         (Path(folder) / f"g{k:05d}.json").write_text(s.to_json())
     return {"count": len(written), "cpu": cpu}
 
@@ -126,6 +127,7 @@ class Worker:
     """One tree's worker process (see the module docstring)."""
 
     def __init__(self, tree: Path) -> None:
+        self.tree = tree
         self.process = subprocess.Popen(
             [sys.executable, "-c", _WORKER, str(tree)],
             cwd=tree,
@@ -139,7 +141,7 @@ class Worker:
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         if not line:
-            raise SystemExit(f"worker for {self.process.args[-1]} died")
+            raise SystemExit(f"the worker for {self.tree} died (its error is above)")
         answer: dict[str, Any] = json.loads(line)
         return answer
 
@@ -155,25 +157,24 @@ class Worker:
         self.process.wait(timeout=60)
 
 
-def export(commit: str, folder: Path) -> str:
-    """Writes ``commit``'s files into ``folder``; its full hash."""
-    full = subprocess.run(
-        ["git", "rev-parse", "--verify", f"{commit}^{{commit}}"],
+def resolve(commit: str) -> str | None:
+    """The full hash of ``commit`` in this repository, or ``None``."""
+    found = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
-    if full.returncode != 0:
-        raise SystemExit(f"--commit: {commit!r} names no commit of this repository")
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def export(full: str, folder: Path) -> None:
+    """Writes the files of commit ``full`` (a full hash) into ``folder``."""
     archive = subprocess.run(
-        ["git", "archive", "--format=tar", full.stdout.strip()],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
+        ["git", "archive", "--format=tar", full], cwd=ROOT, capture_output=True, check=True
     ).stdout
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(folder, filter="data")
-    return full.stdout.strip()
 
 
 def _paired(workers: dict[str, Worker], rounds: int, **command: Any) -> dict[str, float]:
@@ -209,11 +210,14 @@ def main() -> None:
     for name in ("rounds", "seconds", "examples"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name}: must be positive")
+    full = resolve(args.commit)
+    if full is None:
+        parser.error(f"--commit: {args.commit!r} names no commit of this repository")
 
     with tempfile.TemporaryDirectory(prefix="kvfuzz-against-") as tmp:
         earlier = Path(tmp) / "earlier"
         earlier.mkdir()
-        full = export(args.commit, earlier)
+        export(full, earlier)
         workers = {"earlier": Worker(earlier), "this": Worker(ROOT)}
         try:
             print(f"this tree against {full[:12]} (rates per CPU-second; ratio this / earlier)")
@@ -240,7 +244,7 @@ def main() -> None:
             drawn = workers["earlier"].ask(
                 what="generate", folder=str(folder), examples=args.examples, seed=args.seed
             )
-            per_example = drawn["cpu"] / drawn["count"]
+            draws = [drawn["count"], drawn["cpu"]]
             judged = {name: [0, 0.0] for name in workers}
             for k in range(args.rounds):
                 order = list(workers) if k % 2 == 0 else list(reversed(workers))
@@ -248,6 +252,14 @@ def main() -> None:
                     out = workers[name].ask(what="judge", folder=str(folder))
                     judged[name][0] += out["count"]
                     judged[name][1] += out["cpu"]
+                # The generator's time measured in every round too, under the
+                # same load as that round's judging.
+                again = workers["earlier"].ask(
+                    what="generate", folder="", examples=args.examples, seed=args.seed
+                )
+                draws[0] += again["count"]
+                draws[1] += again["cpu"]
+            per_example = draws[1] / draws[0]
             rates = {
                 name: count / (cpu + count * per_example) for name, (count, cpu) in judged.items()
             }
