@@ -21,11 +21,12 @@ prefix each label's hash stands for, read off vLLM's own
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 
+from differential.driver.prefix_cache import cached_blocks, changed_counts
 from differential.observation import (
     KVEvent,
     KVEventLog,
@@ -58,7 +59,7 @@ class EventRecorder:
         self.steps: list[KVEventStep] = []
         # The cache at the last snapshot: blocks per cache key, and per
         # (group, label) (positive counts only).
-        self._blocks: dict[Any, int] = {}
+        self._blocks: Mapping[Any, int] = {}
         self.pool: dict[tuple[int, int], int] = {}
         # Since the last drain: the lookups made and, per lookup, the span of
         # the event queue its call appended.
@@ -119,16 +120,13 @@ class EventRecorder:
     def snapshot(self) -> tuple[tuple[int, int, int], ...]:
         """The cache's entries whose block count changed since the last
         snapshot, as ``(group, label, blocks)``, in sorted order."""
-        cache = self.manager.block_pool.cached_block_hash_to_block._cache
-        blocks = {key: len(value) if isinstance(value, dict) else 1 for key, value in cache.items()}
-        before = self._blocks
+        blocks = cached_blocks(self.manager)
+        moved = changed_counts(self._blocks, blocks)
         self._blocks = blocks
-        # The keys whose block count changed (compared in C, not key by key).
-        moved = {key for key, _ in blocks.items() ^ before.items()}
         if not moved:
             return ()
         keys = self._keys
-        fresh = [key for key in moved if key not in keys]
+        fresh = [key for key, _, _ in moved if key not in keys]
         if fresh:
             converted = {key: maybe_convert_block_hash(get_block_hash(key)) for key in fresh}
             unlabelled = {key for key, hashed in converted.items() if hashed not in self.labels}
@@ -142,11 +140,11 @@ class EventRecorder:
                 keys[key] = (get_group_id(key), self.label(converted[key]))
         pool = self.pool
         prior: dict[tuple[int, int], int] = {}
-        for key in moved:
+        for key, was, now in moved:
             entry = keys[key]
             count = pool.get(entry, 0)
             prior.setdefault(entry, count)
-            count += blocks.get(key, 0) - before.get(key, 0)
+            count += now - was
             if count:
                 pool[entry] = count
             else:

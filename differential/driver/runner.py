@@ -77,6 +77,7 @@ from differential.driver.features import (
     vllm_call,
 )
 from differential.driver.kv_events import EventRecorder
+from differential.driver.prefix_cache import cached_blocks, changed_counts
 from differential.driver.settings import ResolvedDrafter, resolve_drafter
 from differential.driver.specs import dcp_block_sizes, kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
@@ -210,12 +211,6 @@ def _drain_events(d: _Driver) -> None:
         # Steps numbered from 0, as scheduler mode numbers them.
         step = max(0, d.steps_begun - 1)
         d.events.drain(step, vllm_call("KVCacheManager.take_events", d.events.take))
-
-
-def _cached_keys(manager: KVCacheManager) -> Counter[bytes]:
-    """Cached block keys (hash + group id) -> number of cached blocks."""
-    cache = manager.block_pool.cached_block_hash_to_block._cache
-    return Counter({key: (len(v) if isinstance(v, dict) else 1) for key, v in cache.items()})
 
 
 def _state_map(manager: KVCacheManager, request: Request, gid: int) -> str:
@@ -531,7 +526,7 @@ def _build(
         use_eagle=resolved.use_eagle_block_drop,
         **optional,
     )
-    seen = _cached_keys(manager)
+    seen = cached_blocks(manager)
     return _Driver(
         scenario=scenario,
         resolved=resolved,
@@ -763,15 +758,12 @@ def _free(
     manager = d.manager
     vllm_call("KVCacheManager.free", manager.free, found.request)
     _drain_events(d)
-    after = _cached_keys(manager)
-    seen = d.seen
-    # The keys whose count changed (the cache compared in C): evictions are
-    # the counts they lost, and the per-group counts move by their changes.
+    after = cached_blocks(manager)
+    # Evictions are the counts the changed keys lost, and the per-group
+    # counts move by their changes.
     # found.before is d.seen: its per-group counts are d.seen_per_group.
-    moved = {key for key, _ in seen.items() ^ after.items()}
     after_per_group = list(d.seen_per_group)
-    for key in moved:
-        was, now = seen.get(key, 0), after.get(key, 0)
+    for key, was, now in changed_counts(d.seen, after):
         d.evicted += max(0, was - now)
         after_per_group[get_group_id(key)] += now - was
     added = [a - b for a, b in zip(after_per_group, d.seen_per_group, strict=True)]

@@ -84,6 +84,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_utils import get_group_id
 
 import differential.driver.runner as runner
+from differential.driver import prefix_cache
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import VllmCallError, classified_run, vllm_build, vllm_call
 from differential.driver.kv_events import EventRecorder
@@ -358,7 +359,7 @@ def _record_lookups(
     def recorded(call: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             cache_map = runner._cache_map(scenario, manager, request) if record_cache_map else ()
-            before = runner._cached_keys(manager)
+            before = prefix_cache.cached_blocks(manager)
         except Exception as exc:  # kvfuzz's own failure
             failures.append(exc)
             return real(request, *args, **kwargs)
@@ -1260,12 +1261,11 @@ def run_scheduler_scenario(
                 )
             if recorder is not None:
                 recorder.drain(step[0])
-            after = runner._cached_keys(manager)
-            # Only the keys whose count changed (the cache compared in C):
-            # the counts they lost were evicted, those they gained newly cached.
+            after = prefix_cache.cached_blocks(manager)
+            # The counts the changed keys lost were evicted, those they
+            # gained newly cached.
             lost = 0
-            for key in {key for key, _ in seen.items() ^ after.items()}:
-                was, now = seen.get(key, 0), after.get(key, 0)
+            for key, was, now in prefix_cache.changed_counts(seen, after):
                 if was > now:
                     lost += was - now
                 else:
