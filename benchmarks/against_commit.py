@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -177,16 +178,30 @@ def export(full: str, folder: Path) -> None:
         tar.extractall(folder, filter="data")
 
 
-def _paired(workers: dict[str, Worker], rounds: int, **command: Any) -> dict[str, float]:
-    """Rates (count per CPU-second) of both workers, alternating rounds."""
-    totals = {name: [0, 0.0] for name in workers}
+def _totals(
+    workers: dict[str, Worker],
+    rounds: int,
+    each_round: Callable[[], None] | None = None,
+    **command: Any,
+) -> dict[str, tuple[int, float]]:
+    """Per worker, the count and CPU-seconds ``command`` took over ``rounds``
+    rounds, the workers alternating which goes first; ``each_round`` runs
+    after every round."""
+    totals = {name: (0, 0.0) for name in workers}
     for k in range(rounds):
         order = list(workers) if k % 2 == 0 else list(reversed(workers))
         for name in order:
             out = workers[name].ask(**command)
-            totals[name][0] += out["count"]
-            totals[name][1] += out["cpu"]
-    return {name: count / cpu for name, (count, cpu) in totals.items()}
+            count, cpu = totals[name]
+            totals[name] = (count + out["count"], cpu + out["cpu"])
+        if each_round is not None:
+            each_round()
+    return totals
+
+
+def _paired(workers: dict[str, Worker], rounds: int, **command: Any) -> dict[str, float]:
+    """Rates (count per CPU-second) of both workers, alternating rounds."""
+    return {name: count / cpu for name, (count, cpu) in _totals(workers, rounds, **command).items()}
 
 
 def main() -> None:
@@ -245,13 +260,8 @@ def main() -> None:
                 what="generate", folder=str(folder), examples=args.examples, seed=args.seed
             )
             draws = [drawn["count"], drawn["cpu"]]
-            judged = {name: [0, 0.0] for name in workers}
-            for k in range(args.rounds):
-                order = list(workers) if k % 2 == 0 else list(reversed(workers))
-                for name in order:
-                    out = workers[name].ask(what="judge", folder=str(folder))
-                    judged[name][0] += out["count"]
-                    judged[name][1] += out["cpu"]
+
+            def draw_again() -> None:
                 # The generator's time measured in every round too, under the
                 # same load as that round's judging.
                 again = workers["earlier"].ask(
@@ -259,6 +269,8 @@ def main() -> None:
                 )
                 draws[0] += again["count"]
                 draws[1] += again["cpu"]
+
+            judged = _totals(workers, args.rounds, draw_again, what="judge", folder=str(folder))
             per_example = draws[1] / draws[0]
             rates = {
                 name: count / (cpu + count * per_example) for name, (count, cpu) in judged.items()
