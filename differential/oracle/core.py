@@ -41,6 +41,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
@@ -200,26 +202,110 @@ def _hit_rows(
     plan: tuple[int, tuple[tuple[int, int | None, bool, bool], ...]],
 ) -> list[list[int]]:
     """Row ``j``: :func:`_planned_dense_hit` of ``plan`` for request ``j`` on
-    each earlier writer ``i``, in tokens. It reads the two requests only
-    through their prompt lengths, so equal (lengths, shared prefix) share one
-    evaluation."""
+    each earlier writer ``i``, in tokens.
+
+    Without chunked-local groups the hit splits into three bounds, each
+    aligned down to ``A``: the sibling's ``L - 1``, one read of the shared
+    tokens alone and one of the writer's extent alone (each group's proven
+    prefix is a minimum, and rounding down to a block or to ``A`` keeps
+    minima: :func:`_writer_bound`, :class:`_SharedBound`), so a pair costs a
+    dict lookup and a minimum, both in C. With a chunked-local group each
+    distinct (lengths, shared prefix) is evaluated once
+    (:func:`_planned_dense_hit` reads the two requests only through their
+    prompt lengths).
+    """
     lengths = [r.prompt_tokens for r in scenario.requests]
-    extents = [writer_extent(scenario, model, i) for i in range(len(lengths))]
+    # writer_extent reads the writer through its prompt length alone.
+    extents = {n: writer_extent(scenario, model, i) for i, n in enumerate(lengths)}
     lookahead = model.hash_lookahead_tokens
-    seen: dict[tuple[int, int, int], int] = {}
-    rows = []
-    for j, shared_row in enumerate(shared_prefixes(scenario)):
-        row = []
-        for i, shared in enumerate(shared_row):
-            key = (lengths[j], lengths[i], shared)
-            h = seen.get(key)
-            if h is None:
-                h = seen[key] = _planned_dense_hit(
-                    plan, extents[i], lookahead, lengths[j] - 1, shared
+    rows: list[list[int]] = []
+    alignment, groups = plan
+    if all(chunk is None for _, chunk, _, _ in groups):
+        by_shared = _SharedBound(plan, lookahead)
+        writer_bounds = [_writer_bound(plan, extents[n]) for n in lengths]
+        for j, shared_row in enumerate(shared_prefixes(scenario)):
+            sibling = max(0, lengths[j] - 1) // alignment * alignment
+            rows.append(
+                list(
+                    map(
+                        min,
+                        repeat(sibling),
+                        map(by_shared.__getitem__, shared_row),
+                        writer_bounds,
+                    )
                 )
-            row.append(h)
-        rows.append(row)
+            )
+        return rows
+    by_sibling: dict[int, _HitsByWriter] = {}
+    for j, shared_row in enumerate(shared_prefixes(scenario)):
+        hits = by_sibling.get(lengths[j])
+        if hits is None:
+            hits = by_sibling[lengths[j]] = _HitsByWriter(plan, extents, lookahead, lengths[j] - 1)
+        rows.append(list(map(hits.__getitem__, zip(lengths, shared_row, strict=False))))
     return rows
+
+
+def _writer_bound(
+    plan: tuple[int, tuple[tuple[int, int | None, bool, bool], ...]],
+    extent: tuple[int, int, int],
+) -> int:
+    """The part of :func:`_planned_dense_hit` read from the writer's
+    :func:`writer_extent` alone (a plan without chunked-local groups), in
+    tokens, aligned down to ``A``: each group's cached and hashed tokens as
+    whole blocks, less the dropped block."""
+    alignment, groups = plan
+    cached, computed, hashed = extent
+    bound = min(
+        max(0, min(computed if keeps_tail else cached, hashed)) // block * block
+        - (block if drops else 0)
+        for block, _, drops, keeps_tail in groups
+    )
+    return max(0, bound) // alignment * alignment
+
+
+class _SharedBound(dict[int, int]):
+    """The part of :func:`_planned_dense_hit` read from the shared tokens
+    alone (a plan without chunked-local groups), in tokens, aligned down to
+    ``A``, per shared-token count, evaluated on first use: each group's
+    proven prefix (less the lookahead tokens) as whole blocks, less the
+    dropped block."""
+
+    def __init__(
+        self, plan: tuple[int, tuple[tuple[int, int | None, bool, bool], ...]], lookahead: int
+    ) -> None:
+        super().__init__()
+        self._plan, self._lookahead = plan, lookahead
+
+    def __missing__(self, shared: int) -> int:
+        alignment, groups = self._plan
+        bound = min(
+            max(0, shared - self._lookahead) // block * block - (block if drops else 0)
+            for block, _, drops, _ in groups
+        )
+        value = self[shared] = max(0, bound) // alignment * alignment
+        return value
+
+
+class _HitsByWriter(dict[tuple[int, int], int]):
+    """One sibling length's :func:`_planned_dense_hit` per ``(writer prompt
+    length, shared tokens)``, evaluated on first use (so that a row is
+    looked up in C)."""
+
+    def __init__(
+        self,
+        plan: tuple[int, tuple[tuple[int, int | None, bool, bool], ...]],
+        extents: dict[int, tuple[int, int, int]],
+        lookahead: int,
+        limit: int,
+    ) -> None:
+        super().__init__()
+        self._args = plan, extents, lookahead, limit
+
+    def __missing__(self, key: tuple[int, int]) -> int:
+        plan, extents, lookahead, limit = self._args
+        length, shared = key
+        hit = self[key] = _planned_dense_hit(plan, extents[length], lookahead, limit, shared)
+        return hit
 
 
 def _junction_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]] | None:
@@ -500,6 +586,30 @@ class SiblingReference:
     junction_tokens: int = 0
 
 
+class _Promised(dict[tuple[int, int, int, int], tuple[int, ...]]):
+    """:func:`checkpoints` per writer key ``(prompt length, junction, dense
+    hit, own hit)``, all in tokens, evaluated on first use: it reads its
+    writer only through the writer's prompt length, so the first request of
+    that length stands for every writer with the key."""
+
+    def __init__(
+        self, scenario: Scenario, model: DrafterModel, policy: Policy, lengths: Sequence[int]
+    ) -> None:
+        super().__init__()
+        self._args = scenario, model, policy
+        self._writer_of_length: dict[int, int] = {}
+        for i, n in enumerate(lengths):
+            self._writer_of_length.setdefault(n, i)
+
+    def __missing__(self, key: tuple[int, int, int, int]) -> tuple[int, ...]:
+        scenario, model, policy = self._args
+        length, junction, dense, hit = key
+        points = self[key] = checkpoints(
+            scenario, model, self._writer_of_length[length], junction, dense, hit, policy
+        )
+        return points
+
+
 def references(
     scenario: Scenario,
     model: DrafterModel,
@@ -523,41 +633,48 @@ def references(
         return _state_group_references(scenario, model, observed_hits, policy)
     # Scenario-only quantities come from the per-scenario memo; checkpoints()
     # reads its writer only through the writer's prompt length, so writers
-    # alike in (length, junction, dense hit, own hit) share one evaluation,
-    # and within one sibling a writer alike an earlier one changes nothing
-    # (the first writer owed the most is kept).
+    # alike in (length, junction, dense hit, own hit) share one evaluation
+    # (_Promised), and within one sibling a writer alike an earlier one
+    # changes nothing (the first writer owed the most is kept). A row's
+    # writers are reduced to their distinct keys, the keys to their
+    # checkpoints and the checkpoints to their union, each in C
+    # (dict.fromkeys keeps first occurrences in order).
     shared_rows = shared_prefixes(scenario)
     dense_rows = _dense_rows(scenario, model)
     junction_rows = _junction_rows(scenario, model)
     lengths = [r.prompt_tokens for r in scenario.requests]
     pins_junctions = scenario.pins_junctions
-    promised: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
+    promised = _Promised(scenario, model, policy, lengths)
+    ideal = policy is Policy.IDEAL
     junctions: list[int] = []
     dense_by_request: list[int] = []
     out: list[SiblingReference] = []
     for j in range(len(observed_hits)):
-        best_dense, best_expected, best_writer = 0, 0, None
         shared_row, dense_row = shared_rows[j], dense_rows[j]
-        chosen = range(j) if writers is None else sorted(w for w in writers[j] if w < j)
-        divergence = max((shared_row[i] for i in chosen), default=0)
-        points: set[int] = {0}
-        alike: set[tuple[int, int, int, int]] = set()
-        for i in chosen:
-            h = dense_row[i]
-            best_dense = max(best_dense, h)
-            key = (lengths[i], junctions[i], h, observed_hits[i])
-            if key in alike:
-                continue
-            alike.add(key)
-            writer_points = promised.get(key)
-            if writer_points is None:
-                writer_points = promised[key] = checkpoints(
-                    scenario, model, i, junctions[i], h, observed_hits[i], policy
-                )
-            points.update(writer_points)
-            owed = h if policy is Policy.IDEAL else writer_points[-1]
-            if owed > best_expected or best_writer is None:
-                best_expected, best_writer = owed, i
+        junction_row = junction_rows[j] if junction_rows is not None else None
+        chosen: Sequence[int]
+        if writers is None:
+            chosen = range(j)
+            shared_c, dense_c, junction_c = shared_row, dense_row, junction_row
+            keys = list(zip(lengths, junctions, dense_row, observed_hits, strict=False))
+        else:
+            chosen = sorted(w for w in writers[j] if w < j)
+            shared_c = [shared_row[i] for i in chosen]
+            dense_c = [dense_row[i] for i in chosen]
+            junction_c = None if junction_row is None else [junction_row[i] for i in chosen]
+            keys = [(lengths[i], junctions[i], dense_row[i], observed_hits[i]) for i in chosen]
+        divergence = max(shared_c, default=0)
+        best_dense = max(dense_c, default=0)
+        distinct = list(dict.fromkeys(keys))
+        promises = list(map(promised.__getitem__, distinct))
+        points = set().union((0,), *promises)
+        best_expected, best_writer = 0, None
+        if distinct:
+            # What each writer is owed: its dense hit (ideal) or its highest
+            # checkpoint; the first writer owed the most gives the reference.
+            owed = list(map(itemgetter(2), distinct) if ideal else map(itemgetter(-1), promises))
+            best_expected = max(owed)
+            best_writer = chosen[keys.index(distinct[owed.index(best_expected)])]
         dense_by_request.append(best_dense)
         # A request pins a junction when its own hit fell short of the
         # longest single-group hit, on layouts where vLLM reports an
@@ -566,8 +683,8 @@ def references(
         # nothing): full attention's own hit (_junction_rows), else the
         # dense hit.
         junction = best_dense
-        if junction_rows is not None:
-            junction = max([junction, *(junction_rows[j][i] for i in chosen)])
+        if junction_c is not None:
+            junction = max(junction, max(junction_c, default=0))
         pins = pins_junctions and observed_hits[j] < junction
         junctions.append(junction if pins else 0)
         out.append(

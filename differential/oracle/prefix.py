@@ -12,7 +12,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import Any
 
 __all__ = [
@@ -74,7 +74,7 @@ def pairwise_common_prefix_tokens(prompts: Sequence[Sequence[int]]) -> list[list
     With the prompts in sorted order, two prompts share the minimum of the
     prefixes shared by the neighbours between them, so only ``n - 1``
     sequences are compared; the rest is integer minima (``n`` requests:
-    ``n log n`` comparisons of sequences, ``n^2 / 2`` of integers).
+    ``n log n`` comparisons of sequences, ``n^2`` running minima taken in C).
     """
     n = len(prompts)
     order = sorted(range(n), key=lambda k: tuple(prompts[k]))
@@ -85,19 +85,19 @@ def pairwise_common_prefix_tokens(prompts: Sequence[Sequence[int]]) -> list[list
         else common_prefix_tokens(prompts[order[r]], prompts[order[r + 1]])
         for r, (a, b) in enumerate(pairwise(packed))
     ]
-    rows = [[0] * j for j in range(n)]
-    for first in range(n):
-        low = order[first]
-        shared = -1
-        for second in range(first + 1, n):
-            step = neighbours[second - 1]
-            if shared < 0 or step < shared:
-                shared = step
-            high = order[second]
-            if low < high:
-                rows[high][low] = shared
-            else:
-                rows[low][high] = shared
+    position = [0] * n
+    for rank, k in enumerate(order):
+        position[k] = rank
+    rows: list[list[int]] = []
+    for j in range(n):
+        # What sorted rank ``rank`` shares with every other rank: running
+        # minima of the neighbours outwards from it (in C), then picked at
+        # the earlier requests' ranks.
+        rank = position[j]
+        below = list(accumulate(reversed(neighbours[:rank]), min))
+        below.reverse()
+        shared = [*below, 0, *accumulate(neighbours[rank:], min)]
+        rows.append(list(map(shared.__getitem__, position[:j])))
     return rows
 
 

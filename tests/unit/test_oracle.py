@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from differential.compare import FixCost, compare_pair
 from differential.corpus import finding_tag
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RequestObservation, RunObservation
 from differential.oracle import (
+    checkpoints,
     common_prefix_tokens,
     cross_check_dense,
     dense_hit,
@@ -19,6 +23,7 @@ from differential.oracle import (
     references,
     replay_boundaries,
 )
+from differential.oracle.prefix import shared_prefixes
 from differential.scenario import (
     Drafter,
     DrafterKind,
@@ -27,6 +32,7 @@ from differential.scenario import (
     RequestSpec,
     Scenario,
 )
+from fuzz.strategies import scenarios
 from tests.factories import hybrid, triton
 
 DROP = ManagerSettings(True, 0, 3, 1, 32)
@@ -528,3 +534,37 @@ def test_the_dense_cross_check_run_has_its_per_group_hits_judged() -> None:
     findings = cross_check_dense(triton(), dense)
     assert tags(findings) == ["per-group-hit@3"]
     assert findings[0].detail.startswith("dense cross-check run: group 0 (full_attention")
+
+
+@settings(max_examples=120, suppress_health_check=list(HealthCheck), deadline=None)
+@given(
+    scenarios(kinds=frozenset()),
+    st.sampled_from(list(Policy)),
+    st.randoms(use_true_random=False),
+)
+def test_references_are_the_pairwise_definition(
+    scenario: Scenario, policy: Policy, rng: random.Random
+) -> None:
+    # references() reduces each sibling's writers in C; it must equal the
+    # definition taken writer by writer: dense_hit per pair, checkpoints per
+    # writer (with the junction it pinned), the first writer owed the most.
+    assume(not scenario.mamba_groups)
+    model = drafter_model(scenario)
+    hits = [rng.randrange(r.prompt_tokens + 1) for r in scenario.requests]
+    refs = references(scenario, model, hits, policy)
+    shared = shared_prefixes(scenario)
+    pinned: list[int] = []
+    for j, ref in enumerate(refs):
+        dense = [dense_hit(scenario, model, j, i, shared[j][i]) for i in range(j)]
+        promised = [
+            checkpoints(scenario, model, i, pinned[i], dense[i], hits[i], policy) for i in range(j)
+        ]
+        owed = [dense[i] if policy is Policy.IDEAL else promised[i][-1] for i in range(j)]
+        assert ref.divergence_tokens == max(shared[j], default=0)
+        assert ref.dense_tokens == max(dense, default=0)
+        assert ref.expected_tokens == max(owed, default=0)
+        assert ref.writer == (owed.index(max(owed)) if owed else None)
+        assert ref.checkpoints == tuple(sorted({0}.union(*promised)))
+        assert ref.junction_tokens >= ref.dense_tokens
+        pins = scenario.pins_junctions and hits[j] < ref.junction_tokens
+        pinned.append(ref.junction_tokens if pins else 0)
