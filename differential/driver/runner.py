@@ -40,6 +40,7 @@ own failure (``InternalError``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
@@ -104,6 +105,19 @@ init_none_hash(sha256)
 # vLLM (command line, campaign workers, shrinker, tree workers) imports this
 # module once, right after vLLM.
 gc.freeze()
+
+# vLLM reads its environment variables through vllm.envs, which looks each one
+# up in os.environ on every read (maybe_convert_block_hash reads one per block
+# hash converted) until EngineCore caches them all once it has started
+# (enable_envs_cache in vllm/v1/engine/core.py and
+# vllm/v1/executor/multiproc_executor.py). kvfuzz drives the cache manager as
+# that engine does, after its start: the same cache. A release without it, or
+# a variable that cannot be read here (read, and raising, when vLLM reads it),
+# leaves the rest lazy.
+with contextlib.suppress(Exception):
+    import vllm.envs
+
+    vllm.envs.enable_envs_cache()
 
 _MANAGER_PARAMETERS = parameters(KVCacheManager.__init__)
 _HASHER_PARAMETERS = parameters(get_request_block_hasher)
