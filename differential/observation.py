@@ -7,6 +7,7 @@ comparison read them. Nothing here imports vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 __all__ = [
@@ -129,7 +130,7 @@ def runs_of(tokens: list[int] | tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 def tokens_of(runs: tuple[tuple[int, int], ...]) -> list[int]:
     """Inverse of :func:`runs_of`."""
-    return [first + k for first, count in runs for k in range(count)]
+    return list(chain.from_iterable(range(first, first + count) for first, count in runs))
 
 
 @dataclass(frozen=True)

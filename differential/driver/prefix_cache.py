@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from itertools import compress, repeat
 from typing import Any
 
 __all__ = ["cached_blocks", "changed_counts"]
@@ -21,7 +22,13 @@ def cached_blocks(manager: Any) -> Counter[bytes]:
     """Cached block keys (hash + group id) -> number of cached blocks, of
     ``manager``'s block pool (a ``KVCacheManager``'s)."""
     cache = manager.block_pool.cached_block_hash_to_block._cache
-    return Counter({key: (len(v) if isinstance(v, dict) else 1) for key, v in cache.items()})
+    # A key holds one block, or a dict of the blocks sharing its hash
+    # (BlockHashToBlockMap.insert): every key counts 1, in C, and only the
+    # few dict-valued ones are counted again.
+    counts = dict.fromkeys(cache, 1)
+    for key in compress(cache, map(isinstance, cache.values(), repeat(dict))):
+        counts[key] = len(cache[key])
+    return Counter(counts)
 
 
 def changed_counts(

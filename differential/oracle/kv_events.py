@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import KVEvent, KVEventLog, KVEventLookup, RunObservation, tokens_of
-from differential.oracle.prefix import common_prefix_tokens
+from differential.oracle.prefix import pairwise_common_prefix_tokens, scenario_memo
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
 
 __all__ = ["RULES", "SPEC_KIND", "kv_event_findings", "kv_event_rule"]
@@ -110,18 +110,17 @@ class _Judge:
     breaches: dict[str, list[tuple[int | None, str]]] = field(
         default_factory=lambda: {rule: [] for rule in RULES}
     )
-    common: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Row j: the common prefix of sequence j and each earlier one, in tokens.
+    common: list[list[int]] = field(default_factory=list)
 
     def breach(self, rule: str, request: int | None, what: str) -> None:
         self.breaches[rule].append((request, what))
 
     def shared(self, a: int, b: int) -> int:
         """Common prefix of two requests' token sequences, in tokens."""
-        key = (min(a, b), max(a, b))
-        n = self.common.get(key)
-        if n is None:
-            n = self.common[key] = common_prefix_tokens(self.sequences[a], self.sequences[b])
-        return n
+        if a == b:
+            return len(self.sequences[a])
+        return self.common[a][b] if b < a else self.common[b][a]
 
     def names(self, label: int, request: int, tokens: int) -> bool:
         """Whether hash ``label`` is the hash of ``request``'s first ``tokens`` tokens."""
@@ -171,12 +170,13 @@ class _Judge:
                 return
             parent_request, start = named
         end = start + len(tokens)
+        written = tuple(tokens)
         owner = next(
             (
                 r
                 for r, seq in enumerate(self.sequences)
                 if (parent_request is None or self.shared(r, parent_request) >= start)
-                and list(seq[start:end]) == tokens
+                and seq[start:end] == written
             ),
             None,
         )
@@ -365,10 +365,16 @@ def kv_event_findings(
     log = run.kv_events
     if log is None:
         return []
-    sequences = [
-        scenario.prompts[i] + scenario.sampled_tokens(i) for i in range(len(scenario.requests))
-    ]
-    judge = _Judge(scenario, log, sequences)
+    # The requests' token sequences and their pairwise common prefixes depend
+    # on the scenario alone: computed once for all its runs.
+    memo = scenario_memo(scenario)
+    known = memo.get("kv_event_sequences")
+    if known is None:
+        sequences = [
+            scenario.prompts[i] + scenario.sampled_tokens(i) for i in range(len(scenario.requests))
+        ]
+        known = memo["kv_event_sequences"] = (sequences, pairwise_common_prefix_tokens(sequences))
+    judge = _Judge(scenario, log, known[0], common=known[1])
     judge.run()
     findings = []
     for rule in RULES:
