@@ -39,10 +39,11 @@ the target's hidden states alone; draft models and n-gram need nothing.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import repeat
-from operator import itemgetter
+from operator import indexOf, itemgetter
 from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
@@ -653,19 +654,25 @@ def references(
         shared_row, dense_row = shared_rows[j], dense_rows[j]
         junction_row = junction_rows[j] if junction_rows is not None else None
         chosen: Sequence[int]
+        keys: Callable[[], Iterable[tuple[int, int, int, int]]]
         if writers is None:
             chosen = range(j)
             shared_c, dense_c, junction_c = shared_row, dense_row, junction_row
-            keys = list(zip(lengths, junctions, dense_row, observed_hits, strict=False))
+            # zip hands out a fresh tuple only where the last one was kept:
+            # the keys cost one tuple per distinct key.
+            keys = partial(zip, lengths, junctions, dense_row, observed_hits)
         else:
             chosen = sorted(w for w in writers[j] if w < j)
             shared_c = [shared_row[i] for i in chosen]
             dense_c = [dense_row[i] for i in chosen]
             junction_c = None if junction_row is None else [junction_row[i] for i in chosen]
-            keys = [(lengths[i], junctions[i], dense_row[i], observed_hits[i]) for i in chosen]
+            chosen_keys = [
+                (lengths[i], junctions[i], dense_row[i], observed_hits[i]) for i in chosen
+            ]
+            keys = partial(iter, chosen_keys)
         divergence = max(shared_c, default=0)
         best_dense = max(dense_c, default=0)
-        distinct = list(dict.fromkeys(keys))
+        distinct = list(dict.fromkeys(keys()))
         promises = list(map(promised.__getitem__, distinct))
         points = set().union((0,), *promises)
         best_expected, best_writer = 0, None
@@ -674,7 +681,7 @@ def references(
             # checkpoint; the first writer owed the most gives the reference.
             owed = list(map(itemgetter(2), distinct) if ideal else map(itemgetter(-1), promises))
             best_expected = max(owed)
-            best_writer = chosen[keys.index(distinct[owed.index(best_expected)])]
+            best_writer = chosen[indexOf(keys(), distinct[owed.index(best_expected)])]
         dense_by_request.append(best_dense)
         # A request pins a junction when its own hit fell short of the
         # longest single-group hit, on layouts where vLLM reports an
