@@ -64,7 +64,12 @@ from differential.observation import (
     RunObservation,
     StepTable,
 )
-from differential.oracle.prefix import common_prefix_packed, common_prefix_tokens, packed_tokens
+from differential.oracle.prefix import (
+    common_prefix_packed,
+    common_prefix_tokens,
+    packed_tokens,
+    scenario_memo,
+)
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
 
 __all__ = [
@@ -137,9 +142,12 @@ class TokenView:
         self._scenario = scenario
         self._order = lookup_order
         self._prompts = scenario.contents
-        self._written: dict[int, tuple[int, ...]] = {}
-        self._common: dict[tuple[int, int], int] = {}
-        self._packings: dict[tuple[str, int], bytes | None] = {}
+        # What each request wrote, and how far two requests' tokens agree,
+        # depend on the scenario alone: shared by every run judged on it.
+        known = scenario_memo(scenario).setdefault("token_view", ({}, {}, {}))
+        self._written: dict[int, tuple[int, ...]] = known[0]
+        self._common: dict[tuple[int, int], int] = known[1]
+        self._packings: dict[tuple[str, int], bytes | None] = known[2]
 
     def written(self, request: int) -> tuple[int, ...]:
         """Every token ``request`` computed KV for."""
@@ -364,7 +372,32 @@ def attention_violations(
             )
         )
     first_read = _window_start_tokens(group, hit_tokens) // size
+    # Per writer: how far its tokens agree with the sibling's prompt (-1: it
+    # looked up after the sibling), for the common case below.
+    agreed: dict[int, int] = {}
     for index, held in enumerate(blocks[:owed]):
+        if held is not None and index >= first_read:
+            # The common case, a block the sibling may read (the checks of
+            # _content_violation, which names any that fail): written by one
+            # writer at this group and index, filled up to the hit, and the
+            # writer's tokens agree with the sibling's that far.
+            writer = held.writer
+            end = min((index + 1) * size, hit_tokens)
+            if (
+                writer is not None
+                and held.group == gid
+                and held.writer_block_index == index
+                and held.filled_tokens >= end - index * size
+            ):
+                reach = agreed.get(writer)
+                if reach is None:
+                    reach = agreed[writer] = (
+                        tokens.agreed_tokens(writer, sibling)
+                        if tokens.looked_up_before(writer, sibling)
+                        else -1
+                    )
+                if reach >= end:
+                    continue
         if held is None:
             if index >= first_read:
                 out.append(
