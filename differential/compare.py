@@ -439,9 +439,36 @@ def run_any(
     return run_variant(scenario, variant, dense=dense, record_cache_map=record_cache_map)
 
 
-# Runs the installed vLLM makes exactly as some variant of a comparison does:
-# (dense cross-check?, scenario) -> the run, made once per comparison.
-StockRuns = dict[tuple[bool, Scenario], RunObservation]
+class StockRuns:
+    """Runs the installed vLLM makes exactly as some variant of a comparison
+    does, made once per comparison, and their dense cross-checks, judged once.
+
+    ``runs``: ``(dense cross-check?, scenario)`` -> the run.
+    """
+
+    def __init__(self) -> None:
+        self.runs: dict[tuple[bool, Scenario], RunObservation] = {}
+        # id of a stock dense run's requests -> its cross-check's findings
+        self._dense_findings: dict[int, tuple[Finding, ...]] = {}
+
+    def cross_check_dense(
+        self, judged: Scenario, scenario: Scenario, dense_run: RunObservation
+    ) -> tuple[Finding, ...]:
+        """:func:`~differential.oracle.cross_check_dense` of ``dense_run`` on
+        ``judged``. Where ``dense_run`` is the stock dense run of ``scenario``
+        (under any variant's name) it is judged once: every finding names
+        the run's variant and nothing else does (its rules read the run's
+        hits, blocks and events), so another variant's findings are the same
+        under its name."""
+        stock = self.runs.get((True, scenario))
+        if stock is None or judged is not scenario or dense_run.requests is not stock.requests:
+            return cross_check_dense(judged, dense_run)
+        findings = self._dense_findings.get(id(stock.requests))
+        if findings is None:
+            findings = self._dense_findings[id(stock.requests)] = cross_check_dense(judged, stock)
+        if stock.variant == dense_run.variant:
+            return findings
+        return tuple(dataclasses.replace(f, variant=dense_run.variant) for f in findings)
 
 
 def _run_shared(
@@ -458,9 +485,9 @@ def _run_shared(
     if stock_runs is None or not runs_as_stock(scenario, variant, dense=dense):
         return run_any(scenario, variant, dense=dense)
     key = (dense, scenario)
-    run = stock_runs.get(key)
+    run = stock_runs.runs.get(key)
     if run is None:
-        run = stock_runs[key] = run_any(scenario, variant, dense=dense)
+        run = stock_runs.runs[key] = run_any(scenario, variant, dense=dense)
     return run if run.variant == variant.name else dataclasses.replace(run, variant=variant.name)
 
 
@@ -705,7 +732,11 @@ def judge_variant(
             findings += cross_check_dense(judged, run)
         else:
             dense_run = _run_shared(scenario, variant, stock_runs, dense=True)
-            findings += cross_check_dense(judged, dense_run)
+            findings += (
+                cross_check_dense(judged, dense_run)
+                if stock_runs is None
+                else stock_runs.cross_check_dense(judged, scenario, dense_run)
+            )
     manager_run = retention0_run = None
     if engine and mode_cross_checkable(scenario):
         try:
@@ -777,7 +808,7 @@ def _compare_variants(
 ) -> ScenarioResult:
     results: list[VariantResult] = []
     notices: list[str] = []
-    stock_runs: StockRuns = {}
+    stock_runs = StockRuns()
     for variant in variants:
         result, notes = judge_variant(
             scenario,

@@ -148,3 +148,24 @@ def test_mamba_state_cached_one_token_short() -> None:
     control = compare_variants(single, parse_variants("unfixed"))
     assert control.results[0].run.hits == (0, 56)
     assert control.findings == ()
+
+
+def test_a_shared_stock_dense_run_is_judged_once_with_the_same_findings() -> None:
+    # fixed's dense cross-check run is stock vLLM's (runs_as_stock): one run,
+    # judged once, its findings relabelled; each variant judged on its own
+    # (no sharing) finds exactly the same, under its own name.
+    from differential.compare import judge_variant
+    from differential.findings import FindingKind
+
+    scenario = load_entry(ROOT / "known-issues/seed-within-one-window-of-token-0.json").scenario
+    variants = parse_variants("unfixed,fixed")
+    shared = compare_variants(scenario, variants).results
+    assert shared[1].dense_run is not None and shared[0].dense_run is not None
+    assert shared[1].dense_run.requests is shared[0].dense_run.requests  # one run
+    for variant, result in zip(variants, shared, strict=True):
+        alone, _ = judge_variant(scenario, variant)
+        assert result.findings == alone.findings
+        dense = [f for f in result.findings if f.kind is FindingKind.DENSE_MISMATCH]
+        assert [(f.variant, f.request, f.hit_tokens, f.expected_tokens) for f in dense] == [
+            (variant.name, 1, 32, 48)
+        ]
