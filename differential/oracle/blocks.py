@@ -148,6 +148,8 @@ class TokenView:
         self._written: dict[int, tuple[int, ...]] = known[0]
         self._common: dict[tuple[int, int], int] = known[1]
         self._packings: dict[tuple[str, int], bytes | None] = known[2]
+        # (writer, sibling) -> reach (the lookup order is this run's own)
+        self._reach: dict[tuple[int, int], int] = {}
 
     def written(self, request: int) -> tuple[int, ...]:
         """Every token ``request`` computed KV for."""
@@ -166,6 +168,21 @@ class TokenView:
         if self._order is None or writer not in self._order or sibling not in self._order:
             return writer < sibling
         return self._order[writer] < self._order[sibling]
+
+    def reach(self, writer: int, sibling: int) -> int:
+        """How far ``writer``'s blocks can hold ``sibling``'s tokens, in
+        tokens: :meth:`agreed_tokens` when ``writer`` :meth:`looked_up_before`
+        ``sibling``, else -1 (none of them). Kept per run: a lookup hands out
+        many blocks of one writer."""
+        key = (writer, sibling)
+        reach = self._reach.get(key)
+        if reach is None:
+            reach = self._reach[key] = (
+                self.agreed_tokens(writer, sibling)
+                if self.looked_up_before(writer, sibling)
+                else -1
+            )
+        return reach
 
     def agreed_tokens(self, writer: int, sibling: int) -> int:
         """Tokens, from position 0, where ``writer``'s tokens equal ``sibling``'s prompt."""
@@ -224,8 +241,7 @@ def _content_violation(
     if (
         held.group != group
         or held.writer_block_index != index
-        or not tokens.looked_up_before(held.writer, sibling)
-        or tokens.agreed_tokens(held.writer, sibling) < end
+        or tokens.reach(held.writer, sibling) < end
     ):
         return BlockViolation(
             ViolationKind.FOREIGN,
@@ -372,32 +388,7 @@ def attention_violations(
             )
         )
     first_read = _window_start_tokens(group, hit_tokens) // size
-    # Per writer: how far its tokens agree with the sibling's prompt (-1: it
-    # looked up after the sibling), for the common case below.
-    agreed: dict[int, int] = {}
     for index, held in enumerate(blocks[:owed]):
-        if held is not None and index >= first_read:
-            # The common case, a block the sibling may read (the checks of
-            # _content_violation, which names any that fail): written by one
-            # writer at this group and index, filled up to the hit, and the
-            # writer's tokens agree with the sibling's that far.
-            writer = held.writer
-            end = min((index + 1) * size, hit_tokens)
-            if (
-                writer is not None
-                and held.group == gid
-                and held.writer_block_index == index
-                and held.filled_tokens >= end - index * size
-            ):
-                reach = agreed.get(writer)
-                if reach is None:
-                    reach = agreed[writer] = (
-                        tokens.agreed_tokens(writer, sibling)
-                        if tokens.looked_up_before(writer, sibling)
-                        else -1
-                    )
-                if reach >= end:
-                    continue
         if held is None:
             if index >= first_read:
                 out.append(
