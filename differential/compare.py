@@ -448,8 +448,8 @@ class StockRuns:
 
     def __init__(self) -> None:
         self.runs: dict[tuple[bool, Scenario], RunObservation] = {}
-        # id of a stock dense run's requests -> its cross-check's findings
-        self._dense_findings: dict[int, tuple[Finding, ...]] = {}
+        # scenario -> the cross-check's findings of its stock dense run
+        self._dense_findings: dict[Scenario, tuple[Finding, ...]] = {}
 
     def cross_check_dense(
         self, judged: Scenario, scenario: Scenario, dense_run: RunObservation
@@ -463,9 +463,9 @@ class StockRuns:
         stock = self.runs.get((True, scenario))
         if stock is None or judged is not scenario or dense_run.requests is not stock.requests:
             return cross_check_dense(judged, dense_run)
-        findings = self._dense_findings.get(id(stock.requests))
+        findings = self._dense_findings.get(scenario)
         if findings is None:
-            findings = self._dense_findings[id(stock.requests)] = cross_check_dense(judged, stock)
+            findings = self._dense_findings[scenario] = cross_check_dense(judged, stock)
         if stock.variant == dense_run.variant:
             return findings
         return tuple(dataclasses.replace(f, variant=dense_run.variant) for f in findings)
