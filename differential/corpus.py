@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from differential.errors import ScenarioError, printable, short_repr
+from differential.files import json_data, read_regular_file
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
-from differential.scenario.json_form import json_data
 from differential.scenario.models import model_scenario_parts
 
 if TYPE_CHECKING:
@@ -193,28 +193,6 @@ def load_entry(path: Path) -> CorpusEntry:
     return CorpusEntry(
         path, scenario, Expectation(expect.hits, expect.findings, notes), signature, plan
     )
-
-
-def read_regular_file(path: Path, field: str, *, limit_bytes: int = 64 << 20) -> bytes:
-    """The bytes of the regular file ``path``, read without blocking.
-
-    A FIFO, device or socket is refused before it is opened (reading a FIFO
-    waits for a writer forever), and so is a file over ``limit_bytes``.
-
-    Raises:
-        ScenarioError: not a readable regular file, naming ``field`` and the path.
-    """
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise ScenarioError(field, str(path), "a regular file (not a pipe, device or folder)")
-        if st.st_size > limit_bytes:
-            raise ScenarioError(
-                field, str(path), f"a file of at most {limit_bytes} bytes ({st.st_size})"
-            )
-        return path.read_bytes()
-    except OSError as exc:
-        raise ScenarioError(field, str(path), f"a readable file ({exc.strerror})") from None
 
 
 _COMPARISON_TAGS = (

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from differential.observation import RunObservation
 from differential.scenario import DriveMode, Scenario
-from differential.variants import Variant
+from differential.variant import Variant
 
 if TYPE_CHECKING:
     from differential.driver.fixes import FixStatus, fix_status

@@ -758,7 +758,7 @@ def max_logprob_difference(result: EngineResult) -> float:
 
 def judged_scenario(result: EngineResult) -> Scenario:
     """The scenario the engine's release means (features of the engine's vLLM)."""
-    from differential.variants.capabilities import equivalent_scenario
+    from differential.capabilities import equivalent_scenario
 
     return equivalent_scenario(result.scenario, result.capabilities)
 

@@ -11,7 +11,7 @@ and ``get_computed_blocks``, ``vllm/v1/core/kv_cache_utils.py``
 :func:`vllm_call` marks a call into vLLM: an exception raised inside it is
 vLLM's (a ``crash`` finding naming the call); :func:`vllm_build` marks a
 constructor, whose missing arguments and refusals make the run *unsupported*
-(:class:`~differential.variants.capabilities.Unsupported`); any other
+(:class:`~differential.capabilities.Unsupported`); any other
 exception in the driver is kvfuzz's own failure
 (:class:`~differential.errors.InternalError`).
 :func:`classified_run` sorts the exception that ends a driven run into those
@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
+from differential.capabilities import DESCRIPTIONS, Feature, Unsupported
 from differential.errors import InternalError, ScenarioError
-from differential.variants.capabilities import DESCRIPTIONS, Feature, Unsupported
 
 __all__ = [
     "RunEnd",
@@ -189,7 +189,7 @@ class RunEnd:
 def classified_run(driver: str, phase: list[str], vllm_version: str) -> Iterator[RunEnd]:
     """Run a driving mode's body and sort out the exception that ends it.
 
-    :class:`~differential.variants.capabilities.Unsupported` (a feature the
+    :class:`~differential.capabilities.Unsupported` (a feature the
     release lacks, an argument it does not take, a layout it refuses) sets
     ``unsupported`` to its reason; :class:`VllmCallError`
     (vLLM raised) sets ``error``; both end the block normally, so the caller

@@ -34,10 +34,10 @@ from vllm.config import SpeculativeConfig
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 
+from differential.capabilities import Unsupported
 from differential.driver.features import VllmCallError
 from differential.driver.settings import resolve_drafter
 from differential.scenario import DrafterKind, Scenario
-from differential.variants.capabilities import Unsupported
 
 __all__ = [
     "FixStatus",

@@ -67,6 +67,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from differential.capabilities import Feature, Unsupported
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import (
     UnsupportedFeature,
@@ -90,7 +91,6 @@ from differential.observation import (
     RunObservation,
 )
 from differential.scenario import GroupKind, KVEvents, MambaPrefill, Scenario
-from differential.variants.capabilities import Feature, Unsupported
 
 __all__ = ["VLLM_VERSION", "run_scenario"]
 

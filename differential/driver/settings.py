@@ -30,9 +30,9 @@ from typing import Any
 from vllm.config import CacheConfig, SpeculativeConfig, VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
 
+from differential.capabilities import Feature
 from differential.driver.features import UnsupportedFeature, has, vllm_build, vllm_call
 from differential.scenario import DrafterKind, Scenario
-from differential.variants.capabilities import Feature
 
 __all__ = ["ResolvedDrafter", "resolve_drafter"]
 

@@ -16,11 +16,11 @@ from vllm.v1 import kv_cache_interface
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
+from differential.capabilities import Feature, Unsupported
 from differential.driver.features import UnsupportedFeature, has, vllm_build, vllm_call
 from differential.driver.settings import ResolvedDrafter
 from differential.errors import InternalError
 from differential.scenario import GroupKind, Scenario
-from differential.variants.capabilities import Feature, Unsupported
 
 __all__ = [
     "attention_spec",

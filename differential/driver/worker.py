@@ -24,7 +24,7 @@ Each run drives the scenario's own mode (``workload.mode``): vLLM's
 the same calls the in-process variants make
 (:func:`differential.driver.run_variant`). The scenario each run uses is the
 one the release means for the scenario's intent
-(:func:`differential.variants.capabilities.equivalent_scenario`); one that
+(:func:`differential.capabilities.equivalent_scenario`); one that
 needs a feature the tree lacks, or whose equivalent is refused, is answered
 with a run whose ``unsupported`` field names the missing piece (the driver
 decides the rest, see :mod:`differential.driver.runner`). Only a failure of
@@ -57,11 +57,11 @@ def capabilities() -> dict[str, bool]:
 def _serve(stdin: IO[str], stdout: IO[str]) -> None:
     import vllm
 
+    from differential.capabilities import Unsupported, equivalent_scenario
     from differential.driver.runner import run_scenario
     from differential.errors import InternalError
     from differential.observation import RunObservation
     from differential.scenario import DriveMode, Scenario
-    from differential.variants.capabilities import Unsupported, equivalent_scenario
 
     caps = capabilities()
 

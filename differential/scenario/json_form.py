@@ -18,13 +18,11 @@ Units: fields ending in ``_tokens`` are tokens; ``pool_blocks`` is blocks.
 
 from __future__ import annotations
 
-import json
 from functools import cache
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from differential.errors import ScenarioError
 from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
@@ -55,7 +53,6 @@ __all__ = [
     "ScenarioFileDocument",
     "WorkloadDocument",
     "checked_document",
-    "json_data",
     "scenario_fields",
     "scenario_file_schema",
     "scenario_to_dict",
@@ -625,62 +622,3 @@ def checked_document(scenario: Scenario) -> ScenarioDocument:
 def scenario_to_dict(document: ScenarioDocument) -> dict[str, Any]:
     """The canonical JSON-ready form of a checked document (see the module docstring)."""
     return document.model_dump(mode="json")
-
-
-class _DuplicateKey(ValueError):
-    """A key given twice in one JSON object."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads``' ``object_pairs_hook``: an object, each key once."""
-    data: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in data:
-            raise _DuplicateKey(key)
-        data[key] = value
-    return data
-
-
-def json_data(text: str, *, source: str | None = None) -> object:
-    """Parse JSON text; ``source`` (a file name) is added to error messages.
-
-    Raises:
-        ScenarioError: malformed or absurdly deeply nested JSON, an integer
-            too long to convert (Python's 4300-digit limit), field
-            ``<json>``; a key given twice in one object (plain ``json``
-            keeps the last silently), naming the key.
-    """
-    try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as exc:
-        raise ScenarioError(
-            f"<json> key {exc.key!r}",
-            "given twice in one object",
-            "each key at most once per object",
-            source=source,
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise ScenarioError(
-            "<json>",
-            f"line {exc.lineno} column {exc.colno}",
-            f"valid JSON ({exc.msg})",
-            source=source,
-        ) from None
-    except RecursionError:
-        raise ScenarioError(
-            "<json>",
-            "arrays or objects nested too deep to parse",
-            "JSON nested at most a few hundred levels (a scenario needs 3)",
-            source=source,
-        ) from None
-    except ValueError as exc:  # an integer of more than 4300 digits
-        raise ScenarioError(
-            "<json>",
-            "an integer too long to read",
-            f"numbers of at most 4300 digits ({exc})",
-            source=source,
-        ) from None

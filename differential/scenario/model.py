@@ -23,6 +23,7 @@ from functools import cached_property
 from typing import Any
 
 from differential.errors import ScenarioError
+from differential.files import json_data
 from differential.scenario.drafter import DROPPING_DRAFTERS, Drafter, DrafterKind
 from differential.scenario.groups import DraftGroups, GroupKind, KVCacheGroup, MambaPrefill
 from differential.scenario.json_form import (
@@ -30,7 +31,6 @@ from differential.scenario.json_form import (
     SCENARIO_VERSION,
     ScenarioDocument,
     checked_document,
-    json_data,
     scenario_fields,
     scenario_to_dict,
 )

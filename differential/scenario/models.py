@@ -337,8 +337,7 @@ class ModelDescription:
         Raises:
             ScenarioError: unreadable or invalid file, naming it.
         """
-        from differential.corpus import read_regular_file
-        from differential.scenario.json_form import json_data
+        from differential.files import json_data, read_regular_file
 
         raw = read_regular_file(path, "model")  # a FIFO is refused, not waited on
         try:

@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from differential import forkserver
+from differential.capabilities import Unsupported, equivalent_scenario
 from differential.driver.protocol import PROTOCOL_VERSION
 from differential.driver.worker import PARENT_ENV
 from differential.errors import InternalError, KvfuzzError, VariantError
 from differential.observation import RunObservation
 from differential.scenario import Scenario
-from differential.variants.capabilities import Unsupported, equivalent_scenario
 
 __all__ = [
     "TreeWorker",
@@ -427,7 +427,7 @@ def run_tree(
 def scenario_as_run(name: str, scenario: Scenario) -> Scenario:
     """The scenario tree variant ``name`` ran for ``scenario`` (its release's equivalent).
 
-    See :func:`differential.variants.capabilities.equivalent_scenario`; ``scenario``
+    See :func:`differential.capabilities.equivalent_scenario`; ``scenario``
     itself before the worker has started, or when the tree has no equivalent
     (its run is then *unsupported* and nothing is judged).
     """

@@ -262,9 +262,9 @@ def _manager_arguments(hash_block_size: int) -> dict[str, object]:
 
 
 def test_a_constructor_argument_the_release_lacks_is_unsupported() -> None:
+    from differential.capabilities import Unsupported
     from differential.driver.features import VllmCallError, vllm_build
     from differential.driver.runner import KVCacheManager
-    from differential.variants.capabilities import Unsupported
 
     source = "vllm/v1/core/kv_cache_manager.py"
     arguments = _manager_arguments(16)

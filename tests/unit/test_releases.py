@@ -9,6 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from differential.capabilities import (
+    DESCRIPTIONS,
+    Feature,
+    Unsupported,
+    equivalent_scenario,
+)
 from differential.cli import main
 from differential.corpus import load_entry
 from differential.errors import VariantError
@@ -16,12 +22,6 @@ from differential.findings import Finding, FindingKind
 from differential.observation import ManagerSettings, RequestObservation, RunObservation
 from differential.scenario import Drafter, DrafterKind
 from differential.variants import file_label, parse_variants
-from differential.variants.capabilities import (
-    DESCRIPTIONS,
-    Feature,
-    Unsupported,
-    equivalent_scenario,
-)
 from differential.variants.releases import CACHE_ENV, cache_dir, release_tree
 from fuzz.signature import signature_of
 from tests.factories import CORPORA, triton
