@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from differential.corpus import iter_scenario_files
-    from differential.driver.engine_mode import EngineUnavailable, engine_python, shutdown_engine
+    from differential.variants.engine import EngineUnavailable, engine_python, shutdown_engine
 
     try:
         engine_python()

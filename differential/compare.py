@@ -39,9 +39,9 @@ from differential.oracle.engine import (
     repeated_requests,
     sequentially_judgeable,
 )
+from differential.oracle.known import label_known
 from differential.oracle.layout import alignment_blowup
 from differential.scenario import DrafterKind, DriveMode, GroupKind, MambaPrefill, Scenario
-from differential.triage.known import label_known
 from differential.variants import FixScope, Variant, VariantRole
 
 __all__ = [

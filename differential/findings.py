@@ -157,7 +157,7 @@ class Finding:
         policy: the policy that judged it.
         detail: one readable sentence.
         known_issue: the name of the known vLLM issue that explains it
-            (:mod:`differential.triage.known`), or ``None``.
+            (:mod:`differential.oracle.known`), or ``None``.
         blocks_per_group: (``wrong-kv`` only) the block ids the request's
             lookup returned, per KV cache group (``None``: the null block).
     """

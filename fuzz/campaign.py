@@ -53,9 +53,9 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from differential.compare import ScenarioResult
 from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
+from differential.oracle.known import KNOWN_ISSUES
 from differential.scenario import DriveMode, GroupKind, Scenario
 from differential.triage.identity import Role, RootCause, Triaged, triage
-from differential.triage.known import KNOWN_ISSUES
 from differential.variants import Variant
 from fuzz.lifetime import die_with_parent, stop_requested, terminate_pool
 from fuzz.progress import CampaignStats, Progress
@@ -263,7 +263,7 @@ def corpus_root_causes(
     """Root causes the known corpus shows, each with the first file showing it.
 
     Every file under ``paths`` is replayed on ``variants``; known issues
-    count with their reproducer (:data:`differential.triage.known.KNOWN_ISSUES`).
+    count with their reproducer (:data:`differential.oracle.known.KNOWN_ISSUES`).
     An unreadable or invalid file is skipped with a warning on stderr naming it.
     """
     from differential.compare import compare_variants

@@ -3,7 +3,7 @@
 A signature is the finding kind plus what caused it structurally: the
 variant, the drafter class, the retention class and where the divergence
 point sits relative to the checkpoint. A finding a known vLLM issue explains
-(:mod:`differential.triage.known`) has one signature per issue, kind and variant.
+(:mod:`differential.oracle.known`) has one signature per issue, kind and variant.
 Two findings with the same signature are duplicates.
 """
 

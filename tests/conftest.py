@@ -17,7 +17,7 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 def _engine_missing() -> str | None:
     """Why the engine environment is unusable, or ``None`` when it is set up."""
-    from differential.driver.engine_mode import EngineUnavailable, engine_python
+    from differential.variants.engine import EngineUnavailable, engine_python
 
     try:
         engine_python()

@@ -3,7 +3,8 @@
 Also the engine side of ``kvfuzz replay --mode engine`` (:func:`replay_on_engine`)
 and what the driver-fidelity benchmark shares (:func:`release_runs`,
 :func:`driver_mismatches`). The engine runs in its own environment
-(:mod:`differential.driver.engine_mode`); nothing here imports vLLM.
+(:mod:`differential.variants.engine`, with plans from
+:mod:`differential.driver.engine_mode`); nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -83,14 +84,14 @@ def engine_replay(
 ) -> EngineReplay:
     """Run ``entry`` on the engine (cache on and off) and judge it."""
     from differential.compare import ScenarioResult, VariantResult
-    from differential.driver.engine_mode import (
+    from differential.driver.engine_mode import file_geometry
+    from differential.variants.engine import (
         LOGPROB_TOLERANCE,
-        file_geometry,
         judge,
         max_logprob_difference,
         run_engine,
     )
-    from differential.driver.engine_mode import engine_variant as variant
+    from differential.variants.engine import engine_variant as variant
 
     started = time.perf_counter()
     outcome = run_engine(
@@ -131,8 +132,8 @@ def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -
     Exit 1 on a finding (``wrong-output`` included) or a file whose recorded
     ``engine.hits`` the engine contradicts, else 0.
     """
-    from differential.driver.engine_mode import engine_python, engine_stamp, shutdown_engine
     from differential.reports.table import printable, render_json, render_text
+    from differential.variants.engine import engine_python, engine_stamp, shutdown_engine
 
     engine_python()  # exit 2 with the set-up command when absent
     policy = Policy(args.policy)
@@ -329,8 +330,8 @@ def _claims(path: Path, entry: CorpusEntry) -> set[str]:
 
 def run(args: argparse.Namespace) -> int:
     from differential.corpus import iter_scenario_files, write_atomic
-    from differential.driver.engine_mode import engine_python, engine_stamp, shutdown_engine
     from differential.reports.table import printable
+    from differential.variants.engine import engine_python, engine_stamp, shutdown_engine
 
     engine_python()
     policy = Policy(args.policy)

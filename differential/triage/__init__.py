@@ -1,10 +1,8 @@
-"""Triage: root-cause identity, facets and known vLLM issues (no vLLM).
+"""Triage: one root cause per finding, its facets and consequences (no vLLM).
 
 * :mod:`differential.triage.identity` -- one root cause per finding, its
   facets and consequences.
-* :mod:`differential.triage.known` -- known vLLM issues, recognised from
-  first principles.
 
-The package itself imports nothing, so :mod:`differential.findings` can read
-the known issues without importing the comparison.
+The known vLLM issues, which label findings wherever they are made (the
+comparison, engine mode), are the oracle's: :mod:`differential.oracle.known`.
 """

@@ -37,7 +37,7 @@ matches hashes); a ``crash`` after the vLLM function that raised and the
 exception type (``crash | lookup | SlidingWindowManager.find_longest_cache_hit:
 IndexError``).
 
-A finding a known vLLM issue explains (:mod:`differential.triage.known`) takes the
+A finding a known vLLM issue explains (:mod:`differential.oracle.known`) takes the
 issue as its root cause. A run that protects a drafter needing no protection
 (``needless-drop``, or lookahead hashes for it) is the root cause of the
 shortfalls that protection brings (``needless-protection``: what the fix
@@ -73,10 +73,10 @@ from differential.errors import ScenarioError
 from differential.findings import SEVERITY, Finding, FindingKind, Policy
 from differential.observation import GroupLookup, RequestObservation, RunObservation
 from differential.oracle import DrafterModel, drafter_model, judge_run, replay_boundaries
+from differential.oracle.known import label_known
 from differential.oracle.kv_events import kv_event_rule
 from differential.oracle.per_group import wrong_per_group_hit
 from differential.scenario import Drafter, DrafterKind, GroupKind, Scenario
-from differential.triage.known import label_known
 
 __all__ = [
     "MANAGER_FUNCTION",

@@ -24,9 +24,9 @@ import pytest
 
 from differential.commands.confirm import engine_replay
 from differential.corpus import finding_tag, load_entry
-from differential.driver.engine_mode import judge, run_engine, shutdown_engine, wrong_outputs
 from differential.findings import FindingKind, Policy
 from differential.scenario import DriveMode, KVCacheGroup
+from differential.variants.engine import judge, run_engine, shutdown_engine, wrong_outputs
 from tests.factories import CORPORA
 
 pytestmark = pytest.mark.engine

@@ -2,7 +2,7 @@
 
 The fixed variant must show no ``fallback``, ``over-hit`` or ``misaligned``
 finding on any generated scenario, except the vLLM issues kvfuzz has already
-explained (:mod:`differential.triage.known`), which the seed PR does not touch, and
+explained (:mod:`differential.oracle.known`), which the seed PR does not touch, and
 the seed class itself where a sliding-window group does not take the drop (only
 the drafter's groups marked ``is_eagle_group`` do: the seed PR widens only tails
 of groups that drop). The candidate must not show even the one-unit class it

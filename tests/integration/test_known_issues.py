@@ -6,7 +6,7 @@ import pytest
 
 from differential.compare import compare_variants
 from differential.corpus import load_entry
-from differential.triage.known import KNOWN_ISSUES
+from differential.oracle.known import KNOWN_ISSUES
 from differential.variants import parse_variants
 from tests.factories import ROOT
 

@@ -203,8 +203,8 @@ def test_full_event_reports_under_dcp_are_a_known_issue() -> None:
     import dataclasses
 
     from differential.findings import Finding, FindingKind
+    from differential.oracle.known import label_known
     from differential.scenario import KVEvents, Workload
-    from differential.triage.known import label_known
 
     def mla(dcp: int, events: KVEvents) -> Scenario:
         return Scenario(

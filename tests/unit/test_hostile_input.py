@@ -653,8 +653,8 @@ def test_full_report_crashes_are_known_in_scheduler_mode_too() -> None:
     # names that call: the two known issues' labels read only the manager
     # driver's get_computed_blocks, and scheduler-mode campaigns filed them new.
     from differential.findings import Finding
+    from differential.oracle.known import label_known
     from differential.scenario import DriveMode, GroupKind, KVCacheGroup, KVEvents, Workload
-    from differential.triage.known import label_known
 
     def crash(error: str, where: str) -> Finding:
         detail = f"step 2: schedule: Scheduler.schedule: {error} [raised in {where}]"

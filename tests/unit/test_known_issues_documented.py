@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from differential.triage.known import KNOWN_ISSUES
+from differential.oracle.known import KNOWN_ISSUES
 
 ROOT = Path(__file__).parents[2]
 PAGE = ROOT / "docs" / "triage.md"

@@ -7,6 +7,7 @@ import pytest
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings
 from differential.oracle import judge_run
+from differential.oracle.known import label_known
 from differential.scenario import (
     Drafter,
     DrafterKind,
@@ -15,7 +16,6 @@ from differential.scenario import (
     RequestSpec,
     Scenario,
 )
-from differential.triage.known import label_known
 from tests.factories import hybrid
 from tests.unit.test_oracle import run
 

@@ -254,8 +254,8 @@ def test_workload_fields_are_written_only_when_set_and_checked() -> None:
 
 
 def test_the_full_report_crash_is_labelled_only_on_fine_grained_full_reports() -> None:
+    from differential.oracle.known import label_known
     from differential.scenario import KVCacheGroup as Group
-    from differential.triage.known import label_known
 
     crash = Finding(
         FindingKind.CRASH,

@@ -316,7 +316,7 @@ def test_junction_state_case_of_issue_45238() -> None:
 
 
 def test_pr57444_label_matches_its_mechanism_and_rejects_near_misses() -> None:
-    from differential.triage.known import label_known
+    from differential.oracle.known import label_known
 
     s = fa_mamba(100)
     findings = judge_run(s, observed(s, [0, 0]))[1]

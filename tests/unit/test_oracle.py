@@ -387,7 +387,7 @@ def test_window_below_alignment_retention_0_is_one_unit_below_a_boundary() -> No
 
 
 def test_known_issue_labels() -> None:
-    from differential.triage.known import label_known
+    from differential.oracle.known import label_known
 
     scenario = hybrid(
         32,

@@ -5,6 +5,10 @@ label its findings instead of rediscovering them, and property tests on the
 ``fixed`` variant can tell "the seed fix is incomplete in a way we already
 documented" from a new problem. A known finding is still a finding: it is
 reported, with the issue's name.
+
+It sits with the oracle, not with triage, because every floor that makes a
+finding labels it (the comparison, engine mode): the labels read only the
+scenario, the findings and the hits, as the oracle's rules do.
 """
 
 from __future__ import annotations
