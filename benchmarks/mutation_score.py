@@ -51,15 +51,17 @@ def main() -> None:
 
     import differential.driver.runner  # noqa: F401  (vLLM's dependencies, for the fork server)
     from differential import forkserver
-    from differential.variants.mutation import (
+    from differential.mutation.mutants import (
         MODULES,
+        enumerate_mutants,
+        installed_vllm,
+        sample_mutants,
+    )
+    from differential.mutation.score import (
         MutantStatus,
         default_work_dir,
         draw_scenarios,
-        enumerate_mutants,
-        installed_vllm,
         run_mutation,
-        sample_mutants,
     )
 
     started = time.perf_counter()

@@ -12,17 +12,22 @@ from differential import forkserver
 from differential.commands.options import add_policy, percent, timeout_seconds
 from differential.errors import VariantError
 from differential.findings import Policy
-from differential.variants.mutation import (
+from differential.mutation.mutants import (
     MODULES,
-    ExcludedScenario,
     ModuleScope,
+    enumerate_mutants,
+    installed_vllm,
+    sample_mutants,
+    select_modules,
+    select_mutants,
+)
+from differential.mutation.score import (
+    ExcludedScenario,
     MutantOutcome,
     MutantStatus,
     MutationRun,
     default_work_dir,
     draw_scenarios,
-    enumerate_mutants,
-    installed_vllm,
     load_run,
     merge_runs,
     parse_shard,
@@ -30,12 +35,9 @@ from differential.variants.mutation import (
     recorded_tests,
     render_markdown,
     run_mutation,
-    sample_mutants,
-    select_modules,
-    select_mutants,
     write_json,
 )
-from differential.variants.vllm_tests import check_tests_folder
+from differential.mutation.vllm_tests import check_tests_folder
 
 __all__ = ["add_parser", "run"]
 

@@ -15,14 +15,12 @@ from pathlib import Path
 import pytest
 
 from differential.corpus import load_entry
-from differential.variants.mutation import (
-    MODULES,
+from differential.mutation.mutants import MODULES, enumerate_mutants, installed_vllm
+from differential.mutation.score import (
     ExcludedScenario,
     MutantStatus,
     check_unmutated,
     draw_scenarios,
-    enumerate_mutants,
-    installed_vllm,
     judge_stock,
     run_mutation,
 )

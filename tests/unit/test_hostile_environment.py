@@ -19,9 +19,9 @@ import pytest
 
 from differential.corpus import write_atomic
 from differential.errors import ScenarioError
+from differential.mutation.score import default_work_dir
 from differential.scenario import RequestSpec, Workload
 from differential.scenario.models import ModelDescription
-from differential.variants.mutation import default_work_dir
 from tests.factories import CORPORA, ROOT, dead_pid, triton
 
 TOY = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"

@@ -16,30 +16,32 @@ from differential.cli import main
 from differential.compare import VariantResult
 from differential.errors import VariantError
 from differential.findings import Finding, FindingKind
-from differential.observation import RequestObservation, RunObservation
-from differential.variants import parse_variants
-from differential.variants.mutation import (
+from differential.mutation.mutants import (
     MODULES,
-    ExcludedScenario,
     ModuleScope,
     Mutant,
+    build_mutant_tree,
+    enumerate_mutants,
+    mutant_diff,
+    mutant_source,
+    sample_mutants,
+    select_modules,
+)
+from differential.mutation.score import (
+    ExcludedScenario,
     MutantOutcome,
     MutantStatus,
     MutationRun,
-    build_mutant_tree,
     draw_scenarios,
-    enumerate_mutants,
     load_run,
     merge_runs,
-    mutant_diff,
-    mutant_source,
     render_markdown,
-    sample_mutants,
     scenario_digest,
-    select_modules,
     stock_difference,
     write_json,
 )
+from differential.observation import RequestObservation, RunObservation
+from differential.variants import parse_variants
 from tests.factories import ROOT, triton
 
 MODULE = "v1/core/toy.py"
@@ -427,7 +429,7 @@ def test_a_timed_out_scenario_is_retried_with_four_times_the_time(tmp_path: Path
     """A run past the per-scenario timeout on a loaded machine is the
     machine's: the rerun on the restarted worker gets 4x the time, so a load
     that slows every run does not time a mutant out (a false kill)."""
-    from differential.variants.mutation import _attempt_variants
+    from differential.mutation.score import _attempt_variants
 
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("")
@@ -437,8 +439,9 @@ def test_a_timed_out_scenario_is_retried_with_four_times_the_time(tmp_path: Path
 
 
 def test_a_tests_only_kill_in_out_of_scope_code_says_so() -> None:
-    from differential.variants.mutation import OUT_OF_SCOPE, _side_by_side
-    from differential.variants.vllm_tests import (
+    from differential.mutation.mutants import OUT_OF_SCOPE
+    from differential.mutation.score import _side_by_side
+    from differential.mutation.vllm_tests import (
         VllmTestsBaseline,
         VllmTestsOutcome,
         VllmTestsVerdict,
@@ -474,7 +477,7 @@ def test_a_tests_only_kill_in_out_of_scope_code_says_so() -> None:
 
 
 def test_mutants_are_selected_by_id_in_the_order_given(root: Path) -> None:
-    from differential.variants.mutation import select_mutants
+    from differential.mutation.mutants import select_mutants
 
     scope = ModuleScope(MODULE, include=("in_scope",))
     generated = enumerate_mutants(root, [scope])
@@ -495,8 +498,8 @@ def test_recorded_tests_verdicts_are_reused_only_for_the_same_mutants(
     """``--vllm-tests-from``: the tests' verdicts of a recorded run join a
     kvfuzz-only run mutant for mutant; a record without tests, of another
     vLLM, without the mutant or with another diff is refused."""
-    from differential.variants.mutation import recorded_tests
-    from differential.variants.vllm_tests import (
+    from differential.mutation.score import recorded_tests
+    from differential.mutation.vllm_tests import (
         VllmTestsBaseline,
         VllmTestsOutcome,
         VllmTestsVerdict,

@@ -12,15 +12,9 @@ from pathlib import Path
 import pytest
 
 from differential.errors import VariantError
-from differential.variants.mutation import (
-    MODULES,
-    Mutant,
-    MutantOutcome,
-    MutantStatus,
-    MutationRun,
-    render_markdown,
-)
-from differential.variants.vllm_tests import (
+from differential.mutation.mutants import MODULES, Mutant
+from differential.mutation.score import MutantOutcome, MutantStatus, MutationRun, render_markdown
+from differential.mutation.vllm_tests import (
     VllmTests,
     VllmTestsBaseline,
     VllmTestsOutcome,

@@ -7,7 +7,7 @@ of a folder laid out like one). Per run, once:
 1. **Stock.** Every test under ``tests/v1/core`` runs once on the installed,
    stock vLLM (``python -m pytest``, each test under pytest-timeout's
    per-test timeout), with coverage.py measuring, per test, which lines of
-   the mutated modules it executes (:mod:`differential.variants.vllm_tests_plugin`
+   the mutated modules it executes (:mod:`differential.mutation.vllm_tests_plugin`
    switches coverage's context per test). The tests that pass are the ones
    a mutant is held to.
 
@@ -70,12 +70,12 @@ __all__ = [
 ]
 
 #: The file the plugin writes its JSON lines to, and the files it measures
-#: (:mod:`differential.variants.vllm_tests_plugin`).
+#: (:mod:`differential.mutation.vllm_tests_plugin`).
 REPORT_ENV = "KVFUZZ_TESTS_REPORT"
 COVER_ENV = "KVFUZZ_TESTS_COVER"
 TESTS_SUBDIR = Path("tests") / "v1" / "core"
 PYTEST_TIMEOUT_PIN = "pytest-timeout==2.4.0"
-_PLUGIN = "differential.variants.vllm_tests_plugin"
+_PLUGIN = "differential.mutation.vllm_tests_plugin"
 # Extra seconds a pytest process gets beyond its tests' timeouts (start-up,
 # collection) before it is killed from outside.
 _PROCESS_SLACK_S = 300.0
@@ -554,7 +554,7 @@ class VllmTests:
         )
 
     def _fails_unmutated(self, module: str, test: str, work: Path) -> bool:
-        from differential.variants.mutation import build_mutant_tree
+        from differential.mutation.mutants import build_mutant_tree
 
         tree = self._unmutated.get(module)
         if tree is None:

@@ -1,7 +1,7 @@
 """A pytest plugin ``kvfuzz mutate --vllm-tests`` loads into a run of vLLM's own tests.
 
-Loaded with ``-p differential.variants.vllm_tests_plugin`` into ``python -m
-pytest`` (:func:`differential.variants.vllm_tests.run_pytest`); it does
+Loaded with ``-p differential.mutation.vllm_tests_plugin`` into ``python -m
+pytest`` (:func:`differential.mutation.vllm_tests.run_pytest`); it does
 nothing unless ``KVFUZZ_TESTS_REPORT`` names a file. It then writes one JSON
 line per event to that file, as the tests run (so a run killed from outside
 still says how far it got):
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from differential.variants.vllm_tests import COVER_ENV, REPORT_ENV
+from differential.mutation.vllm_tests import COVER_ENV, REPORT_ENV
 
 __all__: list[str] = []
 
