@@ -76,7 +76,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
 
     from differential.corpus import iter_scenario_files, load_entry
-    from differential.reports.diff import run_diff
+    from fuzz.diff import run_diff
 
     if args.max_examples is not None and args.max_examples < 0:
         raise VariantError(f"--max-examples = {args.max_examples} is invalid: allowed N >= 0")

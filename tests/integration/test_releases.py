@@ -22,7 +22,7 @@ import pytest
 from differential.compare import compare_variants
 from differential.corpus import load_entry
 from differential.errors import VariantError
-from differential.reports.diff import ChangeKind, run_diff
+from differential.reports.diff import ChangeKind
 from differential.reports.release_support import (
     DOC,
     RELEASES,
@@ -37,6 +37,7 @@ from differential.reports.release_support import (
 )
 from differential.variants import Variant, parse_variants
 from differential.variants.tree import _WORKERS, shutdown_workers
+from fuzz.diff import run_diff
 from tests.factories import CORPORA, ROOT, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
