@@ -125,10 +125,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # `fuzz` package): every module under it is instrumented on import.
     before = set(sys.modules)
     with atheris.instrument_imports(include=list(INSTRUMENTED)):
-        # The driver imports vLLM lazily; import the modules under test here.
-        import vllm.v1.core.kv_cache_manager
-        import vllm.v1.core.sched.scheduler  # noqa: F401
-
+        # The driver imports vLLM lazily; import the modules under test here,
+        # through the driver (the only kvfuzz code importing vLLM): the
+        # manager driver imports vLLM's KVCacheManager and Scheduler.
         import differential.driver.runner  # noqa: F401  (vllm.v1.core's managers)
         from differential.errors import VariantError
         from differential.findings import Policy
