@@ -14,11 +14,13 @@ replay: setup
 	@$(VENV)/bin/kvfuzz replay corpora/seeds; rc=$$?; \
 	    if [ $$rc -ne 0 ] && [ $$rc -ne 1 ]; then exit $$rc; fi
 
-# Tests (unit, oracle, real-vLLM integration), lint and the type checker
-# (mypy, strict on differential/ and fuzz/: [tool.mypy] in pyproject.toml).
+# Tests (unit, oracle, real-vLLM integration), lint, the type checker
+# (mypy, strict on differential/ and fuzz/: [tool.mypy] in pyproject.toml) and
+# the floors of the code as import contracts ([tool.importlinter]).
 test: setup
 	@$(VENV)/bin/ruff check differential fuzz tests benchmarks
 	@$(VENV)/bin/mypy
+	@$(VENV)/bin/lint-imports --no-logo --no-cache
 	@KVFUZZ_REQUIRE_VLLM=1 KVFUZZ_REQUIRE_RELEASES=1 $(VENV)/bin/python -m pytest -n 2 --dist worksteal || { rc=$$?; \
 	    if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): nothing to fail"; \
 	    else exit $$rc; fi; }
