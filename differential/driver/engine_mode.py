@@ -208,6 +208,47 @@ def engine_plan(
         EngineUnsupported: the CPU engine (or kvfuzz's tiny models) cannot
             run it; the message names why.
     """
+    _refuse_inputs(scenario)
+    kinds, block, windows = _engine_layout(scenario)
+    _refuse_workload(scenario)
+    engine = _engine_arguments(scenario, kinds, block, windows, prefix_caching)
+    # A request that copies its source's answer (shares_output) gets the
+    # engine's own sampled tokens from the worker; only its own tokens come
+    # from here, so kvfuzz's stand-in answers in these prompts are never sent.
+    salt, prompts = _mapped_prompts(scenario)
+    longest = max(len(p) for p in prompts) + scenario.decode_steps + 1
+    if scenario.workload.shares_output:
+        longest = sum(len(p) for p in prompts) + len(prompts) * (scenario.decode_steps + 1)
+    engine["max_model_len"] = max(2048, -(-(longest + 64) // block) * block)
+    prefix = [_token(salt, 1 + p % 50_000) for p in range(scenario.shared_prefix_tokens)]
+    requests = []
+    for i, r in enumerate(scenario.requests):
+        arrival = scenario.workload.arrival_steps
+        requests.append(
+            {
+                "source": r.shares_with,
+                "divergence": r.divergence_tokens,
+                # Its own tokens, then what it rejoins of its source.
+                "own": list(prompts[i][r.divergence_tokens :]),
+                "arrival": None if arrival is None else arrival[i],
+                "max_tokens": scenario.decode_steps + 1,
+            }
+        )
+    return {
+        "engine": engine,
+        "prefix": prefix,
+        "requests": requests,
+        "shares_output": scenario.workload.shares_output,
+        "breakage": breakage,
+    }
+
+
+def _refuse_inputs(scenario: Scenario) -> None:
+    """Refuse what the engine worker cannot send: images, cache salts, several DCP ranks.
+
+    Raises:
+        EngineUnsupported: naming the input.
+    """
     if scenario.has_mm_inputs:
         raise EngineUnsupported(
             "images (requests' mm_inputs): kvfuzz's engine models are text-only tiny models, "
@@ -218,12 +259,23 @@ def engine_plan(
         raise EngineUnsupported(
             "cache_salt: the engine worker sends each prompt as token ids alone, without a salt"
         )
-    groups = scenario.kv_cache_groups
     if scenario.dcp_world_size > 1:
         raise EngineUnsupported(
             f"dcp_world_size {scenario.dcp_world_size}: decode context parallelism shards "
             "KV over several ranks; the CPU engine runs one"
         )
+
+
+def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
+    """The KV cache groups as a tiny model can have them: ``(kinds, block size in
+    tokens, sliding windows in tokens)``.
+
+    Raises:
+        EngineUnsupported: a kind kvfuzz builds no tiny model for, several block
+            sizes, a block that is not a multiple of 32 tokens, several
+            sliding windows, or ``is_eagle_group`` marks.
+    """
+    groups = scenario.kv_cache_groups
     kinds = {g.kind for g in groups}
     unknown = kinds - {GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA}
     if unknown:
@@ -254,6 +306,17 @@ def engine_plan(
         raise EngineUnsupported(
             "is_eagle_group marks: the engine's planner decides the draft groups itself"
         )
+    return kinds, block, windows
+
+
+def _refuse_workload(scenario: Scenario) -> None:
+    """Refuse workload parts engine mode does not map: connectors, aborts, answers
+    rejoined, the Mamba shared-prefix checkpoint, KV cache events, the watermark,
+    drafters kvfuzz builds no tiny model for.
+
+    Raises:
+        EngineUnsupported: naming the part.
+    """
     if scenario.workload.connector is not None:
         raise EngineUnsupported(
             "workload.connector: the remote store is kvfuzz's scheduler-side connector "
@@ -288,6 +351,24 @@ def engine_plan(
             f"drafter {drafter.value!r}: kvfuzz's engine mode builds tiny EAGLE and EAGLE-3 "
             "drafters and n-gram speculation only"
         )
+
+
+def _engine_arguments(
+    scenario: Scenario,
+    kinds: set[GroupKind],
+    block: int,
+    windows: list[int],
+    prefix_caching: bool,
+) -> dict[str, Any]:
+    """The plan's ``engine`` part: the tiny model's architecture and layers, the
+    scheduler's budget (tokens) and sequences, the pool (blocks), the drafter.
+
+    Raises:
+        EngineUnsupported: Mamba groups without vLLM's own one-block prefill
+            steps, or beside a drafter or a sliding window.
+    """
+    groups = scenario.kv_cache_groups
+    drafter = scenario.drafter.kind
     budget = scenario.step_budget_tokens
     engine: dict[str, Any] = {
         "block_size": block,
@@ -331,35 +412,7 @@ def engine_plan(
         engine["drafter"] = None
     if engine["max_num_batched_tokens"] < engine["max_num_seqs"]:
         engine["max_num_seqs"] = engine["max_num_batched_tokens"]
-    # A request that copies its source's answer (shares_output) gets the
-    # engine's own sampled tokens from the worker; only its own tokens come
-    # from here, so kvfuzz's stand-in answers in these prompts are never sent.
-    salt, prompts = _mapped_prompts(scenario)
-    longest = max(len(p) for p in prompts) + scenario.decode_steps + 1
-    if scenario.workload.shares_output:
-        longest = sum(len(p) for p in prompts) + len(prompts) * (scenario.decode_steps + 1)
-    engine["max_model_len"] = max(2048, -(-(longest + 64) // block) * block)
-    prefix = [_token(salt, 1 + p % 50_000) for p in range(scenario.shared_prefix_tokens)]
-    requests = []
-    for i, r in enumerate(scenario.requests):
-        arrival = scenario.workload.arrival_steps
-        requests.append(
-            {
-                "source": r.shares_with,
-                "divergence": r.divergence_tokens,
-                # Its own tokens, then what it rejoins of its source.
-                "own": list(prompts[i][r.divergence_tokens :]),
-                "arrival": None if arrival is None else arrival[i],
-                "max_tokens": scenario.decode_steps + 1,
-            }
-        )
-    return {
-        "engine": engine,
-        "prefix": prefix,
-        "requests": requests,
-        "shares_output": scenario.workload.shares_output,
-        "breakage": breakage,
-    }
+    return engine
 
 
 # ---------------------------------------------------------------------- results
