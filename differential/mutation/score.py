@@ -806,33 +806,18 @@ def run_mutation(
     check_s = time.perf_counter() - stock_started - stock_s
     left_out = {e.name for e in excluded}
     kept = [i for i, (name, _) in enumerate(scenarios) if name not in left_out]
-    kept_scenarios = [scenarios[i] for i in kept]
-    kept_stock = [stock[i] for i in kept]
-    outcomes: list[MutantOutcome] = []
-    for i, mutant in enumerate(mutants):
-        one = run_mutant(
-            mutant,
-            kept_scenarios,
-            vllm_root=vllm_root,
-            work=work / f"m{i:04d}",
-            reached=reached,
-            timeout_s=timeout_s,
-            policy=policy,
-            stock=kept_stock,
-        )
-        if tests is not None:
-            verdict = tests.judge(
-                mutant.module,
-                mutant.statement_lines,
-                mutant.at_import,
-                work / f"m{i:04d}" / "tree",
-                work,
-            )
-            one = dataclasses.replace(one, tests=verdict)
-        shutil.rmtree(work / f"m{i:04d}", ignore_errors=True)
-        outcomes.append(one)
-        if progress is not None:
-            progress(one, i + 1, len(mutants))
+    outcomes = _run_mutants(
+        mutants,
+        [scenarios[i] for i in kept],
+        [stock[i] for i in kept],
+        reached,
+        tests,
+        vllm_root=vllm_root,
+        work=work,
+        timeout_s=timeout_s,
+        policy=policy,
+        progress=progress,
+    )
     return MutationRun(
         vllm_version=differential.driver.VLLM_VERSION,
         seed=seed,
@@ -847,6 +832,50 @@ def run_mutation(
         command=dict(command or {}),
         tests_baseline=None if tests is None else tests.baseline,
     )
+
+
+def _run_mutants(
+    mutants: Sequence[Mutant],
+    scenarios: Sequence[tuple[str, Scenario]],
+    stock: Sequence[Any],
+    reached: dict[str, set[int]],
+    tests: VllmTests | None,
+    *,
+    vllm_root: Path,
+    work: Path,
+    timeout_s: float,
+    policy: Policy,
+    progress: Callable[[MutantOutcome, int, int], None] | None,
+) -> list[MutantOutcome]:
+    """Every mutant in turn on the scenarios ``stock`` judged (one tree worker
+    at a time, each mutant's tree removed after it), then, with ``tests``,
+    vLLM's tests on the same tree."""
+    outcomes: list[MutantOutcome] = []
+    for i, mutant in enumerate(mutants):
+        one = run_mutant(
+            mutant,
+            scenarios,
+            vllm_root=vllm_root,
+            work=work / f"m{i:04d}",
+            reached=reached,
+            timeout_s=timeout_s,
+            policy=policy,
+            stock=stock,
+        )
+        if tests is not None:
+            verdict = tests.judge(
+                mutant.module,
+                mutant.statement_lines,
+                mutant.at_import,
+                work / f"m{i:04d}" / "tree",
+                work,
+            )
+            one = dataclasses.replace(one, tests=verdict)
+        shutil.rmtree(work / f"m{i:04d}", ignore_errors=True)
+        outcomes.append(one)
+        if progress is not None:
+            progress(one, i + 1, len(mutants))
+    return outcomes
 
 
 @dataclass(frozen=True)
