@@ -194,23 +194,7 @@ def _vllm_config(
         )
     )
     # After validation (see the module docstring): what the scheduler reads.
-    config.cache_config.num_gpu_blocks = num_blocks
-    config.cache_config.enable_prefix_caching = scenario.prefix_caching
-    dcp = scenario.dcp_world_size
-    if dcp > 1:
-        # Decode context parallelism: the Scheduler hands this to its
-        # KVCacheManager (Scheduler.__init__); CacheConfig.block_size is then
-        # the per-rank block (EngineCore resolves the sharded scheduler block,
-        # passed below as block_size, with resolve_kv_cache_block_sizes).
-        config.parallel_config.decode_context_parallel_size = dcp
-        config.cache_config.block_size = scenario.scheduler_block_size_tokens // dcp
-    if scenario.mamba_groups:
-        # Prefix caching with Mamba runs in align mode (vllm/config/cache.py),
-        # its block the cache block size (the per-rank one under DCP).
-        config.cache_config.mamba_cache_mode = "align"
-        config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens // dcp
-    if scenario.enable_mamba_shared_prefix_checkpoint:
-        config.cache_config.enable_mamba_shared_prefix_checkpoint = True
+    _set_cache_layout(config, scenario, num_blocks)
     config.scheduler_config.max_num_batched_tokens = budget
     config.scheduler_config.max_num_scheduled_tokens = None
     config.scheduler_config.long_prefill_token_threshold = 0
@@ -231,35 +215,11 @@ def _vllm_config(
     # whichever platform vLLM resolved in this process: with an unresolved one
     # VllmConfig turns async scheduling on.
     config.scheduler_config.async_scheduling = False
-    object.__setattr__(config, "speculative_config", _speculative_config(scenario))
-    if config.speculative_config is not None and hasattr(config, "_set_max_num_scheduled_tokens"):
-        # vLLM's own check of the step budget against the draft slots, which
-        # validation skipped (the drafter is set after it): a budget of no
-        # more than num_lookahead_tokens is a configuration vLLM refuses,
-        # not one whose scheduler stalls.
-        vllm_build(
-            "VllmConfig._set_max_num_scheduled_tokens",
-            "vllm/config/vllm.py",
-            config._set_max_num_scheduled_tokens,
-        )
+    _set_drafter(config, scenario)
     store = workload.connector
     if scenario.kv_connector or store is not None:
         # An external connector with an empty remote store, or with a store
-        # keeping what requests computed (workload.connector); a cache tier's
-        # lost copy is recomputed, not an error.
-        stored: dict[str, Any] = (
-            {}
-            if store is None
-            else {
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
-                    "load": store.load.value,
-                    "divergent_hybrid_hits": store.divergent_hybrid_hits,
-                    "lookup_unit_tokens": scenario.effective_hit_alignment_tokens,
-                    "hash_block_tokens": scenario.effective_hash_block_size_tokens,
-                },
-            }
-        )
+        # keeping what requests computed (workload.connector).
         object.__setattr__(
             config,
             "kv_transfer_config",
@@ -269,10 +229,69 @@ def _vllm_config(
                 kv_connector="EmptyRemoteConnector" if store is None else "RemoteStoreConnector",
                 kv_connector_module_path="differential.driver.connector",
                 kv_role="kv_both",
-                **stored,
+                **_remote_store_settings(scenario),
             ),
         )
     return config
+
+
+def _set_cache_layout(config: Any, scenario: Scenario, num_blocks: int) -> None:
+    """Set ``config``'s KV cache as the scenario lays it out, after
+    validation: the pool (``num_blocks``, in blocks), prefix caching, the
+    per-rank block size under decode context parallelism, and Mamba's align
+    mode (its block the cache block, in tokens)."""
+    config.cache_config.num_gpu_blocks = num_blocks
+    config.cache_config.enable_prefix_caching = scenario.prefix_caching
+    dcp = scenario.dcp_world_size
+    if dcp > 1:
+        # Decode context parallelism: the Scheduler hands this to its
+        # KVCacheManager (Scheduler.__init__); CacheConfig.block_size is then
+        # the per-rank block (EngineCore resolves the sharded scheduler block,
+        # passed to the Scheduler as block_size, with resolve_kv_cache_block_sizes).
+        config.parallel_config.decode_context_parallel_size = dcp
+        config.cache_config.block_size = scenario.scheduler_block_size_tokens // dcp
+    if scenario.mamba_groups:
+        # Prefix caching with Mamba runs in align mode (vllm/config/cache.py),
+        # its block the cache block size (the per-rank one under DCP).
+        config.cache_config.mamba_cache_mode = "align"
+        config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens // dcp
+    if scenario.enable_mamba_shared_prefix_checkpoint:
+        config.cache_config.enable_mamba_shared_prefix_checkpoint = True
+
+
+def _set_drafter(config: Any, scenario: Scenario) -> None:
+    """Set the scenario's ``SpeculativeConfig`` on ``config`` after
+    validation (see the module docstring), then run vLLM's own check of the
+    step budget against the draft slots (lookahead tokens), which
+    validation skipped."""
+    object.__setattr__(config, "speculative_config", _speculative_config(scenario))
+    if config.speculative_config is not None and hasattr(config, "_set_max_num_scheduled_tokens"):
+        # A budget of no more than num_lookahead_tokens is a configuration
+        # vLLM refuses, not one whose scheduler stalls.
+        vllm_build(
+            "VllmConfig._set_max_num_scheduled_tokens",
+            "vllm/config/vllm.py",
+            config._set_max_num_scheduled_tokens,
+        )
+
+
+def _remote_store_settings(scenario: Scenario) -> dict[str, Any]:
+    """The ``KVTransferConfig`` settings of the workload's connector store
+    (none for the empty remote store): its lookup unit and hash block, in
+    tokens, and the ``recompute`` load-failure policy (a cache tier's lost
+    copy is recomputed, not an error)."""
+    store = scenario.workload.connector
+    if store is None:
+        return {}
+    return {
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "load": store.load.value,
+            "divergent_hybrid_hits": store.divergent_hybrid_hits,
+            "lookup_unit_tokens": scenario.effective_hit_alignment_tokens,
+            "hash_block_tokens": scenario.effective_hash_block_size_tokens,
+        },
+    }
 
 
 def _size_encoder_budget(scheduler: Any, scenario: Scenario) -> None:
