@@ -203,7 +203,7 @@ def _vllm_config(
     config.scheduler_config.watermark = workload.watermark
     if workload.kv_events is not KVEvents.OFF:
         # Events on, published nowhere: the driver records each batch at the
-        # scheduler's own publish call (run_scheduler_scenario).
+        # scheduler's own publish call (_install_recorders).
         object.__setattr__(
             config,
             "kv_events_config",
