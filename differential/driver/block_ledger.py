@@ -262,80 +262,139 @@ class BlockLedger:
         unsafe: list[BlockWrite] = []
         if end_tokens <= start_tokens:
             return unsafe
-        filled = self._filled
-        records = self._records
         self._request_ids[request_index] = request_id
-        last_block = end_tokens - 1
         for gid, manager, size in self._attention:
             table = manager.req_to_blocks.get(request_id)
-            if not table:
-                continue
-            # A fine-grained partial hit is redirected to a private copy-on-write
-            # block (SingleTypeKVCacheManager._apply_cow): it holds one extra
-            # reference until the worker has copied the shared block into it.
-            pending = getattr(manager, "_pending_cow_copies", None)
-            cow = {dst.block_id: src.block_id for src, dst in pending} if pending else None
-            first = start_tokens // size
-            for k, block in enumerate(table[first : last_block // size + 1], first):
-                null = block.is_null
-                if null and (k + 1) * size <= computed_from:
-                    continue  # a connector's load skips it
-                block_id = block.block_id
-                records.pop(block_id, None)  # written below (or null, never recorded)
-                rec = filled.get(block_id)
-                source = cow.get(block_id) if cow is not None else None
-                copied = source is not None
-                if (
-                    copied
-                    and source in filled
-                    and (rec is None or rec[:3] != [gid, request_index, k])
-                ):
-                    # The copy holds the hit tokens before this step: the
-                    # request's own tokens (it matched them), written by it,
-                    # whatever the block held before it was freed and reused.
-                    rec = filled[block_id] = [
-                        gid,
-                        request_index,
-                        k,
-                        max(0, start_tokens - k * size),
-                    ]
-                overwrites = bool(cached_before) and (
-                    max(start_tokens, k * size) < cached_before.get(block_id, 0)
+            if table:
+                self._record_group_writes(
+                    gid,
+                    manager,
+                    size,
+                    table,
+                    request_index,
+                    start_tokens,
+                    end_tokens,
+                    computed_from,
+                    cached_before,
+                    unsafe,
                 )
-                ref_cnt = block.ref_cnt
-                held_by = (
-                    None
-                    if rec is None or rec[1] == request_index
-                    else self._held_by_other(block, rec, request_index)
-                )
-                if (
-                    (ref_cnt - 1 if copied else ref_cnt) != 1
-                    or null
-                    or overwrites
-                    or held_by is not None
-                ):
-                    unsafe.append(
-                        BlockWrite(
-                            position_tokens=start_tokens,
-                            group=gid,
-                            block_index=k,
-                            block_id=block_id,
-                            ref_cnt=ref_cnt,
-                            cached=overwrites,
-                            null=bool(null),
-                            held_by=held_by,
-                        )
-                    )
-                    if null:
-                        continue
-                base = k * size
-                begin = max(base, start_tokens) - base
-                stop = min(base + size, end_tokens) - base
-                if rec is not None and rec[0] == gid and rec[1] == request_index and rec[2] == k:
-                    # The request's own block again. A rewrite (rejected
-                    # drafts recomputed, a preempted request resumed into the
-                    # same block) adds no tokens: written up to the furthest end.
-                    rec[3] = max(rec[3], stop) if begin <= rec[3] else rec[3] + stop - begin
-                else:
-                    filled[block_id] = [gid, request_index, k, stop - begin]
         return unsafe
+
+    def _record_group_writes(
+        self,
+        gid: int,
+        manager: Any,
+        size: int,
+        table: Sequence[Any],
+        request_index: int,
+        start_tokens: int,
+        end_tokens: int,
+        computed_from: int,
+        cached_before: dict[int, int],
+        unsafe: list[BlockWrite],
+    ) -> None:
+        """Record the tokens ``[start, end)`` the step wrote into one attention
+        KV cache group's blocks (``table``, its blocks ``size`` tokens each),
+        from ``computed_from`` on in a null block; append its unsafe writes to
+        ``unsafe``."""
+        filled = self._filled
+        records = self._records
+        # A fine-grained partial hit is redirected to a private copy-on-write
+        # block (SingleTypeKVCacheManager._apply_cow): it holds one extra
+        # reference until the worker has copied the shared block into it.
+        pending = getattr(manager, "_pending_cow_copies", None)
+        cow = {dst.block_id: src.block_id for src, dst in pending} if pending else None
+        first = start_tokens // size
+        for k, block in enumerate(table[first : (end_tokens - 1) // size + 1], first):
+            null = block.is_null
+            if null and (k + 1) * size <= computed_from:
+                continue  # a connector's load skips it
+            block_id = block.block_id
+            records.pop(block_id, None)  # written below (or null, never recorded)
+            rec = filled.get(block_id)
+            source = cow.get(block_id) if cow is not None else None
+            copied = source is not None
+            if copied and source in filled and (rec is None or rec[:3] != [gid, request_index, k]):
+                # The copy holds the hit tokens before this step: the
+                # request's own tokens (it matched them), written by it,
+                # whatever the block held before it was freed and reused.
+                rec = filled[block_id] = [gid, request_index, k, max(0, start_tokens - k * size)]
+            write = self._unsafe_write(
+                block, rec, gid, k, size, request_index, start_tokens, copied, cached_before
+            )
+            if write is not None:
+                unsafe.append(write)
+                if null:
+                    continue
+            self._record_fill(block_id, rec, gid, k, size, request_index, start_tokens, end_tokens)
+
+    def _unsafe_write(
+        self,
+        block: Any,
+        rec: list[int] | None,
+        gid: int,
+        k: int,
+        size: int,
+        request_index: int,
+        start_tokens: int,
+        copied: bool,
+        cached_before: dict[int, int],
+    ) -> BlockWrite | None:
+        """The step's write from ``start_tokens`` into ``block`` (block ``k``
+        of KV cache group ``gid``, ``size`` tokens a block; ``rec``: what the
+        ledger last recorded it filled with) as a :class:`BlockWrite`, or
+        ``None`` when the block is the request's alone: vLLM's null block, a
+        reference count other than 1 (less the pending copy of a
+        copy-on-write block), a prefix-cache entry covering the tokens
+        written, or another request's table holding it are unsafe."""
+        block_id = block.block_id
+        overwrites = bool(cached_before) and (
+            max(start_tokens, k * size) < cached_before.get(block_id, 0)
+        )
+        ref_cnt = block.ref_cnt
+        held_by = (
+            None
+            if rec is None or rec[1] == request_index
+            else self._held_by_other(block, rec, request_index)
+        )
+        null = block.is_null
+        if not (
+            (ref_cnt - 1 if copied else ref_cnt) != 1 or null or overwrites or held_by is not None
+        ):
+            return None
+        return BlockWrite(
+            position_tokens=start_tokens,
+            group=gid,
+            block_index=k,
+            block_id=block_id,
+            ref_cnt=ref_cnt,
+            cached=overwrites,
+            null=bool(null),
+            held_by=held_by,
+        )
+
+    def _record_fill(
+        self,
+        block_id: int,
+        rec: list[int] | None,
+        gid: int,
+        k: int,
+        size: int,
+        request_index: int,
+        start_tokens: int,
+        end_tokens: int,
+    ) -> None:
+        """Record how many tokens of block ``k`` (``size`` tokens, KV cache
+        group ``gid``) request ``request_index`` has written once the step
+        wrote the tokens ``[start, end)``; ``rec``: what the ledger held
+        for the block before."""
+        base = k * size
+        begin = max(base, start_tokens) - base
+        stop = min(base + size, end_tokens) - base
+        if rec is not None and rec[0] == gid and rec[1] == request_index and rec[2] == k:
+            # The request's own block again. A rewrite (rejected
+            # drafts recomputed, a preempted request resumed into the
+            # same block) adds no tokens: written up to the furthest end.
+            rec[3] = max(rec[3], stop) if begin <= rec[3] else rec[3] + stop - begin
+        else:
+            self._filled[block_id] = [gid, request_index, k, stop - begin]

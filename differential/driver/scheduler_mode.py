@@ -194,23 +194,7 @@ def _vllm_config(
         )
     )
     # After validation (see the module docstring): what the scheduler reads.
-    config.cache_config.num_gpu_blocks = num_blocks
-    config.cache_config.enable_prefix_caching = scenario.prefix_caching
-    dcp = scenario.dcp_world_size
-    if dcp > 1:
-        # Decode context parallelism: the Scheduler hands this to its
-        # KVCacheManager (Scheduler.__init__); CacheConfig.block_size is then
-        # the per-rank block (EngineCore resolves the sharded scheduler block,
-        # passed below as block_size, with resolve_kv_cache_block_sizes).
-        config.parallel_config.decode_context_parallel_size = dcp
-        config.cache_config.block_size = scenario.scheduler_block_size_tokens // dcp
-    if scenario.mamba_groups:
-        # Prefix caching with Mamba runs in align mode (vllm/config/cache.py),
-        # its block the cache block size (the per-rank one under DCP).
-        config.cache_config.mamba_cache_mode = "align"
-        config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens // dcp
-    if scenario.enable_mamba_shared_prefix_checkpoint:
-        config.cache_config.enable_mamba_shared_prefix_checkpoint = True
+    _set_cache_layout(config, scenario, num_blocks)
     config.scheduler_config.max_num_batched_tokens = budget
     config.scheduler_config.max_num_scheduled_tokens = None
     config.scheduler_config.long_prefill_token_threshold = 0
@@ -219,7 +203,7 @@ def _vllm_config(
     config.scheduler_config.watermark = workload.watermark
     if workload.kv_events is not KVEvents.OFF:
         # Events on, published nowhere: the driver records each batch at the
-        # scheduler's own publish call (run_scheduler_scenario).
+        # scheduler's own publish call (_install_recorders).
         object.__setattr__(
             config,
             "kv_events_config",
@@ -231,35 +215,11 @@ def _vllm_config(
     # whichever platform vLLM resolved in this process: with an unresolved one
     # VllmConfig turns async scheduling on.
     config.scheduler_config.async_scheduling = False
-    object.__setattr__(config, "speculative_config", _speculative_config(scenario))
-    if config.speculative_config is not None and hasattr(config, "_set_max_num_scheduled_tokens"):
-        # vLLM's own check of the step budget against the draft slots, which
-        # validation skipped (the drafter is set after it): a budget of no
-        # more than num_lookahead_tokens is a configuration vLLM refuses,
-        # not one whose scheduler stalls.
-        vllm_build(
-            "VllmConfig._set_max_num_scheduled_tokens",
-            "vllm/config/vllm.py",
-            config._set_max_num_scheduled_tokens,
-        )
+    _set_drafter(config, scenario)
     store = workload.connector
     if scenario.kv_connector or store is not None:
         # An external connector with an empty remote store, or with a store
-        # keeping what requests computed (workload.connector); a cache tier's
-        # lost copy is recomputed, not an error.
-        stored: dict[str, Any] = (
-            {}
-            if store is None
-            else {
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
-                    "load": store.load.value,
-                    "divergent_hybrid_hits": store.divergent_hybrid_hits,
-                    "lookup_unit_tokens": scenario.effective_hit_alignment_tokens,
-                    "hash_block_tokens": scenario.effective_hash_block_size_tokens,
-                },
-            }
-        )
+        # keeping what requests computed (workload.connector).
         object.__setattr__(
             config,
             "kv_transfer_config",
@@ -269,10 +229,69 @@ def _vllm_config(
                 kv_connector="EmptyRemoteConnector" if store is None else "RemoteStoreConnector",
                 kv_connector_module_path="differential.driver.connector",
                 kv_role="kv_both",
-                **stored,
+                **_remote_store_settings(scenario),
             ),
         )
     return config
+
+
+def _set_cache_layout(config: Any, scenario: Scenario, num_blocks: int) -> None:
+    """Set ``config``'s KV cache as the scenario lays it out, after
+    validation: the pool (``num_blocks``, in blocks), prefix caching, the
+    per-rank block size under decode context parallelism, and Mamba's align
+    mode (its block the cache block, in tokens)."""
+    config.cache_config.num_gpu_blocks = num_blocks
+    config.cache_config.enable_prefix_caching = scenario.prefix_caching
+    dcp = scenario.dcp_world_size
+    if dcp > 1:
+        # Decode context parallelism: the Scheduler hands this to its
+        # KVCacheManager (Scheduler.__init__); CacheConfig.block_size is then
+        # the per-rank block (EngineCore resolves the sharded scheduler block,
+        # passed to the Scheduler as block_size, with resolve_kv_cache_block_sizes).
+        config.parallel_config.decode_context_parallel_size = dcp
+        config.cache_config.block_size = scenario.scheduler_block_size_tokens // dcp
+    if scenario.mamba_groups:
+        # Prefix caching with Mamba runs in align mode (vllm/config/cache.py),
+        # its block the cache block size (the per-rank one under DCP).
+        config.cache_config.mamba_cache_mode = "align"
+        config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens // dcp
+    if scenario.enable_mamba_shared_prefix_checkpoint:
+        config.cache_config.enable_mamba_shared_prefix_checkpoint = True
+
+
+def _set_drafter(config: Any, scenario: Scenario) -> None:
+    """Set the scenario's ``SpeculativeConfig`` on ``config`` after
+    validation (see the module docstring), then run vLLM's own check of the
+    step budget against the draft slots (lookahead tokens), which
+    validation skipped."""
+    object.__setattr__(config, "speculative_config", _speculative_config(scenario))
+    if config.speculative_config is not None and hasattr(config, "_set_max_num_scheduled_tokens"):
+        # A budget of no more than num_lookahead_tokens is a configuration
+        # vLLM refuses, not one whose scheduler stalls.
+        vllm_build(
+            "VllmConfig._set_max_num_scheduled_tokens",
+            "vllm/config/vllm.py",
+            config._set_max_num_scheduled_tokens,
+        )
+
+
+def _remote_store_settings(scenario: Scenario) -> dict[str, Any]:
+    """The ``KVTransferConfig`` settings of the workload's connector store
+    (none for the empty remote store): its lookup unit and hash block, in
+    tokens, and the ``recompute`` load-failure policy (a cache tier's lost
+    copy is recomputed, not an error)."""
+    store = scenario.workload.connector
+    if store is None:
+        return {}
+    return {
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "load": store.load.value,
+            "divergent_hybrid_hits": store.divergent_hybrid_hits,
+            "lookup_unit_tokens": scenario.effective_hit_alignment_tokens,
+            "hash_block_tokens": scenario.effective_hash_block_size_tokens,
+        },
+    }
 
 
 def _size_encoder_budget(scheduler: Any, scenario: Scenario) -> None:
@@ -1073,6 +1092,413 @@ def _connector_lookup(admission: _Admission, load_failed: bool) -> ConnectorLook
     )
 
 
+@dataclass
+class _RunReport:
+    """What a scheduler-mode run reports, filled in as it goes: a run vLLM
+    ends early (its ``error``) reports what it had reached."""
+
+    pool: int = 0  # the KV cache pool, in blocks
+    # Per KV cache group, blocks added to the prefix cache.
+    newly_cached: list[int] = field(default_factory=list)
+    evicted: int = 0  # cached blocks evicted, in blocks
+    preemptions: int = 0
+    steps: int = 0
+    timeline: list[str] = field(default_factory=list)
+    observed: list[RequestObservation] = field(default_factory=list)
+    unreachable: int = 0  # cached blocks no lookup can reach, in blocks
+    cached_blocks: int = 0
+    ledger: BlockLedger | None = None
+    recorder: EventRecorder | None = None
+    requests: list[Any] = field(default_factory=list)  # vLLM's ``Request`` per scenario request
+    # (request index, step, free blocks right after the admission)
+    watermark_admissions: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Recorders:
+    """The recorders wrapped around the scheduler's ``KVCacheManager``, and
+    what they share with the step loop."""
+
+    step: list[int]  # the step being scheduled, read by the recorders
+    lookups: dict[str, list[_Admission]]  # request id -> its lookups, in order
+    failures: list[BaseException]  # kvfuzz's own failures while recording
+    clock: _FreeQueueClock
+    index_of: dict[str, int]  # request id -> scenario index
+    writes: dict[int, list[BlockWrite]]  # request index -> its unsafe writes
+
+
+@dataclass
+class _Progress:
+    """Where the step loop stands: the requests added, admitted, aborted,
+    resumed and finished so far, and the prefix cache as last read."""
+
+    added: int = 0  # requests added to the scheduler, in scenario order
+    admitted: dict[int, _Admission] = field(default_factory=dict)
+    aborted: set[int] = field(default_factory=set)
+    resumed: dict[int, list[ResumedLookup]] = field(default_factory=dict)
+    # Request index -> the prefix cache's block counts per key at its finish.
+    finished_at: dict[int, Counter[bytes]] = field(default_factory=dict)
+    finished_step: dict[int, int] = field(default_factory=dict)
+    seen: Counter[bytes] = field(default_factory=Counter)  # the cache after the last step
+
+
+def _build_scheduler(
+    scenario: Scenario, retention: int | None, phase: list[str], report: _RunReport
+) -> tuple[Any, ResolvedDrafter]:
+    """vLLM's ``Scheduler`` configured for the scenario (see the module
+    docstring): the drafter resolved, the pool (``report.pool``, in blocks),
+    a context long enough for the longest request's tokens, decode steps and
+    draft slots, and the KV cache groups of manager mode with the retention
+    interval (tokens). Returns it with the resolved drafter settings."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    resolved = resolve_drafter(scenario)
+    pool = report.pool = scenario.workload.pool_blocks or pool_blocks(scenario, resolved)
+    longest = max(r.prompt_tokens for r in scenario.requests)
+    max_model_len = (
+        longest
+        + scenario.decode_steps
+        + resolved.num_lookahead_tokens
+        + scenario.drafter.num_speculative_tokens
+        + 2
+    )
+    phase[0] = "build VllmConfig"
+    config = _vllm_config(scenario, resolved, pool, max_model_len)
+    phase[0] = "build Scheduler"
+    kv_config = kv_cache_config(scenario, resolved, pool, retention)
+    if scenario.dcp_world_size > 1:
+        runner.check_dcp_block_sizes(scenario, kv_config)
+    scheduler = vllm_build(
+        "Scheduler",
+        "vllm/v1/core/sched/scheduler.py",
+        Scheduler,
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=vllm_call(
+            "StructuredOutputManager", StructuredOutputManager, config
+        ),
+        block_size=scenario.scheduler_block_size_tokens,
+        hash_block_size=scenario.effective_hash_block_size_tokens,
+    )
+    _size_encoder_budget(scheduler, scenario)
+    return scheduler, resolved
+
+
+def _install_recorders(
+    scenario: Scenario,
+    scheduler: Any,
+    resolved: ResolvedDrafter,
+    record_cache_map: bool,
+    report: _RunReport,
+) -> _Recorders:
+    """Wrap the scheduler's ``KVCacheManager`` in the recorders: lookups,
+    the block ledger's writes (``report.ledger``), adoptions, the free
+    queue's clock, the KV cache events (``report.recorder``) and the
+    watermark's admissions; build the scenario's requests
+    (``report.requests``), each owed ``decode_steps + 1`` output tokens."""
+    workload = scenario.workload
+    manager = scheduler.kv_cache_manager
+    hasher = runner.block_hasher(scenario, resolved)
+    step = [0]
+    lookups: dict[str, list[_Admission]] = {}
+    failures: list[BaseException] = []
+    ledger = report.ledger = BlockLedger.for_manager(manager)
+    clock = _FreeQueueClock(lookups)
+    if workload.kv_events is not KVEvents.OFF:
+        report.recorder = EventRecorder(
+            manager, workload.kv_events.value, scenario.effective_hash_block_size_tokens
+        )
+        # The scheduler's own drain (update_from_output's take_events)
+        # publishes each step's batch here.
+        scheduler.kv_event_publisher.publish = report.recorder.publish
+    index_of: dict[str, int] = {}
+    _record_lookups(
+        scenario,
+        manager,
+        record_cache_map,
+        lookups,
+        step,
+        failures,
+        ledger,
+        clock,
+        report.recorder,
+        index_of,
+    )
+    report.requests = [
+        runner.make_request(scenario, i, prompt, hasher, scenario.decode_steps + 1)
+        for i, prompt in enumerate(scenario.prompts)
+    ]
+    index_of.update({r.request_id: i for i, r in enumerate(report.requests)})
+    writes: dict[int, list[BlockWrite]] = {}
+    if ledger is not None:
+        _record_writes(manager, ledger, index_of, writes, failures)
+    store = scheduler.connector if workload.connector is not None else None
+    _record_adoption(manager, lookups, store, failures)
+    clock.install(manager)
+    if workload.watermark:
+        _record_watermark_admissions(manager, index_of, step, report.watermark_admissions, failures)
+    return _Recorders(step, lookups, failures, clock, index_of, writes)
+
+
+def _arrivals(
+    scheduler: Any,
+    scenario: Scenario,
+    requests: list[Any],
+    progress: _Progress,
+    step: list[int],
+    phase: list[str],
+) -> tuple[range, list[int]]:
+    """The requests that arrive and those aborted before the step's
+    ``schedule()`` (:func:`_arrive`, :func:`_abort`), as scenario indices;
+    with arrival steps and nothing to schedule, ``step`` first jumps to the
+    next arrival."""
+    workload = scenario.workload
+    if workload.arrival_steps is not None and not scheduler.has_requests():
+        # Nothing to schedule until the next arrival: an idle gap is
+        # time passing, not a stall, so go straight to that step.
+        step[0] = max(step[0], workload.arrival_steps[progress.added])
+    arrived = progress.added
+    progress.added = _arrive(
+        scheduler, requests, workload.arrival_steps, progress.added, step[0], phase
+    )
+    aborts = _abort(
+        scheduler, requests, workload.abort_steps, progress.added, step[0], progress.aborted, phase
+    )
+    return range(arrived, progress.added), aborts
+
+
+def _admit(out: Any, recorders: _Recorders, progress: _Progress) -> list[int]:
+    """The requests ``out`` (a ``SchedulerOutput``) schedules for the first
+    time, by scenario index, their admitting lookup kept in
+    ``progress.admitted``; a preempted request's lookup when it is
+    rescheduled goes to ``progress.resumed``."""
+    step = recorders.step[0]
+    lookups = recorders.lookups
+    clock = recorders.clock
+    admitted_now = []
+    for rid in out.num_scheduled_tokens:
+        i = recorders.index_of[rid]
+        if i not in progress.admitted and lookups.get(rid):
+            progress.admitted[i] = lookups[rid][-1]
+            admitted_now.append(i)
+        elif rid in clock.preempted and (again := clock.resumed(rid, step)):
+            progress.resumed.setdefault(i, []).append(again)
+    return admitted_now
+
+
+def _run_model(
+    scheduler: Any,
+    out: Any,
+    model_runner: _ModelRunner,
+    index_of: dict[str, int],
+    ledger: BlockLedger | None,
+    step: int,
+    phase: list[str],
+) -> tuple[list[str], list[tuple[str, int, int]]]:
+    """kvfuzz as the model runner for one step: the sampled tokens, the KV
+    connector's loads and the next drafts handed to the scheduler
+    (``update_from_output``, ``update_draft_token_ids``); a lost load's
+    tokens are forgotten by the ledger. Returns the step's timeline events
+    and the lost loads, as ``(request id, first lost token, end)``."""
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    req_ids = list(out.num_scheduled_tokens)
+    sampled, drafts, events = model_runner.step(scheduler, out, index_of)
+    transfers, lost_loads = model_runner.loads(scheduler, out, index_of)
+    if ledger is not None:
+        for rid, lost_from, lost_to in lost_loads:
+            ledger.forget(rid, lost_from, lost_to)
+    phase[0] = f"step {step}: update_from_output"
+    output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: k for k, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=transfers,
+    )
+    vllm_call("Scheduler.update_from_output", scheduler.update_from_output, out, output)
+    if model_runner.num_spec:
+        vllm_call(
+            "Scheduler.update_draft_token_ids",
+            scheduler.update_draft_token_ids,
+            DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts),
+        )
+    return events, lost_loads
+
+
+def _cache_changes(seen: Counter[bytes], after: Counter[bytes], newly_cached: list[int]) -> int:
+    """The cached blocks evicted between two reads of the prefix cache, in
+    blocks; the blocks newly cached are added to ``newly_cached``, per KV
+    cache group. The counts the changed keys lost were evicted, those they
+    gained newly cached."""
+    lost = 0
+    for key, was, now in prefix_cache.changed_counts(seen, after):
+        if was > now:
+            lost += was - now
+        else:
+            newly_cached[get_group_id(key)] += now - was
+    return lost
+
+
+def _finish(
+    req_ids: list[str],
+    index_of: dict[str, int],
+    requests: list[Any],
+    after: Counter[bytes],
+    step: int,
+    progress: _Progress,
+) -> list[str]:
+    """The scheduled requests that finished in ``step`` (``req-<index>``);
+    each keeps the prefix cache as it was then (``after``) and the step."""
+    done = []
+    for rid in req_ids:
+        i = index_of[rid]
+        if i not in progress.finished_at and requests[i].is_finished():
+            progress.finished_at[i] = after
+            progress.finished_step[i] = step
+            done.append(f"req-{i}")
+    return done
+
+
+def _drive_steps(
+    scenario: Scenario,
+    scheduler: Any,
+    recorders: _Recorders,
+    report: _RunReport,
+    phase: list[str],
+    record_cache_map: bool,
+) -> tuple[_Progress, _ModelRunner]:
+    """Step the scheduler until every request has arrived and none is left:
+    arrivals and aborts, ``schedule()``, the model runner's output, then
+    evictions, finishes and the timeline (``report``).
+
+    Raises:
+        InternalError: a recorder failed, or the run did not finish within
+            ``1000 + 8 * tokens`` steps (the prompts' and outputs' tokens).
+        VllmCallError: the scheduler scheduled nothing for
+            :data:`_MAX_IDLE_STEPS` steps while requests waited.
+    """
+    manager = scheduler.kv_cache_manager
+    requests = report.requests
+    index_of = recorders.index_of
+    step = recorders.step
+    progress = _Progress()
+    model_runner = _ModelRunner(scenario, manager)
+    idle = 0
+    total_tokens = sum(len(p) for p in scenario.prompts) + len(requests) * (
+        scenario.decode_steps + 1
+    )
+    max_steps = 1_000 + 8 * total_tokens
+    executed = 0  # steps run, not counting the idle gaps skipped to an arrival
+    while progress.added < len(requests) or scheduler.has_requests():
+        arrivals, aborts = _arrivals(scheduler, scenario, requests, progress, step, phase)
+        phase[0] = f"step {step[0]}: schedule"
+        out = vllm_call("Scheduler.schedule", scheduler.schedule)
+        failures = recorders.failures
+        if failures:
+            raise InternalError(
+                f"recording a lookup or a write at step {step[0]} failed: "
+                f"{type(failures[0]).__name__}: {failures[0]}"
+            )
+        admitted_now = _admit(out, recorders, progress)
+        report.preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
+        req_ids = list(out.num_scheduled_tokens)
+        events, lost_loads = _run_model(
+            scheduler, out, model_runner, index_of, report.ledger, step[0], phase
+        )
+        if report.recorder is not None:
+            report.recorder.drain(step[0])
+        after = prefix_cache.cached_blocks(manager)
+        lost = _cache_changes(progress.seen, after, report.newly_cached)
+        report.evicted += lost
+        progress.seen = after
+        done = _finish(req_ids, index_of, requests, after, step[0], progress)
+        if record_cache_map:
+            preempted = sorted(getattr(out, "preempted_req_ids", ()) or ())
+            report.timeline.append(
+                _timeline_line(
+                    step[0],
+                    arrivals=arrivals,
+                    aborts=aborts,
+                    admitted={i: progress.admitted[i].hit_tokens for i in admitted_now},
+                    events=events,
+                    loads=model_runner.load_events(out, index_of, lost_loads),
+                    preempted=[index_of[r] for r in preempted],
+                    done=done,
+                    lost=lost,
+                )
+            )
+        idle = 0 if req_ids else idle + 1
+        if idle > _MAX_IDLE_STEPS:
+            # vLLM's scheduler leaves waiting requests unscheduled for good
+            # (an engine would hang): vLLM's behaviour, a crash naming it.
+            # Requests holding KV blocks (an async KV load) wait apart.
+            waiting = len(scheduler.waiting) + len(getattr(scheduler, "kv_holding_waiting", ()))
+            raise VllmCallError(
+                "Scheduler.schedule",
+                RuntimeError(
+                    f"scheduled nothing for {_MAX_IDLE_STEPS} steps with "
+                    f"{waiting} request(s) waiting (pool {report.pool} blocks)"
+                ),
+            )
+        step[0] += 1
+        executed += 1
+        if executed > max_steps:
+            raise InternalError(
+                f"the scheduler had not finished after {max_steps} steps "
+                f"({len(scheduler.running)} running, {len(scheduler.waiting)} waiting, "
+                f"pool {report.pool} blocks)"
+            )
+    return progress, model_runner
+
+
+def _run_observation(
+    variant: str,
+    retention: int | None,
+    settings: Any,
+    report: _RunReport,
+    record_cache_map: bool,
+    *,
+    error: str | None,
+    unsupported: str | None,
+) -> RunObservation:
+    """The run's observation (``mode="scheduler"``) from what it reported:
+    with ``unsupported`` (a feature the release lacks) no request and no
+    settings; else the requests observed, the cache's counts (blocks), the
+    steps and, with ``record_cache_map``, the timeline; ``error``: vLLM's
+    exception that ended the run early, if any."""
+    if unsupported is not None:
+        return RunObservation(
+            variant=variant,
+            vllm_version=runner.VLLM_VERSION,
+            settings=None,
+            requests=(),
+            retention_interval_tokens=retention,
+            unsupported=unsupported,
+            mode="scheduler",
+        )
+    return RunObservation(
+        variant=variant,
+        vllm_version=runner.VLLM_VERSION,
+        settings=settings,
+        requests=tuple(report.observed),
+        evicted_blocks=report.evicted,
+        error=error,
+        retention_interval_tokens=retention,
+        mode="scheduler",
+        pool_blocks=report.pool,
+        unreachable_cached_blocks=report.unreachable,
+        cached_blocks=report.cached_blocks,
+        preemptions=report.preemptions,
+        steps=report.steps,
+        timeline=tuple(report.timeline) if record_cache_map else (),
+        blocks_recorded=report.ledger is not None,
+        newly_cached_blocks_per_group=tuple(report.newly_cached),
+        kv_events=report.recorder.log(report.requests) if report.recorder is not None else None,
+        watermark_admissions=tuple(report.watermark_admissions),
+    )
+
+
 def run_scheduler_scenario(
     scenario: Scenario,
     variant: str,
@@ -1103,265 +1529,46 @@ def run_scheduler_scenario(
     """
     retention = resolve_retention(scenario, retention_interval_tokens)
     phase = ["resolve drafter settings"]
-    observed: list[RequestObservation] = []
+    report = _RunReport(newly_cached=[0] * len(scenario.kv_cache_groups))
     settings = None
-    evicted = 0
-    num_groups = len(scenario.kv_cache_groups)
-    newly_cached = [0] * num_groups  # per group, blocks added to the cache
-    preemptions = 0
-    timeline: list[str] = []
-    unreachable = 0
-    cached_blocks = 0
-    pool = 0
-    steps = 0
-    ledger: BlockLedger | None = None
-    recorder: EventRecorder | None = None
-    requests: list[Any] = []
-    watermark_admissions: list[tuple[int, int, int]] = []
     with classified_run("scheduler-mode driver", phase, runner.VLLM_VERSION) as outcome:
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
-        from vllm.v1.structured_output import StructuredOutputManager
-
-        resolved = resolve_drafter(scenario)
-        workload = scenario.workload
-        pool = workload.pool_blocks or pool_blocks(scenario, resolved)
-        longest = max(r.prompt_tokens for r in scenario.requests)
-        max_model_len = (
-            longest
-            + scenario.decode_steps
-            + resolved.num_lookahead_tokens
-            + scenario.drafter.num_speculative_tokens
-            + 2
-        )
-        phase[0] = "build VllmConfig"
-        config = _vllm_config(scenario, resolved, pool, max_model_len)
-        phase[0] = "build Scheduler"
-        kv_config = kv_cache_config(scenario, resolved, pool, retention)
-        if scenario.dcp_world_size > 1:
-            runner.check_dcp_block_sizes(scenario, kv_config)
-        scheduler = vllm_build(
-            "Scheduler",
-            "vllm/v1/core/sched/scheduler.py",
-            Scheduler,
-            vllm_config=config,
-            kv_cache_config=kv_config,
-            structured_output_manager=vllm_call(
-                "StructuredOutputManager", StructuredOutputManager, config
-            ),
-            block_size=scenario.scheduler_block_size_tokens,
-            hash_block_size=scenario.effective_hash_block_size_tokens,
-        )
-        _size_encoder_budget(scheduler, scenario)
+        scheduler, resolved = _build_scheduler(scenario, retention, phase, report)
         manager = scheduler.kv_cache_manager
         settings = runner.manager_settings(
             manager,
             scenario,
             replace(resolved, use_eagle_block_drop=bool(scheduler.use_eagle_block_drop)),
         )
-        hasher = runner.block_hasher(scenario, resolved)
-        step = [0]
-        lookups: dict[str, list[_Admission]] = {}
-        failures: list[BaseException] = []
-        ledger = BlockLedger.for_manager(manager)
-        clock = _FreeQueueClock(lookups)
-        if workload.kv_events is not KVEvents.OFF:
-            recorder = EventRecorder(
-                manager, workload.kv_events.value, scenario.effective_hash_block_size_tokens
-            )
-            # The scheduler's own drain (update_from_output's take_events)
-            # publishes each step's batch here.
-            scheduler.kv_event_publisher.publish = recorder.publish
-        index_of: dict[str, int] = {}
-        _record_lookups(
-            scenario,
-            manager,
-            record_cache_map,
-            lookups,
-            step,
-            failures,
-            ledger,
-            clock,
-            recorder,
-            index_of,
+        recorders = _install_recorders(scenario, scheduler, resolved, record_cache_map, report)
+        progress, model_runner = _drive_steps(
+            scenario, scheduler, recorders, report, phase, record_cache_map
         )
-        requests = [
-            runner.make_request(scenario, i, prompt, hasher, scenario.decode_steps + 1)
-            for i, prompt in enumerate(scenario.prompts)
-        ]
-        index_of.update({r.request_id: i for i, r in enumerate(requests)})
-        writes: dict[int, list[BlockWrite]] = {}
-        if ledger is not None:
-            _record_writes(manager, ledger, index_of, writes, failures)
-        store = scheduler.connector if workload.connector is not None else None
-        _record_adoption(manager, lookups, store, failures)
-        clock.install(manager)
-        if workload.watermark:
-            _record_watermark_admissions(manager, index_of, step, watermark_admissions, failures)
-        admitted: dict[int, _Admission] = {}
-        aborted: set[int] = set()
-        resumed: dict[int, list[ResumedLookup]] = {}
-        finished_at: dict[int, Counter[bytes]] = {}
-        finished_step: dict[int, int] = {}
-        added = 0
-        seen: Counter[bytes] = Counter()
-        model_runner = _ModelRunner(scenario, manager)
-        num_spec = model_runner.num_spec
-        idle = 0
-        total_tokens = sum(len(p) for p in scenario.prompts) + len(requests) * (
-            scenario.decode_steps + 1
-        )
-        max_steps = 1_000 + 8 * total_tokens
-        executed = 0  # steps run, not counting the idle gaps skipped to an arrival
-        while added < len(requests) or scheduler.has_requests():
-            if workload.arrival_steps is not None and not scheduler.has_requests():
-                # Nothing to schedule until the next arrival: an idle gap is
-                # time passing, not a stall, so go straight to that step.
-                step[0] = max(step[0], workload.arrival_steps[added])
-            arrived = added
-            added = _arrive(scheduler, requests, workload.arrival_steps, added, step[0], phase)
-            aborts = _abort(
-                scheduler, requests, workload.abort_steps, added, step[0], aborted, phase
-            )
-            phase[0] = f"step {step[0]}: schedule"
-            out = vllm_call("Scheduler.schedule", scheduler.schedule)
-            if failures:
-                raise InternalError(
-                    f"recording a lookup or a write at step {step[0]} failed: "
-                    f"{type(failures[0]).__name__}: {failures[0]}"
-                )
-            admitted_now = []
-            for rid in out.num_scheduled_tokens:
-                i = index_of[rid]
-                if i not in admitted and lookups.get(rid):
-                    admitted[i] = lookups[rid][-1]
-                    admitted_now.append(i)
-                elif rid in clock.preempted and (again := clock.resumed(rid, step[0])):
-                    resumed.setdefault(i, []).append(again)
-            preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
-            req_ids = list(out.num_scheduled_tokens)
-            sampled, drafts, events = model_runner.step(scheduler, out, index_of)
-            transfers, lost_loads = model_runner.loads(scheduler, out, index_of)
-            if ledger is not None:
-                for rid, lost_from, lost_to in lost_loads:
-                    ledger.forget(rid, lost_from, lost_to)
-            phase[0] = f"step {step[0]}: update_from_output"
-            output = ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: k for k, rid in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                kv_connector_output=transfers,
-            )
-            vllm_call("Scheduler.update_from_output", scheduler.update_from_output, out, output)
-            if num_spec:
-                vllm_call(
-                    "Scheduler.update_draft_token_ids",
-                    scheduler.update_draft_token_ids,
-                    DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts),
-                )
-            if recorder is not None:
-                recorder.drain(step[0])
-            after = prefix_cache.cached_blocks(manager)
-            # The counts the changed keys lost were evicted, those they
-            # gained newly cached.
-            lost = 0
-            for key, was, now in prefix_cache.changed_counts(seen, after):
-                if was > now:
-                    lost += was - now
-                else:
-                    newly_cached[get_group_id(key)] += now - was
-            evicted += lost
-            seen = after
-            done = []
-            for rid in req_ids:
-                i = index_of[rid]
-                if i not in finished_at and requests[i].is_finished():
-                    finished_at[i] = after
-                    finished_step[i] = step[0]
-                    done.append(f"req-{i}")
-            if record_cache_map:
-                preempted = sorted(getattr(out, "preempted_req_ids", ()) or ())
-                timeline.append(
-                    _timeline_line(
-                        step[0],
-                        arrivals=range(arrived, added),
-                        aborts=aborts,
-                        admitted={i: admitted[i].hit_tokens for i in admitted_now},
-                        events=events,
-                        loads=model_runner.load_events(out, index_of, lost_loads),
-                        preempted=[index_of[r] for r in preempted],
-                        done=done,
-                        lost=lost,
-                    )
-                )
-            idle = 0 if req_ids else idle + 1
-            if idle > _MAX_IDLE_STEPS:
-                # vLLM's scheduler leaves waiting requests unscheduled for good
-                # (an engine would hang): vLLM's behaviour, a crash naming it.
-                # Requests holding KV blocks (an async KV load) wait apart.
-                waiting = len(scheduler.waiting) + len(getattr(scheduler, "kv_holding_waiting", ()))
-                raise VllmCallError(
-                    "Scheduler.schedule",
-                    RuntimeError(
-                        f"scheduled nothing for {_MAX_IDLE_STEPS} steps with "
-                        f"{waiting} request(s) waiting (pool {pool} blocks)"
-                    ),
-                )
-            step[0] += 1
-            executed += 1
-            if executed > max_steps:
-                raise InternalError(
-                    f"the scheduler had not finished after {max_steps} steps "
-                    f"({len(scheduler.running)} running, {len(scheduler.waiting)} waiting, "
-                    f"pool {pool} blocks)"
-                )
-        steps = step[0]
-        observed = _observations(
+        report.steps = recorders.step[0]
+        report.observed = _observations(
             scenario,
-            admitted,
-            finished_at,
-            finished_step,
-            seen,
-            writes,
-            clock,
-            [r.request_id for r in requests],
-            resumed,
+            progress.admitted,
+            progress.finished_at,
+            progress.finished_step,
+            progress.seen,
+            recorders.writes,
+            recorders.clock,
+            [r.request_id for r in report.requests],
+            progress.resumed,
             model_runner.failed,
-            ledger,
+            report.ledger,
         )
         phase[0] = "count unreachable cached blocks"
-        unreachable, cached_blocks = (
-            _unreachable(scenario, manager, requests) if scenario.prefix_caching else (0, 0)
+        report.unreachable, report.cached_blocks = (
+            _unreachable(scenario, manager, report.requests) if scenario.prefix_caching else (0, 0)
         )
-    if outcome.unsupported is not None:
-        return RunObservation(
-            variant=variant,
-            vllm_version=runner.VLLM_VERSION,
-            settings=None,
-            requests=(),
-            retention_interval_tokens=retention,
-            unsupported=outcome.unsupported,
-            mode="scheduler",
-        )
-    return RunObservation(
-        variant=variant,
-        vllm_version=runner.VLLM_VERSION,
-        settings=settings,
-        requests=tuple(observed),
-        evicted_blocks=evicted,
+    return _run_observation(
+        variant,
+        retention,
+        settings,
+        report,
+        record_cache_map,
         error=outcome.error,
-        retention_interval_tokens=retention,
-        mode="scheduler",
-        pool_blocks=pool,
-        unreachable_cached_blocks=unreachable,
-        cached_blocks=cached_blocks,
-        preemptions=preemptions,
-        steps=steps,
-        timeline=tuple(timeline) if record_cache_map else (),
-        blocks_recorded=ledger is not None,
-        newly_cached_blocks_per_group=tuple(newly_cached),
-        kv_events=recorder.log(requests) if recorder is not None else None,
-        watermark_admissions=tuple(watermark_admissions),
+        unsupported=outcome.unsupported,
     )
 
 
