@@ -97,6 +97,7 @@ from differential.observation import (
     BlockRecord,
     BlockWrite,
     ConnectorLookup,
+    ManagerSettings,
     RequestObservation,
     ResumedLookup,
     RunObservation,
@@ -1455,7 +1456,7 @@ def _drive_steps(
 def _run_observation(
     variant: str,
     retention: int | None,
-    settings: Any,
+    settings: ManagerSettings | None,
     report: _RunReport,
     record_cache_map: bool,
     *,
