@@ -466,6 +466,180 @@ class _Instruments:
         return type(blocks)(tuple(new_groups))
 
 
+class _PlanRequests:
+    """A plan's requests as the engine serves them: each request's prompt
+    (token ids: its source's tokens up to the divergence point, then its
+    own), the engine step it arrived at and finished at, and its output."""
+
+    def __init__(self, engine: Any, plan: dict[str, Any], instruments: _Instruments) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.sampling_params = SamplingParams
+        self.tokens_prompt = TokensPrompt
+        self.engine = engine
+        self.instruments = instruments
+        self.shares_output = bool(plan.get("shares_output"))
+        self.prefix: list[int] = plan["prefix"]
+        self.specs: list[dict[str, Any]] = plan["requests"]
+        self.sequential = all(s["arrival"] is None for s in self.specs)
+        self.run_id = f"{time.monotonic_ns()}"
+        self.prompts: list[list[int] | None] = [None] * len(self.specs)
+        self.outputs: dict[int, Any] = {}
+        self.finished_at: dict[int, int] = {}
+        self.added: list[int] = []
+        self.rows: dict[int, dict[str, Any]] = {}
+
+    def source_tokens(self, i: int) -> list[int] | None:
+        """The tokens request ``i`` copies its first ``divergence`` tokens
+        from: the shared prefix, or its source's prompt (followed by the
+        source's sampled tokens when the plan shares outputs); ``None`` while
+        the source has not been added, or its answer is not there yet."""
+        source = self.specs[i]["source"]
+        if source is None:
+            return self.prefix
+        if self.prompts[source] is None:
+            return None
+        tokens = list(self.prompts[source] or [])
+        if self.shares_output:
+            if source not in self.outputs:
+                return None  # its answer is not there yet
+            tokens += list(self.outputs[source].outputs[0].token_ids)
+        return tokens
+
+    def add(self, i: int) -> None:
+        """Add request ``i`` to the engine at the current engine step, with
+        greedy sampling, and start its row (prompt tokens, arrival step, the
+        tokens it shares with every request added before it)."""
+        specs, prompts, outputs = self.specs, self.prompts, self.outputs
+        base = self.source_tokens(i)
+        assert base is not None
+        prompt = base[: specs[i]["divergence"]] + list(specs[i]["own"])
+        prompts[i] = prompt
+        earlier = [
+            (prompts[k] or []) + (list(outputs[k].outputs[0].token_ids) if k in outputs else [])
+            for k in self.added
+        ]
+        shared = max((_common_prefix(prompt, e) for e in earlier), default=0)
+        params = self.sampling_params(
+            max_tokens=specs[i]["max_tokens"], temperature=0.0, ignore_eos=True, logprobs=2
+        )
+        self.engine.add_request(
+            f"{self.run_id}-{i}", self.tokens_prompt(prompt_token_ids=prompt), params
+        )
+        self.added.append(i)
+        self.rows[i] = {
+            "index": i,
+            "prompt_tokens": len(prompt),
+            "arrival_step": self.instruments.step,
+            "shared_tokens": shared,
+        }
+
+    def step(self) -> None:
+        """One engine step; keeps the outputs of the requests it finished."""
+        for out in self.engine.step():
+            if out.finished:
+                self.outputs[_index(out.request_id)] = out
+                self.finished_at[_index(out.request_id)] = self.instruments.step
+        self.instruments.step += 1
+
+    def serve(self) -> None:
+        """Serve every request: one after another when no request has an
+        arrival step, else each at its arrival step (engine steps; a request
+        waits for its source's answer), stepping the engine until all finished."""
+        specs, engine, instruments = self.specs, self.engine, self.instruments
+        if self.sequential:
+            for i in range(len(specs)):
+                self.add(i)
+                while i not in self.outputs:
+                    self.step()
+            return
+        pending = list(range(len(specs)))
+        while pending or engine.has_unfinished_requests():
+            while pending and (specs[pending[0]]["arrival"] or 0) <= instruments.step:
+                if self.source_tokens(pending[0]) is None:
+                    break  # waits for its source's answer
+                self.add(pending.pop(0))
+            if not engine.has_unfinished_requests() and pending:
+                if self.source_tokens(pending[0]) is None:
+                    raise RuntimeError("a request's source never finished")
+                instruments.step = max(instruments.step, specs[pending[0]]["arrival"])
+                continue
+            self.step()
+
+    def request_rows(self) -> list[dict[str, Any]]:
+        """The finished requests' rows, by index: the lookup the instruments
+        saw (hit and junction, tokens; step), the cached tokens vLLM reports,
+        the finishing step, the sampled tokens and their logprobs."""
+        requests: list[dict[str, Any]] = []
+        for i in sorted(self.outputs):
+            out = self.outputs[i]
+            completion = out.outputs[0]
+            logprobs, runner_up = _sampled_logprobs(completion)
+            hit, boundary, lookup_step = self.instruments.lookups.get(i, (0, 0, 0))
+            row = self.rows[i]
+            row.update(
+                num_cached_tokens=out.num_cached_tokens,
+                lookup_hit_tokens=hit,
+                boundary_tokens=boundary,
+                lookup_step=lookup_step,
+                finished_step=self.finished_at.get(i),
+                output_token_ids=list(completion.token_ids),
+                logprobs=logprobs,
+                runner_up_logprobs=runner_up,
+            )
+            requests.append(row)
+        return requests
+
+
+def _sampled_logprobs(completion: Any) -> tuple[list[float], list[float | None]]:
+    """Per sampled token of ``completion``, its logprob and the best other
+    token's (``None`` when the engine returned no other)."""
+    logprobs: list[float] = []
+    runner_up: list[float | None] = []
+    for token, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
+        logprobs.append(entry[token].logprob)
+        others = [v.logprob for t, v in entry.items() if t != token]
+        runner_up.append(max(others) if others else None)
+    return logprobs, runner_up
+
+
+def _engine_report(
+    engine: Any,
+    kwargs: dict[str, Any],
+    start_s: float,
+    started: float,
+    instruments: _Instruments,
+) -> dict[str, Any]:
+    """The run's ``engine`` block (:func:`run_plan`): the engine's vLLM, block
+    sizes and hash block size (tokens), KV cache groups, drafter, number of
+    blocks, lookahead tokens, start-up and run seconds, engine steps, evicted
+    cached blocks and ``vllm.LLM`` keyword arguments."""
+    import vllm
+
+    core = engine.engine_core.engine_core
+    cache_config = engine.vllm_config.cache_config
+    spec_config = engine.vllm_config.speculative_config
+    return {
+        "vllm_version": vllm.__version__,
+        "block_size": cache_config.block_size,
+        "hash_block_size": getattr(cache_config, "hash_block_size", None),
+        "groups": _group_layout(core),
+        "use_eagle": bool(getattr(core.scheduler.kv_cache_manager, "use_eagle", False)),
+        "speculative_method": None if spec_config is None else spec_config.method,
+        "num_blocks": core.scheduler.kv_cache_config.num_blocks,
+        "num_lookahead_tokens": getattr(engine.vllm_config, "num_lookahead_tokens", 0),
+        "num_prefill_lookahead_tokens": getattr(
+            engine.vllm_config, "num_prefill_lookahead_tokens", 0
+        ),
+        "start_s": round(start_s, 3),
+        "run_s": round(time.perf_counter() - started, 3),
+        "steps": instruments.step,
+        "evicted_blocks": instruments.evicted,
+        "kwargs": {k: v for k, v in kwargs.items() if k not in ("model",)},
+    }
+
+
 def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
     """Run one plan on the engine and report what it served.
 
@@ -490,140 +664,27 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
         request indices the breakage changed, "error": null or the engine's
         exception}``.
     """
-    import vllm
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     kwargs = engine_arguments(plan, engines.folder)
     llm, start_s = engines.get(kwargs)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
-    cache_config = engine.vllm_config.cache_config
-    prefix: list[int] = plan["prefix"]
-    specs: list[dict[str, Any]] = plan["requests"]
-    run_id = f"{time.monotonic_ns()}"
-    prompts: list[list[int] | None] = [None] * len(specs)
-    outputs: dict[int, Any] = {}
-    finished_at: dict[int, int] = {}
-    added: list[int] = []
-    rows: dict[int, dict[str, Any]] = {}
     error: str | None = None
     started = time.perf_counter()
     instruments = _Instruments(core, plan.get("breakage"))
-    sequential = all(s["arrival"] is None for s in specs)
-
-    def source_tokens(i: int) -> list[int] | None:
-        source = specs[i]["source"]
-        if source is None:
-            return prefix
-        if prompts[source] is None:
-            return None
-        tokens = list(prompts[source] or [])
-        if plan.get("shares_output"):
-            if source not in outputs:
-                return None  # its answer is not there yet
-            tokens += list(outputs[source].outputs[0].token_ids)
-        return tokens
-
-    def add(i: int) -> None:
-        base = source_tokens(i)
-        assert base is not None
-        prompt = base[: specs[i]["divergence"]] + list(specs[i]["own"])
-        prompts[i] = prompt
-        earlier = [
-            (prompts[k] or []) + (list(outputs[k].outputs[0].token_ids) if k in outputs else [])
-            for k in added
-        ]
-        shared = max((_common_prefix(prompt, e) for e in earlier), default=0)
-        params = SamplingParams(
-            max_tokens=specs[i]["max_tokens"], temperature=0.0, ignore_eos=True, logprobs=2
-        )
-        engine.add_request(f"{run_id}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
-        added.append(i)
-        rows[i] = {
-            "index": i,
-            "prompt_tokens": len(prompt),
-            "arrival_step": instruments.step,
-            "shared_tokens": shared,
-        }
-
-    def step() -> None:
-        for out in engine.step():
-            if out.finished:
-                outputs[_index(out.request_id)] = out
-                finished_at[_index(out.request_id)] = instruments.step
-        instruments.step += 1
-
+    requests = _PlanRequests(engine, plan, instruments)
     with instruments:
         try:
-            if sequential:
-                for i in range(len(specs)):
-                    add(i)
-                    while i not in outputs:
-                        step()
-            else:
-                pending = list(range(len(specs)))
-                while pending or engine.has_unfinished_requests():
-                    while pending and (specs[pending[0]]["arrival"] or 0) <= instruments.step:
-                        if source_tokens(pending[0]) is None:
-                            break  # waits for its source's answer
-                        add(pending.pop(0))
-                    if not engine.has_unfinished_requests() and pending:
-                        if source_tokens(pending[0]) is None:
-                            raise RuntimeError("a request's source never finished")
-                        instruments.step = max(instruments.step, specs[pending[0]]["arrival"])
-                        continue
-                    step()
+            requests.serve()
         except Exception as exc:  # the engine raised: a crash of the run
             error = f"engine step {instruments.step}: {type(exc).__name__}: {exc}"
             # vLLM's process-wide state (kernel registrations) does not survive a
             # failed engine: the parent restarts this worker before the next plan.
             engines.engines.clear()
             gc.collect()
-    requests = []
-    for i in sorted(outputs):
-        out = outputs[i]
-        completion = out.outputs[0]
-        logprobs = []
-        runner_up = []
-        for token, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
-            logprobs.append(entry[token].logprob)
-            others = [v.logprob for t, v in entry.items() if t != token]
-            runner_up.append(max(others) if others else None)
-        hit, boundary, lookup_step = instruments.lookups.get(i, (0, 0, 0))
-        row = rows[i]
-        row.update(
-            num_cached_tokens=out.num_cached_tokens,
-            lookup_hit_tokens=hit,
-            boundary_tokens=boundary,
-            lookup_step=lookup_step,
-            finished_step=finished_at.get(i),
-            output_token_ids=list(completion.token_ids),
-            logprobs=logprobs,
-            runner_up_logprobs=runner_up,
-        )
-        requests.append(row)
-    spec_config = engine.vllm_config.speculative_config
+    rows = requests.request_rows()
     return {
-        "engine": {
-            "vllm_version": vllm.__version__,
-            "block_size": cache_config.block_size,
-            "hash_block_size": getattr(cache_config, "hash_block_size", None),
-            "groups": _group_layout(core),
-            "use_eagle": bool(getattr(core.scheduler.kv_cache_manager, "use_eagle", False)),
-            "speculative_method": None if spec_config is None else spec_config.method,
-            "num_blocks": core.scheduler.kv_cache_config.num_blocks,
-            "num_lookahead_tokens": getattr(engine.vllm_config, "num_lookahead_tokens", 0),
-            "num_prefill_lookahead_tokens": getattr(
-                engine.vllm_config, "num_prefill_lookahead_tokens", 0
-            ),
-            "start_s": round(start_s, 3),
-            "run_s": round(time.perf_counter() - started, 3),
-            "steps": instruments.step,
-            "evicted_blocks": instruments.evicted,
-            "kwargs": {k: v for k, v in kwargs.items() if k not in ("model",)},
-        },
-        "requests": requests,
+        "engine": _engine_report(engine, kwargs, start_s, started, instruments),
+        "requests": rows,
         "broken": sorted(set(instruments.broken)),
         "error": error,
         "restart": error is not None,

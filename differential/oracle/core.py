@@ -786,32 +786,20 @@ def fallback_finding(
     )
 
 
-def judge_run(
-    scenario: Scenario,
-    run: RunObservation,
-    policy: Policy = Policy.VLLM,
-) -> tuple[tuple[SiblingReference, ...], tuple[Finding, ...]]:
-    """Judge one run of one variant against the invariants.
-
-    Fallbacks are judged against what the drafter's own protection
-    (:func:`drafter_model`) owes; the over-hit ceiling is the larger of that
-    model's dense reference and, when the run protected more than the drafter
-    needs (a needless drop or needless lookahead hashes, read off
-    ``run.settings``), the dense reference under the protection it used.
-
-    Returns:
-        The references for the requests the run completed, and the findings
-        (empty when the run is clean).
-    """
+def _unjudged_run_findings(run: RunObservation, policy: Policy) -> tuple[list[Finding], bool]:
+    """What a run's failures say before any hit is judged: a ``timeout``, a
+    ``crash`` (the requests it completed are still judged), evicted cached
+    blocks (``eviction``); and whether the run's hits are judged at all (not
+    for an unsupported, timed-out or evicting run)."""
     findings: list[Finding] = []
     name = run.variant
     if run.unsupported is not None:
-        return (), ()
+        return findings, False
     if run.timed_out:
         findings.append(
             Finding(FindingKind.TIMEOUT, name, len(run.requests), run.error or "", policy=policy)
         )
-        return (), tuple(findings)
+        return findings, False
     if run.error is not None:
         findings.append(
             Finding(FindingKind.CRASH, name, len(run.requests), run.error, policy=policy)
@@ -826,16 +814,21 @@ def judge_run(
                 policy=policy,
             )
         )
-        return (), tuple(findings)
-    model = drafter_model(scenario)
-    needless = needless_drop_finding(scenario, run, model, policy)
-    if needless is not None:
-        findings.append(needless)
-    hits = run.hits
-    alignment = scenario.effective_hit_alignment_tokens
-    refs = references(scenario, model, hits, policy)
-    promised = promise_policy(policy)
-    vllm_refs = refs if policy is promised else references(scenario, model, hits, promised)
+        return findings, False
+    return findings, True
+
+
+def _over_hit_ceilings(
+    scenario: Scenario,
+    run: RunObservation,
+    model: DrafterModel,
+    refs: tuple[SiblingReference, ...],
+    hits: Sequence[int],
+) -> list[int]:
+    """Per sibling, the dense reference (tokens) a hit may not exceed: the
+    drafter's own (``refs``), without its re-prefillable tail when the user
+    opted out of protection, and at least the dense reference under the
+    needless protection the run used (:func:`needless_protection_model`)."""
     # Without protection (the user opted out of the drop) the writer's
     # re-prefillable tail may be cached: forbid only what lies beyond it.
     liberal = model
@@ -860,6 +853,71 @@ def judge_run(
             max(c, r.dense_tokens)
             for c, r in zip(ceilings, references(scenario, as_run, hits), strict=True)
         ]
+    return ceilings
+
+
+def _design_gap_finding(
+    scenario: Scenario,
+    model: DrafterModel,
+    variant: str,
+    ref: SiblingReference,
+    vref: SiblingReference,
+    hit: int,
+    common: dict[str, Any],
+) -> Finding:
+    """``design-gap`` (the ``ideal`` policy): ``hit`` (tokens) reaches what
+    vLLM's policy promises (``vref``) but not the dense reference ``ref``;
+    says how many SWA blocks per group keeping one more SWA tail costs."""
+    # Closing the gap means keeping one more SWA tail (the window plus
+    # the peek block under the drop) at the dense hit, per SWA group.
+    tails = [
+        -(-((g.sliding_window_tokens or 1) - 1) // g.block_size_tokens) + (1 if model.drop else 0)
+        for g in scenario.sliding_window_groups
+    ]
+    cost = f"; closing it costs up to {tails} SWA blocks per group" if tails else ""
+    return Finding(
+        FindingKind.DESIGN_GAP,
+        variant,
+        ref.index,
+        f"dense reference {ref.expected_tokens}, hit {hit}: the writer's "
+        f"data could serve it but vLLM's policy promises only {vref.expected_tokens}"
+        f"{cost}",
+        expected_tokens=ref.expected_tokens,
+        **common,
+    )
+
+
+def judge_run(
+    scenario: Scenario,
+    run: RunObservation,
+    policy: Policy = Policy.VLLM,
+) -> tuple[tuple[SiblingReference, ...], tuple[Finding, ...]]:
+    """Judge one run of one variant against the invariants.
+
+    Fallbacks are judged against what the drafter's own protection
+    (:func:`drafter_model`) owes; the over-hit ceiling is the larger of that
+    model's dense reference and, when the run protected more than the drafter
+    needs (a needless drop or needless lookahead hashes, read off
+    ``run.settings``), the dense reference under the protection it used.
+
+    Returns:
+        The references for the requests the run completed, and the findings
+        (empty when the run is clean).
+    """
+    findings, judged = _unjudged_run_findings(run, policy)
+    if not judged:
+        return (), tuple(findings)
+    name = run.variant
+    model = drafter_model(scenario)
+    needless = needless_drop_finding(scenario, run, model, policy)
+    if needless is not None:
+        findings.append(needless)
+    hits = run.hits
+    alignment = scenario.effective_hit_alignment_tokens
+    refs = references(scenario, model, hits, policy)
+    promised = promise_policy(policy)
+    vllm_refs = refs if policy is promised else references(scenario, model, hits, promised)
+    ceilings = _over_hit_ceilings(scenario, run, model, refs, hits)
     for ref, vref, hit, dense in zip(refs, vllm_refs, hits, ceilings, strict=True):
         common: dict[str, Any] = {
             "divergence_tokens": ref.divergence_tokens,
@@ -900,26 +958,7 @@ def judge_run(
         if hit < vref.expected_tokens:
             findings.append(fallback_finding(name, vref, hit, common))
         elif policy is Policy.IDEAL and hit < ref.expected_tokens:
-            # Closing the gap means keeping one more SWA tail (the window plus
-            # the peek block under the drop) at the dense hit, per SWA group.
-            tails = [
-                -(-((g.sliding_window_tokens or 1) - 1) // g.block_size_tokens)
-                + (1 if model.drop else 0)
-                for g in scenario.sliding_window_groups
-            ]
-            cost = f"; closing it costs up to {tails} SWA blocks per group" if tails else ""
-            findings.append(
-                Finding(
-                    FindingKind.DESIGN_GAP,
-                    name,
-                    ref.index,
-                    f"dense reference {ref.expected_tokens}, hit {hit}: the writer's "
-                    f"data could serve it but vLLM's policy promises only {vref.expected_tokens}"
-                    f"{cost}",
-                    expected_tokens=ref.expected_tokens,
-                    **common,
-                )
-            )
+            findings.append(_design_gap_finding(scenario, model, name, ref, vref, hit, common))
     findings += per_group_findings(scenario, run, policy)
     findings += kv_event_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)

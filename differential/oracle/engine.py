@@ -179,18 +179,9 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     prefix with ``i`` (prompt, or prompt and answer) survived to ``j``'s
     lookup as well.
     """
+    if not _timeline_promises(scenario, run):
+        return None
     requests = run.requests
-    if (
-        (scenario.workload.connector is not None and not _full_attention_only(scenario))
-        or (run.preemptions and (not _full_attention_only(scenario) or scenario.kv_connector))
-        or run.error is not None
-        or scenario.mamba_groups
-        or [r.index for r in requests] != list(range(len(scenario.requests)))
-        or any(r.scheduled_step is None or r.lookup_order is None for r in requests)
-    ):
-        return None
-    if run.evicted_blocks and any(r.lookup_queue_removals is None for r in requests):
-        return None
     prompts = scenario.contents
     written = written_contents(scenario)
 
@@ -240,6 +231,26 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
         )
         for r in requests
     ]
+
+
+def _timeline_promises(scenario: Scenario, run: RunObservation) -> bool:
+    """Whether the run's timeline supports an exact promise at every lookup
+    (:func:`timeline_writers`): no state groups, a complete run that did not
+    fail, every request's admitting step and lookup order recorded, a KV
+    connector's store only on layouts of full attention and MLA, preemptions
+    only there and without a KV connector, and evictions only with the free
+    queue's counters."""
+    requests = run.requests
+    if (
+        (scenario.workload.connector is not None and not _full_attention_only(scenario))
+        or (run.preemptions and (not _full_attention_only(scenario) or scenario.kv_connector))
+        or run.error is not None
+        or scenario.mamba_groups
+        or [r.index for r in requests] != list(range(len(scenario.requests)))
+        or any(r.scheduled_step is None or r.lookup_order is None for r in requests)
+    ):
+        return False
+    return not (run.evicted_blocks and any(r.lookup_queue_removals is None for r in requests))
 
 
 def _full_attention_only(scenario: Scenario) -> bool:
