@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from differential.capabilities import equivalent_scenario
+from differential.capabilities import Unsupported, equivalent_scenario
 from differential.driver.engine_mode import (
     EngineResult,
     EngineUnsupported,
@@ -259,7 +259,13 @@ def run_engine(
             "engine: workload.accepted_drafts is not used (the engine's drafts are its own)"
         )
     try:
+        # The scenario the engine's release means: one it cannot mean (a
+        # feature it lacks, with no equivalent) is unsupported, not run.
+        equivalent_scenario(run_scenario, caps)
         plan = engine_plan(run_scenario, breakage=breakage)
+    except Unsupported as exc:
+        run = _unsupported(scenario, f"vLLM {worker.vllm_version} lacks {exc.reason}", version)
+        return EngineResult(run_scenario, factor, run, None, {}, {}, caps, tuple(notes))
     except EngineUnsupported as exc:
         run = _unsupported(scenario, str(exc), version)
         return EngineResult(run_scenario, factor, run, None, {}, {}, caps, tuple(notes))
@@ -382,8 +388,12 @@ def judge(result: EngineResult, policy: Policy = Policy.VLLM) -> tuple[Any, tupl
     as manager mode judges it (:func:`differential.oracle.judge_run`); any
     other as scheduler mode judges it (:func:`differential.oracle.engine.judge_engine_run`).
     """
-    scenario = judged_scenario(result)
     run = result.run
+    if run.unsupported is not None:
+        # Nothing ran: nothing to judge (the scenario may be one the
+        # engine's release cannot mean at all).
+        return (), ()
+    scenario = judged_scenario(result)
     if sequentially_judgeable(scenario, run):
         refs, findings = judge_run(scenario, run, policy)
     else:
