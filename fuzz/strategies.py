@@ -776,6 +776,132 @@ def _connector_stores(
     )
 
 
+def _engine_geometry(draw: st.DrawFn) -> tuple[tuple[KVCacheGroup, ...], int | None, bool]:
+    """A toy engine layout's KV cache groups, its hash block size (tokens;
+    ``None`` but on Mamba hybrids with attention groups) and whether it is
+    a Mamba hybrid (one layout in four)."""
+    hash_block: int | None = None
+    mamba = draw(st.integers(0, 3)) == 0
+    if mamba:
+        groups, hash_block = draw(mamba_geometries("toy"))
+        if len(groups) == 1:
+            hash_block = None
+    else:
+        groups = draw(geometries("toy"))
+    return groups, hash_block, mamba
+
+
+def _engine_drafter(draw: st.DrawFn, groups: tuple[KVCacheGroup, ...], mamba: bool) -> Drafter:
+    """The engine workload's drafter, with one to three speculative tokens (a
+    multi-module MTP two up to the scheduler block's, at most three): the
+    drafters a Mamba hybrid's models ship on Mamba hybrids, none that drops
+    on a Mamba-only model."""
+    kinds: tuple[DrafterKind, ...] = _ENGINE_DRAFTERS_MAMBA if mamba else _ENGINE_DRAFTERS
+    if mamba and len(groups) == 1:
+        # A Mamba-only model has no attention layer for a drafter's KV
+        # (vLLM's planner warns): no drafter that drops.
+        kinds = tuple(k for k in kinds if k not in _DROPPING)
+    kind = draw(st.sampled_from(kinds))
+    if kind is DrafterKind.NONE:
+        return Drafter()
+    if kind is DrafterKind.MULTI_MODULE_MTP:
+        # One MTP module per token, at most the scheduler block of them.
+        block = math.lcm(*(g.block_size_tokens for g in groups))
+        return Drafter(kind, draw(st.integers(2, max(2, min(3, block)))))
+    return Drafter(kind, draw(st.integers(1, 3)))
+
+
+def _chat_sessions(
+    draw: st.DrawFn, alignment: int, decode_steps: int, shares_output: bool
+) -> tuple[list[RequestSpec], int, int]:
+    """The requests of one to four chat sessions of one to three turns, in
+    round-robin order, the number of sessions and the shared prefix (tokens:
+    none, one or four hit alignments): a first turn that shares the prefix
+    or not with up to eight alignments of its own tokens, each later turn
+    copying the turn before's prompt (and, with ``shares_output``, its
+    ``decode_steps + 1`` output tokens) plus new tokens around the hit
+    alignment."""
+    sessions = draw(st.integers(1, 4))
+    turns = draw(st.integers(1, 3))
+    prefix = draw(st.sampled_from((0, alignment, 4 * alignment)))
+    base = st.integers(1, 8 * alignment)
+    new_tokens = st.sampled_from((1, alignment, alignment + 1, 2 * alignment))
+    requests: list[RequestSpec] = []
+    for turn in range(turns):
+        for session in range(sessions):
+            if turn == 0:
+                shared = draw(st.sampled_from((0, prefix)))
+                spec = RequestSpec(shared, draw(base), name=f"s{session}t1")
+            else:
+                previous = (turn - 1) * sessions + session
+                source = requests[previous].prompt_tokens
+                source += decode_steps + 1 if shares_output else 0
+                spec = RequestSpec(source, draw(new_tokens), previous, f"s{session}t{turn + 1}")
+            requests.append(spec)
+    return requests, sessions, prefix
+
+
+def _arrival_steps(draw: st.DrawFn, num_requests: int, sessions: int) -> tuple[int, ...] | None:
+    """The step each request arrives at, two workloads in three: each round
+    of ``sessions`` requests a gap of 0, 1, 4 or 16 steps after the one
+    before (several requests in flight); ``None`` (sequential) otherwise."""
+    if not draw(st.integers(0, 2)):
+        return None
+    gap = draw(st.sampled_from((0, 1, 4, 16)))
+    return tuple((i // sessions) * gap for i in range(num_requests))
+
+
+def _accepted_drafts(draw: st.DrawFn, drafter: Drafter) -> tuple[int, ...]:
+    """Half the time with a drafter, the draft tokens accepted per step (one to
+    three steps' counts, cycled; each at most the speculative tokens);
+    ``()`` (no drafts proposed) otherwise."""
+    if not drafter.num_speculative_tokens or not draw(st.booleans()):
+        return ()
+    limit = drafter.num_speculative_tokens
+    return tuple(draw(st.lists(st.integers(0, limit), min_size=1, max_size=3)))
+
+
+def _pool_bounds(
+    groups: tuple[KVCacheGroup, ...],
+    lengths: list[int],
+    sessions: int,
+    reserve: int,
+    speculative_tokens: int,
+) -> tuple[int, int]:
+    """The fewest blocks the pool may hold (the longest request alone, with
+    ``reserve`` tokens for its decode and drafts; a Mamba group's state
+    blocks for its speculative tokens besides) and the working set, in
+    blocks: every session's last turn at once. ``lengths`` are the
+    requests' prompts, in tokens."""
+    # A Mamba group in align mode holds a block per block of tokens while a
+    # request runs, and state blocks for its speculative tokens besides.
+    need = 2 + sum(
+        math.ceil((max(lengths) + reserve) / g.block_size_tokens)
+        + (2 + speculative_tokens if g.kind is GroupKind.MAMBA else 0)
+        for g in groups
+    )
+    working = 1 + sum(
+        math.ceil((lengths[-sessions + s] + reserve) / g.block_size_tokens)
+        for s in range(sessions)
+        for g in groups
+    )
+    return need, working
+
+
+def _client_aborts(
+    draw: st.DrawFn, store: ConnectorStore | None, num_requests: int
+) -> tuple[int | None, ...] | None:
+    """With a KV connector, one workload in four a client aborting one request
+    a few steps in (``Workload.abort_steps``); ``None`` otherwise."""
+    if store is None or draw(st.integers(0, 3)):
+        return None
+    # A client aborting one request a few steps in (mid-prefill, often):
+    # the producer's hand-off of a request that never finished.
+    doomed = draw(st.integers(0, num_requests - 1))
+    step = draw(st.sampled_from((1, 2, 3, 5, 8)))
+    return tuple(step if i == doomed else None for i in range(num_requests))
+
+
 @st.composite
 def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     """A scheduler-mode scenario: chat sessions through vLLM's ``Scheduler``.
@@ -796,14 +922,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     (the only scale drawn so far).
     """
     del scale  # toy scale first
-    hash_block: int | None = None
-    mamba = draw(st.integers(0, 3)) == 0
-    if mamba:
-        groups, hash_block = draw(mamba_geometries("toy"))
-        if len(groups) == 1:
-            hash_block = None
-    else:
-        groups = draw(geometries("toy"))
+    groups, hash_block, mamba = _engine_geometry(draw)
     chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups)
     alignment = math.lcm(*(g.block_size_tokens for g in groups))
     # Retention is a multiple of the scheduler block, whatever the hash block.
@@ -814,20 +933,8 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
         g.kind.sliding_window_family or g.kind is GroupKind.MAMBA for g in groups
     ):
         retention = 0  # vLLM accepts only None or 0 without SWA or Mamba groups
-    kinds: tuple[DrafterKind, ...] = _ENGINE_DRAFTERS_MAMBA if mamba else _ENGINE_DRAFTERS
-    if mamba and len(groups) == 1:
-        # A Mamba-only model has no attention layer for a drafter's KV
-        # (vLLM's planner warns): no drafter that drops.
-        kinds = tuple(k for k in kinds if k not in _DROPPING)
-    kind = draw(st.sampled_from(kinds))
-    if kind is DrafterKind.NONE:
-        drafter = Drafter()
-    elif kind is DrafterKind.MULTI_MODULE_MTP:
-        # One MTP module per token, at most the scheduler block of them.
-        block = math.lcm(*(g.block_size_tokens for g in groups))
-        drafter = Drafter(kind, draw(st.integers(2, max(2, min(3, block)))))
-    else:
-        drafter = Drafter(kind, draw(st.integers(1, 3)))
+    drafter = _engine_drafter(draw, groups, mamba)
+    kind = drafter.kind
     disable_lookahead = not chunked and draw(st.booleans())
     if not mamba:  # the state-group oracle models the drop on every group
         # Gemma-4 MTP has no draft layer, so no draft group.
@@ -835,46 +942,13 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
         groups = draw(_draft_groups(groups, dropping and disable_lookahead))
     decode_steps = draw(st.sampled_from((0, 1, 3, 6)))
     shares_output = draw(st.booleans())
-    sessions = draw(st.integers(1, 4))
-    turns = draw(st.integers(1, 3))
-    prefix = draw(st.sampled_from((0, alignment, 4 * alignment)))
-    base = st.integers(1, 8 * alignment)
-    new_tokens = st.sampled_from((1, alignment, alignment + 1, 2 * alignment))
-    requests: list[RequestSpec] = []
-    lengths: list[int] = []
-    for turn in range(turns):
-        for session in range(sessions):
-            if turn == 0:
-                shared = draw(st.sampled_from((0, prefix)))
-                spec = RequestSpec(shared, draw(base), name=f"s{session}t1")
-            else:
-                previous = (turn - 1) * sessions + session
-                source = lengths[previous] + (decode_steps + 1 if shares_output else 0)
-                spec = RequestSpec(source, draw(new_tokens), previous, f"s{session}t{turn + 1}")
-            requests.append(spec)
-            lengths.append(spec.prompt_tokens)
-    arrivals: tuple[int, ...] | None = None
-    if draw(st.integers(0, 2)):
-        gap = draw(st.sampled_from((0, 1, 4, 16)))
-        arrivals = tuple((i // sessions) * gap for i in range(len(requests)))
-    accepted: tuple[int, ...] = ()
-    if drafter.num_speculative_tokens and draw(st.booleans()):
-        limit = drafter.num_speculative_tokens
-        accepted = tuple(draw(st.lists(st.integers(0, limit), min_size=1, max_size=3)))
+    requests, sessions, prefix = _chat_sessions(draw, alignment, decode_steps, shares_output)
+    lengths = [r.prompt_tokens for r in requests]
+    arrivals = _arrival_steps(draw, len(requests), sessions)
+    accepted = _accepted_drafts(draw, drafter)
     chunk = draw(st.sampled_from((alignment, 2 * alignment, 16, 32, 64)))
     reserve = decode_steps + 2 * drafter.num_speculative_tokens + 2
-    # A Mamba group in align mode holds a block per block of tokens while a
-    # request runs, and state blocks for its speculative tokens besides.
-    need = 2 + sum(
-        math.ceil((max(lengths) + reserve) / g.block_size_tokens)
-        + (2 + drafter.num_speculative_tokens if g.kind is GroupKind.MAMBA else 0)
-        for g in groups
-    )
-    working = 1 + sum(
-        math.ceil((lengths[-sessions + s] + reserve) / g.block_size_tokens)
-        for s in range(sessions)
-        for g in groups
-    )
+    need, working = _pool_bounds(groups, lengths, sessions, reserve, drafter.num_speculative_tokens)
     factor = draw(st.sampled_from((0.3, 0.6, 1.0, 2.0, 4.0)))
     budget = draw(st.sampled_from((None, 2 * chunk)))
     pool = max(need, int(working * factor))
@@ -882,13 +956,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     # Drawn last, so every draw above reads the bytes it read before.
     full_attention = any(g.kind.full_attention_family for g in groups)
     store = None if chunked else draw(_connector_stores(len(requests), mamba, full_attention))
-    aborts = None
-    if store is not None and draw(st.integers(0, 3)) == 0:
-        # A client aborting one request a few steps in (mid-prefill, often):
-        # the producer's hand-off of a request that never finished.
-        doomed = draw(st.integers(0, len(requests) - 1))
-        step = draw(st.sampled_from((1, 2, 3, 5, 8)))
-        aborts = tuple(step if i == doomed else None for i in range(len(requests)))
+    aborts = _client_aborts(draw, store, len(requests))
     workload = Workload(
         mode=DriveMode.SCHEDULER,
         pool_blocks=pool,
