@@ -328,38 +328,42 @@ def _suffix(alignment: int) -> st.SearchStrategy[int]:
     )
 
 
-@st.composite
-def scenarios(
-    draw: st.DrawFn,
-    scale: Scale | None = None,
-    kinds: frozenset[GroupKind] = frozenset(),
-) -> Scenario:
-    """A valid scenario; ``scale`` fixes the geometry scope (default: mostly
-    toy); ``kinds`` pins KV cache group kinds every scenario contains
-    (``kvfuzz fuzz --groups``; empty: any layout, Mamba hybrids one in five
-    when ``scale`` is not fixed; a fixed scale draws attention layouts only)."""
-    any_scale = scale is None
-    if scale is None:
-        scale = draw(st.sampled_from(("toy",) * 6 + ("medium",) * 3 + ("real",)))
+def _scenario_geometry(
+    draw: st.DrawFn, scale: Scale, kinds: frozenset[GroupKind], any_scale: bool
+) -> tuple[tuple[KVCacheGroup, ...], int | None, bool]:
+    """The KV cache groups, the hash block size (tokens; ``None`` but on some
+    Mamba hybrids) and whether the layout is a Mamba hybrid: one in five
+    when neither ``kinds`` nor the scale is pinned, always when ``kinds``
+    pins Mamba groups; a pinned sliding-window group joins a Mamba hybrid
+    drawn without one (its block the hash block, its window four blocks)."""
     hash_block: int | None = None
     mamba = GroupKind.MAMBA in kinds or (not kinds and any_scale and draw(st.integers(0, 4)) == 0)
-    if mamba:
-        groups, hash_block = draw(mamba_geometries(scale))
-        if GroupKind.SLIDING_WINDOW in kinds and not any(
-            g.kind is GroupKind.SLIDING_WINDOW for g in groups
-        ):
-            block = groups[0].block_size_tokens
-            groups = (
-                KVCacheGroup(GroupKind.FULL_ATTENTION, block),
-                KVCacheGroup(GroupKind.SLIDING_WINDOW, hash_block or block, 4 * block),
-                *(g for g in groups if g.kind is GroupKind.MAMBA),
-            )
-    else:
-        groups = _pin(draw(geometries(scale)), kinds)
-    alignment = math.lcm(*(g.block_size_tokens for g in groups))
+    if not mamba:
+        return _pin(draw(geometries(scale)), kinds), hash_block, mamba
+    groups, hash_block = draw(mamba_geometries(scale))
+    if GroupKind.SLIDING_WINDOW in kinds and not any(
+        g.kind is GroupKind.SLIDING_WINDOW for g in groups
+    ):
+        block = groups[0].block_size_tokens
+        groups = (
+            KVCacheGroup(GroupKind.FULL_ATTENTION, block),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, hash_block or block, 4 * block),
+            *(g for g in groups if g.kind is GroupKind.MAMBA),
+        )
+    return groups, hash_block, mamba
 
-    # Retention: None, 0, the alignment itself, or a sparse multiple of it.
-    units = {"toy": (2, 4, 8, 16), "medium": (4, 8, 16), "real": (8, 64, 128)}[scale]
+
+def _retention_interval(
+    draw: st.DrawFn,
+    groups: tuple[KVCacheGroup, ...],
+    alignment: int,
+    units: tuple[int, ...],
+    mamba: bool,
+) -> int | None:
+    """The retention interval, in tokens: ``None``, 0, the hit alignment or a
+    sparse multiple of it (``units`` of alignments, per scale); on Mamba
+    hybrids vLLM's default (0) two times in three; 0 for any nonzero
+    interval on layouts without sliding-window or Mamba groups."""
     retention = draw(
         st.sampled_from(
             (None, 0, alignment, *(alignment * u for u in units), *(alignment * u for u in units))
@@ -371,10 +375,21 @@ def scenarios(
         g.kind.sliding_window_family or g.kind is GroupKind.MAMBA for g in groups
     ):
         retention = 0  # vLLM accepts only None or 0 without SWA or Mamba groups
-    period = retention if retention else alignment * units[0]
-    if mamba and hash_block is not None and len(groups) > 1:
-        alignment = _fine_alignment(groups, hash_block)
+    return retention
 
+
+def _scenario_drafter(
+    draw: st.DrawFn,
+    groups: tuple[KVCacheGroup, ...],
+    alignment: int,
+    hash_block: int | None,
+    mamba: bool,
+) -> tuple[Drafter, tuple[KVCacheGroup, ...], int]:
+    """The drafter (one to four speculative tokens; a multi-module MTP two up
+    to the hit alignment's, at most four), with the groups and hit alignment
+    (tokens) its draft attention layer gives a Mamba-only model: a
+    full-attention group of the Mamba block. Mamba hybrids draw no
+    multi-module MTP (its state-group re-prefill tail is not modelled)."""
     kind = draw(st.sampled_from(_DRAFTERS))
     if mamba and kind is DrafterKind.MULTI_MODULE_MTP:
         kind = DrafterKind.MTP  # its re-prefill tail is not modelled for state groups
@@ -391,6 +406,21 @@ def scenarios(
         drafter = Drafter(kind, draw(st.integers(2, max(2, min(4, alignment)))))
     else:
         drafter = Drafter(kind, draw(st.integers(1, 4)))
+    return drafter, groups, alignment
+
+
+def _draft_protection(
+    draw: st.DrawFn,
+    drafter: Drafter,
+    groups: tuple[KVCacheGroup, ...],
+    alignment: int,
+    mamba: bool,
+) -> tuple[str, bool, tuple[KVCacheGroup, ...]]:
+    """How the draft KV is protected -- ``"disabled"`` (lookahead block
+    hashes off: the EAGLE drop), ``"connector"`` or ``"lookahead"`` --,
+    whether the EAGLE block drop is disabled (one in twenty), and the groups
+    with the drafter's own KV groups marked (``is_eagle_group``) when it
+    drops. ``alignment`` (the hit alignment, tokens) must not change."""
     protection = draw(st.sampled_from(("disabled", "disabled", "connector", "lookahead")))
     disable_drop = draw(st.integers(0, 19)) == 0
     # Gemma-4 MTP writes no draft KV: it has no draft layer, so no draft
@@ -419,13 +449,27 @@ def scenarios(
             math.lcm(*(g.block_size_tokens for g in groups)) != alignment
         ):  # pragma: no cover - draft blocks are drawn from the layout's own
             raise AssertionError("a draft group changed a chunked layout's alignment")
+    return protection, disable_drop, groups
 
-    # The shared prefix spans a few checkpoint periods, capped by scale.
+
+def _shared_prefix(draw: st.DrawFn, scale: Scale, period: int, alignment: int) -> int:
+    """The shared prefix, in tokens: one to four checkpoint periods
+    (``period`` tokens), sometimes plus the hit alignment or one token,
+    capped by scale (512, 2048 or 16384 tokens), at least one token."""
     max_prefix = {"toy": 512, "medium": 2048, "real": 16384}[scale]
     periods = draw(st.integers(1, max(1, min(4, max_prefix // period))))
     prefix = min(max_prefix, periods * period + draw(st.sampled_from((0, 0, alignment, 1))))
-    prefix = max(prefix, 1)
+    return max(prefix, 1)
 
+
+def _sibling_requests(
+    draw: st.DrawFn, prefix: int, period: int, alignment: int
+) -> list[RequestSpec]:
+    """The writer of the shared prefix and one to four siblings: most diverge
+    from the prefix on, around or between its checkpoints (every ``period``
+    tokens, and one hit alignment before each), one in five copies part of
+    an earlier request's prompt; each with a suffix around the hit
+    alignment, and at least one token of prompt. Tokens throughout."""
     checkpoints = sorted({k * period for k in range(1, prefix // period + 1)} | {prefix})
     checkpoints += [c - alignment for c in checkpoints if c > alignment]
     divergence = _divergence(tuple(checkpoints), alignment, prefix)
@@ -441,11 +485,23 @@ def scenarios(
             )
         else:
             requests.append(RequestSpec(draw(divergence), draw(suffix)))
-    requests = [
+    return [
         r if r.prompt_tokens > 0 else RequestSpec(r.divergence_tokens, 1, r.shares_with, r.name)
         for r in requests
     ]
 
+
+def _prefill_chunk(
+    draw: st.DrawFn,
+    groups: tuple[KVCacheGroup, ...],
+    alignment: int,
+    prefix: int,
+    drafter: Drafter,
+    mamba: bool,
+) -> int:
+    """The prefill chunk, in tokens: around the hit alignment, a fixed size
+    or the whole prefix; no smaller than a multi-module MTP's speculative
+    tokens; on Mamba hybrids sometimes the Mamba block, twice or half it."""
     chunk = draw(
         st.sampled_from(
             (alignment, 2 * alignment, 3 * alignment + 1, 64, 512, 2048, max(prefix, 1))
@@ -453,24 +509,72 @@ def scenarios(
     )
     if drafter.kind is DrafterKind.MULTI_MODULE_MTP:
         chunk = max(chunk, drafter.num_speculative_tokens)
-    mamba_options: dict[str, object] = {}
     if mamba:
         block = groups[-1].block_size_tokens
         chunk = draw(st.sampled_from((chunk, block, 2 * block, max(1, block // 2))))
-        mamba_options = {
-            "hash_block_size_tokens": hash_block if len(groups) > 1 else None,
-            "mamba_prefill": draw(st.sampled_from(_MAMBA_PREFILLS)),
-            "enable_mamba_shared_prefix_checkpoint": draw(st.integers(0, 2)) == 0,
-        }
+    return chunk
+
+
+def _mamba_options(
+    draw: st.DrawFn, groups: tuple[KVCacheGroup, ...], hash_block: int | None
+) -> dict[str, object]:
+    """A Mamba hybrid's scenario options: its hash block size (tokens; none
+    for a Mamba group alone), prefill mode, and the shared-prefix
+    checkpoint one time in three."""
+    return {
+        "hash_block_size_tokens": hash_block if len(groups) > 1 else None,
+        "mamba_prefill": draw(st.sampled_from(_MAMBA_PREFILLS)),
+        "enable_mamba_shared_prefix_checkpoint": draw(st.integers(0, 2)) == 0,
+    }
+
+
+def _kv_events(draw: st.DrawFn, mamba: bool) -> KVEvents:
+    """KV cache events for one scenario in four, in 'full' report mode only
+    without Mamba groups (vLLM 0.33.0's full report indexes past the block
+    hashes on a Mamba hit that ends inside a block: vLLM PR #57358)."""
+    events: KVEvents = draw(st.sampled_from(_KV_EVENTS))
+    if mamba and events is KVEvents.FULL:
+        events = KVEvents.INCREMENTAL
+    return events
+
+
+@st.composite
+def scenarios(
+    draw: st.DrawFn,
+    scale: Scale | None = None,
+    kinds: frozenset[GroupKind] = frozenset(),
+) -> Scenario:
+    """A valid scenario; ``scale`` fixes the geometry scope (default: mostly
+    toy); ``kinds`` pins KV cache group kinds every scenario contains
+    (``kvfuzz fuzz --groups``; empty: any layout, Mamba hybrids one in five
+    when ``scale`` is not fixed; a fixed scale draws attention layouts only)."""
+    any_scale = scale is None
+    if scale is None:
+        scale = draw(st.sampled_from(("toy",) * 6 + ("medium",) * 3 + ("real",)))
+    groups, hash_block, mamba = _scenario_geometry(draw, scale, kinds, any_scale)
+    alignment = math.lcm(*(g.block_size_tokens for g in groups))
+
+    # Retention: None, 0, the alignment itself, or a sparse multiple of it.
+    units = {"toy": (2, 4, 8, 16), "medium": (4, 8, 16), "real": (8, 64, 128)}[scale]
+    retention = _retention_interval(draw, groups, alignment, units, mamba)
+    period = retention if retention else alignment * units[0]
+    if mamba and hash_block is not None and len(groups) > 1:
+        alignment = _fine_alignment(groups, hash_block)
+
+    drafter, groups, alignment = _scenario_drafter(draw, groups, alignment, hash_block, mamba)
+    protection, disable_drop, groups = _draft_protection(draw, drafter, groups, alignment, mamba)
+
+    # The shared prefix spans a few checkpoint periods, capped by scale.
+    prefix = _shared_prefix(draw, scale, period, alignment)
+    requests = _sibling_requests(draw, prefix, period, alignment)
+
+    chunk = _prefill_chunk(draw, groups, alignment, prefix, drafter, mamba)
+    mamba_options = _mamba_options(draw, groups, hash_block) if mamba else {}
     # Drawn last, so that every draw above reads the bytes it read before.
     requests = _rejoining(draw, requests, prefix, alignment)
     decode_steps = draw(st.sampled_from((0, 0, 0, 1, 3)))
-    # Then KV cache events for one scenario in four, in 'full' report mode
-    # only without Mamba groups (vLLM 0.33.0's full report indexes past the
-    # block hashes on a Mamba hit that ends inside a block: vLLM PR #57358).
-    events = draw(st.sampled_from(_KV_EVENTS))
-    if mamba and events is KVEvents.FULL:
-        events = KVEvents.INCREMENTAL
+    # Then KV cache events for one scenario in four.
+    events = _kv_events(draw, mamba)
     # Drawn after everything else, for the same reason.
     requests = _multimodal(draw, requests, alignment)
     # Last of all, decode context parallelism (it may scale the groups' blocks).
@@ -672,6 +776,132 @@ def _connector_stores(
     )
 
 
+def _engine_geometry(draw: st.DrawFn) -> tuple[tuple[KVCacheGroup, ...], int | None, bool]:
+    """A toy engine layout's KV cache groups, its hash block size (tokens;
+    ``None`` but on Mamba hybrids with attention groups) and whether it is
+    a Mamba hybrid (one layout in four)."""
+    hash_block: int | None = None
+    mamba = draw(st.integers(0, 3)) == 0
+    if mamba:
+        groups, hash_block = draw(mamba_geometries("toy"))
+        if len(groups) == 1:
+            hash_block = None
+    else:
+        groups = draw(geometries("toy"))
+    return groups, hash_block, mamba
+
+
+def _engine_drafter(draw: st.DrawFn, groups: tuple[KVCacheGroup, ...], mamba: bool) -> Drafter:
+    """The engine workload's drafter, with one to three speculative tokens (a
+    multi-module MTP two up to the scheduler block's, at most three): the
+    drafters a Mamba hybrid's models ship on Mamba hybrids, none that drops
+    on a Mamba-only model."""
+    kinds: tuple[DrafterKind, ...] = _ENGINE_DRAFTERS_MAMBA if mamba else _ENGINE_DRAFTERS
+    if mamba and len(groups) == 1:
+        # A Mamba-only model has no attention layer for a drafter's KV
+        # (vLLM's planner warns): no drafter that drops.
+        kinds = tuple(k for k in kinds if k not in _DROPPING)
+    kind = draw(st.sampled_from(kinds))
+    if kind is DrafterKind.NONE:
+        return Drafter()
+    if kind is DrafterKind.MULTI_MODULE_MTP:
+        # One MTP module per token, at most the scheduler block of them.
+        block = math.lcm(*(g.block_size_tokens for g in groups))
+        return Drafter(kind, draw(st.integers(2, max(2, min(3, block)))))
+    return Drafter(kind, draw(st.integers(1, 3)))
+
+
+def _chat_sessions(
+    draw: st.DrawFn, alignment: int, decode_steps: int, shares_output: bool
+) -> tuple[list[RequestSpec], int, int]:
+    """The requests of one to four chat sessions of one to three turns, in
+    round-robin order, the number of sessions and the shared prefix (tokens:
+    none, one or four hit alignments): a first turn that shares the prefix
+    or not with up to eight alignments of its own tokens, each later turn
+    copying the turn before's prompt (and, with ``shares_output``, its
+    ``decode_steps + 1`` output tokens) plus new tokens around the hit
+    alignment."""
+    sessions = draw(st.integers(1, 4))
+    turns = draw(st.integers(1, 3))
+    prefix = draw(st.sampled_from((0, alignment, 4 * alignment)))
+    base = st.integers(1, 8 * alignment)
+    new_tokens = st.sampled_from((1, alignment, alignment + 1, 2 * alignment))
+    requests: list[RequestSpec] = []
+    for turn in range(turns):
+        for session in range(sessions):
+            if turn == 0:
+                shared = draw(st.sampled_from((0, prefix)))
+                spec = RequestSpec(shared, draw(base), name=f"s{session}t1")
+            else:
+                previous = (turn - 1) * sessions + session
+                source = requests[previous].prompt_tokens
+                source += decode_steps + 1 if shares_output else 0
+                spec = RequestSpec(source, draw(new_tokens), previous, f"s{session}t{turn + 1}")
+            requests.append(spec)
+    return requests, sessions, prefix
+
+
+def _arrival_steps(draw: st.DrawFn, num_requests: int, sessions: int) -> tuple[int, ...] | None:
+    """The step each request arrives at, two workloads in three: each round
+    of ``sessions`` requests a gap of 0, 1, 4 or 16 steps after the one
+    before (several requests in flight); ``None`` (sequential) otherwise."""
+    if not draw(st.integers(0, 2)):
+        return None
+    gap = draw(st.sampled_from((0, 1, 4, 16)))
+    return tuple((i // sessions) * gap for i in range(num_requests))
+
+
+def _accepted_drafts(draw: st.DrawFn, drafter: Drafter) -> tuple[int, ...]:
+    """Half the time with a drafter, the draft tokens accepted per step (one to
+    three steps' counts, cycled; each at most the speculative tokens);
+    ``()`` (no drafts proposed) otherwise."""
+    if not drafter.num_speculative_tokens or not draw(st.booleans()):
+        return ()
+    limit = drafter.num_speculative_tokens
+    return tuple(draw(st.lists(st.integers(0, limit), min_size=1, max_size=3)))
+
+
+def _pool_bounds(
+    groups: tuple[KVCacheGroup, ...],
+    lengths: list[int],
+    sessions: int,
+    reserve: int,
+    speculative_tokens: int,
+) -> tuple[int, int]:
+    """The fewest blocks the pool may hold (the longest request alone, with
+    ``reserve`` tokens for its decode and drafts; a Mamba group's state
+    blocks for its speculative tokens besides) and the working set, in
+    blocks: every session's last turn at once. ``lengths`` are the
+    requests' prompts, in tokens."""
+    # A Mamba group in align mode holds a block per block of tokens while a
+    # request runs, and state blocks for its speculative tokens besides.
+    need = 2 + sum(
+        math.ceil((max(lengths) + reserve) / g.block_size_tokens)
+        + (2 + speculative_tokens if g.kind is GroupKind.MAMBA else 0)
+        for g in groups
+    )
+    working = 1 + sum(
+        math.ceil((lengths[-sessions + s] + reserve) / g.block_size_tokens)
+        for s in range(sessions)
+        for g in groups
+    )
+    return need, working
+
+
+def _client_aborts(
+    draw: st.DrawFn, store: ConnectorStore | None, num_requests: int
+) -> tuple[int | None, ...] | None:
+    """With a KV connector, one workload in four a client aborting one request
+    a few steps in (``Workload.abort_steps``); ``None`` otherwise."""
+    if store is None or draw(st.integers(0, 3)):
+        return None
+    # A client aborting one request a few steps in (mid-prefill, often):
+    # the producer's hand-off of a request that never finished.
+    doomed = draw(st.integers(0, num_requests - 1))
+    step = draw(st.sampled_from((1, 2, 3, 5, 8)))
+    return tuple(step if i == doomed else None for i in range(num_requests))
+
+
 @st.composite
 def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     """A scheduler-mode scenario: chat sessions through vLLM's ``Scheduler``.
@@ -692,14 +922,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     (the only scale drawn so far).
     """
     del scale  # toy scale first
-    hash_block: int | None = None
-    mamba = draw(st.integers(0, 3)) == 0
-    if mamba:
-        groups, hash_block = draw(mamba_geometries("toy"))
-        if len(groups) == 1:
-            hash_block = None
-    else:
-        groups = draw(geometries("toy"))
+    groups, hash_block, mamba = _engine_geometry(draw)
     chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups)
     alignment = math.lcm(*(g.block_size_tokens for g in groups))
     # Retention is a multiple of the scheduler block, whatever the hash block.
@@ -710,20 +933,8 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
         g.kind.sliding_window_family or g.kind is GroupKind.MAMBA for g in groups
     ):
         retention = 0  # vLLM accepts only None or 0 without SWA or Mamba groups
-    kinds: tuple[DrafterKind, ...] = _ENGINE_DRAFTERS_MAMBA if mamba else _ENGINE_DRAFTERS
-    if mamba and len(groups) == 1:
-        # A Mamba-only model has no attention layer for a drafter's KV
-        # (vLLM's planner warns): no drafter that drops.
-        kinds = tuple(k for k in kinds if k not in _DROPPING)
-    kind = draw(st.sampled_from(kinds))
-    if kind is DrafterKind.NONE:
-        drafter = Drafter()
-    elif kind is DrafterKind.MULTI_MODULE_MTP:
-        # One MTP module per token, at most the scheduler block of them.
-        block = math.lcm(*(g.block_size_tokens for g in groups))
-        drafter = Drafter(kind, draw(st.integers(2, max(2, min(3, block)))))
-    else:
-        drafter = Drafter(kind, draw(st.integers(1, 3)))
+    drafter = _engine_drafter(draw, groups, mamba)
+    kind = drafter.kind
     disable_lookahead = not chunked and draw(st.booleans())
     if not mamba:  # the state-group oracle models the drop on every group
         # Gemma-4 MTP has no draft layer, so no draft group.
@@ -731,46 +942,13 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
         groups = draw(_draft_groups(groups, dropping and disable_lookahead))
     decode_steps = draw(st.sampled_from((0, 1, 3, 6)))
     shares_output = draw(st.booleans())
-    sessions = draw(st.integers(1, 4))
-    turns = draw(st.integers(1, 3))
-    prefix = draw(st.sampled_from((0, alignment, 4 * alignment)))
-    base = st.integers(1, 8 * alignment)
-    new_tokens = st.sampled_from((1, alignment, alignment + 1, 2 * alignment))
-    requests: list[RequestSpec] = []
-    lengths: list[int] = []
-    for turn in range(turns):
-        for session in range(sessions):
-            if turn == 0:
-                shared = draw(st.sampled_from((0, prefix)))
-                spec = RequestSpec(shared, draw(base), name=f"s{session}t1")
-            else:
-                previous = (turn - 1) * sessions + session
-                source = lengths[previous] + (decode_steps + 1 if shares_output else 0)
-                spec = RequestSpec(source, draw(new_tokens), previous, f"s{session}t{turn + 1}")
-            requests.append(spec)
-            lengths.append(spec.prompt_tokens)
-    arrivals: tuple[int, ...] | None = None
-    if draw(st.integers(0, 2)):
-        gap = draw(st.sampled_from((0, 1, 4, 16)))
-        arrivals = tuple((i // sessions) * gap for i in range(len(requests)))
-    accepted: tuple[int, ...] = ()
-    if drafter.num_speculative_tokens and draw(st.booleans()):
-        limit = drafter.num_speculative_tokens
-        accepted = tuple(draw(st.lists(st.integers(0, limit), min_size=1, max_size=3)))
+    requests, sessions, prefix = _chat_sessions(draw, alignment, decode_steps, shares_output)
+    lengths = [r.prompt_tokens for r in requests]
+    arrivals = _arrival_steps(draw, len(requests), sessions)
+    accepted = _accepted_drafts(draw, drafter)
     chunk = draw(st.sampled_from((alignment, 2 * alignment, 16, 32, 64)))
     reserve = decode_steps + 2 * drafter.num_speculative_tokens + 2
-    # A Mamba group in align mode holds a block per block of tokens while a
-    # request runs, and state blocks for its speculative tokens besides.
-    need = 2 + sum(
-        math.ceil((max(lengths) + reserve) / g.block_size_tokens)
-        + (2 + drafter.num_speculative_tokens if g.kind is GroupKind.MAMBA else 0)
-        for g in groups
-    )
-    working = 1 + sum(
-        math.ceil((lengths[-sessions + s] + reserve) / g.block_size_tokens)
-        for s in range(sessions)
-        for g in groups
-    )
+    need, working = _pool_bounds(groups, lengths, sessions, reserve, drafter.num_speculative_tokens)
     factor = draw(st.sampled_from((0.3, 0.6, 1.0, 2.0, 4.0)))
     budget = draw(st.sampled_from((None, 2 * chunk)))
     pool = max(need, int(working * factor))
@@ -778,13 +956,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     # Drawn last, so every draw above reads the bytes it read before.
     full_attention = any(g.kind.full_attention_family for g in groups)
     store = None if chunked else draw(_connector_stores(len(requests), mamba, full_attention))
-    aborts = None
-    if store is not None and draw(st.integers(0, 3)) == 0:
-        # A client aborting one request a few steps in (mid-prefill, often):
-        # the producer's hand-off of a request that never finished.
-        doomed = draw(st.integers(0, len(requests) - 1))
-        step = draw(st.sampled_from((1, 2, 3, 5, 8)))
-        aborts = tuple(step if i == doomed else None for i in range(len(requests)))
+    aborts = _client_aborts(draw, store, len(requests))
     workload = Workload(
         mode=DriveMode.SCHEDULER,
         pool_blocks=pool,
