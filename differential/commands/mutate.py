@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+from argparse import ArgumentParser
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,6 @@ DEFAULT_SAMPLE = 40
 
 def add_parser(sub: Any) -> None:
     """Register ``kvfuzz mutate`` on the command line's subparsers."""
-    from argparse import ArgumentParser
-
     parser: ArgumentParser = sub.add_parser(
         "mutate",
         help="mutation score: run mutants of vLLM's cache-manager code as tree variants",
@@ -61,6 +60,15 @@ def add_parser(sub: Any) -> None:
             "--fail-under, 1 below it."
         ),
     )
+    _add_drawing_options(parser)
+    _add_running_options(parser)
+    _add_shard_options(parser)
+    _add_output_options(parser)
+
+
+def _add_drawing_options(parser: ArgumentParser) -> None:
+    """What runs: the scenarios (PATH..., the seeded campaign's), the modules
+    mutated, and the mutants sampled from them or named."""
     parser.add_argument(
         "paths",
         nargs="*",
@@ -100,6 +108,11 @@ def add_parser(sub: Any) -> None:
         + ", ".join(m.short for m in MODULES)
         + ")",
     )
+
+
+def _add_running_options(parser: ArgumentParser) -> None:
+    """How each mutant is judged: its worker's timeout per scenario, and vLLM's
+    own tests, run (each under its own timeout) or taken from a recorded run."""
     parser.add_argument(
         "--timeout",
         type=timeout_seconds,
@@ -132,6 +145,11 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="per-test timeout of vLLM's tests (pytest-timeout; default: %(default)s)",
     )
+
+
+def _add_shard_options(parser: ArgumentParser) -> None:
+    """One run over many machines: a shard of the sampled mutants each, and
+    the recorded shards' runs merged into one."""
     parser.add_argument(
         "--shard",
         default=None,
@@ -148,6 +166,11 @@ def add_parser(sub: Any) -> None:
         help="run nothing: join the --json files of every --shard of one run into one run, "
         "written with --json / --markdown (default: off)",
     )
+
+
+def _add_output_options(parser: ArgumentParser) -> None:
+    """The verdicts and what comes out: the oracle's checkpoint policy, the
+    run as JSON and Markdown, and the score (percent) the exit code needs."""
     add_policy(parser, "checkpoint policy the oracle judges with (default: %(default)s)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the run as JSON")
     parser.add_argument(
@@ -206,18 +229,7 @@ def run(args: Any) -> int:
         return _merge(args)
     shard = None if args.shard is None else parse_shard(args.shard)
     modules = select_modules(args.modules)
-    if args.mutants is not None and args.sample is not None:
-        raise VariantError("--mutants and --sample: give one; allowed: a sample or a list")
-    sample = DEFAULT_SAMPLE if args.sample is None else args.sample
-    if sample < 1:
-        raise VariantError(f"--sample must be >= 1, got {sample}")
-    if args.campaign_examples < 0:
-        raise VariantError(f"--campaign-examples must be >= 0, got {args.campaign_examples}")
-    if args.vllm_tests is not None and args.vllm_tests_from is not None:
-        raise VariantError(
-            "--vllm-tests and --vllm-tests-from: give one; allowed: run the tests or reuse "
-            "a recorded run's verdicts"
-        )
+    sample = _sample_size(args)
     vllm_tests = None if args.vllm_tests is None else check_tests_folder(args.vllm_tests)
     recorded = None if args.vllm_tests_from is None else recorded_tests(args.vllm_tests_from)
     _check_output("--json", args.json)
@@ -241,31 +253,10 @@ def run(args: Any) -> int:
         + f"; {len(scenarios)} scenarios",
         flush=True,
     )
-
-    def show(outcome: MutantOutcome, done: int, total: int) -> None:
-        print(
-            f"[{done}/{total}] {outcome.status.value:<18} {outcome.mutant.ident:<48} "
-            f"{outcome.elapsed_s:5.1f} s  {outcome.evidence[:100]}",
-            flush=True,
-        )
-        tests = outcome.tests
-        if tests is not None:
-            print(
-                f"        vLLM's tests: {tests.verdict.value:<9} {tests.selected:>4} selected "
-                f"{tests.elapsed_s:5.1f} s  {tests.test or ''} {tests.detail[:80]}".rstrip(),
-                flush=True,
-            )
-
     if vllm_tests is not None:
         print(
             f"vLLM's tests: running {vllm_tests / 'tests' / 'v1' / 'core'} once on stock "
             f"(each test under {args.test_timeout:g} s, coverage per test)",
-            flush=True,
-        )
-
-    def excluded(one: ExcludedScenario) -> None:
-        print(
-            f"! excluded: an unmutated tree ({one.module}) differs from stock: {one.difference}",
             flush=True,
         )
 
@@ -281,21 +272,9 @@ def run(args: Any) -> int:
             generated={m: len(v) for m, v in generated_by.items()},
             timeout_s=args.timeout,
             policy=Policy(args.policy),
-            progress=show,
-            on_excluded=excluded,
-            command={
-                "paths": [str(p) for p in args.paths],
-                "campaign_examples": args.campaign_examples,
-                **({"sample": sample} if args.mutants is None else {"mutants": args.mutants}),
-                "timeout_s": args.timeout,
-                "policy": args.policy,
-                **({} if args.shard is None else {"shard": args.shard}),
-                **(
-                    {}
-                    if vllm_tests is None
-                    else {"vllm_tests": str(vllm_tests), "test_timeout_s": args.test_timeout}
-                ),
-            },
+            progress=_show_outcome,
+            on_excluded=_show_excluded,
+            command=_run_command(args, sample, vllm_tests),
             vllm_tests=vllm_tests,
             test_timeout_s=args.test_timeout,
         )
@@ -307,6 +286,73 @@ def run(args: Any) -> int:
             server.close()
         shutil.rmtree(work, ignore_errors=True)
     return _summary(run, args, modules)
+
+
+def _sample_size(args: Any) -> int:
+    """The number of mutants to sample (``--sample``, else the default), once
+    the options that exclude each other and the counts are checked.
+
+    Raises:
+        VariantError: ``--mutants`` with ``--sample``, a sample below 1, a
+            negative ``--campaign-examples``, or ``--vllm-tests`` with
+            ``--vllm-tests-from``.
+    """
+    if args.mutants is not None and args.sample is not None:
+        raise VariantError("--mutants and --sample: give one; allowed: a sample or a list")
+    sample: int = DEFAULT_SAMPLE if args.sample is None else args.sample
+    if sample < 1:
+        raise VariantError(f"--sample must be >= 1, got {sample}")
+    if args.campaign_examples < 0:
+        raise VariantError(f"--campaign-examples must be >= 0, got {args.campaign_examples}")
+    if args.vllm_tests is not None and args.vllm_tests_from is not None:
+        raise VariantError(
+            "--vllm-tests and --vllm-tests-from: give one; allowed: run the tests or reuse "
+            "a recorded run's verdicts"
+        )
+    return sample
+
+
+def _run_command(args: Any, sample: int, vllm_tests: Path | None) -> dict[str, Any]:
+    """The options the run was made with, as its JSON records them: the mutants
+    given or the sample size, the shard, and vLLM's tests when they ran."""
+    return {
+        "paths": [str(p) for p in args.paths],
+        "campaign_examples": args.campaign_examples,
+        **({"sample": sample} if args.mutants is None else {"mutants": args.mutants}),
+        "timeout_s": args.timeout,
+        "policy": args.policy,
+        **({} if args.shard is None else {"shard": args.shard}),
+        **(
+            {}
+            if vllm_tests is None
+            else {"vllm_tests": str(vllm_tests), "test_timeout_s": args.test_timeout}
+        ),
+    }
+
+
+def _show_outcome(outcome: MutantOutcome, done: int, total: int) -> None:
+    """One mutant's progress lines: its status, id, seconds and evidence, then
+    its verdict by vLLM's tests when they ran."""
+    print(
+        f"[{done}/{total}] {outcome.status.value:<18} {outcome.mutant.ident:<48} "
+        f"{outcome.elapsed_s:5.1f} s  {outcome.evidence[:100]}",
+        flush=True,
+    )
+    tests = outcome.tests
+    if tests is not None:
+        print(
+            f"        vLLM's tests: {tests.verdict.value:<9} {tests.selected:>4} selected "
+            f"{tests.elapsed_s:5.1f} s  {tests.test or ''} {tests.detail[:80]}".rstrip(),
+            flush=True,
+        )
+
+
+def _show_excluded(one: ExcludedScenario) -> None:
+    """The line for a scenario left out: an unmutated tree differs from stock on it."""
+    print(
+        f"! excluded: an unmutated tree ({one.module}) differs from stock: {one.difference}",
+        flush=True,
+    )
 
 
 def _merge(args: Any) -> int:

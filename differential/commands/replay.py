@@ -62,51 +62,27 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from differential.corpus import expectation_problems, iter_scenario_files
+    from differential.corpus import expectation_problems
     from differential.scenario.bounds import scenario_cost
 
     if args.mode == "engine":
-        from differential.commands.confirm import replay_on_engine
-
-        entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
-        check_ci_outputs(args)
-        if args.report is not None:
-            from differential.reports.outputs import check_output_file
-
-            check_output_file(args.report, "--report")
-        return replay_on_engine(args, entries)
+        return _replay_on_engine(args)
     variants = parse_variants(args.variants, timeout_s=args.timeout)
     policy = Policy(args.policy)
     # Validate every input (and its cost) and every output path before running anything.
-    entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
-    inputs = [entry.path for entry in entries]
-    check_ci_outputs(args, inputs)
-    if args.report is not None:
-        from differential.reports.outputs import check_not_an_input, check_output_file
-
-        check_output_file(args.report, "--report")
-        check_not_an_input(args.report, "--report", inputs)
+    entries = _checked_entries(args)
 
     from differential.compare import compare_variants
-    from differential.driver import VLLM_VERSION, fix_status
+    from differential.driver import VLLM_VERSION
     from differential.reports.table import expected_line, printable, render_json, render_text
 
     started = time.perf_counter()  # after the vLLM import, as the summary line says
 
     notices: list[str] = []
     if any(v.role is VariantRole.FIXED for v in variants):
-        status = fix_status()
-        if status.complete:
-            notices.append(
-                f"the installed vLLM {VLLM_VERSION} already contains the seed fix; "
-                "variants that add it would compare vLLM with itself and are skipped"
-            )
+        notices, fix_complete = _seed_fix_notices()
+        if fix_complete:
             variants = tuple(v for v in variants if v.role is not VariantRole.FIXED)
-        elif status.gemma4_no_drop or status.widened_tails:
-            part = "no Gemma-4 MTP drop" if status.gemma4_no_drop else "widened SWA tails"
-            notices.append(
-                f"the installed vLLM {VLLM_VERSION} already has part of the seed fix ({part})"
-            )
     notices += [f"{printable(str(entry.path))}: {entry.plan}" for entry in entries if entry.plan]
     results = []
     ran: list[CorpusEntry] = []
@@ -170,3 +146,55 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE  # each named on stderr as it happened; the reports hold the rest
     found = any(r.findings for r in results) or bool(contradictions)
     return EXIT_FOUND if found else EXIT_CLEAN
+
+
+def _replay_on_engine(args: argparse.Namespace) -> int:
+    """``replay --mode engine``: every input and output checked, then the
+    scenarios run on vLLM's real CPU engine; the exit code."""
+    from differential.commands.confirm import replay_on_engine
+    from differential.corpus import iter_scenario_files
+
+    entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
+    check_ci_outputs(args)
+    if args.report is not None:
+        from differential.reports.outputs import check_output_file
+
+        check_output_file(args.report, "--report")
+    return replay_on_engine(args, entries)
+
+
+def _checked_entries(args: argparse.Namespace) -> list[CorpusEntry]:
+    """Every scenario of ``args.paths``, each valid and within the limits on its
+    cost, once every output path is checked too (none may be an input): all
+    before anything runs."""
+    from differential.corpus import iter_scenario_files
+
+    entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
+    inputs = [entry.path for entry in entries]
+    check_ci_outputs(args, inputs)
+    if args.report is not None:
+        from differential.reports.outputs import check_not_an_input, check_output_file
+
+        check_output_file(args.report, "--report")
+        check_not_an_input(args.report, "--report", inputs)
+    return entries
+
+
+def _seed_fix_notices() -> tuple[list[str], bool]:
+    """What the installed vLLM already has of the seed fix, as notices, and
+    whether it has all of it (variants that add the fix would then compare
+    vLLM with itself)."""
+    from differential.driver import VLLM_VERSION, fix_status
+
+    status = fix_status()
+    if status.complete:
+        return [
+            f"the installed vLLM {VLLM_VERSION} already contains the seed fix; "
+            "variants that add it would compare vLLM with itself and are skipped"
+        ], True
+    if status.gemma4_no_drop or status.widened_tails:
+        part = "no Gemma-4 MTP drop" if status.gemma4_no_drop else "widened SWA tails"
+        return [
+            f"the installed vLLM {VLLM_VERSION} already has part of the seed fix ({part})"
+        ], False
+    return [], False

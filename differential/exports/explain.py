@@ -429,6 +429,38 @@ def _svg_states(
 _CHAR_EM = 0.62
 
 
+@dataclass
+class _SvgCanvas:
+    """Where token positions fall in the SVG picture, and how far right it reaches.
+
+    Attributes:
+        left: the x of the first token shown, in pixels.
+        start_tokens: the first token shown.
+        column_tokens: tokens per column.
+        block_px: pixels per column.
+        right: the right edge of everything drawn so far, in pixels; each
+            text widens it to its end, measured in characters of the
+            monospace font.
+    """
+
+    left: int
+    start_tokens: int
+    column_tokens: int
+    block_px: int
+    right: float
+
+    def x(self, tokens: int) -> float:
+        """The x of a token position, in pixels."""
+        return self.left + (tokens - self.start_tokens) / self.column_tokens * self.block_px
+
+    def text(self, tx: float, ty: float, content: str, *, size: int = 12, fill: str = "") -> str:
+        """A ``<text>`` element at (``tx``, ``ty``) pixels; the picture widens to its end."""
+        self.right = max(self.right, tx + len(content) * size * _CHAR_EM)
+        colour = f' fill="{fill}"' if fill else ""
+        sized = f' font-size="{size}"' if size != 12 else ""
+        return f'<text x="{tx:g}" y="{ty:g}"{sized}{colour}>{escape(content, quote=False)}</text>'
+
+
 def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
     """The same picture as SVG: one row per variant and group.
 
@@ -451,27 +483,17 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
         if row.crash is not None
     ]
     total_h = top + len(rows) * row_px + 80 + 14 * len(block_lines)
-    right = left + width * block_px + 10.0  # the right edge of everything drawn
-
-    def x(tokens: int) -> float:
-        return left + (tokens - exp.start_tokens) / column * block_px
-
-    def text(tx: float, ty: float, content: str, *, size: int = 12, fill: str = "") -> str:
-        nonlocal right
-        right = max(right, tx + len(content) * size * _CHAR_EM)
-        colour = f' fill="{fill}"' if fill else ""
-        sized = f' font-size="{size}"' if size != 12 else ""
-        return f'<text x="{tx:g}" y="{ty:g}"{sized}{colour}>{escape(content, quote=False)}</text>'
-
+    # The right edge starts at that of the block columns.
+    canvas = _SvgCanvas(left, exp.start_tokens, column, block_px, left + width * block_px + 10.0)
     parts = [
-        text(
+        canvas.text(
             8,
             18,
             f"{scenario.label}: request {exp.request}, divergence {ref.divergence_tokens}, "
             f"expected {ref.expected_tokens}, dense {ref.dense_tokens}",
             size=13,
         ),
-        text(
+        canvas.text(
             8,
             36,
             f"tokens {exp.start_tokens}..{exp.end_tokens}; filled = SWA/full block cached "
@@ -479,71 +501,21 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
         ),
     ]
     for index, (row, gid, group) in enumerate(rows):
-        y = top + index * row_px
-        kind = _group_kind_label(group)
-        parts.append(text(8, y + 14, f"{row.variant} g{gid} {kind}{group.block_size_tokens}"))
-        cache_map = row.cache_maps[gid] if gid < len(row.cache_maps) else ""
-        if group.kind is GroupKind.MAMBA:
-            parts.extend(_svg_states(exp, cache_map, x, y, row_px))
-        first = exp.start_tokens // group.block_size_tokens
-        if group.kind is GroupKind.MAMBA:
-            first = -(-exp.end_tokens // group.block_size_tokens)  # states drawn above
-        last = -(-exp.end_tokens // group.block_size_tokens)
-        for block in range(first, last):
-            cached = block < len(cache_map) and cache_map[block] == "1"
-            bx = x(block * group.block_size_tokens)
-            bw = group.block_size_tokens / column * block_px - 1
-            parts.append(
-                f'<rect x="{bx:.1f}" y="{y + 3}" width="{max(bw, 1):.1f}" height="{row_px - 8}" '
-                f'fill="{"#2b6cb0" if cached else "#edf2f7"}" stroke="#a0aec0" stroke-width="0.5"/>'
-            )
-        hit = row.hit_tokens
-        if row.crash is None and exp.start_tokens <= hit <= exp.end_tokens:
-            parts.append(
-                f'<polygon points="{x(hit) - 4:.1f},{y + row_px - 2} {x(hit) + 4:.1f},'
-                f'{y + row_px - 2} {x(hit):.1f},{y + row_px - 8}" fill="#d69e2e"/>'
-            )
-        if gid == len(scenario.kv_cache_groups) - 1:
-            parts.append(
-                text(left + width * block_px + 10, y + 14, f"{row.outcome}: {row.verdict}")
-            )
+        parts += _svg_group_row(exp, canvas, row, gid, group, top + index * row_px, row_px, width)
     bottom = top + len(rows) * row_px
-    for placed in scenario.mm_placements[exp.request]:
-        lo = max(placed.offset_tokens, exp.start_tokens)
-        hi = min(placed.end_tokens, exp.end_tokens)
-        if lo < hi:
-            parts.append(
-                f'<rect x="{x(lo):.1f}" y="{top - 6}" width="{x(hi) - x(lo):.1f}" '
-                f'height="{bottom - top + 6}" fill="#d69e2e" fill-opacity="0.15">'
-                f"<title>image {escape(placed.identifier)} [{placed.offset_tokens}, "
-                f"{placed.end_tokens})</title></rect>"
-            )
-    reusable = sorted({r.reusable_tokens for r in exp.rows if r.reusable_tokens is not None})
-    marks = (
-        *((c, "#718096", f"c={c}") for c in exp.checkpoints),
-        (ref.expected_tokens, "#38a169", f"expected {ref.expected_tokens}"),
-        *((c, "#805ad5", f"reusable {c} (over-hit above)") for c in reusable),
-        (ref.divergence_tokens, "#e53e3e", f"D={ref.divergence_tokens}"),
-    )
+    parts += _svg_images(exp, canvas, top, bottom)
+    marks = _svg_marks(exp)
     for line, (tokens, color, label) in enumerate(marks):
         if exp.start_tokens <= tokens <= exp.end_tokens:
+            x = canvas.x(tokens)
             parts.append(
-                f'<line x1="{x(tokens):.1f}" y1="{top - 6}" x2="{x(tokens):.1f}" y2="{bottom}" '
+                f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{bottom}" '
                 f'stroke="{color}" stroke-width="1.5" stroke-dasharray="4,2"/>'
             )
-            parts.append(text(x(tokens) + 2, bottom + 14 * (line + 1), label, fill=color))
+            parts.append(canvas.text(x + 2, bottom + 14 * (line + 1), label, fill=color))
     total_h = max(total_h, bottom + 14 * (len(marks) + 1) + 14 * len(block_lines) + 24)
-    parts.append(
-        text(
-            8,
-            total_h - 8,
-            "blue = cached, grey = not cached, orange triangle = the variant's hit"
-            + (f"; shaded = {_images_text(exp)}" if scenario.mm_placements[exp.request] else ""),
-        )
-    )
-    for line, line_text in enumerate(block_lines):
-        parts.append(text(8, total_h - 8 - 14 * (len(block_lines) - line), line_text))
-    total_w = int(right + 0.999) + 12
+    parts += _svg_legend(exp, canvas, block_lines, total_h)
+    total_w = int(canvas.right + 0.999) + 12
     head = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" '
         'font-family="monospace" font-size="12">',
@@ -552,3 +524,104 @@ def render_svg(exp: Explanation, *, block_px: int = 9, row_px: int = 22) -> str:
     parts = head + parts
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
+
+
+def _svg_group_row(
+    exp: Explanation,
+    canvas: _SvgCanvas,
+    row: VariantRow,
+    gid: int,
+    group: KVCacheGroup,
+    y: int,
+    row_px: int,
+    width: int,
+) -> list[str]:
+    """One variant's row for KV cache group ``gid``, ``y`` pixels down: its label,
+    one box per block of ``block_size_tokens`` shown (filled when cached at
+    lookup; a Mamba group's cached states instead), the variant's hit as a
+    triangle, and after the last group the variant's outcome and verdict.
+    ``width`` is the number of columns."""
+    kind = _group_kind_label(group)
+    parts = [canvas.text(8, y + 14, f"{row.variant} g{gid} {kind}{group.block_size_tokens}")]
+    cache_map = row.cache_maps[gid] if gid < len(row.cache_maps) else ""
+    if group.kind is GroupKind.MAMBA:
+        parts.extend(_svg_states(exp, cache_map, canvas.x, y, row_px))
+    first = exp.start_tokens // group.block_size_tokens
+    if group.kind is GroupKind.MAMBA:
+        first = -(-exp.end_tokens // group.block_size_tokens)  # states drawn above
+    last = -(-exp.end_tokens // group.block_size_tokens)
+    for block in range(first, last):
+        cached = block < len(cache_map) and cache_map[block] == "1"
+        bx = canvas.x(block * group.block_size_tokens)
+        bw = group.block_size_tokens / canvas.column_tokens * canvas.block_px - 1
+        parts.append(
+            f'<rect x="{bx:.1f}" y="{y + 3}" width="{max(bw, 1):.1f}" height="{row_px - 8}" '
+            f'fill="{"#2b6cb0" if cached else "#edf2f7"}" stroke="#a0aec0" stroke-width="0.5"/>'
+        )
+    hit = row.hit_tokens
+    if row.crash is None and exp.start_tokens <= hit <= exp.end_tokens:
+        x = canvas.x(hit)
+        parts.append(
+            f'<polygon points="{x - 4:.1f},{y + row_px - 2} {x + 4:.1f},'
+            f'{y + row_px - 2} {x:.1f},{y + row_px - 8}" fill="#d69e2e"/>'
+        )
+    if gid == len(exp.scenario.kv_cache_groups) - 1:
+        parts.append(
+            canvas.text(
+                canvas.left + width * canvas.block_px + 10, y + 14, f"{row.outcome}: {row.verdict}"
+            )
+        )
+    return parts
+
+
+def _svg_images(exp: Explanation, canvas: _SvgCanvas, top: int, bottom: int) -> list[str]:
+    """The sibling's image placeholder tokens shown, shaded over every row
+    (from ``top`` to ``bottom`` pixels), each titled with its identifier and
+    token range."""
+    parts = []
+    for placed in exp.scenario.mm_placements[exp.request]:
+        lo = max(placed.offset_tokens, exp.start_tokens)
+        hi = min(placed.end_tokens, exp.end_tokens)
+        if lo < hi:
+            parts.append(
+                f'<rect x="{canvas.x(lo):.1f}" y="{top - 6}" '
+                f'width="{canvas.x(hi) - canvas.x(lo):.1f}" '
+                f'height="{bottom - top + 6}" fill="#d69e2e" fill-opacity="0.15">'
+                f"<title>image {escape(placed.identifier)} [{placed.offset_tokens}, "
+                f"{placed.end_tokens})</title></rect>"
+            )
+    return parts
+
+
+def _svg_marks(exp: Explanation) -> tuple[tuple[int, str, str], ...]:
+    """The vertical marks, as (position in tokens, colour, label): the periodic
+    checkpoints, the expected checkpoint, each over-hit's reusable ceiling and
+    the divergence point, one label line each."""
+    ref = exp.reference
+    reusable = sorted({r.reusable_tokens for r in exp.rows if r.reusable_tokens is not None})
+    return (
+        *((c, "#718096", f"c={c}") for c in exp.checkpoints),
+        (ref.expected_tokens, "#38a169", f"expected {ref.expected_tokens}"),
+        *((c, "#805ad5", f"reusable {c} (over-hit above)") for c in reusable),
+        (ref.divergence_tokens, "#e53e3e", f"D={ref.divergence_tokens}"),
+    )
+
+
+def _svg_legend(
+    exp: Explanation, canvas: _SvgCanvas, block_lines: Sequence[str], total_h: int
+) -> list[str]:
+    """The legend at the foot of a picture ``total_h`` pixels high, with the
+    block lists and crashes (``block_lines``) above it."""
+    parts = [
+        canvas.text(
+            8,
+            total_h - 8,
+            "blue = cached, grey = not cached, orange triangle = the variant's hit"
+            + (
+                f"; shaded = {_images_text(exp)}" if exp.scenario.mm_placements[exp.request] else ""
+            ),
+        )
+    ]
+    for line, line_text in enumerate(block_lines):
+        parts.append(canvas.text(8, total_h - 8 - 14 * (len(block_lines) - line), line_text))
+    return parts

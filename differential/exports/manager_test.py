@@ -459,88 +459,9 @@ def export_test(
             the assertion is exact when it equals the expected checkpoint.
     """
     request = finding.request if finding.request is not None else len(scenario.requests) - 1
-    if finding.kind is FindingKind.CRASH:
-        check, expectation = _crash_check(scenario, finding)
-    elif reference is None:
-        raise ValueError(f"a {finding.kind.value} finding needs the request's reference")
-    elif finding.kind is FindingKind.WRONG_KV:
-        check, expectation = _wrong_kv_check(scenario, request)
-    elif finding.kind is FindingKind.OVER_HIT:
-        ceiling = (
-            finding.expected_tokens
-            if finding.expected_tokens is not None
-            else reference.expected_tokens
-        )
-        check = hit_check(request, "<=", ceiling, f"may reuse at most {ceiling} tokens")
-        expectation = (
-            f"request {request} must not reuse more than {ceiling} tokens "
-            f"(divergence point {reference.divergence_tokens})."
-        )
-    else:
-        expected = reference.expected_tokens
-        operator = "==" if fixed_hit_tokens == expected else ">="
-        owed = "must hit" if operator == "==" else "must hit at least"
-        check = hit_check(
-            request, operator, expected, f"{owed} the checkpoint at {expected} tokens"
-        )
-        expectation = (
-            f"request {request} diverges at token {reference.divergence_tokens} and must hit the "
-            f"checkpoint at {expected} tokens"
-            + (
-                f"; the {finding.owner} variant gives {finding.hit_tokens}."
-                if finding.hit_tokens is not None
-                else "."
-            )
-        )
-    if finding.known_issue is not None:
-        expectation += (
-            f" Known vLLM issue {finding.known_issue}: the seed fix does not repair it,"
-            " so this test fails with the fix too."
-        )
-    elif (
-        finding.kind is not FindingKind.CRASH
-        and reference is not None
-        and fixed_hit_tokens is not None
-        and fixed_hit_tokens < reference.expected_tokens
-    ):
-        expectation += f" With the fix: {fixed_hit_tokens}, so this test fails with the fix too."
+    check, expectation = _finding_check(scenario, finding, reference, request, fixed_hit_tokens)
+    expectation += _fix_note(finding, reference, fixed_hit_tokens)
     longest = max(r.prompt_tokens for r in scenario.requests)
-    num_blocks = 16 + sum(
-        (
-            r.prompt_tokens
-            + scenario.decode_steps
-            + 2 * max(1, scenario.drafter.num_speculative_tokens)
-        )
-        // g.block_size_tokens
-        + 2
-        for r in scenario.requests
-        for g in scenario.kv_cache_groups
-    )
-    geometry = (
-        f"{_layout_text(scenario)}; hit alignment {scenario.effective_hit_alignment_tokens}; "
-        f"retention {scenario.retention_interval_tokens}; drafter {scenario.drafter.kind.value} "
-        f"x{scenario.drafter.num_speculative_tokens}"
-    )
-    shapes = [
-        (r.shares_with, r.divergence_tokens, r.suffix_tokens, r.rejoin_tokens)
-        for r in scenario.requests
-    ]
-    decode = (
-        _answer_decode(scenario)
-        if scenario.workload.shares_output
-        else (
-            f"        for step in range({scenario.decode_steps}):\n"
-            "            request.append_output_token_ids(500_000_000 + 1_000 * index + step)\n"
-            "            assert manager.allocate_slots("
-            "request, 1, num_lookahead_tokens=num_lookahead), (\n"
-            '                f"request {index}: no room for decode step {step}"\n'
-            "            )\n"
-            "            computed += 1\n"
-            "            request.num_computed_tokens = computed\n"
-            if scenario.decode_steps
-            else ""
-        )
-    )
     drafter = scenario.drafter.kind in _METHOD
     extra_retained = (  # a sliding-window spec's extra_retained_tokens
         "    extra_retained = max(0, num_prefill_lookahead - 1)\n"
@@ -552,7 +473,7 @@ def export_test(
         title=f"Prefix-cache regression: {finding.kind.value} on request {request}.",
         details=docstring_lines(
             f"Exported by kvfuzz ({signature}).",
-            f"Geometry: {geometry}.",
+            f"Geometry: {_geometry_text(scenario)}.",
             f"Expected: {expectation}",
         ),
         speculative_config=_speculative_config_source(scenario),
@@ -562,15 +483,15 @@ def export_test(
             else "None"
         ),
         use_eagle="spec.use_eagle_block_drop()" if drafter else "False",
-        decode=decode,
+        decode=_decode_source(scenario),
         name=_test_name(name),
         groups=_groups(scenario),
-        num_blocks=num_blocks,
+        num_blocks=_pool_blocks(scenario),
         retention=scenario.retention_interval_tokens,
         max_model_len=longest + scenario.decode_steps + scenario.drafter.num_speculative_tokens + 2,
         scheduler_block_size=scenario.scheduler_block_size_tokens,
         hash_block_size=scenario.effective_hash_block_size_tokens,
-        shapes=literal(shapes, column=13),
+        shapes=literal(_request_shapes(scenario), column=13),
         # Only the prefix some request copies (an unused tail costs memory, tests nothing).
         prefix_tokens=max(
             (r.divergence_tokens for r in scenario.requests if r.shares_with is None), default=0
@@ -579,6 +500,142 @@ def export_test(
         chunk=scenario.prefill_chunk_tokens,
         assertion=check,
     )
+    return with_imports(_with_scenario_features(source, scenario))
+
+
+def _finding_check(
+    scenario: Scenario,
+    finding: Finding,
+    reference: SiblingReference | None,
+    request: int,
+    fixed_hit_tokens: int | None,
+) -> tuple[str, str]:
+    """The assertion on ``request`` and the expectation in words, by the
+    finding's kind: every request runs (``crash``), the blocks its lookup
+    returns (``wrong-kv``), a ceiling on its hit in tokens (``over-hit``), or
+    the checkpoint it is owed in tokens (exact when the fixed variant hits it).
+
+    Raises:
+        ValueError: a finding other than ``crash`` without the request's reference.
+    """
+    if finding.kind is FindingKind.CRASH:
+        return _crash_check(scenario, finding)
+    if reference is None:
+        raise ValueError(f"a {finding.kind.value} finding needs the request's reference")
+    if finding.kind is FindingKind.WRONG_KV:
+        return _wrong_kv_check(scenario, request)
+    if finding.kind is FindingKind.OVER_HIT:
+        ceiling = (
+            finding.expected_tokens
+            if finding.expected_tokens is not None
+            else reference.expected_tokens
+        )
+        check = hit_check(request, "<=", ceiling, f"may reuse at most {ceiling} tokens")
+        expectation = (
+            f"request {request} must not reuse more than {ceiling} tokens "
+            f"(divergence point {reference.divergence_tokens})."
+        )
+        return check, expectation
+    expected = reference.expected_tokens
+    operator = "==" if fixed_hit_tokens == expected else ">="
+    owed = "must hit" if operator == "==" else "must hit at least"
+    check = hit_check(request, operator, expected, f"{owed} the checkpoint at {expected} tokens")
+    expectation = (
+        f"request {request} diverges at token {reference.divergence_tokens} and must hit the "
+        f"checkpoint at {expected} tokens"
+        + (
+            f"; the {finding.owner} variant gives {finding.hit_tokens}."
+            if finding.hit_tokens is not None
+            else "."
+        )
+    )
+    return check, expectation
+
+
+def _fix_note(
+    finding: Finding, reference: SiblingReference | None, fixed_hit_tokens: int | None
+) -> str:
+    """The expectation's closing sentence when the test fails with the seed fix
+    too: a known vLLM issue, or a fixed-variant hit (in tokens) below the
+    expected checkpoint; otherwise empty."""
+    if finding.known_issue is not None:
+        return (
+            f" Known vLLM issue {finding.known_issue}: the seed fix does not repair it,"
+            " so this test fails with the fix too."
+        )
+    if (
+        finding.kind is not FindingKind.CRASH
+        and reference is not None
+        and fixed_hit_tokens is not None
+        and fixed_hit_tokens < reference.expected_tokens
+    ):
+        return f" With the fix: {fixed_hit_tokens}, so this test fails with the fix too."
+    return ""
+
+
+def _pool_blocks(scenario: Scenario) -> int:
+    """The exported manager's pool, in blocks: room for every request's prompt,
+    decode steps and speculative slots in every KV cache group at once, plus
+    a margin of 2 blocks per request and group and 16 overall."""
+    return 16 + sum(
+        (
+            r.prompt_tokens
+            + scenario.decode_steps
+            + 2 * max(1, scenario.drafter.num_speculative_tokens)
+        )
+        // g.block_size_tokens
+        + 2
+        for r in scenario.requests
+        for g in scenario.kv_cache_groups
+    )
+
+
+def _geometry_text(scenario: Scenario) -> str:
+    """The scenario's geometry in words, for the docstring: KV cache groups and
+    their block sizes, hit alignment and retention interval (tokens), drafter."""
+    return (
+        f"{_layout_text(scenario)}; hit alignment {scenario.effective_hit_alignment_tokens}; "
+        f"retention {scenario.retention_interval_tokens}; drafter {scenario.drafter.kind.value} "
+        f"x{scenario.drafter.num_speculative_tokens}"
+    )
+
+
+def _request_shapes(scenario: Scenario) -> list[tuple[int | None, int, int, int]]:
+    """Per request: (the request it shares a prefix with, or ``None`` for the
+    shared prefix; divergence point; own tokens; rejoined tokens), in tokens."""
+    return [
+        (r.shares_with, r.divergence_tokens, r.suffix_tokens, r.rejoin_tokens)
+        for r in scenario.requests
+    ]
+
+
+def _decode_source(scenario: Scenario) -> str:
+    """The test's decode lines after each request's prefill: a multi-turn chat's
+    sampled answer, else ``decode_steps`` steps of one token each (none: empty)."""
+    if scenario.workload.shares_output:
+        return _answer_decode(scenario)
+    if not scenario.decode_steps:
+        return ""
+    return (
+        f"        for step in range({scenario.decode_steps}):\n"
+        "            request.append_output_token_ids(500_000_000 + 1_000 * index + step)\n"
+        "            assert manager.allocate_slots("
+        "request, 1, num_lookahead_tokens=num_lookahead), (\n"
+        '                f"request {index}: no room for decode step {step}"\n'
+        "            )\n"
+        "            computed += 1\n"
+        "            request.num_computed_tokens = computed\n"
+    )
+
+
+def _with_scenario_features(source: str, scenario: Scenario) -> str:
+    """``source`` with the lines the scenario's features need: a multi-turn
+    chat's answers, Mamba state steps, the decode context parallel world size
+    on the manager, and multimodal inputs or cache salts on each request.
+
+    Raises:
+        ValueError: the template lost the line the manager's DCP size goes before.
+    """
     if scenario.workload.shares_output:
         source = _with_answers(source, scenario)
     source = _with_mamba_steps(source, scenario) if scenario.mamba_groups else source
@@ -598,7 +655,7 @@ def export_test(
             after_prompt="        prompts.append(base[:divergence]",
             index="index",
         )
-    return with_imports(source)
+    return source
 
 
 def _answer_decode(scenario: Scenario) -> str:
