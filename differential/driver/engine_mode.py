@@ -77,9 +77,13 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
 
     Blocks, windows, chunks, the hash block, the hit alignment, the retention
     interval, the prefill chunk and step budget, the shared prefix, every
-    divergence point and suffix, every image, and the decode steps scale; block counts
-    (the pool) and draft counts do not. Every block boundary of the scenario
-    maps to one of the scaled scenario, so hits scale by ``factor``.
+    divergence point and suffix, every image, and each request's sampled
+    tokens scale; block counts (the pool) and draft counts do not. A request
+    samples ``decode_steps + 1`` tokens (the first with its prefill), so
+    ``decode_steps`` becomes ``(decode_steps + 1) * factor - 1``: every
+    sequence, an answer a later turn copies included, is exactly ``factor``
+    times as long. Every block boundary of the scenario maps to one of the
+    scaled scenario, so hits scale by ``factor``.
     """
     if factor == 1:
         return scenario
@@ -126,7 +130,7 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
         hash_block_size_tokens=n(scenario.hash_block_size_tokens),
         hit_alignment_tokens=n(scenario.hit_alignment_tokens),
         prefill_chunk_tokens=scenario.prefill_chunk_tokens * factor,
-        decode_steps=scenario.decode_steps * factor,
+        decode_steps=(scenario.decode_steps + 1) * factor - 1,
         workload=workload,
     )
 

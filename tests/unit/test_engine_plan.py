@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from differential.corpus import load_entry
-from differential.driver.engine_mode import EngineUnsupported, engine_plan
+from differential.driver.engine_mode import EngineUnsupported, engine_plan, scaled
 from tests.factories import CORPORA
 
 
@@ -24,6 +24,24 @@ def test_a_turn_copying_the_previous_answer_is_planned_from_the_engines_own_answ
     assert (second["source"], second["divergence"], len(second["own"])) == (0, 121, 16)
     assert second["max_tokens"] == 41
     assert len(plan["prefix"]) == 64
+
+
+def test_scaling_a_turn_that_copies_the_previous_answer_scales_the_answer_exactly() -> None:
+    # Turn 1: 80 prompt tokens and 41 sampled ones (decode_steps 40, plus the
+    # first token sampled with the prefill); turn 2 copies all 121. Scaled x2
+    # every sequence is twice as long: turn 1 samples 82 tokens (decode_steps
+    # 81) and turn 2 copies 242, the whole answer. Scaling decode_steps alone
+    # (80) left turn 1 with 241 tokens to copy, and the scaled scenario was
+    # refused (divergence 242, allowed 0..241).
+    scenario = load_entry(CORPORA / "cases" / "multi-turn-decoded-blocks.json").scenario
+    double = scaled(scenario, 2)
+    assert double.decode_steps == 81
+    assert [r.divergence_tokens for r in double.requests] == [128, 242]
+    assert [r.suffix_tokens for r in double.requests] == [32, 32]
+    first, second = engine_plan(double)["requests"]
+    assert first["max_tokens"] == 82
+    assert (second["source"], second["divergence"], len(second["own"])) == (0, 242, 32)
+    assert [r.divergence_tokens for r in scaled(scenario, 1).requests] == [64, 121]
 
 
 def test_a_rejoining_request_sends_its_own_tokens_then_the_sources_again() -> None:
