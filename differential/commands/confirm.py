@@ -308,20 +308,16 @@ def add_parser(sub: Any) -> None:
     add_limits(confirm)
 
 
-def _claims(path: Path, entry: CorpusEntry) -> set[str]:
-    """What the file says was found: its finding's ``kind@request`` tags, else
-    the ``expect`` block's tags for ``unfixed``."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    finding = data.get("finding") if isinstance(data, dict) else None
-    if isinstance(finding, dict):
-        kind = finding.get("signature_fields", {}).get("kind")
+def _claims(entry: CorpusEntry) -> set[str]:
+    """What the file says was found: its ``finding`` block's ``kind@request``
+    tags of the signature's kind, else the ``expect`` block's tags for ``unfixed``."""
+    record = entry.finding
+    if record is not None:
+        kind = record.signature_fields.kind
         tags = {
-            f"{f['kind']}@{'run' if f.get('request') is None else f['request']}"
-            for f in finding.get("findings", [])
-            if f.get("kind") == kind and " vs " not in str(f.get("variant", ""))
+            f"{f.kind.value}@{'run' if f.request is None else f.request}"
+            for f in record.findings
+            if f.kind is kind and " vs " not in f.variant
         }
         if tags:
             return tags
@@ -333,9 +329,10 @@ def run(args: argparse.Namespace) -> int:
     from differential.reports.table import printable
     from differential.variants.engine import engine_python, engine_stamp, shutdown_engine
 
+    # Every file (its finding block included) is checked before the engine starts.
+    entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
     engine_python()
     policy = Policy(args.policy)
-    entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
     version = engine_stamp().get("vllm", "?")
     all_confirmed = True
     try:
@@ -350,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             for note in outcome.notes:
                 print(f"{name}: note: {note}")
-            claims = _claims(entry.path, entry)
+            claims = _claims(entry)
             seen = {finding_tag(f) for f in replay.findings}
             wrong = [f for f in replay.findings if f.kind is FindingKind.WRONG_OUTPUT]
             confirmed = bool(claims) and claims <= seen
