@@ -14,6 +14,7 @@ KVFUZZ_REQUIRE_ENGINE=1, which CI sets).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,12 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE = CORPORA / "cases" / "engine-seed-class-eagle1-swa64-fa32-r256.json"
 NO_DRAFTER = CORPORA / "cases" / "engine-seed-class-nodrafter-swa64-fa32-r256.json"
+# Groups of block sizes 4 and 8: the engine cannot run it (known from its plan).
+UNSUPPORTED = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
+UNSUPPORTED_WHY = (
+    "engine: groups of block sizes [4, 8]: the engine gives every group of these models one "
+    "block size"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -182,4 +189,79 @@ def test_replay_mode_engine_prints_the_engine_table(capsys: pytest.CaptureFixtur
         ["engine", "1", "256", "256", "256", "256", "ok"],
         ["engine", "2", "0", "0", "0", "0", "ok"],
         ["engine", "3", "512", "512", "512", "512", "ok"],
+    ]
+
+
+def test_replay_mode_engine_where_nothing_can_run_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from differential.cli import main
+
+    assert main(["replay", "--mode", "engine", str(UNSUPPORTED)]) == 2
+    captured = capsys.readouterr()
+    assert f"not run on the engine: {UNSUPPORTED}: {UNSUPPORTED_WHY}" in captured.out.splitlines()
+    assert captured.err.splitlines()[-1] == (
+        f"kvfuzz: error: {UNSUPPORTED}: nothing ran: the engine cannot run it ({UNSUPPORTED_WHY})"
+    )
+    folder = tmp_path / "unsupported"
+    folder.mkdir()
+    for name in ("toy-mtp1-swa4-fa8-r64.json", "triton-mtp3-swa16-fa32-r8192.json"):
+        (folder / name).write_text((CORPORA / "seeds" / name).read_text())
+    for command in (["replay", "--mode", "engine"], ["confirm"]):
+        assert main([*command, str(folder)]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            "kvfuzz: error: nothing ran: the engine can run none of the 2 scenario files "
+            "(each is listed as not run, naming why)"
+        )
+
+
+def test_replay_mode_engine_lists_what_could_not_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from differential.cli import main
+
+    # The exit code follows the file that ran (EAGLE: fallback@1, fallback@3).
+    assert main(["replay", "--mode", "engine", str(EAGLE), str(UNSUPPORTED)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == f"not run on the engine: {UNSUPPORTED}: {UNSUPPORTED_WHY}"
+    assert [line.split()[4] for line in lines if line.startswith("  engine ")] == [
+        "0",
+        "0",
+        "0",
+        "256",
+    ]
+
+
+def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from differential.cli import main
+
+    # Confirmed, and one file the engine cannot run: exit 0, the code follows what ran.
+    assert main(["confirm", "--json", "--no-release", str(EAGLE), str(UNSUPPORTED)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert (report["format"], report["counts"], report["exit_code"]) == (
+        "kvfuzz.confirm",
+        {"confirmed": 1, "not-reproduced": 0, "not-run": 1},
+        0,
+    )
+    eagle, unsupported = report["files"]
+    assert (eagle["verdict"], eagle["claims"], eagle["findings"], eagle["hits"]) == (
+        "confirmed",
+        ["fallback@1", "fallback@3"],
+        ["fallback@1", "fallback@3"],
+        [0, 0, 0, 256],
+    )
+    assert (unsupported["verdict"], unsupported["reason"]) == ("not-run", UNSUPPORTED_WHY)
+    # The lines go to stderr with --json.
+    assert (
+        f"{EAGLE}: confirmed on vLLM 0.32.0 engine: fallback@1, fallback@3 (engine hits "
+        "[0, 0, 0, 256])" in captured.err.splitlines()
+    )
+    # A finding the engine does not show: not reproduced, exit 1.
+    data = json.loads(EAGLE.read_text())
+    data["expect"]["findings"]["unfixed"] = ["fallback@2"]
+    claimed = tmp_path / "claims-fallback-2.json"
+    claimed.write_text(json.dumps(data))
+    assert main(["confirm", "--no-release", str(claimed)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{claimed}: not reproduced on the engine: fallback@2 (engine hits [0, 0, 0, 256]; "
+        "the engine's findings: fallback@1, fallback@3)"
     ]
