@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -265,3 +266,58 @@ def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixtu
         f"{claimed}: not reproduced on the engine: fallback@2 (engine hits [0, 0, 0, 256]; "
         "the engine's findings: fallback@1, fallback@3)"
     ]
+
+
+def engine_worker_of(parent: int) -> int:
+    """The engine worker process ``parent`` started, once it is importing vLLM
+    (torch loaded: past its start-up, where it asks to die with its parent)."""
+    import time
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        task = Path(f"/proc/{parent}/task/{parent}/children")
+        for child in task.read_text().split() if task.exists() else []:
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                maps = Path(f"/proc/{child}/maps").read_text()
+            except OSError:
+                continue
+            if b"differential.driver.engine_worker" in cmdline and "libtorch" in maps:
+                return int(child)
+        time.sleep(0.2)
+    raise AssertionError(f"process {parent} started no engine worker importing vLLM in 300 s")
+
+
+# Becomes a subreaper (orphans are reparented here), starts ``confirm``, kills
+# it with SIGKILL once its engine worker runs, and prints how the orphaned
+# worker ended (its wait status).
+_ORPHAN = """
+import ctypes, os, signal, subprocess, sys
+from tests.integration.test_engine_mode import engine_worker_of
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+confirm = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+worker = engine_worker_of(confirm.pid)
+os.kill(confirm.pid, signal.SIGKILL)
+confirm.wait()
+print(os.waitpid(worker, 0)[1])
+"""
+
+
+def _confirm_command() -> list[str]:
+    return [sys.executable, "-m", "differential.cli", "confirm", "--no-release", str(EAGLE)]
+
+
+def test_the_engine_worker_dies_with_a_sigkilled_confirm(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _ORPHAN, *_confirm_command()],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    status = int(done.stdout)
+    # Killed by the parent-death signal, not ended by itself later.
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
