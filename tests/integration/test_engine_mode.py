@@ -29,7 +29,7 @@ from differential.corpus import finding_tag, load_entry
 from differential.findings import FindingKind, Policy
 from differential.scenario import DriveMode, KVCacheGroup
 from differential.variants.engine import judge, run_engine, shutdown_engine, wrong_outputs
-from tests.factories import CORPORA
+from tests.factories import CORPORA, alive
 
 pytestmark = pytest.mark.engine
 
@@ -321,3 +321,30 @@ def test_the_engine_worker_dies_with_a_sigkilled_confirm(tmp_path: Path) -> None
     status = int(done.stdout)
     # Killed by the parent-death signal, not ended by itself later.
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+
+
+def test_sigint_stops_confirm_and_its_engine_worker(tmp_path: Path) -> None:
+    """Even where confirm was started with SIGINT ignored (a script's
+    background job), as the engine worker imports vLLM."""
+    ignored = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    confirm = subprocess.Popen(
+        [sys.executable, "-c", ignored, *_confirm_command()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+    )
+    try:
+        worker = engine_worker_of(confirm.pid)
+        confirm.send_signal(signal.SIGINT)
+        stdout, stderr = confirm.communicate(timeout=600)
+    finally:
+        if confirm.poll() is None:
+            confirm.kill()
+            confirm.communicate()
+    assert (confirm.returncode, stdout, stderr) == (130, "", "kvfuzz: interrupted\n")
+    assert not alive(worker)
