@@ -22,17 +22,21 @@ import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
 
-from differential.commands import COMMANDS, command_module
-from differential.commands.options import (
-    EXIT_BROKEN_PIPE,
-    EXIT_INTERRUPTED,
-    EXIT_TERMINATED,
-    EXIT_USAGE,
-    internal_failure,
-    one_line,
-    save_traceback,
-)
-from differential.errors import EnvironmentProblem, InternalError, ScenarioError, VariantError
+try:
+    from differential.commands import COMMANDS, command_module
+    from differential.commands.options import (
+        EXIT_BROKEN_PIPE,
+        EXIT_INTERRUPTED,
+        EXIT_TERMINATED,
+        EXIT_USAGE,
+        internal_failure,
+        one_line,
+        save_traceback,
+    )
+    from differential.errors import EnvironmentProblem, InternalError, ScenarioError, VariantError
+except KeyboardInterrupt:  # Ctrl-C while kvfuzz starts: nothing ran, no traceback
+    sys.stderr.write("kvfuzz: interrupted\n")
+    raise SystemExit(130) from None  # EXIT_INTERRUPTED, not imported yet
 
 __all__ = ["internal_failure", "main", "save_traceback"]
 
@@ -87,12 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     130 interrupted (Ctrl-C) and 143 terminated (SIGTERM) outside a campaign
     (a campaign keeps what it found).
     """
-    args = _parser().parse_args(argv)
-    if args.command not in COMMANDS:
-        return internal_failure(InternalError(f"unhandled command {args.command!r}"), argv)
-    command: Callable[[argparse.Namespace], int] = command_module(args.command).run
     previous = _terminate_by_unwinding()
+    interrupt = _interrupt_by_unwinding()
     try:
+        args = _parser().parse_args(argv)  # imports every command's module: Ctrl-C may come
+        if args.command not in COMMANDS:
+            return internal_failure(InternalError(f"unhandled command {args.command!r}"), argv)
+        command: Callable[[argparse.Namespace], int] = command_module(args.command).run
         return command(args)
     except (ScenarioError, VariantError, EnvironmentProblem) as exc:
         print(f"kvfuzz: error: {one_line(str(exc))}", file=sys.stderr)
@@ -114,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if interrupt is not None:
+            signal.signal(signal.SIGINT, interrupt)
 
 
 def _broken_pipe() -> int:
@@ -179,6 +186,21 @@ def _terminate_by_unwinding() -> signal.Handlers | Callable[..., object] | int |
     if previous is not signal.SIG_DFL:
         return None  # someone (a test harness, an embedding program) handles it
     signal.signal(signal.SIGTERM, _raise_terminated)
+    return previous
+
+
+def _interrupt_by_unwinding() -> signal.Handlers | Callable[..., object] | int | None:
+    """Take SIGINT as Ctrl-C (``KeyboardInterrupt``: workers stopped, exit 130)
+    even where kvfuzz started with it ignored, as a script's background job
+    does (``kvfuzz confirm F & ...; kill -INT $!``), as campaigns always take
+    it (main thread only). Returns the handler to restore, or ``None`` where
+    SIGINT was not ignored (Python's own handler, or someone else's, stays)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous != signal.SIG_IGN:
+        return None
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return previous
 
 

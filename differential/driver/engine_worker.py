@@ -44,6 +44,7 @@ from typing import IO, Any
 
 from differential.driver.protocol import (
     ProtocolError,
+    die_with_parent,
     serve,
     take_protocol_stdout,
 )
@@ -741,6 +742,7 @@ def main() -> None:
     descriptor; file descriptor 1 (and ``sys.stdout``) point at stderr from
     here on, before vLLM is imported.
     """
+    die_with_parent()  # a SIGKILLed kvfuzz takes its engine with it
     for key, value in _ENV.items():
         os.environ.setdefault(key, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

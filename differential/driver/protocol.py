@@ -22,7 +22,15 @@ import traceback
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["PROTOCOL_VERSION", "Handler", "ProtocolError", "serve", "take_protocol_stdout"]
+__all__ = [
+    "PARENT_ENV",
+    "PROTOCOL_VERSION",
+    "Handler",
+    "ProtocolError",
+    "die_with_parent",
+    "serve",
+    "take_protocol_stdout",
+]
 
 PROTOCOL_VERSION = 1
 
@@ -83,3 +91,33 @@ def take_protocol_stdout() -> IO[str]:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return protocol
+
+
+#: The pid of the process that started the worker, set by
+#: :class:`differential.variants.tree.TreeWorker` (both workers' parent).
+PARENT_ENV = "KVFUZZ_WORKER_PARENT"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when the process that started it dies.
+
+    A worker busy in a scenario (a hung one, an engine run) does not read its
+    closed stdin, so without this a parent killed by SIGTERM or SIGKILL (a CI
+    cancel) leaves it running. Exits at once (status 3) if the parent named
+    in :data:`PARENT_ENV` is already gone (it died before the request took
+    effect). Call it first, before importing vLLM. No-op off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get(PARENT_ENV, "")
+    if parent.isdigit() and os.getppid() != int(parent):
+        os._exit(3)

@@ -33,18 +33,19 @@ kvfuzz's own code is an ``internal_error``.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import IO, Any
 
 from differential.driver.protocol import (
+    PARENT_ENV,
     PROTOCOL_VERSION,
     ProtocolError,
+    die_with_parent,
     serve,
     take_protocol_stdout,
 )
 
-__all__ = ["PROTOCOL_VERSION", "capabilities", "main"]
+__all__ = ["PARENT_ENV", "PROTOCOL_VERSION", "capabilities", "main"]
 
 
 def capabilities() -> dict[str, bool]:
@@ -109,33 +110,6 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
     serve(stdin, stdout, handle, describe_failure=describe)
 
 
-PARENT_ENV = "KVFUZZ_WORKER_PARENT"  # the parent's pid, set by differential.variants.tree
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when the process that started it dies.
-
-    A worker in a hung scenario ignores its closed stdin, so without this a
-    parent killed by SIGTERM or SIGKILL (a CI cancel) leaves it running. Exits
-    at once if the parent named in :data:`PARENT_ENV` is already gone (it
-    died before the request took effect). No-op off Linux.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    parent = os.environ.get(PARENT_ENV, "")
-    if parent.isdigit() and os.getppid() != int(parent):
-        os._exit(3)
-
-
 def main() -> None:
     """Serve requests on stdin until EOF or an ``exit`` request.
 
@@ -143,7 +117,7 @@ def main() -> None:
     descriptor; file descriptor 1 (and ``sys.stdout``) point at stderr from
     here on.
     """
-    _die_with_parent()
+    die_with_parent()
     _serve(sys.stdin, take_protocol_stdout())
 
 

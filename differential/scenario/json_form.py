@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
+from differential.scenario.finding_form import FindingRecordDocument
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
 from differential.scenario.models import FormatVersion, ModelDocument, Size, SizeOrZero
 from differential.scenario.workload import (
@@ -46,6 +47,7 @@ __all__ = [
     "SCENARIO_VERSION",
     "ConnectorDocument",
     "DrafterDocument",
+    "EngineDocument",
     "GroupDocument",
     "MultiModalInputDocument",
     "RequestDocument",
@@ -53,6 +55,7 @@ __all__ = [
     "ScenarioFileDocument",
     "WorkloadDocument",
     "checked_document",
+    "parse_engine_block",
     "scenario_fields",
     "scenario_file_schema",
     "scenario_to_dict",
@@ -506,16 +509,6 @@ class ExpectDocument(BaseModel):
     )
 
 
-class FindingRecord(BaseModel):
-    """A campaign finding's record (``format`` ``kvfuzz.finding``)."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    signature: StrictStr | None = Field(
-        default=None, description="The root-cause signature the finding was filed under."
-    )
-
-
 class EngineDocument(BaseModel):
     """How engine mode (differential/driver/engine_mode.py) maps a scenario to
     vLLM's real CPU engine, and what the engine measured for it."""
@@ -541,7 +534,8 @@ class ScenarioFileDocument(ScenarioDocument):
     entry or a campaign finding, what a replay must observe."""
 
     # The published schema's model only: scenario_fields parses with
-    # ScenarioDocument, and corpus.py reads expect, notes and finding.
+    # ScenarioDocument; corpus.py reads expect and notes, and checks finding
+    # (parse_finding_record) and engine (parse_engine_block) with these models.
 
     model_config = ConfigDict(
         extra="forbid",
@@ -570,14 +564,35 @@ class ScenarioFileDocument(ScenarioDocument):
         default=None, description="What a replay must observe (a corpus entry)."
     )
     notes: StrictStr = Field(default="", description="Free text (a corpus entry).")
-    finding: FindingRecord | None = Field(
-        default=None, description="A campaign finding's record (a finding file)."
+    finding: FindingRecordDocument | None = Field(
+        default=None,
+        description="A campaign finding's record (a finding file; written by kvfuzz fuzz, "
+        "shrink and import-crash).",
     )
     engine: EngineDocument | None = Field(
         default=None,
         description="How engine mode maps the scenario to vLLM's real engine, and what the "
         "engine measured (docs/engine.md).",
     )
+
+
+@cache
+def _engine_schema() -> dict[str, Any]:
+    return EngineDocument.model_json_schema()
+
+
+def parse_engine_block(data: object) -> EngineDocument:
+    """A scenario file's ``engine`` block, checked.
+
+    Raises:
+        ScenarioError: not an object, or a known field of the wrong type or
+            value (``engine.geometry``), naming the field path and the allowed
+            values.
+    """
+    try:
+        return EngineDocument.model_validate(data)
+    except ValidationError as exc:
+        raise scenario_error(exc, _engine_schema(), prefix="engine", root="engine") from None
 
 
 def scenario_file_schema() -> dict[str, Any]:

@@ -217,6 +217,9 @@ def run_engine(
 ) -> EngineResult:
     """Run ``scenario`` on the engine with the prefix cache on (and off).
 
+    A scenario the engine cannot run (:class:`EngineUnsupported`, known from
+    its plan) is an *unsupported* run, and starts no engine worker.
+
     Args:
         scenario: the scenario as written.
         geometry: ``exact`` (blocks must be multiples of 32 tokens) or
@@ -232,10 +235,6 @@ def run_engine(
     """
     engine_python()
     worker = _worker(timeout_s)
-    if worker.process is None:
-        worker.start()
-    version = f"{worker.vllm_version} (engine)"
-    caps = dict(worker.capabilities or {})
     notes: list[str] = []
     factor = geometry_scale(scenario) if geometry == "scale" else 1
     run_scenario = mamba_steps(scaled(scenario, factor))
@@ -267,8 +266,15 @@ def run_engine(
         run = _unsupported(scenario, f"vLLM {worker.vllm_version} lacks {exc.reason}", version)
         return EngineResult(run_scenario, factor, run, None, {}, {}, caps, tuple(notes))
     except EngineUnsupported as exc:
+        # Known from the plan alone: the engine is not started for it.
+        version = f"{worker.vllm_version or engine_stamp().get('vllm', '?')} (engine)"
         run = _unsupported(scenario, str(exc), version)
+        caps = dict(worker.capabilities or {})
         return EngineResult(run_scenario, factor, run, None, {}, {}, caps, tuple(notes))
+    if worker.process is None:
+        worker.start()
+    version = f"{worker.vllm_version} (engine)"
+    caps = dict(worker.capabilities or {})
     raw = worker.run_plan(plan)
     run = observation(run_scenario, raw, version)
     if run.unsupported is None and raw.get("engine"):

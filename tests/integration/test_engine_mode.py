@@ -14,7 +14,9 @@ KVFUZZ_REQUIRE_ENGINE=1, which CI sets).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,13 +29,19 @@ from differential.corpus import finding_tag, load_entry
 from differential.findings import FindingKind, Policy
 from differential.scenario import DriveMode, KVCacheGroup
 from differential.variants.engine import judge, run_engine, shutdown_engine, wrong_outputs
-from tests.factories import CORPORA
+from tests.factories import CORPORA, alive
 
 pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE = CORPORA / "cases" / "engine-seed-class-eagle1-swa64-fa32-r256.json"
 NO_DRAFTER = CORPORA / "cases" / "engine-seed-class-nodrafter-swa64-fa32-r256.json"
+# Groups of block sizes 4 and 8: the engine cannot run it (known from its plan).
+UNSUPPORTED = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
+UNSUPPORTED_WHY = (
+    "engine: groups of block sizes [4, 8]: the engine gives every group of these models one "
+    "block size"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -200,3 +208,160 @@ def test_replay_mode_engine_prints_the_engine_table(capsys: pytest.CaptureFixtur
         ["engine", "2", "0", "0", "0", "0", "ok"],
         ["engine", "3", "512", "512", "512", "512", "ok"],
     ]
+
+
+def test_replay_mode_engine_where_nothing_can_run_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from differential.cli import main
+
+    assert main(["replay", "--mode", "engine", str(UNSUPPORTED)]) == 2
+    captured = capsys.readouterr()
+    assert f"not run on the engine: {UNSUPPORTED}: {UNSUPPORTED_WHY}" in captured.out.splitlines()
+    assert captured.err.splitlines()[-1] == (
+        f"kvfuzz: error: {UNSUPPORTED}: nothing ran: the engine cannot run it ({UNSUPPORTED_WHY})"
+    )
+    folder = tmp_path / "unsupported"
+    folder.mkdir()
+    for name in ("toy-mtp1-swa4-fa8-r64.json", "triton-mtp3-swa16-fa32-r8192.json"):
+        (folder / name).write_text((CORPORA / "seeds" / name).read_text())
+    for command in (["replay", "--mode", "engine"], ["confirm"]):
+        assert main([*command, str(folder)]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            "kvfuzz: error: nothing ran: the engine can run none of the 2 scenario files "
+            "(each is listed as not run, naming why)"
+        )
+
+
+def test_replay_mode_engine_lists_what_could_not_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from differential.cli import main
+
+    # The exit code follows the file that ran (EAGLE: fallback@1, fallback@3).
+    assert main(["replay", "--mode", "engine", str(EAGLE), str(UNSUPPORTED)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == f"not run on the engine: {UNSUPPORTED}: {UNSUPPORTED_WHY}"
+    assert [line.split()[4] for line in lines if line.startswith("  engine ")] == [
+        "0",
+        "0",
+        "0",
+        "256",
+    ]
+
+
+def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from differential.cli import main
+
+    # Confirmed, and one file the engine cannot run: exit 0, the code follows what ran.
+    assert main(["confirm", "--json", "--no-release", str(EAGLE), str(UNSUPPORTED)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert (report["format"], report["counts"], report["exit_code"]) == (
+        "kvfuzz.confirm",
+        {"confirmed": 1, "not-reproduced": 0, "not-run": 1},
+        0,
+    )
+    eagle, unsupported = report["files"]
+    assert (eagle["verdict"], eagle["claims"], eagle["findings"], eagle["hits"]) == (
+        "confirmed",
+        ["fallback@1", "fallback@3"],
+        ["fallback@1", "fallback@3"],
+        [0, 0, 0, 256],
+    )
+    assert (unsupported["verdict"], unsupported["reason"]) == ("not-run", UNSUPPORTED_WHY)
+    # The lines go to stderr with --json.
+    assert (
+        f"{EAGLE}: confirmed on vLLM 0.32.0 engine: fallback@1, fallback@3 (engine hits "
+        "[0, 0, 0, 256])" in captured.err.splitlines()
+    )
+    # A finding the engine does not show: not reproduced, exit 1.
+    data = json.loads(EAGLE.read_text())
+    data["expect"]["findings"]["unfixed"] = ["fallback@2"]
+    claimed = tmp_path / "claims-fallback-2.json"
+    claimed.write_text(json.dumps(data))
+    assert main(["confirm", "--no-release", str(claimed)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{claimed}: not reproduced on the engine: fallback@2 (engine hits [0, 0, 0, 256]; "
+        "the engine's findings: fallback@1, fallback@3)"
+    ]
+
+
+def engine_worker_of(parent: int) -> int:
+    """The engine worker process ``parent`` started, once it is importing vLLM
+    (torch loaded: past its start-up, where it asks to die with its parent)."""
+    import time
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        task = Path(f"/proc/{parent}/task/{parent}/children")
+        for child in task.read_text().split() if task.exists() else []:
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                maps = Path(f"/proc/{child}/maps").read_text()
+            except OSError:
+                continue
+            if b"differential.driver.engine_worker" in cmdline and "libtorch" in maps:
+                return int(child)
+        time.sleep(0.2)
+    raise AssertionError(f"process {parent} started no engine worker importing vLLM in 300 s")
+
+
+# Becomes a subreaper (orphans are reparented here), starts ``confirm``, kills
+# it with SIGKILL once its engine worker runs, and prints how the orphaned
+# worker ended (its wait status).
+_ORPHAN = """
+import ctypes, os, signal, subprocess, sys
+from tests.integration.test_engine_mode import engine_worker_of
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+confirm = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+worker = engine_worker_of(confirm.pid)
+os.kill(confirm.pid, signal.SIGKILL)
+confirm.wait()
+print(os.waitpid(worker, 0)[1])
+"""
+
+
+def _confirm_command() -> list[str]:
+    return [sys.executable, "-m", "differential.cli", "confirm", "--no-release", str(EAGLE)]
+
+
+def test_the_engine_worker_dies_with_a_sigkilled_confirm(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _ORPHAN, *_confirm_command()],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    status = int(done.stdout)
+    # Killed by the parent-death signal, not ended by itself later.
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+
+
+def test_sigint_stops_confirm_and_its_engine_worker(tmp_path: Path) -> None:
+    """Even where confirm was started with SIGINT ignored (a script's
+    background job), as the engine worker imports vLLM."""
+    ignored = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    confirm = subprocess.Popen(
+        [sys.executable, "-c", ignored, *_confirm_command()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+    )
+    try:
+        worker = engine_worker_of(confirm.pid)
+        confirm.send_signal(signal.SIGINT)
+        stdout, stderr = confirm.communicate(timeout=600)
+    finally:
+        if confirm.poll() is None:
+            confirm.kill()
+            confirm.communicate()
+    assert (confirm.returncode, stdout, stderr) == (130, "", "kvfuzz: interrupted\n")
+    assert not alive(worker)
