@@ -258,13 +258,7 @@ def run_engine(
             "engine: workload.accepted_drafts is not used (the engine's drafts are its own)"
         )
     try:
-        # The scenario the engine's release means: one it cannot mean (a
-        # feature it lacks, with no equivalent) is unsupported, not run.
-        equivalent_scenario(run_scenario, caps)
         plan = engine_plan(run_scenario, breakage=breakage)
-    except Unsupported as exc:
-        run = _unsupported(scenario, f"vLLM {worker.vllm_version} lacks {exc.reason}", version)
-        return EngineResult(run_scenario, factor, run, None, {}, {}, caps, tuple(notes))
     except EngineUnsupported as exc:
         # Known from the plan alone: the engine is not started for it.
         version = f"{worker.vllm_version or engine_stamp().get('vllm', '?')} (engine)"
@@ -275,6 +269,13 @@ def run_engine(
         worker.start()
     version = f"{worker.vllm_version} (engine)"
     caps = dict(worker.capabilities or {})
+    try:
+        # The scenario the engine's release means: one it cannot mean (a
+        # feature it lacks, with no equivalent) is unsupported, not run.
+        equivalent_scenario(run_scenario, caps)
+    except Unsupported as exc:
+        run = _unsupported(scenario, f"vLLM {worker.vllm_version} lacks {exc.reason}", version)
+        return EngineResult(run_scenario, factor, run, None, {}, {}, caps, tuple(notes))
     raw = worker.run_plan(plan)
     run = observation(run_scenario, raw, version)
     if run.unsupported is None and raw.get("engine"):

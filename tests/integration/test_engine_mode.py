@@ -148,23 +148,6 @@ def test_block_16_is_unsupported_naming_why_and_runs_scaled() -> None:
     assert mapped.run.hits == (0, 256, 0, 512)
 
 
-def test_a_scenario_the_engines_release_cannot_mean_is_unsupported_not_a_crash() -> None:
-    # Llama-4-style chunked local attention beside full attention, with an
-    # EAGLE drafter: vLLM 0.32.0 has no lookahead hashes, so the drafter
-    # would take the EAGLE block drop, which vLLM refuses for chunked local
-    # attention. The run is unsupported, naming the missing piece; judging
-    # it once raised Unsupported out of `kvfuzz replay --mode engine`
-    # (kvfuzz's internal error, exit 3).
-    entry = load_entry(CORPORA / "cases" / "llama4-chunked-local.json")
-    replay = engine_replay(entry, Policy.VLLM, timeout_s=600.0)
-    unsupported = replay.engine.run.unsupported
-    assert unsupported is not None
-    assert unsupported.startswith("engine: vLLM 0.32.0 lacks lookahead block hashes")
-    assert "chunked_local_attention group taking the EAGLE block drop" in unsupported
-    assert replay.engine.run.requests == ()
-    assert replay.findings == ()
-
-
 def test_confirm_says_confirmed_on_the_engine(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "differential.cli", "confirm", str(EAGLE)],

@@ -82,3 +82,24 @@ def test_decode_context_parallelism_is_unsupported_naming_why() -> None:
         "dcp_world_size 8: decode context parallelism shards KV over several ranks; "
         "the CPU engine runs one"
     )
+
+
+def test_an_unsupported_engine_run_of_a_scenario_its_release_cannot_mean_is_not_judged() -> None:
+    # Llama-4-style chunked local attention beside full attention, with an
+    # EAGLE drafter, on an engine without lookahead block hashes (vLLM
+    # 0.32.0): the drafter would take the EAGLE block drop, which vLLM
+    # refuses for chunked local attention, so the release means no scenario
+    # at all. Judging its unsupported run once raised Unsupported out of
+    # `kvfuzz replay --mode engine` (kvfuzz's internal error, exit 3).
+    from differential.capabilities import Feature, Unsupported, equivalent_scenario
+    from differential.driver.engine_mode import EngineResult
+    from differential.observation import RunObservation
+    from differential.variants.engine import judge
+
+    scenario = load_entry(CORPORA / "cases" / "llama4-chunked-local.json").scenario
+    features = {Feature.LOOKAHEAD_HASHES.value: False}
+    with pytest.raises(Unsupported, match=r"chunked_local_attention group taking the EAGLE"):
+        equivalent_scenario(scenario, features)
+    run = RunObservation("engine", "0.32.0 (engine)", None, (), unsupported="engine: why")
+    result = EngineResult(scenario, 1, run, None, {}, {}, features, ())
+    assert judge(result) == ((), ())
