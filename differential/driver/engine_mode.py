@@ -15,11 +15,12 @@ What the CPU engine cannot run is *unsupported*, naming why
 (:class:`EngineUnsupported`): blocks that are not multiples of 32 tokens (the
 CPU attention kernels' ``MultipleOf(32)`` kernel block sizes,
 vllm/v1/attention/backends/cpu_attn.py), groups of different block sizes or
-windows, kinds or drafters kvfuzz builds no tiny model for. A scenario file
-may say how to map its geometry: ``"engine": {"geometry": "scale"}`` (a
-document key, not part of the scenario value) multiplies every token length
-by the smallest factor that makes each block a multiple of 32; the report
-says so.
+windows, kinds or drafters kvfuzz builds no tiny model for. By default a
+scenario is mapped onto the CPU engine's grid: every token length is
+multiplied by the smallest factor that makes each block a multiple of 32
+(:func:`geometry_scale`, :func:`scaled`; factor 1 when already so), and the
+report says so. A file may pin ``"engine": {"geometry": "exact"}`` (a
+document key, not part of the scenario value): the scenario as written.
 
 Nothing here imports vLLM.
 """
@@ -136,16 +137,17 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
 
 
 def file_geometry(path: Path | None) -> str:
-    """A scenario file's ``engine.geometry`` (``exact``, the default, or ``scale``)."""
+    """A scenario file's ``engine.geometry``: ``scale`` (the default, also for a file
+    without an ``engine`` block, or no file) or ``exact`` (pinned by the file)."""
     if path is None:
-        return "exact"
+        return "scale"
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
-        return "exact"
+        return "scale"
     engine = data.get("engine") if isinstance(data, dict) else None
-    geometry = engine.get("geometry", "exact") if isinstance(engine, dict) else "exact"
-    return geometry if geometry in ("exact", "scale") else "exact"
+    geometry = engine.get("geometry", "scale") if isinstance(engine, dict) else "scale"
+    return "exact" if geometry == "exact" else "scale"
 
 
 # -------------------------------------------------------------------------- plans
@@ -299,7 +301,8 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
         raise EngineUnsupported(
             f"block size {block}: the CPU attention kernels take multiples of "
             f"{ENGINE_BLOCK_MULTIPLE} tokens (vllm/v1/attention/backends/cpu_attn.py); "
-            f'"engine": {{"geometry": "scale"}} in the file runs it x{geometry_scale(scenario)}'
+            f'the file pins "engine": {{"geometry": "exact"}}; without it the scenario runs '
+            f"scaled x{geometry_scale(scenario)}"
         )
     windows = sorted({g.sliding_window_tokens for g in groups if g.sliding_window_tokens})
     if len(windows) > 1:

@@ -516,10 +516,11 @@ class EngineDocument(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     geometry: Literal["exact", "scale"] = Field(
-        default="exact",
-        description="'exact': blocks must be multiples of 32 tokens (the CPU attention "
-        "kernels'); 'scale': every token length is multiplied by the smallest factor that "
-        "makes them so, and the report says so.",
+        default="scale",
+        description="'scale' (the default, also when the block is absent): every token length "
+        "is multiplied by the smallest factor that makes each block a multiple of 32 tokens "
+        "(the CPU attention kernels'; factor 1 when already so), and the report says so; "
+        "'exact': the scenario as written, its blocks multiples of 32 tokens.",
     )
     hits: tuple[StrictInt, ...] | None = Field(
         default=None,

@@ -210,7 +210,7 @@ def _unsupported(scenario: Scenario, why: str, version: str) -> RunObservation:
 def run_engine(
     scenario: Scenario,
     *,
-    geometry: str = "exact",
+    geometry: str = "scale",
     cache_off: bool = True,
     breakage: str | None = None,
     timeout_s: float = ENGINE_TIMEOUT_S,
@@ -222,8 +222,10 @@ def run_engine(
 
     Args:
         scenario: the scenario as written.
-        geometry: ``exact`` (blocks must be multiples of 32 tokens) or
-            ``scale`` (token lengths scaled by :func:`geometry_scale`).
+        geometry: ``scale`` (the default: token lengths scaled by
+            :func:`geometry_scale`, factor 1 when every block is already a
+            multiple of 32 tokens) or ``exact`` (blocks must be multiples of 32
+            tokens).
         cache_off: also run with prefix caching off (for :func:`wrong_outputs`).
         breakage: the worker's calibration breakage (``"wrong-block"``), on the
             cache-on run only.
