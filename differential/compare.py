@@ -32,11 +32,11 @@ from differential.oracle import (
     replay_boundaries,
 )
 from differential.oracle.engine import (
+    collapse_applies,
     cross_check_modes,
     eviction_collapse,
     judge_engine_run,
     mode_cross_checkable,
-    repeated_requests,
     sequentially_judgeable,
 )
 from differential.oracle.known import label_known
@@ -625,18 +625,6 @@ def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
     )
 
 
-def _collapse_applies(scenario: Scenario) -> bool:
-    """The eviction-collapse rule applies: dense retention, a pool size, a
-    group that retention thins (sliding window or Mamba) and a repeated prompt
-    (:func:`~differential.oracle.engine.repeated_requests`)."""
-    return (
-        scenario.retention_interval_tokens is None
-        and scenario.workload.pool_blocks is not None
-        and bool(scenario.sliding_window_groups or scenario.mamba_groups)
-        and bool(repeated_requests(scenario))
-    )
-
-
 def no_partial_hits_reason(scenario: Scenario) -> str:
     """Why vLLM serves no partial (hash-block) hits for ``scenario``'s layout.
 
@@ -748,7 +736,7 @@ def judge_variant(
             manager_run = None
         if manager_run is not None:
             findings += cross_check_modes(scenario, run, manager_run)
-    if engine and _collapse_applies(scenario):
+    if engine and collapse_applies(scenario):
         retention0_run = _run_shared(
             dataclasses.replace(scenario, retention_interval_tokens=0), variant, stock_runs
         )

@@ -10,6 +10,8 @@ and what the driver-fidelity benchmark shares (:func:`release_runs`,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -36,7 +38,10 @@ __all__ = [
     "EngineReplay",
     "add_parser",
     "driver_mismatches",
+    "engine_controls",
     "engine_replay",
+    "recorded_in_engine_tokens",
+    "release_judged",
     "release_runs",
     "replay_on_engine",
     "run",
@@ -56,6 +61,10 @@ class EngineReplay:
         findings: the oracle's findings plus ``wrong-output``.
         recorded: the hits the file records for the engine (``engine.hits``),
             or ``None``.
+        controls: the control runs the oracle needed, made on the engine
+            (:func:`engine_controls`): ``retention0`` (an eviction collapse's),
+            ``dense`` (the dense cross-check's, where the scenario has a
+            retention interval).
     """
 
     entry: CorpusEntry
@@ -63,6 +72,7 @@ class EngineReplay:
     engine: Any
     findings: tuple[Finding, ...]
     recorded: tuple[int, ...] | None
+    controls: dict[str, RunObservation] = dataclasses.field(default_factory=dict)
 
 
 def _recorded_engine_hits(path: Path) -> tuple[int, ...] | None:
@@ -82,8 +92,22 @@ def engine_replay(
     timeout_s: float,
     breakage: str | None = None,
     geometry: str | None = None,
+    dense_cross_check: bool = False,
 ) -> EngineReplay:
-    """Run ``entry`` on the engine (cache on and off) and judge it."""
+    """Run ``entry`` on the engine (cache on and off) and judge it, with the
+    control runs the oracle needs (:func:`engine_controls`).
+
+    Args:
+        entry: the file and its scenario (in the file's token units).
+        policy: the oracle's policy.
+        timeout_s: seconds per engine run.
+        breakage: the worker's calibration breakage, or ``None``.
+        geometry: ``scale`` or ``exact``; ``None``: the file's
+            (:func:`~differential.driver.engine_mode.file_geometry`: ``scale``
+            unless the file pins ``exact``).
+        dense_cross_check: also cross-check the dense run (retention
+            ``None``) with the oracle's dense reference (``dense-mismatch``).
+    """
     from differential.compare import ScenarioResult, VariantResult
     from differential.driver.engine_mode import file_geometry
     from differential.variants.engine import (
@@ -95,13 +119,23 @@ def engine_replay(
     from differential.variants.engine import engine_variant as variant
 
     started = time.perf_counter()
+    geometry = geometry or file_geometry(entry.path)
     outcome = run_engine(
         entry.scenario,
-        geometry=geometry or file_geometry(entry.path),
+        geometry=geometry,
         breakage=breakage,
         timeout_s=timeout_s,
     )
     refs, findings = judge(outcome, policy)
+    controls, control_findings = engine_controls(
+        entry.scenario,
+        outcome,
+        policy,
+        geometry=geometry,
+        timeout_s=timeout_s,
+        dense_cross_check=dense_cross_check,
+    )
+    findings += control_findings
     notices = list(outcome.notes)
     if outcome.run.unsupported is not None:
         notices.append(f"engine: unsupported: {outcome.run.unsupported}")
@@ -124,7 +158,82 @@ def engine_replay(
         notices=tuple(notices),
         costs=(),
     )
-    return EngineReplay(entry, result, outcome, findings, _recorded_engine_hits(entry.path))
+    return EngineReplay(
+        entry, result, outcome, findings, _recorded_engine_hits(entry.path), controls
+    )
+
+
+def engine_controls(
+    scenario: Scenario,
+    outcome: Any,
+    policy: Policy,
+    *,
+    geometry: str,
+    timeout_s: float,
+    dense_cross_check: bool = False,
+) -> tuple[dict[str, RunObservation], tuple[Finding, ...]]:
+    """The control runs the oracle needs beside ``outcome``, made on the engine
+    (cache on only), and their findings, as scheduler mode makes them
+    (:func:`differential.compare.judge_variant`).
+
+    * Where the eviction-collapse rule applies
+      (:func:`~differential.oracle.engine.collapse_applies`: dense retention, a
+      pool, a sliding-window or Mamba group, a repeated prompt), the scenario
+      again with retention 0 at the same pool, and
+      :func:`~differential.oracle.engine.eviction_collapse` (vLLM #48435).
+    * With ``dense_cross_check`` and a sequential workload, the dense run
+      (retention ``None``: the run itself where the scenario has no retention
+      interval) cross-checked with the oracle's dense reference
+      (:func:`~differential.oracle.cross_check_dense`, ``dense-mismatch``).
+
+    Args:
+        scenario: the scenario as written (the engine maps it by ``geometry``
+            as it mapped ``outcome``'s).
+        outcome: the engine's run of ``scenario`` (an ``EngineResult``).
+
+    Returns:
+        The control runs by name (``retention0``, ``dense``) and the findings
+        (labelled with known issues); none when ``outcome`` did not run.
+    """
+    from differential.errors import ScenarioError
+    from differential.oracle import cross_check_dense
+    from differential.oracle.engine import collapse_applies, eviction_collapse
+    from differential.oracle.known import label_known
+    from differential.variants.engine import judged_scenario, run_engine
+
+    run = outcome.run
+    if run.unsupported is not None or run.error is not None:
+        return {}, ()
+    judged = judged_scenario(outcome)
+    runs: dict[str, RunObservation] = {}
+    found: list[Finding] = []
+    if collapse_applies(outcome.scenario):
+        control = run_engine(
+            dataclasses.replace(scenario, retention_interval_tokens=0),
+            geometry=geometry,
+            cache_off=False,
+            timeout_s=timeout_s,
+        ).run
+        runs["retention0"] = control
+        collapse = eviction_collapse(outcome.scenario, run, control)
+        if collapse is not None:
+            found.append(dataclasses.replace(collapse, policy=policy))
+    if dense_cross_check and outcome.scenario.workload.sequential:
+        dense: RunObservation | None = run
+        if outcome.scenario.retention_interval_tokens is not None:
+            dense = None
+            with contextlib.suppress(ScenarioError):  # a layout retention None cannot have
+                dense = runs["dense"] = run_engine(
+                    dataclasses.replace(scenario, retention_interval_tokens=None),
+                    geometry=geometry,
+                    cache_off=False,
+                    timeout_s=timeout_s,
+                ).run
+        if dense is not None:
+            found += [
+                dataclasses.replace(f, policy=policy) for f in cross_check_dense(judged, dense)
+            ]
+    return runs, label_known(judged, found, hits=run.hits)
 
 
 def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -> int:
@@ -365,6 +474,150 @@ def _claims(entry: CorpusEntry) -> set[str]:
 CONFIRMED, NOT_REPRODUCED, NOT_RUN = "confirmed", "not-reproduced", "not-run"
 
 
+def recorded_in_engine_tokens(entry: CorpusEntry, factor: int) -> dict[str, Any]:
+    """What the file records, in the engine's token units: the file's own
+    tokens multiplied by the geometry factor the engine ran it with.
+
+    Args:
+        entry: the finding file (its ``finding`` block and ``expect`` block,
+            in the file's token units).
+        factor: the geometry factor (``EngineResult.scale``; 1: exact).
+
+    Returns:
+        ``{"scale": factor, "hits": [...] | None, "findings": [{"tag",
+        "expected_tokens", "hit_tokens"}, ...]}``: the ``expect`` block's hits
+        for ``unfixed`` and the claimed findings' (:func:`_claims`) expected
+        and hit tokens from the ``finding`` block, each times ``factor``
+        (``None`` where not recorded).
+    """
+
+    def times(value: int | None) -> int | None:
+        return None if value is None else value * factor
+
+    claims = _claims(entry)
+    findings = []
+    if entry.finding is not None:
+        for f in entry.finding.findings:
+            tag = f"{f.kind.value}@{'run' if f.request is None else f.request}"
+            if tag in claims and " vs " not in f.variant:
+                findings.append(
+                    {
+                        "tag": tag,
+                        "expected_tokens": times(f.expected_tokens),
+                        "hit_tokens": times(f.hit_tokens),
+                    }
+                )
+    hits = entry.expect.hits.get("unfixed")
+    return {
+        "scale": factor,
+        "hits": None if hits is None else [h * factor for h in hits],
+        "findings": findings,
+    }
+
+
+def release_judged(
+    scenario: Scenario, policy: Policy, version: str = ENGINE_RELEASE
+) -> dict[str, tuple[RunObservation, tuple[Finding, ...]]] | str:
+    """``scenario`` in manager and scheduler mode on ``release:VERSION``, each
+    judged with the control runs the oracle needs
+    (:func:`differential.compare.judge_variant`: the dense cross-check, an
+    eviction collapse's retention-0 run, the mode cross-check).
+
+    Returns:
+        ``{"manager": (run, findings), "scheduler": (run, findings)}``, or one
+        line saying why the release cannot run (its wheel is neither cached
+        nor fetchable).
+    """
+    from differential.compare import in_mode, judge_variant
+    from differential.errors import VariantError
+    from differential.scenario import DriveMode
+    from differential.variants import parse_variants
+
+    try:
+        (variant,) = parse_variants(f"release:{version}", timeout_s=300.0)
+    except VariantError as exc:
+        return f"release:{version} skipped: {exc}"
+    judged: dict[str, tuple[RunObservation, tuple[Finding, ...]]] = {}
+    for mode in (DriveMode.MANAGER, DriveMode.SCHEDULER):
+        if mode is DriveMode.MANAGER and not scenario.workload.sequential:
+            judged[mode.value] = (
+                RunObservation(
+                    variant.name,
+                    version,
+                    None,
+                    (),
+                    unsupported="manager mode: requests in flight together, drafts, a KV "
+                    "connector's store or client aborts",
+                ),
+                (),
+            )
+            continue
+        result, _ = judge_variant(in_mode(scenario, mode), variant, policy=policy)
+        judged[mode.value] = (result.run, result.findings)
+    return judged
+
+
+#: Finding kinds only scheduler mode's rules judge (differential/compare.py
+#: ``judge_variant``: the eviction collapse's retention-0 control, the mode
+#: cross-check).
+_SCHEDULER_RULES = (FindingKind.EVICTION_COLLAPSE, FindingKind.MODE_MISMATCH)
+
+
+def _manager_judged(claims: set[str]) -> set[str]:
+    """The claimed tags manager mode judges: all but those of scheduler-mode rules."""
+    return {c for c in claims if c.split("@")[0] not in {k.value for k in _SCHEDULER_RULES}}
+
+
+def _shows(claims: set[str], tags: set[str]) -> bool:
+    """Whether findings ``tags`` show what the file records: every claimed tag,
+    or, for a file that records no finding, none at all."""
+    return claims <= tags if claims else not tags
+
+
+def _release_words(
+    version: str,
+    claims: set[str],
+    confirmed: bool,
+    disagree: list[str],
+    same_hits: list[str],
+) -> str:
+    """The release verdict: whether the engine's verdict is a driver artefact,
+    the release's same hits, or a release difference.
+
+    Args:
+        disagree: the driving modes whose verdict differs from the engine's.
+        same_hits: the driving modes that ran, when every one gave the engine's
+            hits (else empty).
+    """
+    what = ", ".join(sorted(claims)) or "a finding"
+    if confirmed and not disagree:
+        return (
+            f"not a driver artefact: kvfuzz's drivers on release:{version} give the engine's "
+            "verdicts"
+        )
+    if disagree and confirmed:
+        return (
+            f"driver artefact: the engine shows it, kvfuzz's drivers on release:{version} "
+            f"({' and '.join(disagree)} mode) do not"
+        )
+    if disagree:
+        return (
+            f"driver artefact: kvfuzz's drivers on release:{version} "
+            f"({' and '.join(disagree)} mode) report it, the engine does not"
+        )
+    if same_hits:
+        return (
+            f"not reproduced: the engine's hits equal vLLM {version}'s drivers' "
+            f"({' and '.join(same_hits)} mode): the release shows the same hits, and neither "
+            f"the engine nor the drivers show {what} on it"
+        )
+    return (
+        f"release difference: vLLM {version} does not have it (neither the engine nor "
+        f"kvfuzz's drivers on release:{version} show {what}, though their hits differ); it "
+        "belongs to the release the finding was made on"
+    )
+
+
 def _release_verdict(
     name: str,
     outcome: Any,
@@ -374,21 +627,23 @@ def _release_verdict(
     version: str,
     say: Any,
 ) -> tuple[str, dict[str, Any]]:
-    """The release's manager and scheduler runs of the engine's scenario, and
-    whether the finding is a driver artefact or a release difference.
+    """The release's manager and scheduler runs of the engine's scenario (with
+    their control runs), and whether the finding is a driver artefact, the
+    release's same hits or a release difference.
 
     Returns:
         The verdict line (``""`` when the release was skipped) and the runs
         as JSON (``{"skipped": why}`` when skipped).
     """
-    runs = release_runs(outcome.scenario, version)
-    if isinstance(runs, str):
-        say(f"{name}: {runs}")
-        return "", {"skipped": runs}
-    verdict = ""
+    judged = release_judged(outcome.scenario, policy, version)
+    if isinstance(judged, str):
+        say(f"{name}: {judged}")
+        return "", {"skipped": judged}
     recorded: dict[str, Any] = {}
-    for mode, r in runs.items():
-        tags = {finding_tag(f) for f in _release_findings(outcome.scenario, r, policy)}
+    disagree: list[str] = []
+    ran: list[str] = []
+    for mode, (r, findings) in judged.items():
+        tags = {finding_tag(f) for f in findings}
         recorded[mode] = {
             "hits": list(r.hits),
             "error": r.error,
@@ -401,67 +656,96 @@ def _release_verdict(
             + (f" (unsupported: {r.unsupported})" if r.unsupported else "")
             + f"; findings {', '.join(sorted(tags)) or 'none'}"
         )
-        shows = bool(claims) and claims <= tags
-        if shows == confirmed:
+        if r.unsupported is not None:
             continue
-        verdict = "driver artefact" if shows else "driver misses it"
+        ran.append(mode)
+        judged_here = claims if mode == "scheduler" else _manager_judged(claims)
+        if claims and not judged_here:
+            say(f"{name}: release:{version} {mode} mode does not judge {', '.join(sorted(claims))}")
+        elif _shows(judged_here, tags) != confirmed:
+            disagree.append(mode)
+    runs = {mode: r for mode, (r, _) in judged.items()}
     for f in driver_mismatches(outcome.run, runs):
         say(f"{name}: {f.summary()}")
-    if not verdict and confirmed:
-        verdict = (
-            f"not a driver artefact: kvfuzz's drivers on release:{version} give the engine's "
-            "verdicts"
-        )
-    elif not verdict:
-        verdict = (
-            f"release difference: vLLM {version} does not have it (the engine and kvfuzz's "
-            f"drivers on release:{version} agree); it belongs to the release the finding was "
-            "made on"
-        )
-    elif verdict == "driver artefact":
-        verdict = (
-            f"driver artefact: kvfuzz's drivers on release:{version} report it, the engine does not"
-        )
-    else:
-        verdict = (
-            f"driver artefact: the engine shows it, kvfuzz's drivers on release:{version} do not"
-        )
+    same_hits = ran if ran and all(runs[m].hits == outcome.run.hits for m in ran) else []
+    verdict = _release_words(version, claims, confirmed, disagree, same_hits)
     say(f"{name}: {verdict}")
     return verdict, recorded
 
 
-def _confirm_one(
-    entry: CorpusEntry, args: argparse.Namespace, version: str, say: Any
-) -> dict[str, Any]:
-    """One finding file on the engine (and the release): its verdict as JSON."""
-    from differential.corpus import write_atomic
-    from differential.reports.table import printable
+def _say_engine_verdict(
+    name: str,
+    replay: EngineReplay,
+    claims: set[str],
+    version: str,
+    say: Any,
+) -> tuple[bool, set[str], dict[str, Any]]:
+    """The engine's verdict on one file, said: confirmed or not reproduced,
+    with the engine's hits and, in the engine's token units, what the file
+    records (:func:`recorded_in_engine_tokens`).
 
-    policy = Policy(args.policy)
-    replay = engine_replay(entry, policy, timeout_s=args.timeout)
+    Returns:
+        Whether it is confirmed, the engine's finding tags, and what the file
+        records in the engine's units (JSON).
+    """
     outcome = replay.engine
-    name = printable(str(entry.path))
     hits = list(outcome.run.hits)
-    claims = _claims(entry)
-    verdict: dict[str, Any] = {"file": str(entry.path), "claims": sorted(claims)}
-    if outcome.run.unsupported is not None:
-        say(f"{name}: not run on the engine: {outcome.run.unsupported}")
-        return {**verdict, "verdict": NOT_RUN, "reason": outcome.run.unsupported}
-    for note in outcome.notes:
-        say(f"{name}: note: {note}")
     seen = {finding_tag(f) for f in replay.findings}
-    confirmed = bool(claims) and claims <= seen
+    confirmed = _shows(claims, seen)
+    recorded = recorded_in_engine_tokens(replay.entry, outcome.scale)
+    units = f" x{outcome.scale}" if outcome.scale > 1 else ""
+    for name_, control in replay.controls.items():
+        say(f"{name}: engine control run ({name_}): hits {list(control.hits)}")
     if confirmed:
-        say(
-            f"{name}: confirmed on vLLM {version} engine: {', '.join(sorted(claims))} "
-            f"(engine hits {hits})"
-        )
+        what = ", ".join(sorted(claims)) or "no finding, as the file records"
+        say(f"{name}: confirmed on vLLM {version} engine: {what} (engine hits {hits})")
     else:
         missing = sorted(claims - seen) or ["no finding recorded"]
         say(
             f"{name}: not reproduced on the engine: {', '.join(missing)} (engine hits "
             f"{hits}; the engine's findings: {', '.join(sorted(seen)) or 'none'})"
         )
+    if recorded["hits"] is not None and recorded["hits"] != hits:
+        say(f"{name}: the file records hits {recorded['hits']} (file tokens{units})")
+    engine_tokens = {finding_tag(f): f for f in replay.findings}
+    for claim in recorded["findings"]:
+        f = engine_tokens.get(claim["tag"])
+        if f is None or claim["expected_tokens"] is None:
+            continue
+        say(
+            f"{name}: {claim['tag']}: recorded expected {claim['expected_tokens']}, hit "
+            f"{claim['hit_tokens']} (file tokens{units}); engine expected "
+            f"{f.expected_tokens}, hit {f.hit_tokens}"
+        )
+    return confirmed, seen, recorded
+
+
+def _confirm_one(
+    entry: CorpusEntry, args: argparse.Namespace, version: str, say: Any
+) -> dict[str, Any]:
+    """One finding file on the engine (and the release): its verdict as JSON.
+
+    The engine also makes the control runs the claimed findings need
+    (:func:`engine_controls`: retention 0 for an eviction collapse, the
+    dense run where a ``dense-mismatch`` is recorded).
+    """
+    from differential.corpus import write_atomic
+    from differential.reports.table import printable
+
+    policy = Policy(args.policy)
+    claims = _claims(entry)
+    dense = any(c.startswith(f"{FindingKind.DENSE_MISMATCH.value}@") for c in claims)
+    replay = engine_replay(entry, policy, timeout_s=args.timeout, dense_cross_check=dense)
+    outcome = replay.engine
+    name = printable(str(entry.path))
+    hits = list(outcome.run.hits)
+    verdict: dict[str, Any] = {"file": str(entry.path), "claims": sorted(claims)}
+    if outcome.run.unsupported is not None:
+        say(f"{name}: not run on the engine: {outcome.run.unsupported}")
+        return {**verdict, "verdict": NOT_RUN, "reason": outcome.run.unsupported}
+    for note in outcome.notes:
+        say(f"{name}: note: {note}")
+    confirmed, seen, recorded = _say_engine_verdict(name, replay, claims, version, say)
     for f in replay.findings:
         if f.kind is FindingKind.WRONG_OUTPUT:
             say(f"{name}: {f.summary()}")
@@ -475,6 +759,7 @@ def _confirm_one(
             "confirmation": {
                 "vllm": version,
                 "confirmed": confirmed,
+                "scale": outcome.scale,
                 "hits": hits,
                 "findings": sorted(seen),
                 "verdict": release,
@@ -484,8 +769,11 @@ def _confirm_one(
     return {
         **verdict,
         "verdict": CONFIRMED if confirmed else NOT_REPRODUCED,
+        "scale": outcome.scale,
         "hits": hits,
         "findings": sorted(seen),
+        "recorded": recorded,
+        "controls": {k: list(r.hits) for k, r in replay.controls.items()},
         "release": runs,
         "release_verdict": release,
     }

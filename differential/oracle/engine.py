@@ -82,6 +82,7 @@ from differential.oracle.watermark import watermark_findings
 from differential.scenario import MambaPrefill, Scenario
 
 __all__ = [
+    "collapse_applies",
     "cross_check_modes",
     "eviction_collapse",
     "judge_engine_run",
@@ -556,6 +557,18 @@ def repeated_requests(scenario: Scenario) -> frozenset[int]:
         j
         for j in range(1, len(prompts))
         if max(common_prefix_tokens(prompts[j], tokens[i]) for i in range(j)) >= unit
+    )
+
+
+def collapse_applies(scenario: Scenario) -> bool:
+    """Whether :func:`eviction_collapse` applies (and so its retention-0 control
+    run is owed): dense retention, a pool size, a group that retention thins
+    (sliding window or Mamba) and a repeated prompt (:func:`repeated_requests`)."""
+    return (
+        scenario.retention_interval_tokens is None
+        and scenario.workload.pool_blocks is not None
+        and bool(scenario.sliding_window_groups or scenario.mamba_groups)
+        and bool(repeated_requests(scenario))
     )
 
 

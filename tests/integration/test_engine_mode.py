@@ -36,12 +36,15 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE = CORPORA / "cases" / "engine-seed-class-eagle1-swa64-fa32-r256.json"
 NO_DRAFTER = CORPORA / "cases" / "engine-seed-class-nodrafter-swa64-fa32-r256.json"
-# Groups of block sizes 4 and 8: the engine cannot run it (known from its plan).
+# Groups of block sizes 4 and 8 (32 and 64 once scaled x8): the engine cannot
+# run it (known from its plan).
 UNSUPPORTED = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
 UNSUPPORTED_WHY = (
-    "engine: groups of block sizes [4, 8]: the engine gives every group of these models one "
+    "engine: groups of block sizes [32, 64]: the engine gives every group of these models one "
     "block size"
 )
+# vLLM #48435 at blocks of 4 tokens: scaled x8 (blocks of 32) by default.
+COLLAPSE = ROOT / "known-issues" / "eviction-collapse-48435-pool130-dense.json"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -138,11 +141,12 @@ def test_block_16_is_unsupported_naming_why_and_runs_scaled() -> None:
         retention_interval_tokens=128,
     )
     assert all(isinstance(g, KVCacheGroup) for g in half.kv_cache_groups)
-    exact = run_engine(half, cache_off=False)
+    exact = run_engine(half, geometry="exact", cache_off=False)
     assert exact.run.unsupported is not None
     assert "block size 16" in exact.run.unsupported
     assert "multiples of 32" in exact.run.unsupported
-    mapped = run_engine(half, geometry="scale", cache_off=False)
+    assert 'pins "engine": {"geometry": "exact"}' in exact.run.unsupported
+    mapped = run_engine(half, cache_off=False)  # scaled by default
     assert mapped.scale == 2
     assert any("scaled x2" in note for note in mapped.notes)
     assert mapped.run.hits == (0, 256, 0, 512)
@@ -266,6 +270,37 @@ def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixtu
         f"{claimed}: not reproduced on the engine: fallback@2 (engine hits [0, 0, 0, 256]; "
         "the engine's findings: fallback@1, fallback@3)"
     ]
+
+
+def test_confirm_confirms_the_48435_eviction_collapse(capsys: pytest.CaptureFixture[str]) -> None:
+    """The collapse needs its retention-0 control run, made on the engine too:
+    dense retention hits 0 on every turn where retention 0 at the same pool
+    (130 blocks of 32 tokens, scaled x8) hits 768 and 800."""
+    from differential.cli import main
+
+    assert main(["confirm", "--json", str(COLLAPSE)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["counts"] == {"confirmed": 1, "not-reproduced": 0, "not-run": 0}
+    (verdict,) = report["files"]
+    assert (verdict["verdict"], verdict["scale"], verdict["claims"], verdict["findings"]) == (
+        "confirmed",
+        8,
+        ["eviction-collapse@run"],
+        ["eviction-collapse@run"],
+    )
+    assert verdict["hits"] == [0] * 12
+    assert verdict["controls"] == {"retention0": [0] * 4 + [768] * 4 + [800] * 4}
+    assert verdict["recorded"] == {"scale": 8, "hits": [0] * 12, "findings": []}
+    lines = captured.err.splitlines()
+    assert (
+        f"{COLLAPSE}: confirmed on vLLM 0.32.0 engine: eviction-collapse@run (engine hits "
+        f"{[0] * 12})" in lines
+    )
+    assert not any("release difference" in line or "not reproduced" in line for line in lines)
+    if "skipped" not in verdict["release"]:
+        assert verdict["release"]["scheduler"]["findings"] == ["eviction-collapse@run"]
+        assert verdict["release_verdict"].startswith("not a driver artefact")
 
 
 def engine_worker_of(parent: int) -> int:
