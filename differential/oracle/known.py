@@ -27,7 +27,7 @@ from differential.oracle import (
     state,
 )
 from differential.oracle.prefix import shared_prefixes
-from differential.scenario import ConnectorLoad, KVEvents, Scenario
+from differential.scenario import ConnectorLoad, DraftGroups, KVEvents, Scenario
 
 __all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
 
@@ -163,6 +163,39 @@ def _unit_below_retained_boundary(
                 )
             )
     return expected not in literal and expected + alignment in literal
+
+
+def _seed_fix_limit_marked_draft_group(scenario: Scenario, finding: Finding) -> bool:
+    """The seed class (a fallback from ``c - A`` under the EAGLE drop, ``c`` a
+    periodic checkpoint ``k * R``) on a layout whose drafter's groups are
+    marked ``is_eagle_group``, beside a sliding-window group that does not
+    take the drop (not in :attr:`Scenario.drop_group_indices`) and whose tail
+    kept for ``c`` starts above token 0 (``ceil((window - 1) / B) * B < c``,
+    in tokens): vLLM calls that group's ``reachable_block_mask`` with
+    ``use_eagle`` false, so it keeps the tail ending on ``c`` and nothing
+    below it, and the seed PR, which widens only where ``use_eagle`` holds,
+    leaves it so."""
+    if finding.kind is not FindingKind.FALLBACK or finding.request is None:
+        return False
+    expected, hit = finding.expected_tokens, finding.hit_tokens
+    if expected is None or hit is None or hit >= expected:
+        return False
+    if scenario.draft_groups is not DraftGroups.ANNOTATED or not drafter_model(scenario).drop:
+        return False
+    retention = scenario.retention_interval_tokens
+    boundary = expected + scenario.effective_hit_alignment_tokens
+    if not retention or boundary % retention:
+        return False
+    for index, group in enumerate(scenario.kv_cache_groups):
+        window = group.sliding_window_tokens
+        if not group.kind.sliding_window_family or window is None:
+            continue
+        if index in scenario.drop_group_indices:
+            continue
+        block = group.block_size_tokens
+        if -(-(window - 1) // block) * block < boundary:
+            return True
+    return False
 
 
 _LOOKUP_FINDERS = (
@@ -676,6 +709,30 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "HybridKVCacheCoordinator.find_longest_cache_hit",
         example="known-issues/window-one-multi-group-spiral.json",
         matches=_window_one_spiral,
+    ),
+    KnownIssue(
+        name="seed-fix-limit-marked-draft-group",
+        summary=(
+            "The seed class on the layout vLLM's planner builds for EAGLE-3 and MTP "
+            "drafters with layers of their own: the drafter's KV cache group is "
+            "marked is_eagle_group (get_global_kv_cache_groups, vLLM PR #41640), so "
+            "only it and groups of equal spec take the EAGLE drop, and a "
+            "sliding-window group that does not drop keeps only the tail ending on "
+            "each periodic checkpoint c: a sibling diverging inside the last "
+            "alignment unit before c is owed c - A and falls back (FA 2 marked + "
+            "SWA 1 with window 2, R = 4: 4 where 6 is owed; FA 8 + SWA 4 with "
+            "window 16 + a marked FA 4 draft group, R = 64: 64 where 120 is owed). "
+            "A limit of the seed fix (the seed PR, for vLLM issue #64808): it "
+            "widens the periodic tails of the groups that drop only, so the fixed "
+            "variant keeps this fallback; kvfuzz's candidate widens every retained "
+            "tail and is clean."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "SingleTypeKVCacheManager.cache_blocks (reachable_block_mask with the group's "
+        "own use_eagle, set from eagle_group_ids by vllm/v1/core/kv_cache_coordinator.py "
+        "HybridKVCacheCoordinator.verify_and_split_kv_cache_groups)",
+        example="corpora/cases/seed-shrunk-draft-group-marked.json",
+        matches=_seed_fix_limit_marked_draft_group,
     ),
     KnownIssue(
         name="single-group-drop-after-length-cap",

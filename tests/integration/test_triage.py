@@ -47,9 +47,6 @@ def test_the_seed_its_shrunk_form_and_flashinfer_share_one_identity(name: str) -
         # not-match_found path, once a root cause of its own.
         "../known-issues/seed-within-one-window-of-token-0.json",
         "regressions/fallback-unfixed-517c289c14.json",
-        # The shrunk seed with the drafter's group marked is_eagle_group:
-        # once labelled vLLM issue #57610.
-        "cases/seed-shrunk-draft-group-marked.json",
     ],
 )
 def test_the_seed_bugs_forms_merge_into_one_root_cause(name: str) -> None:
@@ -57,6 +54,47 @@ def test_the_seed_bugs_forms_merge_into_one_root_cause(name: str) -> None:
     assert unfixed == {SEED_BUG}
     assert SEED_BUG.text == (
         "shortfall | SlidingWindowManager.find_longest_cache_hit | missing periodic - 1A"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "request_index", "expected", "hit"),
+    [
+        ("cases/seed-shrunk-draft-group-marked.json", 1, 6, 4),
+        ("cases/gemma4-eagle3-draft-group.json", 2, 120, 64),
+    ],
+)
+def test_the_seed_class_beside_a_marked_draft_group_is_named_the_seed_fix_limit(
+    name: str, request_index: int, expected: int, hit: int
+) -> None:
+    # The drafter's group marked is_eagle_group (vLLM's planner's layout for
+    # EAGLE-3 and MTP draft groups): the sliding-window group takes no drop,
+    # so the seed fix does not widen it and fixed keeps the fallback the
+    # candidate closes. Both variants name it; a campaign points at the
+    # marked shrunk reproducer.
+    from fuzz.campaign import _known_issue_example
+
+    result = compare_variants(
+        load_entry(CORPORA / name).scenario, parse_variants("unfixed,fixed,candidate")
+    )
+    limit = RootCause("shortfall", known_issue="seed-fix-limit-marked-draft-group")
+    assert [
+        (
+            t.owner,
+            t.finding.kind,
+            t.finding.request,
+            t.finding.expected_tokens,
+            t.finding.hit_tokens,
+            t.root_cause,
+        )
+        for t in triage(result)
+    ] == [
+        (owner, FindingKind.FALLBACK, request_index, expected, hit, limit)
+        for owner in ("unfixed", "fixed")
+    ]
+    assert all(f.known_issue == limit.known_issue for f in result.findings)
+    assert _known_issue_example(limit.known_issue) == (
+        "corpora/cases/seed-shrunk-draft-group-marked.json"
     )
 
 
