@@ -39,7 +39,7 @@ from differential.oracle.engine import (
     repeated_requests,
     sequentially_judgeable,
 )
-from differential.oracle.known import label_known
+from differential.oracle.known import label_fix_cost, label_known
 from differential.oracle.layout import alignment_blowup
 from differential.scenario import DrafterKind, DriveMode, GroupKind, MambaPrefill, Scenario
 from differential.variants import FixScope, Variant, VariantRole
@@ -882,7 +882,8 @@ def compare_results(
             if base.variant.role is VariantRole.BASELINE:
                 regression = pool_regression(base.run, fixed.run)
                 if regression is not None:
-                    comparison.append(regression)
+                    # The candidate's extra tails cost pool space: its known price.
+                    comparison += label_fix_cost(scenario, [regression], fixed.variant.fix_scope)
     if not any(r.variant.role is VariantRole.FIXED for r in supported):
         # A KV connector's store makes a run unjudgeable sequentially, but its
         # hits, hand-offs and what vLLM adopts are deterministic and what a

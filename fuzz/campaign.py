@@ -53,7 +53,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from differential.compare import ScenarioResult
 from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
-from differential.oracle.known import KNOWN_ISSUES
+from differential.oracle.known import KNOWN_FIX_COSTS, KNOWN_ISSUES
 from differential.scenario import DriveMode, GroupKind, Scenario
 from differential.scenario.finding_form import finding_record
 from differential.triage.identity import Role, RootCause, Triaged, triage
@@ -285,7 +285,7 @@ def corpus_root_causes(
 
 
 def _known_issue_example(name: str) -> str:
-    issue = next((i for i in KNOWN_ISSUES if i.name == name), None)
+    issue = next((i for i in (*KNOWN_ISSUES, *KNOWN_FIX_COSTS) if i.name == name), None)
     return issue.example if issue is not None else f"known issue {name}"
 
 

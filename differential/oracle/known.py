@@ -28,8 +28,9 @@ from differential.oracle import (
 )
 from differential.oracle.prefix import shared_prefixes
 from differential.scenario import ConnectorLoad, DraftGroups, KVEvents, Scenario
+from differential.variant import FixScope
 
-__all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
+__all__ = ["KNOWN_FIX_COSTS", "KNOWN_ISSUES", "KnownIssue", "label_fix_cost", "label_known"]
 
 
 def _short_groups(scenario: Scenario, level_tokens: int) -> int:
@@ -559,10 +560,15 @@ class KnownIssue:
         name: short identifier, used in finding signatures and reports.
         summary: one paragraph: what happens and why.
         vllm_source: the vLLM file and function responsible.
-        example: a corpus file that reproduces it.
+        example: a corpus file that reproduces it, relative to the kvfuzz
+            root (for a fix's known cost: where the cost is documented).
         matches: predicate on a scenario and one of its findings.
         uses_hits: ``matches`` also takes the run's hits per request, in
             tokens (a third argument; ``None`` when unknown).
+        fix_scope: for a known cost of one of kvfuzz's fixes
+            (:data:`KNOWN_FIX_COSTS`), the scope of the fix it belongs to: it
+            labels only comparisons of a variant of that scope with a
+            baseline (:func:`label_fix_cost`); ``None`` for a vLLM issue.
     """
 
     name: str
@@ -571,6 +577,7 @@ class KnownIssue:
     example: str
     matches: Callable[..., bool]
     uses_hits: bool = False
+    fix_scope: FixScope | None = None
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
@@ -967,6 +974,45 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         matches=_full_report_dcp_block_size,
     ),
 )
+
+
+KNOWN_FIX_COSTS: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        name="candidate-pool-cost",
+        summary=(
+            "The documented price of kvfuzz's candidate fix: under sparse retention "
+            "it keeps, beside every tail vLLM keeps for a retained boundary b, the "
+            "tail a hit at b - A reads (A / B_swa sliding-window blocks more per "
+            "boundary), so under pool pressure the blocks another request would "
+            "have hit are evicted first and the candidate hits fewer tokens in all "
+            "than the baseline at the same pool: four answer-reusing chat sessions "
+            "(FA 16 + SWA 8 with window 7, EAGLE under lookahead hashes, retention "
+            "0) at pool 36 blocks: 224 tokens on unfixed, 80 on the candidate; at "
+            "pool 60 every variant serves every hit. Not a vLLM issue: size the "
+            "pool for the cost lines before adopting the fix."
+        ),
+        vllm_source="differential/driver/candidate.py (the wider "
+        "SlidingWindowManager.reachable_block_mask of "
+        "vllm/v1/core/single_type_kv_cache_manager.py) with vllm/v1/core/block_pool.py "
+        "BlockPool (LRU eviction)",
+        example="docs/variants.md#the-candidate-fix",
+        matches=lambda scenario, finding: finding.kind is FindingKind.POOL_REGRESSION,
+        fix_scope=FixScope.ONE_UNIT,
+    ),
+)
+"""Known costs of the fixes kvfuzz runs: findings that compare a variant
+carrying a fix with a baseline and show the price the fix documents, not
+something new about vLLM (``docs/triage.md``, "Known costs of kvfuzz's
+fixes")."""
+
+
+def label_fix_cost(
+    scenario: Scenario, findings: Sequence[Finding], scope: FixScope
+) -> tuple[Finding, ...]:
+    """Return ``findings`` (comparisons of a variant whose fix has ``scope``
+    with a baseline) with ``known_issue`` set where a known cost of that fix
+    (:data:`KNOWN_FIX_COSTS`) explains it."""
+    return label_known(scenario, findings, [c for c in KNOWN_FIX_COSTS if c.fix_scope is scope])
 
 
 def label_known(

@@ -29,6 +29,7 @@ from differential.scenario import (
     Scenario,
     Workload,
 )
+from differential.triage.identity import triage
 from differential.variants import parse_variants
 from tests.factories import CORPORA, ROOT
 
@@ -335,6 +336,16 @@ def test_candidate_costs_hits_under_pool_pressure_and_says_so() -> None:
         ("candidate vs unfixed", 224, 80)
     ]
     assert "pool 36 blocks" in regressions[0].summary()
+    # The candidate's documented price, not news about vLLM: labelled as the
+    # fix's known cost, its own known root cause, known as its documentation.
+    from fuzz.campaign import _known_issue_example
+
+    assert regressions[0].known_issue == "candidate-pool-cost"
+    assert regressions[0].summary().endswith("[known cost of the fix: candidate-pool-cost]")
+    assert [t.root_cause.text for t in triage(result)] == [
+        "pool-regression | known:candidate-pool-cost"
+    ]
+    assert _known_issue_example("candidate-pool-cost") == "docs/variants.md#the-candidate-fix"
     # With room for every tail (pool 60) the candidate keeps every hit.
     roomy = compare_variants(_answer_reusing_sessions(60), variants)
     assert {vr.run.hits for vr in roomy.results} == {(0, 0, 0, 0, 80, 64, 80, 64)}
@@ -434,6 +445,7 @@ def test_eight_dspark_lanes_under_pressure_are_a_candidate_pool_regression() -> 
         336,
     )
     assert "pool 200 blocks" in regression.summary()
+    assert regression.known_issue == "candidate-pool-cost"
     assert "lower on requests [11, 12, 13]" in regression.summary()
     assert "blocks cached per group [131, 28, 58, 57] vs [110, 16, 32, 32]" in (
         regression.summary()

@@ -836,3 +836,77 @@ def test_the_seed_class_beside_a_marked_draft_group_is_the_seed_fix_limit() -> N
 )
 def test_the_seed_fix_limit_near_misses(groups: tuple[KVCacheGroup, ...], finding: Finding) -> None:
     assert label_known(_seed_shrunk(*groups), [finding])[0].known_issue != SEED_FIX_LIMIT
+
+
+POOL_COST = Finding(
+    FindingKind.POOL_REGRESSION,
+    "candidate vs unfixed",
+    None,
+    "pool 36 blocks: candidate hit 80 tokens in all, unfixed 224",
+    expected_tokens=224,
+    hit_tokens=80,
+)
+
+
+def test_a_pool_regression_is_the_known_cost_of_the_candidate_fix_alone() -> None:
+    import dataclasses
+
+    from differential.oracle.known import label_fix_cost
+    from differential.variant import FixScope
+    from tests.factories import triton
+
+    (cost,) = label_fix_cost(triton(), [POOL_COST], FixScope.ONE_UNIT)
+    assert cost.known_issue == "candidate-pool-cost"
+    assert cost.summary() == (
+        "pool-regression on candidate vs unfixed, run: pool 36 blocks: candidate hit 80 "
+        "tokens in all, unfixed 224 [known cost of the fix: candidate-pool-cost]"
+    )
+    # The seed PR's own pool cost is news about the seed PR: unlabelled.
+    seed = dataclasses.replace(POOL_COST, variant="fixed vs unfixed")
+    assert label_fix_cost(triton(), [seed], FixScope.SEED_PR)[0].known_issue is None
+    # No known vLLM issue explains a pool regression.
+    assert label_known(triton(), [POOL_COST])[0].known_issue is None
+
+
+def test_a_replay_says_a_known_cost_is_the_fixs_own_price() -> None:
+    import dataclasses
+
+    from differential.compare import ScenarioResult, VariantResult
+    from differential.reports.table import expected_line
+    from differential.variants import parse_variants
+    from tests.factories import triton
+
+    unfixed, candidate = parse_variants("unfixed,candidate")
+    labelled = dataclasses.replace(POOL_COST, known_issue="candidate-pool-cost")
+    result = ScenarioResult(
+        scenario=triton(),
+        source=None,
+        policy=Policy.VLLM,
+        results=(
+            VariantResult(unfixed, run([0, 0]), None, (), ()),
+            VariantResult(candidate, run([0, 0]), None, (), ()),
+        ),
+        comparison_findings=(labelled,),
+    )
+    assert expected_line([(result, {"candidate": ("pool-regression@run",)})]) == (
+        "1 finding(s), as expected: each is recorded in its file's expect block "
+        "(candidate: 1, all known costs of the fix (candidate-pool-cost))"
+    )
+    one_unit = Finding(
+        FindingKind.FALLBACK,
+        "candidate",
+        1,
+        "",
+        expected_tokens=88,
+        hit_tokens=0,
+        known_issue="unit-below-retained-boundary-falls-back",
+    )
+    both = dataclasses.replace(
+        result,
+        results=(result.results[0], dataclasses.replace(result.results[1], findings=(one_unit,))),
+    )
+    assert expected_line([(both, None)]) == (
+        "2 finding(s) (candidate: 2, all known vLLM issues the fix does not cover "
+        "(unit-below-retained-boundary-falls-back) and known costs of the fix "
+        "(candidate-pool-cost)); 2 of them recorded in no expect block that held"
+    )
