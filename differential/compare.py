@@ -41,7 +41,7 @@ from differential.oracle.engine import (
 )
 from differential.oracle.known import label_fix_cost, label_known
 from differential.oracle.layout import alignment_blowup
-from differential.scenario import DrafterKind, DriveMode, GroupKind, MambaPrefill, Scenario
+from differential.scenario import DrafterKind, DriveMode, GroupKind, Scenario
 from differential.variants import FixScope, Variant, VariantRole
 
 __all__ = [
@@ -606,8 +606,10 @@ def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
     vLLM's ``Scheduler`` ends a Mamba prefill chunk where its own
     ``_mamba_block_aligned_split`` says (``vllm/v1/core/sched/scheduler.py``),
     so in scheduler mode a block-carved Mamba prefill (``mamba_prefill:
-    block``, manager mode's stand-in) becomes ``scheduler``: the oracle then
-    judges the chunks the run really had.
+    block``, manager mode's stand-in) becomes ``scheduler``, as it does in a
+    file written for scheduler mode (the scenario model turns it:
+    :attr:`Scenario.mamba_prefill`): the oracle then judges the chunks the
+    run really had.
 
     Raises:
         ScenarioError: manager mode for a workload only the scheduler runs
@@ -615,14 +617,7 @@ def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
     """
     if scenario.workload.mode is mode:
         return scenario
-    prefill = scenario.mamba_prefill
-    if mode is DriveMode.SCHEDULER and scenario.mamba_groups:
-        prefill = MambaPrefill.SCHEDULER
-    return dataclasses.replace(
-        scenario,
-        workload=dataclasses.replace(scenario.workload, mode=mode),
-        mamba_prefill=prefill,
-    )
+    return dataclasses.replace(scenario, workload=dataclasses.replace(scenario.workload, mode=mode))
 
 
 def _collapse_applies(scenario: Scenario) -> bool:

@@ -31,7 +31,7 @@ from differential.scenario import (
 )
 from differential.triage.identity import triage
 from differential.variants import parse_variants
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, ROOT, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -465,6 +465,33 @@ def test_block_carved_mamba_prefill_is_judged_as_the_scheduler_chunks_it() -> No
         "fixed": (0, 80, 0, 80),
     }
     assert not [f for f in result.findings if f.kind is FindingKind.OVER_HIT]
+
+
+def test_a_file_written_for_scheduler_mode_judges_the_scheduler_chunks_too(
+    tmp_path: Path,
+) -> None:
+    # The same L100 workload whose file itself says workload.mode scheduler
+    # beside mamba_prefill: block: judged like --mode scheduler (no false
+    # over-hit at 80), by the file and by the command line alike.
+    import json
+
+    data = json.loads((KNOWN / "fine-grained-replay-state-discarded-L100.json").read_text())
+    assert data["mamba_prefill"] == "block"
+    data["workload"] = {"mode": "scheduler"}
+    del data["expect"]
+    path = tmp_path / "l100-scheduler.json"
+    path.write_text(json.dumps(data))
+    scenario = load_entry(path).scenario
+    assert scenario.mamba_prefill.value == "scheduler"
+    result = compare_variants(scenario, BOTH)
+    assert {vr.variant.name: vr.run.hits for vr in result.results} == {
+        "unfixed": (0, 80, 0, 80),
+        "fixed": (0, 80, 0, 80),
+    }
+    assert result.findings == ()
+    proc = kvfuzz_cli("replay", str(path), "--variants", "unfixed")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no findings" in proc.stdout
 
 
 def test_a_pool_the_scheduler_never_admits_into_costs_the_scenario_not_the_run() -> None:
