@@ -54,6 +54,7 @@ from differential.compare import ScenarioResult
 from differential.corpus import finding_tag, write_atomic, write_once
 from differential.findings import Policy
 from differential.oracle.known import KNOWN_FIX_COSTS, KNOWN_ISSUES
+from differential.oracle.layout import LAYOUT_VARIANT
 from differential.scenario import DriveMode, GroupKind, Scenario
 from differential.scenario.finding_form import finding_record
 from differential.triage.identity import Role, RootCause, Triaged, triage
@@ -370,16 +371,25 @@ def finding_document(
     The ``finding`` block is written by the model the loader checks it with
     (:func:`differential.scenario.finding_form.finding_record`); ``root_cause``
     and ``shrink`` are added when given (a root cause's file, a shrunk one).
+
+    Its ``expect`` block records each variant's hits and findings and, when
+    the layout has findings of its own (``alignment-blowup``), those under
+    ``layout`` (:func:`differential.corpus.expectation_problems`), so a
+    replay of the file holds every finding to it.
     """
     document = scenario.to_dict()
+    findings = {
+        vr.variant.name: sorted(
+            finding_tag(f) for f in result.findings if f.owner == vr.variant.name
+        )
+        for vr in result.results
+    }
+    layout = sorted(finding_tag(f) for f in result.findings if f.owner == LAYOUT_VARIANT)
+    if layout:
+        findings[LAYOUT_VARIANT] = layout
     document["expect"] = {
         "hits": {vr.variant.name: list(vr.run.hits) for vr in result.results},
-        "findings": {
-            vr.variant.name: sorted(
-                finding_tag(f) for f in result.findings if f.owner == vr.variant.name
-            )
-            for vr in result.results
-        },
+        "findings": findings,
     }
     record: dict[str, Any] = {
         "signature": signature.text,
