@@ -35,7 +35,13 @@ def _campaign(out: Path, seed: int, examples: int, variants: str = "unfixed,fixe
 def test_cold_start_finds_the_fallback_and_reproduces_byte_for_byte(tmp_path: Path) -> None:
     first = _campaign(tmp_path / "a", seed=11, examples=40)
     signatures = [d["signature"] for d in first["distinct"]]
-    assert any(s.startswith("fallback | unfixed | eagle/drop | sparse") for s in signatures)
+    # The seed class, in these 40 examples beside a drafter's group marked
+    # is_eagle_group: on both variants, named as the seed fix's known limit.
+    for variant in ("unfixed", "fixed"):
+        assert (
+            f"fallback | {variant} | * | * | * | known:seed-fix-limit-marked-draft-group"
+            in signatures
+        )
     second = _campaign(tmp_path / "b", seed=11, examples=40)
     files_a = sorted((tmp_path / "a" / "findings").iterdir())
     files_b = sorted((tmp_path / "b" / "findings").iterdir())
