@@ -39,9 +39,9 @@ from differential.oracle.engine import (
     mode_cross_checkable,
     sequentially_judgeable,
 )
-from differential.oracle.known import label_known
+from differential.oracle.known import label_fix_cost, label_known
 from differential.oracle.layout import alignment_blowup
-from differential.scenario import DrafterKind, DriveMode, GroupKind, MambaPrefill, Scenario
+from differential.scenario import DrafterKind, DriveMode, GroupKind, Scenario
 from differential.variants import FixScope, Variant, VariantRole
 
 __all__ = [
@@ -606,8 +606,10 @@ def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
     vLLM's ``Scheduler`` ends a Mamba prefill chunk where its own
     ``_mamba_block_aligned_split`` says (``vllm/v1/core/sched/scheduler.py``),
     so in scheduler mode a block-carved Mamba prefill (``mamba_prefill:
-    block``, manager mode's stand-in) becomes ``scheduler``: the oracle then
-    judges the chunks the run really had.
+    block``, manager mode's stand-in) becomes ``scheduler``, as it does in a
+    file written for scheduler mode (the scenario model turns it:
+    :attr:`Scenario.mamba_prefill`): the oracle then judges the chunks the
+    run really had.
 
     Raises:
         ScenarioError: manager mode for a workload only the scheduler runs
@@ -615,14 +617,7 @@ def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
     """
     if scenario.workload.mode is mode:
         return scenario
-    prefill = scenario.mamba_prefill
-    if mode is DriveMode.SCHEDULER and scenario.mamba_groups:
-        prefill = MambaPrefill.SCHEDULER
-    return dataclasses.replace(
-        scenario,
-        workload=dataclasses.replace(scenario.workload, mode=mode),
-        mamba_prefill=prefill,
-    )
+    return dataclasses.replace(scenario, workload=dataclasses.replace(scenario.workload, mode=mode))
 
 
 def no_partial_hits_reason(scenario: Scenario) -> str:
@@ -870,7 +865,8 @@ def compare_results(
             if base.variant.role is VariantRole.BASELINE:
                 regression = pool_regression(base.run, fixed.run)
                 if regression is not None:
-                    comparison.append(regression)
+                    # The candidate's extra tails cost pool space: its known price.
+                    comparison += label_fix_cost(scenario, [regression], fixed.variant.fix_scope)
     if not any(r.variant.role is VariantRole.FIXED for r in supported):
         # A KV connector's store makes a run unjudgeable sequentially, but its
         # hits, hand-offs and what vLLM adopts are deterministic and what a

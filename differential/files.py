@@ -3,8 +3,8 @@
 The scenario files (:mod:`differential.corpus`) and the model descriptions
 (:mod:`differential.scenario.models`) are read and parsed through here, so a
 pipe, a device, a huge file or a key given twice is refused the same way for
-both. Nothing here imports
-another kvfuzz module but the errors.
+both; :func:`project_root` says where the project's own files lie. Nothing
+here imports another kvfuzz module but the errors.
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ from typing import Any
 
 from differential.errors import ScenarioError
 
-__all__ = ["json_data", "read_regular_file"]
+__all__ = ["json_data", "project_root", "read_regular_file"]
+
+
+def project_root() -> Path:
+    """The folder holding the ``differential`` package: the project checkout
+    (or, for an installed wheel, its site-packages folder), where the
+    project's ``corpora/`` and ``known-issues/`` lie and the paths a known
+    issue names (``KnownIssue.example``) start."""
+    return Path(__file__).resolve().parents[1]
 
 
 def read_regular_file(path: Path, field: str, *, limit_bytes: int = 64 << 20) -> bytes:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["SEVERITY", "Finding", "FindingKind", "Policy"]
+__all__ = ["FIX_COMPARISONS", "SEVERITY", "Finding", "FindingKind", "Policy"]
 
 
 class Policy(StrEnum):
@@ -139,6 +139,12 @@ class FindingKind(StrEnum):
 
 SEVERITY: dict[FindingKind, int] = {kind: rank for rank, kind in enumerate(FindingKind)}
 
+FIX_COMPARISONS: frozenset[FindingKind] = frozenset(
+    {FindingKind.VARIANT_REGRESSION, FindingKind.POOL_REGRESSION, FindingKind.VARIANT_DRIFT}
+)
+"""The kinds that compare a variant carrying a fix with a baseline (``"fixed
+vs unfixed"``): a known label on one names a cost of the fix, not a vLLM issue."""
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -157,7 +163,8 @@ class Finding:
         policy: the policy that judged it.
         detail: one readable sentence.
         known_issue: the name of the known vLLM issue that explains it
-            (:mod:`differential.oracle.known`), or ``None``.
+            (:mod:`differential.oracle.known`), or, for a comparison of a
+            fix with a baseline, of the fix's known cost; ``None`` otherwise.
         blocks_per_group: (``wrong-kv`` only) the block ids the request's
             lookup returned, per KV cache group (``None``: the null block).
     """
@@ -217,8 +224,18 @@ class Finding:
         """The variant the finding belongs to (the fixed side of ``"a vs b"``)."""
         return self.variant.split(" vs ")[0]
 
+    @property
+    def known_kind(self) -> str | None:
+        """What kind of known thing :attr:`known_issue` names, for reports:
+        ``known vLLM issue``, or ``known cost of the fix`` on a comparison of
+        a fix with a baseline (:data:`FIX_COMPARISONS`: what explains it is
+        the fix's own price, not vLLM); ``None`` when nothing known explains it."""
+        if not self.known_issue:
+            return None
+        return "known cost of the fix" if self.kind in FIX_COMPARISONS else "known vLLM issue"
+
     def summary(self) -> str:
         """One line: kind, variant, request and detail."""
         where = "run" if self.request is None else f"request {self.request}"
-        known = f" [known vLLM issue: {self.known_issue}]" if self.known_issue else ""
+        known = f" [{self.known_kind}: {self.known_issue}]" if self.known_issue else ""
         return f"{self.kind.value} on {self.variant}, {where}: {self.detail}{known}"

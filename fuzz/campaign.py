@@ -18,7 +18,8 @@ Output folder layout::
                                (time-boxed; ``shrink_seconds``)
     OUT/summary.json           counts per root cause and per signature,
                                executions per second, time to the first
-                               finding (rewritten atomically)
+                               finding (rewritten atomically); its paths
+                               are relative (:func:`shown_path`)
 
 A root cause is *new* when no known vLLM issue explains it and no scenario of
 the known corpus (``known_corpus``, e.g. ``corpora``) shows it; the summary
@@ -52,8 +53,10 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from differential.compare import ScenarioResult
 from differential.corpus import finding_tag, write_atomic, write_once
+from differential.files import project_root
 from differential.findings import Policy
-from differential.oracle.known import KNOWN_ISSUES
+from differential.oracle.known import KNOWN_FIX_COSTS, KNOWN_ISSUES
+from differential.oracle.layout import LAYOUT_VARIANT
 from differential.scenario import DriveMode, GroupKind, Scenario
 from differential.scenario.finding_form import finding_record
 from differential.triage.identity import Role, RootCause, Triaged, triage
@@ -70,6 +73,7 @@ __all__ = [
     "RootCauseRecord",
     "corpus_root_causes",
     "finding_document",
+    "shown_path",
     "shrink_root_cause",
 ]
 
@@ -181,7 +185,7 @@ class RootCauseRecord:
         first_example: index of the example that first showed it.
         first_seen_s: seconds from the campaign start to that example.
         known_as: the known issue's reproducer or the corpus file that shows
-            it (``""`` for a new root cause).
+            it, as :func:`shown_path` names it (``""`` for a new root cause).
         count: findings it explains (facets and consequences included).
         facets: finding kind -> count.
         consequences: findings that follow from it on a later request.
@@ -214,9 +218,10 @@ class RootCauseRecord:
         """Neither a known vLLM issue nor shown by the known corpus."""
         return not self.known_as
 
-    def to_dict(self) -> dict[str, Any]:
-        """The summary entry."""
-        reproducer = self.shrunk or self.path
+    def to_dict(self, out: Path) -> dict[str, Any]:
+        """The summary entry; its paths relative to ``out`` (the campaign's
+        folder) or to the kvfuzz root (:func:`shown_path`)."""
+        reproducer = shown_path(self.shrunk or self.path, out)
         return {
             "root_cause": self.root_cause.text,
             "identity": self.root_cause.to_dict(),
@@ -227,13 +232,30 @@ class RootCauseRecord:
             "consequences": self.consequences,
             "variants": sorted(self.variants),
             "count_by_variant": dict(sorted(self.count_by_variant.items())),
-            "file": str(self.path),
-            "shrunk": None if self.shrunk is None else str(self.shrunk),
-            "reproducer": str(reproducer) if self.new else self.known_as,
+            "file": shown_path(self.path, out),
+            "shrunk": None if self.shrunk is None else shown_path(self.shrunk, out),
+            "reproducer": reproducer if self.new else self.known_as,
             "first_example": self.first_example,
             "first_seen_s": round(self.first_seen_s, 3),
             "signatures": sorted(self.signatures),
         } | ({"pool_needs": list(self.pool_needs)} if self.pool_needs else {})
+
+
+def shown_path(path: Path | str, out: Path) -> str:
+    """``path`` as a campaign's ``summary.json`` and ``report.md`` name it,
+    never absolute (CI uploads them): relative to ``out`` for what the
+    campaign wrote there, relative to the kvfuzz root (:func:`project_root`)
+    for the project's own files (``corpora/...``, ``known-issues/...``, as a
+    known issue's example is named), relative to ``out`` for any other file.
+    A relative ``path`` is taken from the working directory."""
+    file = Path(path).resolve()
+    folder = out.resolve()
+    if file.is_relative_to(folder):
+        return str(file.relative_to(folder))
+    root = project_root()
+    if file.is_relative_to(root):
+        return str(file.relative_to(root))
+    return os.path.relpath(file, folder)
 
 
 def fix_cost_entries(totals: dict[str, list[int]]) -> list[dict[str, Any]]:
@@ -285,7 +307,7 @@ def corpus_root_causes(
 
 
 def _known_issue_example(name: str) -> str:
-    issue = next((i for i in KNOWN_ISSUES if i.name == name), None)
+    issue = next((i for i in (*KNOWN_ISSUES, *KNOWN_FIX_COSTS) if i.name == name), None)
     return issue.example if issue is not None else f"known issue {name}"
 
 
@@ -342,7 +364,7 @@ def shrink_root_cause(
         vllm_version=VLLM_VERSION,
         root_cause=target.to_dict(),
         shrink={
-            "from": path,
+            "from": shown_path(path, Path(out).parent),  # OUT/shrunk's OUT
             "steps": list(outcome.accepted),
             "checks": outcome.checks,
             "elapsed_s": round(outcome.elapsed_s, 3),
@@ -370,16 +392,25 @@ def finding_document(
     The ``finding`` block is written by the model the loader checks it with
     (:func:`differential.scenario.finding_form.finding_record`); ``root_cause``
     and ``shrink`` are added when given (a root cause's file, a shrunk one).
+
+    Its ``expect`` block records each variant's hits and findings and, when
+    the layout has findings of its own (``alignment-blowup``), those under
+    ``layout`` (:func:`differential.corpus.expectation_problems`), so a
+    replay of the file holds every finding to it.
     """
     document = scenario.to_dict()
+    findings = {
+        vr.variant.name: sorted(
+            finding_tag(f) for f in result.findings if f.owner == vr.variant.name
+        )
+        for vr in result.results
+    }
+    layout = sorted(finding_tag(f) for f in result.findings if f.owner == LAYOUT_VARIANT)
+    if layout:
+        findings[LAYOUT_VARIANT] = layout
     document["expect"] = {
         "hits": {vr.variant.name: list(vr.run.hits) for vr in result.results},
-        "findings": {
-            vr.variant.name: sorted(
-                finding_tag(f) for f in result.findings if f.owner == vr.variant.name
-            )
-            for vr in result.results
-        },
+        "findings": findings,
     }
     record: dict[str, Any] = {
         "signature": signature.text,
@@ -445,11 +476,12 @@ class Campaign:
                 root_cause=cause.to_dict(),
             )
             write_once(path, json.dumps(document, indent=2) + "\n")
-            known_as = (
-                _known_issue_example(cause.known_issue)
-                if cause.known_issue
-                else self._known.get(cause, "")
-            )
+            if cause.known_issue:
+                known_as = _known_issue_example(cause.known_issue)
+            elif cause in self._known:
+                known_as = shown_path(self._known[cause], self.config.out)
+            else:
+                known_as = ""
             record = RootCauseRecord(
                 cause, path, self._example, self.stats.elapsed_s, known_as=known_as
             )
@@ -602,13 +634,13 @@ class Campaign:
             "engine": dict(sorted(stats.engine.items())),
             "fix_costs": fix_cost_entries(self.fix_costs),
             "root_causes": [
-                r.to_dict()
+                r.to_dict(self.config.out)
                 for r in sorted(self.causes.values(), key=lambda r: (not r.new, r.first_example))
             ],
             "distinct": [
                 {
                     "signature": r.signature.text,
-                    "file": str(r.path),
+                    "file": shown_path(r.path, self.config.out),
                     "first_example": r.first_example,
                     "first_seen_s": round(r.first_seen_s, 3),
                     "count": r.count,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from differential.corpus import write_atomic
-from fuzz.campaign import CampaignConfig, fix_cost_entries, run_campaign
+from fuzz.campaign import CampaignConfig, fix_cost_entries, run_campaign, shown_path
 from fuzz.lifetime import EXIT_WORKER_FAILED, die_with_parent, stop_on_signals, stop_requested
 
 __all__ = [
@@ -188,7 +188,7 @@ def _read(paths: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def _add_unlisted_findings(merged: dict[str, Any], folder: Path, since: float) -> None:
+def _add_unlisted_findings(merged: dict[str, Any], out: Path, since: float) -> None:
     """List finding files this run wrote that no worker's last summary lists.
 
     A worker stopped by a signal may be killed after its grace period before
@@ -197,6 +197,7 @@ def _add_unlisted_findings(merged: dict[str, Any], folder: Path, since: float) -
     once, with the example and signature the file records.
     """
     listed = {Path(entry["file"]).name for entry in merged["distinct"]}
+    folder = out / "findings"
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
         if path.name in listed or path.stat().st_mtime < since:
             continue
@@ -207,7 +208,7 @@ def _add_unlisted_findings(merged: dict[str, Any], folder: Path, since: float) -
         merged["distinct"].append(
             {
                 "signature": finding.get("signature", path.stem),
-                "file": str(path),
+                "file": shown_path(path, out),
                 "first_example": finding.get("example", -1),
                 "first_seen_s": merged["elapsed_s"],
                 "count": 1,
@@ -289,7 +290,7 @@ def run_parallel(
         {
             "job": index,
             "exit_status": process.exitcode,
-            "traceback": str(traceback_path(configs[index]))
+            "traceback": shown_path(traceback_path(configs[index]), config.out)
             if traceback_path(configs[index]).exists()
             else None,
         }
@@ -299,7 +300,7 @@ def run_parallel(
     ]
     merged = merge_summaries(_read(paths), config)
     if interrupted:
-        _add_unlisted_findings(merged, config.out / "findings", started)
+        _add_unlisted_findings(merged, config.out, started)
     merged["jobs"] = jobs
     merged["interrupted"] = merged["interrupted"] or interrupted
     merged["failed_jobs"] = failed

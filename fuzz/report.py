@@ -54,13 +54,17 @@ def explain_pictures(
     return pictures
 
 
-def _link(path: str, out: Path) -> str:
-    """A link relative to the report for files under ``out``; else the path as code."""
-    file = Path(path)
-    if file.is_relative_to(out):
-        rel = file.relative_to(out)
-        return f"[`{rel}`]({rel})"
-    return f"`{file}`"
+def _link(path: str) -> str:
+    """A link to a file the summary names relative to OUT (the report's own
+    folder: :func:`fuzz.campaign.shown_path`)."""
+    return f"[`{path}`]({path})"
+
+
+def _reproducer(cause: dict[str, Any]) -> str:
+    """A root cause's reproducer: a link to the campaign's own file for a new
+    one; for a known one, what it is known as (a path from the kvfuzz root),
+    as code."""
+    return _link(cause["reproducer"]) if cause["status"] == "new" else f"`{cause['reproducer']}`"
 
 
 def _cell(text: str) -> str:
@@ -68,7 +72,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def root_cause_table(summary: dict[str, Any], out: Path) -> list[str]:
+def root_cause_table(summary: dict[str, Any]) -> list[str]:
     """The opening table: one row per root cause, new ones first (Markdown lines)."""
     causes = summary.get("root_causes", [])
     new = sum(1 for c in causes if c["status"] == "new")
@@ -85,7 +89,7 @@ def root_cause_table(summary: dict[str, Any], out: Path) -> list[str]:
     ]
     for index, cause in enumerate(causes, 1):
         status = "**NEW**" if cause["status"] == "new" else "known"
-        link = _link(cause["reproducer"], out)
+        link = _reproducer(cause)
         lines.append(
             f"| {index} | {status} | {_cell(cause['root_cause'])} | {cause['count']} | "
             f"{', '.join(cause['variants'])} | {link} |"
@@ -241,7 +245,7 @@ def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: P
     lines = [
         "# kvfuzz campaign",
         "",
-        *root_cause_table(summary, out),
+        *root_cause_table(summary),
         f"- seed {summary['seed']}, variants {', '.join(summary['variants'])}, "
         f"policy {summary['policy']}, vLLM {summary['vllm_version']}",
         f"- {summary['examples']} scenarios in {summary['elapsed_s']:.1f} s: "
@@ -273,9 +277,9 @@ def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: P
             f"- {cause['count']} finding(s): {facets}"
             + (f"; {cause['consequences']} as consequences" if cause["consequences"] else ""),
             f"- variants: {', '.join(cause['variants'])}",
-            f"- first scenario: {_link(cause['file'], out)}"
-            + (f"; shrunk: {_link(cause['shrunk'], out)}" if cause["shrunk"] else "")
-            + (f"; known as: {cause['known_as']}" if cause["known_as"] else ""),
+            f"- first scenario: {_link(cause['file'])}"
+            + (f"; shrunk: {_link(cause['shrunk'])}" if cause["shrunk"] else "")
+            + (f"; known as: `{cause['known_as']}`" if cause["known_as"] else ""),
             f"- {len(cause['signatures'])} signature(s)",
         ]
         picture = pictures.get(cause["root_cause"])
@@ -286,10 +290,8 @@ def campaign_markdown(summary: dict[str, Any], pictures: dict[str, Path], out: P
     if not summary["distinct"]:
         lines.append("None.")
     for entry in summary["distinct"]:
-        file = Path(entry["file"])
-        rel = file.relative_to(out) if file.is_relative_to(out) else file
-        lines.append(f"- **{entry['signature']}** x{entry['count']}: [`{rel}`]({rel})")
-        slug = file.stem
+        lines.append(f"- **{entry['signature']}** x{entry['count']}: {_link(entry['file'])}")
+        slug = Path(entry["file"]).stem
         if slug in pictures:
             picture = pictures[slug].relative_to(out)
             lines += ["", f"  ![explain {slug}]({picture})", ""]

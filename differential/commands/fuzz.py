@@ -24,6 +24,7 @@ from differential.commands.options import (
     write_ci_reports,
 )
 from differential.errors import ScenarioError, VariantError
+from differential.files import project_root
 from differential.findings import Policy
 from differential.scenario import DriveMode, GroupKind
 from differential.variants import (
@@ -221,14 +222,20 @@ def _campaign(
     print(f"{len(causes)} root cause(s), {len(new)} new:")
     for cause in causes:
         status = "NEW  " if cause["status"] == "new" else "known"
+        # A new cause's reproducer is the campaign's own file, named from OUT.
+        where = args.out / cause["reproducer"] if cause["status"] == "new" else cause["reproducer"]
         print(
             f"  {status} {cause['count']:>5} x {cause['root_cause']} "
-            f"[{', '.join(cause['variants'])}]\n          {cause['reproducer']}"
+            f"[{', '.join(cause['variants'])}]\n          {where}"
         )
     print(f"summary: {args.out / 'summary.json'}; report: {args.out / 'report.md'}")
     failed = summary.get("failed_jobs") or []
     for job in failed:
-        where = f"traceback in {job['traceback']}" if job["traceback"] else "no traceback saved"
+        where = (
+            f"traceback in {args.out / job['traceback']}"
+            if job["traceback"]
+            else "no traceback saved"
+        )
         print(
             f"kvfuzz: internal error: job {job['job']} died without finishing "
             f"(exit status {job['exit_status']}; {where})",
@@ -242,14 +249,6 @@ def _campaign(
         tested = {v.name for v in variants}
         return EXIT_FOUND if any(tested & set(c["variants"]) for c in new) else EXIT_CLEAN
     return EXIT_FOUND if summary["distinct"] else EXIT_CLEAN
-
-
-def project_root() -> Path:
-    """The folder holding the ``differential`` package: the project checkout
-    (or, for an installed wheel, its site-packages folder)."""
-    import differential
-
-    return Path(differential.__file__).resolve().parents[1]
 
 
 def default_known_corpus() -> list[Path]:
@@ -337,7 +336,7 @@ def _campaign_reports(args: argparse.Namespace, summary: dict[str, object]) -> l
         if cause["status"] != "new"
     ]
     for cause in summary.get("root_causes", []):  # type: ignore[attr-defined]
-        path = Path(cause["shrunk"] or cause["file"])
+        path = args.out / (cause["shrunk"] or cause["file"])  # named from OUT
         if not path.exists():
             continue
         loaded = load_entry(path)

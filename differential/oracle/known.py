@@ -27,9 +27,10 @@ from differential.oracle import (
     state,
 )
 from differential.oracle.prefix import shared_prefixes
-from differential.scenario import ConnectorLoad, KVEvents, Scenario
+from differential.scenario import ConnectorLoad, DraftGroups, KVEvents, Scenario
+from differential.variant import FixScope
 
-__all__ = ["KNOWN_ISSUES", "KnownIssue", "label_known"]
+__all__ = ["KNOWN_FIX_COSTS", "KNOWN_ISSUES", "KnownIssue", "label_fix_cost", "label_known"]
 
 
 def _short_groups(scenario: Scenario, level_tokens: int) -> int:
@@ -163,6 +164,39 @@ def _unit_below_retained_boundary(
                 )
             )
     return expected not in literal and expected + alignment in literal
+
+
+def _seed_fix_limit_marked_draft_group(scenario: Scenario, finding: Finding) -> bool:
+    """The seed class (a fallback from ``c - A`` under the EAGLE drop, ``c`` a
+    periodic checkpoint ``k * R``) on a layout whose drafter's groups are
+    marked ``is_eagle_group``, beside a sliding-window group that does not
+    take the drop (not in :attr:`Scenario.drop_group_indices`) and whose tail
+    kept for ``c`` starts above token 0 (``ceil((window - 1) / B) * B < c``,
+    in tokens): vLLM calls that group's ``reachable_block_mask`` with
+    ``use_eagle`` false, so it keeps the tail ending on ``c`` and nothing
+    below it, and the seed PR, which widens only where ``use_eagle`` holds,
+    leaves it so."""
+    if finding.kind is not FindingKind.FALLBACK or finding.request is None:
+        return False
+    expected, hit = finding.expected_tokens, finding.hit_tokens
+    if expected is None or hit is None or hit >= expected:
+        return False
+    if scenario.draft_groups is not DraftGroups.ANNOTATED or not drafter_model(scenario).drop:
+        return False
+    retention = scenario.retention_interval_tokens
+    boundary = expected + scenario.effective_hit_alignment_tokens
+    if not retention or boundary % retention:
+        return False
+    for index, group in enumerate(scenario.kv_cache_groups):
+        window = group.sliding_window_tokens
+        if not group.kind.sliding_window_family or window is None:
+            continue
+        if index in scenario.drop_group_indices:
+            continue
+        block = group.block_size_tokens
+        if -(-(window - 1) // block) * block < boundary:
+            return True
+    return False
 
 
 _LOOKUP_FINDERS = (
@@ -526,10 +560,15 @@ class KnownIssue:
         name: short identifier, used in finding signatures and reports.
         summary: one paragraph: what happens and why.
         vllm_source: the vLLM file and function responsible.
-        example: a corpus file that reproduces it.
+        example: a corpus file that reproduces it, relative to the kvfuzz
+            root (for a fix's known cost: where the cost is documented).
         matches: predicate on a scenario and one of its findings.
         uses_hits: ``matches`` also takes the run's hits per request, in
             tokens (a third argument; ``None`` when unknown).
+        fix_scope: for a known cost of one of kvfuzz's fixes
+            (:data:`KNOWN_FIX_COSTS`), the scope of the fix it belongs to: it
+            labels only comparisons of a variant of that scope with a
+            baseline (:func:`label_fix_cost`); ``None`` for a vLLM issue.
     """
 
     name: str
@@ -538,6 +577,7 @@ class KnownIssue:
     example: str
     matches: Callable[..., bool]
     uses_hits: bool = False
+    fix_scope: FixScope | None = None
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
@@ -676,6 +716,30 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "HybridKVCacheCoordinator.find_longest_cache_hit",
         example="known-issues/window-one-multi-group-spiral.json",
         matches=_window_one_spiral,
+    ),
+    KnownIssue(
+        name="seed-fix-limit-marked-draft-group",
+        summary=(
+            "The seed class on the layout vLLM's planner builds for EAGLE-3 and MTP "
+            "drafters with layers of their own: the drafter's KV cache group is "
+            "marked is_eagle_group (get_global_kv_cache_groups, vLLM PR #41640), so "
+            "only it and groups of equal spec take the EAGLE drop, and a "
+            "sliding-window group that does not drop keeps only the tail ending on "
+            "each periodic checkpoint c: a sibling diverging inside the last "
+            "alignment unit before c is owed c - A and falls back (FA 2 marked + "
+            "SWA 1 with window 2, R = 4: 4 where 6 is owed; FA 8 + SWA 4 with "
+            "window 16 + a marked FA 4 draft group, R = 64: 64 where 120 is owed). "
+            "A limit of the seed fix (the seed PR, for vLLM issue #64808): it "
+            "widens the periodic tails of the groups that drop only, so the fixed "
+            "variant keeps this fallback; kvfuzz's candidate widens every retained "
+            "tail and is clean."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "SingleTypeKVCacheManager.cache_blocks (reachable_block_mask with the group's "
+        "own use_eagle, set from eagle_group_ids by vllm/v1/core/kv_cache_coordinator.py "
+        "HybridKVCacheCoordinator.verify_and_split_kv_cache_groups)",
+        example="corpora/cases/seed-shrunk-draft-group-marked.json",
+        matches=_seed_fix_limit_marked_draft_group,
     ),
     KnownIssue(
         name="single-group-drop-after-length-cap",
@@ -910,6 +974,45 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         matches=_full_report_dcp_block_size,
     ),
 )
+
+
+KNOWN_FIX_COSTS: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        name="candidate-pool-cost",
+        summary=(
+            "The documented price of kvfuzz's candidate fix: under sparse retention "
+            "it keeps, beside every tail vLLM keeps for a retained boundary b, the "
+            "tail a hit at b - A reads (A / B_swa sliding-window blocks more per "
+            "boundary), so under pool pressure the blocks another request would "
+            "have hit are evicted first and the candidate hits fewer tokens in all "
+            "than the baseline at the same pool: four answer-reusing chat sessions "
+            "(FA 16 + SWA 8 with window 7, EAGLE under lookahead hashes, retention "
+            "0) at pool 36 blocks: 224 tokens on unfixed, 80 on the candidate; at "
+            "pool 60 every variant serves every hit. Not a vLLM issue: size the "
+            "pool for the cost lines before adopting the fix."
+        ),
+        vllm_source="differential/driver/candidate.py (the wider "
+        "SlidingWindowManager.reachable_block_mask of "
+        "vllm/v1/core/single_type_kv_cache_manager.py) with vllm/v1/core/block_pool.py "
+        "BlockPool (LRU eviction)",
+        example="docs/variants.md#the-candidate-fix",
+        matches=lambda scenario, finding: finding.kind is FindingKind.POOL_REGRESSION,
+        fix_scope=FixScope.ONE_UNIT,
+    ),
+)
+"""Known costs of the fixes kvfuzz runs: findings that compare a variant
+carrying a fix with a baseline and show the price the fix documents, not
+something new about vLLM (``docs/triage.md``, "Known costs of kvfuzz's
+fixes")."""
+
+
+def label_fix_cost(
+    scenario: Scenario, findings: Sequence[Finding], scope: FixScope
+) -> tuple[Finding, ...]:
+    """Return ``findings`` (comparisons of a variant whose fix has ``scope``
+    with a baseline) with ``known_issue`` set where a known cost of that fix
+    (:data:`KNOWN_FIX_COSTS`) explains it."""
+    return label_known(scenario, findings, [c for c in KNOWN_FIX_COSTS if c.fix_scope is scope])
 
 
 def label_known(

@@ -70,7 +70,7 @@ def _finding_properties(t: Triaged) -> dict[str, object]:
 def _known(t: Triaged, known_causes: Collection[RootCause]) -> str | None:
     """Why ``t`` is known (the known issue's name, or ``known root cause``), else ``None``."""
     if t.finding.known_issue:
-        return f"known vLLM issue {t.finding.known_issue}"
+        return f"{t.finding.known_kind} {t.finding.known_issue}"
     return "known root cause" if t.root_cause in known_causes else None
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from differential.compare import ScenarioResult
 from differential.errors import printable
-from differential.findings import Finding, Policy
+from differential.findings import FIX_COMPARISONS, Finding, Policy
 from differential.observation import RequestObservation, RunObservation
 from differential.scenario import Scenario
 
@@ -145,7 +145,8 @@ def expected_line(
     roles: dict[str, VariantRole] = {}
     counts: Counter[str] = Counter()
     recorded = 0
-    known: dict[str, dict[str, None]] = {}
+    # owner -> (known vLLM issues, known costs of the fix), each in first-seen order
+    known: dict[str, tuple[dict[str, None], dict[str, None]]] = {}
     for result, expect in judged:
         for vr in result.results:
             roles.setdefault(vr.variant.name, vr.variant.role)
@@ -154,21 +155,17 @@ def expected_line(
             counts[owner] += 1
             recorded += expect is not None and owner in expect
             if finding.known_issue:
-                known.setdefault(owner, {})[finding.known_issue] = None
+                issues, costs = known.setdefault(owner, ({}, {}))
+                (costs if finding.kind in FIX_COMPARISONS else issues)[finding.known_issue] = None
     total = sum(counts.values())
     if not total:
         return None
     parts = []
     for owner, n in counts.items():
-        issues = known.get(owner, {})
         if roles.get(owner) is VariantRole.BASELINE:
             why = "it lacks the fix"
-        elif issues and _all_known(judged, owner):
-            why = "all known vLLM issues the fix does not cover (" + ", ".join(issues) + ")"
-        elif issues:
-            why = "known vLLM issues among them (" + ", ".join(issues) + ")"
         else:
-            why = ""
+            why = _known_why(*known.get(owner, ({}, {})), every=_all_known(judged, owner))
         parts.append(f"{owner}: {n}" + (f", {why}" if why else ""))
     if recorded == total:
         return (
@@ -180,6 +177,21 @@ def expected_line(
         f"{total} finding(s) ({'; '.join(parts)}); {total - recorded} of them recorded in no "
         "expect block that held"
     )
+
+
+def _known_why(issues: Mapping[str, None], costs: Mapping[str, None], *, every: bool) -> str:
+    """Why a fixed variant's findings were expected: the known vLLM issues
+    the fix does not cover and the known costs of the fix
+    (:data:`~differential.findings.FIX_COMPARISONS`) among them, or all of
+    them (``every``); ``""`` when none is known."""
+    named = []
+    if issues:
+        which = " the fix does not cover" if every else " among them"
+        named.append(f"known vLLM issues{which} (" + ", ".join(issues) + ")")
+    if costs:
+        which = "" if every else " among them"
+        named.append(f"known costs of the fix{which} (" + ", ".join(costs) + ")")
+    return ("all " if every and named else "") + " and ".join(named)
 
 
 def _all_known(

@@ -67,7 +67,9 @@ class SignatureFieldsDocument(BaseModel):
         description="Where the divergence point sits relative to the nearest checkpoint."
     )
     known_issue: StrictStr = Field(
-        default="", description="The known vLLM issue that explains it, or ''."
+        default="",
+        description="The known vLLM issue (or, on a comparison of a fix with a baseline, "
+        "the fix's known cost) that explains it, or ''.",
     )
 
 
@@ -96,7 +98,9 @@ class FindingDocument(BaseModel):
     policy: Policy = Field(default=Policy.VLLM, description="The policy that judged it.")
     detail: StrictStr = Field(description="One readable sentence.")
     known_issue: StrictStr | None = Field(
-        default=None, description="The known vLLM issue that explains it, or null."
+        default=None,
+        description="The known vLLM issue (or, on a comparison of a fix with a baseline, "
+        "the fix's known cost) that explains it, or null.",
     )
     blocks_per_group: tuple[tuple[_Count | None, ...], ...] = Field(
         default=(),
@@ -113,7 +117,9 @@ class RootCauseDocument(BaseModel):
 
     text: StrictStr = Field(description="The root cause as one line.")
     family: StrictStr = Field(description="The cause's class: 'shortfall', 'over-hit', ...")
-    known_issue: StrictStr = Field(default="", description="The known vLLM issue, or ''.")
+    known_issue: StrictStr = Field(
+        default="", description="The known vLLM issue or fix cost, or ''."
+    )
     group_kind: StrictStr = Field(default="", description="The binding group's manager family.")
     branch: StrictStr = Field(default="", description="Where that group's lookup stopped.")
     boundary: StrictStr = Field(default="", description="The boundary of the missing retained run.")

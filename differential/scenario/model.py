@@ -130,7 +130,8 @@ class Scenario:
             to JSON only when true, so older files stay byte-identical.
         mamba_prefill: where prefill steps end with Mamba groups
             (:class:`MambaPrefill`); written to JSON only when not the
-            default ``scheduler``.
+            default ``scheduler``. A scheduler-mode workload always runs
+            vLLM's own chunking: ``block`` is read as ``scheduler`` there.
         dcp_world_size: decode context parallelism, vLLM's
             ``ParallelConfig.decode_context_parallel_size``: each attention
             group's KV is sharded over this many ranks, so a block spans this
@@ -163,6 +164,18 @@ class Scenario:
 
     def __post_init__(self) -> None:
         self._document  # noqa: B018 - checks every field's type and range
+        if (
+            self.workload.mode is DriveMode.SCHEDULER
+            and self.mamba_prefill is MambaPrefill.BLOCK
+            and self.mamba_groups
+        ):
+            # vLLM's Scheduler ends each Mamba prefill chunk where its own
+            # _mamba_block_aligned_split says (vllm/v1/core/sched/scheduler.py);
+            # a block-carved prefill is manager mode's stand-in. Every
+            # scheduler-mode scenario, from a file or from --mode, is judged
+            # on the chunks the Scheduler runs.
+            object.__setattr__(self, "mamba_prefill", MambaPrefill.SCHEDULER)
+            del self.__dict__["_document"]
         check_scenario(self)
 
     @cached_property

@@ -28,14 +28,15 @@ driver traced (:class:`~differential.observation.GroupLookup`, recorded around
 
 None of these depend on the drafter, the retention interval's size, the
 number of groups or the geometry's scale, so the Triton seed (block 16/32,
-R = 8192), its shrunk reproducer, its short-prefix form, the same layout with
-the drafter's group annotated and the FlashInfer geometry (block 64/128) share
-one identity, ``shortfall | SlidingWindowManager.find_longest_cache_hit |
-missing periodic - 1A``. An ``over-hit`` is named after the group whose lookup
-over-reached (a state or window group before full attention, which only
-matches hashes); a ``crash`` after the vLLM function that raised and the
-exception type (``crash | lookup | SlidingWindowManager.find_longest_cache_hit:
-IndexError``).
+R = 8192), its shrunk reproducer, its short-prefix form and the FlashInfer
+geometry (block 64/128) share one identity, ``shortfall |
+SlidingWindowManager.find_longest_cache_hit | missing periodic - 1A`` (the
+same class beside a drafter's group marked ``is_eagle_group``, which the seed
+fix does not widen, is the known issue ``seed-fix-limit-marked-draft-group``).
+An ``over-hit`` is named after the group whose lookup over-reached (a state
+or window group before full attention, which only matches hashes); a
+``crash`` after the vLLM function that raised and the exception type
+(``crash | lookup | SlidingWindowManager.find_longest_cache_hit: IndexError``).
 
 A finding a known vLLM issue explains (:mod:`differential.oracle.known`) takes the
 issue as its root cause. A run that protects a drafter needing no protection

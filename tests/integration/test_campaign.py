@@ -35,7 +35,13 @@ def _campaign(out: Path, seed: int, examples: int, variants: str = "unfixed,fixe
 def test_cold_start_finds_the_fallback_and_reproduces_byte_for_byte(tmp_path: Path) -> None:
     first = _campaign(tmp_path / "a", seed=11, examples=40)
     signatures = [d["signature"] for d in first["distinct"]]
-    assert any(s.startswith("fallback | unfixed | eagle/drop | sparse") for s in signatures)
+    # The seed class, in these 40 examples beside a drafter's group marked
+    # is_eagle_group: on both variants, named as the seed fix's known limit.
+    for variant in ("unfixed", "fixed"):
+        assert (
+            f"fallback | {variant} | * | * | * | known:seed-fix-limit-marked-draft-group"
+            in signatures
+        )
     second = _campaign(tmp_path / "b", seed=11, examples=40)
     files_a = sorted((tmp_path / "a" / "findings").iterdir())
     files_b = sorted((tmp_path / "b" / "findings").iterdir())
@@ -138,3 +144,38 @@ def test_atheris_crash_on_unfixed_converts_to_a_fallback(tmp_path: Path) -> None
     replay = kvfuzz_cli("replay", str(scenario_file), "--variants", "unfixed")
     assert replay.returncode == 1
     assert "fallback on unfixed" in replay.stdout
+
+
+def test_a_layout_finding_file_replays_with_every_expect_block_holding(tmp_path: Path) -> None:
+    # An alignment-blowup belongs to the layout, not to a variant: the file a
+    # campaign writes for it records it under expect.findings.layout, so
+    # replaying the campaign's own output holds it to its expect block.
+    from differential.compare import compare_variants
+    from differential.corpus import load_entry
+    from fuzz.campaign import finding_document
+    from fuzz.signature import signature_of
+
+    scenario = load_entry(ROOT / "known-issues/alignment-blowup-1536-3456.json").scenario
+    result = compare_variants(scenario, parse_variants("unfixed,fixed"))
+    (blowup,) = [f for f in result.findings if f.owner == "layout"]
+    document = finding_document(
+        scenario,
+        result,
+        signature_of(scenario, blowup),
+        seed=7,
+        example=0,
+        vllm_version="0.33.0",
+    )
+    assert document["expect"]["findings"] == {
+        "unfixed": [],
+        "fixed": [],
+        "layout": ["alignment-blowup@run"],
+    }
+    path = tmp_path / "alignment-blowup.json"
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    proc = kvfuzz_cli("replay", str(path), "--variants", "unfixed,fixed")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        "1 finding(s), as expected: each is recorded in its file's expect block "
+        "(layout: 1, all known vLLM issues the fix does not cover (alignment-lcm-blowup))"
+    )

@@ -29,8 +29,9 @@ from differential.scenario import (
     Scenario,
     Workload,
 )
+from differential.triage.identity import triage
 from differential.variants import parse_variants
-from tests.factories import CORPORA, ROOT
+from tests.factories import CORPORA, ROOT, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -335,6 +336,16 @@ def test_candidate_costs_hits_under_pool_pressure_and_says_so() -> None:
         ("candidate vs unfixed", 224, 80)
     ]
     assert "pool 36 blocks" in regressions[0].summary()
+    # The candidate's documented price, not news about vLLM: labelled as the
+    # fix's known cost, its own known root cause, known as its documentation.
+    from fuzz.campaign import _known_issue_example
+
+    assert regressions[0].known_issue == "candidate-pool-cost"
+    assert regressions[0].summary().endswith("[known cost of the fix: candidate-pool-cost]")
+    assert [t.root_cause.text for t in triage(result)] == [
+        "pool-regression | known:candidate-pool-cost"
+    ]
+    assert _known_issue_example("candidate-pool-cost") == "docs/variants.md#the-candidate-fix"
     # With room for every tail (pool 60) the candidate keeps every hit.
     roomy = compare_variants(_answer_reusing_sessions(60), variants)
     assert {vr.run.hits for vr in roomy.results} == {(0, 0, 0, 0, 80, 64, 80, 64)}
@@ -434,6 +445,7 @@ def test_eight_dspark_lanes_under_pressure_are_a_candidate_pool_regression() -> 
         336,
     )
     assert "pool 200 blocks" in regression.summary()
+    assert regression.known_issue == "candidate-pool-cost"
     assert "lower on requests [11, 12, 13]" in regression.summary()
     assert "blocks cached per group [131, 28, 58, 57] vs [110, 16, 32, 32]" in (
         regression.summary()
@@ -453,6 +465,33 @@ def test_block_carved_mamba_prefill_is_judged_as_the_scheduler_chunks_it() -> No
         "fixed": (0, 80, 0, 80),
     }
     assert not [f for f in result.findings if f.kind is FindingKind.OVER_HIT]
+
+
+def test_a_file_written_for_scheduler_mode_judges_the_scheduler_chunks_too(
+    tmp_path: Path,
+) -> None:
+    # The same L100 workload whose file itself says workload.mode scheduler
+    # beside mamba_prefill: block: judged like --mode scheduler (no false
+    # over-hit at 80), by the file and by the command line alike.
+    import json
+
+    data = json.loads((KNOWN / "fine-grained-replay-state-discarded-L100.json").read_text())
+    assert data["mamba_prefill"] == "block"
+    data["workload"] = {"mode": "scheduler"}
+    del data["expect"]
+    path = tmp_path / "l100-scheduler.json"
+    path.write_text(json.dumps(data))
+    scenario = load_entry(path).scenario
+    assert scenario.mamba_prefill.value == "scheduler"
+    result = compare_variants(scenario, BOTH)
+    assert {vr.variant.name: vr.run.hits for vr in result.results} == {
+        "unfixed": (0, 80, 0, 80),
+        "fixed": (0, 80, 0, 80),
+    }
+    assert result.findings == ()
+    proc = kvfuzz_cli("replay", str(path), "--variants", "unfixed")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no findings" in proc.stdout
 
 
 def test_a_pool_the_scheduler_never_admits_into_costs_the_scenario_not_the_run() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,6 @@ def test_the_seed_its_shrunk_form_and_flashinfer_share_one_identity(name: str) -
         # not-match_found path, once a root cause of its own.
         "../known-issues/seed-within-one-window-of-token-0.json",
         "regressions/fallback-unfixed-517c289c14.json",
-        # The shrunk seed with the drafter's group marked is_eagle_group:
-        # once labelled vLLM issue #57610.
-        "cases/seed-shrunk-draft-group-marked.json",
     ],
 )
 def test_the_seed_bugs_forms_merge_into_one_root_cause(name: str) -> None:
@@ -57,6 +55,47 @@ def test_the_seed_bugs_forms_merge_into_one_root_cause(name: str) -> None:
     assert unfixed == {SEED_BUG}
     assert SEED_BUG.text == (
         "shortfall | SlidingWindowManager.find_longest_cache_hit | missing periodic - 1A"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "request_index", "expected", "hit"),
+    [
+        ("cases/seed-shrunk-draft-group-marked.json", 1, 6, 4),
+        ("cases/gemma4-eagle3-draft-group.json", 2, 120, 64),
+    ],
+)
+def test_the_seed_class_beside_a_marked_draft_group_is_named_the_seed_fix_limit(
+    name: str, request_index: int, expected: int, hit: int
+) -> None:
+    # The drafter's group marked is_eagle_group (vLLM's planner's layout for
+    # EAGLE-3 and MTP draft groups): the sliding-window group takes no drop,
+    # so the seed fix does not widen it and fixed keeps the fallback the
+    # candidate closes. Both variants name it; a campaign points at the
+    # marked shrunk reproducer.
+    from fuzz.campaign import _known_issue_example
+
+    result = compare_variants(
+        load_entry(CORPORA / name).scenario, parse_variants("unfixed,fixed,candidate")
+    )
+    limit = RootCause("shortfall", known_issue="seed-fix-limit-marked-draft-group")
+    assert [
+        (
+            t.owner,
+            t.finding.kind,
+            t.finding.request,
+            t.finding.expected_tokens,
+            t.finding.hit_tokens,
+            t.root_cause,
+        )
+        for t in triage(result)
+    ] == [
+        (owner, FindingKind.FALLBACK, request_index, expected, hit, limit)
+        for owner in ("unfixed", "fixed")
+    ]
+    assert all(f.known_issue == limit.known_issue for f in result.findings)
+    assert _known_issue_example(limit.known_issue) == (
+        "corpora/cases/seed-shrunk-draft-group-marked.json"
     )
 
 
@@ -133,11 +172,20 @@ def test_campaign_reports_new_root_causes_first_with_shrunk_reproducers(tmp_path
     causes = summary["root_causes"]
     new = [(c["root_cause"], c["variants"]) for c in causes if c["status"] == "new"]
     # With only known-issues/ as the known corpus, Gemma-4's needless
-    # protection is new; new causes come first. The seed bug is known there:
-    # known-issues/seed-within-one-window-of-token-0.json shows it (and, on
-    # candidate, the short-run loss the candidate does not fix).
+    # protection is new; new causes come first. The seed class these 60
+    # examples show is its form beside a marked draft group, on both
+    # variants: the seed fix's known limit, known as its marked reproducer,
+    # not the seed class on `fixed`.
     assert ("needless-protection | drafter gemma4_mtp", ["unfixed"]) in new
-    assert SEED_BUG.text in {c["root_cause"] for c in causes if c["status"] == "known"}
+    limit = "shortfall | known:seed-fix-limit-marked-draft-group"
+    assert [
+        (c["status"], c["variants"], c["known_as"], c["reproducer"])
+        for c in causes
+        if c["root_cause"] == limit
+    ] == [
+        ("known", ["fixed", "unfixed"], *["corpora/cases/seed-shrunk-draft-group-marked.json"] * 2)
+    ]
+    assert SEED_BUG.text not in {c["root_cause"] for c in causes}
     assert [c["status"] for c in causes] == sorted(
         (c["status"] for c in causes), key=lambda s: s != "new"
     )
@@ -145,13 +193,15 @@ def test_campaign_reports_new_root_causes_first_with_shrunk_reproducers(tmp_path
     assert ONE_UNIT in known
     assert len(causes) < len(summary["distinct"])  # fewer causes than signatures
     for cause in causes[: len(new)]:
-        shrunk = Path(cause["shrunk"])
+        shrunk = tmp_path / cause["shrunk"]  # named from OUT
         assert cause["reproducer"] == cause["shrunk"]
         document = json.loads(shrunk.read_text())
         assert document["finding"]["root_cause"]["text"] == cause["root_cause"]
         replayed = {t[-1] for t in _triage(shrunk)}
         assert RootCause.from_dict(cause["identity"]) in replayed
-    report = (tmp_path / "report.md").read_text().splitlines()
+    text = (tmp_path / "report.md").read_text()
+    assert "; known as: `corpora/cases/seed-shrunk-draft-group-marked.json`" in text
+    report = text.splitlines()
     assert report[2].startswith(f"**{len(causes)} root cause(s), {len(new)} new** (")
     assert report[4] == "| # | status | root cause | count | variants | reproducer |"
     assert report[6].startswith("| 1 | **NEW** | ")
@@ -195,12 +245,32 @@ def test_a_campaign_run_elsewhere_finds_the_projects_known_corpus(tmp_path: Path
         "--out",
         str(tmp_path / "out"),
         cwd=elsewhere,
+        # This tree's kvfuzz, as an install of it is found from anywhere.
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode in (0, 1), proc.stderr
     assert "no known corpus found" not in proc.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     known = {c["root_cause"] for c in summary["root_causes"] if c["status"] == "known"}
     assert ONE_UNIT in known
-    # Corpus files are named where they lie (known issues by their example).
+    # Corpus files are named from the kvfuzz root, as known issues' examples
+    # are, and the campaign's own files from OUT: summary.json and report.md
+    # (CI uploads them) hold no absolute path, wherever the campaign ran.
     reproducers = {c["reproducer"] for c in summary["root_causes"] if c["status"] == "known"}
-    assert any(r.startswith(f"{ROOT / 'corpora'}/") for r in reproducers), reproducers
+    assert any(r.startswith("corpora/") for r in reproducers), reproducers
+    assert all((ROOT / r.partition("#")[0]).is_file() for r in reproducers), reproducers
+    for cause in summary["root_causes"]:
+        assert (tmp_path / "out" / cause["file"]).is_file(), cause["file"]
+    for entry in summary["distinct"]:
+        assert (tmp_path / "out" / entry["file"]).is_file(), entry["file"]
+
+    def strings(value: object) -> list[str]:
+        if isinstance(value, dict):
+            return [s for v in value.values() for s in strings(v)]
+        if isinstance(value, list):
+            return [s for v in value for s in strings(v)]
+        return [value] if isinstance(value, str) else []
+
+    assert [s for s in strings(summary) if s.startswith("/")] == []
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert str(tmp_path) not in report and str(ROOT) not in report

@@ -443,7 +443,8 @@ def test_parallel_job_death_is_reported(tmp_path: Path) -> None:
     summary = run_parallel(config, 2, quiet=True, campaign=campaign_that_dies)
     assert [(j["job"], j["exit_status"]) for j in summary["failed_jobs"]] == [(0, 3), (1, 3)]
     for job in summary["failed_jobs"]:
-        assert "RuntimeError: job summary-job-" in Path(job["traceback"]).read_text()
+        assert job["traceback"] == f"job-{job['job']}-traceback.txt"  # named from OUT
+        assert "RuntimeError: job summary-job-" in (tmp_path / job["traceback"]).read_text()
     assert (
         json.loads((tmp_path / "summary.json").read_text())["failed_jobs"] == summary["failed_jobs"]
     )

@@ -770,3 +770,143 @@ def test_a_null_block_in_the_window_after_a_failed_block_is_the_rewind_into_free
     ):
         lookup = Finding(FindingKind.WRONG_KV, "v", 1, detail)
         assert label_known(reader(failing, swa), [lookup])[0].known_issue is None
+
+
+SEED_FIX_LIMIT = "seed-fix-limit-marked-draft-group"
+
+
+def _seed_shrunk(*groups: KVCacheGroup) -> Scenario:
+    # corpora/cases/seed-shrunk-draft-group-marked.json's shape: R = 4, MTP
+    # under the drop, a sibling sharing 8 tokens owed 6 = 8 - A.
+    return Scenario(
+        kv_cache_groups=groups,
+        requests=(RequestSpec(8, 4), RequestSpec(8, 0)),
+        shared_prefix_tokens=8,
+        retention_interval_tokens=4,
+        drafter=Drafter(DrafterKind.MTP, 1),
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=128,
+    )
+
+
+MARKED_FA2 = KVCacheGroup(GroupKind.FULL_ATTENTION, 2, is_eagle_group=True)
+SWA1 = KVCacheGroup(GroupKind.SLIDING_WINDOW, 1, 2)
+SEED_SHORTFALL = Finding(FindingKind.FALLBACK, "fixed", 1, "", expected_tokens=6, hit_tokens=4)
+
+
+def test_the_seed_class_beside_a_marked_draft_group_is_the_seed_fix_limit() -> None:
+    # The drafter's group marked is_eagle_group: the sliding-window group
+    # takes no drop, keeps the tail ending on 8 and nothing below it, on
+    # unfixed and on the seed fix alike (4 where 6 is owed).
+    assert _labels(_seed_shrunk(MARKED_FA2, SWA1), [0, 4], ManagerSettings(True, 0, 1, 1, 2)) == [
+        SEED_FIX_LIMIT
+    ]
+
+
+@pytest.mark.parametrize(
+    ("groups", "finding"),
+    [
+        # No group marked: every group drops and the seed PR widens the
+        # sliding window's tails: the seed class itself, unlabelled.
+        (
+            (KVCacheGroup(GroupKind.FULL_ATTENTION, 2), SWA1),
+            SEED_SHORTFALL,
+        ),
+        # The sliding-window group is the marked one: it drops, the seed PR
+        # widens it.
+        (
+            (
+                KVCacheGroup(GroupKind.FULL_ATTENTION, 2),
+                KVCacheGroup(GroupKind.SLIDING_WINDOW, 1, 2, is_eagle_group=True),
+            ),
+            SEED_SHORTFALL,
+        ),
+        # A window whose tail kept for 8 reaches token 0 keeps the whole run.
+        (
+            (MARKED_FA2, KVCacheGroup(GroupKind.SLIDING_WINDOW, 1, 9)),
+            SEED_SHORTFALL,
+        ),
+        # Owed no unit below a periodic checkpoint (4 is one).
+        (
+            (MARKED_FA2, SWA1),
+            Finding(FindingKind.FALLBACK, "fixed", 1, "", expected_tokens=4, hit_tokens=0),
+        ),
+    ],
+    ids=["fallback-layout", "swa-group-marked", "tail-from-token-0", "owed-a-checkpoint"],
+)
+def test_the_seed_fix_limit_near_misses(groups: tuple[KVCacheGroup, ...], finding: Finding) -> None:
+    assert label_known(_seed_shrunk(*groups), [finding])[0].known_issue != SEED_FIX_LIMIT
+
+
+POOL_COST = Finding(
+    FindingKind.POOL_REGRESSION,
+    "candidate vs unfixed",
+    None,
+    "pool 36 blocks: candidate hit 80 tokens in all, unfixed 224",
+    expected_tokens=224,
+    hit_tokens=80,
+)
+
+
+def test_a_pool_regression_is_the_known_cost_of_the_candidate_fix_alone() -> None:
+    import dataclasses
+
+    from differential.oracle.known import label_fix_cost
+    from differential.variant import FixScope
+    from tests.factories import triton
+
+    (cost,) = label_fix_cost(triton(), [POOL_COST], FixScope.ONE_UNIT)
+    assert cost.known_issue == "candidate-pool-cost"
+    assert cost.summary() == (
+        "pool-regression on candidate vs unfixed, run: pool 36 blocks: candidate hit 80 "
+        "tokens in all, unfixed 224 [known cost of the fix: candidate-pool-cost]"
+    )
+    # The seed PR's own pool cost is news about the seed PR: unlabelled.
+    seed = dataclasses.replace(POOL_COST, variant="fixed vs unfixed")
+    assert label_fix_cost(triton(), [seed], FixScope.SEED_PR)[0].known_issue is None
+    # No known vLLM issue explains a pool regression.
+    assert label_known(triton(), [POOL_COST])[0].known_issue is None
+
+
+def test_a_replay_says_a_known_cost_is_the_fixs_own_price() -> None:
+    import dataclasses
+
+    from differential.compare import ScenarioResult, VariantResult
+    from differential.reports.table import expected_line
+    from differential.variants import parse_variants
+    from tests.factories import triton
+
+    unfixed, candidate = parse_variants("unfixed,candidate")
+    labelled = dataclasses.replace(POOL_COST, known_issue="candidate-pool-cost")
+    result = ScenarioResult(
+        scenario=triton(),
+        source=None,
+        policy=Policy.VLLM,
+        results=(
+            VariantResult(unfixed, run([0, 0]), None, (), ()),
+            VariantResult(candidate, run([0, 0]), None, (), ()),
+        ),
+        comparison_findings=(labelled,),
+    )
+    assert expected_line([(result, {"candidate": ("pool-regression@run",)})]) == (
+        "1 finding(s), as expected: each is recorded in its file's expect block "
+        "(candidate: 1, all known costs of the fix (candidate-pool-cost))"
+    )
+    one_unit = Finding(
+        FindingKind.FALLBACK,
+        "candidate",
+        1,
+        "",
+        expected_tokens=88,
+        hit_tokens=0,
+        known_issue="unit-below-retained-boundary-falls-back",
+    )
+    both = dataclasses.replace(
+        result,
+        results=(result.results[0], dataclasses.replace(result.results[1], findings=(one_unit,))),
+    )
+    assert expected_line([(both, None)]) == (
+        "2 finding(s) (candidate: 2, all known vLLM issues the fix does not cover "
+        "(unit-below-retained-boundary-falls-back) and known costs of the fix "
+        "(candidate-pool-cost)); 2 of them recorded in no expect block that held"
+    )

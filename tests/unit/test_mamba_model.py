@@ -363,3 +363,19 @@ def test_generator_reaches_mamba_hybrids() -> None:
     )
     pinned = found(lambda s: True, frozenset({GroupKind.MAMBA}))
     assert pinned.mamba_groups
+
+
+def test_a_scheduler_mode_workload_runs_the_schedulers_mamba_chunks() -> None:
+    # vLLM's Scheduler chunks a Mamba prefill itself: a file written for
+    # scheduler mode with mamba_prefill block is judged on the scheduler's
+    # chunks, as --mode scheduler judges it; manager mode keeps the carving.
+    from differential.scenario import DriveMode, Workload
+
+    data = {**fa_mamba(100).to_dict(), "workload": {"mode": "scheduler"}}
+    assert data["mamba_prefill"] == "block"
+    scenario = Scenario.from_dict(data)
+    assert scenario.mamba_prefill is MambaPrefill.SCHEDULER
+    assert scenario.workload.mode is DriveMode.SCHEDULER
+    assert "mamba_prefill" not in scenario.to_dict()
+    assert fa_mamba(100, workload=Workload(mode=DriveMode.SCHEDULER)) == scenario
+    assert fa_mamba(100).mamba_prefill is MambaPrefill.BLOCK

@@ -443,3 +443,17 @@ def test_a_per_group_hit_is_named_after_the_group_that_came_up_short() -> None:
     # Group 1 is the sliding window: its manager's lookup is the one named.
     assert triaged.root_cause == RootCause("per-group-hit", group_kind="sliding_window")
     assert triaged.root_cause.text == "per-group-hit | SlidingWindowManager.find_longest_cache_hit"
+
+
+def test_a_campaign_names_its_paths_from_out_or_from_the_kvfuzz_root(tmp_path) -> None:
+    # summary.json and report.md hold no absolute path: the campaign's own
+    # files from OUT, the project's corpus from the kvfuzz root (as a known
+    # issue's example is named), any other file from OUT.
+    from differential.files import project_root
+    from fuzz.campaign import shown_path
+
+    out = tmp_path / "out"
+    root = project_root()
+    assert shown_path(out / "shrunk" / "a.json", out) == "shrunk/a.json"
+    assert shown_path(root / "corpora" / "cases" / "x.json", out) == "corpora/cases/x.json"
+    assert shown_path(tmp_path / "mine" / "y.json", out) == "../mine/y.json"
