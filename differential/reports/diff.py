@@ -229,7 +229,8 @@ def blocks_added_text(blocks: Sequence[int]) -> str:
         if count == 0:
             parts.append(f"no change in group {group}")
             continue
-        parts.append(f"{abs(count)} {'more' if count > 0 else 'fewer'}{noun} in group {group}")
+        word = noun[:-1] if noun and abs(count) == 1 else noun  # "1 more block"
+        parts.append(f"{abs(count)} {'more' if count > 0 else 'fewer'}{word} in group {group}")
         noun = ""
     return ", ".join(parts) or "no group"
 

@@ -323,13 +323,17 @@ class GateReport:
                 if section is Section.COST
                 else ""
             )
+            reproducer = self.reproducers.get((section, cause))
+            if section is Section.BOTH:  # what the base already had: one line a group
+                where = f": {reproducer.path}" if reproducer is not None else ""
+                lines.append(f"  [{len(items)} in {scenarios} scenario(s)] {cause}{where}")
+                continue
             lines.append(f"  [{len(items)} in {scenarios} scenario(s){cost}] {cause}")
             for item in items[:_EXAMPLES_SHOWN]:
                 where = item.scenario + (
                     f" request {item.request}" if item.request is not None else ""
                 )
                 lines.append(f"      e.g. {where}: {item.detail}")
-            reproducer = self.reproducers.get((section, cause))
             if reproducer is not None:
                 lines.append(f"      reproducer: {reproducer.path}")
                 lines.append(f"      run: {reproducer.command}")
