@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.factories import CORPORA, ROOT, kvfuzz_cli
-from tests.trees import COMMENT_ONLY, INSTALLED, SEED_FIX, SHORT_WINDOW_RUN, commit_edits
+from tests.trees import (
+    COMMENT_ONLY,
+    HANGING_IMPORT,
+    INSTALLED,
+    SEED_FIX,
+    SHORT_WINDOW_RUN,
+    commit_edits,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -23,7 +30,8 @@ TOY = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """vLLM 0.33.0's package (a farm of links to the installed files) committed
-    on ``main``, with three branches: ``breakage``, ``seed-fix``, ``comment``."""
+    on ``main``, with four branches: ``breakage``, ``seed-fix``, ``comment``
+    and ``hang`` (its vLLM hangs on import)."""
     root = tmp_path_factory.mktemp("gate") / "vllm-repo"
     root.mkdir()
     subprocess.run(["cp", "-rs", str(INSTALLED), str(root / "vllm")], check=True)
@@ -35,12 +43,13 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     commit_edits(root, "breakage", SHORT_WINDOW_RUN)
     commit_edits(root, "seed-fix", SEED_FIX)
     commit_edits(root, "comment", COMMENT_ONLY)
+    commit_edits(root, "hang", HANGING_IMPORT)
     return root
 
 
-def gate(repo: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def gate(repo: Path, out: Path, *args: str, **env_vars: str) -> subprocess.CompletedProcess[str]:
     """``kvfuzz gate`` run inside ``repo`` (as a maintainer runs it), on two seeds."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env_vars)
     return kvfuzz_cli(
         "gate", *args, "--corpus", str(TOY), str(TRITON), "--seconds", "0", "--out", str(out),
         cwd=repo, env=env,
@@ -119,3 +128,23 @@ def test_a_comment_makes_no_difference(repo: Path, tmp_path: Path) -> None:
         "the base (exit 0)"
     )
     assert not stale.exists()  # an earlier run's reproducer is not this run's
+
+
+def test_a_head_that_cannot_start_is_named_and_the_report_written(
+    repo: Path, tmp_path: Path
+) -> None:
+    proc = gate(
+        repo, tmp_path / "out", "--head", "hang", "--timeout", "1",
+        KVFUZZ_TREE_START_TIMEOUT="1",
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
+    missed = [line for line in proc.stdout.splitlines() if line.startswith("! ")]
+    assert len(missed) == 1 and missed[0].startswith(
+        "! head could not start; it would have run 2 scenario(s) (corpora/seeds/toy-mtp1-swa4-"
+        "fa8-r64.json, corpora/seeds/triton-mtp3-swa16-fa32-r8192.json): the worker for "
+    )
+    assert (tmp_path / "out" / "report.txt").read_text() == proc.stdout
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["not_started"]["variant"] == "head"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("kvfuzz: ")]
+    assert len(errors) == 1 and errors[0].startswith("kvfuzz: head could not start, so 2 ")
