@@ -137,3 +137,60 @@ HANGING_IMPORT = {
         )
     ]
 }
+
+# vLLM imports slowly but surely: two CPU-seconds of work before the rest of
+# its __init__ (a loaded machine stretches that in wall time, it never stops it).
+SLOW_IMPORT = {
+    INIT: [
+        (
+            "# SPDX-License-Identifier: Apache-2.0\n",
+            "# SPDX-License-Identifier: Apache-2.0\n"
+            "import time as _time\n\n"
+            "_until = _time.process_time() + 2.0\n"
+            "while _time.process_time() < _until:\n"
+            "    pass\n",
+        )
+    ]
+}
+
+# The one-line breakage of SlidingWindowManager.find_longest_cache_hit: a run of
+# one block fewer than the window needs counts as a hit (vLLM serves KV blocks
+# the window reads as the null block).
+SHORT_WINDOW_RUN = {
+    SINGLE_TYPE: [
+        (
+            "if num_contiguous_blocks >= sliding_window_contiguous_blocks:",
+            "if num_contiguous_blocks >= sliding_window_contiguous_blocks - 1:",
+        )
+    ]
+}
+
+# A change that changes nothing: a comment.
+COMMENT_ONLY = {
+    "v1/core/kv_cache_utils.py": [
+        (
+            "# SPDX-License-Identifier: Apache-2.0\n",
+            "# SPDX-License-Identifier: Apache-2.0\n# A comment a pull request adds.\n",
+        )
+    ]
+}
+
+
+def commit_edits(
+    repo: Path, branch: str, edits: dict[str, list[tuple[str, str]]], *, start: str = "main"
+) -> None:
+    """A new branch of the git repository ``repo`` (a :func:`make_tree` farm
+    committed) from ``start``, with ``edits`` committed on it; the working
+    tree is left on ``start``."""
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "checkout", "-q", "-b", branch, start], check=True)
+    for relative, replacements in edits.items():
+        target = repo / "vllm" / relative
+        text = target.read_text()
+        for old, new in replacements:
+            assert text.count(old) >= 1, (relative, old)
+            text = text.replace(old, new, 1)
+        target.unlink()
+        target.write_text(text)
+    subprocess.run([*git, "commit", "-q", "-am", branch], check=True)
+    subprocess.run([*git, "checkout", "-q", start], check=True)

@@ -13,6 +13,7 @@ from types import ModuleType
 
 # Subcommand name -> module, in the order ``kvfuzz --help`` lists them.
 COMMANDS: dict[str, str] = {
+    "gate": "gate",
     "replay": "replay",
     "calibrate": "calibrate",
     "fuzz": "fuzz",

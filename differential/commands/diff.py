@@ -10,6 +10,7 @@ from typing import Any
 from differential.commands.options import (
     EXIT_CLEAN,
     EXIT_FOUND,
+    EXIT_USAGE,
     seconds_budget,
     timeout_seconds,
 )
@@ -30,8 +31,10 @@ def add_parser(sub: Any) -> None:
             "Run the corpus and a bounded campaign on variants A and B (e.g. "
             "release:0.32.0 unfixed) and print, grouped by root cause, the hits "
             "that differ (with the oracle's blame), the blocks kept that differ, "
-            "findings on one side only and scenarios one side cannot run. Exit 0 "
-            "when nothing differs, 1 otherwise."
+            "findings on one side only and scenarios one side cannot run. Progress "
+            "goes to stderr, one line per corpus scenario and per 25 generated ones. "
+            "Exit 0 when nothing differs, 1 otherwise, 3 when a variant's worker "
+            "cannot start (after printing what was found before)."
         ),
     )
     diff.add_argument("a", metavar="A", help="the 'before' variant (any --variants name)")
@@ -47,14 +50,19 @@ def add_parser(sub: Any) -> None:
         "--seconds",
         type=seconds_budget,
         default=30.0,
-        help="campaign budget in seconds; 0 for no campaign (default: %(default)s)",
+        help=(
+            "campaign budget in seconds; 0 for no campaign: no generated scenario at all, "
+            "whatever --max-examples says (default: %(default)s)"
+        ),
     )
     diff.add_argument(
         "--max-examples",
         type=int,
         default=None,
         metavar="N",
-        help="campaign: stop after N generated inputs (default: only --seconds bounds it)",
+        help=(
+            "campaign: also stop after N generated inputs (default: only --seconds bounds it)"
+        ),
     )
     diff.add_argument("--seed", type=int, default=1, help="campaign seed (default: %(default)s)")
     diff.add_argument(
@@ -80,10 +88,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_examples is not None and args.max_examples < 0:
         raise VariantError(f"--max-examples = {args.max_examples} is invalid: allowed N >= 0")
-    if not args.corpus and args.seconds == 0 and not args.max_examples:
+    if not args.corpus and args.seconds == 0:
         raise VariantError(
             "--corpus with no PATH and --seconds 0 would compare nothing: give a corpus "
-            "PATH, or a campaign budget (--seconds S > 0 or --max-examples N)"
+            "PATH, or a campaign budget (--seconds S > 0)"
         )
     a, b = parse_variants(f"{args.a},{args.b}", timeout_s=args.timeout)
     entries = [(str(path), load_entry(path).scenario) for path in iter_scenario_files(args.corpus)]
@@ -95,9 +103,15 @@ def run(args: argparse.Namespace) -> int:
         max_examples=args.max_examples,
         seed=args.seed,
         policy=Policy(args.policy),
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         sys.stdout.write(report.render())
+    if report.not_started is not None:
+        sys.stdout.flush()
+        raise report.not_started.error()
+    if report.rejected:
+        return EXIT_USAGE  # each named on stderr as it happened, and in the report
     return EXIT_FOUND if report.changes else EXIT_CLEAN

@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -259,11 +259,15 @@ def outputs_failed(problems: Sequence[str]) -> EnvironmentProblem:
 
 
 def write_ci_reports(
-    args: argparse.Namespace, results: Sequence[object], known_causes: Collection[object] = ()
+    args: argparse.Namespace,
+    results: Sequence[object],
+    known_causes: Collection[object] = (),
+    on_base: Mapping[str, Collection[str]] | None = None,
 ) -> list[str]:
     """Write ``--junit-xml``, ``--sarif`` and the annotations; known findings
-    (known vLLM issues, and ``known_causes``: root causes a known corpus
-    holds) are JUnit skips, SARIF notes and notices unless
+    (known vLLM issues, ``known_causes``: root causes a known corpus holds,
+    and ``on_base``: per scenario, the ``kind@request`` tags a pull
+    request's base has too) are JUnit skips, SARIF notes and notices unless
     ``--known-as-failures``.
 
     Returns:
@@ -274,6 +278,7 @@ def write_ci_reports(
     known: dict[str, Any] = {
         "known_causes": frozenset(known_causes),
         "known_as_failures": getattr(args, "known_as_failures", False),
+        "on_base": on_base,
     }
     problems: list[str | None] = []
     if args.junit_xml is not None:

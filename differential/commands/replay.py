@@ -25,12 +25,15 @@ from differential.commands.options import (
 from differential.errors import ScenarioError
 from differential.findings import Policy
 from differential.variants import (
+    Variant,
     VariantRole,
     parse_variants,
 )
 
 if TYPE_CHECKING:
+    from differential.compare import ScenarioResult
     from differential.corpus import CorpusEntry
+    from differential.reports.table import NotStarted
 
 __all__ = ["add_parser", "run"]
 
@@ -61,9 +64,70 @@ def add_parser(sub: Any) -> None:
     )
 
 
+def _replay_entries(
+    args: argparse.Namespace,
+    entries: list[CorpusEntry],
+    variants: tuple[Variant, ...],
+    policy: Policy,
+) -> tuple[list[ScenarioResult], list[CorpusEntry], list[ScenarioError], list[NotStarted]]:
+    """Run every entry on the variants; a variant whose worker cannot start
+    is left out from that scenario on (named on stderr at once), the others
+    go on.
+
+    Returns:
+        The results, the entries they are of, the scenarios bad input only
+        running could show, and the variants that could not start.
+    """
+    from differential.compare import compare_variants
+    from differential.reports.table import NotStarted, printable
+    from differential.scenario.bounds import scenario_cost
+    from differential.variants.tree import WorkerStartFailed
+
+    results: list[ScenarioResult] = []
+    ran: list[CorpusEntry] = []
+    rejected: list[ScenarioError] = []
+    not_started: dict[str, NotStarted] = {}
+    for index, entry in enumerate(entries, 1):
+        # Progress on stderr, one line per scenario, its cost stated before it runs.
+        print(
+            f"[{index}/{len(entries)}] {printable(str(entry.path))}: "
+            f"{scenario_cost(entry.scenario).describe()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        result = None
+        while variants and result is None:
+            try:
+                result = compare_variants(
+                    entry.scenario,
+                    variants,
+                    policy=policy,
+                    source=str(entry.path),
+                    dense_cross_check=not args.no_dense_check,
+                )
+            except WorkerStartFailed as exc:
+                print(
+                    f"kvfuzz: {one_line(str(exc))} (going on without {exc.variant})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                not_started[exc.variant] = NotStarted(exc.variant, str(exc))
+                variants = tuple(v for v in variants if v.name != exc.variant)
+            except ScenarioError as exc:
+                # Bad input only running could show costs that scenario, not the run.
+                print(f"kvfuzz: error: {one_line(str(exc))}", file=sys.stderr, flush=True)
+                rejected.append(exc)
+                break
+        for missed in not_started.values():
+            missed.scenarios.append(str(entry.path))
+        if result is not None:
+            results.append(result)
+            ran.append(entry)
+    return results, ran, rejected, list(not_started.values())
+
+
 def run(args: argparse.Namespace) -> int:
     from differential.corpus import expectation_problems
-    from differential.scenario.bounds import scenario_cost
 
     if args.mode == "engine":
         return _replay_on_engine(args)
@@ -72,7 +136,6 @@ def run(args: argparse.Namespace) -> int:
     # Validate every input (and its cost) and every output path before running anything.
     entries = _checked_entries(args)
 
-    from differential.compare import compare_variants
     from differential.driver import VLLM_VERSION
     from differential.reports.table import expected_line, printable, render_json, render_text
 
@@ -84,32 +147,7 @@ def run(args: argparse.Namespace) -> int:
         if fix_complete:
             variants = tuple(v for v in variants if v.role is not VariantRole.FIXED)
     notices += [f"{printable(str(entry.path))}: {entry.plan}" for entry in entries if entry.plan]
-    results = []
-    ran: list[CorpusEntry] = []
-    rejected: list[ScenarioError] = []
-    for index, entry in enumerate(entries, 1):
-        # Progress on stderr, one line per scenario, its cost stated before it runs.
-        print(
-            f"[{index}/{len(entries)}] {printable(str(entry.path))}: "
-            f"{scenario_cost(entry.scenario).describe()}",
-            file=sys.stderr,
-            flush=True,
-        )
-        try:
-            result = compare_variants(
-                entry.scenario,
-                variants,
-                policy=policy,
-                source=str(entry.path),
-                dense_cross_check=not args.no_dense_check,
-            )
-        except ScenarioError as exc:
-            # Bad input only running could show costs that scenario, not the run.
-            print(f"kvfuzz: error: {one_line(str(exc))}", file=sys.stderr, flush=True)
-            rejected.append(exc)
-            continue
-        results.append(result)
-        ran.append(entry)
+    results, ran, rejected, not_started = _replay_entries(args, entries, variants, policy)
     # A corpus file's `expect` block is checked too: a contradiction fails like a finding.
     contradictions = [
         (entry.path, problem)
@@ -120,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     report["expectations_failed"] = [
         {"file": str(path), "problem": problem} for path, problem in contradictions
     ]
+    report["not_started"] = [missed.to_dict() for missed in not_started]
     problems = write_ci_reports(args, results)
     if args.report is not None:
         problem = write_output("--report", args.report, json.dumps(report, indent=2) + "\n")
@@ -130,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(render_text(results, VLLM_VERSION, notices))
         for path, problem in contradictions:
             sys.stdout.write(f"! expectation not met: {printable(str(path))}: {problem}\n")
+        for missed in not_started:
+            sys.stdout.write(missed.line() + "\n")
         sys.stdout.write(f"({time.perf_counter() - started:.1f} s after importing vLLM)\n")
         contradicted = {path for path, _ in contradictions}
         closing = expected_line(
@@ -140,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if closing is not None:
             sys.stdout.write(closing + "\n")
+    if not_started:
+        raise not_started[0].error(len(not_started) - 1)
     if problems:
         raise outputs_failed(problems)
     if rejected:

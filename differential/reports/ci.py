@@ -15,7 +15,9 @@ never go away: a test case whose findings are all known is ``skipped``
 (its message names them), a known finding beside new ones is listed in the
 case's ``system-out``, SARIF gives it level ``note`` and an annotation is a
 ``::notice``; ``known_as_failures`` (``--known-as-failures``) reports them
-like new ones.
+like new ones. ``on_base`` (``kvfuzz gate``) names, per scenario, the
+findings (``kind@request``) the pull request's base has too: they are known
+the same way.
 
 Entries come in the order of ``results`` (a campaign passes its root causes'
 reproducers, new ones first); within a scenario, each root cause's primary
@@ -27,10 +29,11 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from differential.compare import ScenarioResult
+from differential.corpus import finding_tag
 from differential.findings import Finding, FindingKind
 from differential.triage.identity import Role, RootCause, Triaged, triage
 
@@ -67,10 +70,15 @@ def _finding_properties(t: Triaged) -> dict[str, object]:
     return {**finding.to_dict(), "root_cause": t.root_cause.text, "role": t.role.value}
 
 
-def _known(t: Triaged, known_causes: Collection[RootCause]) -> str | None:
-    """Why ``t`` is known (the known issue's name, or ``known root cause``), else ``None``."""
+def _known(
+    t: Triaged, known_causes: Collection[RootCause], on_base: Collection[str] = ()
+) -> str | None:
+    """Why ``t`` is known (the known issue's name, ``known root cause``, or
+    ``on the base too``: its tag is in ``on_base``), else ``None``."""
     if t.finding.known_issue:
         return f"{t.finding.known_kind} {t.finding.known_issue}"
+    if finding_tag(t.finding) in on_base:
+        return "on the base too"
     return "known root cause" if t.root_cause in known_causes else None
 
 
@@ -80,8 +88,10 @@ def junit_xml(
     suite_name: str = "kvfuzz",
     known_causes: Collection[RootCause] = frozenset(),
     known_as_failures: bool = False,
+    on_base: Mapping[str, Collection[str]] | None = None,
 ) -> str:
     """JUnit XML text for ``results`` (known findings: see the module docstring)."""
+    base = on_base or {}
     root = ET.Element("testsuites", name=suite_name)
     total = failures = skips = 0
     for result in results:
@@ -97,7 +107,10 @@ def junit_xml(
                 time=f"{vr.elapsed_s:.3f}",
             )
             mine = [t for t in _ordered(result) if t.owner == vr.variant.name]
-            known = [] if known_as_failures else [t for t in mine if _known(t, known_causes)]
+            shared = base.get(_name(result), ())
+            known = (
+                [] if known_as_failures else [t for t in mine if _known(t, known_causes, shared)]
+            )
             new = [t for t in mine if t not in known]
             if new:
                 failed += 1
@@ -115,12 +128,14 @@ def junit_xml(
                     "skipped",
                     message=(
                         "known: "
-                        + "; ".join(f"{_line(t)} ({_known(t, known_causes)})" for t in known)
+                        + "; ".join(
+                            f"{_line(t)} ({_known(t, known_causes, shared)})" for t in known
+                        )
                     )[:1000],
                 )
             out = ET.SubElement(case, "system-out")
             out.text = f"hits {list(vr.run.hits)}" + "".join(
-                f"\nknown ({_known(t, known_causes)}): {_line(t)}" for t in known
+                f"\nknown ({_known(t, known_causes, shared)}): {_line(t)}" for t in known
             )
         suite.set("tests", str(cases))
         suite.set("failures", str(failed))
@@ -168,6 +183,7 @@ def sarif(
     tool_version: str = "0.1.0",
     known_causes: Collection[RootCause] = frozenset(),
     known_as_failures: bool = False,
+    on_base: Mapping[str, Collection[str]] | None = None,
 ) -> dict[str, Any]:
     """A SARIF 2.1.0 log with one result per finding (a known one: level
     ``note``, its ``properties.known`` saying why; see the module docstring)."""
@@ -181,9 +197,10 @@ def sarif(
     ]
     sarif_results = []
     for result in results:
+        shared = (on_base or {}).get(_name(result), ())
         for t in _ordered(result):
             finding = t.finding
-            known = None if known_as_failures else _known(t, known_causes)
+            known = None if known_as_failures else _known(t, known_causes, shared)
             properties = _finding_properties(t) | ({"known": known} if known else {})
             sarif_results.append(
                 {
@@ -235,6 +252,7 @@ def github_annotations(
     *,
     known_causes: Collection[RootCause] = frozenset(),
     known_as_failures: bool = False,
+    on_base: Mapping[str, Collection[str]] | None = None,
 ) -> str:
     """GitHub Actions ``::error``/``::warning`` lines, one per finding (a
     known one: ``::notice``).
@@ -244,10 +262,11 @@ def github_annotations(
     """
     lines = []
     for result in results:
+        shared = (on_base or {}).get(_name(result), ())
         for t in _ordered(result):
             finding = t.finding
             level = "error" if _LEVEL[finding.kind] == "error" else "warning"
-            if not known_as_failures and _known(t, known_causes):
+            if not known_as_failures and _known(t, known_causes, shared):
                 level = "notice"
             message = _escape_data(finding.summary())
             file = _escape_property(_name(result))
@@ -260,7 +279,10 @@ def dumps_sarif(
     *,
     known_causes: Collection[RootCause] = frozenset(),
     known_as_failures: bool = False,
+    on_base: Mapping[str, Collection[str]] | None = None,
 ) -> str:
     """:func:`sarif` as JSON text."""
-    log = sarif(results, known_causes=known_causes, known_as_failures=known_as_failures)
+    log = sarif(
+        results, known_causes=known_causes, known_as_failures=known_as_failures, on_base=on_base
+    )
     return json.dumps(log, indent=2) + "\n"

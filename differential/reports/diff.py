@@ -17,15 +17,25 @@ Both variants take part as baselines (neither is labelled fixed), so
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from differential.compare import ScenarioResult, VariantResult
 from differential.observation import ManagerSettings
+from differential.reports.table import NotStarted
 from differential.scenario import Scenario
 
-__all__ = ["Change", "ChangeKind", "DiffReport", "changes_of"]
+__all__ = [
+    "Change",
+    "ChangeKind",
+    "DiffReport",
+    "blocks_added_text",
+    "changes_of",
+    "cost_text",
+    "setting_text",
+]
 
 _EXAMPLES_SHOWN = 2
 
@@ -81,6 +91,10 @@ class DiffReport:
         generated_scenarios: scenarios the campaign generated.
         seed: the campaign's seed.
         changes: every difference, in the order found.
+        not_started: a variant whose worker could not start, and what it
+            would have run (the runs stopped there), or ``None``.
+        rejected: ``label: message`` of corpus scenarios that could not run
+            (bad input only running could show).
     """
 
     a: str
@@ -90,6 +104,8 @@ class DiffReport:
     generated_scenarios: int
     seed: int
     changes: tuple[Change, ...]
+    not_started: NotStarted | None = None
+    rejected: tuple[str, ...] = ()
 
     def groups(self) -> list[tuple[ChangeKind, str, list[Change]]]:
         """Changes grouped by (kind, cause), kinds in :class:`ChangeKind` order,
@@ -108,9 +124,14 @@ class DiffReport:
         lines = [
             f"kvfuzz diff {self.a} -> {self.b}: {self.corpus_scenarios} corpus scenario(s) "
             f"+ {self.generated_scenarios} generated (seed {self.seed})",
-            "  "
-            + ", ".join(f"{name} runs vLLM {version}" for name, version in self.versions.items()),
         ]
+        if self.versions:
+            lines.append(
+                "  " + ", ".join(f"{name} runs vLLM {v}" for name, v in self.versions.items())
+            )
+        lines += [f"! not run: {printable_line(r)}" for r in self.rejected]
+        if self.not_started is not None:
+            lines.append(self.not_started.line())
         if not self.changes:
             lines.append("no differences")
             return "\n".join(lines) + "\n"
@@ -131,12 +152,7 @@ class DiffReport:
             drafters = ", ".join(sorted({c.drafter for c in changes}))
             cost = ""
             if kind is ChangeKind.COST:
-                more = sum(1 for c in changes if c.extra_blocks > 0)
-                blocks = sum(c.extra_blocks for c in changes)
-                cost = (
-                    f"; {blocks:+d} blocks kept on {self.b} in all, more on {more}, "
-                    f"fewer on {len(changes) - more} sibling(s)"
-                )
+                cost = "; " + cost_text([c.extra_blocks for c in changes], self.b)
             lines.append(
                 f"  [{len(changes)} in {scenarios} scenario(s); drafters {drafters}{cost}] {cause}"
             )
@@ -158,6 +174,8 @@ class DiffReport:
             "corpus_scenarios": self.corpus_scenarios,
             "generated_scenarios": self.generated_scenarios,
             "seed": self.seed,
+            "not_started": None if self.not_started is None else self.not_started.to_dict(),
+            "rejected": list(self.rejected),
             "groups": [
                 {
                     "kind": kind.value,
@@ -179,6 +197,44 @@ class DiffReport:
         }
 
 
+def printable_line(text: str) -> str:
+    """``text`` on one line."""
+    return " ".join(text.split())
+
+
+def cost_text(extra_blocks: Sequence[int], b: str) -> str:
+    """Blocks kept on B against A, one figure per sibling, in words: ``66
+    fewer blocks kept on unfixed in all: more on 4 sibling(s), fewer on 24``."""
+    more = sum(1 for x in extra_blocks if x > 0)
+    fewer = sum(1 for x in extra_blocks if x < 0)
+    blocks = sum(extra_blocks)
+    total = (
+        f"{abs(blocks)} {'more' if blocks > 0 else 'fewer'} block{'s' if abs(blocks) != 1 else ''} "
+        f"kept on {b} in all"
+        if blocks
+        else f"as many blocks kept on {b} in all"
+    )
+    return f"{total}: more on {more} sibling(s), fewer on {fewer}"
+
+
+def blocks_added_text(blocks: Sequence[int]) -> str:
+    """What one request added to the prefix cache, per KV cache group, in
+    words: ``[2, -2]`` is ``2 more blocks in group 0, 2 fewer in group 1``
+    (the cached block count after the request against before it: evictions
+    make it negative), ``[0, 3]`` is ``no change in group 0, 3 more blocks
+    in group 1``."""
+    parts = []
+    noun = " blocks"
+    for group, count in enumerate(blocks):
+        if count == 0:
+            parts.append(f"no change in group {group}")
+            continue
+        word = noun[:-1] if noun and abs(count) == 1 else noun  # "1 more block"
+        parts.append(f"{abs(count)} {'more' if count > 0 else 'fewer'}{word} in group {group}")
+        noun = ""
+    return ", ".join(parts) or "no group"
+
+
 def _protection(settings: ManagerSettings | None) -> str:
     if settings is None:
         return "?"
@@ -193,7 +249,8 @@ def _flags(result: VariantResult, request: int) -> list[str]:
     return sorted({f.kind.value for f in result.findings if f.request == request})
 
 
-def _setting_text(scenario: Scenario) -> str:
+def setting_text(scenario: Scenario) -> str:
+    """``drafter mtp, R=8192, 1 SWA group(s)``: what a scenario runs with."""
     drafter = scenario.drafter.kind.value
     retention = scenario.retention_interval_tokens
     kept = "dense" if retention is None else f"R={retention}"
@@ -215,7 +272,7 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
                     f"{side.variant.name} lacks {side.run.unsupported}",
                     label,
                     None,
-                    _setting_text(scenario),
+                    setting_text(scenario),
                     scenario.drafter.kind.value,
                 )
             )
@@ -232,8 +289,8 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
         j = xa.index
         flags_a, flags_b = _flags(ra, j), _flags(rb, j)
         blocks = (
-            f"blocks kept per group {list(xa.retained_blocks_per_group)} on {a}, "
-            f"{list(xb.retained_blocks_per_group)} on {b}"
+            f"cached by the request: {blocks_added_text(xa.retained_blocks_per_group)} on {a}; "
+            f"{blocks_added_text(xb.retained_blocks_per_group)} on {b}"
         )
         extra = sum(xb.retained_blocks_per_group) - sum(xa.retained_blocks_per_group)
         if xa.hit_tokens != xb.hit_tokens:
@@ -255,7 +312,7 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
                     label,
                     j,
                     f"hits {xa.hit_tokens} on {a}, {xb.hit_tokens} on {b} (tokens); "
-                    f"{_setting_text(scenario)}; {blocks}",
+                    f"{setting_text(scenario)}; {blocks}",
                     drafter,
                     extra,
                 )
@@ -268,7 +325,7 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
                     protection,
                     label,
                     j,
-                    f"same hit {xa.hit_tokens} tokens; {_setting_text(scenario)}; {blocks}",
+                    f"same hit {xa.hit_tokens} tokens; {setting_text(scenario)}; {blocks}",
                     drafter,
                     extra,
                 )
@@ -281,7 +338,7 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
                     f"{kind} only on {owner} ({protection})",
                     label,
                     j,
-                    f"hit {xa.hit_tokens} tokens on both; {_setting_text(scenario)}",
+                    f"hit {xa.hit_tokens} tokens on both; {setting_text(scenario)}",
                     drafter,
                 )
             )

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from differential.compare import ScenarioResult
-from differential.errors import printable
+from differential.errors import InternalError, printable
 from differential.findings import FIX_COMPARISONS, Finding, Policy
 from differential.observation import RequestObservation, RunObservation
 from differential.scenario import Scenario
 
 __all__ = [
     "REPORT_FORMAT",
+    "NotStarted",
     "connector_summary",
     "engine_figures",
     "engine_summary",
@@ -22,6 +24,52 @@ __all__ = [
     "render_text",
     "summary_counts",
 ]
+
+
+@dataclass
+class NotStarted:
+    """A variant whose worker could not start, and the scenarios it did not run.
+
+    Attributes:
+        variant: the variant (``tree:...``, ``release:...``).
+        reason: the worker's failure, as
+            :class:`~differential.variants.tree.WorkerStartFailed` said it.
+        scenarios: the scenarios it would have run (files or labels), in order.
+    """
+
+    variant: str
+    reason: str
+    scenarios: list[str] = field(default_factory=list)
+
+    def short_reason(self) -> str:
+        """The reason on one line, without the worker's stderr."""
+        head = self.reason.split("; its stderr ends with")[0]
+        return printable(" ".join(head.removeprefix(f"{self.variant}: ").split()))
+
+    def line(self) -> str:
+        """The report's line for it."""
+        shown = ", ".join(self.scenarios[:3]) + (", ..." if len(self.scenarios) > 3 else "")
+        return (
+            f"! {self.variant} could not start; it would have run {len(self.scenarios)} "
+            f"scenario(s) ({printable(shown)}): {self.short_reason()}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (a report's ``not_started``)."""
+        return {"variant": self.variant, "reason": self.reason, "scenarios": self.scenarios}
+
+    def error(self, others: int = 0) -> InternalError:
+        """The one-line failure a command ends with (exit 3), after writing
+        everything else; ``others``: more variants that could not start."""
+        from differential.variants.tree import WorkerStartFailed
+
+        more = f" (and {others} other variant(s))" if others else ""
+        return WorkerStartFailed(
+            f"{self.variant}{more} could not start, so {len(self.scenarios)} scenario(s) did "
+            f"not run on it; every other result was written: {self.short_reason()}",
+            self.variant,
+        )
+
 
 REPORT_FORMAT = "kvfuzz.replay"
 REPORT_VERSION = 1
@@ -134,7 +182,8 @@ def expected_line(
 
     Returns:
         ``None`` when nothing was found; else, per owner, the findings, the
-        baseline variants named as lacking the fix and the known vLLM issues
+        baseline variants named as lacking the fix (a ``tree:`` variant's
+        findings: ``on the tree under test``) and the known vLLM issues
         named (``10 findings on unfixed, as expected: it lacks the fix;
         fixed: 1, all known vLLM issues the fix does not cover
         (unit-below-retained-boundary-falls-back); each is recorded in its
@@ -162,7 +211,9 @@ def expected_line(
         return None
     parts = []
     for owner, n in counts.items():
-        if roles.get(owner) is VariantRole.BASELINE:
+        if roles.get(owner) is VariantRole.BASELINE and owner.startswith("tree:"):
+            why = "on the tree under test"
+        elif roles.get(owner) is VariantRole.BASELINE:
             why = "it lacks the fix"
         else:
             why = _known_why(*known.get(owner, ({}, {})), every=_all_known(judged, owner))

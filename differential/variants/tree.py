@@ -14,8 +14,14 @@ start (its vLLM raises on import, or hangs past the start-up timeout) or
 reports a failure of kvfuzz's own driver raises ``InternalError``: kvfuzz's
 failure, never a finding.
 
-The start-up timeout (importing the tree's vLLM) is ``KVFUZZ_TREE_START_TIMEOUT``
-seconds (default 180), or the per-scenario timeout if that is longer.
+The start-up limit (importing the tree's vLLM) is ``KVFUZZ_TREE_START_TIMEOUT``
+seconds (default 180), or the per-scenario timeout if that is longer. It
+follows the time the start actually needs: a worker still using CPU when the
+limit passes (a loaded machine slows an import, it does not stop it) is given
+the limit again, up to :data:`MAX_START_WINDOWS` limits in all; one that used
+no CPU over a whole limit (a hung import) is stopped. A worker that cannot
+start raises :class:`WorkerStartFailed`, naming its variant, so a command can
+go on without it or write what it has.
 
 Nothing here imports vLLM.
 """
@@ -35,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -48,8 +55,12 @@ from differential.observation import RunObservation
 from differential.scenario import Scenario
 
 __all__ = [
+    "MAX_START_WINDOWS",
     "TreeWorker",
+    "TreeWorkerError",
     "WorkerDied",
+    "WorkerStartFailed",
+    "resolve_commit",
     "resolve_tree",
     "run_tree",
     "scenario_as_run",
@@ -60,6 +71,8 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_START_TIMEOUT_S = 180.0
 START_TIMEOUT_ENV = "KVFUZZ_TREE_START_TIMEOUT"
+MAX_START_WINDOWS = 10  # a start still using CPU is given the limit again, this often in all
+_START_PROGRESS_CPU_S = 0.05  # CPU seconds a start must use in one limit to count as progress
 _STDERR_LINES = 40
 _ROOT = Path(__file__).resolve().parents[2]  # the folder holding the differential package
 
@@ -87,8 +100,14 @@ def start_timeout_s(timeout_s: float = 0.0) -> float:
     return max(value, timeout_s)
 
 
-def resolve_tree(spec: str) -> Path:
+def resolve_tree(spec: str, *, folder: str | None = None) -> Path:
     """The folder holding ``vllm/`` for ``PATH`` or ``PATH@REF``.
+
+    Args:
+        spec: ``PATH`` or ``PATH@REF``.
+        folder: the name of REF's worktree under ``PATH/.kvfuzz-worktrees``
+            (default: REF, ``/`` replaced by ``_``); one name reused for
+            changing refs keeps one worktree, moved to each.
 
     Raises:
         VariantError: a path without a ``vllm`` package, or a ref git cannot check out.
@@ -96,7 +115,7 @@ def resolve_tree(spec: str) -> Path:
     path_text, _, ref = spec.partition("@")
     path = Path(path_text).expanduser().resolve()
     if ref:
-        path = _checkout(spec, path, ref)
+        path = _checkout(spec, path, ref, folder or ref.replace("/", "_"))
     if not (path / "vllm" / "__init__.py").is_file():
         raise VariantError(
             f"tree:{spec}: {path} has no vllm/__init__.py; allowed: a vLLM checkout or an "
@@ -109,7 +128,18 @@ def _git(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["git", *args], capture_output=True, text=True, check=False)
 
 
-def _checkout(spec: str, repo: Path, ref: str) -> Path:
+def resolve_commit(repo: Path, ref: str) -> str | None:
+    """The full commit id REF names in the git repository at ``repo``, or
+    ``None`` (not a repository, or a ref that does not resolve to a commit)."""
+    resolved = _git(
+        "-C", str(repo), "rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}"
+    )
+    if resolved.returncode != 0:
+        return None
+    return resolved.stdout.strip() or None
+
+
+def _checkout(spec: str, repo: Path, ref: str, folder: str) -> Path:
     """The worktree of ``repo`` at REF's current commit (created or moved there)."""
     resolved = _git(
         "-C", str(repo), "rev-parse", "--verify", "--end-of-options", f"{ref}^{{commit}}"
@@ -117,7 +147,7 @@ def _checkout(spec: str, repo: Path, ref: str) -> Path:
     if resolved.returncode != 0:
         raise VariantError(f"tree:{spec}: cannot check out {ref!r}: {resolved.stderr.strip()}")
     commit = resolved.stdout.strip()
-    worktree = repo / ".kvfuzz-worktrees" / ref.replace("/", "_")
+    worktree = repo / ".kvfuzz-worktrees" / folder
     if not worktree.exists():
         done = _git("-C", str(repo), "worktree", "add", "--detach", str(worktree), commit)
     elif _commit(worktree, short=False) != commit:
@@ -154,9 +184,14 @@ def _drain(pipe: IO[str], tail: collections.deque[str]) -> None:
 _TREE_WORKER = [sys.executable, "-m", "differential.driver.worker"]
 
 
-def _launch(command: list[str], env: dict[str, str]) -> subprocess.Popen[str] | forkserver.Child:
-    """Start ``command`` with pipes on its stdin, stdout and stderr (text,
-    UTF-8, line-buffered input). The tree worker (``python -m
+def _launch(
+    command: list[str], env: dict[str, str], cwd: Path
+) -> subprocess.Popen[str] | forkserver.Child:
+    """Start ``command`` in folder ``cwd`` with pipes on its stdin, stdout and
+    stderr (text, UTF-8, line-buffered input). ``python -m`` puts its working
+    folder first on ``sys.path``, so a tree worker runs in its tree's folder:
+    started inside another vLLM checkout (``kvfuzz gate`` runs in the pull
+    request's), it would import that checkout's ``vllm`` instead. The tree worker (``python -m
     differential.driver.worker`` on this Python) is forked from the fork
     server ``KVFUZZ_FORKSERVER`` names when it can serve it (about 1
     CPU-second, against 7 for a fresh interpreter); any other command, or a
@@ -169,7 +204,9 @@ def _launch(command: list[str], env: dict[str, str]) -> subprocess.Popen[str] | 
         pipes = [os.pipe() for _ in range(3)]  # (read, write) each
         ends = (pipes[0][0], pipes[1][1], pipes[2][1])
         try:
-            child = forkserver.spawn(address, "differential.driver.worker", env=env, fds=ends)
+            child = forkserver.spawn(
+                address, "differential.driver.worker", cwd=cwd, env=env, fds=ends
+            )
         except (forkserver.Unservable, OSError):
             for read, write in pipes:
                 os.close(read)
@@ -184,6 +221,7 @@ def _launch(command: list[str], env: dict[str, str]) -> subprocess.Popen[str] | 
             return child
     return subprocess.Popen(
         command,
+        cwd=cwd,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -203,10 +241,62 @@ class TreeWorkerError(InternalError):
     """A tree's worker could not start, or kvfuzz's driver failed inside it.
 
     kvfuzz's failure (exit 3), never a finding; the message is the worker's own.
+
+    Attributes:
+        variant: the variant whose worker failed (``tree:...``, ``release:...``).
     """
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, variant: str = "") -> None:
         KvfuzzError.__init__(self, message)
+        self.variant = variant
+
+
+class WorkerStartFailed(TreeWorkerError):
+    """A tree's worker could not start: its vLLM raised on import, or the
+    import hung (no CPU used over a whole start limit) or outlasted
+    :data:`MAX_START_WINDOWS` limits. Commands report the variant as not
+    started, with what it would have run, and write every result they have."""
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system, its reaped children's included) process
+    ``pid`` has used, read from ``/proc/PID/stat``; ``None`` where it cannot
+    be read (not Linux, or the process is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        fields = text.rsplit(")", 1)[1].split()  # fields 3.. (the name may hold spaces)
+        ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _StartProgress:
+    """Whether a starting worker is still making progress when its limit passes.
+
+    It is when it has used at least :data:`_START_PROGRESS_CPU_S` CPU seconds
+    since the limit last passed (a loaded machine gives it less CPU, not
+    none) and has not yet had :data:`MAX_START_WINDOWS` limits. Where its
+    CPU time cannot be read, a passed limit ends the start.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.windows = 1
+        self.busy = False  # it used CPU since the limit last passed
+        self._cpu = _cpu_seconds(pid)
+
+    def still_working(self) -> bool:
+        """Called when the limit passes: give the worker the limit again?"""
+        cpu = _cpu_seconds(self.pid)
+        previous, self._cpu = self._cpu, cpu
+        self.busy = (
+            cpu is not None and previous is not None and cpu - previous >= _START_PROGRESS_CPU_S
+        )
+        if not self.busy or self.windows >= MAX_START_WINDOWS:
+            return False
+        self.windows += 1
+        return True
 
 
 @dataclass
@@ -233,33 +323,47 @@ class TreeWorker:
     def start(self) -> None:
         """Start the process and read its hello (vLLM version, capabilities).
 
+        The start limit (:func:`start_timeout_s`) follows the time the start
+        needs: while the worker keeps using CPU it is given the limit again,
+        up to :data:`MAX_START_WINDOWS` limits in all.
+
         Raises:
-            InternalError: the worker died or hung while importing its vLLM
-                (the message ends with the worker's stderr).
+            WorkerStartFailed: the worker died or hung while importing its
+                vLLM (the message ends with the worker's stderr).
         """
         env = self.environment()
         env[PARENT_ENV] = str(os.getpid())  # the worker dies with this process
         self.stderr_tail.clear()
-        self.process = _launch(self.command(), env)
+        self.process = _launch(self.command(), env, self.tree)
         assert self.process.stderr is not None
         self._reader = threading.Thread(
             target=_drain, args=(self.process.stderr, self.stderr_tail), daemon=True
         )
         self._reader.start()
         limit = start_timeout_s(self.timeout_s)
+        started = time.monotonic()
+        progress = _StartProgress(self.process.pid)
         try:
-            hello = self._ask({"op": "hello"}, limit)
+            hello = self._ask({"op": "hello"}, limit, patience=progress.still_working)
         except WorkerDied as exc:
             self.stop()
-            raise TreeWorkerError(
-                f"{self.name}: the worker died while importing vLLM from {self.tree}: {exc}"
+            raise WorkerStartFailed(
+                f"{self.name}: the worker died while importing vLLM from {self.tree}: {exc}",
+                self.name,
             ) from None
         if hello is None:
             tail = self._tail()
             self.stop()
-            raise TreeWorkerError(
-                f"{self.name}: the worker for {self.tree} did not start within {limit:g} s "
-                f"(importing vLLM; {START_TIMEOUT_ENV} sets the limit){tail}"
+            waited = time.monotonic() - started
+            why = (
+                f"still using CPU after {MAX_START_WINDOWS} times the limit"
+                if progress.busy
+                else f"it used no CPU in its last {limit:g} s"
+            )
+            raise WorkerStartFailed(
+                f"{self.name}: the worker for {self.tree} did not start within {waited:.0f} s "
+                f"(importing vLLM; {why}; {START_TIMEOUT_ENV} = {limit:g} s sets the limit){tail}",
+                self.name,
             )
         self.vllm_version = self.version(hello)
         self.capabilities = hello["capabilities"]
@@ -316,7 +420,16 @@ class TreeWorker:
             returncode = None
         return WorkerDied(f"{_exit_text(returncode)}{self._tail()}")
 
-    def _ask(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+    def _ask(
+        self,
+        message: dict[str, Any],
+        timeout_s: float,
+        *,
+        patience: Callable[[], bool] | None = None,
+    ) -> dict[str, Any] | None:
+        """Send ``message`` and read the reply; ``None`` when none came within
+        ``timeout_s`` seconds (each time ``patience`` says so when they pass,
+        ``timeout_s`` more)."""
         process = self.process
         assert process is not None and process.stdin is not None and process.stdout is not None
         try:
@@ -328,7 +441,10 @@ class TreeWorker:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return None
+                if patience is None or not patience():
+                    return None
+                deadline += timeout_s
+                continue
             ready, _, _ = select.select([process.stdout], [], [], remaining)
             if ready:
                 line = process.stdout.readline()
@@ -338,10 +454,10 @@ class TreeWorker:
                     reply = dict(json.loads(line))
                 except ValueError:
                     raise TreeWorkerError(
-                        f"{self.name}: the worker broke the protocol: {line[:200]!r}"
+                        f"{self.name}: the worker broke the protocol: {line[:200]!r}", self.name
                     ) from None
                 if "internal_error" in reply:
-                    error = TreeWorkerError(f"{self.name}: {reply['internal_error']}")
+                    error = TreeWorkerError(f"{self.name}: {reply['internal_error']}", self.name)
                     error.add_note(f"worker traceback:\n{reply.get('traceback', '')}")
                     raise error
                 return reply

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,8 +15,14 @@ from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
 from differential.errors import InternalError, VariantError
 from differential.variants import parse_variants
-from differential.variants.tree import _WORKERS, resolve_tree, run_tree, shutdown_workers
-from tests.factories import CORPORA, kvfuzz_cli, triton
+from differential.variants.tree import (
+    _WORKERS,
+    WorkerStartFailed,
+    resolve_tree,
+    run_tree,
+    shutdown_workers,
+)
+from tests.factories import CORPORA, ROOT, kvfuzz_cli, triton
 from tests.trees import (
     BANNER,
     BROKEN_MASK,
@@ -25,6 +32,7 @@ from tests.trees import (
     RAISING_IMPORT,
     RENAMED_BLOCK_CACHE,
     SEED_FIX,
+    SLOW_IMPORT,
     make_tree,
 )
 
@@ -195,9 +203,14 @@ def test_a_banner_on_stdout_does_not_break_the_protocol(tmp_path: Path) -> None:
 def test_start_up_timeout_is_adjustable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tree = make_tree(tmp_path / "hanging-import", HANGING_IMPORT)
     monkeypatch.setenv("KVFUZZ_TREE_START_TIMEOUT", "2")
-    limit = r"did not start within 2 s .*KVFUZZ_TREE_START_TIMEOUT"
-    with pytest.raises(InternalError, match=limit):
+    # A hung import uses no CPU: it is stopped once a whole limit passes without any.
+    limit = (
+        r"did not start within \d+ s \(importing vLLM; it used no CPU in its last 2 s; "
+        r"KVFUZZ_TREE_START_TIMEOUT = 2 s sets the limit\)"
+    )
+    with pytest.raises(WorkerStartFailed, match=limit) as caught:
         run_tree("tree:hanging-import", tree, triton(), timeout_s=1)
+    assert caught.value.variant == "tree:hanging-import"
     monkeypatch.setenv("KVFUZZ_TREE_START_TIMEOUT", "soon")
     with pytest.raises(VariantError, match=r"KVFUZZ_TREE_START_TIMEOUT = 'soon' is invalid"):
         run_tree("tree:hanging-import-2", tree, triton(), timeout_s=1)
@@ -265,3 +278,83 @@ def test_an_unmutated_farm_runs_scheduler_scenarios_as_unfixed_does(farm, path: 
         assert tree.run.evicted_blocks == unfixed.run.evicted_blocks == 4
         assert tree.run.hits == (0, 0, 0, 0, 96, 96, 96, 96, 100, 100, 100, 100)
         assert tree.findings == unfixed.findings == ()
+
+
+def test_a_slow_but_healthy_start_outlasts_a_short_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Importing this vLLM takes two CPU-seconds more than the limit allows
+    # in wall time; while the worker keeps using CPU it is given the limit
+    # again, so it starts and runs the scenario as stock vLLM does.
+    tree = make_tree(tmp_path / "slow-import", SLOW_IMPORT)
+    monkeypatch.setenv("KVFUZZ_TREE_START_TIMEOUT", "0.5")
+    run = run_tree("tree:slow-import", tree, triton(), timeout_s=0.5)
+    assert run.error is None and run.hits == (0, 8192, 16352, 16352)
+    shutdown_workers()
+
+
+def test_a_tree_worker_imports_its_own_tree_inside_another_checkout(tmp_path: Path) -> None:
+    # Run from inside a vLLM checkout (as `kvfuzz gate` runs in the pull
+    # request's), the worker of another tree must not import the checkout's vllm.
+    checkout = make_tree(tmp_path / "checkout", BROKEN_MASK)
+    stock = make_tree(tmp_path / "stock")
+    proc = kvfuzz_cli(
+        "replay",
+        str(CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"),
+        "--variants",
+        f"tree:{stock}",
+        cwd=checkout,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    assert "broken reachable_block_mask" not in proc.stdout
+    assert proc.stdout.splitlines()[-1] == (
+        f"1 finding(s) (tree:{stock}: 1, on the tree under test); 1 of them recorded in no "
+        "expect block that held"
+    )
+
+
+def test_a_variant_that_cannot_start_leaves_the_others_results_written(
+    tmp_path: Path,
+) -> None:
+    tree = make_tree(tmp_path / "hanging-import", HANGING_IMPORT)
+    name = f"tree:{tree}"
+    seeds = [
+        CORPORA / "seeds" / n
+        for n in ("toy-mtp1-swa4-fa8-r64.json", "single-group-swa16-w64-r0.json")
+    ]
+    env = dict(os.environ, KVFUZZ_TREE_START_TIMEOUT="1")
+    report = tmp_path / "replay.json"
+    proc = kvfuzz_cli(
+        "replay", *map(str, seeds), "--variants", f"unfixed,{name}", "--timeout", "1",
+        "--report", str(report), env=env,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stdout + proc.stderr[-2000:]
+    data = json.loads(report.read_text())
+    # Every scenario ran on unfixed; the tree is named with what it did not run.
+    assert [[v["name"] for v in s["variants"]] for s in data["scenarios"]] == [["unfixed"]] * 2
+    assert [(m["variant"], m["scenarios"]) for m in data["not_started"]] == [
+        (name, [str(p) for p in seeds])
+    ]
+    assert f"! {name} could not start; it would have run 2 scenario(s) (" in proc.stdout
+    error = [line for line in proc.stderr.splitlines() if "could not start, so" in line]
+    assert len(error) == 1 and error[0].startswith(f"kvfuzz: {name} could not start, so 2 ")
+    stock = make_tree(tmp_path / "stock")  # no vLLM import in the command's own process
+    diff = kvfuzz_cli(
+        "diff", f"tree:{stock}", name, "--corpus", str(seeds[0]), "--seconds", "0",
+        "--timeout", "1", env=env,
+    )  # fmt: skip
+    assert diff.returncode == 3, diff.stdout + diff.stderr[-2000:]
+    first, missed, verdict = diff.stdout.splitlines()[:3]
+    assert (
+        first == f"kvfuzz diff tree:{stock} -> {name}: 0 corpus scenario(s) + 0 generated (seed 1)"
+    )
+    assert missed.startswith(
+        f"! {name} could not start; it would have run 1 scenario(s) ({seeds[0]}): the worker "
+        f"for {tree} did not start within "
+    )
+    assert missed.endswith(
+        "(importing vLLM; it used no CPU in its last 1 s; KVFUZZ_TREE_START_TIMEOUT = 1 s "
+        "sets the limit)"
+    )
+    assert verdict == "no differences"

@@ -213,5 +213,5 @@ def test_diff_groups_hits_cost_findings_and_unsupported_by_cause() -> None:
     text = report.render()
     assert "hits that differ: 1 sibling(s) in 1 scenario(s)" in text
     assert "scenarios one side cannot run: 1 scenario(s)" in text
-    assert "-2 blocks kept on new in all, more on 0, fewer on 1 sibling(s)" in text
+    assert "2 fewer blocks kept on new in all: more on 0 sibling(s), fewer on 1" in text
     assert [g["kind"] for g in report.to_dict()["groups"]] == ["hits", "cost", "unsupported"]
