@@ -270,8 +270,9 @@ def run(args: Any) -> int:
         )
 
     work = default_work_dir()
-    server = _start_forkserver()
+    server = None
     try:
+        server = _start_forkserver()
         run = run_mutation(
             mutants,
             scenarios,
