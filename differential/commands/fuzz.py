@@ -141,12 +141,15 @@ def run(args: argparse.Namespace) -> int:
     # that is no scenario is left out (the campaign reports skipped files).
     for path in iter_scenario_files([str(p) for p in known], skipped=None):
         load_entry(path)
-    from differential.reports.outputs import check_output_folder
+    from differential.reports.outputs import check_output_file, check_output_folder
 
     check_output_folder(args.out, "--out")
-    for sub in ("findings", "hypothesis-db", "pictures", "earlier-runs"):
+    for sub in ("findings", "hypothesis-db", "pictures", "earlier-runs", "shrunk"):
         check_output_folder(args.out / sub, f"--out ({sub}/)")
-    check_ci_outputs(args)
+    reports = [(f"--out ({name})", args.out / name) for name in ("report.md", "summary.json")]
+    for option, path in reports:
+        check_output_file(path, option)
+    check_ci_outputs(args, others=reports)
     lock = _lock_out(args.out)
     try:
         _keep_earlier_run(args.out)

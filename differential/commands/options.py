@@ -286,14 +286,30 @@ def write_ci_reports(
     return [p for p in problems if p is not None]
 
 
-def check_ci_outputs(args: argparse.Namespace, inputs: Sequence[Path] = ()) -> None:
-    """``--junit-xml`` and ``--sarif`` can be written and are none of ``inputs``."""
-    from differential.reports.outputs import check_not_an_input, check_output_file
+def check_ci_outputs(
+    args: argparse.Namespace,
+    inputs: Sequence[Path] = (),
+    others: Sequence[tuple[str, Path | None]] = (),
+) -> None:
+    """``--junit-xml`` and ``--sarif`` can be written, are none of ``inputs``,
+    and name files of their own: not one another's, nor one of ``others``
+    (the command's other outputs, ``(option, path)``, e.g. ``--report``).
 
-    for option, path in (("--junit-xml", args.junit_xml), ("--sarif", args.sarif)):
+    Raises:
+        ScenarioError: naming the option and the path (exit 2).
+    """
+    from differential.reports.outputs import (
+        check_distinct_outputs,
+        check_not_an_input,
+        check_output_file,
+    )
+
+    ci = [("--junit-xml", args.junit_xml), ("--sarif", args.sarif)]
+    for option, path in ci:
         if path is not None:
             check_output_file(path, option)
             check_not_an_input(path, option, inputs)
+    check_distinct_outputs([*others, *ci])
 
 
 def one_line(text: str) -> str:

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         from differential.commands.confirm import replay_on_engine
 
         entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
-        check_ci_outputs(args)
+        check_ci_outputs(args, others=[("--report", args.report)])
         if args.report is not None:
             from differential.reports.outputs import check_output_file
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     # Validate every input (and its cost) and every output path before running anything.
     entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
     inputs = [entry.path for entry in entries]
-    check_ci_outputs(args, inputs)
+    check_ci_outputs(args, inputs, others=[("--report", args.report)])
     if args.report is not None:
         from differential.reports.outputs import check_not_an_input, check_output_file
 

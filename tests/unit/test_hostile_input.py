@@ -117,6 +117,12 @@ def _unwritable_findings(tmp: Path) -> list[str]:
     return ["fuzz", "--out", str(out), "--max-examples", "1"]
 
 
+def _shrunk_is_a_file(tmp: Path) -> list[str]:
+    (tmp / "out").mkdir()
+    (tmp / "out" / "shrunk").write_text("x")
+    return ["fuzz", "--out", "out", "--max-examples", "1"]
+
+
 def _duplicate_key(tmp: Path) -> list[str]:
     # Plain json keeps the last of two equal keys: the file would run with
     # decode_steps 7 although its author may have meant 0.
@@ -327,6 +333,49 @@ CASES = [
         "import-crash-out-under-a-file",
         lambda t: ["import-crash", str(_file(t)), "--out", str(_file(t) / "r")],
         "--out",
+    ),
+    _case(
+        # It overwrote the first shard's file with the merged run (exit 0).
+        "mutate-merge-json-is-an-input",
+        lambda t: ["mutate", "--merge", _file(t).name, "s2.json", "--json", _file(t).name],
+        "--json = 'a-file' is invalid: allowed a file that is not an input (it is a-file)",
+    ),
+    _case(
+        # --shard was ignored: the merged run was written as if not given.
+        "mutate-merge-with-shard",
+        lambda t: ["mutate", "--merge", "s1.json", "s2.json", "--shard", "1/2"],
+        "--merge and --shard 1/2: give one; allowed: run one shard, or merge the --json "
+        "files of every shard",
+    ),
+    _case(
+        "mutate-shard-of-1e20",
+        lambda t: ["mutate", "--shard", "1/99999999999999999999"],
+        "--shard '1/99999999999999999999': allowed: I/N with 1 <= I <= N <= 1000000 (e.g. 1/2)",
+    ),
+    _case(
+        "mutate-json-and-markdown-on-one-file",
+        lambda t: ["mutate", "--json", "run.out", "--markdown", "run.out"],
+        "--markdown = 'run.out' is invalid: allowed a path no other output is written to "
+        "(--json is)",
+    ),
+    _case(
+        # The JUnit XML replaced the report, written first (exit 1).
+        "report-and-junit-on-one-file",
+        lambda t: ["replay", _scenario(t).name, "--report", "r.out", "--junit-xml", "r.out"],
+        "--junit-xml = 'r.out' is invalid: allowed a path no other output is written to "
+        "(--report is)",
+    ),
+    _case(
+        "sarif-is-the-campaigns-report",
+        lambda t: ["fuzz", "--out", "o", "--sarif", "o/report.md"],
+        "--sarif = 'o/report.md' is invalid: allowed a path no other output is written to "
+        "(--out (report.md) is)",
+    ),
+    _case(
+        # Found only when the background shrinker first wrote there.
+        "campaign-shrunk-folder-is-a-file",
+        _shrunk_is_a_file,
+        "--out (shrunk/) = 'out/shrunk' is invalid: allowed a folder (the path is a file)",
     ),
     _case(
         "model-file-missing",
