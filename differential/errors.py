@@ -5,8 +5,10 @@
   is allowed, and the CLI answers it with exit code 2.
 * :class:`InternalError` -- kvfuzz's own bug. It says so.
 * :class:`EnvironmentProblem` -- the machine, not the input and not kvfuzz:
-  a full disk, a missing vLLM, a path the file system refuses. It names what
-  failed and what to do; the CLI answers it with exit code 2, as bad input.
+  a missing vLLM, a path the file system refuses. It names what failed and
+  what to do; the CLI answers it with exit code 2, as bad input.
+* :class:`OutputError` -- an output kvfuzz could not write (a full disk)
+  after work ran: kvfuzz's failure, exit code 3, naming the path.
 * A *finding* is data, never an exception: see :mod:`differential.findings`.
 """
 
@@ -14,7 +16,14 @@ from __future__ import annotations
 
 import reprlib
 
-__all__ = ["EnvironmentProblem", "InternalError", "KvfuzzError", "ScenarioError", "VariantError"]
+__all__ = [
+    "EnvironmentProblem",
+    "InternalError",
+    "KvfuzzError",
+    "OutputError",
+    "ScenarioError",
+    "VariantError",
+]
 
 
 _REPR = reprlib.Repr()
@@ -87,5 +96,11 @@ class InternalError(KvfuzzError, RuntimeError):
 
 
 class EnvironmentProblem(KvfuzzError):
-    """The environment stops kvfuzz (a full disk, vLLM not installed, a path
-    the file system refuses): the message names what and what to do."""
+    """The environment stops kvfuzz (vLLM not installed, a path the file
+    system refuses): the message names what and what to do."""
+
+
+class OutputError(KvfuzzError):
+    """An output could not be written (a full disk, a quota, a file-size
+    limit): kvfuzz's failure to deliver what it ran, never bad input. The
+    message names the path (``<stdout>`` for standard output) and what to do."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -164,11 +165,13 @@ def _lock_out(out: Path) -> IO[str]:
 
     Raises:
         ScenarioError: another campaign holds the folder (exit 2).
+        OSError: the lock could not be written (a full disk), naming it.
     """
     import fcntl
 
     out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".kvfuzz-campaign.lock", "a+", encoding="utf-8")  # noqa: SIM115
+    path = out / ".kvfuzz-campaign.lock"
+    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -178,9 +181,14 @@ def _lock_out(out: Path) -> IO[str]:
         raise ScenarioError(
             "--out", str(out), f"a folder no other campaign is writing ({holder} is)"
         ) from None
-    handle.truncate(0)
-    handle.write(f"pid {os.getpid()}\n")
-    handle.flush()
+    try:
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            handle.close()
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
     return handle
 
 

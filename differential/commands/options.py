@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from differential.errors import EnvironmentProblem, InternalError, ScenarioError, printable
+from differential.errors import InternalError, OutputError, ScenarioError, printable
 from differential.findings import Policy
 from differential.scenario import DriveMode
 from differential.variants import (
@@ -250,9 +250,10 @@ def write_output(option: str, path: Path, text: str) -> str | None:
     return None
 
 
-def outputs_failed(problems: Sequence[str]) -> EnvironmentProblem:
-    """The error for outputs that could not be written (after the rest were)."""
-    return EnvironmentProblem(
+def outputs_failed(problems: Sequence[str]) -> OutputError:
+    """The error for outputs that could not be written (after the rest were):
+    kvfuzz's failure, exit 3."""
+    return OutputError(
         f"not written: {'; '.join(problems)} (everything else was written; "
         "free space or choose another path and rerun)"
     )
