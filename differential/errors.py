@@ -46,6 +46,14 @@ def printable(text: str) -> str:
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
+def short_text(text: str, limit: int = _VALUE_CHARS) -> str:
+    """``text`` :func:`printable` and cut to ``limit`` characters, with how
+    long it was (``nnn... (1000000 chars)``): a name shown in a table or a
+    message, never a megabyte of it."""
+    flat = printable(text)
+    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(flat)} chars)"
+
+
 class KvfuzzError(Exception):
     """Base class of every error kvfuzz raises on purpose."""
 

@@ -390,6 +390,19 @@ def test_a_reproducer_over_the_file_size_limit_is_named(tmp_path: Path) -> None:
     ]
 
 
+def test_a_megabyte_name_is_shown_cut_short(tmp_path: Path) -> None:
+    """A scenario's ``name`` is free text: a 1 MB one was printed whole in the
+    table's title line; it is cut to 200 characters, saying how long it was."""
+    path = _toy(tmp_path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "name": "n" * 10**6}))
+    proc = _kvfuzz("replay", path.name, "--variants", "unfixed", "--no-dense-check", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    longest = max(len(line) for line in (proc.stdout + proc.stderr).splitlines())
+    assert longest < 300, f"a line of {longest} characters"
+    title = proc.stdout.splitlines()[2]
+    assert title == f"toy.json  [{'n' * 200}... (1000000 chars); A=8, hash block 4, policy vllm]"
+
+
 def _model_scenario(tmp: Path, model: str) -> Path:
     scenario = json.loads((ROOT / "models" / "scenarios" / "gemma4-mtp.json").read_text())
     scenario["model"] = model

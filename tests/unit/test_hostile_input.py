@@ -154,6 +154,14 @@ def _model_level(tmp: Path, model: str, **changes: object) -> list[str]:
     return ["replay", str(path)]
 
 
+def _model_file(tmp: Path, **layer: object) -> str:
+    """A copy of models/gemma4-mtp.json, its global layers changed by ``layer``."""
+    data = json.loads((ROOT / "models" / "gemma4-mtp.json").read_text())
+    data["layers"][1].update(layer)
+    (tmp / "heads.json").write_text(json.dumps(data))
+    return "heads.json"
+
+
 def _scheduler_export(tmp: Path, **workload: object) -> list[str]:
     # Refused whatever the run finds, so before it runs (it took a whole
     # replay first, and the line named no file).
@@ -381,6 +389,40 @@ CASES = [
         "model-file-missing",
         lambda t: _model_level(t, "no-such-model.json"),
         "no-such-model.json' is invalid: allowed a readable file (No such file or directory)",
+    ),
+    _case(
+        # Passed its check, then was blamed 68 s later on a group vLLM's planner
+        # derived from it (kv_cache_groups[0].block_size_tokens = 2**65).
+        "model-num-kv-heads-2**64",
+        lambda t: _model_level(t, _model_file(t, num_kv_heads=2**64)),
+        "heads.json: model.layers[1].num_kv_heads = 18446744073709551616 is invalid: allowed "
+        "an integer 1..65536",
+    ),
+    _case(
+        "model-head-size-2**20",
+        lambda t: _model_level(t, _model_file(t, head_size=2**20)),
+        "heads.json: model.layers[1].head_size = 1048576 is invalid: allowed an integer 1..65536",
+    ),
+    _case(
+        # Resolved to the scenario's own folder: "model = '/tmp/...' is invalid".
+        "model-empty-path",
+        lambda t: _model_level(t, ""),
+        "m.json: model = '' is invalid: allowed a model description's file path (relative to "
+        "the scenario file's folder), not empty, or the description itself",
+    ),
+    _case(
+        # Reported as the document itself: "scenario = 1 is invalid".
+        "empty-key",
+        lambda t: ["replay", _scenario(t, **{"": 1}).name],
+        's.json: "" = 1 is invalid: allowed no such field; known fields: ',
+    ),
+    _case(
+        "empty-key-in-a-request",
+        lambda t: [
+            "replay",
+            _scenario(t, requests=[{**_requests(1)[0], "": 1}]).name,
+        ],
+        's.json: requests[0]."" = 1 is invalid: allowed no such field; known fields: ',
     ),
     _case(
         "dcp-with-a-model",
