@@ -426,23 +426,33 @@ def write_atomic(path: Path, text: str) -> None:
     ``--sarif /dev/stdout`` adds to what stdout already holds).
 
     Raises:
-        OSError: the write failed (the old file, if any, is left whole).
+        OSError: the write failed (the old file, if any, is left whole); its
+            ``filename`` is ``path``, whatever call failed (a full disk fails
+            a write or an fsync, which name no file).
     """
-    if is_stream(path):
-        with open(path, "a", encoding="utf-8") as handle:
-            handle.write(text)
-        return
-    target = Path(os.path.realpath(path)) if path.is_symlink() else path
     try:
-        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
-    except OSError:
-        mode = None
-    tmp = _synced_temp(target, text, mode)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        if is_stream(path):
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(text)
+            return
+        target = Path(os.path.realpath(path)) if path.is_symlink() else path
+        try:
+            mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
+        except OSError:
+            mode = None
+        tmp = _synced_temp(target, text, mode)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise _naming(exc, path) from exc
+
+
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` as an ``OSError`` of the same errno naming ``path``."""
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
 def write_once(path: Path, text: str) -> bool:
@@ -453,12 +463,20 @@ def write_once(path: Path, text: str) -> bool:
 
     Returns:
         ``True`` if this call created the file.
+
+    Raises:
+        OSError: the write failed, naming ``path``.
     """
-    tmp = _synced_temp(path, text)
+    try:
+        tmp = _synced_temp(path, text)
+    except OSError as exc:
+        raise _naming(exc, path) from exc
     try:
         os.link(tmp, path)  # fails if the path exists: first writer wins
     except FileExistsError:
         return False
+    except OSError as exc:
+        raise _naming(exc, path) from exc
     finally:
         tmp.unlink(missing_ok=True)
     return True

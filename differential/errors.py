@@ -5,8 +5,10 @@
   is allowed, and the CLI answers it with exit code 2.
 * :class:`InternalError` -- kvfuzz's own bug. It says so.
 * :class:`EnvironmentProblem` -- the machine, not the input and not kvfuzz:
-  a full disk, a missing vLLM, a path the file system refuses. It names what
-  failed and what to do; the CLI answers it with exit code 2, as bad input.
+  a missing vLLM, a path the file system refuses. It names what failed and
+  what to do; the CLI answers it with exit code 2, as bad input.
+* :class:`OutputError` -- an output kvfuzz could not write (a full disk)
+  after work ran: kvfuzz's failure, exit code 3, naming the path.
 * A *finding* is data, never an exception: see :mod:`differential.findings`.
 """
 
@@ -14,7 +16,14 @@ from __future__ import annotations
 
 import reprlib
 
-__all__ = ["EnvironmentProblem", "InternalError", "KvfuzzError", "ScenarioError", "VariantError"]
+__all__ = [
+    "EnvironmentProblem",
+    "InternalError",
+    "KvfuzzError",
+    "OutputError",
+    "ScenarioError",
+    "VariantError",
+]
 
 
 _REPR = reprlib.Repr()
@@ -35,6 +44,14 @@ def printable(text: str) -> str:
     a line of its own nor recolour the terminal (a newline prints as
     ``\\n``, an escape as ``\\x1b``)."""
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def short_text(text: str, limit: int = _VALUE_CHARS) -> str:
+    """``text`` :func:`printable` and cut to ``limit`` characters, with how
+    long it was (``nnn... (1000000 chars)``): a name shown in a table or a
+    message, never a megabyte of it."""
+    flat = printable(text)
+    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(flat)} chars)"
 
 
 class KvfuzzError(Exception):
@@ -87,5 +104,11 @@ class InternalError(KvfuzzError, RuntimeError):
 
 
 class EnvironmentProblem(KvfuzzError):
-    """The environment stops kvfuzz (a full disk, vLLM not installed, a path
-    the file system refuses): the message names what and what to do."""
+    """The environment stops kvfuzz (vLLM not installed, a path the file
+    system refuses): the message names what and what to do."""
+
+
+class OutputError(KvfuzzError):
+    """An output could not be written (a full disk, a quota, a file-size
+    limit): kvfuzz's failure to deliver what it ran, never bad input. The
+    message names the path (``<stdout>`` for standard output) and what to do."""

@@ -21,10 +21,25 @@ served (:class:`Unservable`); callers then start a real interpreter.
 Protocol, one Unix-socket connection per child: the client sends an 8-byte
 big-endian length with the child's three file descriptors (``SCM_RIGHTS``),
 then that many bytes of JSON ``{"module", "args", "cwd", "env"}`` (and
-``"address_space_bytes"``, the child's ``RLIMIT_AS``, when one is asked for); the server
+``"address_space_bytes"``, the child's ``RLIMIT_AS``, when one is asked for,
+and ``"session": true`` for a child in a session of its own); the server
 answers one line ``{"pid": N}`` once forked and one line ``{"returncode": N}``
 (``subprocess`` convention: ``-SIG`` when killed by a signal) once the child
 has exited.
+
+Lifetime: the server lives as long as its owner (the process that started
+it). It stops when its stdin closes (:meth:`ForkServer.close`, or the owner's
+death: the kernel closes the pipe) or on SIGTERM, which Linux sends it when
+the owner dies (``prctl(PR_SET_PDEATHSIG)``, as the tree workers ask for it:
+the owner may die while the server is still pre-importing and not yet
+reading stdin). Stopping kills the running children (a child in a session
+of its own with every process of its group: ``python -m pytest`` and the
+interpreters its tests start) and removes the socket and its folder. Ctrl-C
+is left to the owner: the server ignores SIGINT, its children get Python's
+usual handler. The folder, ``$TMPDIR/kvfuzz-forkserver-<owner pid>-*``, is
+named by the owner's pid: one left by a server that could not clean up
+(SIGKILLed itself) is removed by the next server started
+(:mod:`differential.stale`).
 
 This module imports only the standard library: the server loads it by file
 path, without importing the ``differential`` package.
@@ -33,11 +48,13 @@ path, without importing the ``differential`` package.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +63,7 @@ import tempfile
 import types
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
@@ -67,6 +85,16 @@ _EXCLUDED = ("vllm", "differential", "fuzz", "tests", "__main__", "__mp_main__")
 # ``python -m pytest`` must import (and assertion-rewrite) them itself.
 _EXCLUDED_TOOLS = ("pytest", "_pytest", "pluggy", "xdist", "execnet", "iniconfig")
 _STARTUP_ONLY_PREFIX = "PYTHON"
+#: The folder of a server's socket: ``PREFIX<owner pid>-<random>``.
+FOLDER_PREFIX = "kvfuzz-forkserver-"
+# A Unix socket's path fits ``sun_path`` (108 bytes on Linux, 104 on the BSDs
+# and macOS, the terminating NUL included).
+_MAX_SOCKET_PATH_BYTES = 107 if sys.platform.startswith("linux") else 103
+# The socket's path below the temporary folder: "/PREFIX<pid>-<8 random>/socket".
+_SOCKET_NAME_BYTES = len(f"/{FOLDER_PREFIX}4194304-abcdefgh/socket")
+_SHORT_TEMP = "/tmp"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_REAP_S = 30.0  # longest wait for a killed child's exit status
 
 
 class Unservable(RuntimeError):
@@ -116,31 +144,54 @@ class ForkServer:
         """Start a server that pre-imports ``preload`` (names that fail to import are skipped).
 
         Blocks until the imports are done (about 6 CPU-seconds for vLLM's
-        dependencies).
+        dependencies). The socket's folder is made in the temporary folder,
+        or in ``/tmp`` when the temporary folder's path is too long for a
+        Unix socket; folders of earlier servers whose owner is dead are
+        removed first. The server dies with the thread that starts it (the
+        parent-death signal is per thread): start it from the main thread.
+        An exception here (Ctrl-C, SIGTERM turned into one) stops the server
+        and removes its folder before it propagates.
 
         Raises:
             RuntimeError: the server exited before it was ready.
+            OSError: no temporary folder short enough for a Unix socket path,
+                or the folder cannot be made.
         """
-        folder = tempfile.mkdtemp(prefix="kvfuzz-forkserver-")
+        temp = _socket_parent()
+        from differential.stale import remove_stale  # not in the server: standard library only
+
+        remove_stale(Path(temp), FOLDER_PREFIX, "-")
+        folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=temp)
         address = os.path.join(folder, "socket")
         code = (
             "import importlib.util as u, sys; "
             "s = u.spec_from_file_location('_kvfuzz_forkserver', sys.argv[1]); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); m.serve(sys.argv[2])"
+            "m = u.module_from_spec(s); s.loader.exec_module(m); "
+            "m.serve(sys.argv[2], int(sys.argv[3]))"
         )
-        process = subprocess.Popen(
-            [sys.executable, "-c", code, __file__, address],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=dict(os.environ if env is None else env),
-        )
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.write(("\n".join(preload) + "\n\n").encode())
-        process.stdin.flush()
-        if process.stdout.readline() != b"ready\n":
-            process.kill()
-            process.wait()
-            raise RuntimeError("the fork server exited before it was ready")
+        process: subprocess.Popen[bytes] | None = None
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", code, __file__, address, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=dict(os.environ if env is None else env),
+            )
+            assert process.stdin is not None and process.stdout is not None
+            process.stdin.write(("\n".join(preload) + "\n\n").encode())
+            process.stdin.flush()
+            if process.stdout.readline() != b"ready\n":
+                raise RuntimeError("the fork server exited before it was ready")
+        except BaseException:
+            if process is not None:
+                process.kill()
+                process.wait()
+                for pipe in (process.stdin, process.stdout):
+                    with contextlib.suppress(OSError):
+                        if pipe is not None:
+                            pipe.close()
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         return cls(process, address, folder)
 
     def close(self) -> None:
@@ -155,10 +206,28 @@ class ForkServer:
             self._process.wait()
         if self._process.stdout is not None:
             self._process.stdout.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.address)
-        with contextlib.suppress(OSError):
-            os.rmdir(self._folder)
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _socket_parent() -> str:
+    """The folder to make the socket's folder in: the temporary folder, or
+    ``/tmp`` when the temporary folder's path is too long for a Unix socket.
+
+    Raises:
+        OSError: neither is short enough and writable (``ENAMETOOLONG``).
+    """
+    temp = tempfile.gettempdir()
+    for parent in (temp, _SHORT_TEMP):
+        fits = len(os.fsencode(parent)) + _SOCKET_NAME_BYTES <= _MAX_SOCKET_PATH_BYTES
+        if fits and os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+            return parent
+    raise OSError(
+        errno.ENAMETOOLONG,
+        f"the temporary folder is too long for a Unix socket path (at most "
+        f"{_MAX_SOCKET_PATH_BYTES - _SOCKET_NAME_BYTES} bytes) and {_SHORT_TEMP} is not "
+        "writable: set TMPDIR to a shorter folder",
+        temp,
+    )
 
 
 class Child:
@@ -169,13 +238,18 @@ class Child:
         returncode: ``None`` while running; the exit status, or ``-SIG`` if killed.
         args: the command it stands for (``[python, -m, MODULE, *ARGS]``).
         stdin, stdout, stderr: text streams of the pipes :func:`spawn` made, or ``None``.
+        session: the child leads a session (and process group) of its own:
+            signals reach every process of its group.
     """
 
-    def __init__(self, connection: socket.socket, pid: int, args: list[str]) -> None:
+    def __init__(
+        self, connection: socket.socket, pid: int, args: list[str], *, session: bool = False
+    ) -> None:
         self._connection = connection
         self._reader = connection.makefile("rb")
         self.pid = pid
         self.args = args
+        self.session = session
         self.returncode: int | None = None
         self.stdin: IO[str] | None = None
         self.stdout: IO[str] | None = None
@@ -204,10 +278,10 @@ class Child:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
-        """Signal the child if it is still running."""
+        """Signal the child if it is still running (with its whole process
+        group when it leads a session of its own)."""
         if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
+            _signal_child(self.pid, signum, group=self.session)
 
     def kill(self) -> None:
         """SIGKILL the child if it is still running."""
@@ -225,6 +299,16 @@ class Child:
         self._connection.close()
 
 
+def _signal_child(pid: int, signum: int, *, group: bool) -> None:
+    """Signal ``pid`` and, with ``group``, its process group (the child leads
+    one once it has called ``setsid``, its first act after the fork)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
+    if group:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signum)
+
+
 def spawn(
     address: str,
     module: str,
@@ -234,6 +318,7 @@ def spawn(
     env: Mapping[str, str] | None = None,
     fds: tuple[int, int, int] | None = None,
     address_space_bytes: int | None = None,
+    new_session: bool = False,
 ) -> Child:
     """Fork ``python -m MODULE ARGS`` from the server at ``address``.
 
@@ -247,6 +332,10 @@ def spawn(
     :data:`ENV` out of ``env``. A ``pytest`` child first drops the
     pre-imported packages of pytest's plugins, which it then imports and
     assertion-rewrites itself, as a fresh ``python -m pytest`` does.
+    ``new_session``: the child leads a session of its own (``setsid``, as
+    ``subprocess.Popen(start_new_session=True)``), so that killing it
+    (:meth:`Child.kill`, or the server stopping) kills every process it
+    started, which would otherwise outlive it.
 
     Raises:
         Unservable: ``env`` differs from the server's in a start-up-only variable.
@@ -260,6 +349,8 @@ def spawn(
     }
     if address_space_bytes is not None:
         request["address_space_bytes"] = address_space_bytes
+    if new_session:
+        request["session"] = True
     body = json.dumps(request).encode()
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -281,7 +372,8 @@ def spawn(
     if "unservable" in answer:
         connection.close()
         raise Unservable(answer["unservable"])
-    return Child(connection, int(answer["pid"]), [sys.executable, "-m", module, *args])
+    args_run = [sys.executable, "-m", module, *args]
+    return Child(connection, int(answer["pid"]), args_run, session=new_session)
 
 
 def run_module(
@@ -294,10 +386,13 @@ def run_module(
     input_text: str | None = None,
     timeout_s: float | None = None,
     address_space_bytes: int | None = None,
+    new_session: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run([python, -m, MODULE, *ARGS], capture_output=True, text=True)``
     through the server: stdout and stderr captured (as files), stdin
-    ``input_text`` or empty; ``address_space_bytes`` as for :func:`spawn`.
+    ``input_text`` or empty; ``address_space_bytes`` and ``new_session`` as
+    for :func:`spawn`. The child is killed (with its group, in a session of
+    its own) when the wait ends early: a timeout, Ctrl-C, any exception.
 
     Raises:
         Unservable, OSError: as :func:`spawn`.
@@ -319,12 +414,14 @@ def run_module(
             env=env,
             fds=(stdin.fileno(), stdout.fileno(), stderr.fileno()),
             address_space_bytes=address_space_bytes,
+            new_session=new_session,
         )
         try:
             returncode = child.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        except BaseException:
             child.kill()
-            child.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(_REAP_S)
             raise
         texts = []
         for stream in (stdout, stderr):
@@ -336,14 +433,69 @@ def run_module(
 # The server side ---------------------------------------------------------------
 
 
-def serve(address: str) -> None:
+class _Stopped(BaseException):
+    """SIGTERM reached the server (its owner died): stop. A ``BaseException``,
+    so that no ``except Exception`` on the way (a pre-import) swallows it."""
+
+
+# The server's children: pidfd -> (pid, connection, in a session of its own).
+_Running = dict[int, tuple[int, socket.socket, bool]]
+
+
+def _stop_on_sigterm(signum: int, frame: types.FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop, not two
+    raise _Stopped
+
+
+def _die_with_owner(owner: int | None) -> None:
+    """Ask Linux to SIGTERM the server when its owner dies (SIGTERM stops it:
+    :class:`_Stopped`), and stop at once if the owner is already gone. Ctrl-C
+    is the owner's to handle: the server ignores SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    if owner is None:
+        return
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != owner:  # died before the request took effect
+        raise _Stopped
+
+
+def serve(address: str, owner: int | None = None) -> None:
     """Run the server (in a fresh interpreter): read the preload list on stdin
     (one name a line, ended by an empty line), import it, print ``ready``,
-    then fork a child per connection until stdin closes.
+    then fork a child per connection until stdin closes or SIGTERM arrives
+    (sent by Linux when ``owner``, the pid of the process that started the
+    server, dies). Either way the running children are killed and the
+    socket's folder removed.
 
     Returns only in a forked child, after the child's module has run; the
     interpreter then exits as ``python -m`` would.
     """
+    server = os.getpid()
+    running: _Running = {}
+    request = None
+    try:
+        _die_with_owner(owner)
+        request = _serve(address, running)
+    except _Stopped:
+        pass
+    finally:
+        if os.getpid() == server:  # not in a forked child, which returns below
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _kill_children(running)
+            shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+    if request is not None:
+        _become(*request)
+
+
+def _serve(address: str, running: _Running) -> tuple[dict[str, Any], list[int]] | None:
+    """Pre-import, listen, fork until stdin closes (``None``); in a forked
+    child, its request and fds."""
     if sys.path and sys.path[0] in ("", os.getcwd()):
         del sys.path[0]  # ``-c`` put the server's working directory first
     names = []
@@ -358,19 +510,29 @@ def serve(address: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
-    request = _loop(listener)
-    if request is not None:
-        _become(*request)
-        return
-    # The owner closed stdin (or died, e.g. SIGKILLed): leave no socket or
-    # folder behind in the temporary folder.
-    listener.close()
-    with contextlib.suppress(OSError):
-        os.unlink(address)
-    with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(address))
+    try:
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+    except OSError:  # the owner is gone (a broken pipe): nothing to serve
+        listener.close()
+        return None
+    request = _loop(listener, running)
+    if request is None:
+        listener.close()
+    return request
+
+
+def _kill_children(running: _Running) -> None:
+    """SIGKILL every running child (with its group, in a session of its own)
+    and reap it."""
+    for pidfd, (pid, connection, session) in list(running.items()):
+        _signal_child(pid, signal.SIGKILL, group=session)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            os.close(pidfd)
+        connection.close()
+    running.clear()
 
 
 def _preload(names: Sequence[str]) -> None:
@@ -386,19 +548,15 @@ def _preload(names: Sequence[str]) -> None:
         raise SystemExit(f"fork server: pre-importing dependencies imported {leaked[0]}")
 
 
-def _loop(listener: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
-    """Serve until stdin closes (``None``); in a forked child, its request and fds."""
+def _loop(listener: socket.socket, running: _Running) -> tuple[dict[str, Any], list[int]] | None:
+    """Serve until stdin closes (``None``, the children still in ``running``);
+    in a forked child, its request and fds."""
     control = sys.stdin.fileno()
-    running: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, connection)
     while True:
         ready, _, _ = select.select([control, listener, *running], [], [])
         for fd in ready:
             if fd == control:
                 if not os.read(control, 4096):
-                    for pid, _ in running.values():
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
-                        os.waitpid(pid, 0)
                     return None
             elif fd is listener:
                 connection, _ = listener.accept()
@@ -407,9 +565,11 @@ def _loop(listener: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
                     return forked
             else:
                 assert isinstance(fd, int)
-                pid, connection = running.pop(fd)
+                pid, connection, session = running.pop(fd)
                 os.close(fd)
                 _, status = os.waitpid(pid, 0)
+                if session:  # what the child started and left running dies with it
+                    _signal_child(pid, signal.SIGKILL, group=True)
                 with contextlib.suppress(OSError):
                     code = os.waitstatus_to_exitcode(status)
                     connection.sendall(json.dumps({"returncode": code}).encode() + b"\n")
@@ -419,7 +579,7 @@ def _loop(listener: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
 def _fork(
     connection: socket.socket,
     listener: socket.socket,
-    running: dict[int, tuple[int, socket.socket]],
+    running: _Running,
 ) -> tuple[dict[str, Any], list[int]] | None:
     try:
         header, fds, _, _ = socket.recv_fds(connection, _HEADER_BYTES, 3)
@@ -445,17 +605,21 @@ def _fork(
             connection.sendall(json.dumps({"unservable": reason}).encode() + b"\n")
         connection.close()
         return None
+    session = bool(request.get("session"))
     pid = os.fork()
     if pid == 0:
+        if session:
+            os.setsid()
         listener.close()
         connection.close()
-        for pidfd, (_, other) in running.items():
+        for pidfd, (_, other, _) in running.items():
             os.close(pidfd)
             other.close()
+        running.clear()
         return request, fds
     for fd in fds:
         os.close(fd)
-    running[os.pidfd_open(pid)] = (pid, connection)
+    running[os.pidfd_open(pid)] = (pid, connection, session)
     with contextlib.suppress(OSError):
         connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     return None
@@ -490,6 +654,10 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     """Turn this forked child into ``python -m MODULE ARGS`` as ``request`` describes."""
     import runpy
 
+    # The signal handlers of a fresh interpreter (the server ignores Ctrl-C
+    # and stops on SIGTERM).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     encoding, errors = sys.stdin.encoding, sys.stdin.errors
     sys.stdin.close()  # the server's control pipe
     for target, fd in enumerate(fds):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -142,12 +143,15 @@ def run(args: argparse.Namespace) -> int:
     # that is no scenario is left out (the campaign reports skipped files).
     for path in iter_scenario_files([str(p) for p in known], skipped=None):
         load_entry(path)
-    from differential.reports.outputs import check_output_folder
+    from differential.reports.outputs import check_output_file, check_output_folder
 
     check_output_folder(args.out, "--out")
-    for sub in ("findings", "hypothesis-db", "pictures", "earlier-runs"):
+    for sub in ("findings", "hypothesis-db", "pictures", "earlier-runs", "shrunk"):
         check_output_folder(args.out / sub, f"--out ({sub}/)")
-    check_ci_outputs(args)
+    reports = [(f"--out ({name})", args.out / name) for name in ("report.md", "summary.json")]
+    for option, path in reports:
+        check_output_file(path, option)
+    check_ci_outputs(args, others=reports)
     lock = _lock_out(args.out)
     try:
         _keep_earlier_run(args.out)
@@ -162,11 +166,13 @@ def _lock_out(out: Path) -> IO[str]:
 
     Raises:
         ScenarioError: another campaign holds the folder (exit 2).
+        OSError: the lock could not be written (a full disk), naming it.
     """
     import fcntl
 
     out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".kvfuzz-campaign.lock", "a+", encoding="utf-8")  # noqa: SIM115
+    path = out / ".kvfuzz-campaign.lock"
+    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -176,9 +182,14 @@ def _lock_out(out: Path) -> IO[str]:
         raise ScenarioError(
             "--out", str(out), f"a folder no other campaign is writing ({holder} is)"
         ) from None
-    handle.truncate(0)
-    handle.write(f"pid {os.getpid()}\n")
-    handle.flush()
+    try:
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            handle.close()
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
     return handle
 
 

@@ -194,6 +194,30 @@ def _check_output(option: str, path: Path | None) -> None:
         raise VariantError(f"{option} {path}: folder {path.parent} does not exist")
 
 
+def _check_outputs(args: Any, inputs: list[Path]) -> None:
+    """``--json`` and ``--markdown``: writable paths, not one file, and none of
+    ``inputs`` (the ``--merge`` or ``--vllm-tests-from`` files, the scenario
+    files), which writing would destroy.
+
+    Raises:
+        VariantError, ScenarioError: naming the option and the path.
+    """
+    from differential.reports.outputs import check_distinct_outputs, check_not_an_input
+
+    outputs = [("--json", args.json), ("--markdown", args.markdown)]
+    for option, path in outputs:
+        _check_output(option, path)
+        if path is not None:
+            check_not_an_input(path, option, inputs)
+    check_distinct_outputs(outputs)
+
+
+def _run_inputs(args: Any) -> list[Path]:
+    """The files a run reads that an output must not replace."""
+    given = [Path(p) for p in args.paths if Path(p).is_file()]
+    return given + ([args.vllm_tests_from] if args.vllm_tests_from is not None else [])
+
+
 def _start_forkserver() -> forkserver.ForkServer | None:
     """A fork server for the mutants' workers, unless ``KVFUZZ_FORKSERVER`` already
     names one or the platform cannot run one: each worker then imports only
@@ -227,13 +251,10 @@ def run(args: Any) -> int:
     """
     if args.merge is not None:
         return _merge(args)
-    shard = None if args.shard is None else parse_shard(args.shard)
-    modules = select_modules(args.modules)
-    sample = _sample_size(args)
+    shard, modules, sample = _check_options(args)
     vllm_tests = None if args.vllm_tests is None else check_tests_folder(args.vllm_tests)
     recorded = None if args.vllm_tests_from is None else recorded_tests(args.vllm_tests_from)
-    _check_output("--json", args.json)
-    _check_output("--markdown", args.markdown)
+    _check_outputs(args, _run_inputs(args))
     scenarios = draw_scenarios(args.paths, args.seed, args.campaign_examples)
     vllm_root = installed_vllm()
     generated_by = enumerate_mutants(vllm_root, modules)
@@ -261,8 +282,9 @@ def run(args: Any) -> int:
         )
 
     work = default_work_dir()
-    server = _start_forkserver()
+    server = None
     try:
+        server = _start_forkserver()
         run = run_mutation(
             mutants,
             scenarios,
@@ -288,18 +310,19 @@ def run(args: Any) -> int:
     return _summary(run, args, modules)
 
 
-def _sample_size(args: Any) -> int:
-    """The number of mutants to sample (``--sample``, else the default), once
-    the options that exclude each other and the counts are checked.
+def _check_options(args: Any) -> tuple[tuple[int, int] | None, tuple[ModuleScope, ...], int]:
+    """``--shard``, ``--modules``, ``--mutants`` / ``--sample``,
+    ``--campaign-examples`` and ``--vllm-tests`` / ``--vllm-tests-from``
+    checked: the shard, the modules and the sample size.
 
     Raises:
-        VariantError: ``--mutants`` with ``--sample``, a sample below 1, a
-            negative ``--campaign-examples``, or ``--vllm-tests`` with
-            ``--vllm-tests-from``.
+        VariantError: naming the option and what is allowed.
     """
+    shard = None if args.shard is None else parse_shard(args.shard)
+    modules = select_modules(args.modules)
     if args.mutants is not None and args.sample is not None:
         raise VariantError("--mutants and --sample: give one; allowed: a sample or a list")
-    sample: int = DEFAULT_SAMPLE if args.sample is None else args.sample
+    sample = DEFAULT_SAMPLE if args.sample is None else args.sample
     if sample < 1:
         raise VariantError(f"--sample must be >= 1, got {sample}")
     if args.campaign_examples < 0:
@@ -309,7 +332,7 @@ def _sample_size(args: Any) -> int:
             "--vllm-tests and --vllm-tests-from: give one; allowed: run the tests or reuse "
             "a recorded run's verdicts"
         )
-    return sample
+    return shard, modules, sample
 
 
 def _run_command(args: Any, sample: int, vllm_tests: Path | None) -> dict[str, Any]:
@@ -359,8 +382,12 @@ def _merge(args: Any) -> int:
     """``kvfuzz mutate --merge FILE...``: one run from its shards' ``--json`` files."""
     if not 0 <= args.fail_under <= 100:
         raise VariantError(f"--fail-under must be within 0..100, got {args.fail_under}")
-    _check_output("--json", args.json)
-    _check_output("--markdown", args.markdown)
+    if args.shard is not None:
+        raise VariantError(
+            f"--merge and --shard {args.shard}: give one; allowed: run one shard, or merge "
+            "the --json files of every shard"
+        )
+    _check_outputs(args, list(args.merge))
     run = merge_runs([(path, load_run(path)) for path in args.merge])
     print(f"merged {len(args.merge)} shard(s): {len(run.outcomes)} mutants")
     modules = tuple(m for m in MODULES if m.path in {o.mutant.module for o in run.outcomes})

@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from differential.errors import EnvironmentProblem, InternalError, ScenarioError, printable
+from differential.errors import InternalError, OutputError, ScenarioError, printable
 from differential.findings import Policy
 from differential.scenario import DriveMode
 from differential.variants import (
@@ -250,9 +250,10 @@ def write_output(option: str, path: Path, text: str) -> str | None:
     return None
 
 
-def outputs_failed(problems: Sequence[str]) -> EnvironmentProblem:
-    """The error for outputs that could not be written (after the rest were)."""
-    return EnvironmentProblem(
+def outputs_failed(problems: Sequence[str]) -> OutputError:
+    """The error for outputs that could not be written (after the rest were):
+    kvfuzz's failure, exit 3."""
+    return OutputError(
         f"not written: {'; '.join(problems)} (everything else was written; "
         "free space or choose another path and rerun)"
     )
@@ -291,14 +292,30 @@ def write_ci_reports(
     return [p for p in problems if p is not None]
 
 
-def check_ci_outputs(args: argparse.Namespace, inputs: Sequence[Path] = ()) -> None:
-    """``--junit-xml`` and ``--sarif`` can be written and are none of ``inputs``."""
-    from differential.reports.outputs import check_not_an_input, check_output_file
+def check_ci_outputs(
+    args: argparse.Namespace,
+    inputs: Sequence[Path] = (),
+    others: Sequence[tuple[str, Path | None]] = (),
+) -> None:
+    """``--junit-xml`` and ``--sarif`` can be written, are none of ``inputs``,
+    and name files of their own: not one another's, nor one of ``others``
+    (the command's other outputs, ``(option, path)``, e.g. ``--report``).
 
-    for option, path in (("--junit-xml", args.junit_xml), ("--sarif", args.sarif)):
+    Raises:
+        ScenarioError: naming the option and the path (exit 2).
+    """
+    from differential.reports.outputs import (
+        check_distinct_outputs,
+        check_not_an_input,
+        check_output_file,
+    )
+
+    ci = [("--junit-xml", args.junit_xml), ("--sarif", args.sarif)]
+    for option, path in ci:
         if path is not None:
             check_output_file(path, option)
             check_not_an_input(path, option, inputs)
+    check_distinct_outputs([*others, *ci])
 
 
 def one_line(text: str) -> str:

@@ -198,7 +198,7 @@ def _replay_on_engine(args: argparse.Namespace) -> int:
     from differential.corpus import iter_scenario_files
 
     entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
-    check_ci_outputs(args)
+    check_ci_outputs(args, others=[("--report", args.report)])
     if args.report is not None:
         from differential.reports.outputs import check_output_file
 
@@ -214,7 +214,7 @@ def _checked_entries(args: argparse.Namespace) -> list[CorpusEntry]:
 
     entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
     inputs = [entry.path for entry in entries]
-    check_ci_outputs(args, inputs)
+    check_ci_outputs(args, inputs, others=[("--report", args.report)])
     if args.report is not None:
         from differential.reports.outputs import check_not_an_input, check_output_file
 

@@ -41,6 +41,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import time
 from collections import Counter
@@ -50,7 +51,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from differential.errors import VariantError
+from differential.errors import VariantError, short_repr
 from differential.findings import Finding, FindingKind, Policy
 from differential.mutation.mutants import (
     MODULES,
@@ -1307,16 +1308,22 @@ def merge_runs(runs: Sequence[tuple[Path, MutationRun]]) -> MutationRun:
     )
 
 
+#: The most shards one run is split into (more is a typo, not a farm).
+MAX_SHARDS = 10**6
+
+
 def parse_shard(text: str) -> tuple[int, int]:
-    """``"I/N"`` -> ``(I, N)``, ``1 <= I <= N``.
+    """``"I/N"`` -> ``(I, N)``, ``1 <= I <= N <= MAX_SHARDS``.
 
     Raises:
         VariantError: anything else.
     """
-    index, _, count = text.partition("/")
-    if index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count):
-        return int(index), int(count)
-    raise VariantError(f"--shard {text!r}: allowed: I/N with 1 <= I <= N (e.g. 1/2)")
+    match = re.fullmatch(r"([0-9]{1,7})/([0-9]{1,7})", text)
+    if match is not None and 1 <= int(match[1]) <= int(match[2]) <= MAX_SHARDS:
+        return int(match[1]), int(match[2])
+    raise VariantError(
+        f"--shard {short_repr(text)}: allowed: I/N with 1 <= I <= N <= {MAX_SHARDS} (e.g. 1/2)"
+    )
 
 
 def write_json(run: MutationRun, path: Path) -> None:

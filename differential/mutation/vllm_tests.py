@@ -39,10 +39,12 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -313,7 +315,9 @@ def run_pytest(
     ``--import-mode=append`` (a checkout's own ``vllm/`` source folder never
     shadows the tree or the installed package), each test under
     ``--timeout timeout_s`` (pytest-timeout), kvfuzz's own plugin and the
-    cache provider off, collection errors not fatal.
+    cache provider off, collection errors not fatal. The tests' report is
+    written in a folder beside ``cwd`` (in ``kvfuzz mutate``'s work folder,
+    which a later run removes if this one is SIGKILLed).
 
     Args:
         cover: files whose lines to measure per test (coverage.py).
@@ -326,7 +330,7 @@ def run_pytest(
     """
     from differential.errors import InternalError
 
-    with tempfile.TemporaryDirectory(prefix="kvfuzz-vllm-tests-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="kvfuzz-vllm-tests-", dir=cwd.parent) as scratch:
         report = Path(scratch) / "report.jsonl"
         _link_tests(root, cwd)
         env = dict(os.environ)
@@ -389,30 +393,43 @@ def _link_tests(root: Path, cwd: Path) -> None:
 def _run_module(
     module: str, args: Sequence[str], *, cwd: Path, env: Mapping[str, str], timeout_s: float
 ) -> subprocess.CompletedProcess[str] | None:
-    """``python -m module args``: forked when a fork server runs, else fresh; ``None``
-    when it ran past ``timeout_s`` (and was killed)."""
+    """``python -m module args`` in a session of its own: forked when a fork
+    server runs, else fresh; ``None`` when it ran past ``timeout_s``. Killed
+    with every process it started (vLLM's tests start interpreters of their
+    own, e.g. ``python -O -c`` in ``tests/v1/core/test_kv_cache_planning.py``)
+    when it runs past ``timeout_s`` or the wait ends early (Ctrl-C, SIGTERM)."""
     address = os.environ.get(forkserver.ENV)
     if address:
         try:
             return forkserver.run_module(
-                address, module, args, cwd=cwd, env=env, timeout_s=timeout_s
+                address, module, args, cwd=cwd, env=env, timeout_s=timeout_s, new_session=True
             )
         except subprocess.TimeoutExpired:
             return None
         except (forkserver.Unservable, OSError):
             pass  # a fresh interpreter below
-    try:
-        return subprocess.run(
-            [sys.executable, "-m", module, *args],
-            cwd=cwd,
-            env=dict(env),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return None
+    with subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except BaseException as exc:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                return None
+            raise
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)  # what the tests left running
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @dataclass

@@ -17,7 +17,12 @@ from pathlib import Path
 
 from differential.errors import ScenarioError
 
-__all__ = ["check_not_an_input", "check_output_file", "check_output_folder"]
+__all__ = [
+    "check_distinct_outputs",
+    "check_not_an_input",
+    "check_output_file",
+    "check_output_folder",
+]
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -107,3 +112,30 @@ def check_not_an_input(path: Path, option: str, inputs: Iterable[Path]) -> None:
                 raise ScenarioError(
                     option, str(path), f"a file that is not an input (it is {source})"
                 )
+
+
+def check_distinct_outputs(outputs: Iterable[tuple[str, Path | None]]) -> None:
+    """No two of ``outputs`` (``(option, path)``; ``None``: not given) name
+    one file: the later would replace the earlier (``--report r.json
+    --junit-xml r.json``). A stream (``/dev/stdout``, a pipe, ``/dev/null``)
+    is appended to, not replaced, and may be shared.
+
+    Raises:
+        ScenarioError: naming the later option, its path and the earlier option.
+    """
+    from differential.corpus import is_stream
+
+    seen: dict[object, str] = {}
+    for option, path in outputs:
+        if path is None or is_stream(path):
+            continue
+        try:
+            st = os.stat(path)
+            key: object = (st.st_dev, st.st_ino)  # the same file, however named
+        except OSError:
+            key = os.path.realpath(path)
+        if key in seen:
+            raise ScenarioError(
+                option, str(path), f"a path no other output is written to ({seen[key]} is)"
+            )
+        seen[key] = option

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from differential.compare import ScenarioResult
-from differential.errors import InternalError, printable
+from differential.errors import InternalError, printable, short_text
 from differential.findings import FIX_COMPARISONS, Finding, Policy
 from differential.observation import RequestObservation, RunObservation
 from differential.scenario import Scenario
@@ -109,10 +109,11 @@ def render_text(
     for result in results:
         scenario = result.scenario
         lines.append("")
-        # Names are shown escaped: a newline in a file name cannot fake a table row.
-        title = printable(result.source or scenario.label)
+        # Names are shown escaped: a newline in a file name cannot fake a table row;
+        # a scenario's name is cut short (its file may give it a megabyte).
+        title = printable(result.source) if result.source else short_text(scenario.label)
         lines.append(
-            f"{title}  [{printable(scenario.label)}; A={scenario.effective_hit_alignment_tokens}, "
+            f"{title}  [{short_text(scenario.label)}; A={scenario.effective_hit_alignment_tokens}, "
             f"hash block {_hash_block(result)}, policy {result.policy.value}]"
         )
         lines += [f"  note: {n}" for n in result.notices]

@@ -10,6 +10,7 @@ disagree.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,16 +23,30 @@ __all__ = ["field_path", "scenario_error"]
 _Node = Mapping[str, Any]
 
 
+_KEY_CHARS = 80  # longest key shown in a field path
+
+
 def field_path(loc: Sequence[int | str], *, prefix: str = "", root: str = "scenario") -> str:
     """``("requests", 2, "name")`` -> ``requests[2].name`` (``prefix`` before
-    it; ``root`` for the document itself)."""
+    it; ``root`` for the document itself). A key that could not be read back
+    from the path is quoted as JSON: the empty key as ``""`` (not the
+    document, ``root``), one holding control characters escaped; one over
+    80 characters is cut short."""
     path = prefix
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
         else:
-            path += f".{part}" if path else part
+            key = _key(part)
+            path += f".{key}" if path else key
     return path or root
+
+
+def _key(key: str) -> str:
+    if key and key.isprintable() and len(key) <= _KEY_CHARS:
+        return key
+    text = json.dumps(key)
+    return text if len(text) <= _KEY_CHARS else f'{text[: _KEY_CHARS - 4]}..."'
 
 
 def scenario_error(

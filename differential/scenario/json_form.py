@@ -554,7 +554,7 @@ class ScenarioFileDocument(ScenarioDocument):
         "vLLM's UnitaryKVCacheCoordinator, several on the HybridKVCacheCoordinator. Absent "
         "with a model.",
     )
-    model: StrictStr | ModelDocument | None = Field(
+    model: Annotated[StrictStr, Field(min_length=1)] | ModelDocument | None = Field(
         default=None,
         json_schema_extra=_absent_when_unused,
         description="Instead of kv_cache_groups: a model description (a file path relative "

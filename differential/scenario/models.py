@@ -49,6 +49,7 @@ from differential.scenario.groups import GroupKind
 __all__ = [
     "DTYPES",
     "KV_CACHE_LAYOUTS",
+    "MAX_HEADS",
     "MAX_LAYERS",
     "MODEL_FORMAT",
     "LayerDocument",
@@ -78,6 +79,16 @@ DTYPES: tuple[str, ...] = get_args(_Dtype)
 KV_CACHE_LAYOUTS: tuple[str, ...] = get_args(_Layout)
 
 _Positive = Annotated[StrictInt, Field(ge=1)]
+
+#: The most KV heads, and elements per head, a layer may have (2**16).
+#: vLLM's planner takes any positive int (vllm/v1/kv_cache_interface.py,
+#: ``AttentionSpec``), but a layer's page is their product, and unifying the
+#: page sizes multiplies block sizes by the ratio of pages: a 2**64-head layer
+#: surfaced as a 2**65-token block of a derived group, blamed on the scenario
+#: file after vLLM's import. Real models have at most a few hundred of each
+#: (MLA's 576 elements per head).
+MAX_HEADS: Final = 1 << 16
+_Heads = Annotated[StrictInt, Field(ge=1, le=MAX_HEADS)]
 
 #: The largest size in tokens a file may give a block, window, chunk,
 #: interval or drafter (2**24, four times the default --max-tokens): a larger
@@ -110,10 +121,12 @@ class LayerDocument(BaseModel):
 
     kind: GroupKind = Field(description="The layers' attention type.")
     count: _Positive = Field(default=1, description="How many such layers.")
-    num_kv_heads: _Positive = Field(default=1, description="KV heads per layer (MLA: 1).")
-    head_size: _Positive = Field(
+    num_kv_heads: _Heads = Field(
+        default=1, description="KV heads per layer (MLA: 1), at most 65536."
+    )
+    head_size: _Heads = Field(
         default=128,
-        description="Elements per head (MLA: latent rank plus rope dimension).",
+        description="Elements per head (MLA: latent rank plus rope dimension), at most 65536.",
     )
     dtype: _Dtype = Field(default="bfloat16", description="The KV cache dtype (torch name).")
     sliding_window_tokens: Size | None = Field(
@@ -189,8 +202,9 @@ class LayerSpec:
     Attributes:
         kind: the layer's attention type (:class:`GroupKind`).
         count: how many such layers, >= 1.
-        num_kv_heads: KV heads per layer (MLA: 1 latent head).
-        head_size: elements per head (MLA: latent rank plus rope dimension).
+        num_kv_heads: KV heads per layer (MLA: 1 latent head), 1..``MAX_HEADS``.
+        head_size: elements per head (MLA: latent rank plus rope dimension),
+            1..``MAX_HEADS``.
         dtype: KV cache dtype name (:data:`DTYPES`).
         sliding_window_tokens: the window (sliding-window kinds only).
         attention_chunk_size_tokens: the chunk (chunked local attention only).
@@ -365,11 +379,19 @@ def model_scenario_parts(
     scenario file's folder) or an inline description.
 
     Raises:
-        ScenarioError: an unreadable or invalid description, groups beside
+        ScenarioError: an empty path (it would name the scenario's own
+            folder), an unreadable or invalid description, groups beside
             it, or a ``dcp_world_size`` other than 1 (the planner runs at one
             rank).
     """
     raw_model = data["model"]
+    if raw_model == "":
+        raise ScenarioError(
+            "model",
+            raw_model,
+            "a model description's file path (relative to the scenario file's folder), "
+            "not empty, or the description itself",
+        )
     if isinstance(raw_model, str):
         model = ModelDescription.load(base / raw_model)
     else:

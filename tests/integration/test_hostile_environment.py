@@ -11,11 +11,20 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.factories import CORPORA, ROOT, alive, python_module, still_alive
+from differential import forkserver
+from tests.factories import (
+    CORPORA,
+    ROOT,
+    alive,
+    forkserver_address,
+    python_module,
+    still_alive,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -275,13 +284,123 @@ def test_a_full_disk_loses_one_report_not_the_others_nor_the_table(tmp_path: Pat
         *("replay", str(_toy(tmp_path)), "--variants", "unfixed", "--no-dense-check"),
         *("--report", "/dev/full", "--junit-xml", str(junit)),
     )
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode == 3, proc.stderr[-2000:]  # kvfuzz's failure: 2 said nothing ran
     assert _error_lines(proc.stderr) == [
         "kvfuzz: error: not written: --report /dev/full: No space left on device "
         "(everything else was written; free space or choose another path and rerun)"
     ]
     assert "1 scenario(s); findings: 1 fallback" in proc.stdout
     assert "<testsuites" in junit.read_text()
+
+
+def _kvfuzz_into(stdout: str, *args: str, cwd: Path = ROOT) -> tuple[int, str]:
+    """``kvfuzz ARGS > STDOUT``: the exit status and stderr (forked from the
+    tests' fork server when it runs, as :func:`python_module` does)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with (
+        open(stdout, "w") as out,
+        tempfile.TemporaryFile() as err,
+        open(os.devnull) as stdin,
+    ):
+        address = forkserver_address()
+        if address is not None:
+            env[forkserver.ENV] = address
+            child = forkserver.spawn(
+                address,
+                "differential.cli",
+                args,
+                cwd=cwd,
+                env=env,
+                fds=(stdin.fileno(), out.fileno(), err.fileno()),
+            )
+            code = child.wait(300)
+        else:
+            code = subprocess.run(
+                [sys.executable, "-m", "differential.cli", *args],
+                stdin=stdin,
+                stdout=out,
+                stderr=err,
+                cwd=cwd,
+                env=env,
+                timeout=300,
+                check=False,
+            ).returncode
+        err.seek(0)
+        return code, err.read().decode()
+
+
+FULL_DISK = "No space left on device (the disk is full: free space and rerun)"
+REGRESSION = "corpora/regressions/fallback-unfixed-517c289c14.json"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(("replay", REGRESSION, "--variants", "unfixed"), id="replay"),
+        pytest.param(("export-test", REGRESSION), id="export-test"),
+    ],
+)
+def test_a_full_disk_behind_stdout_is_an_output_not_written(args: tuple[str, ...]) -> None:
+    """``kvfuzz replay > /dev/full``: exit 2 (bad input, nothing ran) with a
+    line naming no file; an output not written is kvfuzz's failure."""
+    code, stderr = _kvfuzz_into("/dev/full", *args)
+    assert code == 3, stderr[-2000:]
+    assert _error_lines(stderr) == [f"kvfuzz: error: could not write <stdout>: {FULL_DISK}"]
+    assert "Exception ignored" not in stderr
+
+
+def test_a_full_disk_under_an_svg_or_a_campaign_report_names_the_file(tmp_path: Path) -> None:
+    code, stderr = _kvfuzz_into(os.devnull, "explain", REGRESSION, "--svg", "/dev/full")
+    assert code == 3, stderr[-2000:]
+    assert _error_lines(stderr) == [f"kvfuzz: error: could not write /dev/full: {FULL_DISK}"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").symlink_to("/dev/full")
+    proc = _kvfuzz("fuzz", "--variants", "unfixed", "--max-examples", "1", "--out", str(out))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == [
+        f"kvfuzz: error: could not write {out / 'report.md'}: {FULL_DISK}"
+    ]
+    assert (out / "summary.json").is_file()  # written before the report
+
+
+def test_a_reproducer_over_the_file_size_limit_is_named(tmp_path: Path) -> None:
+    """``shrink --out``: the reproducer's write fails (here the file-size
+    limit, EFBIG; a full disk, ENOSPC, alike): exit 3 naming it."""
+    import resource
+
+    limit = resource.RLIMIT_FSIZE
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "differential.cli", "shrink", REGRESSION),
+            *("--out", str(tmp_path), "--seconds", "5"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+        preexec_fn=lambda: resource.setrlimit(limit, (1024, 1024)),
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == [
+        f"kvfuzz: error: could not write {tmp_path / 'fallback-unfixed-517c289c14.json'}: "
+        "File too large (the file is over the file-size limit (ulimit -f): raise it and rerun)"
+    ]
+
+
+def test_a_megabyte_name_is_shown_cut_short(tmp_path: Path) -> None:
+    """A scenario's ``name`` is free text: a 1 MB one was printed whole in the
+    table's title line; it is cut to 200 characters, saying how long it was."""
+    path = _toy(tmp_path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "name": "n" * 10**6}))
+    proc = _kvfuzz("replay", path.name, "--variants", "unfixed", "--no-dense-check", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    longest = max(len(line) for line in (proc.stdout + proc.stderr).splitlines())
+    assert longest < 300, f"a line of {longest} characters"
+    title = proc.stdout.splitlines()[2]
+    assert title == f"toy.json  [{'n' * 200}... (1000000 chars); A=8, hash block 4, policy vllm]"
 
 
 def _model_scenario(tmp: Path, model: str) -> Path:

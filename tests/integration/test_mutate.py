@@ -9,11 +9,16 @@ kvfuzz misses, and kvfuzz kills the one no test executes."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from differential import forkserver
 from differential.corpus import load_entry
 from differential.mutation.mutants import MODULES, enumerate_mutants, installed_vllm
 from differential.mutation.score import (
@@ -24,7 +29,7 @@ from differential.mutation.score import (
     judge_stock,
     run_mutation,
 )
-from tests.factories import CORPORA, ROOT, kvfuzz_cli
+from tests.factories import CORPORA, ROOT, alive, kvfuzz_cli, still_alive
 from tests.trees import SEED_FIX, SPECULATIVE
 
 # Mutant workers forked from the tests' fork server, as `kvfuzz mutate` forks them.
@@ -252,3 +257,94 @@ def test_vllms_tests_kill_what_kvfuzz_misses_and_miss_what_kvfuzz_kills(tmp_path
     assert "| `v1/core/kv_cache_utils.py` | 2 | 1 | 1 | 0 | 0 | 1 | 50% | 50% | 100% |" in text
     assert "- `kv_cache_utils:NumberReplacer:0` (make_block_hash_with_group_id, line 69)" in text
     assert "vLLM's tests: 2 of 3 pass on stock" in result.stdout
+
+
+HELPER_TEST = """\
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_starts_an_interpreter_of_its_own():
+    # as test_is_uniform_kv_cache_spec_optimized starts `python -O -c ...`
+    helper = subprocess.Popen([sys.executable, "-O", "-c", "import time; time.sleep(600)"])
+    Path({pid_file!r}).write_text(str(helper.pid))
+    helper.wait()
+"""
+
+
+def _forkservers_of(parent: int) -> list[int]:
+    """The fork servers (``_kvfuzz_forkserver``) ``parent`` started, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and b"_kvfuzz_forkserver" in argv:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_stopped_mutate_leaves_no_fork_server_no_test_helper_and_no_folder(
+    tmp_path: Path, signum: int
+) -> None:
+    """``kvfuzz mutate --vllm-tests`` stopped while vLLM's tests run (one of
+    them running an interpreter of its own, as ``tests/v1/core`` does): its
+    fork server, the tests' helper process and the server's folder are gone;
+    the helper was left running on SIGTERM and SIGKILL alike (Ctrl-C unwinds
+    as SIGTERM does; the server's own stop on each signal, while it is still
+    pre-importing too, is tests/unit/test_forkserver.py's)."""
+    core = tmp_path / "checkout" / "tests" / "v1" / "core"
+    core.mkdir(parents=True)
+    for package in (core.parent.parent, core.parent, core):
+        (package / "__init__.py").write_text("")
+    pid_file = tmp_path / "helper.pid"
+    (core / "test_helper.py").write_text(HELPER_TEST.format(pid_file=str(pid_file)))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {key: value for key, value in os.environ.items() if key != forkserver.ENV}
+    env.update(PYTHONPATH=str(ROOT), TMPDIR=str(temp))
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "differential.cli", "mutate"),
+            "corpora/seeds/triton-mtp3-swa16-fa32-r8192.json",
+            *("--modules", "kv_cache_utils", "--sample", "1", "--campaign-examples", "0"),
+            *("--vllm-tests", str(tmp_path / "checkout")),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the signal reaches kvfuzz only, not its group
+    )
+    left: list[int] = []
+    try:
+        deadline = time.monotonic() + 600
+        while not pid_file.exists() or not pid_file.read_text():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "vLLM's tests never started"
+            time.sleep(0.2)
+        left = [int(pid_file.read_text()), *_forkservers_of(proc.pid)]
+        assert len(left) == 2, left
+        os.kill(proc.pid, signum)
+        _, stderr = proc.communicate(timeout=120)
+        assert not still_alive(left, 10.0), "the fork server or the tests' helper outlived kvfuzz"
+    finally:
+        for pid in left:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    left_behind = sorted(path.name for path in temp.glob("kvfuzz-*"))
+    if signum == signal.SIGKILL:  # only the work folder, named by the dead pid: the next run's
+        assert left_behind == [f"kvfuzz-mutants-{proc.pid}"]
+        return
+    assert left_behind == []
+    last = stderr.strip().splitlines()[-1]
+    assert (proc.returncode, last) == (143, "kvfuzz: terminated (SIGTERM)")

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from differential import forkserver
+from tests.factories import dead_pid, still_alive
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open")
 
@@ -200,3 +202,162 @@ def test_a_server_whose_owner_is_killed_leaves_no_folder(tmp_path: Path) -> None
             break
         time.sleep(0.05)
     assert list(tmp_path.iterdir()) == []
+
+
+SLOW_IMPORT = textwrap.dedent(
+    """
+    import os, pathlib, time
+    pathlib.Path(os.environ["KVFUZZ_PROBE_PID"]).write_text(str(os.getpid()))
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal")
+@pytest.mark.parametrize(
+    "signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["sigint", "sigterm", "sigkill"]
+)
+def test_a_server_whose_owner_stops_while_it_pre_imports_leaves_nothing(
+    tmp_path: Path, signum: int
+) -> None:
+    """The owner stopped before the server is ready (Ctrl-C, a CI cancel a
+    second after ``kvfuzz mutate`` started it): the server was left importing,
+    then printed a BrokenPipeError traceback and left its folder behind."""
+    modules, temp = tmp_path / "modules", tmp_path / "tmp"
+    modules.mkdir()
+    temp.mkdir()
+    (modules / "kvfuzz_slow_import.py").write_text(SLOW_IMPORT)
+    pid_file = tmp_path / "server.pid"
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from differential import forkserver\n"
+            "try:\n"
+            "    forkserver.ForkServer.start(['json', 'kvfuzz_slow_import'])\n"
+            "except KeyboardInterrupt:\n"
+            "    sys.exit(130)\n",
+        ],
+        env={
+            **os.environ,
+            "TMPDIR": str(temp),
+            "PYTHONPATH": os.pathsep.join([str(Path.cwd()), str(modules)]),
+            "KVFUZZ_PROBE_PID": str(pid_file),
+        },
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while not pid_file.exists() or not pid_file.read_text():
+            assert owner.poll() is None, owner.communicate()
+            time.sleep(0.05)
+        server_pid = int(pid_file.read_text())
+        os.kill(owner.pid, signum)
+        _, stderr = owner.communicate(timeout=60)
+        assert not still_alive([server_pid], 10.0), "the server outlived its owner"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.communicate()
+    assert list(temp.iterdir()) == []
+    assert "Traceback" not in stderr
+    if signum == signal.SIGINT:
+        assert owner.returncode == 130
+
+
+SPAWNER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(os.environ["KVFUZZ_PROBE_PID"], "w") as handle:
+        handle.write(str(helper.pid))
+    if sys.argv[1:] == ["wait"]:
+        time.sleep(120)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_child_in_a_session_of_its_own_dies_with_what_it_started(tmp_path: Path) -> None:
+    """``kvfuzz mutate --vllm-tests`` runs vLLM's tests in a session of their
+    own: a test's own interpreter (``python -O -c`` in
+    ``tests/v1/core/test_kv_cache_planning.py``) dies with them, when they end
+    and when the server stops (the owner's SIGTERM); it was left running."""
+    (tmp_path / "kvfuzz_spawner.py").write_text(SPAWNER)
+    pid_file = tmp_path / "helper.pid"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), KVFUZZ_PROBE_PID=str(pid_file))
+    running = forkserver.ForkServer.start(["json"])
+    try:
+        done = forkserver.run_module(
+            running.address, "kvfuzz_spawner", [], env=env, new_session=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert not still_alive([int(pid_file.read_text())], 10.0), "left running at its end"
+        pid_file.unlink()
+        child = forkserver.spawn(
+            running.address,
+            "kvfuzz_spawner",
+            ["wait"],
+            env=env,
+            fds=(0, 2, 2),
+            new_session=True,
+        )
+        while not pid_file.exists() or not pid_file.read_text():
+            assert child.poll() is None
+            time.sleep(0.05)
+        helper = int(pid_file.read_text())
+    finally:
+        running.close()
+    assert child.wait(10) == -signal.SIGKILL
+    assert not still_alive([helper], 10.0), "left running when the server stopped"
+
+
+def test_a_long_temporary_folder_falls_back_to_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Unix socket's path holds at most 107 bytes: under a long TMPDIR the
+    server printed a raw ``AF_UNIX path too long`` traceback (and every
+    worker started as a fresh interpreter)."""
+    long = tmp_path / ("t" * 100)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    running = forkserver.ForkServer.start(["json"])
+    try:
+        assert Path(running.address).parent.parent == Path("/tmp")
+        done = forkserver.run_module(running.address, "json.tool", ["--help"])
+        assert done.returncode == 0, done.stderr
+    finally:
+        running.close()
+    assert not Path(running.address).parent.exists()
+    assert list(long.iterdir()) == []
+
+
+def test_a_folder_left_by_a_dead_owner_is_removed_by_the_next_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stale = tmp_path / f"{forkserver.FOLDER_PREFIX}{dead_pid()}-abcdefgh"
+    live = tmp_path / f"{forkserver.FOLDER_PREFIX}{os.getppid()}-abcdefgh"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "socket").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    running = forkserver.ForkServer.start(["json"])
+    try:
+        folder = Path(running.address).parent
+        assert folder.name.startswith(f"{forkserver.FOLDER_PREFIX}{os.getpid()}-")
+        assert not stale.exists() and live.exists()
+    finally:
+        running.close()
+    assert sorted(tmp_path.iterdir()) == [live]
+
+
+def test_no_short_temporary_folder_is_one_os_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    long = tmp_path / ("t" * 100)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    monkeypatch.setattr(forkserver, "_SHORT_TEMP", str(long))
+    with pytest.raises(OSError, match="too long for a Unix socket path") as raised:
+        forkserver.ForkServer.start(["json"])
+    assert raised.value.filename == str(long)

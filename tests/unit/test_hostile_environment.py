@@ -281,3 +281,54 @@ def test_a_second_campaign_on_the_same_out_is_refused(tmp_path: Path) -> None:
         "kvfuzz: error: --out = 'out' is invalid: allowed a folder no other campaign is "
         "writing (pid 4242 is)"
     ]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("model", [False, True], ids=["scenario", "model"])
+def test_schema_into_a_full_disk_is_an_output_not_written(tmp_path: Path, model: bool) -> None:
+    """``kvfuzz schema > /dev/full`` was exit 2 (bad input: nothing ran), its
+    line naming no file."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "differential.cli", "schema", *(["--model"] if model else [])],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )
+    assert proc.returncode == 3
+    assert proc.stderr.splitlines() == [
+        "kvfuzz: error: could not write <stdout>: No space left on device (the disk is "
+        "full: free space and rerun)"
+    ]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_failed_write_names_the_file_written(tmp_path: Path) -> None:
+    # A full disk fails a write() or an fsync(), whose OSError names no file.
+    with pytest.raises(OSError) as raised:
+        write_atomic(Path("/dev/full"), "x" * 10000)
+    assert (raised.value.errno, raised.value.filename) == (28, "/dev/full")
+    # A regular file over the file-size limit (EFBIG), in a process of its own.
+    target = tmp_path / "r.json"
+    code = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "from differential.corpus import write_atomic\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"
+        "try:\n"
+        "    write_atomic(Path(sys.argv[1]), 'x' * 4096)\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno, exc.filename)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(target)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert proc.stdout.split() == ["27", str(target)], proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no temporary file left beside it

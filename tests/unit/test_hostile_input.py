@@ -117,6 +117,12 @@ def _unwritable_findings(tmp: Path) -> list[str]:
     return ["fuzz", "--out", str(out), "--max-examples", "1"]
 
 
+def _shrunk_is_a_file(tmp: Path) -> list[str]:
+    (tmp / "out").mkdir()
+    (tmp / "out" / "shrunk").write_text("x")
+    return ["fuzz", "--out", "out", "--max-examples", "1"]
+
+
 def _duplicate_key(tmp: Path) -> list[str]:
     # Plain json keeps the last of two equal keys: the file would run with
     # decode_steps 7 although its author may have meant 0.
@@ -146,6 +152,14 @@ def _model_level(tmp: Path, model: str, **changes: object) -> list[str]:
     path = tmp / "m.json"
     path.write_text(json.dumps(data))
     return ["replay", str(path)]
+
+
+def _model_file(tmp: Path, **layer: object) -> str:
+    """A copy of models/gemma4-mtp.json, its global layers changed by ``layer``."""
+    data = json.loads((ROOT / "models" / "gemma4-mtp.json").read_text())
+    data["layers"][1].update(layer)
+    (tmp / "heads.json").write_text(json.dumps(data))
+    return "heads.json"
 
 
 def _scheduler_export(tmp: Path, **workload: object) -> list[str]:
@@ -329,9 +343,86 @@ CASES = [
         "--out",
     ),
     _case(
+        # It overwrote the first shard's file with the merged run (exit 0).
+        "mutate-merge-json-is-an-input",
+        lambda t: ["mutate", "--merge", _file(t).name, "s2.json", "--json", _file(t).name],
+        "--json = 'a-file' is invalid: allowed a file that is not an input (it is a-file)",
+    ),
+    _case(
+        # --shard was ignored: the merged run was written as if not given.
+        "mutate-merge-with-shard",
+        lambda t: ["mutate", "--merge", "s1.json", "s2.json", "--shard", "1/2"],
+        "--merge and --shard 1/2: give one; allowed: run one shard, or merge the --json "
+        "files of every shard",
+    ),
+    _case(
+        "mutate-shard-of-1e20",
+        lambda t: ["mutate", "--shard", "1/99999999999999999999"],
+        "--shard '1/99999999999999999999': allowed: I/N with 1 <= I <= N <= 1000000 (e.g. 1/2)",
+    ),
+    _case(
+        "mutate-json-and-markdown-on-one-file",
+        lambda t: ["mutate", "--json", "run.out", "--markdown", "run.out"],
+        "--markdown = 'run.out' is invalid: allowed a path no other output is written to "
+        "(--json is)",
+    ),
+    _case(
+        # The JUnit XML replaced the report, written first (exit 1).
+        "report-and-junit-on-one-file",
+        lambda t: ["replay", _scenario(t).name, "--report", "r.out", "--junit-xml", "r.out"],
+        "--junit-xml = 'r.out' is invalid: allowed a path no other output is written to "
+        "(--report is)",
+    ),
+    _case(
+        "sarif-is-the-campaigns-report",
+        lambda t: ["fuzz", "--out", "o", "--sarif", "o/report.md"],
+        "--sarif = 'o/report.md' is invalid: allowed a path no other output is written to "
+        "(--out (report.md) is)",
+    ),
+    _case(
+        # Found only when the background shrinker first wrote there.
+        "campaign-shrunk-folder-is-a-file",
+        _shrunk_is_a_file,
+        "--out (shrunk/) = 'out/shrunk' is invalid: allowed a folder (the path is a file)",
+    ),
+    _case(
         "model-file-missing",
         lambda t: _model_level(t, "no-such-model.json"),
         "no-such-model.json' is invalid: allowed a readable file (No such file or directory)",
+    ),
+    _case(
+        # Passed its check, then was blamed 68 s later on a group vLLM's planner
+        # derived from it (kv_cache_groups[0].block_size_tokens = 2**65).
+        "model-num-kv-heads-2**64",
+        lambda t: _model_level(t, _model_file(t, num_kv_heads=2**64)),
+        "heads.json: model.layers[1].num_kv_heads = 18446744073709551616 is invalid: allowed "
+        "an integer 1..65536",
+    ),
+    _case(
+        "model-head-size-2**20",
+        lambda t: _model_level(t, _model_file(t, head_size=2**20)),
+        "heads.json: model.layers[1].head_size = 1048576 is invalid: allowed an integer 1..65536",
+    ),
+    _case(
+        # Resolved to the scenario's own folder: "model = '/tmp/...' is invalid".
+        "model-empty-path",
+        lambda t: _model_level(t, ""),
+        "m.json: model = '' is invalid: allowed a model description's file path (relative to "
+        "the scenario file's folder), not empty, or the description itself",
+    ),
+    _case(
+        # Reported as the document itself: "scenario = 1 is invalid".
+        "empty-key",
+        lambda t: ["replay", _scenario(t, **{"": 1}).name],
+        's.json: "" = 1 is invalid: allowed no such field; known fields: ',
+    ),
+    _case(
+        "empty-key-in-a-request",
+        lambda t: [
+            "replay",
+            _scenario(t, requests=[{**_requests(1)[0], "": 1}]).name,
+        ],
+        's.json: requests[0]."" = 1 is invalid: allowed no such field; known fields: ',
     ),
     _case(
         "dcp-with-a-model",
