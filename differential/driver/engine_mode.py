@@ -14,10 +14,12 @@ hit.
 What the CPU engine cannot run is *unsupported*, naming why
 (:class:`EngineUnsupported`): blocks that are not multiples of 32 tokens (the
 CPU attention kernels' ``MultipleOf(32)`` kernel block sizes,
-vllm/v1/attention/backends/cpu_attn.py), groups of different block sizes or
-windows, kinds or drafters kvfuzz builds no tiny model for. By default a
-scenario is mapped onto the CPU engine's grid: every token length is
-multiplied by the smallest factor that makes each block a multiple of 32
+vllm/v1/attention/backends/cpu_attn.py), groups of different block sizes
+other than one sliding-window and one full-attention block size in an integer
+ratio (those run on a tiny MiMo-V2-Flash model: :func:`_page_ratios`),
+several windows, kinds or drafters kvfuzz builds no tiny model for. By
+default a scenario is mapped onto the CPU engine's grid: every token length
+is multiplied by the smallest factor that makes each block a multiple of 32
 (:func:`geometry_scale`, :func:`scaled`; factor 1 when already so), and the
 report says so. A file may pin ``"engine": {"geometry": "exact"}`` (a
 document key, not part of the scenario value): the scenario as written.
@@ -276,10 +278,14 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
     """The KV cache groups as a tiny model can have them: ``(kinds, block size in
     tokens, sliding windows in tokens)``.
 
+    The block size is the smallest group's; several block sizes are checked by
+    :func:`_page_ratios`.
+
     Raises:
-        EngineUnsupported: a kind kvfuzz builds no tiny model for, several block
-            sizes, a block that is not a multiple of 32 tokens, several
-            sliding windows, or ``is_eagle_group`` marks.
+        EngineUnsupported: a kind kvfuzz builds no tiny model for, block sizes
+            no tiny model gives (:func:`_page_ratios`), a block that is not a
+            multiple of 32 tokens, several sliding windows, or
+            ``is_eagle_group`` marks.
     """
     groups = scenario.kv_cache_groups
     kinds = {g.kind for g in groups}
@@ -292,18 +298,16 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
         )
     blocks = sorted({g.block_size_tokens for g in groups})
     if len(blocks) > 1:
-        raise EngineUnsupported(
-            f"groups of block sizes {blocks}: the engine gives every group of these "
-            "models one block size"
-        )
+        _page_ratios(scenario)
     block = blocks[0]
-    if block % ENGINE_BLOCK_MULTIPLE:
-        raise EngineUnsupported(
-            f"block size {block}: the CPU attention kernels take multiples of "
-            f"{ENGINE_BLOCK_MULTIPLE} tokens (vllm/v1/attention/backends/cpu_attn.py); "
-            f'the file pins "engine": {{"geometry": "exact"}}; without it the scenario runs '
-            f"scaled x{geometry_scale(scenario)}"
-        )
+    for size in blocks:
+        if size % ENGINE_BLOCK_MULTIPLE:
+            raise EngineUnsupported(
+                f"block size {size}: the CPU attention kernels take multiples of "
+                f"{ENGINE_BLOCK_MULTIPLE} tokens (vllm/v1/attention/backends/cpu_attn.py); "
+                f'the file pins "engine": {{"geometry": "exact"}}; without it the scenario runs '
+                f"scaled x{geometry_scale(scenario)}"
+            )
     windows = sorted({g.sliding_window_tokens for g in groups if g.sliding_window_tokens})
     if len(windows) > 1:
         raise EngineUnsupported(
@@ -314,6 +318,68 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
             "is_eagle_group marks: the engine's planner decides the draft groups itself"
         )
     return kinds, block, windows
+
+
+#: The largest block ratio a tiny MiMo-V2-Flash model is built for (KV heads
+#: of the layers with the smaller block).
+_MAX_BLOCK_RATIO = 64
+
+_SPEC_NAMES = {
+    GroupKind.FULL_ATTENTION: "FullAttentionSpec",
+    GroupKind.SLIDING_WINDOW: "SlidingWindowSpec",
+}
+
+
+def _page_ratios(scenario: Scenario) -> dict[GroupKind, int]:
+    """KV heads per layer kind (head size 32) for groups of different block sizes.
+
+    vLLM's planner gives every layer the engine's block size, then
+    ``unify_kv_cache_spec_page_size`` (vllm/v1/core/kv_cache_utils.py)
+    multiplies the block of each layer whose page (bytes per block) divides
+    the largest page by the ratio of the two. A tiny MiMo-V2-Flash model
+    (vllm/model_executor/models/mimo_v2.py: ``swa_num_key_value_heads`` for
+    the sliding-window layers, ``num_key_value_heads`` for the full-attention
+    ones) whose layers with the smaller block have ``r`` KV heads and the
+    others one makes the larger block ``r`` times the smaller, the engine's
+    block size.
+
+    Returns:
+        ``{kind: KV heads}`` for the full-attention and sliding-window kinds
+        present (the kind with the larger block: 1).
+
+    Raises:
+        EngineUnsupported: a Mamba group (its block is the attention block in
+            vLLM 0.32), two block sizes in one kind, a ratio that is not an
+            integer (vLLM pads such a page instead of growing its block) or
+            above 64.
+    """
+    groups = scenario.kv_cache_groups
+    blocks = sorted({g.block_size_tokens for g in groups})
+    if any(g.kind is GroupKind.MAMBA for g in groups):
+        raise EngineUnsupported(
+            f"groups of block sizes {blocks} beside Mamba groups: in align mode, the only "
+            "Mamba mode with prefix caching, vLLM 0.32 makes the Mamba block the attention "
+            "block (vllm/platforms/interface.py, Platform._align_hybrid_block_size)"
+        )
+    by_kind: dict[GroupKind, set[int]] = {}
+    for g in groups:
+        by_kind.setdefault(g.kind, set()).add(g.block_size_tokens)
+    for kind, sizes in sorted(by_kind.items(), key=lambda item: item[0].value):
+        if len(sizes) > 1:
+            raise EngineUnsupported(
+                f"{kind.value} groups of block sizes {sorted(sizes)}: the tiny MiMo-V2-Flash "
+                "model gives every layer of one kind the same KV heads "
+                "(vllm/model_executor/models/mimo_v2.py), so one block size per kind"
+            )
+    smallest, largest = blocks[0], blocks[-1]
+    if largest % smallest or largest // smallest > _MAX_BLOCK_RATIO:
+        raise EngineUnsupported(
+            f"groups of block sizes {blocks}: vLLM grows a layer's block by the ratio of the "
+            "largest page to its page only when that ratio is an integer, else pads the page "
+            "(vllm/v1/core/kv_cache_utils.py, unify_kv_cache_spec_page_size); kvfuzz builds "
+            f"integer ratios up to {_MAX_BLOCK_RATIO}"
+        )
+    return {kind: largest // next(iter(sizes)) for kind, sizes in by_kind.items()}
 
 
 def _refuse_workload(scenario: Scenario) -> None:
@@ -409,6 +475,8 @@ def _engine_arguments(
             ],
             sliding_window=windows[0] if windows else None,
         )
+        if len({g.block_size_tokens for g in groups}) > 1:
+            _mimo_layout(engine, scenario)
     if drafter is not DrafterKind.NONE:
         engine["drafter"] = {
             "method": _DRAFTERS[drafter],
@@ -420,6 +488,29 @@ def _engine_arguments(
     if engine["max_num_batched_tokens"] < engine["max_num_seqs"]:
         engine["max_num_seqs"] = engine["max_num_batched_tokens"]
     return engine
+
+
+def _mimo_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` (a plan's Llama ``engine`` block) a tiny MiMo-V2-Flash
+    model whose groups get the scenario's block sizes (:func:`_page_ratios`):
+    ``architecture`` ``mimo_v2``, ``kv_heads`` per layer type, and ``groups``,
+    the KV cache groups vLLM's planner must make (spec class, block size and
+    window in tokens), which the worker checks before it runs the plan."""
+    heads = _page_ratios(scenario)
+    engine["architecture"] = "mimo_v2"
+    engine["kv_heads"] = {
+        "full_attention": heads.get(GroupKind.FULL_ATTENTION, 1),
+        "sliding_attention": heads.get(GroupKind.SLIDING_WINDOW, 1),
+    }
+    engine["groups"] = [
+        {
+            "spec": _SPEC_NAMES[g.kind],
+            "block_size": g.block_size_tokens,
+            "sliding_window": g.sliding_window_tokens,
+        }
+        for g in scenario.kv_cache_groups
+    ]
+    engine["hash_block_size"] = scenario.effective_hash_block_size_tokens
 
 
 # ---------------------------------------------------------------------- results

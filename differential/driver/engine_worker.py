@@ -111,6 +111,45 @@ def _llama_config(layer_types: list[str], sliding_window: int | None) -> dict[st
     return config
 
 
+def _mimo_v2_config(
+    layer_types: list[str], sliding_window: int, kv_heads: dict[str, int]
+) -> dict[str, Any]:
+    """A tiny dense MiMo-V2-Flash (vllm/model_executor/models/mimo_v2.py): one
+    layer per entry of ``layer_types`` (``hybrid_layer_pattern`` 1 for
+    ``sliding_attention``, window ``sliding_window`` tokens), head size 32,
+    ``kv_heads[layer type]`` KV heads (``swa_num_key_value_heads`` /
+    ``num_key_value_heads``; as many query heads, at least two), no MoE layer
+    (``moe_layer_freq`` all 0). Layers with fewer KV bytes per token get a
+    proportionally larger block from vLLM's planner."""
+    full, sliding = kv_heads["full_attention"], kv_heads["sliding_attention"]
+    return {
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": max(2, full),
+        "num_key_value_heads": full,
+        "head_dim": 32,
+        "swa_num_attention_heads": max(2, sliding),
+        "swa_num_key_value_heads": sliding,
+        "swa_head_dim": 32,
+        "sliding_window_size": sliding_window,
+        "hybrid_layer_pattern": [int(t == "sliding_attention") for t in layer_types],
+        "moe_layer_freq": [0] * len(layer_types),
+        "hidden_act": "silu",
+        "layernorm_epsilon": 1e-05,
+        "attention_bias": False,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 65536,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
 def _nemotron_h_config(pattern: str) -> dict[str, Any]:
     """A tiny NemotronH (Mamba2 hybrid): ``pattern`` is vLLM's
     ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP;
@@ -146,14 +185,19 @@ def _nemotron_h_config(pattern: str) -> dict[str, Any]:
     }
 
 
-def _eagle_config(num_target_layers: int, eagle3: bool) -> dict[str, Any]:
-    """A one-layer EAGLE (or EAGLE-3) draft model for the tiny Llama target.
+def _eagle_config(num_target_layers: int, eagle3: bool, kv_heads: int = 1) -> dict[str, Any]:
+    """A one-layer EAGLE (or EAGLE-3) draft model for the tiny target.
 
     EAGLE-3 reads three auxiliary hidden states of the target; with a tiny
     target vLLM's default layer ids collapse (llama_eagle3.py
-    ``combine_hidden_states`` then fails), so they are given explicitly.
+    ``combine_hidden_states`` then fails), so they are given explicitly. The
+    draft layer has ``kv_heads`` KV heads of size 32, the target's
+    full-attention layers' shape, so that it joins their KV cache group.
     """
     config = _llama_config(["full_attention"], None)
+    if kv_heads != 1:
+        config["num_key_value_heads"] = kv_heads
+        config["num_attention_heads"] = max(2, kv_heads)
     if eagle3:
         config["architectures"] = ["LlamaForCausalLMEagle3"]
         config["draft_vocab_size"] = _VOCAB
@@ -174,10 +218,13 @@ def _write_model(folder: Path, config: dict[str, Any]) -> str:
 def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The ``vllm.LLM(...)`` keyword arguments for a plan's ``engine`` block.
 
-    The block: ``architecture`` (``llama`` or ``nemotron_h``), ``layer_types``
-    (Llama: ``sliding_attention`` / ``full_attention`` per layer) or
-    ``pattern`` (NemotronH), ``sliding_window`` (tokens), ``block_size``
-    (tokens), ``retention`` (``prefix_cache_retention_interval``; absent:
+    The block: ``architecture`` (``llama``, ``mimo_v2`` or ``nemotron_h``),
+    ``layer_types`` (Llama, MiMo-V2-Flash: ``sliding_attention`` /
+    ``full_attention`` per layer) or ``pattern`` (NemotronH),
+    ``sliding_window`` (tokens), ``kv_heads`` (MiMo-V2-Flash: KV heads per
+    layer type), ``groups`` and ``hash_block_size`` (MiMo-V2-Flash: the
+    groups and hash block vLLM must make, checked by :func:`_check_groups`),
+    ``block_size`` (tokens), ``retention`` (``prefix_cache_retention_interval``; absent:
     vLLM's default), ``prefix_match_unit`` (tokens or null), ``drafter``
     (null or ``{"method": "eagle"|"eagle3"|"ngram", "num_speculative_tokens": n}``),
     ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
@@ -188,6 +235,7 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
     """
     engine = plan["engine"]
     arch = engine["architecture"]
+    draft_kv_heads = 1
     if arch == "llama":
         layer_types = list(engine["layer_types"])
         drafter = engine.get("drafter") or {}
@@ -197,6 +245,13 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
             layer_types = layer_types * -(-4 // len(layer_types))
         target = _llama_config(layer_types, engine.get("sliding_window"))
         num_layers = len(layer_types)
+    elif arch == "mimo_v2":
+        layer_types = list(engine["layer_types"])
+        if (engine.get("drafter") or {}).get("method") == "eagle3":
+            layer_types = layer_types * -(-4 // len(layer_types))
+        target = _mimo_v2_config(layer_types, engine["sliding_window"], engine["kv_heads"])
+        num_layers = len(layer_types)
+        draft_kv_heads = int(engine["kv_heads"]["full_attention"])
     elif arch == "nemotron_h":
         target = _nemotron_h_config(engine["pattern"])
         num_layers = len(engine["pattern"])
@@ -228,7 +283,9 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
         method = drafter["method"]
         n = drafter["num_speculative_tokens"]
         if method in ("eagle", "eagle3"):
-            draft = _write_model(folder, _eagle_config(num_layers, method == "eagle3"))
+            draft = _write_model(
+                folder, _eagle_config(num_layers, method == "eagle3", draft_kv_heads)
+            )
             kwargs["speculative_config"] = {
                 "method": method,
                 "model": draft,
@@ -392,6 +449,41 @@ def _group_layout(core: Any) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _check_groups(engine: dict[str, Any], core: Any, cache_config: Any) -> None:
+    """Check that the engine's KV cache groups have the plan's ``groups``
+    (spec class, block size and window in tokens) and its hash block the
+    plan's ``hash_block_size``; plans without ``groups`` are not checked.
+
+    Groups are compared as sets of specs: vLLM's planner may split the layers
+    of one spec into several groups (a drafter's layer beside the target's,
+    ``_get_kv_cache_groups_uniform_page_size`` in vllm/v1/core/kv_cache_utils.py),
+    and its coordinator looks hits up once per spec for all of them
+    (``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups``,
+    vllm/v1/core/kv_cache_coordinator.py), so they hit as one group.
+
+    Raises:
+        PlanError: naming both layouts, so the run is unsupported, never one
+            on other groups than the scenario's.
+    """
+    if "groups" not in engine:
+        return
+
+    def key(g: dict[str, Any]) -> tuple[str, int, int]:
+        return (str(g["spec"]), int(g["block_size"]), int(g["sliding_window"] or 0))
+
+    planned = sorted({key(g) for g in engine["groups"]})
+    made = sorted({key(g) for g in _group_layout(core)})
+    hash_block = getattr(cache_config, "hash_block_size", None) or cache_config.block_size
+    caching = bool(engine["enable_prefix_caching"])
+    if made != planned or (caching and hash_block != engine["hash_block_size"]):
+        raise PlanError(
+            f"the engine's KV cache groups came out as {made} (spec, block, window in "
+            f"tokens; hash block {hash_block}), not the scenario's {planned} (hash block "
+            f"{engine['hash_block_size']}): vLLM's planner (vllm/v1/core/kv_cache_utils.py, "
+            "unify_kv_cache_spec_page_size) gave the tiny MiMo-V2-Flash model other groups"
+        )
 
 
 class _Instruments:
@@ -669,6 +761,7 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
     llm, start_s = engines.get(kwargs)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
+    _check_groups(plan["engine"], core, engine.vllm_config.cache_config)
     error: str | None = None
     started = time.perf_counter()
     instruments = _Instruments(core, plan.get("breakage"))

@@ -26,8 +26,9 @@ import pytest
 
 from differential.commands.confirm import engine_replay
 from differential.corpus import finding_tag, load_entry
+from differential.driver.engine_mode import EngineResult
 from differential.findings import FindingKind, Policy
-from differential.scenario import DriveMode, KVCacheGroup
+from differential.scenario import DrafterKind, DriveMode, KVCacheGroup
 from differential.variants.engine import judge, run_engine, shutdown_engine, wrong_outputs
 from tests.factories import CORPORA, alive
 
@@ -36,15 +37,19 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE = CORPORA / "cases" / "engine-seed-class-eagle1-swa64-fa32-r256.json"
 NO_DRAFTER = CORPORA / "cases" / "engine-seed-class-nodrafter-swa64-fa32-r256.json"
-# Groups of block sizes 4 and 8 (32 and 64 once scaled x8): the engine cannot
-# run it (known from its plan).
+# Blocks of 4 and 8 tokens, scaled x8 by default (32 and 64, which a tiny
+# MiMo-V2-Flash model lays out), with an MTP drafter: the engine cannot run
+# it (known from its plan).
 UNSUPPORTED = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
 UNSUPPORTED_WHY = (
-    "engine: groups of block sizes [32, 64]: the engine gives every group of these models one "
-    "block size"
+    "engine: drafter 'mtp': kvfuzz's engine mode builds tiny EAGLE and EAGLE-3 drafters and "
+    "n-gram speculation only"
 )
 # vLLM #48435 at blocks of 4 tokens: scaled x8 (blocks of 32) by default.
 COLLAPSE = ROOT / "known-issues" / "eviction-collapse-48435-pool130-dense.json"
+# The seed bug's geometry: sliding-window blocks half the full-attention block.
+REGRESSION = CORPORA / "regressions" / "fallback-unfixed-517c289c14.json"
+SEED_JUNCTION = CORPORA / "seeds" / "junction-retention0-swa4-fa8.json"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -383,3 +388,61 @@ def test_sigint_stops_confirm_and_its_engine_worker(tmp_path: Path) -> None:
             confirm.communicate()
     assert (confirm.returncode, stdout, stderr) == (130, "", "kvfuzz: interrupted\n")
     assert not alive(worker)
+
+
+def _groups(outcome: EngineResult) -> list[tuple[str, int, int | None]]:
+    return [
+        (g["spec"], g["block_size"], g["sliding_window"]) for g in outcome.raw["engine"]["groups"]
+    ]
+
+
+def test_sliding_blocks_half_the_full_block_run_on_a_mimo_model_with_two_block_sizes() -> None:
+    """The seed bug's geometry on the engine: the README's regression (FA 2 + SWA 1,
+    window 2, retention 4, four shared blocks, a sibling with no suffix) with
+    an EAGLE drafter in place of its MTP one, scaled x32: FA 64 + SWA 32,
+    window 64, retention 128. vLLM's planner gives the tiny MiMo-V2-Flash
+    model exactly those groups (the draft layer a second full-attention group
+    of the same spec), and the sibling hits 128 where 192 is owed: the
+    fallback the drivers on vLLM 0.32.0 give (manager mode, release:0.32.0:
+    hits [0, 128], fallback@1)."""
+    scenario = load_entry(REGRESSION).scenario
+    eagle = dataclasses.replace(
+        scenario, drafter=dataclasses.replace(scenario.drafter, kind=DrafterKind.EAGLE)
+    )
+    outcome = run_engine(eagle, geometry="scale")
+    assert outcome.scale == 32
+    assert outcome.run.unsupported is None and outcome.run.error is None
+    assert _groups(outcome) == [
+        ("FullAttentionSpec", 64, None),
+        ("FullAttentionSpec", 64, None),
+        ("SlidingWindowSpec", 32, 64),
+    ]
+    assert outcome.raw["engine"]["block_size"] == 32
+    assert outcome.raw["engine"]["hash_block_size"] == 32
+    assert outcome.raw["engine"]["use_eagle"] is True
+    assert outcome.run.hits == (0, 128)
+    assert [r.shared_prefix_boundary_tokens for r in outcome.run.requests] == [0, 192]
+    assert outcome.off_run is not None and outcome.off_run.hits == (0, 0)
+    assert wrong_outputs(outcome) == []
+    findings = judge(outcome)[1]
+    assert [(finding_tag(f), f.expected_tokens, f.hit_tokens) for f in findings] == [
+        ("fallback@1", 192, 128)
+    ]
+
+
+def test_the_junction_seed_scaled_x8_hits_as_the_drivers_do() -> None:
+    """corpora/seeds/junction-retention0-swa4-fa8.json (FA 8 + SWA 4, window 16,
+    retention 0) scaled x8: FA 64 + SWA 32, window 128. The engine gives the
+    hits the file expects, x8 ([0, 0, 144] -> [0, 0, 1152]), as the drivers on
+    vLLM 0.32.0 do."""
+    outcome = run_engine(load_entry(SEED_JUNCTION).scenario, geometry="scale")
+    assert outcome.scale == 8
+    assert _groups(outcome) == [
+        ("FullAttentionSpec", 64, None),
+        ("SlidingWindowSpec", 32, 128),
+    ]
+    assert outcome.run.hits == (0, 0, 1152)
+    assert [r.shared_prefix_boundary_tokens for r in outcome.run.requests] == [0, 1152, 0]
+    assert outcome.off_run is not None and outcome.off_run.hits == (0, 0, 0)
+    assert wrong_outputs(outcome) == []
+    assert judge(outcome)[1] == ()

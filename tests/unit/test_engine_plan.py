@@ -4,12 +4,14 @@ worker is told to send, checked without the engine."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from differential.corpus import load_entry
 from differential.driver.engine_mode import EngineUnsupported, engine_plan, scaled
-from tests.factories import CORPORA
+from tests.factories import CORPORA, ROOT
 
 
 def test_a_turn_copying_the_previous_answer_is_planned_from_the_engines_own_answer() -> None:
@@ -103,3 +105,161 @@ def test_an_unsupported_engine_run_of_a_scenario_its_release_cannot_mean_is_not_
     run = RunObservation("engine", "0.32.0 (engine)", None, (), unsupported="engine: why")
     result = EngineResult(scenario, 1, run, None, {}, {}, features, ())
     assert judge(result) == ((), ())
+
+
+SEED_JUNCTION = CORPORA / "seeds" / "junction-retention0-swa4-fa8.json"
+
+
+def test_sliding_blocks_half_the_full_blocks_plan_a_mimo_model_with_two_sliding_kv_heads() -> None:
+    # FA 8 + SWA 4 (window 16) scaled x8: FA 64, SWA 32, window 128. vLLM's
+    # page-size unification gives the full-attention layer, one KV head
+    # against the sliding layer's two (head size 32 both), a block of 2 x 32.
+    scenario = load_entry(SEED_JUNCTION).scenario
+    engine = engine_plan(scaled(scenario, 8))["engine"]
+    assert engine["architecture"] == "mimo_v2"
+    assert engine["block_size"] == 32
+    assert engine["layer_types"] == ["full_attention", "sliding_attention"]
+    assert engine["sliding_window"] == 128
+    assert engine["kv_heads"] == {"full_attention": 1, "sliding_attention": 2}
+    assert engine["groups"] == [
+        {"spec": "FullAttentionSpec", "block_size": 64, "sliding_window": None},
+        {"spec": "SlidingWindowSpec", "block_size": 32, "sliding_window": 128},
+    ]
+    assert engine["hash_block_size"] == 32
+
+
+def test_a_sliding_block_four_times_the_full_block_gives_full_attention_four_kv_heads() -> None:
+    scenario = load_entry(SEED_JUNCTION).scenario
+    groups = (
+        dataclasses.replace(scenario.kv_cache_groups[0], block_size_tokens=32),
+        dataclasses.replace(
+            scenario.kv_cache_groups[1], block_size_tokens=128, sliding_window_tokens=256
+        ),
+    )
+    engine = engine_plan(dataclasses.replace(scenario, kv_cache_groups=groups))["engine"]
+    assert (engine["block_size"], engine["kv_heads"]) == (
+        32,
+        {"full_attention": 4, "sliding_attention": 1},
+    )
+    assert [g["block_size"] for g in engine["groups"]] == [32, 128]
+
+
+def test_one_block_size_keeps_the_tiny_llama_model() -> None:
+    engine = engine_plan(load_entry(CORPORA / "cases" / "rejoin-swa-only.json").scenario)["engine"]
+    assert engine["architecture"] == "llama"
+    assert "groups" not in engine and "kv_heads" not in engine
+
+
+def test_block_sizes_the_cpu_engine_cannot_give_are_unsupported_naming_the_vllm_file() -> None:
+    # Exact geometry: the smallest block is not a multiple of 32.
+    with pytest.raises(EngineUnsupported, match=r"^block size 4: the CPU attention kernels"):
+        engine_plan(load_entry(SEED_JUNCTION).scenario)
+    # Two full-attention groups of block sizes 1536 and 3456 (a draft group):
+    # every full-attention layer of the tiny model has one KV shape.
+    blowup = load_entry(ROOT / "known-issues" / "alignment-blowup-1536-3456.json").scenario
+    with pytest.raises(
+        EngineUnsupported,
+        match=r"^full_attention groups of block sizes \[1536, 3456\]: the tiny MiMo-V2-Flash model",
+    ):
+        engine_plan(blowup)
+    # 96 / 64 is not an integer: vLLM pads such a page instead of growing its block.
+    scenario = scaled(load_entry(SEED_JUNCTION).scenario, 8)
+    odd = dataclasses.replace(
+        scenario,
+        kv_cache_groups=(
+            scenario.kv_cache_groups[0],
+            dataclasses.replace(scenario.kv_cache_groups[1], block_size_tokens=96),
+        ),
+    )
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(odd)
+    assert str(info.value) == (
+        "groups of block sizes [64, 96]: vLLM grows a layer's block by the ratio of the largest "
+        "page to its page only when that ratio is an integer, else pads the page "
+        "(vllm/v1/core/kv_cache_utils.py, unify_kv_cache_spec_page_size); kvfuzz builds integer "
+        "ratios up to 64"
+    )
+    # A Mamba block unlike the attention block (x32: Mamba 128, attention 32).
+    mamba = load_entry(ROOT / "known-issues" / "mamba-state-cached-one-token-short.json").scenario
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(scaled(mamba, 8))
+    assert str(info.value) == (
+        "groups of block sizes [32, 128] beside Mamba groups: in align mode, the only Mamba "
+        "mode with prefix caching, vLLM 0.32 makes the Mamba block the attention block "
+        "(vllm/platforms/interface.py, Platform._align_hybrid_block_size)"
+    )
+
+
+def test_the_worker_writes_the_mimo_model_and_an_eagle_draft_joining_full_attention(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from differential.driver.engine_worker import engine_arguments
+    from differential.scenario import DrafterKind
+
+    scenario = scaled(load_entry(SEED_JUNCTION).scenario, 8)
+    drafter = dataclasses.replace(
+        scenario.drafter, kind=DrafterKind.EAGLE, num_speculative_tokens=1
+    )
+    plan = engine_plan(dataclasses.replace(scenario, drafter=drafter))
+    kwargs = engine_arguments(plan, tmp_path)
+    target = json.loads((Path(kwargs["model"]) / "config.json").read_text())
+    assert target["architectures"] == ["MiMoV2FlashForCausalLM"]
+    assert target["hybrid_layer_pattern"] == [0, 1]
+    assert target["moe_layer_freq"] == [0, 0]
+    assert (target["num_key_value_heads"], target["swa_num_key_value_heads"]) == (1, 2)
+    assert (target["head_dim"], target["swa_head_dim"], target["sliding_window_size"]) == (
+        32,
+        32,
+        128,
+    )
+    assert kwargs["block_size"] == 32
+    draft = kwargs["speculative_config"]
+    assert (draft["method"], draft["num_speculative_tokens"]) == ("eagle", 1)
+    draft_config = json.loads((Path(draft["model"]) / "config.json").read_text())
+    # The draft layer has the full-attention layer's KV shape (1 head of 32).
+    assert (draft_config["num_key_value_heads"], draft_config["head_dim"]) == (1, 32)
+
+
+class FullAttentionSpec:
+    """Stands for vLLM's spec class of that name (the worker reads its name,
+    ``block_size`` and ``sliding_window``)."""
+
+    def __init__(self, block_size: int, sliding_window: int | None = None) -> None:
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+
+
+class SlidingWindowSpec(FullAttentionSpec):
+    """Stands for vLLM's spec class of that name."""
+
+
+def _core(*specs: FullAttentionSpec) -> SimpleNamespace:
+    groups = [SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"]) for i, s in enumerate(specs)]
+    config = SimpleNamespace(kv_cache_groups=groups)
+    return SimpleNamespace(scheduler=SimpleNamespace(kv_cache_config=config))
+
+
+def test_the_worker_refuses_to_run_on_groups_other_than_the_plans() -> None:
+    from differential.driver.engine_worker import PlanError, _check_groups
+
+    engine = engine_plan(scaled(load_entry(SEED_JUNCTION).scenario, 8))["engine"]
+    cache = SimpleNamespace(block_size=32, hash_block_size=32)
+    # A draft layer's second full-attention group of the same spec is the same layout.
+    _check_groups(
+        engine,
+        _core(FullAttentionSpec(64), FullAttentionSpec(64), SlidingWindowSpec(32, 128)),
+        cache,
+    )
+    with pytest.raises(PlanError, match=r"came out as \[\('FullAttentionSpec', 32, 0\)"):
+        _check_groups(engine, _core(FullAttentionSpec(32), SlidingWindowSpec(32, 128)), cache)
+    # Another hash block matters only with prefix caching on.
+    coarse = SimpleNamespace(block_size=32, hash_block_size=64)
+    with pytest.raises(PlanError, match=r"hash block 64\), not the scenario's"):
+        _check_groups(engine, _core(FullAttentionSpec(64), SlidingWindowSpec(32, 128)), coarse)
+    _check_groups(
+        {**engine, "enable_prefix_caching": False},
+        _core(FullAttentionSpec(64), SlidingWindowSpec(32, 128)),
+        coarse,
+    )
