@@ -31,7 +31,10 @@ def _gate_options(command: str) -> tuple[list[str], set[str]]:
 
 def test_the_workflow_runs_the_gate_on_pull_requests_touching_the_cache_code() -> None:
     workflow = yaml.safe_load(WORKFLOW.read_text())
-    assert set(workflow) == {"name", True, "permissions", "concurrency", "jobs"}  # `on:` is True
+    # `on:` is True
+    assert set(workflow) == {"name", True, "permissions", "env", "concurrency", "jobs"}
+    # Where kvfuzz is checked out from: the workflow's env, for a maintainer to set.
+    assert set(workflow["env"]) == {"KVFUZZ_REPOSITORY", "KVFUZZ_REF"}
     paths = workflow[True]["pull_request"]["paths"]
     assert CACHE_CODE in paths and "vllm/v1/kv_cache_interface.py" in paths
     (job,) = workflow["jobs"].values()
@@ -52,6 +55,8 @@ def test_the_workflow_runs_the_gate_on_pull_requests_touching_the_cache_code() -
     pull_request, kvfuzz = steps[0], steps[1]
     assert pull_request["with"]["fetch-depth"] == 0  # the base is in the history
     assert kvfuzz["with"]["path"] == ".kvfuzz"
+    assert kvfuzz["with"]["repository"] == "${{ env.KVFUZZ_REPOSITORY }}"
+    assert kvfuzz["with"]["ref"] == "${{ env.KVFUZZ_REF }}"
     (install,) = [s for s in steps if s.get("run", "").startswith(".kvfuzz/scripts/")]
     assert install["run"] == ".kvfuzz/scripts/bootstrap.sh"
     assert install["env"]["KVFUZZ_TORCH"].endswith("+cpu")
