@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +44,17 @@ PROBE = textwrap.dedent(
     sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
     """
 )
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temporary folder with a short path: a fork server's Unix socket path
+    must fit in 108 bytes, and pytest's ``tmp_path`` under xdist
+    (``/tmp/pytest-of-root/pytest-N/popen-gwN/test_...``) leaves too little
+    room, so the server would fall back to ``/tmp`` itself."""
+    folder = Path(tempfile.mkdtemp(prefix="kf-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +178,7 @@ def test_preload_leaves_out_vllm_and_kvfuzz() -> None:
     assert forkserver.default_preload(names) == ["torch", "torch.nn", "numpy"]
 
 
-def test_a_server_whose_owner_is_killed_leaves_no_folder(tmp_path: Path) -> None:
+def test_a_server_whose_owner_is_killed_leaves_no_folder(short_tmp: Path) -> None:
     """SIGKILL of the process that started the server (a CI cancel of
     ``kvfuzz mutate``) closes the server's stdin: the server exits and
     removes its socket and its folder from the temporary folder."""
@@ -180,11 +192,11 @@ def test_a_server_whose_owner_is_killed_leaves_no_folder(tmp_path: Path) -> None
         ],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(Path.cwd())},
+        env={**os.environ, "TMPDIR": str(short_tmp), "PYTHONPATH": str(Path.cwd())},
     )
     assert owner.stdout is not None
     address, pid = owner.stdout.readline().split()
-    assert Path(address).parent.parent == tmp_path and Path(address).exists()
+    assert Path(address).parent.parent == short_tmp and Path(address).exists()
     owner.kill()
     owner.wait()
     owner.stdout.close()
@@ -201,7 +213,7 @@ def test_a_server_whose_owner_is_killed_leaves_no_folder(tmp_path: Path) -> None
         if not Path(address).parent.exists():
             break
         time.sleep(0.05)
-    assert list(tmp_path.iterdir()) == []
+    assert list(short_tmp.iterdir()) == []
 
 
 SLOW_IMPORT = textwrap.dedent(
@@ -333,14 +345,14 @@ def test_a_long_temporary_folder_falls_back_to_tmp(
 
 
 def test_a_folder_left_by_a_dead_owner_is_removed_by_the_next_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stale = tmp_path / f"{forkserver.FOLDER_PREFIX}{dead_pid()}-abcdefgh"
-    live = tmp_path / f"{forkserver.FOLDER_PREFIX}{os.getppid()}-abcdefgh"
+    stale = short_tmp / f"{forkserver.FOLDER_PREFIX}{dead_pid()}-abcdefgh"
+    live = short_tmp / f"{forkserver.FOLDER_PREFIX}{os.getppid()}-abcdefgh"
     for folder in (stale, live):
         folder.mkdir()
         (folder / "socket").write_text("")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
     running = forkserver.ForkServer.start(["json"])
     try:
         folder = Path(running.address).parent
@@ -348,7 +360,7 @@ def test_a_folder_left_by_a_dead_owner_is_removed_by_the_next_server(
         assert not stale.exists() and live.exists()
     finally:
         running.close()
-    assert sorted(tmp_path.iterdir()) == [live]
+    assert sorted(short_tmp.iterdir()) == [live]
 
 
 def test_no_short_temporary_folder_is_one_os_error(
