@@ -324,6 +324,19 @@ def _nothing_ran(not_run: Sequence[tuple[Path, str | None]]) -> str:
 # ------------------------------------------------------------------- the release
 
 
+def _manager_mode_cannot(variant: str, version: str) -> RunObservation:
+    """The release's manager-mode run of a workload the manager driver cannot
+    drive (it runs requests one after another): unsupported, naming why."""
+    return RunObservation(
+        variant,
+        version,
+        None,
+        (),
+        unsupported="manager mode: requests in flight together, drafts, a KV "
+        "connector's store or client aborts",
+    )
+
+
 def release_runs(
     scenario: Scenario, version: str = ENGINE_RELEASE
 ) -> dict[str, RunObservation] | str:
@@ -348,14 +361,7 @@ def release_runs(
     runs: dict[str, RunObservation] = {}
     for mode in (DriveMode.MANAGER, DriveMode.SCHEDULER):
         if mode is DriveMode.MANAGER and not scenario.workload.sequential:
-            runs[mode.value] = RunObservation(
-                variant.name,
-                version,
-                None,
-                (),
-                unsupported="manager mode: requests in flight together, drafts, a KV "
-                "connector's store or client aborts",
-            )
+            runs[mode.value] = _manager_mode_cannot(variant.name, version)
             continue
         runs[mode.value] = run_tree(
             variant.name,
@@ -540,17 +546,7 @@ def release_judged(
     judged: dict[str, tuple[RunObservation, tuple[Finding, ...]]] = {}
     for mode in (DriveMode.MANAGER, DriveMode.SCHEDULER):
         if mode is DriveMode.MANAGER and not scenario.workload.sequential:
-            judged[mode.value] = (
-                RunObservation(
-                    variant.name,
-                    version,
-                    None,
-                    (),
-                    unsupported="manager mode: requests in flight together, drafts, a KV "
-                    "connector's store or client aborts",
-                ),
-                (),
-            )
+            judged[mode.value] = (_manager_mode_cannot(variant.name, version), ())
             continue
         result, _ = judge_variant(in_mode(scenario, mode), variant, policy=policy)
         judged[mode.value] = (result.run, result.findings)
