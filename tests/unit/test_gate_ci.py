@@ -4,6 +4,7 @@ real options, keep Hypothesis's own example database and publish the SARIF."""
 
 from __future__ import annotations
 
+import json
 import shlex
 
 import pytest
@@ -16,6 +17,7 @@ yaml = pytest.importorskip("yaml")
 WORKFLOW = ROOT / ".github" / "workflows" / "kvfuzz-gate.yml"
 BUILDKITE = ROOT / ".buildkite" / "kvfuzz-gate.yml"
 CACHE_CODE = "vllm/v1/core/**"
+BUILDKITE_SCHEMA = ROOT / "tests" / "data" / "buildkite-pipeline.schema.json"
 
 
 def _gate_options(command: str) -> tuple[list[str], set[str]]:
@@ -105,6 +107,20 @@ def test_the_buildkite_step_has_the_pipeline_shape() -> None:
     options = {w for w in argv if w.startswith("--")}
     assert options <= known, options - known
     assert {"--base", "--database", "--out", "--sarif", "--junit-xml"} <= options
+
+
+def test_the_buildkite_step_keeps_buildkites_published_pipeline_schema() -> None:
+    # Buildkite's own schema (tests/data/README.md): a command step takes no
+    # key it does not define (additionalProperties false), if_changed included.
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(BUILDKITE_SCHEMA.read_text())
+    assert schema["definitions"]["commandStep"]["additionalProperties"] is False
+    assert "if_changed" in schema["definitions"]["commandStep"]["properties"]
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    pipeline = yaml.safe_load(BUILDKITE.read_text())
+    assert [e.message for e in validator.iter_errors(pipeline)] == []
+    broken = {"steps": [{**pipeline["steps"][0], "timeout_in_minutes": "45 minutes"}]}
+    assert list(validator.iter_errors(broken)) != []
 
 
 def test_the_self_test_workflow_says_what_it_runs() -> None:
