@@ -19,7 +19,7 @@ from differential.scenario import DriveMode, Scenario
 from differential.variant import Variant
 
 if TYPE_CHECKING:
-    from differential.driver.fixes import FixStatus, fix_status
+    from differential.driver.fix_probes import FixStatus, fix_status
     from differential.driver.runner import VLLM_VERSION
 
 __all__ = [
@@ -36,8 +36,8 @@ _DENSE = None
 # Names loaded on first use: name -> (module, attribute).
 _LAZY = {
     "VLLM_VERSION": ("differential.driver.runner", "VLLM_VERSION"),
-    "FixStatus": ("differential.driver.fixes", "FixStatus"),
-    "fix_status": ("differential.driver.fixes", "fix_status"),
+    "FixStatus": ("differential.driver.fix_probes", "FixStatus"),
+    "fix_status": ("differential.driver.fix_probes", "fix_status"),
 }
 
 

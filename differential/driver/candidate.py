@@ -46,25 +46,15 @@ from contextlib import AbstractContextManager, contextmanager
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from differential.driver.fixes import (
-    patched,
-    seed_pr_fix,
-    seed_pr_runs_as_stock,
-    widening_mask,
-)
-from differential.scenario import Scenario
+from differential.driver.fixes import installed_mask, patched, seed_pr_fix, widening_mask
 
-__all__ = ["candidate_fix", "candidate_runs_as_stock", "mutant_no_replay_widening"]
+__all__ = ["candidate_fix", "mutant_no_replay_widening"]
 
 
 def _one_unit_widens(retention: int | None, alignment: int | None, use_eagle: bool) -> bool:
     """Sparse retention (an interval other than ``None`` and the hit
     alignment), whatever the drafter."""
     return retention is not None and retention != alignment
-
-
-def _installed_mask() -> Callable[..., list[bool] | None]:
-    return SlidingWindowManager.__dict__["reachable_block_mask"].__func__  # type: ignore[no-any-return]
 
 
 Mask = Callable[..., list[bool] | None]
@@ -143,23 +133,18 @@ def one_unit_mask(current: Mask, original: Mask, *, boundaries: bool) -> Mask:
 
 @contextmanager
 def _seed_fix_widened(*, boundaries: bool) -> Iterator[None]:
-    """The seed PR's fix with the one-unit widening installed over its mask."""
-    original = _installed_mask()
+    """The seed PR's fix with the one-unit widening installed over its mask.
+
+    Raises:
+        Unsupported: on entry, the installed vLLM lacks a method the fixes wrap.
+    """
+    original = installed_mask()
     with seed_pr_fix():
         # ``original`` answers for the wider window, so the seed PR's periodic
         # widening is not applied twice.
-        candidate = one_unit_mask(_installed_mask(), original, boundaries=boundaries)
+        candidate = one_unit_mask(installed_mask(), original, boundaries=boundaries)
         with patched(((SlidingWindowManager, "reachable_block_mask", classmethod(candidate)),)):
             yield
-
-
-def candidate_runs_as_stock(scenario: Scenario, retention_interval_tokens: int | None) -> bool:
-    """Whether the candidate leaves a run exactly as the installed vLLM runs
-    it: the seed PR's changes do (:func:`~differential.driver.fixes.seed_pr_runs_as_stock`)
-    and the one-unit widening is off, which needs retention
-    ``retention_interval_tokens`` ``None`` (:func:`_one_unit_widens`: retention
-    0 keeps replay-boundary tails it widens)."""
-    return retention_interval_tokens is None and seed_pr_runs_as_stock(scenario, None)
 
 
 def candidate_fix() -> AbstractContextManager[None]:

@@ -18,13 +18,28 @@ mask for a window ``alignment_tokens`` tokens wider: a tail of
 ``ceil((window + A - 1) / block) + 1 = previous + A / block`` blocks, ending on
 the same peek block.
 
+The release decides where change 1 goes (:func:`_drop_hook`): vLLM 0.33's
+scheduler asks ``SpeculativeConfig.needs_eagle_block_drop``, the method the
+seed PR changes; vLLM 0.32 has no such method and its ``Scheduler.__init__``
+(vllm/v1/core/sched/scheduler.py) reads ``use_eagle_block_drop`` alone, so
+there the same exclusion wraps that method. A release with neither, without
+``use_gemma4_mtp``, or whose ``reachable_block_mask`` takes other parameters
+than the ones wrapped here cannot take the fix: entering :func:`seed_pr_fix`
+raises :class:`~differential.capabilities.Unsupported` naming what is missing.
+
 Patching is process-global, so :func:`patched` serialises variants with a lock
-and restores the originals on exit: no patch leaks into another variant.
+and restores the originals on exit: no patch leaks into another variant;
+:func:`installed_patches` names the replacements in place. This module, like
+:mod:`~differential.driver.candidate` and :mod:`~differential.driver.mutations`,
+imports no manager driver, so vLLM's real engine (another release, in the
+engine worker) can run under it; whether a fix leaves a run as stock is asked
+in :mod:`differential.driver.fix_probes`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,30 +50,84 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 
 from differential.capabilities import Unsupported
-from differential.driver.features import VllmCallError
-from differential.driver.settings import resolve_drafter
-from differential.scenario import DrafterKind, Scenario
 
 __all__ = [
-    "FixStatus",
-    "fix_status",
+    "MASK_PARAMETERS",
+    "PATCH_LOCK",
+    "installed_mask",
+    "installed_patches",
     "patched",
     "seed_pr_fix",
-    "seed_pr_runs_as_stock",
+    "seed_pr_widens",
     "union_with_wider_window",
     "widening_mask",
 ]
 
-_LOCK = threading.RLock()
+#: Held while a variant's patches are installed: two variants never run interleaved.
+PATCH_LOCK = threading.RLock()
 
-_original_needs_drop: Callable[[SpeculativeConfig], bool] = SpeculativeConfig.needs_eagle_block_drop
-_original_mask: Callable[..., list[bool] | None] = (
-    SlidingWindowManager.reachable_block_mask.__func__
+#: ``Owner.attribute`` of each replacement installed now, outermost first.
+_INSTALLED: list[str] = []
+
+#: The parameters of ``SlidingWindowManager.reachable_block_mask`` that the
+#: mask wrappers take and pass on (vllm/v1/core/single_type_kv_cache_manager.py).
+MASK_PARAMETERS = (
+    "cls",
+    "start_block",
+    "end_block",
+    "alignment_tokens",
+    "kv_cache_spec",
+    "use_eagle",
+    "retention_interval",
+    "reachable_boundaries",
+    "dcp_world_size",
+    "final_segment_end_block",
 )
 
 
-def _needs_eagle_block_drop(self: SpeculativeConfig) -> bool:
-    return _original_needs_drop(self) and not self.use_gemma4_mtp()
+def _drop_hook() -> str:
+    """The ``SpeculativeConfig`` method that decides the EAGLE drop:
+    ``needs_eagle_block_drop`` where vLLM has it (0.33), else
+    ``use_eagle_block_drop`` (vLLM 0.32's ``Scheduler.__init__`` reads it alone).
+
+    Raises:
+        Unsupported: neither method, or no ``use_gemma4_mtp``
+            (vllm/config/speculative.py).
+    """
+    if not hasattr(SpeculativeConfig, "use_gemma4_mtp"):
+        raise Unsupported(
+            "the seed fix's SpeculativeConfig.use_gemma4_mtp (vllm/config/speculative.py)"
+        )
+    for name in ("needs_eagle_block_drop", "use_eagle_block_drop"):
+        if name in SpeculativeConfig.__dict__:
+            return name
+    raise Unsupported(
+        "the seed fix's SpeculativeConfig.needs_eagle_block_drop or use_eagle_block_drop "
+        "(vllm/config/speculative.py)"
+    )
+
+
+def installed_mask() -> Callable[..., list[bool] | None]:
+    """The function of the installed ``SlidingWindowManager.reachable_block_mask``.
+
+    Raises:
+        Unsupported: the release has none, or one whose parameters are not
+            :data:`MASK_PARAMETERS`.
+    """
+    found = SlidingWindowManager.__dict__.get("reachable_block_mask")
+    function = getattr(found, "__func__", None)
+    if function is None or tuple(inspect.signature(function).parameters) != MASK_PARAMETERS:
+        raise Unsupported(
+            "the fixes' SlidingWindowManager.reachable_block_mask("
+            + ", ".join(MASK_PARAMETERS[1:])
+            + ") (vllm/v1/core/single_type_kv_cache_manager.py)"
+        )
+    return function  # type: ignore[no-any-return]
+
+
+def installed_patches() -> tuple[str, ...]:
+    """The replacements installed now, as ``Owner.attribute``, outermost first."""
+    return tuple(_INSTALLED)
 
 
 def widening_mask(
@@ -126,37 +195,10 @@ def widening_mask(
     return mask
 
 
-def seed_pr_runs_as_stock(scenario: Scenario, retention_interval_tokens: int | None) -> bool:
-    """Whether the seed PR's two changes leave a run exactly as the installed
-    vLLM runs it: the drop wrapper changes only Gemma-4 MTP
-    (``use_gemma4_mtp()``, the ``gemma4_mtp`` drafter kind), and the mask
-    wrapper widens only under a positive retention interval and the EAGLE
-    drop (:func:`_seed_pr_widens`), so a run of any other drafter is the
-    stock run when its retention ``retention_interval_tokens`` is ``None``
-    (the dense cross-check) or 0, or when vLLM's config does not drop the
-    last matched block for the scenario's drafter
-    (:func:`~differential.driver.settings.resolve_drafter`: no drafter,
-    lookahead hashes, or the drop disabled). A drafter vLLM's config refuses
-    proves nothing: the run is made."""
-    if scenario.drafter.kind is DrafterKind.GEMMA4_MTP:
-        return False
-    if not retention_interval_tokens:
-        return True
-    try:
-        return not resolve_drafter(scenario).use_eagle_block_drop
-    except (VllmCallError, Unsupported):
-        return False
-
-
-def _seed_pr_widens(retention: int | None, alignment: int | None, use_eagle: bool) -> bool:
+def seed_pr_widens(retention: int | None, alignment: int | None, use_eagle: bool) -> bool:
     """The seed PR widens periodic tails under the EAGLE drop and sparse
     retention (a positive interval other than the hit alignment)."""
     return use_eagle and bool(retention) and retention != alignment
-
-
-_widened_mask = widening_mask(
-    _original_mask, _original_mask, widens=_seed_pr_widens, boundaries=False, final_segment=True
-)
 
 
 def union_with_wider_window(
@@ -202,11 +244,26 @@ def union_with_wider_window(
     return [a or b for a, b in zip(kept, wider, strict=True)]
 
 
-# (owner, attribute, replacement) triples of the seed PR's fix.
-_SEED_PR_PATCHES: tuple[tuple[type, str, Any], ...] = (
-    (SpeculativeConfig, "needs_eagle_block_drop", _needs_eagle_block_drop),
-    (SlidingWindowManager, "reachable_block_mask", classmethod(_widened_mask)),
-)
+def _seed_pr_patches() -> tuple[tuple[type, str, Any], ...]:
+    """The seed PR's fix as ``(owner, attribute, replacement)`` triples, over
+    what is installed now.
+
+    Raises:
+        Unsupported: the installed vLLM lacks a method the fix wraps
+            (:func:`_drop_hook`, :func:`installed_mask`).
+    """
+    hook = _drop_hook()
+    needs_drop: Callable[[SpeculativeConfig], bool] = SpeculativeConfig.__dict__[hook]
+    mask = installed_mask()
+
+    def no_drop_for_gemma4_mtp(self: SpeculativeConfig) -> bool:
+        return needs_drop(self) and not self.use_gemma4_mtp()
+
+    widened = widening_mask(mask, mask, widens=seed_pr_widens, boundaries=False, final_segment=True)
+    return (
+        (SpeculativeConfig, hook, no_drop_for_gemma4_mtp),
+        (SlidingWindowManager, "reachable_block_mask", classmethod(widened)),
+    )
 
 
 @contextmanager
@@ -215,79 +272,26 @@ def patched(patches: Sequence[tuple[type, str, Any]]) -> Iterator[None]:
 
     Holds a process-wide lock so two variants never run interleaved.
     """
-    with _LOCK:
+    with PATCH_LOCK:
         saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+        depth = len(_INSTALLED)
         try:
             for owner, name, replacement in patches:
                 setattr(owner, name, replacement)
+                _INSTALLED.append(f"{owner.__name__}.{name}")
             yield
         finally:
             for owner, name, original in saved:
                 setattr(owner, name, original)
+            del _INSTALLED[depth:]
 
 
 @contextmanager
 def seed_pr_fix() -> Iterator[None]:
-    """Context manager: the installed vLLM plus the seed PR's two changes."""
-    with patched(_SEED_PR_PATCHES):
+    """Context manager: the installed vLLM plus the seed PR's two changes.
+
+    Raises:
+        Unsupported: on entry, the installed vLLM lacks a method the fix wraps.
+    """
+    with patched(_seed_pr_patches()):
         yield
-
-
-@dataclasses.dataclass(frozen=True)
-class FixStatus:
-    """Whether the installed vLLM already contains each part of the seed fix.
-
-    Attributes:
-        gemma4_no_drop: ``needs_eagle_block_drop()`` is already ``False`` for
-            Gemma-4 MTP.
-        widened_tails: ``reachable_block_mask`` already keeps the wider
-            periodic tails.
-    """
-
-    gemma4_no_drop: bool
-    widened_tails: bool
-
-    @property
-    def complete(self) -> bool:
-        """Both parts are already in the installed vLLM."""
-        return self.gemma4_no_drop and self.widened_tails
-
-
-def fix_status() -> FixStatus:
-    """Probe the installed, unpatched vLLM for the seed fix, by behaviour.
-
-    * Gemma-4 MTP: does ``resolve_drafter`` still turn the EAGLE drop on?
-    * Widened tails: a toy hybrid (full block 8, SWA block 4, window 8,
-      retention 32, MTP with the drop) caches a 68-token writer, then a sibling
-      diverging at token 33, right after the checkpoint at 32. With the wider
-      periodic tail it hits at 24 (``32 - A``); stock 0.33.0 falls back to 0.
-    """
-    from differential.driver.runner import run_scenario
-    from differential.driver.settings import resolve_drafter
-    from differential.scenario import (
-        Drafter,
-        DrafterKind,
-        GroupKind,
-        KVCacheGroup,
-        RequestSpec,
-        Scenario,
-    )
-
-    def probe(kind: DrafterKind) -> Scenario:
-        return Scenario(
-            kv_cache_groups=(
-                KVCacheGroup(GroupKind.FULL_ATTENTION, 8),
-                KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8),
-            ),
-            requests=(RequestSpec(64, 4), RequestSpec(33, 4)),
-            shared_prefix_tokens=64,
-            retention_interval_tokens=32,
-            drafter=Drafter(kind, 1),
-            disable_lookahead_block_hashes=True,
-            prefill_chunk_tokens=16,
-        )
-
-    with _LOCK:
-        gemma4_no_drop = not resolve_drafter(probe(DrafterKind.GEMMA4_MTP)).use_eagle_block_drop
-        sibling = run_scenario(probe(DrafterKind.MTP), "probe").hits[-1:]
-        return FixStatus(gemma4_no_drop=gemma4_no_drop, widened_tails=sibling == (24,))

@@ -58,7 +58,7 @@ register(
         "periodic SWA tails A / B_swa blocks wider)",
         VariantRole.FIXED,
         patch="differential.driver.fixes:seed_pr_fix",
-        stock_when="differential.driver.fixes:seed_pr_runs_as_stock",
+        stock_when="differential.driver.fix_probes:seed_pr_runs_as_stock",
     )
 )
 register(
@@ -70,7 +70,7 @@ register(
         VariantRole.FIXED,
         patch="differential.driver.candidate:candidate_fix",
         fix_scope=FixScope.ONE_UNIT,
-        stock_when="differential.driver.candidate:candidate_runs_as_stock",
+        stock_when="differential.driver.fix_probes:candidate_runs_as_stock",
     )
 )
 

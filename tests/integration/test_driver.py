@@ -86,6 +86,26 @@ def test_no_patch_leaks_between_variants() -> None:
     ) == originals
 
 
+def test_the_fixes_name_the_replacements_they_install() -> None:
+    from differential.driver.candidate import candidate_fix
+    from differential.driver.fixes import installed_patches, seed_pr_fix
+
+    assert installed_patches() == ()
+    with seed_pr_fix():
+        # vLLM 0.33 decides the drop in needs_eagle_block_drop, the method the seed PR changes.
+        assert installed_patches() == (
+            "SpeculativeConfig.needs_eagle_block_drop",
+            "SlidingWindowManager.reachable_block_mask",
+        )
+    with candidate_fix():
+        assert installed_patches() == (
+            "SpeculativeConfig.needs_eagle_block_drop",
+            "SlidingWindowManager.reachable_block_mask",
+            "SlidingWindowManager.reachable_block_mask",
+        )
+    assert installed_patches() == ()
+
+
 def test_fix_status_of_stock_vllm() -> None:
     from differential.driver import fix_status
     from differential.driver.fixes import seed_pr_fix
