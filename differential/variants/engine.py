@@ -14,7 +14,9 @@ judges the engine exactly as it judges the drivers, on the scenario the
 engine's release means (:func:`differential.capabilities.equivalent_scenario`
 with the features the worker detects in the engine's vLLM). Every scenario
 also runs with the prefix cache off: the sampled tokens and logprobs must
-match (:func:`wrong_outputs`).
+match (:func:`wrong_outputs`). A variant with a patch (``fixed``,
+``candidate``, the mutants) runs inside the worker under that patch, applied
+to the engine's own classes (:func:`run_engine`'s ``variant``).
 
 Nothing here imports vLLM.
 """
@@ -53,6 +55,7 @@ __all__ = [
     "LOGPROB_TOLERANCE",
     "EngineUnavailable",
     "engine_python",
+    "engine_run_name",
     "engine_stamp",
     "engine_variant",
     "engine_venv",
@@ -203,8 +206,81 @@ def shutdown_engine() -> None:
         _WORKER.pop().stop(grace_s=_ENGINE_GRACE_S)
 
 
-def _unsupported(scenario: Scenario, why: str, version: str) -> RunObservation:
-    return RunObservation("engine", version, None, (), unsupported=f"engine: {why}")
+def _unsupported(
+    scenario: Scenario, why: str, version: str, name: str = "engine"
+) -> RunObservation:
+    return RunObservation(name, version, None, (), unsupported=f"engine: {why}")
+
+
+def engine_run_name(variant: Variant | None) -> str:
+    """The name of a variant's runs on the engine: ``engine`` for vLLM as
+    installed (no variant), else ``NAME@engine`` (``fixed@engine``)."""
+    return "engine" if variant is None else f"{variant.name}@engine"
+
+
+def _variant_patch(variant: Variant | None) -> str | None:
+    """The patch (``"module:function"``) the engine runs ``variant`` under
+    (``None``: none, as for ``unfixed``).
+
+    Raises:
+        EngineUnsupported: a tree or release variant (another vLLM, not the
+            engine's).
+    """
+    if variant is None:
+        return None
+    if variant.tree is not None:
+        raise EngineUnsupported(
+            f"variant {variant.name}: a vLLM tree or release runs in its own worker, "
+            "not on the engine's vLLM"
+        )
+    return variant.patch or None
+
+
+def _patch_applied(
+    scenario: Scenario, run: RunObservation, raw: dict[str, Any], patch: str | None
+) -> tuple[RunObservation, str | None]:
+    """``run``, made *unsupported* when the worker reports no replacement
+    installed for ``patch`` (never an unpatched run under a variant's name),
+    and the note naming what was applied."""
+    if patch is None or run.unsupported is not None or run.error is not None:
+        return run, None
+    applied = list((raw.get("variant") or {}).get("applied") or [])
+    if (raw.get("variant") or {}).get("patch") != patch or not applied:
+        why = f"the engine worker reports no replacement installed for {patch}"
+        return _unsupported(scenario, why, run.vllm_version, run.variant), None
+    return run, f"engine: {run.variant} ran under {patch} ({', '.join(applied)})"
+
+
+def _checked_run(
+    scenario: Scenario,
+    plan: dict[str, Any],
+    raw: dict[str, Any],
+    run: RunObservation,
+    notes: list[str],
+) -> RunObservation:
+    """``run`` (of ``plan`` for ``scenario``), made *unsupported* when the engine
+    chose another block size than the plan's; a note appended to ``notes`` for
+    each request whose shared prefix on the engine differs from the scenario's."""
+    if run.unsupported is not None or not raw.get("engine"):
+        return run
+    info = raw["engine"]
+    if info.get("block_size") != plan["engine"]["block_size"]:
+        run = _unsupported(
+            scenario,
+            f"the engine chose block size {info.get('block_size')} for "
+            f"{plan['engine']['block_size']}",
+            run.vllm_version,
+            run.variant,
+        )
+    expected = divergence_points(scenario)
+    if not scenario.workload.shares_output:
+        for r in raw.get("requests", []):
+            if r["shared_tokens"] != expected[r["index"]]:
+                notes.append(
+                    f"engine: request {r['index']} shares {r['shared_tokens']} tokens with "
+                    f"earlier ones on the engine, {expected[r['index']]} in the scenario"
+                )
+    return run
 
 
 def run_engine(
@@ -214,11 +290,17 @@ def run_engine(
     cache_off: bool = True,
     breakage: str | None = None,
     timeout_s: float = ENGINE_TIMEOUT_S,
+    variant: Variant | None = None,
 ) -> EngineResult:
     """Run ``scenario`` on the engine with the prefix cache on (and off).
 
     A scenario the engine cannot run (:class:`EngineUnsupported`, known from
-    its plan) is an *unsupported* run, and starts no engine worker.
+    its plan) is an *unsupported* run, and starts no engine worker. Under a
+    ``variant`` with a patch the cache-on engine is built and run inside the
+    worker under that patch (the worker reports the replacements it
+    installed, and a patch that cannot apply to the engine's vLLM makes the
+    run *unsupported*, naming what it lacks); the cache-off run is the stock
+    engine's (the patches change the prefix cache only).
 
     Args:
         scenario: the scenario as written.
@@ -230,6 +312,9 @@ def run_engine(
         breakage: the worker's calibration breakage (``"wrong-block"``), on the
             cache-on run only.
         timeout_s: seconds per run (engine start included).
+        variant: the variant to run (``None``: vLLM as installed, the run
+            named ``engine``; else named ``NAME@engine``:
+            :func:`engine_run_name`); a tree or release variant is unsupported.
 
     Raises:
         EngineUnavailable: the engine environment is absent.
@@ -259,12 +344,14 @@ def run_engine(
         notes.append(
             "engine: workload.accepted_drafts is not used (the engine's drafts are its own)"
         )
+    name = engine_run_name(variant)
     try:
-        plan = engine_plan(run_scenario, breakage=breakage)
+        patch = _variant_patch(variant)
+        plan = engine_plan(run_scenario, breakage=breakage, variant=patch)
     except EngineUnsupported as exc:
         # Known from the plan alone: the engine is not started for it.
         version = f"{worker.vllm_version or engine_stamp().get('vllm', '?')} (engine)"
-        run = _unsupported(scenario, str(exc), version)
+        run = _unsupported(scenario, str(exc), version, name)
         caps = dict(worker.capabilities or {})
         return EngineResult(run_scenario, factor, run, None, {}, {}, caps, tuple(notes))
     if worker.process is None:
@@ -276,32 +363,20 @@ def run_engine(
         # feature it lacks, with no equivalent) is unsupported, not run.
         equivalent_scenario(run_scenario, caps)
     except Unsupported as exc:
-        run = _unsupported(scenario, f"vLLM {worker.vllm_version} lacks {exc.reason}", version)
+        why = f"vLLM {worker.vllm_version} lacks {exc.reason}"
+        run = _unsupported(scenario, why, version, name)
         return EngineResult(run_scenario, factor, run, None, {}, {}, caps, tuple(notes))
     raw = worker.run_plan(plan)
-    run = observation(run_scenario, raw, version)
-    if run.unsupported is None and raw.get("engine"):
-        info = raw["engine"]
-        if info.get("block_size") != plan["engine"]["block_size"]:
-            run = _unsupported(
-                run_scenario,
-                f"the engine chose block size {info.get('block_size')} for "
-                f"{plan['engine']['block_size']}",
-                version,
-            )
-        expected = divergence_points(run_scenario)
-        if not run_scenario.workload.shares_output:
-            for r in raw.get("requests", []):
-                if r["shared_tokens"] != expected[r["index"]]:
-                    notes.append(
-                        f"engine: request {r['index']} shares {r['shared_tokens']} tokens with "
-                        f"earlier ones on the engine, {expected[r['index']]} in the scenario"
-                    )
+    run, applied = _patch_applied(
+        run_scenario, observation(run_scenario, raw, version, name), raw, patch
+    )
+    notes += [applied] if applied else []
+    run = _checked_run(run_scenario, plan, raw, run, notes)
     raw_off: dict[str, Any] = {}
     off_run = None
     if cache_off and run.unsupported is None and run.error is None:
         raw_off = worker.run_plan(engine_plan(run_scenario, prefix_caching=False))
-        off_run = observation(run_scenario, raw_off, version)
+        off_run = observation(run_scenario, raw_off, version, name)
     return EngineResult(run_scenario, factor, run, off_run, raw, raw_off, caps, tuple(notes))
 
 

@@ -29,6 +29,7 @@ from differential.corpus import finding_tag, load_entry
 from differential.driver.engine_mode import EngineResult
 from differential.findings import FindingKind, Policy
 from differential.scenario import DrafterKind, DriveMode, KVCacheGroup
+from differential.variants import parse_variants
 from differential.variants.engine import judge, run_engine, shutdown_engine, wrong_outputs
 from tests.factories import CORPORA, alive
 
@@ -74,6 +75,76 @@ def test_seed_class_with_eagle_hits_0_and_256_and_is_flagged_fallback() -> None:
     assert junctions == [0, 224, 0, 480]
     assert replay.engine.run.settings is not None
     assert replay.engine.run.settings.use_eagle_block_drop is True
+
+
+def test_the_seed_pr_experiment_on_the_engine_fixed_and_candidate_serve_the_owed_hits() -> None:
+    # Four sequential requests sharing a 600-token prefix, retention 256,
+    # EAGLE under the drop: unfixed falls back at requests 1 and 3 (224 and
+    # 480 owed); fixed and candidate, each entered in the engine worker
+    # around the engine's construction and run, serve both, with the same
+    # sampled tokens and logprobs as the cache-off engine.
+    seen = {}
+    for variant in parse_variants("unfixed,fixed,candidate"):
+        outcome = run_engine(load_entry(EAGLE).scenario, variant=variant)
+        assert outcome.run.unsupported is None and outcome.run.error is None
+        _, findings = judge(outcome)
+        seen[variant.name] = (
+            outcome.run.variant,
+            outcome.run.hits,
+            sorted(finding_tag(f) for f in findings),
+            outcome.raw["variant"],
+        )
+        assert outcome.off_run is not None and outcome.off_run.hits == (0, 0, 0, 0)
+    assert seen["unfixed"] == (
+        "unfixed@engine",
+        (0, 0, 0, 256),
+        ["fallback@1", "fallback@3"],
+        {"patch": None, "applied": []},
+    )
+    # vLLM 0.32 has no needs_eagle_block_drop: the seed fix wraps the method
+    # its Scheduler reads, use_eagle_block_drop.
+    assert seen["fixed"] == (
+        "fixed@engine",
+        (0, 224, 0, 480),
+        [],
+        {
+            "patch": "differential.driver.fixes:seed_pr_fix",
+            "applied": [
+                "SpeculativeConfig.use_eagle_block_drop",
+                "SlidingWindowManager.reachable_block_mask",
+            ],
+        },
+    )
+    assert seen["candidate"] == (
+        "candidate@engine",
+        (0, 224, 0, 480),
+        [],
+        {
+            "patch": "differential.driver.candidate:candidate_fix",
+            "applied": [
+                "SpeculativeConfig.use_eagle_block_drop",
+                "SlidingWindowManager.reachable_block_mask",
+                "SlidingWindowManager.reachable_block_mask",
+            ],
+        },
+    )
+
+
+def test_replay_mode_engine_runs_each_variant_named(capsys: pytest.CaptureFixture[str]) -> None:
+    from differential.cli import main
+
+    argv = ["replay", "--mode", "engine", "--variants", "unfixed,fixed,candidate", str(EAGLE)]
+    assert main(argv) == 1  # unfixed's fallbacks
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    # variant, request, divergence, expected, hit, dense, verdict
+    assert [r for r in rows if r and r[0].endswith("@engine") and r[1] in ("1", "3")] == [
+        ["unfixed@engine", "1", "256", "224", "0", "224", "fallback"],
+        ["unfixed@engine", "3", "512", "480", "256", "480", "fallback"],
+        ["fixed@engine", "1", "256", "224", "224", "224", "ok"],
+        ["fixed@engine", "3", "512", "480", "480", "480", "ok"],
+        ["candidate@engine", "1", "256", "224", "224", "224", "ok"],
+        ["candidate@engine", "3", "512", "480", "480", "480", "ok"],
+    ]
 
 
 def test_seed_class_without_drafter_hits_256_and_512_and_is_clean() -> None:

@@ -263,3 +263,34 @@ def test_the_worker_refuses_to_run_on_groups_other_than_the_plans() -> None:
         _core(FullAttentionSpec(64), SlidingWindowSpec(32, 128)),
         coarse,
     )
+
+
+def test_a_variants_patch_travels_in_the_plan_and_a_tree_variant_is_refused() -> None:
+    from differential.variants import Variant, VariantRole, parse_variants
+    from differential.variants.engine import _variant_patch, engine_run_name
+
+    unfixed, fixed = parse_variants("unfixed,fixed")
+    scenario = load_entry(
+        CORPORA / "cases" / "engine-seed-class-eagle1-swa64-fa32-r256.json"
+    ).scenario
+    assert engine_plan(scenario)["variant"] is None
+    assert _variant_patch(unfixed) is None
+    patch = _variant_patch(fixed)
+    assert patch == "differential.driver.fixes:seed_pr_fix"
+    assert engine_plan(scenario, variant=patch)["variant"] == patch
+    assert (engine_run_name(None), engine_run_name(fixed)) == ("engine", "fixed@engine")
+    tree = Variant("tree:/x", "a tree", VariantRole.BASELINE, tree="/x")
+    with pytest.raises(EngineUnsupported, match="runs in its own worker"):
+        _variant_patch(tree)
+
+
+def test_the_engine_worker_enters_only_the_variants_patch_modules() -> None:
+    from differential.driver.engine_worker import PlanError, _variant_patches
+
+    with _variant_patches(None) as applied:
+        assert applied == ()
+    with (
+        pytest.raises(PlanError, match=r"allowed differential\.driver\.fixes"),
+        _variant_patches("os:getcwd"),
+    ):
+        pass
