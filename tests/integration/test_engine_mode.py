@@ -130,6 +130,32 @@ def test_the_seed_pr_experiment_on_the_engine_fixed_and_candidate_serve_the_owed
     )
 
 
+def test_the_seed_geometry_on_the_engine_fixed_and_candidate_serve_the_owed_hit() -> None:
+    # The seed bug's own geometry (full attention 2, sliding window 1, window
+    # 2, retention 4), scaled x32 onto a tiny MiMo-V2-Flash (FA 64, SWA 32),
+    # with EAGLE in place of its MTP drafter (no tiny MTP drafter): the
+    # sibling is owed 192 tokens.
+    entry = load_entry(REGRESSION)
+    scenario = dataclasses.replace(
+        entry.scenario, drafter=dataclasses.replace(entry.scenario.drafter, kind=DrafterKind.EAGLE)
+    )
+    seen = {}
+    for variant in parse_variants("unfixed,fixed,candidate"):
+        outcome = run_engine(scenario, variant=variant)
+        assert outcome.scale == 32
+        assert outcome.run.unsupported is None and outcome.run.error is None
+        _, findings = judge(outcome)
+        seen[variant.name] = (
+            outcome.run.hits,
+            [(finding_tag(f), f.expected_tokens, f.hit_tokens) for f in findings],
+        )
+    assert seen == {
+        "unfixed": ((0, 128), [("fallback@1", 192, 128)]),
+        "fixed": ((0, 192), []),
+        "candidate": ((0, 192), []),
+    }
+
+
 def test_replay_mode_engine_runs_each_variant_named(capsys: pytest.CaptureFixture[str]) -> None:
     from differential.cli import main
 
