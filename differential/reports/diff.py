@@ -17,10 +17,10 @@ Both variants take part as baselines (neither is labelled fixed), so
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from differential.compare import ScenarioResult, VariantResult
 from differential.observation import ManagerSettings
@@ -34,10 +34,14 @@ __all__ = [
     "blocks_added_text",
     "changes_of",
     "cost_text",
+    "finding_kinds_at",
+    "ranked_groups",
     "setting_text",
 ]
 
 _EXAMPLES_SHOWN = 2
+_Order = TypeVar("_Order")
+_Item = TypeVar("_Item")
 
 
 class ChangeKind(StrEnum):
@@ -110,14 +114,7 @@ class DiffReport:
     def groups(self) -> list[tuple[ChangeKind, str, list[Change]]]:
         """Changes grouped by (kind, cause), kinds in :class:`ChangeKind` order,
         larger groups first."""
-        buckets: dict[tuple[ChangeKind, str], list[Change]] = {}
-        for change in self.changes:
-            buckets.setdefault((change.kind, change.cause), []).append(change)
-        order = list(ChangeKind)
-        ranked = sorted(
-            buckets.items(), key=lambda item: (order.index(item[0][0]), -len(item[1]), item[0][1])
-        )
-        return [(kind, cause, changes) for (kind, cause), changes in ranked]
+        return ranked_groups(((c.kind, c.cause, c) for c in self.changes), list(ChangeKind))
 
     def render(self) -> str:
         """The report as text."""
@@ -245,8 +242,23 @@ def _protection(settings: ManagerSettings | None) -> str:
     return "no drop"
 
 
-def _flags(result: VariantResult, request: int) -> list[str]:
+def finding_kinds_at(result: VariantResult, request: int) -> list[str]:
+    """The kinds of ``result``'s findings on sibling ``request``, sorted, once each."""
     return sorted({f.kind.value for f in result.findings if f.request == request})
+
+
+def ranked_groups(
+    keyed: Iterable[tuple[_Order, str, _Item]], order: Sequence[_Order]
+) -> list[tuple[_Order, str, list[_Item]]]:
+    """``(part, cause, item)`` triples grouped by (part, cause): parts in
+    ``order``, then larger groups first, then by cause."""
+    buckets: dict[tuple[_Order, str], list[_Item]] = {}
+    for part, cause, item in keyed:
+        buckets.setdefault((part, cause), []).append(item)
+    ranked = sorted(
+        buckets.items(), key=lambda kv: (order.index(kv[0][0]), -len(kv[1]), kv[0][1])
+    )
+    return [(part, cause, items) for (part, cause), items in ranked]
 
 
 def setting_text(scenario: Scenario) -> str:
@@ -287,7 +299,7 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
     )
     for xa, xb in zip(ra.run.requests, rb.run.requests, strict=False):
         j = xa.index
-        flags_a, flags_b = _flags(ra, j), _flags(rb, j)
+        flags_a, flags_b = finding_kinds_at(ra, j), finding_kinds_at(rb, j)
         blocks = (
             f"cached by the request: {blocks_added_text(xa.retained_blocks_per_group)} on {a}; "
             f"{blocks_added_text(xb.retained_blocks_per_group)} on {b}"

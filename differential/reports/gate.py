@@ -31,7 +31,13 @@ from typing import Any
 from differential.compare import ScenarioResult, VariantResult
 from differential.corpus import finding_tag
 from differential.findings import Finding
-from differential.reports.diff import blocks_added_text, cost_text, setting_text
+from differential.reports.diff import (
+    blocks_added_text,
+    cost_text,
+    finding_kinds_at,
+    ranked_groups,
+    setting_text,
+)
 from differential.reports.table import NotStarted
 from differential.triage.identity import Role, Triaged, triage
 
@@ -106,10 +112,6 @@ def _by_side(result: ScenarioResult) -> tuple[VariantResult, VariantResult]:
     return base, head
 
 
-def _flags(vr: VariantResult, request: int) -> list[str]:
-    return sorted({f.kind.value for f in vr.findings if f.request == request})
-
-
 def _cause(t: Triaged) -> str:
     """A finding's group: its kind and root cause (``fallback | shortfall |
     SlidingWindowManager.find_longest_cache_hit | missing periodic - 1A``);
@@ -170,7 +172,7 @@ def gate_items(result: ScenarioResult, label: str) -> list[GateItem]:
         )
         extra = sum(xb.retained_blocks_per_group) - sum(xa.retained_blocks_per_group)
         if xa.hit_tokens != xb.hit_tokens:
-            flags = _flags(base, j), _flags(head, j)
+            flags = finding_kinds_at(base, j), finding_kinds_at(head, j)
             if flags[0] != flags[1]:
                 continue  # a finding on one side: new or resolved
             verdict = (
@@ -246,14 +248,7 @@ class GateReport:
     def groups(self) -> list[tuple[Section, str, list[GateItem]]]:
         """Items grouped by (section, cause), sections in :class:`Section`
         order, larger groups first."""
-        buckets: dict[tuple[Section, str], list[GateItem]] = {}
-        for item in self.items:
-            buckets.setdefault((item.section, item.cause), []).append(item)
-        order = list(Section)
-        ranked = sorted(
-            buckets.items(), key=lambda kv: (order.index(kv[0][0]), -len(kv[1]), kv[0][1])
-        )
-        return [(section, cause, items) for (section, cause), items in ranked]
+        return ranked_groups(((i.section, i.cause, i) for i in self.items), list(Section))
 
     @property
     def introduced(self) -> list[GateItem]:
