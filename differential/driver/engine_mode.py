@@ -154,7 +154,41 @@ def file_geometry(path: Path | None) -> str:
 
 # -------------------------------------------------------------------------- plans
 
-_DRAFTERS = {DrafterKind.EAGLE: "eagle", DrafterKind.EAGLE3: "eagle3", DrafterKind.NGRAM: "ngram"}
+_DRAFTERS = {
+    DrafterKind.EAGLE: "eagle",
+    DrafterKind.EAGLE3: "eagle3",
+    DrafterKind.NGRAM: "ngram",
+    DrafterKind.MTP: "mtp",
+    DrafterKind.MULTI_MODULE_MTP: "mtp",
+}
+_MTP_DRAFTERS = (DrafterKind.MTP, DrafterKind.MULTI_MODULE_MTP)
+
+#: Why engine mode builds no tiny drafter of these kinds on the CPU engine.
+_NOT_BUILT = {
+    DrafterKind.GEMMA4_MTP: (
+        "the Gemma-4 assistant (Gemma4MTPModel, vllm/model_executor/models/gemma4_mtp.py) "
+        "reads its K/V from the target's KV cache, and kvfuzz's engine mode builds no tiny "
+        "Gemma-4 target (Gemma4ForCausalLM, vllm/model_executor/models/gemma4.py)"
+    ),
+    DrafterKind.DSPARK: (
+        "the CPU engine cannot run DSpark: VllmConfig (vllm/config/vllm.py) refuses it on "
+        "Model Runner V1 ('Model Runner V1 does not support: dspark speculative "
+        "decoding'), and Model Runner V2 needs Triton, which the CPU build does not have "
+        "(VllmConfig.use_v2_model_runner)"
+    ),
+    DrafterKind.DFLASH: (
+        "a tiny DFlash draft (DFlashDraftModel) starts on the CPU engine but fails its first "
+        "draft: DFlash's _build_context_kv_buffers (vllm/model_executor/models/qwen3_dflash.py) "
+        "concatenates the qkv_proj weights, which the CPU build has already packed for its "
+        "GEMM kernels and replaced by empty tensors (dispatch_cpu_unquantized_gemm, "
+        "vllm/model_executor/layers/utils.py): 'size mismatch, got input (600), mat (600x64), "
+        "vec (0)'"
+    ),
+    DrafterKind.DRAFT_MODEL: (
+        "kvfuzz's engine mode builds tiny EAGLE, EAGLE-3 and MTP drafters and n-gram "
+        "speculation only"
+    ),
+}
 
 
 def _token(salt: int, key: int) -> int:
@@ -334,6 +368,7 @@ _MAX_BLOCK_RATIO = 64
 _SPEC_NAMES = {
     GroupKind.FULL_ATTENTION: "FullAttentionSpec",
     GroupKind.SLIDING_WINDOW: "SlidingWindowSpec",
+    GroupKind.MAMBA: "MambaSpec",
 }
 
 
@@ -426,11 +461,19 @@ def _refuse_workload(scenario: Scenario) -> None:
     if scenario.workload.watermark:
         raise EngineUnsupported("workload.watermark: not mapped to the engine")
     drafter = scenario.drafter.kind
+    if drafter is not DrafterKind.NONE and scenario.mamba_groups:
+        raise EngineUnsupported(_DRAFTER_BESIDE_MAMBA)
     if drafter is not DrafterKind.NONE and drafter not in _DRAFTERS:
-        raise EngineUnsupported(
-            f"drafter {drafter.value!r}: kvfuzz's engine mode builds tiny EAGLE and EAGLE-3 "
-            "drafters and n-gram speculation only"
-        )
+        raise EngineUnsupported(f"drafter {drafter.value!r}: {_NOT_BUILT[drafter]}")
+
+
+_DRAFTER_BESIDE_MAMBA = (
+    "a drafter beside Mamba groups: the CPU engine starts but fails its first step: "
+    "vllm/v1/worker/gpu_model_runner.py makes a MambaSpecDecodeGPUContext whenever a "
+    "speculative config meets a hybrid model, and vllm/v1/worker/mamba_utils.py "
+    "preprocess_mamba -> run_fused_precopy launches the Triton kernel "
+    "precopy_mamba_align_fused_kernel, which the CPU build does not have"
+)
 
 
 def _engine_arguments(
@@ -441,13 +484,16 @@ def _engine_arguments(
     prefix_caching: bool,
 ) -> dict[str, Any]:
     """The plan's ``engine`` part: the tiny model's architecture and layers, the
-    scheduler's budget (tokens) and sequences, the pool (blocks), the drafter.
+    KV cache groups vLLM's planner must make from them (``groups``: spec class,
+    block size and window in tokens, one entry per group, checked by the
+    worker's ``_check_groups``) and the hash block (tokens), the scheduler's
+    budget (tokens) and sequences, the pool (blocks), the drafter.
 
     Raises:
         EngineUnsupported: Mamba groups without vLLM's own one-block prefill
-            steps, or beside a drafter or a sliding window.
+            steps, or beside a sliding window; a layout vLLM's planner cannot
+            make (:func:`_balanced_layers`).
     """
-    groups = scenario.kv_cache_groups
     drafter = scenario.drafter.kind
     budget = scenario.step_budget_tokens
     engine: dict[str, Any] = {
@@ -459,56 +505,36 @@ def _engine_arguments(
         "max_num_seqs": scenario.workload.max_num_seqs or min(8, budget),
         "max_num_batched_tokens": budget,
     }
-    if GroupKind.MAMBA in kinds:
+    architecture = _architecture(scenario, kinds)
+    if architecture == "nemotron_h":
         if scenario.mamba_prefill is not MambaPrefill.SCHEDULER or budget != block:
             raise EngineUnsupported(
                 "Mamba groups need vLLM's own prefill chunking in steps of one block on the "
                 "CPU engine (mamba_mixer2's CPU chunk scan ignores return_intermediate_states, "
                 "so no state is kept inside a step): see mamba_steps()"
             )
-        if drafter is not DrafterKind.NONE:
-            raise EngineUnsupported("a drafter beside Mamba groups: no tiny NemotronH drafter")
-        pattern = "".join("M" if g.kind is GroupKind.MAMBA else "*" for g in groups)
         if GroupKind.SLIDING_WINDOW in kinds:
             raise EngineUnsupported("sliding windows beside Mamba groups: NemotronH has none")
+    layers = _balanced_layers(scenario, architecture)
+    if architecture == "nemotron_h":
+        pattern = "".join("M" if kind is GroupKind.MAMBA else "*" for kind in layers)
         engine.update(architecture="nemotron_h", pattern=pattern, max_num_batched_tokens=block)
         engine["max_num_seqs"] = min(engine["max_num_seqs"], block)
     else:
         engine.update(
-            architecture="llama",
+            architecture=architecture,
             layer_types=[
-                "sliding_attention" if g.kind is GroupKind.SLIDING_WINDOW else "full_attention"
-                for g in groups
+                "sliding_attention" if kind is GroupKind.SLIDING_WINDOW else "full_attention"
+                for kind in layers
             ],
             sliding_window=windows[0] if windows else None,
         )
-        if len({g.block_size_tokens for g in groups}) > 1:
-            _mimo_layout(engine, scenario)
-    if drafter is not DrafterKind.NONE:
-        engine["drafter"] = {
-            "method": _DRAFTERS[drafter],
-            "num_speculative_tokens": scenario.drafter.num_speculative_tokens,
-            "disable_eagle_block_drop": scenario.disable_eagle_block_drop,
-        }
-    else:
-        engine["drafter"] = None
-    if engine["max_num_batched_tokens"] < engine["max_num_seqs"]:
-        engine["max_num_seqs"] = engine["max_num_batched_tokens"]
-    return engine
-
-
-def _mimo_layout(engine: dict[str, Any], scenario: Scenario) -> None:
-    """Make ``engine`` (a plan's Llama ``engine`` block) a tiny MiMo-V2-Flash
-    model whose groups get the scenario's block sizes (:func:`_page_ratios`):
-    ``architecture`` ``mimo_v2``, ``kv_heads`` per layer type, and ``groups``,
-    the KV cache groups vLLM's planner must make (spec class, block size and
-    window in tokens), which the worker checks before it runs the plan."""
-    heads = _page_ratios(scenario)
-    engine["architecture"] = "mimo_v2"
-    engine["kv_heads"] = {
-        "full_attention": heads.get(GroupKind.FULL_ATTENTION, 1),
-        "sliding_attention": heads.get(GroupKind.SLIDING_WINDOW, 1),
-    }
+        if architecture == "mimo_v2":
+            heads = _page_ratios(scenario)
+            engine["kv_heads"] = {
+                "full_attention": heads.get(GroupKind.FULL_ATTENTION, 1),
+                "sliding_attention": heads.get(GroupKind.SLIDING_WINDOW, 1),
+            }
     engine["groups"] = [
         {
             "spec": _SPEC_NAMES[g.kind],
@@ -518,6 +544,142 @@ def _mimo_layout(engine: dict[str, Any], scenario: Scenario) -> None:
         for g in scenario.kv_cache_groups
     ]
     engine["hash_block_size"] = scenario.effective_hash_block_size_tokens
+    engine["drafter"] = None
+    if drafter is not DrafterKind.NONE:
+        engine["drafter"] = {
+            "method": _DRAFTERS[drafter],
+            "num_speculative_tokens": scenario.drafter.num_speculative_tokens,
+            "disable_eagle_block_drop": scenario.disable_eagle_block_drop,
+        }
+        if drafter in _MTP_DRAFTERS:
+            engine["drafter"]["modules"] = _mtp_modules(scenario)
+    if engine["max_num_batched_tokens"] < engine["max_num_seqs"]:
+        engine["max_num_seqs"] = engine["max_num_batched_tokens"]
+    return engine
+
+
+def _architecture(scenario: Scenario, kinds: set[GroupKind]) -> str:
+    """The tiny target for the scenario's kinds and drafter: ``nemotron_h``
+    (Mamba groups), ``mimo`` (MiMo, Qwen2 layers: an MTP drafter on one
+    attention kind; ``SpeculativeConfig.hf_config_override``,
+    vllm/config/speculative.py, makes its draft ``MiMoMTPModel``,
+    vllm/model_executor/models/mimo_mtp.py, one Qwen2 layer per module),
+    ``mimo_v2`` (MiMo-V2-Flash: groups of two block sizes, or sliding-window and
+    full-attention groups with an MTP drafter, whose draft
+    ``MiMoV2MTPModel``, vllm/model_executor/models/mimo_v2_mtp.py, is one
+    sliding-window layer) or ``llama``.
+
+    Raises:
+        EngineUnsupported: multi-module MTP beside sliding-window and
+            full-attention groups together.
+    """
+    drafter = scenario.drafter.kind
+    if GroupKind.MAMBA in kinds:
+        return "nemotron_h"
+    if drafter in _MTP_DRAFTERS and len(kinds) == 1:
+        return "mimo"
+    if drafter is DrafterKind.MULTI_MODULE_MTP:
+        raise EngineUnsupported(_MULTI_MODULE_BESIDE_TWO_KINDS)
+    if drafter is DrafterKind.MTP:
+        return "mimo_v2"
+    if len({g.block_size_tokens for g in scenario.kv_cache_groups}) > 1:
+        return "mimo_v2"
+    return "llama"
+
+
+_MULTI_MODULE_BESIDE_TWO_KINDS = (
+    "multi-module MTP beside sliding-window and full-attention groups: the tiny "
+    "MiMo-V2-Flash draft has one MTP module (vllm/config/speculative.py, "
+    "SpeculativeConfig.hf_config_override sets num_nextn_predict_layers to "
+    "_MIMO_V2_FLASH_NUM_MTP_LAYERS, 1), so the engine would resolve "
+    "num_prefill_lookahead_tokens 1 where kvfuzz's drivers resolve one per speculative "
+    "token; MiMo's Qwen2 layers have no per-layer sliding window "
+    "(vllm/model_executor/models/qwen2.py)"
+)
+
+
+def _mtp_modules(scenario: Scenario) -> int:
+    """MTP modules (``num_nextn_predict_layers``) the tiny target carries: one
+    per speculative token for multi-module MTP, else one, as kvfuzz's drivers
+    configure the draft model (differential/driver/settings.py)."""
+    if scenario.drafter.kind is DrafterKind.MULTI_MODULE_MTP:
+        return scenario.drafter.num_speculative_tokens
+    return 1
+
+
+def _draft_layers(scenario: Scenario, architecture: str) -> dict[GroupKind, int]:
+    """The attention layers the drafter adds, by kind: an EAGLE or EAGLE-3 draft
+    layer has the target's full-attention shape; MiMo-V2-Flash's MTP layer is a
+    sliding-window layer with the sliding-window heads; MiMo's MTP modules are
+    Qwen2 layers of the target's one kind; n-gram speculation adds none."""
+    drafter = scenario.drafter.kind
+    if drafter in (DrafterKind.EAGLE, DrafterKind.EAGLE3):
+        return {GroupKind.FULL_ATTENTION: 1}
+    if drafter in _MTP_DRAFTERS and architecture == "mimo_v2":
+        return {GroupKind.SLIDING_WINDOW: 1}
+    if drafter in _MTP_DRAFTERS:
+        return {scenario.kv_cache_groups[0].kind: _mtp_modules(scenario)}
+    return {}
+
+
+def _planner_groups(layers: dict[GroupKind, int]) -> dict[GroupKind, int]:
+    """The KV cache groups per kind vLLM's planner makes from ``layers`` (layers
+    per kind, one spec each): one group when every layer has one spec
+    (``_get_kv_cache_config_uniform_type``), else groups of equal layer
+    counts, the smallest kind's count (or the largest's, when it is under 1.5
+    times the smallest) (``_get_kv_cache_groups_uniform_page_size``;
+    vllm/v1/core/kv_cache_utils.py)."""
+    if len(layers) == 1:
+        return dict.fromkeys(layers, 1)
+    size = min(layers.values())
+    if max(layers.values()) < size * 1.5:
+        size = max(layers.values())
+    return {kind: -(-count // size) for kind, count in layers.items()}
+
+
+#: The most target layers per scenario group :func:`_balanced_layers` tries.
+_MAX_LAYERS_PER_GROUP = 8
+
+
+def _balanced_layers(scenario: Scenario, architecture: str) -> list[GroupKind]:
+    """The tiny target's layers, by kind: one per scenario group in the
+    scenario's order, then as many more as make vLLM's planner give exactly
+    the scenario's groups once the drafter's layers join them
+    (:func:`_draft_layers`, :func:`_planner_groups`); an EAGLE-3 target has at
+    least four layers (three distinct auxiliary layers).
+
+    Raises:
+        EngineUnsupported: no layer count makes the scenario's groups (the
+            drafter's layers would make a group of a kind the scenario does not
+            have, or the scenario has several groups of every kind).
+    """
+    want: dict[GroupKind, int] = {}
+    for g in scenario.kv_cache_groups:
+        want[g.kind] = want.get(g.kind, 0) + 1
+    draft = _draft_layers(scenario, architecture)
+    stray = sorted(kind.value for kind in draft if kind not in want)
+    if stray:
+        raise EngineUnsupported(
+            f"the {scenario.drafter.kind.value} drafter's layers are {', '.join(stray)} "
+            "layers: vLLM's planner would give them a group of a kind the scenario does not "
+            "have (vllm/v1/core/kv_cache_utils.py, get_kv_cache_groups)"
+        )
+    least = 4 if scenario.drafter.kind is DrafterKind.EAGLE3 else 1
+    for k in range(1, _MAX_LAYERS_PER_GROUP + 1):
+        target = {kind: count * k - draft.get(kind, 0) for kind, count in want.items()}
+        if min(target.values()) < 1 or sum(target.values()) < least:
+            continue
+        if _planner_groups({kind: count * k for kind, count in want.items()}) == want:
+            layers = [g.kind for g in scenario.kv_cache_groups]
+            for kind, count in want.items():
+                layers += [kind] * (target[kind] - count)
+            return layers
+    counts = ", ".join(f"{count} {kind.value}" for kind, count in want.items())
+    raise EngineUnsupported(
+        f"groups {counts}: vLLM's planner gives the kind with the fewest layers one group "
+        "(groups of equal layer counts: _get_kv_cache_groups_uniform_page_size, "
+        "vllm/v1/core/kv_cache_utils.py), so no tiny model makes these groups"
+    )
 
 
 # ---------------------------------------------------------------------- results

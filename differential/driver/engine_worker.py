@@ -222,48 +222,120 @@ def _write_model(folder: Path, config: dict[str, Any]) -> str:
     return str(path)
 
 
+def _mimo_config(
+    layer_types: list[str], sliding_window: int | None, mtp_modules: int
+) -> dict[str, Any]:
+    """A tiny MiMo (vllm/model_executor/models/mimo.py, Qwen2 layers: vocab 1024,
+    hidden 64, head size 32, one KV head) with ``mtp_modules`` MTP modules
+    (``num_nextn_predict_layers``). ``SpeculativeConfig.hf_config_override``
+    (vllm/config/speculative.py) makes its ``method="mtp"`` draft
+    ``MiMoMTPModel`` (vllm/model_executor/models/mimo_mtp.py), one Qwen2 layer
+    per module with the target's KV shape. Qwen2 slides every layer or none
+    (vllm/model_executor/models/qwen2.py), so the layers are all
+    ``sliding_attention`` (window ``sliding_window`` tokens) or all full
+    attention, and the MTP layers join them."""
+    config = _llama_config(["full_attention"] * len(layer_types), None)
+    config.update(
+        architectures=["MiMoForCausalLM"],
+        model_type="qwen2",
+        rope_theta=10000.0,
+        num_nextn_predict_layers=mtp_modules,
+    )
+    del config["rope_parameters"], config["head_dim"]
+    if "sliding_attention" in layer_types:
+        config.update(
+            use_sliding_window=True,
+            sliding_window=sliding_window,
+            max_window_layers=len(layer_types),
+            layer_types=layer_types,
+        )
+    return config
+
+
+def _target(engine: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The tiny target's ``config.json`` for a plan's ``engine`` block and the KV
+    heads of its full-attention layers (an EAGLE draft layer's).
+
+    Raises:
+        PlanError: an architecture this worker does not build.
+    """
+    arch = engine["architecture"]
+    drafter = engine.get("drafter") or {}
+    if arch == "llama":
+        return _llama_config(list(engine["layer_types"]), engine.get("sliding_window")), 1
+    if arch == "mimo_v2":
+        target = _mimo_v2_config(
+            list(engine["layer_types"]), engine["sliding_window"], engine["kv_heads"]
+        )
+        if drafter.get("method") == "mtp":
+            # One MTP layer (vllm/model_executor/models/mimo_v2_mtp.py), a
+            # sliding-window layer with the sliding-window heads.
+            target["num_nextn_predict_layers"] = 1
+        return target, int(engine["kv_heads"]["full_attention"])
+    if arch == "mimo":
+        modules = int(drafter.get("modules", 1))
+        return _mimo_config(list(engine["layer_types"]), engine["sliding_window"], modules), 1
+    if arch == "nemotron_h":
+        return _nemotron_h_config(engine["pattern"]), 1
+    raise PlanError(f"no tiny model for architecture {arch!r}")
+
+
+def _speculative_config(
+    drafter: dict[str, Any], engine: dict[str, Any], folder: Path, draft_kv_heads: int
+) -> dict[str, Any]:
+    """``speculative_config`` for a plan's ``drafter``: EAGLE and EAGLE-3 with a
+    one-layer draft model written beside the target, MTP with none (vLLM
+    builds it from the target's config), n-gram prompt lookup.
+
+    Raises:
+        PlanError: a method this worker does not build, or MTP on a target
+            without MTP layers.
+    """
+    method = drafter["method"]
+    n = drafter["num_speculative_tokens"]
+    if method in ("eagle", "eagle3"):
+        num_layers = len(engine.get("layer_types") or engine.get("pattern") or "")
+        draft = _write_model(folder, _eagle_config(num_layers, method == "eagle3", draft_kv_heads))
+        config: dict[str, Any] = {"method": method, "model": draft, "num_speculative_tokens": n}
+    elif method == "mtp":
+        if engine["architecture"] not in ("mimo", "mimo_v2"):
+            raise PlanError(f"no MTP layers in the tiny {engine['architecture']} model")
+        config = {"method": "mtp", "num_speculative_tokens": n}
+    elif method == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": n,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    else:
+        raise PlanError(f"no tiny drafter for method {method!r}")
+    if drafter.get("disable_eagle_block_drop"):
+        config["disable_eagle_block_drop"] = True
+    return config
+
+
 def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The ``vllm.LLM(...)`` keyword arguments for a plan's ``engine`` block.
 
-    The block: ``architecture`` (``llama``, ``mimo_v2`` or ``nemotron_h``),
-    ``layer_types`` (Llama, MiMo-V2-Flash: ``sliding_attention`` /
-    ``full_attention`` per layer) or ``pattern`` (NemotronH),
-    ``sliding_window`` (tokens), ``kv_heads`` (MiMo-V2-Flash: KV heads per
-    layer type), ``groups`` and ``hash_block_size`` (MiMo-V2-Flash: the
-    groups and hash block vLLM must make, checked by :func:`_check_groups`),
+    The block: ``architecture`` (``llama``, ``mimo_v2``, ``mimo`` or
+    ``nemotron_h``), ``layer_types`` (Llama, MiMo-V2-Flash, MiMo:
+    ``sliding_attention`` / ``full_attention`` per layer) or ``pattern``
+    (NemotronH), ``sliding_window`` (tokens), ``kv_heads`` (MiMo-V2-Flash: KV
+    heads per layer type), ``groups`` and ``hash_block_size`` (the groups and
+    hash block vLLM must make, checked by :func:`_check_groups`),
     ``block_size`` (tokens), ``retention`` (``prefix_cache_retention_interval``; absent:
     vLLM's default), ``prefix_match_unit`` (tokens or null), ``drafter``
-    (null or ``{"method": "eagle"|"eagle3"|"ngram", "num_speculative_tokens": n}``),
-    ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``num_gpu_blocks_override`` (blocks or null), ``max_model_len`` (tokens).
+    (null or ``{"method": "eagle"|"eagle3"|"mtp"|"ngram", "num_speculative_tokens": n,
+    "modules": MTP modules}``), ``enable_prefix_caching``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``num_gpu_blocks_override`` (blocks or null),
+    ``max_model_len`` (tokens).
 
     Raises:
         PlanError: an architecture or drafter this worker does not build.
     """
     engine = plan["engine"]
-    arch = engine["architecture"]
-    draft_kv_heads = 1
-    if arch == "llama":
-        layer_types = list(engine["layer_types"])
-        drafter = engine.get("drafter") or {}
-        if drafter.get("method") == "eagle3":
-            # EAGLE-3 reads three distinct auxiliary layers of the target: the
-            # layer pattern is repeated (layers of one spec share a group).
-            layer_types = layer_types * -(-4 // len(layer_types))
-        target = _llama_config(layer_types, engine.get("sliding_window"))
-        num_layers = len(layer_types)
-    elif arch == "mimo_v2":
-        layer_types = list(engine["layer_types"])
-        if (engine.get("drafter") or {}).get("method") == "eagle3":
-            layer_types = layer_types * -(-4 // len(layer_types))
-        target = _mimo_v2_config(layer_types, engine["sliding_window"], engine["kv_heads"])
-        num_layers = len(layer_types)
-        draft_kv_heads = int(engine["kv_heads"]["full_attention"])
-    elif arch == "nemotron_h":
-        target = _nemotron_h_config(engine["pattern"])
-        num_layers = len(engine["pattern"])
-    else:
-        raise PlanError(f"no tiny model for architecture {arch!r}")
+    target, draft_kv_heads = _target(engine)
     kwargs: dict[str, Any] = {
         "model": _write_model(folder, target),
         "load_format": "dummy",
@@ -287,28 +359,7 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
         kwargs["num_gpu_blocks_override"] = engine["num_gpu_blocks_override"]
     drafter = engine.get("drafter")
     if drafter:
-        method = drafter["method"]
-        n = drafter["num_speculative_tokens"]
-        if method in ("eagle", "eagle3"):
-            draft = _write_model(
-                folder, _eagle_config(num_layers, method == "eagle3", draft_kv_heads)
-            )
-            kwargs["speculative_config"] = {
-                "method": method,
-                "model": draft,
-                "num_speculative_tokens": n,
-            }
-            if drafter.get("disable_eagle_block_drop"):
-                kwargs["speculative_config"]["disable_eagle_block_drop"] = True
-        elif method == "ngram":
-            kwargs["speculative_config"] = {
-                "method": "ngram",
-                "num_speculative_tokens": n,
-                "prompt_lookup_max": 4,
-                "prompt_lookup_min": 2,
-            }
-        else:
-            raise PlanError(f"no tiny drafter for method {method!r}")
+        kwargs["speculative_config"] = _speculative_config(drafter, engine, folder, draft_kv_heads)
     return kwargs
 
 
@@ -459,29 +510,29 @@ def _group_layout(core: Any) -> list[dict[str, Any]]:
 
 
 def _check_groups(engine: dict[str, Any], core: Any, cache_config: Any) -> None:
-    """Check that the engine's KV cache groups have the plan's ``groups``
-    (spec class, block size and window in tokens) and its hash block the
-    plan's ``hash_block_size``; plans without ``groups`` are not checked.
+    """Check that the engine's KV cache groups are the plan's ``groups`` (spec
+    class, block size and window in tokens; as many groups of each), and its
+    hash block the plan's ``hash_block_size`` (with prefix caching on); a plan
+    without ``groups`` is refused.
 
-    Groups are compared as sets of specs: vLLM's planner may split the layers
-    of one spec into several groups (a drafter's layer beside the target's,
-    ``_get_kv_cache_groups_uniform_page_size`` in vllm/v1/core/kv_cache_utils.py),
-    and its coordinator looks hits up once per spec for all of them
-    (``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups``,
-    vllm/v1/core/kv_cache_coordinator.py), so they hit as one group.
+    vLLM's planner splits the layers of one spec into groups of equal layer
+    counts (``_get_kv_cache_groups_uniform_page_size``,
+    vllm/v1/core/kv_cache_utils.py), a drafter's layers counted with the
+    target's; every group takes its own blocks from the pool, so a group more
+    or fewer is another layout even where it hits alike.
 
     Raises:
         PlanError: naming both layouts, so the run is unsupported, never one
             on other groups than the scenario's.
     """
     if "groups" not in engine:
-        return
+        raise PlanError("the plan names no KV cache groups to check the engine's against")
 
     def key(g: dict[str, Any]) -> tuple[str, int, int]:
         return (str(g["spec"]), int(g["block_size"]), int(g["sliding_window"] or 0))
 
-    planned = sorted({key(g) for g in engine["groups"]})
-    made = sorted({key(g) for g in _group_layout(core)})
+    planned = sorted(key(g) for g in engine["groups"])
+    made = sorted(key(g) for g in _group_layout(core))
     hash_block = getattr(cache_config, "hash_block_size", None) or cache_config.block_size
     caching = bool(engine["enable_prefix_caching"])
     if made != planned or (caching and hash_block != engine["hash_block_size"]):
@@ -489,7 +540,7 @@ def _check_groups(engine: dict[str, Any], core: Any, cache_config: Any) -> None:
             f"the engine's KV cache groups came out as {made} (spec, block, window in "
             f"tokens; hash block {hash_block}), not the scenario's {planned} (hash block "
             f"{engine['hash_block_size']}): vLLM's planner (vllm/v1/core/kv_cache_utils.py, "
-            "unify_kv_cache_spec_page_size) gave the tiny MiMo-V2-Flash model other groups"
+            f"get_kv_cache_groups) gave the tiny {engine['architecture']} model other groups"
         )
 
 
@@ -728,6 +779,7 @@ def _engine_report(
         "use_eagle": bool(getattr(core.scheduler.kv_cache_manager, "use_eagle", False)),
         "speculative_method": None if spec_config is None else spec_config.method,
         "num_blocks": core.scheduler.kv_cache_config.num_blocks,
+        "num_hash_lookahead_tokens": getattr(engine.vllm_config, "num_hash_lookahead_tokens", 0),
         "num_lookahead_tokens": getattr(engine.vllm_config, "num_lookahead_tokens", 0),
         "num_prefill_lookahead_tokens": getattr(
             engine.vllm_config, "num_prefill_lookahead_tokens", 0
@@ -758,7 +810,8 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"engine": {vllm_version, block_size, hash_block_size, groups,
-        use_eagle, num_blocks, start_s, run_s, steps, evicted_blocks,
+        use_eagle, speculative_method, num_blocks, num_hash_lookahead_tokens,
+        num_lookahead_tokens, num_prefill_lookahead_tokens, start_s, run_s, steps, evicted_blocks,
         kwargs}, "requests": [per request: index, prompt_tokens,
         num_cached_tokens, boundary_tokens, lookup_step, finished_step (the
         engine step at whose end it finished), arrival_step,

@@ -10,7 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 from differential.corpus import load_entry
-from differential.driver.engine_mode import EngineUnsupported, engine_plan, scaled
+from differential.driver.engine_mode import (
+    EngineUnsupported,
+    engine_plan,
+    geometry_scale,
+    mamba_steps,
+    scaled,
+)
+from differential.scenario import DrafterKind
 from tests.factories import CORPORA, ROOT
 
 
@@ -147,7 +154,12 @@ def test_a_sliding_block_four_times_the_full_block_gives_full_attention_four_kv_
 def test_one_block_size_keeps_the_tiny_llama_model() -> None:
     engine = engine_plan(load_entry(CORPORA / "cases" / "rejoin-swa-only.json").scenario)["engine"]
     assert engine["architecture"] == "llama"
-    assert "groups" not in engine and "kv_heads" not in engine
+    assert "kv_heads" not in engine
+    # Every plan names the groups the worker checks the engine's against.
+    assert engine["groups"] == [
+        {"spec": "SlidingWindowSpec", "block_size": 32, "sliding_window": 64}
+    ]
+    assert engine["hash_block_size"] == 32
 
 
 def test_block_sizes_the_cpu_engine_cannot_give_are_unsupported_naming_the_vllm_file() -> None:
@@ -206,8 +218,10 @@ def test_the_worker_writes_the_mimo_model_and_an_eagle_draft_joining_full_attent
     kwargs = engine_arguments(plan, tmp_path)
     target = json.loads((Path(kwargs["model"]) / "config.json").read_text())
     assert target["architectures"] == ["MiMoV2FlashForCausalLM"]
-    assert target["hybrid_layer_pattern"] == [0, 1]
-    assert target["moe_layer_freq"] == [0, 0]
+    # One full-attention and two sliding-window layers: with the draft layer,
+    # two of each, which vLLM's planner makes one group each, the scenario's.
+    assert target["hybrid_layer_pattern"] == [0, 1, 1]
+    assert target["moe_layer_freq"] == [0, 0, 0]
     assert (target["num_key_value_heads"], target["swa_num_key_value_heads"]) == (1, 2)
     assert (target["head_dim"], target["swa_head_dim"], target["sliding_window_size"]) == (
         32,
@@ -246,12 +260,15 @@ def test_the_worker_refuses_to_run_on_groups_other_than_the_plans() -> None:
 
     engine = engine_plan(scaled(load_entry(SEED_JUNCTION).scenario, 8))["engine"]
     cache = SimpleNamespace(block_size=32, hash_block_size=32)
-    # A draft layer's second full-attention group of the same spec is the same layout.
-    _check_groups(
-        engine,
-        _core(FullAttentionSpec(64), FullAttentionSpec(64), SlidingWindowSpec(32, 128)),
-        cache,
-    )
+    _check_groups(engine, _core(FullAttentionSpec(64), SlidingWindowSpec(32, 128)), cache)
+    # A second full-attention group of the same spec (a draft layer vLLM's
+    # planner did not balance) takes its own blocks: another layout.
+    with pytest.raises(PlanError, match=r"FullAttentionSpec', 64, 0\), \('FullAttentionSpec'"):
+        _check_groups(
+            engine,
+            _core(FullAttentionSpec(64), FullAttentionSpec(64), SlidingWindowSpec(32, 128)),
+            cache,
+        )
     with pytest.raises(PlanError, match=r"came out as \[\('FullAttentionSpec', 32, 0\)"):
         _check_groups(engine, _core(FullAttentionSpec(32), SlidingWindowSpec(32, 128)), cache)
     # Another hash block matters only with prefix caching on.
@@ -294,3 +311,144 @@ def test_the_engine_worker_enters_only_the_variants_patch_modules() -> None:
         _variant_patches("os:getcwd"),
     ):
         pass
+
+
+def test_an_mtp_drafter_beside_two_kinds_plans_mimo_v2_with_its_mtp_layer_in_the_sliding_group(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from differential.driver.engine_worker import engine_arguments
+
+    # The seed bug's own geometry (FA 2 + SWA 1, window 2) scaled x32 with its
+    # MTP drafter: MiMo-V2-Flash's one MTP layer is a sliding-window layer, so
+    # the target has two full-attention layers and one sliding-window layer,
+    # two of each with the MTP layer: one group each.
+    scenario = scaled(
+        load_entry(CORPORA / "regressions" / "fallback-unfixed-517c289c14.json").scenario, 32
+    )
+    engine = engine_plan(scenario)["engine"]
+    assert engine["architecture"] == "mimo_v2"
+    assert engine["layer_types"] == ["full_attention", "sliding_attention", "full_attention"]
+    assert engine["kv_heads"] == {"full_attention": 1, "sliding_attention": 2}
+    assert engine["drafter"] == {
+        "method": "mtp",
+        "num_speculative_tokens": 1,
+        "disable_eagle_block_drop": False,
+        "modules": 1,
+    }
+    assert [(g["spec"], g["block_size"]) for g in engine["groups"]] == [
+        ("FullAttentionSpec", 64),
+        ("SlidingWindowSpec", 32),
+    ]
+    kwargs = engine_arguments({"engine": engine}, tmp_path)
+    # No draft model: vLLM builds MiMoV2MTPModel from the target's config.
+    assert kwargs["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 1}
+    target = json.loads((Path(kwargs["model"]) / "config.json").read_text())
+    assert target["architectures"] == ["MiMoV2FlashForCausalLM"]
+    assert (target["num_nextn_predict_layers"], target["hybrid_layer_pattern"]) == (1, [0, 1, 0])
+    # Equal block sizes: one KV head on both kinds.
+    equal = load_entry(CORPORA / "seeds" / "equal-block-alignment-mtp3-swa16-fa16-r8192.json")
+    engine = engine_plan(scaled(equal.scenario, 2))["engine"]
+    assert (engine["architecture"], engine["kv_heads"]) == (
+        "mimo_v2",
+        {"full_attention": 1, "sliding_attention": 1},
+    )
+
+
+def test_mtp_on_one_attention_kind_plans_mimo_with_one_module_per_token(tmp_path: Path) -> None:
+    import json
+
+    from differential.driver.engine_worker import engine_arguments
+
+    full = load_entry(CORPORA / "cases" / "multi-turn-decoded-blocks--two-lookahead-tokens.json")
+    engine = engine_plan(scaled(full.scenario, 2))["engine"]
+    assert (engine["architecture"], engine["layer_types"]) == ("mimo", ["full_attention"])
+    assert engine["drafter"]["modules"] == 2
+    kwargs = engine_arguments({"engine": engine}, tmp_path)
+    assert kwargs["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    target = json.loads((Path(kwargs["model"]) / "config.json").read_text())
+    assert (target["architectures"], target["num_nextn_predict_layers"]) == (
+        ["MiMoForCausalLM"],
+        2,
+    )
+    assert "use_sliding_window" not in target
+    # A sliding-window-only layout: every Qwen2 layer slides, the MTP ones too.
+    swa = load_entry(ROOT / "known-issues" / "single-swa-group-lookahead-hashes-index-error.json")
+    engine = engine_plan(scaled(swa.scenario, 16))["engine"]
+    assert (engine["architecture"], engine["layer_types"]) == ("mimo", ["sliding_attention"])
+    target = json.loads(
+        (Path(engine_arguments({"engine": engine}, tmp_path)["model"]) / "config.json").read_text()
+    )
+    assert (target["use_sliding_window"], target["sliding_window"]) == (True, 32)
+    assert target["layer_types"] == ["sliding_attention"]
+    # Single-module MTP on one kind: one module.
+    mtp = dataclasses.replace(
+        full.scenario, drafter=dataclasses.replace(full.scenario.drafter, kind=DrafterKind.MTP)
+    )
+    assert engine_plan(scaled(mtp, 2))["engine"]["drafter"]["modules"] == 1
+
+
+def test_draft_layers_are_balanced_so_the_planner_makes_the_scenarios_groups() -> None:
+    # EAGLE's draft layer is a full-attention layer: beside one sliding-window
+    # group the target gets a second sliding-window layer (two layers of each).
+    eagle = load_entry(CORPORA / "cases" / "engine-seed-class-eagle1-swa64-fa32-r256.json").scenario
+    engine = engine_plan(eagle)["engine"]
+    assert engine["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    # EAGLE-3 needs three distinct auxiliary layers: 2 full + 3 sliding, with
+    # the draft layer three of each.
+    eagle3 = dataclasses.replace(
+        eagle, drafter=dataclasses.replace(eagle.drafter, kind=DrafterKind.EAGLE3)
+    )
+    layers = engine_plan(eagle3)["engine"]["layer_types"]
+    assert (layers.count("full_attention"), layers.count("sliding_attention")) == (2, 3)
+    # n-gram speculation adds no layer; Mamba groups keep one layer per group.
+    ngram = dataclasses.replace(
+        eagle, drafter=dataclasses.replace(eagle.drafter, kind=DrafterKind.NGRAM)
+    )
+    assert engine_plan(ngram)["engine"]["layer_types"] == ["sliding_attention", "full_attention"]
+    periodic = (
+        ROOT
+        / "corpora"
+        / "regressions"
+        / "mamba-scheduler-chunks-of-the-step-budget--periodic.json"
+    )
+    mamba = load_entry(periodic).scenario
+    engine = engine_plan(mamba_steps(scaled(mamba, geometry_scale(mamba))))["engine"]
+    assert engine["pattern"] == "*MM"
+    assert [g["spec"] for g in engine["groups"]] == ["FullAttentionSpec", "MambaSpec", "MambaSpec"]
+    # Two groups of each kind: vLLM's planner gives the kind with the fewest
+    # layers one group, whatever the layer counts.
+    two_each = dataclasses.replace(
+        eagle, kv_cache_groups=eagle.kv_cache_groups * 2, drafter=ngram.drafter
+    )
+    with pytest.raises(EngineUnsupported, match=r"^groups 2 sliding_window, 2 full_attention: "):
+        engine_plan(two_each)
+    # EAGLE on a sliding-window-only layout: its full-attention draft layer
+    # would make a group the scenario does not have.
+    swa_only = load_entry(CORPORA / "cases" / "rejoin-swa-only.json").scenario
+    with pytest.raises(EngineUnsupported, match=r"^the eagle drafter's layers are full_attention"):
+        engine_plan(dataclasses.replace(swa_only, drafter=eagle.drafter))
+
+
+def test_drafters_the_cpu_engine_cannot_run_are_refused_naming_the_vllm_file() -> None:
+    def why(path: Path, factor: int) -> str:
+        with pytest.raises(EngineUnsupported) as info:
+            engine_plan(mamba_steps(scaled(load_entry(path).scenario, factor)))
+        return str(info.value)
+
+    multi = why(CORPORA / "cases" / "multi-module-mtp-drop-caches-finalized-tokens-only.json", 8)
+    assert multi.startswith("multi-module MTP beside sliding-window and full-attention groups:")
+    assert "_MIMO_V2_FLASH_NUM_MTP_LAYERS" in multi
+    gemma = why(CORPORA / "seeds" / "gemma4-mtp3-swa16-fa32-r8192.json", 2)
+    assert gemma.startswith("drafter 'gemma4_mtp': the Gemma-4 assistant (Gemma4MTPModel")
+    dspark = why(ROOT / "known-issues" / "unit-below-replay-boundary-dspark.json", 8)
+    assert dspark.startswith("drafter 'dspark': the CPU engine cannot run DSpark")
+    assert "Model Runner V1 does not support: dspark" in dspark
+    dflash = why(CORPORA / "seeds" / "dflash-swa16-fa32-r8192.json", 2)
+    assert dflash.startswith("drafter 'dflash': a tiny DFlash draft")
+    assert "dispatch_cpu_unquantized_gemm" in dflash
+    # Any drafter beside Mamba groups, MTP included.
+    mamba = why(ROOT / "known-issues" / "mamba-finder-ignores-eagle-drop.json", 8)
+    assert mamba.startswith("a drafter beside Mamba groups: the CPU engine starts but fails")
+    assert "precopy_mamba_align_fused_kernel" in mamba
