@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from differential.commands.confirm import engine_replay
+from differential.commands.confirm import engine_replay, release_runs
 from differential.corpus import finding_tag, load_entry
 from differential.driver.engine_mode import EngineResult
 from differential.findings import FindingKind, Policy
+from differential.observation import RunObservation
 from differential.scenario import DrafterKind, DriveMode, KVCacheGroup
 from differential.variants import parse_variants
 from differential.variants.engine import judge, run_engine, shutdown_engine, wrong_outputs
@@ -38,13 +39,13 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE = CORPORA / "cases" / "engine-seed-class-eagle1-swa64-fa32-r256.json"
 NO_DRAFTER = CORPORA / "cases" / "engine-seed-class-nodrafter-swa64-fa32-r256.json"
-# Blocks of 4 and 8 tokens, scaled x8 by default (32 and 64, which a tiny
-# MiMo-V2-Flash model lays out), with an MTP drafter: the engine cannot run
-# it (known from its plan).
-UNSUPPORTED = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
+# A Gemma-4 MTP drafter: the engine cannot run it (known from its plan).
+UNSUPPORTED = CORPORA / "seeds" / "gemma4-mtp3-swa16-fa32-r8192.json"
 UNSUPPORTED_WHY = (
-    "engine: drafter 'mtp': kvfuzz's engine mode builds tiny EAGLE and EAGLE-3 drafters and "
-    "n-gram speculation only"
+    "engine: drafter 'gemma4_mtp': the Gemma-4 assistant (Gemma4MTPModel, "
+    "vllm/model_executor/models/gemma4_mtp.py) reads its K/V from the target's KV cache, and "
+    "kvfuzz's engine mode builds no tiny Gemma-4 target (Gemma4ForCausalLM, "
+    "vllm/model_executor/models/gemma4.py)"
 )
 # vLLM #48435 at blocks of 4 tokens: scaled x8 (blocks of 32) by default.
 COLLAPSE = ROOT / "known-issues" / "eviction-collapse-48435-pool130-dense.json"
@@ -133,8 +134,9 @@ def test_the_seed_pr_experiment_on_the_engine_fixed_and_candidate_serve_the_owed
 def test_the_seed_geometry_on_the_engine_fixed_and_candidate_serve_the_owed_hit() -> None:
     # The seed bug's own geometry (full attention 2, sliding window 1, window
     # 2, retention 4), scaled x32 onto a tiny MiMo-V2-Flash (FA 64, SWA 32),
-    # with EAGLE in place of its MTP drafter (no tiny MTP drafter): the
-    # sibling is owed 192 tokens.
+    # with EAGLE in place of its MTP drafter (the MTP drafter itself:
+    # test_the_seed_regression_with_its_mtp_drafter_hits_as_the_release_drivers):
+    # the sibling is owed 192 tokens.
     entry = load_entry(REGRESSION)
     scenario = dataclasses.replace(
         entry.scenario, drafter=dataclasses.replace(entry.scenario.drafter, kind=DrafterKind.EAGLE)
@@ -312,7 +314,7 @@ def test_replay_mode_engine_where_nothing_can_run_exits_2(
     )
     folder = tmp_path / "unsupported"
     folder.mkdir()
-    for name in ("toy-mtp1-swa4-fa8-r64.json", "triton-mtp3-swa16-fa32-r8192.json"):
+    for name in ("gemma4-mtp3-swa16-fa32-r8192.json", "dflash-swa16-fa32-r8192.json"):
         (folder / name).write_text((CORPORA / "seeds" / name).read_text())
     for command in (["replay", "--mode", "engine"], ["confirm"]):
         assert main([*command, str(folder)]) == 2
@@ -498,8 +500,8 @@ def test_sliding_blocks_half_the_full_block_run_on_a_mimo_model_with_two_block_s
     window 2, retention 4, four shared blocks, a sibling with no suffix) with
     an EAGLE drafter in place of its MTP one, scaled x32: FA 64 + SWA 32,
     window 64, retention 128. vLLM's planner gives the tiny MiMo-V2-Flash
-    model exactly those groups (the draft layer a second full-attention group
-    of the same spec), and the sibling hits 128 where 192 is owed: the
+    model exactly those groups (its second sliding-window layer balances the
+    draft layer, two layers per group), and the sibling hits 128 where 192 is owed: the
     fallback the drivers on vLLM 0.32.0 give (manager mode, release:0.32.0:
     hits [0, 128], fallback@1)."""
     scenario = load_entry(REGRESSION).scenario
@@ -510,7 +512,6 @@ def test_sliding_blocks_half_the_full_block_run_on_a_mimo_model_with_two_block_s
     assert outcome.scale == 32
     assert outcome.run.unsupported is None and outcome.run.error is None
     assert _groups(outcome) == [
-        ("FullAttentionSpec", 64, None),
         ("FullAttentionSpec", 64, None),
         ("SlidingWindowSpec", 32, 64),
     ]
@@ -543,3 +544,84 @@ def test_the_junction_seed_scaled_x8_hits_as_the_drivers_do() -> None:
     assert outcome.off_run is not None and outcome.off_run.hits == (0, 0, 0)
     assert wrong_outputs(outcome) == []
     assert judge(outcome)[1] == ()
+
+
+def _release_scheduler(outcome: EngineResult) -> RunObservation:
+    """The engine's (scaled) scenario in scheduler mode on ``release:0.32.0``
+    through kvfuzz's drivers; skipped, naming why, when the release is neither
+    cached nor fetchable (unless KVFUZZ_REQUIRE_RELEASES=1)."""
+    runs = release_runs(outcome.scenario)
+    if isinstance(runs, str):
+        if os.environ.get("KVFUZZ_REQUIRE_RELEASES") == "1":
+            pytest.fail(f"KVFUZZ_REQUIRE_RELEASES=1: {runs}")
+        pytest.skip(runs)
+    run = runs["scheduler"]
+    assert run.unsupported is None and run.error is None, run
+    return run
+
+
+def _drafter_settings(run: RunObservation) -> tuple[bool, int, int, int]:
+    assert run.settings is not None
+    s = run.settings
+    return (
+        s.use_eagle_block_drop,
+        s.num_hash_lookahead_tokens,
+        s.num_lookahead_tokens,
+        s.num_prefill_lookahead_tokens,
+    )
+
+
+def test_the_seed_regression_with_its_mtp_drafter_hits_as_the_release_drivers() -> None:
+    """The README's regression as written (FA 2 + SWA 1, window 2, retention
+    4, an MTP drafter with one speculative token), scaled x32: a tiny
+    MiMo-V2-Flash whose MTP layer (MiMoV2MTPModel) joins the sliding-window
+    group. The sibling hits 128 where 192 is owed, as kvfuzz's scheduler-mode
+    driver on vLLM 0.32.0 gives, with the same manager settings."""
+    outcome = run_engine(load_entry(REGRESSION).scenario)
+    assert outcome.scale == 32
+    assert outcome.run.unsupported is None and outcome.run.error is None
+    assert outcome.raw["engine"]["speculative_method"] == "mtp"
+    groups = outcome.raw["engine"]["groups"]
+    assert [(g["spec"], g["block_size"], g["sliding_window"]) for g in groups] == [
+        ("FullAttentionSpec", 64, None),
+        ("SlidingWindowSpec", 32, 64),
+    ]
+    assert groups[1]["layers"] == [
+        "model.layers.1.self_attn.attn",
+        "model.mtp.layers.0.self_attn.attn",
+    ]
+    assert outcome.run.hits == (0, 128)
+    assert _drafter_settings(outcome.run) == (True, 0, 1, 1)
+    assert wrong_outputs(outcome) == []
+    findings = judge(outcome)[1]
+    assert [(finding_tag(f), f.expected_tokens, f.hit_tokens) for f in findings] == [
+        ("fallback@1", 192, 128)
+    ]
+    release = _release_scheduler(outcome)
+    assert release.hits == outcome.run.hits
+    assert _drafter_settings(release) == _drafter_settings(outcome.run)
+
+
+def test_multi_module_mtp_on_full_attention_hits_as_the_release_drivers() -> None:
+    """Two turns, the second copying the first's answer, on one full-attention
+    group with a two-module MTP drafter (scaled x2): a tiny MiMo (Qwen2
+    layers) whose two MTP modules (MiMoMTPModel) join its group. The engine
+    resolves two lookahead tokens and two prefill lookahead tokens (one per
+    module), as kvfuzz's drivers do, and the second turn hits 64 tokens, as
+    the scheduler-mode driver on vLLM 0.32.0 gives."""
+    path = CORPORA / "cases" / "multi-turn-decoded-blocks--two-lookahead-tokens.json"
+    outcome = run_engine(load_entry(path).scenario)
+    assert outcome.scale == 2
+    assert outcome.run.unsupported is None and outcome.run.error is None
+    (group,) = outcome.raw["engine"]["groups"]
+    assert (group["spec"], group["block_size"], len(group["layers"])) == (
+        "FullAttentionSpec",
+        32,
+        3,
+    )
+    assert outcome.run.hits == (0, 64)
+    assert _drafter_settings(outcome.run) == (True, 0, 2, 2)
+    assert wrong_outputs(outcome) == []
+    release = _release_scheduler(outcome)
+    assert release.hits == outcome.run.hits
+    assert _drafter_settings(release) == _drafter_settings(outcome.run)
