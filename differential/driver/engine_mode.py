@@ -325,8 +325,7 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
     Raises:
         EngineUnsupported: a kind kvfuzz builds no tiny model for, block sizes
             no tiny model gives (:func:`_page_ratios`), a block that is not a
-            multiple of 32 tokens, several sliding windows, or
-            ``is_eagle_group`` marks.
+            multiple of 32 tokens, or several sliding windows.
     """
     groups = scenario.kv_cache_groups
     kinds = {g.kind for g in groups}
@@ -353,10 +352,6 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
     if len(windows) > 1:
         raise EngineUnsupported(
             f"sliding windows {windows}: the tiny Llama model has one sliding window"
-        )
-    if any(g.is_eagle_group for g in groups):
-        raise EngineUnsupported(
-            "is_eagle_group marks: the engine's planner decides the draft groups itself"
         )
     return kinds, block, windows
 
@@ -535,11 +530,13 @@ def _engine_arguments(
                 "full_attention": heads.get(GroupKind.FULL_ATTENTION, 1),
                 "sliding_attention": heads.get(GroupKind.SLIDING_WINDOW, 1),
             }
+    marked = _draft_marks(scenario, architecture)
     engine["groups"] = [
         {
             "spec": _SPEC_NAMES[g.kind],
             "block_size": g.block_size_tokens,
             "sliding_window": g.sliding_window_tokens,
+            "is_eagle_group": g.kind in marked,
         }
         for g in scenario.kv_cache_groups
     ]
@@ -596,6 +593,42 @@ _MULTI_MODULE_BESIDE_TWO_KINDS = (
     "token; MiMo's Qwen2 layers have no per-layer sliding window "
     "(vllm/model_executor/models/qwen2.py)"
 )
+
+
+def _draft_marks(scenario: Scenario, architecture: str) -> set[GroupKind]:
+    """The kinds whose groups vLLM's planner marks ``is_eagle_group`` (only they,
+    and groups of their spec, take the EAGLE drop), checked against the
+    scenario's marks.
+
+    ``_annotate_eagle_groups`` (vllm/v1/core/kv_cache_utils.py) marks, for
+    ``method="mtp"``, the group holding the last registered layer, an MTP
+    layer (``_uses_trailing_mtp_layers``): MiMo-V2-Flash's sliding-window
+    group, MiMo's one group; EAGLE, EAGLE-3 and n-gram get no mark, and
+    ``KVCacheCoordinator.__init__`` then drops on every group. A scenario
+    without marks means every group; with one group, a mark means the same;
+    without the drop (``disable_eagle_block_drop``) vLLM marks none.
+
+    Raises:
+        EngineUnsupported: the scenario marks other groups than the engine's
+            planner would.
+    """
+    marks = {g.kind for g in scenario.kv_cache_groups if g.is_eagle_group}
+    unmarked = {g.kind for g in scenario.kv_cache_groups if not g.is_eagle_group}
+    if scenario.disable_eagle_block_drop:
+        return set()  # no drop: vLLM marks nothing, and the marks change nothing
+    engine: set[GroupKind] = set()
+    if scenario.drafter.kind in _MTP_DRAFTERS:
+        engine = {_draft_layers(scenario, architecture).popitem()[0]}
+    if not marks & unmarked and (marks == engine or len(scenario.kv_cache_groups) == 1):
+        return engine
+    said = ", ".join(sorted(k.value for k in marks)) or "none (every group drops)"
+    made = ", ".join(sorted(k.value for k in engine)) or "none (every group drops)"
+    raise EngineUnsupported(
+        f"is_eagle_group marks on {said}: vLLM's planner marks {made} for this drafter on "
+        "the tiny model (vllm/v1/core/kv_cache_utils.py, _annotate_eagle_groups: for MTP "
+        "the group of the last registered layer, the MTP layer's), so only those groups "
+        "take the EAGLE drop"
+    )
 
 
 def _mtp_modules(scenario: Scenario) -> int:

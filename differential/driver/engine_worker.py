@@ -503,6 +503,7 @@ def _group_layout(core: Any) -> list[dict[str, Any]]:
                 "spec": type(spec).__name__,
                 "block_size": spec.block_size,
                 "sliding_window": getattr(spec, "sliding_window", None),
+                "is_eagle_group": bool(getattr(group, "is_eagle_group", False)),
                 "layers": list(group.layer_names),
             }
         )
@@ -511,7 +512,8 @@ def _group_layout(core: Any) -> list[dict[str, Any]]:
 
 def _check_groups(engine: dict[str, Any], core: Any, cache_config: Any) -> None:
     """Check that the engine's KV cache groups are the plan's ``groups`` (spec
-    class, block size and window in tokens; as many groups of each), and its
+    class, block size and window in tokens, ``is_eagle_group``: the groups
+    that take the EAGLE drop; as many groups of each), and its
     hash block the plan's ``hash_block_size`` (with prefix caching on); a plan
     without ``groups`` is refused.
 
@@ -528,8 +530,9 @@ def _check_groups(engine: dict[str, Any], core: Any, cache_config: Any) -> None:
     if "groups" not in engine:
         raise PlanError("the plan names no KV cache groups to check the engine's against")
 
-    def key(g: dict[str, Any]) -> tuple[str, int, int]:
-        return (str(g["spec"]), int(g["block_size"]), int(g["sliding_window"] or 0))
+    def key(g: dict[str, Any]) -> tuple[str, int, int, bool]:
+        window = int(g["sliding_window"] or 0)
+        return (str(g["spec"]), int(g["block_size"]), window, bool(g["is_eagle_group"]))
 
     planned = sorted(key(g) for g in engine["groups"])
     made = sorted(key(g) for g in _group_layout(core))
@@ -538,9 +541,10 @@ def _check_groups(engine: dict[str, Any], core: Any, cache_config: Any) -> None:
     if made != planned or (caching and hash_block != engine["hash_block_size"]):
         raise PlanError(
             f"the engine's KV cache groups came out as {made} (spec, block, window in "
-            f"tokens; hash block {hash_block}), not the scenario's {planned} (hash block "
-            f"{engine['hash_block_size']}): vLLM's planner (vllm/v1/core/kv_cache_utils.py, "
-            f"get_kv_cache_groups) gave the tiny {engine['architecture']} model other groups"
+            f"tokens, is_eagle_group; hash block {hash_block}), not the scenario's "
+            f"{planned} (hash block {engine['hash_block_size']}): vLLM's planner "
+            "(vllm/v1/core/kv_cache_utils.py, get_kv_cache_groups) gave the tiny "
+            f"{engine['architecture']} model other groups"
         )
 
 

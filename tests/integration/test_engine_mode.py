@@ -572,24 +572,33 @@ def _drafter_settings(run: RunObservation) -> tuple[bool, int, int, int]:
 
 
 def test_the_seed_regression_with_its_mtp_drafter_hits_as_the_release_drivers() -> None:
-    """The README's regression as written (FA 2 + SWA 1, window 2, retention
-    4, an MTP drafter with one speculative token), scaled x32: a tiny
-    MiMo-V2-Flash whose MTP layer (MiMoV2MTPModel) joins the sliding-window
-    group. The sibling hits 128 where 192 is owed, as kvfuzz's scheduler-mode
-    driver on vLLM 0.32.0 gives, with the same manager settings."""
-    outcome = run_engine(load_entry(REGRESSION).scenario)
+    """The README's regression (FA 2 + SWA 1, window 2, retention 4, an MTP
+    drafter with one speculative token), scaled x32: a tiny MiMo-V2-Flash
+    whose MTP layer (MiMoV2MTPModel) joins the sliding-window group, which
+    vLLM's planner marks is_eagle_group (the MTP layer's group: only it takes
+    the EAGLE drop), so the scenario marks it too (as written, unmarked, every
+    group drops, and the plan refuses it). The sibling hits 128 where 192 is
+    owed, as kvfuzz's scheduler-mode driver on vLLM 0.32.0 gives, with the
+    same manager settings."""
+    written = load_entry(REGRESSION).scenario
+    assert run_engine(written).run.unsupported is not None
+    marked = tuple(
+        dataclasses.replace(g, is_eagle_group=g.sliding_window_tokens is not None)
+        for g in written.kv_cache_groups
+    )
+    outcome = run_engine(dataclasses.replace(written, kv_cache_groups=marked))
     assert outcome.scale == 32
     assert outcome.run.unsupported is None and outcome.run.error is None
     assert outcome.raw["engine"]["speculative_method"] == "mtp"
     groups = outcome.raw["engine"]["groups"]
-    assert [(g["spec"], g["block_size"], g["sliding_window"]) for g in groups] == [
-        ("FullAttentionSpec", 64, None),
-        ("SlidingWindowSpec", 32, 64),
+    assert [
+        (g["spec"], g["block_size"], g["sliding_window"], g["is_eagle_group"]) for g in groups
+    ] == [
+        ("FullAttentionSpec", 64, None, False),
+        ("SlidingWindowSpec", 32, 64, True),
     ]
-    assert groups[1]["layers"] == [
-        "model.layers.1.self_attn.attn",
-        "model.mtp.layers.0.self_attn.attn",
-    ]
+    assert len(groups[1]["layers"]) == 2
+    assert groups[1]["layers"][1].startswith("model.mtp.layers.0.")
     assert outcome.run.hits == (0, 128)
     assert _drafter_settings(outcome.run) == (True, 0, 1, 1)
     assert wrong_outputs(outcome) == []

@@ -17,7 +17,7 @@ from differential.driver.engine_mode import (
     mamba_steps,
     scaled,
 )
-from differential.scenario import DrafterKind
+from differential.scenario import DrafterKind, GroupKind, Scenario
 from tests.factories import CORPORA, ROOT
 
 
@@ -129,8 +129,18 @@ def test_sliding_blocks_half_the_full_blocks_plan_a_mimo_model_with_two_sliding_
     assert engine["sliding_window"] == 128
     assert engine["kv_heads"] == {"full_attention": 1, "sliding_attention": 2}
     assert engine["groups"] == [
-        {"spec": "FullAttentionSpec", "block_size": 64, "sliding_window": None},
-        {"spec": "SlidingWindowSpec", "block_size": 32, "sliding_window": 128},
+        {
+            "spec": "FullAttentionSpec",
+            "block_size": 64,
+            "sliding_window": None,
+            "is_eagle_group": False,
+        },
+        {
+            "spec": "SlidingWindowSpec",
+            "block_size": 32,
+            "sliding_window": 128,
+            "is_eagle_group": False,
+        },
     ]
     assert engine["hash_block_size"] == 32
 
@@ -157,7 +167,12 @@ def test_one_block_size_keeps_the_tiny_llama_model() -> None:
     assert "kv_heads" not in engine
     # Every plan names the groups the worker checks the engine's against.
     assert engine["groups"] == [
-        {"spec": "SlidingWindowSpec", "block_size": 32, "sliding_window": 64}
+        {
+            "spec": "SlidingWindowSpec",
+            "block_size": 32,
+            "sliding_window": 64,
+            "is_eagle_group": False,
+        }
     ]
     assert engine["hash_block_size"] == 32
 
@@ -263,13 +278,13 @@ def test_the_worker_refuses_to_run_on_groups_other_than_the_plans() -> None:
     _check_groups(engine, _core(FullAttentionSpec(64), SlidingWindowSpec(32, 128)), cache)
     # A second full-attention group of the same spec (a draft layer vLLM's
     # planner did not balance) takes its own blocks: another layout.
-    with pytest.raises(PlanError, match=r"FullAttentionSpec', 64, 0\), \('FullAttentionSpec'"):
+    with pytest.raises(PlanError, match=r"64, 0, False\), \('FullAttentionSpec'"):
         _check_groups(
             engine,
             _core(FullAttentionSpec(64), FullAttentionSpec(64), SlidingWindowSpec(32, 128)),
             cache,
         )
-    with pytest.raises(PlanError, match=r"came out as \[\('FullAttentionSpec', 32, 0\)"):
+    with pytest.raises(PlanError, match=r"came out as \[\('FullAttentionSpec', 32, 0, False\)"):
         _check_groups(engine, _core(FullAttentionSpec(32), SlidingWindowSpec(32, 128)), cache)
     # Another hash block matters only with prefix caching on.
     coarse = SimpleNamespace(block_size=32, hash_block_size=64)
@@ -324,9 +339,17 @@ def test_an_mtp_drafter_beside_two_kinds_plans_mimo_v2_with_its_mtp_layer_in_the
     # MTP drafter: MiMo-V2-Flash's one MTP layer is a sliding-window layer, so
     # the target has two full-attention layers and one sliding-window layer,
     # two of each with the MTP layer: one group each.
-    scenario = scaled(
-        load_entry(CORPORA / "regressions" / "fallback-unfixed-517c289c14.json").scenario, 32
-    )
+    written = load_entry(CORPORA / "regressions" / "fallback-unfixed-517c289c14.json").scenario
+    # As written no group is marked: every group takes the EAGLE drop
+    # (KVCacheCoordinator's fallback), but vLLM's planner marks the MTP
+    # layer's group, the sliding-window one, and only it drops.
+    with pytest.raises(
+        EngineUnsupported,
+        match=r"^is_eagle_group marks on none \(every group drops\): vLLM's planner marks "
+        r"sliding_window",
+    ):
+        engine_plan(scaled(written, 32))
+    scenario = scaled(_swa_marked(written), 32)
     engine = engine_plan(scenario)["engine"]
     assert engine["architecture"] == "mimo_v2"
     assert engine["layer_types"] == ["full_attention", "sliding_attention", "full_attention"]
@@ -337,9 +360,9 @@ def test_an_mtp_drafter_beside_two_kinds_plans_mimo_v2_with_its_mtp_layer_in_the
         "disable_eagle_block_drop": False,
         "modules": 1,
     }
-    assert [(g["spec"], g["block_size"]) for g in engine["groups"]] == [
-        ("FullAttentionSpec", 64),
-        ("SlidingWindowSpec", 32),
+    assert [(g["spec"], g["block_size"], g["is_eagle_group"]) for g in engine["groups"]] == [
+        ("FullAttentionSpec", 64, False),
+        ("SlidingWindowSpec", 32, True),
     ]
     kwargs = engine_arguments({"engine": engine}, tmp_path)
     # No draft model: vLLM builds MiMoV2MTPModel from the target's config.
@@ -349,11 +372,20 @@ def test_an_mtp_drafter_beside_two_kinds_plans_mimo_v2_with_its_mtp_layer_in_the
     assert (target["num_nextn_predict_layers"], target["hybrid_layer_pattern"]) == (1, [0, 1, 0])
     # Equal block sizes: one KV head on both kinds.
     equal = load_entry(CORPORA / "seeds" / "equal-block-alignment-mtp3-swa16-fa16-r8192.json")
-    engine = engine_plan(scaled(equal.scenario, 2))["engine"]
+    engine = engine_plan(scaled(_swa_marked(equal.scenario), 2))["engine"]
     assert (engine["architecture"], engine["kv_heads"]) == (
         "mimo_v2",
         {"full_attention": 1, "sliding_attention": 1},
     )
+
+
+def _swa_marked(scenario: Scenario) -> Scenario:
+    """``scenario`` with its sliding-window groups marked ``is_eagle_group``."""
+    groups = tuple(
+        dataclasses.replace(g, is_eagle_group=g.kind is GroupKind.SLIDING_WINDOW)
+        for g in scenario.kv_cache_groups
+    )
+    return dataclasses.replace(scenario, kv_cache_groups=groups)
 
 
 def test_mtp_on_one_attention_kind_plans_mimo_with_one_module_per_token(tmp_path: Path) -> None:
@@ -448,6 +480,10 @@ def test_drafters_the_cpu_engine_cannot_run_are_refused_naming_the_vllm_file() -
     dflash = why(CORPORA / "seeds" / "dflash-swa16-fa32-r8192.json", 2)
     assert dflash.startswith("drafter 'dflash': a tiny DFlash draft")
     assert "dispatch_cpu_unquantized_gemm" in dflash
+    marked = why(CORPORA / "cases" / "seed-shrunk-draft-group-marked.json", 32)
+    assert marked.startswith(
+        "is_eagle_group marks on full_attention: vLLM's planner marks sliding_window"
+    )
     # Any drafter beside Mamba groups, MTP included.
     mamba = why(ROOT / "known-issues" / "mamba-finder-ignores-eagle-drop.json", 8)
     assert mamba.startswith("a drafter beside Mamba groups: the CPU engine starts but fails")
