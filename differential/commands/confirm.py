@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from differential.commands.options import (
     EXIT_CLEAN,
@@ -34,6 +34,9 @@ from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RunObservation
 from differential.scenario import Scenario
 from differential.variant import Variant
+
+if TYPE_CHECKING:
+    from differential.driver.engine_mode import EngineResult
 
 __all__ = [
     "EngineReplay",
@@ -86,6 +89,30 @@ def _recorded_engine_hits(path: Path) -> tuple[int, ...] | None:
     return tuple(hits) if isinstance(hits, list) else None
 
 
+def _cache_off_notice(outcome: EngineResult) -> str:
+    """The report's line on the prefix-cache-off run: its hits and the largest
+    logprob difference, or, when it failed or left requests unserved, that the
+    sampled tokens of those requests were not compared (never "compared")."""
+    from differential.variants.engine import LOGPROB_TOLERANCE, max_logprob_difference
+
+    off = outcome.off_run
+    assert off is not None
+    if off.error is not None:
+        return (
+            f"engine, prefix cache off: the run failed ({off.error}); sampled tokens NOT "
+            "compared (no wrong-output check for this scenario)"
+        )
+    served = {r.index for r in off.requests}
+    missing = sorted({r.index for r in outcome.run.requests} - served)
+    unserved = f"; requests {missing} not served, not compared" if missing else ""
+    return (
+        f"engine, prefix cache off: hits {list(off.hits)}; sampled tokens compared, "
+        f"largest logprob difference {max_logprob_difference(outcome):.1e} "
+        f"(tolerance {LOGPROB_TOLERANCE:g})"
+        f"{unserved}"
+    )
+
+
 def engine_replay(
     entry: CorpusEntry,
     policy: Policy,
@@ -118,11 +145,9 @@ def engine_replay(
     from differential.compare import ScenarioResult, VariantResult
     from differential.driver.engine_mode import file_geometry
     from differential.variants.engine import (
-        LOGPROB_TOLERANCE,
         engine_run_name,
         engine_variant,
         judge,
-        max_logprob_difference,
         run_engine,
     )
 
@@ -150,11 +175,7 @@ def engine_replay(
     if outcome.run.unsupported is not None:
         notices.append(f"engine: unsupported: {outcome.run.unsupported}")
     if outcome.off_run is not None:
-        notices.append(
-            f"engine, prefix cache off: hits {list(outcome.off_run.hits)}; sampled tokens "
-            f"compared, largest logprob difference {max_logprob_difference(outcome):.1e} "
-            f"(tolerance {LOGPROB_TOLERANCE:g})"
-        )
+        notices.append(_cache_off_notice(outcome))
     result = ScenarioResult(
         scenario=outcome.scenario,
         source=str(entry.path),

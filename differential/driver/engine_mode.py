@@ -226,6 +226,15 @@ def engine_plan(
     kinds, block, windows = _engine_layout(scenario)
     _refuse_workload(scenario)
     engine = _engine_arguments(scenario, kinds, block, windows, prefix_caching)
+    if not prefix_caching:
+        # Without a prefix cache the retention interval and the hash block
+        # mean nothing, and vLLM still validates the retention against the
+        # scheduler block (vllm/v1/core/kv_cache_coordinator.py), which for a
+        # Mamba hybrid without caching is the whole model length: left to
+        # vLLM's defaults, the cache-off engine starts for every scenario and
+        # is shared by scenarios that differ only in them.
+        engine.pop("retention", None)
+        engine["prefix_match_unit"] = None
     # A request that copies its source's answer (shares_output) gets the
     # engine's own sampled tokens from the worker; only its own tokens come
     # from here, so kvfuzz's stand-in answers in these prompts are never sent.

@@ -543,3 +543,43 @@ def test_the_junction_seed_scaled_x8_hits_as_the_drivers_do() -> None:
     assert outcome.off_run is not None and outcome.off_run.hits == (0, 0, 0)
     assert wrong_outputs(outcome) == []
     assert judge(outcome)[1] == ()
+
+
+MAMBA_PERIODIC = (
+    CORPORA / "regressions" / "mamba-scheduler-chunks-of-the-step-budget--periodic.json"
+)
+
+
+def test_a_mamba_scenario_with_retention_is_compared_with_the_cache_off_engine() -> None:
+    # Retention 4 scaled x32 is 128 tokens; vLLM refuses it for an engine
+    # without a prefix cache (its scheduler block is the model length), so
+    # the cache-off run once failed and no output was compared.
+    outcome = run_engine(load_entry(MAMBA_PERIODIC).scenario)
+    assert outcome.run.error is None and outcome.run.unsupported is None
+    assert outcome.off_run is not None and outcome.off_run.error is None
+    assert [r.index for r in outcome.off_run.requests] == [0, 1]
+    assert list(outcome.off_run.hits) == [0, 0]
+    assert wrong_outputs(outcome) == []
+
+
+def test_a_reused_engine_serves_what_a_fresh_one_serves() -> None:
+    # The worker keeps engines by their arguments and resets the prefix cache
+    # (LLM.reset_prefix_cache) before reusing one. The seed class on a fresh
+    # engine, then another scenario on the same engine, then the seed class
+    # again on the reused engine: the same hits, tokens and logprobs.
+    shutdown_engine()
+    seed = load_entry(EAGLE).scenario
+    fresh = run_engine(seed, cache_off=False)
+    sibling = dataclasses.replace(seed.requests[1], divergence_tokens=384)
+    other = dataclasses.replace(seed, requests=(seed.requests[0], sibling, *seed.requests[2:]))
+    between = run_engine(other, cache_off=False)
+    again = run_engine(seed, cache_off=False)
+    assert fresh.raw["engine"]["start_s"] > 0
+    assert between.raw["engine"]["start_s"] == 0 and again.raw["engine"]["start_s"] == 0
+    # Request 0 of the third run hits 0: nothing of the first two was left.
+    assert list(fresh.run.hits) == list(again.run.hits) == [0, 0, 0, 256]
+    assert between.run.error is None and len(between.run.hits) == 4
+    outputs = ["output_token_ids", "logprobs", "runner_up_logprobs"]
+    assert [[r[k] for k in outputs] for r in fresh.raw["requests"]] == [
+        [r[k] for k in outputs] for r in again.raw["requests"]
+    ]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from differential.corpus import load_entry
-from differential.driver.engine_mode import EngineUnsupported, engine_plan, scaled
+from differential.driver.engine_mode import EngineUnsupported, engine_plan, mamba_steps, scaled
 from tests.factories import CORPORA, ROOT
 
 
@@ -294,3 +294,21 @@ def test_the_engine_worker_enters_only_the_variants_patch_modules() -> None:
         _variant_patches("os:getcwd"),
     ):
         pass
+
+
+def test_the_cache_off_plan_leaves_retention_and_the_hash_block_to_vllm() -> None:
+    # Without a prefix cache vLLM still validates the retention interval
+    # against the scheduler block (vllm/v1/core/kv_cache_coordinator.py): a
+    # Mamba hybrid's cache-off engine, whose scheduler block is the model
+    # length, refused to start with retention 128 and its outputs went
+    # uncompared. The cache-off plan leaves both to vLLM's defaults, so two
+    # scenarios that differ only there share one cache-off engine.
+    path = CORPORA / "regressions" / "mamba-scheduler-chunks-of-the-step-budget--periodic.json"
+    scenario = mamba_steps(scaled(load_entry(path).scenario, 32))
+    on, off = engine_plan(scenario), engine_plan(scenario, prefix_caching=False)
+    assert on["engine"]["retention"] == 128
+    assert "retention" not in off["engine"]
+    assert off["engine"]["prefix_match_unit"] is None
+    dense = dataclasses.replace(scenario, retention_interval_tokens=None)
+    assert engine_plan(dense, prefix_caching=False) == off
+    assert engine_plan(dense)["engine"] != on["engine"]
