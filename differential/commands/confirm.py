@@ -468,6 +468,11 @@ def _release_findings(
     return judge_run(judged, run, policy)[1]
 
 
+#: What a stall's crash says, in every driving mode and on the engine: vLLM's
+#: Scheduler scheduled no token for many steps with requests unfinished.
+STALL_WORDS = "scheduled nothing for"
+
+
 def driver_mismatches(engine: RunObservation, runs: dict[str, RunObservation]) -> list[Finding]:
     """A ``driver-mismatch`` per driving mode whose hits differ from the engine's:
     both hit lists and the first request where they part."""
@@ -475,6 +480,8 @@ def driver_mismatches(engine: RunObservation, runs: dict[str, RunObservation]) -
     for mode, run in runs.items():
         if run.unsupported is not None or engine.unsupported is not None:
             continue
+        if mode == "manager" and STALL_WORDS in (engine.error or ""):
+            continue  # a stall of vLLM's Scheduler, which manager mode does not run
         if run.hits == engine.hits:
             continue
         first = next(
@@ -641,9 +648,14 @@ def release_judged(
 _SCHEDULER_RULES = (FindingKind.EVICTION_COLLAPSE, FindingKind.MODE_MISMATCH)
 
 
-def _manager_judged(claims: set[str]) -> set[str]:
-    """The claimed tags manager mode judges: all but those of scheduler-mode rules."""
-    return {c for c in claims if c.split("@")[0] not in {k.value for k in _SCHEDULER_RULES}}
+def _manager_judged(claims: set[str], stall: bool = False) -> set[str]:
+    """The claimed tags manager mode judges: all but those of scheduler-mode
+    rules, and no crash when the engine's run was a stall (vLLM's Scheduler
+    scheduling nothing for good: manager mode runs no Scheduler)."""
+    scheduler_only = {k.value for k in _SCHEDULER_RULES}
+    if stall:
+        scheduler_only.add(FindingKind.CRASH.value)
+    return {c for c in claims if c.split("@")[0] not in scheduler_only}
 
 
 def _shows(claims: set[str], tags: set[str]) -> bool:
@@ -737,7 +749,8 @@ def _release_verdict(
         if r.unsupported is not None:
             continue
         ran.append(mode)
-        judged_here = claims if mode == "scheduler" else _manager_judged(claims)
+        stall = STALL_WORDS in (outcome.run.error or "")
+        judged_here = claims if mode == "scheduler" else _manager_judged(claims, stall)
         if claims and not judged_here:
             say(f"{name}: release:{version} {mode} mode does not judge {', '.join(sorted(claims))}")
         elif _shows(judged_here, tags) != confirmed:
@@ -881,6 +894,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutdown_engine()
     count = {v: sum(1 for f in verdicts if f["verdict"] == v) for v in _VERDICTS}
+    say(
+        f"{len(verdicts)} file(s): {count[CONFIRMED]} confirmed, {count[NOT_REPRODUCED]} "
+        f"not reproduced, {count[NOT_RUN]} not run on the engine"
+    )
     code = (
         EXIT_USAGE
         if count[NOT_RUN] == len(verdicts)

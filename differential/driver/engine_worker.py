@@ -59,6 +59,10 @@ from differential.stale import remove_stale
 
 _MAX_ENGINES = 2
 
+#: Steps in a row that schedule no token, with requests unfinished, after
+#: which a run is a stall (the scheduler-mode driver's limit).
+_MAX_IDLE_STEPS = 64
+
 #: The engine's own settings, before vLLM is imported.
 _ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -509,12 +513,19 @@ class _Instruments:
         self.evicted = 0
         self.broken: list[int] = []
         self.breakage = breakage
+        self.scheduled_tokens = 0  # in the last step
         self._saved: list[tuple[Any, str]] = []
 
     def __enter__(self) -> _Instruments:
-        manager, pool = self.manager, self.pool
+        manager, pool, scheduler = self.manager, self.pool, self.core.scheduler
         lookup = manager.get_computed_blocks
         evict = pool._maybe_evict_cached_block
+        schedule = scheduler.schedule
+
+        def scheduled(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            self.scheduled_tokens = int(out.total_num_scheduled_tokens)
+            return out
 
         def get_computed_blocks(request: Any) -> Any:
             blocks, hit, boundary = lookup(request)
@@ -531,6 +542,7 @@ class _Instruments:
         for obj, name, fn in (
             (manager, "get_computed_blocks", get_computed_blocks),
             (pool, "_maybe_evict_cached_block", maybe_evict),
+            (scheduler, "schedule", scheduled),
         ):
             self._saved.append((obj, name))
             setattr(obj, name, fn)
@@ -589,6 +601,7 @@ class _PlanRequests:
         self.finished_at: dict[int, int] = {}
         self.added: list[int] = []
         self.rows: dict[int, dict[str, Any]] = {}
+        self.idle_steps = 0  # steps in a row that scheduled no token
 
     def source_tokens(self, i: int) -> list[int] | None:
         """The tokens request ``i`` copies its first ``divergence`` tokens
@@ -636,12 +649,29 @@ class _PlanRequests:
         }
 
     def step(self) -> None:
-        """One engine step; keeps the outputs of the requests it finished."""
+        """One engine step; keeps the outputs of the requests it finished.
+
+        Raises:
+            RuntimeError: the scheduler scheduled no token for
+                :data:`_MAX_IDLE_STEPS` steps in a row with requests
+                unfinished (vLLM's scheduler leaves them waiting for good:
+                an engine would hang), as kvfuzz's scheduler-mode driver
+                reports it.
+        """
+        self.instruments.scheduled_tokens = 0
         for out in self.engine.step():
             if out.finished:
                 self.outputs[_index(out.request_id)] = out
                 self.finished_at[_index(out.request_id)] = self.instruments.step
         self.instruments.step += 1
+        busy = self.instruments.scheduled_tokens or not self.engine.has_unfinished_requests()
+        self.idle_steps = 0 if busy else self.idle_steps + 1
+        if self.idle_steps >= _MAX_IDLE_STEPS:
+            waiting = len(self.added) - len(self.outputs)
+            raise RuntimeError(
+                f"Scheduler.schedule scheduled nothing for {_MAX_IDLE_STEPS} steps with "
+                f"{waiting} request(s) unfinished"
+            )
 
     def serve(self) -> None:
         """Serve every request: one after another when no request has an

@@ -357,6 +357,9 @@ def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixtu
         [0, 0, 0, 256],
     )
     assert (unsupported["verdict"], unsupported["reason"]) == ("not-run", UNSUPPORTED_WHY)
+    assert captured.err.splitlines()[-1] == (
+        "2 file(s): 1 confirmed, 0 not reproduced, 1 not run on the engine"
+    )
     # The lines go to stderr with --json.
     assert (
         f"{EAGLE}: confirmed on vLLM 0.32.0 engine: fallback@1, fallback@3 (engine hits "
@@ -370,7 +373,8 @@ def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["confirm", "--no-release", str(claimed)]) == 1
     assert capsys.readouterr().out.splitlines() == [
         f"{claimed}: not reproduced on the engine: fallback@2 (engine hits [0, 0, 0, 256]; "
-        "the engine's findings: fallback@1, fallback@3)"
+        "the engine's findings: fallback@1, fallback@3)",
+        "1 file(s): 0 confirmed, 1 not reproduced, 0 not run on the engine",
     ]
 
 
@@ -582,4 +586,21 @@ def test_a_reused_engine_serves_what_a_fresh_one_serves() -> None:
     outputs = ["output_token_ids", "logprobs", "runner_up_logprobs"]
     assert [[r[k] for k in outputs] for r in fresh.raw["requests"]] == [
         [r[k] for k in outputs] for r in again.raw["requests"]
+    ]
+
+
+def test_the_padded_draft_stall_is_confirmed_on_the_engine() -> None:
+    # Blocks of 32, an n-gram drafter with one speculative token, a step
+    # budget of 1 token: the writer is served; the resent prompt hits 32 of
+    # its 33 tokens and its last token, padded to 2, never fits the budget.
+    path = ROOT / "known-issues" / "ngram-padded-draft-above-step-budget-stalls--block32.json"
+    outcome = run_engine(load_entry(path).scenario, geometry="exact", cache_off=False)
+    assert outcome.run.error is not None
+    assert outcome.run.error.endswith(
+        "Scheduler.schedule scheduled nothing for 64 steps with 1 request(s) unfinished"
+    )
+    assert [(r["index"], r["num_cached_tokens"]) for r in outcome.raw["requests"]] == [(0, 0)]
+    _, findings = judge(outcome)
+    assert [(finding_tag(f), f.known_issue) for f in findings] == [
+        ("crash@0", "scheduler-stall-padded-draft-above-budget")
     ]
