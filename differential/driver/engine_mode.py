@@ -37,7 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from differential.observation import ManagerSettings, RequestObservation, RunObservation
+from differential.observation import (
+    KVEvent,
+    KVEventLog,
+    ManagerSettings,
+    RequestObservation,
+    RunObservation,
+    runs_of,
+    tokens_of,
+)
 from differential.oracle.core import common_prefix_tokens
 from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, MambaPrefill, Scenario
 
@@ -46,6 +54,7 @@ __all__ = [
     "EngineResult",
     "EngineUnsupported",
     "engine_plan",
+    "event_log",
     "file_geometry",
     "geometry_scale",
     "mamba_steps",
@@ -233,7 +242,7 @@ def engine_plan(
     longest = max(len(p) for p in prompts) + scenario.decode_steps + 1
     if scenario.workload.shares_output:
         longest = sum(len(p) for p in prompts) + len(prompts) * (scenario.decode_steps + 1)
-    engine["max_model_len"] = max(2048, -(-(longest + 64) // block) * block)
+    engine["max_model_len"] = _max_model_len(scenario, longest, block)
     prefix = [_token(salt, 1 + p % 50_000) for p in range(scenario.shared_prefix_tokens)]
     requests = []
     for i, r in enumerate(scenario.requests):
@@ -255,7 +264,22 @@ def engine_plan(
         "shares_output": scenario.workload.shares_output,
         "breakage": breakage,
         "variant": variant,
+        "kv_events": _kv_events_plan(scenario, prefix_caching),
     }
+
+
+def _max_model_len(scenario: Scenario, longest: int, block: int) -> int:
+    """The engine's ``max_model_len`` in tokens: room for the longest sequence
+    (``longest`` tokens) and 64 more, in whole blocks of ``block`` tokens, at
+    least 2048; under a pool (``workload.pool_blocks``) at most what the pool
+    holds besides the null block, which vLLM's start-up check requires of one
+    request (vllm/v1/core/kv_cache_utils.py, ``check_enough_kv_cache_memory``),
+    and never below ``longest``."""
+    room = max(2048, -(-(longest + 64) // block) * block)
+    pool = scenario.workload.pool_blocks
+    if pool is not None:
+        room = max(min(room, (pool - 1) * block), -(-longest // block) * block)
+    return room
 
 
 def _refuse_inputs(scenario: Scenario) -> None:
@@ -391,8 +415,8 @@ def _page_ratios(scenario: Scenario) -> dict[GroupKind, int]:
 
 def _refuse_workload(scenario: Scenario) -> None:
     """Refuse workload parts engine mode does not map: connectors, aborts, answers
-    rejoined, the Mamba shared-prefix checkpoint, KV cache events, the watermark,
-    drafters kvfuzz builds no tiny model for.
+    rejoined, the Mamba shared-prefix checkpoint, the watermark, drafters kvfuzz
+    builds no tiny model for.
 
     Raises:
         EngineUnsupported: naming the part.
@@ -418,11 +442,6 @@ def _refuse_workload(scenario: Scenario) -> None:
         )
     if scenario.enable_mamba_shared_prefix_checkpoint:
         raise EngineUnsupported("enable_mamba_shared_prefix_checkpoint: not mapped to the engine")
-    if scenario.workload.kv_events.value != "off":
-        raise EngineUnsupported(
-            "workload.kv_events: the engine publishes KV cache events over ZMQ, which "
-            "engine mode does not subscribe to, so the stream would go unjudged"
-        )
     if scenario.workload.watermark:
         raise EngineUnsupported("workload.watermark: not mapped to the engine")
     drafter = scenario.drafter.kind
@@ -601,4 +620,69 @@ def observation(
         mode="engine",
         pool_blocks=int(info.get("num_blocks", 0)),
         steps=int(info.get("steps", 0)),
+        kv_events=event_log(scenario, raw),
     )
+
+
+# ------------------------------------------------------------- KV cache events
+
+
+def _kv_events_plan(scenario: Scenario, prefix_caching: bool) -> str:
+    """The plan's ``kv_events``: the scenario's ``workload.kv_events``
+    (``off``, ``incremental`` or ``full``: every request's
+    ``kv_cache_report_mode``) on the cache-on run, ``off`` on the cache-off
+    run (with no prefix cache there is no stream to judge)."""
+    return scenario.workload.kv_events.value if prefix_caching else "off"
+
+
+def event_log(scenario: Scenario, raw: dict[str, Any]) -> KVEventLog | None:
+    """The engine's KV cache event stream (the worker's ``kv_events`` block) as
+    a :class:`~differential.observation.KVEventLog` in the scenario's tokens,
+    for the event oracle (:mod:`differential.oracle.kv_events`); ``None`` when
+    the run recorded none (events off).
+
+    The engine's ``BlockStored`` events carry the engine's token ids (kvfuzz's
+    ids mapped into the tiny model's vocabulary, and the engine's own sampled
+    tokens). Each event's ``token_ids`` are put back into the scenario's ids
+    position by position: tokens ``[start, end)`` after its parent's prefix
+    (``start`` the parent label's prefix length, 0 without a parent) are the
+    first request's, in scenario order, whose engine tokens there are those
+    (and whose engine tokens share the parent's prefix), replaced by that
+    request's scenario tokens there (prompt, then ``Scenario.sampled_tokens``).
+    The mapping keeps every pair of prompts' common prefix, so the owner is
+    the one the oracle finds; ids no request has there (or after a parent
+    naming no prefix) become negative, matching no scenario token, so the
+    oracle's ``stored`` rule flags them.
+    """
+    block = raw.get("kv_events")
+    if not block:
+        return None
+    log = KVEventLog.from_dict(block["log"])
+    engine = [list(seq) for seq in block["sequences"]]
+    ours = [
+        list(scenario.prompts[i]) + list(scenario.sampled_tokens(i))
+        for i in range(len(scenario.requests))
+    ]
+
+    def translated(event: KVEvent) -> KVEvent:
+        if event.kind != "stored":
+            return event
+        tokens = tokens_of(event.tokens)
+        start, parent = 0, None
+        if event.parent is not None:
+            named = log.prefixes.get(event.parent)
+            if named is None:
+                return dataclasses.replace(event, tokens=runs_of([-1 - t for t in tokens]))
+            parent, start = named
+        end = start + len(tokens)
+        for r, seq in enumerate(engine):
+            shares = parent is None or common_prefix_tokens(seq, engine[parent]) >= start
+            if shares and seq[start:end] == tokens and r < len(ours):
+                return dataclasses.replace(event, tokens=runs_of(ours[r][start:end]))
+        return dataclasses.replace(event, tokens=runs_of([-1 - t for t in tokens]))
+
+    steps = tuple(
+        dataclasses.replace(step, events=tuple(translated(e) for e in step.events))
+        for step in log.steps
+    )
+    return dataclasses.replace(log, steps=steps)
