@@ -17,7 +17,12 @@ CPU attention kernels' ``MultipleOf(32)`` kernel block sizes,
 vllm/v1/attention/backends/cpu_attn.py), groups of different block sizes
 other than one sliding-window and one full-attention block size in an integer
 ratio (those run on a tiny MiMo-V2-Flash model: :func:`_page_ratios`),
-several windows, kinds or drafters kvfuzz builds no tiny model for. By
+MLA groups (vLLM's CPU build turns the prefix cache off for them:
+:func:`_refuse_mla`), several windows, kinds or drafters kvfuzz builds no
+tiny model for. Chunked local attention runs on a tiny Llama-4 text model
+(:func:`_llama4_layout`). With ``workload.kv_events`` the worker records the
+stream the engine publishes, and :func:`event_log` puts it in the
+scenario's tokens for the event oracle. By
 default a scenario is mapped onto the CPU engine's grid: every token length
 is multiplied by the smallest factor that makes each block a multiple of 32
 (:func:`geometry_scale`, :func:`scaled`; factor 1 when already so), and the
@@ -320,7 +325,14 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
     """
     groups = scenario.kv_cache_groups
     kinds = {g.kind for g in groups}
-    unknown = kinds - {GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA}
+    _refuse_mla(kinds)
+    _refuse_chunked_local(scenario)
+    unknown = kinds - {
+        GroupKind.FULL_ATTENTION,
+        GroupKind.SLIDING_WINDOW,
+        GroupKind.MAMBA,
+        GroupKind.CHUNKED_LOCAL_ATTENTION,
+    }
     if unknown:
         raise EngineUnsupported(
             f"{', '.join(sorted(k.value for k in unknown))} groups: kvfuzz's engine mode "
@@ -413,6 +425,72 @@ def _page_ratios(scenario: Scenario) -> dict[GroupKind, int]:
     return {kind: largest // next(iter(sizes)) for kind, sizes in by_kind.items()}
 
 
+def _refuse_mla(kinds: set[GroupKind]) -> None:
+    """Refuse MLA groups: vLLM's CPU build turns the prefix cache off for them.
+
+    On a CPU without AMX tiles an MLA model runs on the reference CPU MLA
+    backend (vllm/v1/attention/backends/mla/cpu_mla.py, ``CPUMLABackend``:
+    blocks of 16 tokens only), and ``CpuPlatform.check_and_update_config``
+    (vllm/platforms/cpu.py) then forces ``enable_prefix_caching = False`` and
+    chunked prefill off ("MLA is enabled on a non-GPU platform"): every
+    lookup would hit 0. Only the AMX MLA backend
+    (vllm/v1/attention/backends/mla/amx_mla.py, Intel CPUs with AMX tiles)
+    keeps the prefix cache, and kvfuzz's engine mode builds no tiny MLA model
+    for it.
+
+    Raises:
+        EngineUnsupported: naming the MLA kinds and the vLLM function.
+    """
+    mla = sorted(k.value for k in kinds if k in (GroupKind.MLA, GroupKind.SLIDING_WINDOW_MLA))
+    if mla:
+        raise EngineUnsupported(
+            f"{', '.join(mla)} groups: vLLM's CPU build turns the prefix cache off for MLA "
+            "models on the reference CPU MLA backend (vllm/platforms/cpu.py, "
+            "CpuPlatform.check_and_update_config; vllm/v1/attention/backends/mla/cpu_mla.py), "
+            "keeping it only on the AMX MLA backend of Intel CPUs with AMX tiles"
+        )
+
+
+def _refuse_chunked_local(scenario: Scenario) -> None:
+    """Refuse chunked local attention layouts a tiny Llama-4 text model
+    (:func:`_llama4_layout`) cannot give the engine.
+
+    Raises:
+        EngineUnsupported: an EAGLE-family drafter (vLLM 0.32's
+            ``VllmConfig.__post_init__``, vllm/config/vllm.py, disables the
+            hybrid KV cache manager for chunked local attention with EAGLE,
+            and ``unify_hybrid_kv_cache_specs``, vllm/v1/core/kv_cache_utils.py,
+            then makes the chunked layers full attention), a sliding-window or
+            Mamba group beside them, several chunk sizes or block sizes.
+    """
+    groups = scenario.kv_cache_groups
+    chunks = sorted(
+        {g.attention_chunk_size_tokens for g in groups if g.attention_chunk_size_tokens}
+    )
+    if not chunks:
+        return
+    drafter = scenario.drafter.kind
+    if drafter in (DrafterKind.EAGLE, DrafterKind.EAGLE3):
+        raise EngineUnsupported(
+            f"chunked_local_attention groups with drafter {drafter.value!r}: vLLM 0.32 "
+            "disables the hybrid KV cache manager for chunked local attention with EAGLE "
+            "(vllm/config/vllm.py, VllmConfig.__post_init__) and then makes the chunked "
+            "layers full attention (vllm/v1/core/kv_cache_utils.py, "
+            "unify_hybrid_kv_cache_specs)"
+        )
+    others = {g.kind for g in groups} - {
+        GroupKind.FULL_ATTENTION,
+        GroupKind.CHUNKED_LOCAL_ATTENTION,
+    }
+    if others or len(chunks) > 1 or len({g.block_size_tokens for g in groups}) > 1:
+        raise EngineUnsupported(
+            f"chunked_local_attention groups (chunks {chunks}) beside "
+            f"{sorted(k.value for k in others) or 'other block sizes or chunk sizes'}: the "
+            "tiny Llama-4 text model (vllm/model_executor/models/llama4.py) has full and "
+            "chunked local attention layers of one shape and one attention_chunk_size"
+        )
+
+
 def _refuse_workload(scenario: Scenario) -> None:
     """Refuse workload parts engine mode does not map: connectors, aborts, answers
     rejoined, the Mamba shared-prefix checkpoint, the watermark, drafters kvfuzz
@@ -503,6 +581,8 @@ def _engine_arguments(
         )
         if len({g.block_size_tokens for g in groups}) > 1:
             _mimo_layout(engine, scenario)
+        if GroupKind.CHUNKED_LOCAL_ATTENTION in kinds:
+            _llama4_layout(engine, scenario)
     if drafter is not DrafterKind.NONE:
         engine["drafter"] = {
             "method": _DRAFTERS[drafter],
@@ -535,6 +615,35 @@ def _mimo_layout(engine: dict[str, Any], scenario: Scenario) -> None:
             "sliding_window": g.sliding_window_tokens,
         }
         for g in scenario.kv_cache_groups
+    ]
+    engine["hash_block_size"] = scenario.effective_hash_block_size_tokens
+
+
+def _llama4_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` (a plan's Llama ``engine`` block) a tiny Llama-4 text
+    model (``Llama4ForCausalLM``, vllm/model_executor/models/llama4.py): one
+    layer per group, a chunked local attention layer (RoPE,
+    ``ChunkedLocalAttention`` of ``attention_chunk_size`` tokens) for each
+    ``chunked_local_attention`` group and a full-attention (NoPE) layer for
+    each other, so vLLM's planner makes ``ChunkedLocalAttentionSpec`` and
+    ``FullAttentionSpec`` groups in the scenario's order; ``groups`` and
+    ``hash_block_size`` are what the worker checks (:func:`_check_groups`)."""
+    groups = scenario.kv_cache_groups
+    chunked = [g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups]
+    engine["architecture"] = "llama4"
+    engine["layer_types"] = [
+        "chunked_attention" if c else "full_attention" for c in chunked
+    ]
+    engine["attention_chunk_size"] = next(
+        g.attention_chunk_size_tokens for g in groups if g.attention_chunk_size_tokens
+    )
+    engine["groups"] = [
+        {
+            "spec": "ChunkedLocalAttentionSpec" if c else "FullAttentionSpec",
+            "block_size": g.block_size_tokens,
+            "sliding_window": None,
+        }
+        for c, g in zip(chunked, groups, strict=True)
     ]
     engine["hash_block_size"] = scenario.effective_hash_block_size_tokens
 

@@ -158,6 +158,31 @@ def _mimo_v2_config(
     }
 
 
+def _llama4_config(layer_types: list[str], attention_chunk_size: int) -> dict[str, Any]:
+    """A tiny dense Llama-4 text model (vllm/model_executor/models/llama4.py,
+    ``Llama4ForCausalLM``; vocab 1024, hidden 64, head dim 32, one KV head):
+    one layer per entry of ``layer_types``, a ``chunked_attention`` layer
+    using RoPE and ``ChunkedLocalAttention`` of ``attention_chunk_size``
+    tokens, a ``full_attention`` layer NoPE and full attention
+    (``no_rope_layers`` 1 / 0), no MoE layer (``interleave_moe_layer_step``
+    above the layer count)."""
+    config = _llama_config(["full_attention"] * len(layer_types), None)
+    config.update(
+        architectures=["Llama4ForCausalLM"],
+        model_type="llama4_text",
+        intermediate_size_mlp=128,
+        attention_chunk_size=attention_chunk_size,
+        no_rope_layers=[int(t == "chunked_attention") for t in layer_types],
+        interleave_moe_layer_step=len(layer_types) + 1,
+        moe_layers=[],
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+    )
+    return config
+
+
 def _nemotron_h_config(pattern: str) -> dict[str, Any]:
     """A tiny NemotronH (Mamba2 hybrid): ``pattern`` is vLLM's
     ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP;
@@ -260,6 +285,10 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
         target = _mimo_v2_config(layer_types, engine["sliding_window"], engine["kv_heads"])
         num_layers = len(layer_types)
         draft_kv_heads = int(engine["kv_heads"]["full_attention"])
+    elif arch == "llama4":
+        layer_types = list(engine["layer_types"])
+        target = _llama4_config(layer_types, engine["attention_chunk_size"])
+        num_layers = len(layer_types)
     elif arch == "nemotron_h":
         target = _nemotron_h_config(engine["pattern"])
         num_layers = len(engine["pattern"])
