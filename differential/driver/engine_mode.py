@@ -17,7 +17,12 @@ CPU attention kernels' ``MultipleOf(32)`` kernel block sizes,
 vllm/v1/attention/backends/cpu_attn.py), groups of different block sizes
 other than one sliding-window and one full-attention block size in an integer
 ratio (those run on a tiny MiMo-V2-Flash model: :func:`_page_ratios`),
-several windows, kinds or drafters kvfuzz builds no tiny model for. By
+MLA groups (vLLM's CPU build turns the prefix cache off for them:
+:func:`_refuse_mla`), several windows, kinds or drafters kvfuzz builds no
+tiny model for. Chunked local attention runs on a tiny Llama-4 text model
+(:func:`_llama4_layout`). With ``workload.kv_events`` the worker records the
+stream the engine publishes, and :func:`event_log` puts it in the
+scenario's tokens for the event oracle. By
 default a scenario is mapped onto the CPU engine's grid: every token length
 is multiplied by the smallest factor that makes each block a multiple of 32
 (:func:`geometry_scale`, :func:`scaled`; factor 1 when already so), and the
@@ -37,7 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from differential.observation import ManagerSettings, RequestObservation, RunObservation
+from differential.observation import (
+    KVEvent,
+    KVEventLog,
+    ManagerSettings,
+    RequestObservation,
+    RunObservation,
+    runs_of,
+    tokens_of,
+)
 from differential.oracle.core import common_prefix_tokens
 from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, MambaPrefill, Scenario
 
@@ -46,6 +59,7 @@ __all__ = [
     "EngineResult",
     "EngineUnsupported",
     "engine_plan",
+    "event_log",
     "file_geometry",
     "geometry_scale",
     "mamba_steps",
@@ -242,7 +256,7 @@ def engine_plan(
     longest = max(len(p) for p in prompts) + scenario.decode_steps + 1
     if scenario.workload.shares_output:
         longest = sum(len(p) for p in prompts) + len(prompts) * (scenario.decode_steps + 1)
-    engine["max_model_len"] = max(2048, -(-(longest + 64) // block) * block)
+    engine["max_model_len"] = _max_model_len(scenario, longest, block)
     prefix = [_token(salt, 1 + p % 50_000) for p in range(scenario.shared_prefix_tokens)]
     requests = []
     for i, r in enumerate(scenario.requests):
@@ -264,7 +278,22 @@ def engine_plan(
         "shares_output": scenario.workload.shares_output,
         "breakage": breakage,
         "variant": variant,
+        "kv_events": _kv_events_plan(scenario, prefix_caching),
     }
+
+
+def _max_model_len(scenario: Scenario, longest: int, block: int) -> int:
+    """The engine's ``max_model_len`` in tokens: room for the longest sequence
+    (``longest`` tokens) and 64 more, in whole blocks of ``block`` tokens, at
+    least 2048; under a pool (``workload.pool_blocks``) at most what the pool
+    holds besides the null block, which vLLM's start-up check requires of one
+    request (vllm/v1/core/kv_cache_utils.py, ``check_enough_kv_cache_memory``),
+    and never below ``longest``."""
+    room = max(2048, -(-(longest + 64) // block) * block)
+    pool = scenario.workload.pool_blocks
+    if pool is not None:
+        room = max(min(room, (pool - 1) * block), -(-longest // block) * block)
+    return room
 
 
 def _refuse_inputs(scenario: Scenario) -> None:
@@ -305,7 +334,14 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
     """
     groups = scenario.kv_cache_groups
     kinds = {g.kind for g in groups}
-    unknown = kinds - {GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA}
+    _refuse_mla(kinds)
+    _refuse_chunked_local(scenario)
+    unknown = kinds - {
+        GroupKind.FULL_ATTENTION,
+        GroupKind.SLIDING_WINDOW,
+        GroupKind.MAMBA,
+        GroupKind.CHUNKED_LOCAL_ATTENTION,
+    }
     if unknown:
         raise EngineUnsupported(
             f"{', '.join(sorted(k.value for k in unknown))} groups: kvfuzz's engine mode "
@@ -398,10 +434,76 @@ def _page_ratios(scenario: Scenario) -> dict[GroupKind, int]:
     return {kind: largest // next(iter(sizes)) for kind, sizes in by_kind.items()}
 
 
+def _refuse_mla(kinds: set[GroupKind]) -> None:
+    """Refuse MLA groups: vLLM's CPU build turns the prefix cache off for them.
+
+    On a CPU without AMX tiles an MLA model runs on the reference CPU MLA
+    backend (vllm/v1/attention/backends/mla/cpu_mla.py, ``CPUMLABackend``:
+    blocks of 16 tokens only), and ``CpuPlatform.check_and_update_config``
+    (vllm/platforms/cpu.py) then forces ``enable_prefix_caching = False`` and
+    chunked prefill off ("MLA is enabled on a non-GPU platform"): every
+    lookup would hit 0. Only the AMX MLA backend
+    (vllm/v1/attention/backends/mla/amx_mla.py, Intel CPUs with AMX tiles)
+    keeps the prefix cache, and kvfuzz's engine mode builds no tiny MLA model
+    for it.
+
+    Raises:
+        EngineUnsupported: naming the MLA kinds and the vLLM function.
+    """
+    mla = sorted(k.value for k in kinds if k in (GroupKind.MLA, GroupKind.SLIDING_WINDOW_MLA))
+    if mla:
+        raise EngineUnsupported(
+            f"{', '.join(mla)} groups: vLLM's CPU build turns the prefix cache off for MLA "
+            "models on the reference CPU MLA backend (vllm/platforms/cpu.py, "
+            "CpuPlatform.check_and_update_config; vllm/v1/attention/backends/mla/cpu_mla.py), "
+            "keeping it only on the AMX MLA backend of Intel CPUs with AMX tiles"
+        )
+
+
+def _refuse_chunked_local(scenario: Scenario) -> None:
+    """Refuse chunked local attention layouts a tiny Llama-4 text model
+    (:func:`_llama4_layout`) cannot give the engine.
+
+    Raises:
+        EngineUnsupported: an EAGLE-family drafter (vLLM 0.32's
+            ``VllmConfig.__post_init__``, vllm/config/vllm.py, disables the
+            hybrid KV cache manager for chunked local attention with EAGLE,
+            and ``unify_hybrid_kv_cache_specs``, vllm/v1/core/kv_cache_utils.py,
+            then makes the chunked layers full attention), a sliding-window or
+            Mamba group beside them, several chunk sizes or block sizes.
+    """
+    groups = scenario.kv_cache_groups
+    chunks = sorted(
+        {g.attention_chunk_size_tokens for g in groups if g.attention_chunk_size_tokens}
+    )
+    if not chunks:
+        return
+    drafter = scenario.drafter.kind
+    if drafter in (DrafterKind.EAGLE, DrafterKind.EAGLE3):
+        raise EngineUnsupported(
+            f"chunked_local_attention groups with drafter {drafter.value!r}: vLLM 0.32 "
+            "disables the hybrid KV cache manager for chunked local attention with EAGLE "
+            "(vllm/config/vllm.py, VllmConfig.__post_init__) and then makes the chunked "
+            "layers full attention (vllm/v1/core/kv_cache_utils.py, "
+            "unify_hybrid_kv_cache_specs)"
+        )
+    others = {g.kind for g in groups} - {
+        GroupKind.FULL_ATTENTION,
+        GroupKind.CHUNKED_LOCAL_ATTENTION,
+    }
+    if others or len(chunks) > 1 or len({g.block_size_tokens for g in groups}) > 1:
+        raise EngineUnsupported(
+            f"chunked_local_attention groups (chunks {chunks}) beside "
+            f"{sorted(k.value for k in others) or 'other block sizes or chunk sizes'}: the "
+            "tiny Llama-4 text model (vllm/model_executor/models/llama4.py) has full and "
+            "chunked local attention layers of one shape and one attention_chunk_size"
+        )
+
+
 def _refuse_workload(scenario: Scenario) -> None:
     """Refuse workload parts engine mode does not map: connectors, aborts, answers
-    rejoined, the Mamba shared-prefix checkpoint, KV cache events, the watermark,
-    drafters kvfuzz builds no tiny model for.
+    rejoined, the Mamba shared-prefix checkpoint, the watermark, drafters kvfuzz
+    builds no tiny model for.
 
     Raises:
         EngineUnsupported: naming the part.
@@ -427,11 +529,6 @@ def _refuse_workload(scenario: Scenario) -> None:
         )
     if scenario.enable_mamba_shared_prefix_checkpoint:
         raise EngineUnsupported("enable_mamba_shared_prefix_checkpoint: not mapped to the engine")
-    if scenario.workload.kv_events.value != "off":
-        raise EngineUnsupported(
-            "workload.kv_events: the engine publishes KV cache events over ZMQ, which "
-            "engine mode does not subscribe to, so the stream would go unjudged"
-        )
     if scenario.workload.watermark:
         raise EngineUnsupported("workload.watermark: not mapped to the engine")
     drafter = scenario.drafter.kind
@@ -493,6 +590,8 @@ def _engine_arguments(
         )
         if len({g.block_size_tokens for g in groups}) > 1:
             _mimo_layout(engine, scenario)
+        if GroupKind.CHUNKED_LOCAL_ATTENTION in kinds:
+            _llama4_layout(engine, scenario)
     if drafter is not DrafterKind.NONE:
         engine["drafter"] = {
             "method": _DRAFTERS[drafter],
@@ -525,6 +624,35 @@ def _mimo_layout(engine: dict[str, Any], scenario: Scenario) -> None:
             "sliding_window": g.sliding_window_tokens,
         }
         for g in scenario.kv_cache_groups
+    ]
+    engine["hash_block_size"] = scenario.effective_hash_block_size_tokens
+
+
+def _llama4_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` (a plan's Llama ``engine`` block) a tiny Llama-4 text
+    model (``Llama4ForCausalLM``, vllm/model_executor/models/llama4.py): one
+    layer per group, a chunked local attention layer (RoPE,
+    ``ChunkedLocalAttention`` of ``attention_chunk_size`` tokens) for each
+    ``chunked_local_attention`` group and a full-attention (NoPE) layer for
+    each other, so vLLM's planner makes ``ChunkedLocalAttentionSpec`` and
+    ``FullAttentionSpec`` groups in the scenario's order; ``groups`` and
+    ``hash_block_size`` are what the worker checks (:func:`_check_groups`)."""
+    groups = scenario.kv_cache_groups
+    chunked = [g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups]
+    engine["architecture"] = "llama4"
+    engine["layer_types"] = [
+        "chunked_attention" if c else "full_attention" for c in chunked
+    ]
+    engine["attention_chunk_size"] = next(
+        g.attention_chunk_size_tokens for g in groups if g.attention_chunk_size_tokens
+    )
+    engine["groups"] = [
+        {
+            "spec": "ChunkedLocalAttentionSpec" if c else "FullAttentionSpec",
+            "block_size": g.block_size_tokens,
+            "sliding_window": None,
+        }
+        for c, g in zip(chunked, groups, strict=True)
     ]
     engine["hash_block_size"] = scenario.effective_hash_block_size_tokens
 
@@ -616,4 +744,69 @@ def observation(
         mode="engine",
         pool_blocks=int(info.get("num_blocks", 0)),
         steps=int(info.get("steps", 0)),
+        kv_events=event_log(scenario, raw),
     )
+
+
+# ------------------------------------------------------------- KV cache events
+
+
+def _kv_events_plan(scenario: Scenario, prefix_caching: bool) -> str:
+    """The plan's ``kv_events``: the scenario's ``workload.kv_events``
+    (``off``, ``incremental`` or ``full``: every request's
+    ``kv_cache_report_mode``) on the cache-on run, ``off`` on the cache-off
+    run (with no prefix cache there is no stream to judge)."""
+    return scenario.workload.kv_events.value if prefix_caching else "off"
+
+
+def event_log(scenario: Scenario, raw: dict[str, Any]) -> KVEventLog | None:
+    """The engine's KV cache event stream (the worker's ``kv_events`` block) as
+    a :class:`~differential.observation.KVEventLog` in the scenario's tokens,
+    for the event oracle (:mod:`differential.oracle.kv_events`); ``None`` when
+    the run recorded none (events off).
+
+    The engine's ``BlockStored`` events carry the engine's token ids (kvfuzz's
+    ids mapped into the tiny model's vocabulary, and the engine's own sampled
+    tokens). Each event's ``token_ids`` are put back into the scenario's ids
+    position by position: tokens ``[start, end)`` after its parent's prefix
+    (``start`` the parent label's prefix length, 0 without a parent) are the
+    first request's, in scenario order, whose engine tokens there are those
+    (and whose engine tokens share the parent's prefix), replaced by that
+    request's scenario tokens there (prompt, then ``Scenario.sampled_tokens``).
+    The mapping keeps every pair of prompts' common prefix, so the owner is
+    the one the oracle finds; ids no request has there (or after a parent
+    naming no prefix) become negative, matching no scenario token, so the
+    oracle's ``stored`` rule flags them.
+    """
+    block = raw.get("kv_events")
+    if not block:
+        return None
+    log = KVEventLog.from_dict(block["log"])
+    engine = [list(seq) for seq in block["sequences"]]
+    ours = [
+        list(scenario.prompts[i]) + list(scenario.sampled_tokens(i))
+        for i in range(len(scenario.requests))
+    ]
+
+    def translated(event: KVEvent) -> KVEvent:
+        if event.kind != "stored":
+            return event
+        tokens = tokens_of(event.tokens)
+        start, parent = 0, None
+        if event.parent is not None:
+            named = log.prefixes.get(event.parent)
+            if named is None:
+                return dataclasses.replace(event, tokens=runs_of([-1 - t for t in tokens]))
+            parent, start = named
+        end = start + len(tokens)
+        for r, seq in enumerate(engine):
+            shares = parent is None or common_prefix_tokens(seq, engine[parent]) >= start
+            if shares and seq[start:end] == tokens and r < len(ours):
+                return dataclasses.replace(event, tokens=runs_of(ours[r][start:end]))
+        return dataclasses.replace(event, tokens=runs_of([-1 - t for t in tokens]))
+
+    steps = tuple(
+        dataclasses.replace(step, events=tuple(translated(e) for e in step.events))
+        for step in log.steps
+    )
+    return dataclasses.replace(log, steps=steps)
