@@ -318,8 +318,8 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
                 f"scaled x{geometry_scale(scenario)}"
             )
     windows = sorted({g.sliding_window_tokens for g in groups if g.sliding_window_tokens})
-    if len(windows) > 1:
-        raise EngineUnsupported(_several_windows(windows))
+    if len(windows) > 1 and len(blocks) > 1:
+        raise EngineUnsupported(_several_windows(windows, blocks))
     if any(g.is_eagle_group for g in groups):
         raise EngineUnsupported(
             "is_eagle_group marks: the engine's planner decides the draft groups itself"
@@ -453,12 +453,15 @@ def _gemma4_heads(scenario: Scenario) -> list[int]:
     return [heads * smallest // g.block_size_tokens for g in groups]
 
 
-def _several_windows(windows: list[int]) -> str:
-    """Why a scenario with several sliding windows does not run on the engine."""
+def _several_windows(windows: list[int], blocks: list[int]) -> str:
+    """Why several sliding windows beside several block sizes do not run on the engine."""
     return (
-        f"sliding windows {windows}: the tiny models read one window per model "
-        "(vllm/model_executor/models/llama.py and gemma4.py: config.sliding_window; "
-        "mimo_v2.py: config.sliding_window_size)"
+        f"sliding windows {windows} beside groups of block sizes {blocks}: the tiny model "
+        "with a window per layer, Plamo 3 (vllm/model_executor/models/plamo3.py: "
+        "config.interleaved_sliding_window), gives every layer one KV shape "
+        "(config.num_key_value_heads), and those with KV heads per layer kind or per layer "
+        "read one window per model (mimo_v2.py: config.sliding_window_size; gemma4.py, "
+        "Gemma4Attention: config.sliding_window)"
     )
 
 
@@ -555,8 +558,7 @@ def _engine_arguments(
             ],
             sliding_window=windows[0] if windows else None,
         )
-        if len({g.block_size_tokens for g in groups}) > 1:
-            _several_blocks_layout(engine, scenario)
+        _model_layout(engine, scenario)
     if drafter is not DrafterKind.NONE:
         engine["drafter"] = {
             "method": _DRAFTERS[drafter],
@@ -568,6 +570,44 @@ def _engine_arguments(
     if engine["max_num_batched_tokens"] < engine["max_num_seqs"]:
         engine["max_num_seqs"] = engine["max_num_batched_tokens"]
     return engine
+
+
+def _model_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` (a plan's Llama ``engine`` block) the tiny model the
+    scenario's attention groups need: several block sizes
+    (:func:`_several_blocks_layout`), several sliding windows
+    (:func:`_plamo3_layout`), else the Llama model as it is."""
+    groups = scenario.kv_cache_groups
+    if len({g.block_size_tokens for g in groups}) > 1:
+        _several_blocks_layout(engine, scenario)
+    elif len({g.sliding_window_tokens for g in groups if g.sliding_window_tokens}) > 1:
+        _plamo3_layout(engine, scenario)
+
+
+def _plamo3_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` a tiny Plamo 3 model with each group's sliding window on
+    its own layer: ``architecture`` ``plamo3``, ``sliding_windows`` (tokens,
+    ``None`` on full-attention layers; vllm/model_executor/models/plamo3.py
+    reads ``config.interleaved_sliding_window[layer]``), and the planned
+    groups (:func:`_planned_groups`). Every layer has one KV shape, so one
+    block size.
+
+    Raises:
+        EngineUnsupported: an EAGLE drafter without a full-attention group (its
+            draft layer is full attention: a group the scenario lacks).
+    """
+    groups = scenario.kv_cache_groups
+    eagle = scenario.drafter.kind in (DrafterKind.EAGLE, DrafterKind.EAGLE3)
+    if eagle and all(g.kind is GroupKind.SLIDING_WINDOW for g in groups):
+        raise EngineUnsupported(
+            f"drafter {scenario.drafter.kind.value!r} beside sliding-window groups only: "
+            "the EAGLE draft layer is full attention (vllm/model_executor/models/"
+            "llama_eagle3.py), a KV cache group the scenario does not have"
+        )
+    engine["architecture"] = "plamo3"
+    engine["sliding_windows"] = [g.sliding_window_tokens for g in groups]
+    engine["sliding_window"] = None
+    _planned_groups(engine, scenario)
 
 
 def _several_blocks_layout(engine: dict[str, Any], scenario: Scenario) -> None:

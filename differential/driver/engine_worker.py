@@ -158,6 +158,20 @@ def _mimo_v2_config(
     }
 
 
+def _plamo3_config(layer_types: list[str], windows: list[int | None]) -> dict[str, Any]:
+    """A tiny Plamo 3 (vllm/model_executor/models/plamo3.py) on the tiny Llama's
+    shape (:func:`_llama_config`): layer ``i`` of type ``layer_types[i]``
+    with sliding window ``windows[i]`` tokens (``None`` on full-attention
+    layers), which vLLM's ``Plamo3AttentionMixer`` reads from
+    ``config.interleaved_sliding_window``; the sliding layers' RoPE base is
+    ``rope_local_theta``."""
+    config = _llama_config(layer_types, None)
+    config["architectures"] = ["Plamo3ForCausalLM"]
+    config["interleaved_sliding_window"] = windows
+    config["rope_local_theta"] = 10000.0
+    return config
+
+
 def _gemma4_config(
     layer_types: list[str], sliding_window: int, kv_heads: list[int]
 ) -> dict[str, Any]:
@@ -290,13 +304,14 @@ def _gemma4_target(engine: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
 def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The ``vllm.LLM(...)`` keyword arguments for a plan's ``engine`` block.
 
-    The block: ``architecture`` (``llama``, ``mimo_v2``, ``gemma4`` or
-    ``nemotron_h``), ``layer_types`` (Llama, MiMo-V2-Flash, Gemma 4:
+    The block: ``architecture`` (``llama``, ``mimo_v2``, ``gemma4``, ``plamo3``
+    or ``nemotron_h``), ``layer_types`` (Llama, MiMo-V2-Flash, Gemma 4, Plamo 3:
     ``sliding_attention`` / ``full_attention`` per layer) or ``pattern``
-    (NemotronH), ``sliding_window`` (tokens), ``kv_heads`` (MiMo-V2-Flash: KV
+    (NemotronH), ``sliding_window`` (tokens), ``sliding_windows`` (Plamo 3:
+    per layer, tokens or null), ``kv_heads`` (MiMo-V2-Flash: KV
     heads per layer type; Gemma 4: per layer) and ``draft_kv_heads`` (Gemma 4:
     the EAGLE draft layer's), ``groups`` and ``hash_block_size``
-    (MiMo-V2-Flash, Gemma 4: the groups and hash block vLLM must make, checked
+    (MiMo-V2-Flash, Gemma 4, Plamo 3: the groups and hash block vLLM must make, checked
     by :func:`_check_groups`),
     ``block_size`` (tokens), ``retention`` (``prefix_cache_retention_interval``; absent:
     vLLM's default), ``prefix_match_unit`` (tokens or null), ``drafter``
@@ -328,6 +343,13 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
         draft_kv_heads = int(engine["kv_heads"]["full_attention"])
     elif arch == "gemma4":
         target, num_layers, draft_kv_heads = _gemma4_target(engine)
+    elif arch == "plamo3":
+        layer_types, windows = list(engine["layer_types"]), list(engine["sliding_windows"])
+        if (engine.get("drafter") or {}).get("method") == "eagle3":
+            repeats = -(-4 // len(layer_types))
+            layer_types, windows = layer_types * repeats, windows * repeats
+        target = _plamo3_config(layer_types, windows)
+        num_layers = len(layer_types)
     elif arch == "nemotron_h":
         target = _nemotron_h_config(engine["pattern"])
         num_layers = len(engine["pattern"])
