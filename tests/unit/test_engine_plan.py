@@ -11,7 +11,7 @@ import pytest
 
 from differential.corpus import load_entry
 from differential.driver.engine_mode import EngineUnsupported, engine_plan, scaled
-from differential.scenario import GroupKind, KVCacheGroup, Scenario
+from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, Scenario
 from tests.factories import CORPORA, ROOT
 
 
@@ -412,3 +412,56 @@ def test_the_worker_writes_a_gemma4_model_with_kv_heads_per_layer(tmp_path: Path
     draft_config = json.loads((Path(draft["model"]) / "config.json").read_text())
     assert draft_config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
     assert (draft_config["num_key_value_heads"], draft_config["head_dim"]) == (2, 32)
+
+
+def test_several_windows_of_one_block_size_plan_a_plamo3_model_with_a_window_per_layer(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from differential.driver.engine_worker import engine_arguments
+
+    base = load_entry(GEMMA4_FALLBACK).scenario
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    scenario = scaled(_groups_with(base, (fa, 4, None), (swa, 4, 16), (swa, 4, 8)), 8)
+    plan = engine_plan(scenario)
+    engine = plan["engine"]
+    assert (engine["architecture"], engine["block_size"]) == ("plamo3", 32)
+    assert engine["sliding_windows"] == [None, 128, 64]
+    assert [(g["spec"], g["sliding_window"]) for g in engine["groups"]] == [
+        ("FullAttentionSpec", None),
+        ("SlidingWindowSpec", 128),
+        ("SlidingWindowSpec", 64),
+    ]
+    target = json.loads(
+        (Path(engine_arguments(plan, tmp_path)["model"]) / "config.json").read_text()
+    )
+    assert target["architectures"] == ["Plamo3ForCausalLM"]
+    # EAGLE-3: the three-layer pattern twice.
+    assert target["interleaved_sliding_window"] == [None, 128, 64] * 2
+    assert target["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"] * 2
+
+
+def test_several_windows_the_tiny_models_cannot_give_are_unsupported_naming_why() -> None:
+    base = load_entry(GEMMA4_FALLBACK).scenario
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    # Windows 8 and 16 beside blocks 4 and 8.
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(scaled(_groups_with(base, (fa, 8, None), (swa, 4, 16), (swa, 4, 8)), 8))
+    assert str(info.value) == (
+        "sliding windows [64, 128] beside groups of block sizes [32, 64]: the tiny model with "
+        "a window per layer, Plamo 3 (vllm/model_executor/models/plamo3.py: "
+        "config.interleaved_sliding_window), gives every layer one KV shape "
+        "(config.num_key_value_heads), and those with KV heads per layer kind or per layer read "
+        "one window per model (mimo_v2.py: config.sliding_window_size; gemma4.py, "
+        "Gemma4Attention: config.sliding_window)"
+    )
+    # An EAGLE-3 draft layer is full attention: a group two sliding windows lack.
+    with pytest.raises(EngineUnsupported, match=r"^drafter 'eagle3' beside sliding-window groups"):
+        engine_plan(scaled(_groups_with(base, (swa, 4, 16), (swa, 4, 8)), 8))
+    no_drafter = dataclasses.replace(
+        base,
+        drafter=dataclasses.replace(base.drafter, kind=DrafterKind.NONE, num_speculative_tokens=0),
+    )
+    engine = engine_plan(scaled(_groups_with(no_drafter, (swa, 4, 16), (swa, 4, 8)), 8))["engine"]
+    assert (engine["architecture"], engine["sliding_windows"]) == ("plamo3", [128, 64])
