@@ -15,14 +15,16 @@ What the CPU engine cannot run is *unsupported*, naming why
 (:class:`EngineUnsupported`): blocks that are not multiples of 32 tokens (the
 CPU attention kernels' ``MultipleOf(32)`` kernel block sizes,
 vllm/v1/attention/backends/cpu_attn.py), groups of different block sizes
-other than one sliding-window and one full-attention block size in an integer
-ratio (those run on a tiny MiMo-V2-Flash model: :func:`_page_ratios`),
-MLA groups (vLLM's CPU build turns the prefix cache off for them:
-:func:`_refuse_mla`), several windows, kinds or drafters kvfuzz builds no
-tiny model for. Chunked local attention runs on a tiny Llama-4 text model
-(:func:`_llama4_layout`). With ``workload.kv_events`` the worker records the
-stream the engine publishes, and :func:`event_log` puts it in the
-scenario's tokens for the event oracle. By
+no tiny model gives (one sliding-window and one full-attention block size in
+an integer ratio run on a tiny MiMo-V2-Flash model, :func:`_page_ratios`; any
+other set of multiples of the smallest block beside both kinds on a tiny
+Gemma 4 model, :func:`_gemma4_heads`), MLA groups (vLLM's CPU build turns
+the prefix cache off for them: :func:`_refuse_mla`), several windows, kinds
+or drafters kvfuzz builds no tiny model for. Chunked local attention runs on
+a tiny Llama-4 text model (:func:`_llama4_layout`). With
+``workload.kv_events`` the worker records the stream the engine publishes,
+and :func:`event_log` puts it in the scenario's tokens for the event oracle.
+By
 default a scenario is mapped onto the CPU engine's grid: every token length
 is multiplied by the smallest factor that makes each block a multiple of 32
 (:func:`geometry_scale`, :func:`scaled`; factor 1 when already so), and the
@@ -324,11 +326,11 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
     tokens, sliding windows in tokens)``.
 
     The block size is the smallest group's; several block sizes are checked by
-    :func:`_page_ratios`.
+    :func:`_block_model`.
 
     Raises:
         EngineUnsupported: a kind kvfuzz builds no tiny model for, block sizes
-            no tiny model gives (:func:`_page_ratios`), a block that is not a
+            no tiny model gives (:func:`_block_model`), a block that is not a
             multiple of 32 tokens, several sliding windows, or
             ``is_eagle_group`` marks.
     """
@@ -350,7 +352,7 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
         )
     blocks = sorted({g.block_size_tokens for g in groups})
     if len(blocks) > 1:
-        _page_ratios(scenario)
+        _block_model(scenario)
     block = blocks[0]
     for size in blocks:
         if size % ENGINE_BLOCK_MULTIPLE:
@@ -361,10 +363,8 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
                 f"scaled x{geometry_scale(scenario)}"
             )
     windows = sorted({g.sliding_window_tokens for g in groups if g.sliding_window_tokens})
-    if len(windows) > 1:
-        raise EngineUnsupported(
-            f"sliding windows {windows}: the tiny Llama model has one sliding window"
-        )
+    if len(windows) > 1 and len(blocks) > 1:
+        raise EngineUnsupported(_several_windows(windows, blocks))
     if any(g.is_eagle_group for g in groups):
         raise EngineUnsupported(
             "is_eagle_group marks: the engine's planner decides the draft groups itself"
@@ -372,8 +372,8 @@ def _engine_layout(scenario: Scenario) -> tuple[set[GroupKind], int, list[int]]:
     return kinds, block, windows
 
 
-#: The largest block ratio a tiny MiMo-V2-Flash model is built for (KV heads
-#: of the layers with the smaller block).
+#: The largest number of KV heads a tiny model's layer gets (MiMo-V2-Flash:
+#: the block ratio; Gemma 4: the least common multiple of the ratios).
 _MAX_BLOCK_RATIO = 64
 
 _SPEC_NAMES = {
@@ -382,8 +382,46 @@ _SPEC_NAMES = {
 }
 
 
+def _block_model(scenario: Scenario) -> str:
+    """The tiny model whose KV cache groups get the scenario's several block sizes.
+
+    ``mimo_v2`` for one sliding-window and one full-attention block size
+    (:func:`_page_ratios`), ``gemma4`` for any other set, several block sizes
+    within one kind included (:func:`_gemma4_heads`).
+
+    Raises:
+        EngineUnsupported: a Mamba group beside them (its block is the
+            attention block in vLLM 0.32), or block sizes neither model gives.
+    """
+    groups = scenario.kv_cache_groups
+    if any(g.kind is GroupKind.MAMBA for g in groups):
+        blocks = sorted({g.block_size_tokens for g in groups})
+        raise EngineUnsupported(
+            f"groups of block sizes {blocks} beside Mamba groups: in align mode, the only "
+            "Mamba mode with prefix caching, vLLM 0.32 makes the Mamba block the attention "
+            "block (vllm/platforms/interface.py, Platform._align_hybrid_block_size)"
+        )
+    by_kind: dict[GroupKind, set[int]] = {}
+    for g in groups:
+        by_kind.setdefault(g.kind, set()).add(g.block_size_tokens)
+    if len(by_kind) == 2 and all(len(sizes) == 1 for sizes in by_kind.values()):
+        _page_ratios(scenario)
+        return "mimo_v2"
+    _gemma4_heads(scenario)
+    return "gemma4"
+
+
+def _ratio_refusal(blocks: list[int], rule: str) -> EngineUnsupported:
+    return EngineUnsupported(
+        f"groups of block sizes {blocks}: vLLM grows a layer's block by the ratio of the "
+        "largest page to its page only when that ratio is an integer, else pads the page "
+        f"(vllm/v1/core/kv_cache_utils.py, unify_kv_cache_spec_page_size); kvfuzz builds {rule}"
+    )
+
+
 def _page_ratios(scenario: Scenario) -> dict[GroupKind, int]:
-    """KV heads per layer kind (head size 32) for groups of different block sizes.
+    """KV heads per layer kind (head size 32) for one sliding-window and one
+    full-attention block size.
 
     vLLM's planner gives every layer the engine's block size, then
     ``unify_kv_cache_spec_page_size`` (vllm/v1/core/kv_cache_utils.py)
@@ -397,41 +435,79 @@ def _page_ratios(scenario: Scenario) -> dict[GroupKind, int]:
 
     Returns:
         ``{kind: KV heads}`` for the full-attention and sliding-window kinds
-        present (the kind with the larger block: 1).
+        (the kind with the larger block: 1).
 
     Raises:
-        EngineUnsupported: a Mamba group (its block is the attention block in
-            vLLM 0.32), two block sizes in one kind, a ratio that is not an
-            integer (vLLM pads such a page instead of growing its block) or
-            above 64.
+        EngineUnsupported: a ratio that is not an integer (vLLM pads such a
+            page instead of growing its block) or above 64.
+    """
+    sizes = {g.kind: g.block_size_tokens for g in scenario.kv_cache_groups}
+    blocks = sorted(set(sizes.values()))
+    smallest, largest = blocks[0], blocks[-1]
+    if largest % smallest or largest // smallest > _MAX_BLOCK_RATIO:
+        raise _ratio_refusal(blocks, f"integer ratios up to {_MAX_BLOCK_RATIO}")
+    return {kind: largest // size for kind, size in sizes.items()}
+
+
+def _gemma4_heads(scenario: Scenario) -> list[int]:
+    """KV heads (head size 32) of each group's layer in a tiny Gemma 4 model.
+
+    vLLM's ``Gemma4DecoderLayer`` (vllm/model_executor/models/gemma4.py)
+    reads each layer's ``num_key_value_heads`` from
+    ``config.per_layer_config[layer]``, so every layer gets its own KV bytes
+    per token and, through ``unify_kv_cache_spec_page_size``
+    (vllm/v1/core/kv_cache_utils.py), its own block: the layers of the
+    smallest block ``s`` have ``H`` KV heads, a layer of block ``b`` has
+    ``H * s / b``, where ``H`` is the least common multiple of the ratios
+    ``b / s`` (every block a multiple of the smallest; ``H`` up to 64).
+
+    Returns:
+        The KV heads of each scenario group's layer, in the scenario's order.
+
+    Raises:
+        EngineUnsupported: no full-attention group (``Gemma4TextConfig`` makes
+            the last layer full attention), no sliding-window group (vLLM
+            puts layers of one kind into one group, whatever their KV heads),
+            a block that is not a multiple of the smallest, or ``H`` above 64.
     """
     groups = scenario.kv_cache_groups
     blocks = sorted({g.block_size_tokens for g in groups})
-    if any(g.kind is GroupKind.MAMBA for g in groups):
+    kinds = {g.kind for g in groups}
+    if GroupKind.FULL_ATTENTION not in kinds:
         raise EngineUnsupported(
-            f"groups of block sizes {blocks} beside Mamba groups: in align mode, the only "
-            "Mamba mode with prefix caching, vLLM 0.32 makes the Mamba block the attention "
-            "block (vllm/platforms/interface.py, Platform._align_hybrid_block_size)"
+            f"sliding_window groups of block sizes {blocks} without a full-attention group: "
+            "the tiny Gemma 4 model's last layer is full attention (Gemma4TextConfig, "
+            "transformers/models/gemma4/configuration_gemma4.py), and the MiMo-V2-Flash "
+            "model gives the layers of one kind one KV shape "
+            "(vllm/model_executor/models/mimo_v2.py)"
         )
-    by_kind: dict[GroupKind, set[int]] = {}
-    for g in groups:
-        by_kind.setdefault(g.kind, set()).add(g.block_size_tokens)
-    for kind, sizes in sorted(by_kind.items(), key=lambda item: item[0].value):
-        if len(sizes) > 1:
-            raise EngineUnsupported(
-                f"{kind.value} groups of block sizes {sorted(sizes)}: the tiny MiMo-V2-Flash "
-                "model gives every layer of one kind the same KV heads "
-                "(vllm/model_executor/models/mimo_v2.py), so one block size per kind"
-            )
-    smallest, largest = blocks[0], blocks[-1]
-    if largest % smallest or largest // smallest > _MAX_BLOCK_RATIO:
+    if GroupKind.SLIDING_WINDOW not in kinds:
         raise EngineUnsupported(
-            f"groups of block sizes {blocks}: vLLM grows a layer's block by the ratio of the "
-            "largest page to its page only when that ratio is an integer, else pads the page "
-            "(vllm/v1/core/kv_cache_utils.py, unify_kv_cache_spec_page_size); kvfuzz builds "
-            f"integer ratios up to {_MAX_BLOCK_RATIO}"
+            f"full_attention groups of block sizes {blocks} and no other kind: vLLM puts "
+            "layers of one kind into one KV cache group of one block size, whatever their "
+            "KV heads (vllm/v1/core/kv_cache_utils.py, get_kv_cache_groups: "
+            "UniformTypeKVCacheSpecs.from_specs)"
         )
-    return {kind: largest // next(iter(sizes)) for kind, sizes in by_kind.items()}
+    smallest = blocks[0]
+    rule = f"blocks that are multiples of the smallest, up to {_MAX_BLOCK_RATIO} KV heads"
+    if any(b % smallest for b in blocks):
+        raise _ratio_refusal(blocks, rule)
+    heads = math.lcm(*(b // smallest for b in blocks))
+    if heads > _MAX_BLOCK_RATIO:
+        raise _ratio_refusal(blocks, rule)
+    return [heads * smallest // g.block_size_tokens for g in groups]
+
+
+def _several_windows(windows: list[int], blocks: list[int]) -> str:
+    """Why several sliding windows beside several block sizes do not run on the engine."""
+    return (
+        f"sliding windows {windows} beside groups of block sizes {blocks}: the tiny model "
+        "with a window per layer, Plamo 3 (vllm/model_executor/models/plamo3.py: "
+        "config.interleaved_sliding_window), gives every layer one KV shape "
+        "(config.num_key_value_heads), and those with KV heads per layer kind or per layer "
+        "read one window per model (mimo_v2.py: config.sliding_window_size; gemma4.py, "
+        "Gemma4Attention: config.sliding_window)"
+    )
 
 
 def _refuse_mla(kinds: set[GroupKind]) -> None:
@@ -588,10 +664,10 @@ def _engine_arguments(
             ],
             sliding_window=windows[0] if windows else None,
         )
-        if len({g.block_size_tokens for g in groups}) > 1:
-            _mimo_layout(engine, scenario)
         if GroupKind.CHUNKED_LOCAL_ATTENTION in kinds:
             _llama4_layout(engine, scenario)
+        else:
+            _model_layout(engine, scenario)
     if drafter is not DrafterKind.NONE:
         engine["drafter"] = {
             "method": _DRAFTERS[drafter],
@@ -605,18 +681,58 @@ def _engine_arguments(
     return engine
 
 
-def _mimo_layout(engine: dict[str, Any], scenario: Scenario) -> None:
-    """Make ``engine`` (a plan's Llama ``engine`` block) a tiny MiMo-V2-Flash
-    model whose groups get the scenario's block sizes (:func:`_page_ratios`):
-    ``architecture`` ``mimo_v2``, ``kv_heads`` per layer type, and ``groups``,
-    the KV cache groups vLLM's planner must make (spec class, block size and
-    window in tokens), which the worker checks before it runs the plan."""
-    heads = _page_ratios(scenario)
-    engine["architecture"] = "mimo_v2"
-    engine["kv_heads"] = {
-        "full_attention": heads.get(GroupKind.FULL_ATTENTION, 1),
-        "sliding_attention": heads.get(GroupKind.SLIDING_WINDOW, 1),
-    }
+def _model_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` (a plan's Llama ``engine`` block) the tiny model the
+    scenario's attention groups need: several block sizes
+    (:func:`_several_blocks_layout`), several sliding windows
+    (:func:`_plamo3_layout`), else the Llama model as it is."""
+    groups = scenario.kv_cache_groups
+    if len({g.block_size_tokens for g in groups}) > 1:
+        _several_blocks_layout(engine, scenario)
+    elif len({g.sliding_window_tokens for g in groups if g.sliding_window_tokens}) > 1:
+        _plamo3_layout(engine, scenario)
+
+
+def _plamo3_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` a tiny Plamo 3 model with each group's sliding window on
+    its own layer: ``architecture`` ``plamo3``, ``sliding_windows`` (tokens,
+    ``None`` on full-attention layers; vllm/model_executor/models/plamo3.py
+    reads ``config.interleaved_sliding_window[layer]``), and the planned
+    groups (:func:`_planned_groups`). Every layer has one KV shape, so one
+    block size.
+
+    Raises:
+        EngineUnsupported: an EAGLE drafter without a full-attention group (its
+            draft layer is full attention: a group the scenario lacks).
+    """
+    groups = scenario.kv_cache_groups
+    eagle = scenario.drafter.kind in (DrafterKind.EAGLE, DrafterKind.EAGLE3)
+    if eagle and all(g.kind is GroupKind.SLIDING_WINDOW for g in groups):
+        raise EngineUnsupported(
+            f"drafter {scenario.drafter.kind.value!r} beside sliding-window groups only: "
+            "the EAGLE draft layer is full attention (vllm/model_executor/models/"
+            "llama_eagle3.py), a KV cache group the scenario does not have"
+        )
+    engine["architecture"] = "plamo3"
+    engine["sliding_windows"] = [g.sliding_window_tokens for g in groups]
+    engine["sliding_window"] = None
+    _planned_groups(engine, scenario)
+
+
+def _several_blocks_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` (a plan's Llama ``engine`` block) the tiny model that
+    :func:`_block_model` picks for the scenario's several block sizes."""
+    if _block_model(scenario) == "mimo_v2":
+        _mimo_layout(engine, scenario)
+    else:
+        _gemma4_layout(engine, scenario)
+
+
+def _planned_groups(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Set ``engine["groups"]``, the KV cache groups vLLM's planner must make
+    (spec class, block size and window in tokens), and its hash block
+    (tokens), which the worker checks before it runs the plan
+    (:func:`differential.driver.engine_worker._check_groups`)."""
     engine["groups"] = [
         {
             "spec": _SPEC_NAMES[g.kind],
@@ -655,6 +771,49 @@ def _llama4_layout(engine: dict[str, Any], scenario: Scenario) -> None:
         for c, g in zip(chunked, groups, strict=True)
     ]
     engine["hash_block_size"] = scenario.effective_hash_block_size_tokens
+
+
+def _mimo_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` a tiny MiMo-V2-Flash model whose groups get the
+    scenario's block sizes (:func:`_page_ratios`): ``architecture``
+    ``mimo_v2``, ``kv_heads`` per layer type, and the planned groups
+    (:func:`_planned_groups`)."""
+    heads = _page_ratios(scenario)
+    engine["architecture"] = "mimo_v2"
+    engine["kv_heads"] = {
+        "full_attention": heads.get(GroupKind.FULL_ATTENTION, 1),
+        "sliding_attention": heads.get(GroupKind.SLIDING_WINDOW, 1),
+    }
+    _planned_groups(engine, scenario)
+
+
+def _gemma4_layout(engine: dict[str, Any], scenario: Scenario) -> None:
+    """Make ``engine`` a tiny Gemma 4 model whose groups get the scenario's
+    block sizes (:func:`_gemma4_heads`): ``architecture`` ``gemma4``, one layer
+    per group with its own ``kv_heads`` (a list, by layer), the planned groups
+    (:func:`_planned_groups`), and ``draft_kv_heads``, the KV heads of the
+    full-attention layer with the smallest block, which an EAGLE draft layer
+    gets so that it joins that layer's group.
+
+    The layers keep the scenario's order except that the last full-attention
+    group's layer goes last: ``Gemma4TextConfig``
+    (transformers/models/gemma4/configuration_gemma4.py) turns a last layer
+    of another kind into full attention. vLLM's planner groups layers by spec
+    and splits them into groups of equal layer counts
+    (``_get_kv_cache_groups_uniform_page_size``, vllm/v1/core/kv_cache_utils.py),
+    so one layer per group gives exactly the scenario's groups.
+    """
+    groups = scenario.kv_cache_groups
+    heads = _gemma4_heads(scenario)
+    last = max(i for i, g in enumerate(groups) if g.kind is GroupKind.FULL_ATTENTION)
+    order = [i for i in range(len(groups)) if i != last] + [last]
+    engine["architecture"] = "gemma4"
+    engine["layer_types"] = [engine["layer_types"][i] for i in order]
+    engine["kv_heads"] = [heads[i] for i in order]
+    engine["draft_kv_heads"] = max(
+        h for h, g in zip(heads, groups, strict=True) if g.kind is GroupKind.FULL_ATTENTION
+    )
+    _planned_groups(engine, scenario)
 
 
 # ---------------------------------------------------------------------- results

@@ -40,6 +40,7 @@ import gc
 import hashlib
 import itertools
 import json
+import math
 import os
 import shutil
 import sys
@@ -187,6 +188,69 @@ def _llama4_config(layer_types: list[str], attention_chunk_size: int) -> dict[st
     return config
 
 
+def _plamo3_config(layer_types: list[str], windows: list[int | None]) -> dict[str, Any]:
+    """A tiny Plamo 3 (vllm/model_executor/models/plamo3.py) on the tiny Llama's
+    shape (:func:`_llama_config`): layer ``i`` of type ``layer_types[i]``
+    with sliding window ``windows[i]`` tokens (``None`` on full-attention
+    layers), which vLLM's ``Plamo3AttentionMixer`` reads from
+    ``config.interleaved_sliding_window``; the sliding layers' RoPE base is
+    ``rope_local_theta``."""
+    config = _llama_config(layer_types, None)
+    config["architectures"] = ["Plamo3ForCausalLM"]
+    config["interleaved_sliding_window"] = windows
+    config["rope_local_theta"] = 10000.0
+    return config
+
+
+def _gemma4_config(
+    layer_types: list[str], sliding_window: int, kv_heads: list[int]
+) -> dict[str, Any]:
+    """A tiny dense Gemma 4 (vllm/model_executor/models/gemma4.py): one layer per
+    entry of ``layer_types`` (window ``sliding_window`` tokens on
+    ``sliding_attention`` layers; the last must be ``full_attention``, which
+    ``Gemma4TextConfig`` forces), head size 32 on every layer, ``kv_heads[i]``
+    KV heads on layer ``i`` through ``per_layer_config`` (which
+    ``Gemma4DecoderLayer`` reads), as many query heads as the least common
+    multiple of them (at least two), no MoE block, no per-layer inputs, no
+    KV-shared layers, no bidirectional attention (which would halve the
+    window). One head size keeps vLLM's CPU attention backend
+    (vllm/model_executor/models/config.py, ``Gemma4Config`` picks another
+    backend for mixed head sizes); layers with fewer KV bytes per token get a
+    proportionally larger block from vLLM's planner."""
+    per_layer = {str(i): {"head_dim": 32, "num_key_value_heads": h} for i, h in enumerate(kv_heads)}
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    return {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": _VOCAB,
+        "vocab_size_per_layer_input": _VOCAB,
+        "hidden_size": 64,
+        "hidden_size_per_layer_input": 0,
+        "intermediate_size": 128,
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": max(2, math.lcm(*kv_heads)),
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "per_layer_config": per_layer,
+        "layer_types": layer_types,
+        "sliding_window": sliding_window,
+        "use_bidirectional_attention": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"sliding_attention": rope, "full_attention": dict(rope)},
+        "attention_k_eq_v": False,
+        "num_kv_shared_layers": 0,
+        "enable_moe_block": False,
+        "final_logit_softcapping": None,
+        "max_position_embeddings": 65536,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
 def _nemotron_h_config(pattern: str) -> dict[str, Any]:
     """A tiny NemotronH (Mamba2 hybrid): ``pattern`` is vLLM's
     ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP;
@@ -252,25 +316,29 @@ def _write_model(folder: Path, config: dict[str, Any]) -> str:
     return str(path)
 
 
-def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """The ``vllm.LLM(...)`` keyword arguments for a plan's ``engine`` block.
+def _gemma4_target(engine: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    """A plan's tiny Gemma 4 target (:func:`_gemma4_config`), its number of
+    layers, and the KV heads of its EAGLE draft layer (``draft_kv_heads``).
+    EAGLE-3 reads three distinct auxiliary layers of the target: the layer
+    pattern is then repeated (layers of one spec share a group; the pattern
+    ends with a full-attention layer)."""
+    layer_types = list(engine["layer_types"])
+    kv_heads = [int(h) for h in engine["kv_heads"]]
+    if (engine.get("drafter") or {}).get("method") == "eagle3":
+        repeats = -(-4 // len(layer_types))
+        layer_types, kv_heads = layer_types * repeats, kv_heads * repeats
+    target = _gemma4_config(layer_types, engine["sliding_window"], kv_heads)
+    return target, len(layer_types), int(engine["draft_kv_heads"])
 
-    The block: ``architecture`` (``llama``, ``mimo_v2`` or ``nemotron_h``),
-    ``layer_types`` (Llama, MiMo-V2-Flash: ``sliding_attention`` /
-    ``full_attention`` per layer) or ``pattern`` (NemotronH),
-    ``sliding_window`` (tokens), ``kv_heads`` (MiMo-V2-Flash: KV heads per
-    layer type), ``groups`` and ``hash_block_size`` (MiMo-V2-Flash: the
-    groups and hash block vLLM must make, checked by :func:`_check_groups`),
-    ``block_size`` (tokens), ``retention`` (``prefix_cache_retention_interval``; absent:
-    vLLM's default), ``prefix_match_unit`` (tokens or null), ``drafter``
-    (null or ``{"method": "eagle"|"eagle3"|"ngram", "num_speculative_tokens": n}``),
-    ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``num_gpu_blocks_override`` (blocks or null), ``max_model_len`` (tokens).
+
+def _target_model(engine: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    """The target's ``config.json`` for a plan's ``engine`` block, its number of
+    layers, and the KV heads an EAGLE draft layer gets to join the
+    full-attention group (see :func:`engine_arguments`).
 
     Raises:
-        PlanError: an architecture or drafter this worker does not build.
+        PlanError: an architecture this worker does not build.
     """
-    engine = plan["engine"]
     arch = engine["architecture"]
     draft_kv_heads = 1
     if arch == "llama":
@@ -293,11 +361,46 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
         layer_types = list(engine["layer_types"])
         target = _llama4_config(layer_types, engine["attention_chunk_size"])
         num_layers = len(layer_types)
+    elif arch == "gemma4":
+        target, num_layers, draft_kv_heads = _gemma4_target(engine)
+    elif arch == "plamo3":
+        layer_types, windows = list(engine["layer_types"]), list(engine["sliding_windows"])
+        if (engine.get("drafter") or {}).get("method") == "eagle3":
+            repeats = -(-4 // len(layer_types))
+            layer_types, windows = layer_types * repeats, windows * repeats
+        target = _plamo3_config(layer_types, windows)
+        num_layers = len(layer_types)
     elif arch == "nemotron_h":
         target = _nemotron_h_config(engine["pattern"])
         num_layers = len(engine["pattern"])
     else:
         raise PlanError(f"no tiny model for architecture {arch!r}")
+    return target, num_layers, draft_kv_heads
+
+
+def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The ``vllm.LLM(...)`` keyword arguments for a plan's ``engine`` block.
+
+    The block: ``architecture`` (``llama``, ``mimo_v2``, ``gemma4``, ``plamo3``,
+    ``llama4`` or ``nemotron_h``), ``layer_types`` (Llama, MiMo-V2-Flash, Gemma 4, Plamo 3:
+    ``sliding_attention`` / ``full_attention`` per layer) or ``pattern``
+    (NemotronH), ``sliding_window`` (tokens), ``sliding_windows`` (Plamo 3:
+    per layer, tokens or null), ``kv_heads`` (MiMo-V2-Flash: KV
+    heads per layer type; Gemma 4: per layer) and ``draft_kv_heads`` (Gemma 4:
+    the EAGLE draft layer's), ``groups`` and ``hash_block_size``
+    (MiMo-V2-Flash, Gemma 4, Plamo 3: the groups and hash block vLLM must make, checked
+    by :func:`_check_groups`),
+    ``block_size`` (tokens), ``retention`` (``prefix_cache_retention_interval``; absent:
+    vLLM's default), ``prefix_match_unit`` (tokens or null), ``drafter``
+    (null or ``{"method": "eagle"|"eagle3"|"ngram", "num_speculative_tokens": n}``),
+    ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``num_gpu_blocks_override`` (blocks or null), ``max_model_len`` (tokens).
+
+    Raises:
+        PlanError: an architecture or drafter this worker does not build.
+    """
+    engine = plan["engine"]
+    target, num_layers, draft_kv_heads = _target_model(engine)
     kwargs: dict[str, Any] = {
         "model": _write_model(folder, target),
         "load_format": "dummy",
@@ -361,6 +464,11 @@ def _redraw_weights(model: Any) -> None:
     (embeddings N(0, 1), the LM head N(0, 9/fan_in): peaked distributions),
     norm weights 1, other vectors 0; Mamba's ``A_log``, ``D``, ``dt_bias``
     and convolution weights keep their dummy values (a stable recurrence).
+    The dummy loader also draws persistent buffers: Gemma 4's ``layer_scalar``
+    (a checkpoint value each decoder layer's output is multiplied by,
+    ``torch.ones(1)`` in vllm/model_executor/models/gemma4.py) is set back to
+    1. Gemma 4's ``v_norm`` has no weight, and its ``q_norm``, ``k_norm`` and
+    four layer norms multiply by their weight (``RMSNorm``), so 1 is neutral.
     It runs inside the loader, before ``process_weights_after_loading``
     repacks the weights for the CPU kernels. The same model class and
     parameter names give the same weights in every engine.
@@ -388,6 +496,9 @@ def _redraw_weights(model: Any) -> None:
             else:
                 values = torch.zeros(param.shape)
             param.data.copy_(values.to(param.dtype))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.fill_(1.0)
 
 
 def _install_weight_redraw() -> None:
@@ -707,7 +818,8 @@ def _check_groups(engine: dict[str, Any], core: Any, cache_config: Any) -> None:
             f"the engine's KV cache groups came out as {made} (spec, block, window in "
             f"tokens; hash block {hash_block}), not the scenario's {planned} (hash block "
             f"{engine['hash_block_size']}): vLLM's planner (vllm/v1/core/kv_cache_utils.py, "
-            "unify_kv_cache_spec_page_size) gave the tiny MiMo-V2-Flash model other groups"
+            f"unify_kv_cache_spec_page_size) gave the tiny {engine['architecture']} model "
+            "other groups"
         )
 
 

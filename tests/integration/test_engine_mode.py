@@ -604,3 +604,88 @@ def test_the_padded_draft_stall_is_confirmed_on_the_engine() -> None:
     assert [(finding_tag(f), f.known_issue) for f in findings] == [
         ("crash@0", "scheduler-stall-padded-draft-above-budget")
     ]
+
+
+GEMMA4_FALLBACK = CORPORA / "cases" / "gemma4-eagle3-draft-group--fallback.json"
+
+
+def _release_agrees(outcome: EngineResult) -> None:
+    """kvfuzz's drivers on vLLM 0.32.0 (the engine's release) give the engine's
+    hits on the same scaled scenario, where that release's wheel is at hand."""
+    from differential.commands.confirm import release_runs
+
+    runs = release_runs(outcome.scenario)
+    if isinstance(runs, str):
+        assert "skipped" in runs, runs
+        return
+    assert runs["scheduler"].hits == outcome.run.hits
+    assert runs["manager"].hits == outcome.run.hits
+
+
+def test_two_full_attention_block_sizes_run_on_a_gemma4_model_as_the_drivers_do() -> None:
+    """corpora/cases/gemma4-eagle3-draft-group--fallback.json (FA 8, SWA 4 with
+    window 16, FA 4; EAGLE-3, retention 64) scaled x8: FA 64, SWA 32 (window
+    128), FA 32. The tiny Gemma 4 model (KV heads 1, 2, 2 per layer) gets
+    exactly those groups from vLLM's planner (the draft layer a second FA 32
+    group of the same spec), and the siblings hit what the file records for
+    vLLM x8 ([0, 128, 64, 248] -> [0, 1024, 512, 1984]), with the fallback
+    findings it records: as kvfuzz's drivers on vLLM 0.32.0 give."""
+    outcome = run_engine(load_entry(GEMMA4_FALLBACK).scenario, geometry="scale")
+    assert outcome.scale == 8
+    assert outcome.run.unsupported is None and outcome.run.error is None
+    assert _groups(outcome) == [
+        ("FullAttentionSpec", 64, None),
+        ("SlidingWindowSpec", 32, 128),
+        ("FullAttentionSpec", 32, None),
+        ("FullAttentionSpec", 32, None),
+    ]
+    assert (outcome.raw["engine"]["block_size"], outcome.raw["engine"]["hash_block_size"]) == (
+        32,
+        32,
+    )
+    assert outcome.run.hits == (0, 1024, 512, 1984)
+    assert [r.shared_prefix_boundary_tokens for r in outcome.run.requests] == [0, 1472, 960, 0]
+    assert outcome.off_run is not None and outcome.off_run.hits == (0, 0, 0, 0)
+    assert wrong_outputs(outcome) == []
+    findings = judge(outcome)[1]
+    assert [(finding_tag(f), f.expected_tokens, f.hit_tokens) for f in findings] == [
+        ("fallback@1", 1472, 1024),
+        ("fallback@2", 960, 512),
+    ]
+    _release_agrees(outcome)
+
+
+def test_two_sliding_windows_run_on_a_plamo3_model_as_the_drivers_do() -> None:
+    """The same workload with FA 4, SWA 4 (window 16) and SWA 4 (window 8),
+    scaled x8: blocks of 32, windows 128 and 64, each on its own layer of a
+    tiny Plamo 3 model (``interleaved_sliding_window``). Under the EAGLE drop
+    the siblings hit [0, 1536, 512, 1536]: kvfuzz's drivers on vLLM 0.32.0
+    give the same hits."""
+    scenario = load_entry(GEMMA4_FALLBACK).scenario
+    full, swa = scenario.kv_cache_groups[0], scenario.kv_cache_groups[1]
+    windows = dataclasses.replace(
+        scenario,
+        kv_cache_groups=(
+            dataclasses.replace(full, block_size_tokens=4),
+            swa,
+            dataclasses.replace(swa, sliding_window_tokens=8),
+        ),
+    )
+    outcome = run_engine(windows, geometry="scale")
+    assert outcome.run.unsupported is None and outcome.run.error is None
+    # The draft layer is a second full-attention group of the target's spec.
+    assert _groups(outcome) == [
+        ("FullAttentionSpec", 32, None),
+        ("FullAttentionSpec", 32, None),
+        ("SlidingWindowSpec", 32, 128),
+        ("SlidingWindowSpec", 32, 64),
+    ]
+    assert outcome.run.hits == (0, 1536, 512, 1536)
+    assert outcome.off_run is not None and outcome.off_run.hits == (0, 0, 0, 0)
+    assert wrong_outputs(outcome) == []
+    findings = judge(outcome)[1]
+    assert [(finding_tag(f), f.expected_tokens, f.hit_tokens) for f in findings] == [
+        ("fallback@2", 992, 512),
+        ("fallback@3", 2016, 1536),
+    ]
+    _release_agrees(outcome)

@@ -11,6 +11,7 @@ import pytest
 
 from differential.corpus import load_entry
 from differential.driver.engine_mode import EngineUnsupported, engine_plan, mamba_steps, scaled
+from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, Scenario
 from tests.factories import CORPORA, ROOT
 
 
@@ -154,12 +155,12 @@ def test_block_sizes_the_cpu_engine_cannot_give_are_unsupported_naming_the_vllm_
     # Exact geometry: the smallest block is not a multiple of 32.
     with pytest.raises(EngineUnsupported, match=r"^block size 4: the CPU attention kernels"):
         engine_plan(load_entry(SEED_JUNCTION).scenario)
-    # Two full-attention groups of block sizes 1536 and 3456 (a draft group):
-    # every full-attention layer of the tiny model has one KV shape.
+    # Two full-attention groups of block sizes 1536 and 3456 (a draft group)
+    # and no other kind: vLLM puts them into one group of one block size.
     blowup = load_entry(ROOT / "known-issues" / "alignment-blowup-1536-3456.json").scenario
     with pytest.raises(
         EngineUnsupported,
-        match=r"^full_attention groups of block sizes \[1536, 3456\]: the tiny MiMo-V2-Flash model",
+        match=r"^full_attention groups of block sizes \[1536, 3456\] and no other kind: vLLM",
     ):
         engine_plan(blowup)
     # 96 / 64 is not an integer: vLLM pads such a page instead of growing its block.
@@ -312,3 +313,173 @@ def test_the_cache_off_plan_leaves_retention_and_the_hash_block_to_vllm() -> Non
     dense = dataclasses.replace(scenario, retention_interval_tokens=None)
     assert engine_plan(dense, prefix_caching=False) == off
     assert engine_plan(dense)["engine"] != on["engine"]
+
+
+GEMMA4_FALLBACK = CORPORA / "cases" / "gemma4-eagle3-draft-group--fallback.json"
+
+
+def _groups_with(scenario: Scenario, *groups: tuple[GroupKind, int, int | None]) -> Scenario:
+    """``scenario`` with these groups (kind, block, window in tokens) and dense retention."""
+    return dataclasses.replace(
+        scenario,
+        kv_cache_groups=tuple(KVCacheGroup(k, b, w) for k, b, w in groups),
+        retention_interval_tokens=None,
+    )
+
+
+def test_two_full_attention_block_sizes_plan_a_gemma4_model_with_kv_heads_per_layer() -> None:
+    # FA 8 + SWA 4 (window 16) + FA 4, EAGLE-3, scaled x8: FA 64, SWA 32
+    # (window 128), FA 32. The layers of block 32 get two KV heads, the
+    # layer of block 64 one; the draft layer gets the heads of the
+    # full-attention layer of the smallest block, so it joins that group.
+    scenario = scaled(load_entry(GEMMA4_FALLBACK).scenario, 8)
+    engine = engine_plan(scenario)["engine"]
+    assert engine["architecture"] == "gemma4"
+    assert engine["block_size"] == 32
+    assert engine["layer_types"] == ["full_attention", "sliding_attention", "full_attention"]
+    assert engine["kv_heads"] == [1, 2, 2]
+    assert engine["draft_kv_heads"] == 2
+    assert engine["sliding_window"] == 128
+    assert engine["groups"] == [
+        {"spec": "FullAttentionSpec", "block_size": 64, "sliding_window": None},
+        {"spec": "SlidingWindowSpec", "block_size": 32, "sliding_window": 128},
+        {"spec": "FullAttentionSpec", "block_size": 32, "sliding_window": None},
+    ]
+    assert engine["hash_block_size"] == 32
+
+
+def test_the_gemma4_layers_end_with_full_attention_and_heads_are_the_lcm_of_the_ratios() -> None:
+    # Gemma4TextConfig makes a last layer of another kind full attention, so
+    # the last full-attention group's layer goes last. Blocks 32, 64 and 96
+    # are ratios 1, 2, 3 of the smallest: six KV heads on block 32, three on
+    # 64, two on 96 (pages 6:3:2, each dividing the largest).
+    base = scaled(load_entry(GEMMA4_FALLBACK).scenario, 8)
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    scenario = _groups_with(base, (fa, 32, None), (fa, 64, None), (swa, 96, 192))
+    engine = engine_plan(scenario)["engine"]
+    assert engine["layer_types"] == ["full_attention", "sliding_attention", "full_attention"]
+    assert engine["kv_heads"] == [6, 2, 3]
+    assert (engine["block_size"], engine["draft_kv_heads"]) == (32, 6)
+    assert [g["block_size"] for g in engine["groups"]] == [32, 64, 96]
+    # Two sliding-window block sizes beside one full-attention one.
+    engine = engine_plan(_groups_with(base, (swa, 32, 128), (swa, 64, 128), (fa, 128, None)))[
+        "engine"
+    ]
+    assert (engine["architecture"], engine["kv_heads"]) == ("gemma4", [4, 2, 1])
+    # One block size per kind keeps the MiMo-V2-Flash model.
+    engine = engine_plan(_groups_with(base, (fa, 64, None), (swa, 32, 128)))["engine"]
+    assert engine["architecture"] == "mimo_v2"
+
+
+def test_block_sizes_the_gemma4_model_cannot_give_are_unsupported_naming_why() -> None:
+    base = scaled(load_entry(GEMMA4_FALLBACK).scenario, 8)
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    # 96 is not a multiple of 64: vLLM pads that layer's page.
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(_groups_with(base, (fa, 64, None), (fa, 192, None), (swa, 96, 128)))
+    assert str(info.value) == (
+        "groups of block sizes [64, 96, 192]: vLLM grows a layer's block by the ratio of the "
+        "largest page to its page only when that ratio is an integer, else pads the page "
+        "(vllm/v1/core/kv_cache_utils.py, unify_kv_cache_spec_page_size); kvfuzz builds "
+        "blocks that are multiples of the smallest, up to 64 KV heads"
+    )
+    # Ratios 1, 5, 7: 35 KV heads; 1, 9, 11: 99, above 64.
+    engine_plan(_groups_with(base, (fa, 32, None), (fa, 160, None), (swa, 224, 256)))
+    with pytest.raises(EngineUnsupported, match=r"up to 64 KV heads$"):
+        engine_plan(_groups_with(base, (fa, 32, None), (fa, 288, None), (swa, 352, 512)))
+    # No full-attention group: the Gemma 4 model's last layer is one.
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(_groups_with(base, (swa, 32, 128), (swa, 64, 128)))
+    assert str(info.value).startswith(
+        "sliding_window groups of block sizes [32, 64] without a full-attention group: the "
+        "tiny Gemma 4 model's last layer is full attention (Gemma4TextConfig, "
+        "transformers/models/gemma4/configuration_gemma4.py)"
+    )
+
+
+def test_the_worker_writes_a_gemma4_model_with_kv_heads_per_layer(tmp_path: Path) -> None:
+    import json
+
+    from differential.driver.engine_worker import engine_arguments
+
+    plan = engine_plan(scaled(load_entry(GEMMA4_FALLBACK).scenario, 8))
+    kwargs = engine_arguments(plan, tmp_path)
+    target = json.loads((Path(kwargs["model"]) / "config.json").read_text())
+    assert (target["architectures"], target["model_type"]) == (
+        ["Gemma4ForCausalLM"],
+        "gemma4_text",
+    )
+    # EAGLE-3 reads three distinct layers: the three-layer pattern twice.
+    assert target["layer_types"] == ["full_attention", "sliding_attention", "full_attention"] * 2
+    assert {i: c["num_key_value_heads"] for i, c in target["per_layer_config"].items()} == {
+        "0": 1,
+        "1": 2,
+        "2": 2,
+        "3": 1,
+        "4": 2,
+        "5": 2,
+    }
+    assert {c["head_dim"] for c in target["per_layer_config"].values()} == {32}
+    assert (target["num_attention_heads"], target["sliding_window"]) == (2, 128)
+    # Dense, no per-layer inputs, no shared KV, causal (no window conversion).
+    assert (target["enable_moe_block"], target["hidden_size_per_layer_input"]) == (False, 0)
+    assert (target["num_kv_shared_layers"], target["use_bidirectional_attention"]) == (0, None)
+    assert kwargs["block_size"] == 32
+    draft = kwargs["speculative_config"]
+    assert (draft["method"], draft["num_speculative_tokens"]) == ("eagle3", 3)
+    draft_config = json.loads((Path(draft["model"]) / "config.json").read_text())
+    assert draft_config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert (draft_config["num_key_value_heads"], draft_config["head_dim"]) == (2, 32)
+
+
+def test_several_windows_of_one_block_size_plan_a_plamo3_model_with_a_window_per_layer(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from differential.driver.engine_worker import engine_arguments
+
+    base = load_entry(GEMMA4_FALLBACK).scenario
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    scenario = scaled(_groups_with(base, (fa, 4, None), (swa, 4, 16), (swa, 4, 8)), 8)
+    plan = engine_plan(scenario)
+    engine = plan["engine"]
+    assert (engine["architecture"], engine["block_size"]) == ("plamo3", 32)
+    assert engine["sliding_windows"] == [None, 128, 64]
+    assert [(g["spec"], g["sliding_window"]) for g in engine["groups"]] == [
+        ("FullAttentionSpec", None),
+        ("SlidingWindowSpec", 128),
+        ("SlidingWindowSpec", 64),
+    ]
+    target = json.loads(
+        (Path(engine_arguments(plan, tmp_path)["model"]) / "config.json").read_text()
+    )
+    assert target["architectures"] == ["Plamo3ForCausalLM"]
+    # EAGLE-3: the three-layer pattern twice.
+    assert target["interleaved_sliding_window"] == [None, 128, 64] * 2
+    assert target["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"] * 2
+
+
+def test_several_windows_the_tiny_models_cannot_give_are_unsupported_naming_why() -> None:
+    base = load_entry(GEMMA4_FALLBACK).scenario
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    # Windows 8 and 16 beside blocks 4 and 8.
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(scaled(_groups_with(base, (fa, 8, None), (swa, 4, 16), (swa, 4, 8)), 8))
+    assert str(info.value) == (
+        "sliding windows [64, 128] beside groups of block sizes [32, 64]: the tiny model with "
+        "a window per layer, Plamo 3 (vllm/model_executor/models/plamo3.py: "
+        "config.interleaved_sliding_window), gives every layer one KV shape "
+        "(config.num_key_value_heads), and those with KV heads per layer kind or per layer read "
+        "one window per model (mimo_v2.py: config.sliding_window_size; gemma4.py, "
+        "Gemma4Attention: config.sliding_window)"
+    )
+    # An EAGLE-3 draft layer is full attention: a group two sliding windows lack.
+    with pytest.raises(EngineUnsupported, match=r"^drafter 'eagle3' beside sliding-window groups"):
+        engine_plan(scaled(_groups_with(base, (swa, 4, 16), (swa, 4, 8)), 8))
+    no_drafter = dataclasses.replace(
+        base,
+        drafter=dataclasses.replace(base.drafter, kind=DrafterKind.NONE, num_speculative_tokens=0),
+    )
+    engine = engine_plan(scaled(_groups_with(no_drafter, (swa, 4, 16), (swa, 4, 8)), 8))["engine"]
+    assert (engine["architecture"], engine["sliding_windows"]) == ("plamo3", [128, 64])
