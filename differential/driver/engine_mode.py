@@ -852,16 +852,10 @@ def observation(
     ``engine``): per request ``num_cached_tokens`` as the hit, the junction
     ``get_computed_blocks`` reported, the step of its last lookup, the rank
     of that step (``lookup_order``) and the step it finished at; per-group hits are not exposed by
-    the engine and repeat the hit. A run that crashed (``error``) observes no
-    request, as the drivers' crashed runs."""
+    the engine and repeat the hit."""
     groups = len(scenario.kv_cache_groups)
     info = raw.get("engine", {})
     rows = sorted(raw.get("requests", []), key=lambda r: r["index"])
-    if raw.get("error"):
-        # A crashed run observes no request, as kvfuzz's drivers report one
-        # (its crash finding then names request 0 on the engine as there);
-        # the requests it served stay in the worker's reply.
-        rows = []
     order = {
         r["index"]: rank
         for rank, r in enumerate(sorted(rows, key=lambda r: (r["lookup_step"], r["index"])))
