@@ -615,6 +615,15 @@ def _refuse_workload(scenario: Scenario) -> None:
         )
 
 
+_DRAFTER_BESIDE_MAMBA = (
+    "a drafter beside Mamba groups: the CPU engine starts but fails its first step: "
+    "vllm/v1/worker/gpu_model_runner.py makes a MambaSpecDecodeGPUContext whenever a "
+    "speculative config meets a hybrid model, and vllm/v1/worker/mamba_utils.py "
+    "preprocess_mamba -> run_fused_precopy launches the Triton kernel "
+    "precopy_mamba_align_fused_kernel, which the CPU build does not have"
+)
+
+
 def _engine_arguments(
     scenario: Scenario,
     kinds: set[GroupKind],
@@ -649,7 +658,7 @@ def _engine_arguments(
                 "so no state is kept inside a step): see mamba_steps()"
             )
         if drafter is not DrafterKind.NONE:
-            raise EngineUnsupported("a drafter beside Mamba groups: no tiny NemotronH drafter")
+            raise EngineUnsupported(_DRAFTER_BESIDE_MAMBA)
         pattern = "".join("M" if g.kind is GroupKind.MAMBA else "*" for g in groups)
         if GroupKind.SLIDING_WINDOW in kinds:
             raise EngineUnsupported("sliding windows beside Mamba groups: NemotronH has none")
