@@ -92,6 +92,13 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         f.summary() for f in replay.findings if f.kind is FindingKind.WRONG_OUTPUT
     ]
     row["notes"] = list(replay.engine.notes)
+    row["engine_start_s"] = [
+        (raw.get("engine") or {}).get("start_s")
+        for raw in (replay.engine.raw, replay.engine.raw_off)
+        if raw
+    ]
+    if replay.engine.off_run is not None and replay.engine.off_run.error:
+        row["cache_off_error"] = replay.engine.off_run.error
     if args.breakage:
         row["broken_requests"] = replay.engine.raw.get("broken", [])
     if args.no_release:
@@ -111,6 +118,27 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     row["driver_mismatch"] = [f.summary() for f in driver_mismatches(run, runs)]
     row["status"] = "mismatch" if row["driver_mismatch"] else "match"
     return row
+
+
+def _engine_key(path: Path) -> str:
+    """The engine arguments ``path``'s cache-on plan asks for (empty when the
+    engine cannot run it): the order in which the benchmark runs the files."""
+    from differential.corpus import load_entry
+    from differential.driver.engine_mode import (
+        engine_plan,
+        file_geometry,
+        geometry_scale,
+        mamba_steps,
+        scaled,
+    )
+
+    try:
+        scenario = load_entry(path).scenario
+        factor = geometry_scale(scenario) if file_geometry(path) == "scale" else 1
+        plan = engine_plan(mamba_steps(scaled(scenario, factor)))
+    except Exception:  # unsupported or unreadable: its row says why
+        return ""
+    return json.dumps(plan["engine"], sort_keys=True)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -156,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine_fidelity: {exc}", file=sys.stderr)
         return 2
     paths = args.paths or [ROOT / "corpora", ROOT / "known-issues"]
-    files = list(iter_scenario_files(paths))
-    rows = []
+    files = [Path(p) for p in iter_scenario_files(paths)]
+    started = time.perf_counter()
+    by_file: dict[Path, dict[str, Any]] = {}
     try:
-        for index, path in enumerate(files, 1):
-            row = _row(Path(path), args)
-            rows.append(row)
+        # Scenarios with the same engine arguments run one after the other,
+        # so the worker reuses their engines (cache on and off).
+        for index, path in enumerate(sorted(files, key=_engine_key), 1):
+            row = by_file[path] = _row(path, args)
             print(
                 f"[{index}/{len(files)}] {row['file']}: {row['status']}",
                 file=sys.stderr,
@@ -169,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         shutdown_engine()
+    rows = [by_file[path] for path in files]
+    wall_s = time.perf_counter() - started
     ran = [r for r in rows if "engine_hits" in r]
     matched = [r for r in ran if r["status"] == "match"]
     wrong = [r for r in ran if r.get("wrong_output")]
@@ -180,6 +212,16 @@ def main(argv: list[str] | None = None) -> int:
         f"drivers on release:0.32.0, {len(mismatched)} mismatch, "
         f"{len(wrong)} with wrong-output"
     )
+    starts = [s for r in ran for s in r.get("engine_start_s", []) if s is not None]
+    built = [s for s in starts if s > 0]
+    print(
+        f"{wall_s:.0f} s in all; {len(built)} engine(s) built ({sum(built):.0f} s of start-up), "
+        f"{len(starts) - len(built)} run(s) on a reused engine"
+    )
+    for r in ran:
+        if r.get("cache_off_error"):
+            why = r["cache_off_error"]
+            print(f"  cache-off run failed, outputs not compared: {r['file']}: {why}")
     reasons: dict[str, int] = {}
     for r in rows:
         if "engine_hits" not in r:

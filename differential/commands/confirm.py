@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from differential.commands.options import (
     EXIT_CLEAN,
@@ -34,6 +34,9 @@ from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RunObservation
 from differential.scenario import Scenario
 from differential.variant import Variant
+
+if TYPE_CHECKING:
+    from differential.driver.engine_mode import EngineResult
 
 __all__ = [
     "EngineReplay",
@@ -86,6 +89,30 @@ def _recorded_engine_hits(path: Path) -> tuple[int, ...] | None:
     return tuple(hits) if isinstance(hits, list) else None
 
 
+def _cache_off_notice(outcome: EngineResult) -> str:
+    """The report's line on the prefix-cache-off run: its hits and the largest
+    logprob difference, or, when it failed or left requests unserved, that the
+    sampled tokens of those requests were not compared (never "compared")."""
+    from differential.variants.engine import LOGPROB_TOLERANCE, max_logprob_difference
+
+    off = outcome.off_run
+    assert off is not None
+    if off.error is not None:
+        return (
+            f"engine, prefix cache off: the run failed ({off.error}); sampled tokens NOT "
+            "compared (no wrong-output check for this scenario)"
+        )
+    served = {r.index for r in off.requests}
+    missing = sorted({r.index for r in outcome.run.requests} - served)
+    unserved = f"; requests {missing} not served, not compared" if missing else ""
+    return (
+        f"engine, prefix cache off: hits {list(off.hits)}; sampled tokens compared, "
+        f"largest logprob difference {max_logprob_difference(outcome):.1e} "
+        f"(tolerance {LOGPROB_TOLERANCE:g})"
+        f"{unserved}"
+    )
+
+
 def engine_replay(
     entry: CorpusEntry,
     policy: Policy,
@@ -118,11 +145,9 @@ def engine_replay(
     from differential.compare import ScenarioResult, VariantResult
     from differential.driver.engine_mode import file_geometry
     from differential.variants.engine import (
-        LOGPROB_TOLERANCE,
         engine_run_name,
         engine_variant,
         judge,
-        max_logprob_difference,
         run_engine,
     )
 
@@ -150,11 +175,7 @@ def engine_replay(
     if outcome.run.unsupported is not None:
         notices.append(f"engine: unsupported: {outcome.run.unsupported}")
     if outcome.off_run is not None:
-        notices.append(
-            f"engine, prefix cache off: hits {list(outcome.off_run.hits)}; sampled tokens "
-            f"compared, largest logprob difference {max_logprob_difference(outcome):.1e} "
-            f"(tolerance {LOGPROB_TOLERANCE:g})"
-        )
+        notices.append(_cache_off_notice(outcome))
     result = ScenarioResult(
         scenario=outcome.scenario,
         source=str(entry.path),
@@ -447,6 +468,11 @@ def _release_findings(
     return judge_run(judged, run, policy)[1]
 
 
+#: What a stall's crash says, in every driving mode and on the engine: vLLM's
+#: Scheduler scheduled no token for many steps with requests unfinished.
+STALL_WORDS = "scheduled nothing for"
+
+
 def driver_mismatches(engine: RunObservation, runs: dict[str, RunObservation]) -> list[Finding]:
     """A ``driver-mismatch`` per driving mode whose hits differ from the engine's:
     both hit lists and the first request where they part."""
@@ -454,6 +480,8 @@ def driver_mismatches(engine: RunObservation, runs: dict[str, RunObservation]) -
     for mode, run in runs.items():
         if run.unsupported is not None or engine.unsupported is not None:
             continue
+        if mode == "manager" and STALL_WORDS in (engine.error or ""):
+            continue  # a stall of vLLM's Scheduler, which manager mode does not run
         if run.hits == engine.hits:
             continue
         first = next(
@@ -620,14 +648,29 @@ def release_judged(
 _SCHEDULER_RULES = (FindingKind.EVICTION_COLLAPSE, FindingKind.MODE_MISMATCH)
 
 
-def _manager_judged(claims: set[str]) -> set[str]:
-    """The claimed tags manager mode judges: all but those of scheduler-mode rules."""
-    return {c for c in claims if c.split("@")[0] not in {k.value for k in _SCHEDULER_RULES}}
+def _manager_judged(claims: set[str], stall: bool = False) -> set[str]:
+    """The claimed tags manager mode judges: all but those of scheduler-mode
+    rules, and no crash when the engine's run was a stall (vLLM's Scheduler
+    scheduling nothing for good: manager mode runs no Scheduler)."""
+    scheduler_only = {k.value for k in _SCHEDULER_RULES}
+    if stall:
+        scheduler_only.add(FindingKind.CRASH.value)
+    return {c for c in claims if c.split("@")[0] not in scheduler_only}
 
 
 def _shows(claims: set[str], tags: set[str]) -> bool:
     """Whether findings ``tags`` show what the file records: every claimed tag,
-    or, for a file that records no finding, none at all."""
+    or, for a file that records no finding, none at all. A crash is compared
+    without its request: its index is the number of requests a run observed
+    before it, which differs between the engine and the driving modes (a
+    scheduler-mode run that crashes observes none; the engine and manager
+    mode observe those they served)."""
+
+    def crash_as_one(tags: set[str]) -> set[str]:
+        crash = FindingKind.CRASH.value
+        return {crash if t.split("@")[0] == crash else t for t in tags}
+
+    claims, tags = crash_as_one(claims), crash_as_one(tags)
     return claims <= tags if claims else not tags
 
 
@@ -716,7 +759,8 @@ def _release_verdict(
         if r.unsupported is not None:
             continue
         ran.append(mode)
-        judged_here = claims if mode == "scheduler" else _manager_judged(claims)
+        stall = STALL_WORDS in (outcome.run.error or "")
+        judged_here = claims if mode == "scheduler" else _manager_judged(claims, stall)
         if claims and not judged_here:
             say(f"{name}: release:{version} {mode} mode does not judge {', '.join(sorted(claims))}")
         elif _shows(judged_here, tags) != confirmed:
@@ -860,6 +904,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutdown_engine()
     count = {v: sum(1 for f in verdicts if f["verdict"] == v) for v in _VERDICTS}
+    say(
+        f"{len(verdicts)} file(s): {count[CONFIRMED]} confirmed, {count[NOT_REPRODUCED]} "
+        f"not reproduced, {count[NOT_RUN]} not run on the engine"
+    )
     code = (
         EXIT_USAGE
         if count[NOT_RUN] == len(verdicts)

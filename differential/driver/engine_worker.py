@@ -38,7 +38,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import itertools
 import json
+import math
 import os
 import shutil
 import sys
@@ -58,6 +60,10 @@ from differential.driver.protocol import (
 from differential.stale import remove_stale
 
 _MAX_ENGINES = 2
+
+#: Steps in a row that schedule no token, with requests unfinished, after
+#: which a run is a stall (the scheduler-mode driver's limit).
+_MAX_IDLE_STEPS = 64
 
 #: The engine's own settings, before vLLM is imported.
 _ENV = {
@@ -152,6 +158,94 @@ def _mimo_v2_config(
         "max_position_embeddings": 65536,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def _llama4_config(layer_types: list[str], attention_chunk_size: int) -> dict[str, Any]:
+    """A tiny dense Llama-4 text model (vllm/model_executor/models/llama4.py,
+    ``Llama4ForCausalLM``; vocab 1024, hidden 64, head dim 32, one KV head):
+    one layer per entry of ``layer_types``, a ``chunked_attention`` layer
+    using RoPE and ``ChunkedLocalAttention`` of ``attention_chunk_size``
+    tokens, a ``full_attention`` layer NoPE and full attention
+    (``no_rope_layers`` 1 / 0), no MoE layer (``interleave_moe_layer_step``
+    above the layer count)."""
+    config = _llama_config(["full_attention"] * len(layer_types), None)
+    config.update(
+        architectures=["Llama4ForCausalLM"],
+        model_type="llama4_text",
+        intermediate_size_mlp=128,
+        attention_chunk_size=attention_chunk_size,
+        no_rope_layers=[int(t == "chunked_attention") for t in layer_types],
+        interleave_moe_layer_step=len(layer_types) + 1,
+        moe_layers=[],
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+    )
+    return config
+
+
+def _plamo3_config(layer_types: list[str], windows: list[int | None]) -> dict[str, Any]:
+    """A tiny Plamo 3 (vllm/model_executor/models/plamo3.py) on the tiny Llama's
+    shape (:func:`_llama_config`): layer ``i`` of type ``layer_types[i]``
+    with sliding window ``windows[i]`` tokens (``None`` on full-attention
+    layers), which vLLM's ``Plamo3AttentionMixer`` reads from
+    ``config.interleaved_sliding_window``; the sliding layers' RoPE base is
+    ``rope_local_theta``."""
+    config = _llama_config(layer_types, None)
+    config["architectures"] = ["Plamo3ForCausalLM"]
+    config["interleaved_sliding_window"] = windows
+    config["rope_local_theta"] = 10000.0
+    return config
+
+
+def _gemma4_config(
+    layer_types: list[str], sliding_window: int, kv_heads: list[int]
+) -> dict[str, Any]:
+    """A tiny dense Gemma 4 (vllm/model_executor/models/gemma4.py): one layer per
+    entry of ``layer_types`` (window ``sliding_window`` tokens on
+    ``sliding_attention`` layers; the last must be ``full_attention``, which
+    ``Gemma4TextConfig`` forces), head size 32 on every layer, ``kv_heads[i]``
+    KV heads on layer ``i`` through ``per_layer_config`` (which
+    ``Gemma4DecoderLayer`` reads), as many query heads as the least common
+    multiple of them (at least two), no MoE block, no per-layer inputs, no
+    KV-shared layers, no bidirectional attention (which would halve the
+    window). One head size keeps vLLM's CPU attention backend
+    (vllm/model_executor/models/config.py, ``Gemma4Config`` picks another
+    backend for mixed head sizes); layers with fewer KV bytes per token get a
+    proportionally larger block from vLLM's planner."""
+    per_layer = {str(i): {"head_dim": 32, "num_key_value_heads": h} for i, h in enumerate(kv_heads)}
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    return {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": _VOCAB,
+        "vocab_size_per_layer_input": _VOCAB,
+        "hidden_size": 64,
+        "hidden_size_per_layer_input": 0,
+        "intermediate_size": 128,
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": max(2, math.lcm(*kv_heads)),
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "per_layer_config": per_layer,
+        "layer_types": layer_types,
+        "sliding_window": sliding_window,
+        "use_bidirectional_attention": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"sliding_attention": rope, "full_attention": dict(rope)},
+        "attention_k_eq_v": False,
+        "num_kv_shared_layers": 0,
+        "enable_moe_block": False,
+        "final_logit_softcapping": None,
+        "max_position_embeddings": 65536,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "pad_token_id": 0,
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
@@ -252,21 +346,25 @@ def _mimo_config(
     return config
 
 
-def _target(engine: dict[str, Any]) -> tuple[dict[str, Any], int]:
+def _target_model(engine: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The tiny target's ``config.json`` for a plan's ``engine`` block and the KV
-    heads of its full-attention layers (an EAGLE draft layer's).
+    heads an EAGLE draft layer gets to join the full-attention group with the
+    smallest block (see :func:`engine_arguments`). The plan gives every
+    layer: an EAGLE-3 target already has at least four (three distinct
+    auxiliary layers), and the layers are balanced so that the drafter's join
+    the planned groups (``_balanced_layers`` in
+    differential/driver/engine_mode.py).
 
     Raises:
         PlanError: an architecture this worker does not build.
     """
     arch = engine["architecture"]
     drafter = engine.get("drafter") or {}
+    layer_types = list(engine.get("layer_types") or [])
     if arch == "llama":
-        return _llama_config(list(engine["layer_types"]), engine.get("sliding_window")), 1
+        return _llama_config(layer_types, engine.get("sliding_window")), 1
     if arch == "mimo_v2":
-        target = _mimo_v2_config(
-            list(engine["layer_types"]), engine["sliding_window"], engine["kv_heads"]
-        )
+        target = _mimo_v2_config(layer_types, engine["sliding_window"], engine["kv_heads"])
         if drafter.get("method") == "mtp":
             # One MTP layer (vllm/model_executor/models/mimo_v2_mtp.py), a
             # sliding-window layer with the sliding-window heads.
@@ -274,7 +372,15 @@ def _target(engine: dict[str, Any]) -> tuple[dict[str, Any], int]:
         return target, int(engine["kv_heads"]["full_attention"])
     if arch == "mimo":
         modules = int(drafter.get("modules", 1))
-        return _mimo_config(list(engine["layer_types"]), engine["sliding_window"], modules), 1
+        return _mimo_config(layer_types, engine["sliding_window"], modules), 1
+    if arch == "gemma4":
+        kv_heads = [int(h) for h in engine["kv_heads"]]
+        target = _gemma4_config(layer_types, engine["sliding_window"], kv_heads)
+        return target, int(engine["draft_kv_heads"])
+    if arch == "plamo3":
+        return _plamo3_config(layer_types, list(engine["sliding_windows"])), 1
+    if arch == "llama4":
+        return _llama4_config(layer_types, engine["attention_chunk_size"]), 1
     if arch == "nemotron_h":
         return _nemotron_h_config(engine["pattern"]), 1
     raise PlanError(f"no tiny model for architecture {arch!r}")
@@ -318,12 +424,16 @@ def _speculative_config(
 def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The ``vllm.LLM(...)`` keyword arguments for a plan's ``engine`` block.
 
-    The block: ``architecture`` (``llama``, ``mimo_v2``, ``mimo`` or
-    ``nemotron_h``), ``layer_types`` (Llama, MiMo-V2-Flash, MiMo:
-    ``sliding_attention`` / ``full_attention`` per layer) or ``pattern``
-    (NemotronH), ``sliding_window`` (tokens), ``kv_heads`` (MiMo-V2-Flash: KV
-    heads per layer type), ``groups`` and ``hash_block_size`` (the groups and
-    hash block vLLM must make, checked by :func:`_check_groups`),
+    The block: ``architecture`` (``llama``, ``mimo_v2``, ``mimo``, ``gemma4``,
+    ``plamo3``, ``llama4`` or ``nemotron_h``), ``layer_types`` (every
+    architecture but NemotronH: ``sliding_attention`` / ``full_attention``, or
+    Llama-4's ``chunked_attention``, per layer) or ``pattern`` (NemotronH),
+    ``sliding_window`` (tokens), ``sliding_windows`` (Plamo 3: per layer,
+    tokens or null), ``attention_chunk_size`` (Llama-4, tokens), ``kv_heads``
+    (MiMo-V2-Flash: KV heads per layer type; Gemma 4: per layer) and
+    ``draft_kv_heads`` (Gemma 4: the EAGLE draft layer's), ``groups`` and
+    ``hash_block_size`` (the groups and hash block vLLM must make, checked by
+    :func:`_check_groups`),
     ``block_size`` (tokens), ``retention`` (``prefix_cache_retention_interval``; absent:
     vLLM's default), ``prefix_match_unit`` (tokens or null), ``drafter``
     (null or ``{"method": "eagle"|"eagle3"|"mtp"|"ngram", "num_speculative_tokens": n,
@@ -335,7 +445,7 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
         PlanError: an architecture or drafter this worker does not build.
     """
     engine = plan["engine"]
-    target, draft_kv_heads = _target(engine)
+    target, draft_kv_heads = _target_model(engine)
     kwargs: dict[str, Any] = {
         "model": _write_model(folder, target),
         "load_format": "dummy",
@@ -357,6 +467,7 @@ def engine_arguments(plan: dict[str, Any], folder: Path) -> dict[str, Any]:
         kwargs["max_num_batched_tokens"] = engine["max_num_batched_tokens"]
     if engine.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = engine["num_gpu_blocks_override"]
+    kwargs.update(_kv_events_arguments(plan))
     drafter = engine.get("drafter")
     if drafter:
         kwargs["speculative_config"] = _speculative_config(drafter, engine, folder, draft_kv_heads)
@@ -377,6 +488,11 @@ def _redraw_weights(model: Any) -> None:
     (embeddings N(0, 1), the LM head N(0, 9/fan_in): peaked distributions),
     norm weights 1, other vectors 0; Mamba's ``A_log``, ``D``, ``dt_bias``
     and convolution weights keep their dummy values (a stable recurrence).
+    The dummy loader also draws persistent buffers: Gemma 4's ``layer_scalar``
+    (a checkpoint value each decoder layer's output is multiplied by,
+    ``torch.ones(1)`` in vllm/model_executor/models/gemma4.py) is set back to
+    1. Gemma 4's ``v_norm`` has no weight, and its ``q_norm``, ``k_norm`` and
+    four layer norms multiply by their weight (``RMSNorm``), so 1 is neutral.
     It runs inside the loader, before ``process_weights_after_loading``
     repacks the weights for the CPU kernels. The same model class and
     parameter names give the same weights in every engine.
@@ -404,6 +520,9 @@ def _redraw_weights(model: Any) -> None:
             else:
                 values = torch.zeros(param.shape)
             param.data.copy_(values.to(param.dtype))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.fill_(1.0)
 
 
 def _install_weight_redraw() -> None:
@@ -461,7 +580,7 @@ class _Engines:
         started = time.perf_counter()
         _install_weight_redraw()
         try:
-            llm = LLM(**kwargs)
+            llm = LLM(**_with_event_publisher(kwargs))
         except Exception as exc:
             if self.created:
                 # vLLM's CPU platform re-registers its kernel overrides for every
@@ -473,6 +592,189 @@ class _Engines:
         elapsed = time.perf_counter() - started
         self.engines[key] = llm
         return llm, elapsed
+
+
+# ------------------------------------------------------------- KV cache events
+
+#: Seconds to wait for a batch the scheduler handed its publisher to arrive
+#: on the subscriber socket.
+_EVENT_WAIT_S = 10.0
+
+_endpoints = itertools.count()
+
+
+def _kv_events_arguments(plan: dict[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for the plan's ``kv_events``
+    (``"off"``/absent, ``"incremental"`` or ``"full"``): KV cache events on,
+    published by vLLM's ZMQ publisher (vllm/distributed/kv_events.py,
+    ``ZmqEventPublisher``); :func:`_with_event_publisher` gives each engine
+    its own endpoint."""
+    if plan.get("kv_events", "off") == "off":
+        return {}
+    return {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq"}}
+
+
+def _with_event_publisher(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with its ``kv_events_config`` (a dict) made vLLM's
+    ``KVEventsConfig`` (vllm/config/kv_events.py) on an in-process endpoint of
+    its own (``inproc://``: the engine runs in this process, and vLLM's
+    publisher binds its PUB socket in the process-wide ZMQ context), so that
+    engines of this worker never share one; ``kwargs`` itself is unchanged
+    (it keys the engine)."""
+    config = kwargs.get("kv_events_config")
+    if config is None:
+        return kwargs
+    from vllm.config import KVEventsConfig
+
+    endpoint = f"inproc://kvfuzz-kv-events-{os.getpid()}-{next(_endpoints)}"
+    return {**kwargs, "kv_events_config": KVEventsConfig(**config, endpoint=endpoint)}
+
+
+class _EventStream:
+    """A run's KV cache events as the engine publishes them, judged beside
+    the prefix cache (:class:`differential.driver.kv_events.EventRecorder`).
+
+    The scheduler drains its ``KVCacheManager``'s event queue once per step
+    and hands the batch to its publisher (``Scheduler.update_from_output``,
+    vllm/v1/core/sched/scheduler.py), whose thread sends it, msgpack-encoded
+    with a sequence number, on its PUB socket (``ZmqEventPublisher``,
+    vllm/distributed/kv_events.py). A SUB socket on that endpoint receives
+    every batch of the run; after each engine step the batches that step
+    published (counted at the publisher's ``publish``) are received, decoded
+    as a router decodes them (``KVEventBatch``) and recorded as that step's
+    drain, with the lookups made since the last one (and the events each
+    emitted: the queue's span, for ``kv_cache_report_mode`` ``"full"``) and
+    the cache's changes. A batch missing after :data:`_EVENT_WAIT_S` seconds,
+    or a gap in the sequence numbers, is an error of the run.
+
+    A reused engine's ``LLM.reset_prefix_cache()`` (the worker's, between
+    plans) queues an ``AllBlocksCleared`` (``BlockPool.reset_prefix_cache``)
+    that the next step would publish with this run's first events: it is
+    taken off the queue before the run (:attr:`reset`) and not recorded, so
+    no plan's stream carries another's. The subscriber connects when the run
+    starts, after every batch of earlier runs was received.
+    """
+
+    def __init__(self, core: Any, report_mode: str, hash_block_size: int) -> None:
+        from differential.driver.kv_events import EventRecorder
+
+        scheduler = core.scheduler
+        self.manager = scheduler.kv_cache_manager
+        self.publisher = scheduler.kv_event_publisher
+        self.endpoint = scheduler.get_kv_event_publisher_config().endpoint
+        self.recorder = EventRecorder(self.manager, report_mode, hash_block_size)
+        self.requests: dict[int, Any] = {}
+        self.reset: list[str] = []
+        self.handed = 0  # batches handed to the publisher since the last drain
+        self.received: list[int] = []  # sequence numbers, in order
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._socket: Any = None
+
+    def __enter__(self) -> _EventStream:
+        import zmq
+
+        self.reset = [type(e).__name__ for e in self.manager.take_events()]
+        # The publisher binds in the process-wide context; inproc needs the same.
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(self.endpoint)
+        manager, publisher, recorder = self.manager, self.publisher, self.recorder
+        lookup, publish = manager.get_computed_blocks, publisher.publish
+
+        def get_computed_blocks(request: Any) -> Any:
+            start = recorder.queue_length()
+            result = lookup(request)
+            index = _index(request.request_id)
+            self.requests.setdefault(index, request)
+            recorder.lookup(index, result[1], result[0], start)
+            return result
+
+        def counted(batch: Any) -> None:
+            publish(batch)
+            self.handed += 1
+
+        for obj, name, fn in (
+            (manager, "get_computed_blocks", get_computed_blocks),
+            (publisher, "publish", counted),
+        ):
+            # An instance attribute (another wrapper, _Instruments') is put back.
+            self._saved.append((obj, name, vars(obj).get(name)))
+            setattr(obj, name, fn)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for obj, name, below in reversed(self._saved):
+            if below is None:
+                delattr(obj, name)  # the class's method shows through again
+            else:
+                setattr(obj, name, below)
+        self._saved.clear()
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+    def drain(self, step: int) -> None:
+        """Receive the batches engine step ``step`` published and record them
+        as that step's drain.
+
+        Raises:
+            RuntimeError: a batch did not arrive, or sequence numbers skip.
+        """
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        events: list[Any] = []
+        for _ in range(self.handed):
+            if not self._socket.poll(int(_EVENT_WAIT_S * 1000)):
+                raise RuntimeError(
+                    f"KV cache events: a batch engine step {step} handed vLLM's ZMQ "
+                    f"publisher did not arrive at {self.endpoint} within {_EVENT_WAIT_S:g} s"
+                )
+            _topic, seq_bytes, payload = self._socket.recv_multipart(zmq.NOBLOCK)
+            seq = int.from_bytes(seq_bytes, "big")
+            if self.received and seq != self.received[-1] + 1:
+                raise RuntimeError(
+                    f"KV cache events: batch {seq} arrived after batch {self.received[-1]}"
+                )
+            self.received.append(seq)
+            events.extend(decoder.decode(payload).events)
+        self.handed = 0
+        self.recorder.drain(step, events)
+
+    def reply(self, prompts: list[list[int] | None], outputs: dict[int, Any]) -> dict[str, Any]:
+        """The run's ``kv_events`` block (:func:`run_plan`): the log
+        (:class:`~differential.observation.KVEventLog` as a dict, token ids the
+        engine's), each request's tokens (prompt, then sampled), the batches'
+        sequence numbers, what the reset queued, and the events left on the
+        queue unpublished."""
+        from types import SimpleNamespace
+
+        count = len(prompts)
+        made = [self.requests.get(i, SimpleNamespace(block_hashes=[])) for i in range(count)]
+        sequences = [
+            list(prompts[i] or [])
+            + (list(outputs[i].outputs[0].token_ids) if i in outputs else [])
+            for i in range(count)
+        ]
+        return {
+            "log": self.recorder.log(made).to_dict(),
+            "sequences": sequences,
+            "batches": list(self.received),
+            "reset": list(self.reset),
+            "unpublished": len(self.manager.block_pool.kv_event_queue),
+            "pending": bool(self._socket is not None and self._socket.poll(0)),
+        }
+
+
+def _event_stream(plan: dict[str, Any], core: Any, cache_config: Any) -> _EventStream | None:
+    """The run's :class:`_EventStream` when the plan turns KV cache events on."""
+    mode = plan.get("kv_events", "off")
+    if mode == "off":
+        return None
+    hash_block = getattr(cache_config, "hash_block_size", None) or cache_config.block_size
+    return _EventStream(core, mode, hash_block)
 
 
 # ----------------------------------------------------------------------- running
@@ -564,12 +866,19 @@ class _Instruments:
         self.evicted = 0
         self.broken: list[int] = []
         self.breakage = breakage
+        self.scheduled_tokens = 0  # in the last step
         self._saved: list[tuple[Any, str]] = []
 
     def __enter__(self) -> _Instruments:
-        manager, pool = self.manager, self.pool
+        manager, pool, scheduler = self.manager, self.pool, self.core.scheduler
         lookup = manager.get_computed_blocks
         evict = pool._maybe_evict_cached_block
+        schedule = scheduler.schedule
+
+        def scheduled(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            self.scheduled_tokens = int(out.total_num_scheduled_tokens)
+            return out
 
         def get_computed_blocks(request: Any) -> Any:
             blocks, hit, boundary = lookup(request)
@@ -586,6 +895,7 @@ class _Instruments:
         for obj, name, fn in (
             (manager, "get_computed_blocks", get_computed_blocks),
             (pool, "_maybe_evict_cached_block", maybe_evict),
+            (scheduler, "schedule", scheduled),
         ):
             self._saved.append((obj, name))
             setattr(obj, name, fn)
@@ -644,6 +954,11 @@ class _PlanRequests:
         self.finished_at: dict[int, int] = {}
         self.added: list[int] = []
         self.rows: dict[int, dict[str, Any]] = {}
+        self.idle_steps = 0  # steps in a row that scheduled no token
+        # kv_cache_report_mode "full" (vllm/v1/request.py reads it from extra_args).
+        full = plan.get("kv_events") == "full"
+        self.extra = {"extra_args": {"kv_cache_report_mode": "full"}} if full else {}
+        self.events: _EventStream | None = None
 
     def source_tokens(self, i: int) -> list[int] | None:
         """The tokens request ``i`` copies its first ``divergence`` tokens
@@ -677,7 +992,11 @@ class _PlanRequests:
         ]
         shared = max((_common_prefix(prompt, e) for e in earlier), default=0)
         params = self.sampling_params(
-            max_tokens=specs[i]["max_tokens"], temperature=0.0, ignore_eos=True, logprobs=2
+            max_tokens=specs[i]["max_tokens"],
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=2,
+            **self.extra,
         )
         self.engine.add_request(
             f"{self.run_id}-{i}", self.tokens_prompt(prompt_token_ids=prompt), params
@@ -691,12 +1010,31 @@ class _PlanRequests:
         }
 
     def step(self) -> None:
-        """One engine step; keeps the outputs of the requests it finished."""
+        """One engine step; keeps the outputs of the requests it finished.
+
+        Raises:
+            RuntimeError: the scheduler scheduled no token for
+                :data:`_MAX_IDLE_STEPS` steps in a row with requests
+                unfinished (vLLM's scheduler leaves them waiting for good:
+                an engine would hang), as kvfuzz's scheduler-mode driver
+                reports it.
+        """
+        self.instruments.scheduled_tokens = 0
         for out in self.engine.step():
             if out.finished:
                 self.outputs[_index(out.request_id)] = out
                 self.finished_at[_index(out.request_id)] = self.instruments.step
+        if self.events is not None:
+            self.events.drain(self.instruments.step)
         self.instruments.step += 1
+        busy = self.instruments.scheduled_tokens or not self.engine.has_unfinished_requests()
+        self.idle_steps = 0 if busy else self.idle_steps + 1
+        if self.idle_steps >= _MAX_IDLE_STEPS:
+            waiting = len(self.added) - len(self.outputs)
+            raise RuntimeError(
+                f"Scheduler.schedule scheduled nothing for {_MAX_IDLE_STEPS} steps with "
+                f"{waiting} request(s) unfinished"
+            )
 
     def serve(self) -> None:
         """Serve every request: one after another when no request has an
@@ -806,8 +1144,11 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
     engine step it is added at, null for after the previous request
     finished; ``max_tokens``), ``shares_output`` (a request with a source
     copies the source's prompt followed by its sampled tokens),
-    ``breakage`` (null, or ``"wrong-block"``: :meth:`_Instruments._wrong_block`)
-    and ``variant`` (null, or a variant's patch ``"module:function"``, such
+    ``breakage`` (null, or ``"wrong-block"``: :meth:`_Instruments._wrong_block`),
+    ``kv_events`` (``"off"``, or ``"incremental"`` / ``"full"``: KV cache
+    events on and every request's ``kv_cache_report_mode``, recorded by
+    :class:`_EventStream` off vLLM's ZMQ publisher) and ``variant`` (null,
+    or a variant's patch ``"module:function"``, such
     as ``"differential.driver.fixes:seed_pr_fix"``: the engine is built and
     run inside it, :func:`_variant_patches`; an engine is reused only under
     the same patch).
@@ -824,7 +1165,8 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
         runner_up_logprobs (the best other token's, or null)], "broken":
         request indices the breakage changed, "error": null or the engine's
         exception, "variant": {"patch": the plan's variant, "applied": the
-        replacements it installed, ``Owner.attribute``}}``.
+        replacements it installed, ``Owner.attribute``}, "kv_events": null
+        (events off) or :meth:`_EventStream.reply`}``.
 
     Raises:
         PlanError: the plan's variant patch cannot apply (an *unsupported* run).
@@ -921,7 +1263,9 @@ def _run_engine(
     started = time.perf_counter()
     instruments = _Instruments(core, plan.get("breakage"))
     requests = _PlanRequests(engine, plan, instruments)
-    with instruments:
+    requests.events = _event_stream(plan, core, engine.vllm_config.cache_config)
+    events: dict[str, Any] | None = None
+    with instruments, requests.events or contextlib.nullcontext():
         try:
             requests.serve()
         except Exception as exc:  # the engine raised: a crash of the run
@@ -930,6 +1274,8 @@ def _run_engine(
             # failed engine: the parent restarts this worker before the next plan.
             engines.engines.clear()
             gc.collect()
+        if requests.events is not None:
+            events = requests.events.reply(requests.prompts, requests.outputs)
     rows = requests.request_rows()
     return {
         "engine": _engine_report(engine, kwargs, start_s, started, instruments),
@@ -937,6 +1283,7 @@ def _run_engine(
         "broken": sorted(set(instruments.broken)),
         "error": error,
         "restart": error is not None,
+        "kv_events": events,
     }
 
 

@@ -43,9 +43,10 @@ NO_DRAFTER = CORPORA / "cases" / "engine-seed-class-nodrafter-swa64-fa32-r256.js
 UNSUPPORTED = CORPORA / "seeds" / "gemma4-mtp3-swa16-fa32-r8192.json"
 UNSUPPORTED_WHY = (
     "engine: drafter 'gemma4_mtp': the Gemma-4 assistant (Gemma4MTPModel, "
-    "vllm/model_executor/models/gemma4_mtp.py) reads its K/V from the target's KV cache, and "
-    "kvfuzz's engine mode builds no tiny Gemma-4 target (Gemma4ForCausalLM, "
-    "vllm/model_executor/models/gemma4.py)"
+    "vllm/model_executor/models/gemma4_mtp.py) is a draft checkpoint of its own (model_type "
+    "gemma4_assistant: Q-only decoder layers that read K/V from the target's KV cache), and "
+    "kvfuzz's engine mode builds no tiny assistant beside its tiny Gemma 4 target "
+    "(Gemma4ForCausalLM, vllm/model_executor/models/gemma4.py)"
 )
 # vLLM #48435 at blocks of 4 tokens: scaled x8 (blocks of 32) by default.
 COLLAPSE = ROOT / "known-issues" / "eviction-collapse-48435-pool130-dense.json"
@@ -359,6 +360,9 @@ def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixtu
         [0, 0, 0, 256],
     )
     assert (unsupported["verdict"], unsupported["reason"]) == ("not-run", UNSUPPORTED_WHY)
+    assert captured.err.splitlines()[-1] == (
+        "2 file(s): 1 confirmed, 0 not reproduced, 1 not run on the engine"
+    )
     # The lines go to stderr with --json.
     assert (
         f"{EAGLE}: confirmed on vLLM 0.32.0 engine: fallback@1, fallback@3 (engine hits "
@@ -372,7 +376,8 @@ def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["confirm", "--no-release", str(claimed)]) == 1
     assert capsys.readouterr().out.splitlines() == [
         f"{claimed}: not reproduced on the engine: fallback@2 (engine hits [0, 0, 0, 256]; "
-        "the engine's findings: fallback@1, fallback@3)"
+        "the engine's findings: fallback@1, fallback@3)",
+        "1 file(s): 0 confirmed, 1 not reproduced, 0 not run on the engine",
     ]
 
 
@@ -401,7 +406,9 @@ def test_confirm_confirms_the_48435_eviction_collapse(capsys: pytest.CaptureFixt
         f"{COLLAPSE}: confirmed on vLLM 0.32.0 engine: eviction-collapse@run (engine hits "
         f"{[0] * 12})" in lines
     )
-    assert not any("release difference" in line or "not reproduced" in line for line in lines)
+    # The last line is confirm's counts ("0 not reproduced"); no other names one.
+    assert lines[-1] == "1 file(s): 1 confirmed, 0 not reproduced, 0 not run on the engine"
+    assert not any("release difference" in line or "not reproduced" in line for line in lines[:-1])
     if "skipped" not in verdict["release"]:
         assert verdict["release"]["scheduler"]["findings"] == ["eviction-collapse@run"]
         assert verdict["release_verdict"].startswith("not a driver artefact")
@@ -634,3 +641,150 @@ def test_multi_module_mtp_on_full_attention_hits_as_the_release_drivers() -> Non
     release = _release_scheduler(outcome)
     assert release.hits == outcome.run.hits
     assert _drafter_settings(release) == _drafter_settings(outcome.run)
+
+
+MAMBA_PERIODIC = (
+    CORPORA / "regressions" / "mamba-scheduler-chunks-of-the-step-budget--periodic.json"
+)
+
+
+def test_a_mamba_scenario_with_retention_is_compared_with_the_cache_off_engine() -> None:
+    # Retention 4 scaled x32 is 128 tokens; vLLM refuses it for an engine
+    # without a prefix cache (its scheduler block is the model length), so
+    # the cache-off run once failed and no output was compared.
+    outcome = run_engine(load_entry(MAMBA_PERIODIC).scenario)
+    assert outcome.run.error is None and outcome.run.unsupported is None
+    assert outcome.off_run is not None and outcome.off_run.error is None
+    assert [r.index for r in outcome.off_run.requests] == [0, 1]
+    assert list(outcome.off_run.hits) == [0, 0]
+    assert wrong_outputs(outcome) == []
+
+
+def test_a_reused_engine_serves_what_a_fresh_one_serves() -> None:
+    # The worker keeps engines by their arguments and resets the prefix cache
+    # (LLM.reset_prefix_cache) before reusing one. The seed class on a fresh
+    # engine, then another scenario on the same engine, then the seed class
+    # again on the reused engine: the same hits, tokens and logprobs.
+    shutdown_engine()
+    seed = load_entry(EAGLE).scenario
+    fresh = run_engine(seed, cache_off=False)
+    sibling = dataclasses.replace(seed.requests[1], divergence_tokens=384)
+    other = dataclasses.replace(seed, requests=(seed.requests[0], sibling, *seed.requests[2:]))
+    between = run_engine(other, cache_off=False)
+    again = run_engine(seed, cache_off=False)
+    assert fresh.raw["engine"]["start_s"] > 0
+    assert between.raw["engine"]["start_s"] == 0 and again.raw["engine"]["start_s"] == 0
+    # Request 0 of the third run hits 0: nothing of the first two was left.
+    assert list(fresh.run.hits) == list(again.run.hits) == [0, 0, 0, 256]
+    assert between.run.error is None and len(between.run.hits) == 4
+    outputs = ["output_token_ids", "logprobs", "runner_up_logprobs"]
+    assert [[r[k] for k in outputs] for r in fresh.raw["requests"]] == [
+        [r[k] for k in outputs] for r in again.raw["requests"]
+    ]
+
+
+def test_the_padded_draft_stall_is_confirmed_on_the_engine() -> None:
+    # Blocks of 32, an n-gram drafter with one speculative token, a step
+    # budget of 1 token: the writer is served; the resent prompt hits 32 of
+    # its 33 tokens and its last token, padded to 2, never fits the budget.
+    path = ROOT / "known-issues" / "ngram-padded-draft-above-step-budget-stalls--block32.json"
+    outcome = run_engine(load_entry(path).scenario, geometry="exact", cache_off=False)
+    assert outcome.run.error is not None
+    assert outcome.run.error.endswith(
+        "Scheduler.schedule scheduled nothing for 64 steps with 1 request(s) unfinished"
+    )
+    assert list(outcome.run.hits) == [0]
+    _, findings = judge(outcome)
+    assert [(finding_tag(f), f.known_issue) for f in findings] == [
+        ("crash@1", "scheduler-stall-padded-draft-above-budget")
+    ]
+    # The file records crash@0, scheduler mode's tag (a run that crashes there
+    # observes no request): confirm compares a crash without its request.
+    from differential.cli import main
+
+    assert main(["confirm", "--no-release", str(path)]) == 0
+
+
+GEMMA4_FALLBACK = CORPORA / "cases" / "gemma4-eagle3-draft-group--fallback.json"
+
+
+def _release_agrees(outcome: EngineResult) -> None:
+    """kvfuzz's drivers on vLLM 0.32.0 (the engine's release) give the engine's
+    hits on the same scaled scenario, where that release's wheel is at hand."""
+    runs = release_runs(outcome.scenario)
+    if isinstance(runs, str):
+        assert "skipped" in runs, runs
+        return
+    assert runs["scheduler"].hits == outcome.run.hits
+    assert runs["manager"].hits == outcome.run.hits
+
+
+def test_two_full_attention_block_sizes_run_on_a_gemma4_model_as_the_drivers_do() -> None:
+    """corpora/cases/gemma4-eagle3-draft-group--fallback.json (FA 8, SWA 4 with
+    window 16, FA 4; EAGLE-3, retention 64) scaled x8: FA 64, SWA 32 (window
+    128), FA 32. The tiny Gemma 4 model (five layers, KV heads 1, 2, 2, 2, 1:
+    two per group with the EAGLE-3 draft layer, which joins the FA 32 group)
+    gets exactly those three groups from vLLM's planner, and the siblings hit
+    what the file records for vLLM x8 ([0, 128, 64, 248] -> [0, 1024, 512,
+    1984]), with the fallback findings it records: as kvfuzz's drivers on
+    vLLM 0.32.0 give."""
+    outcome = run_engine(load_entry(GEMMA4_FALLBACK).scenario, geometry="scale")
+    assert outcome.scale == 8
+    assert outcome.run.unsupported is None and outcome.run.error is None
+    assert _groups(outcome) == [
+        ("FullAttentionSpec", 64, None),
+        ("SlidingWindowSpec", 32, 128),
+        ("FullAttentionSpec", 32, None),
+    ]
+    assert [len(g["layers"]) for g in outcome.raw["engine"]["groups"]] == [2, 2, 2]
+    assert (outcome.raw["engine"]["block_size"], outcome.raw["engine"]["hash_block_size"]) == (
+        32,
+        32,
+    )
+    assert outcome.run.hits == (0, 1024, 512, 1984)
+    assert [r.shared_prefix_boundary_tokens for r in outcome.run.requests] == [0, 1472, 960, 0]
+    assert outcome.off_run is not None and outcome.off_run.hits == (0, 0, 0, 0)
+    assert wrong_outputs(outcome) == []
+    findings = judge(outcome)[1]
+    assert [(finding_tag(f), f.expected_tokens, f.hit_tokens) for f in findings] == [
+        ("fallback@1", 1472, 1024),
+        ("fallback@2", 960, 512),
+    ]
+    _release_agrees(outcome)
+
+
+def test_two_sliding_windows_run_on_a_plamo3_model_as_the_drivers_do() -> None:
+    """The same workload with FA 4, SWA 4 (window 16) and SWA 4 (window 8),
+    scaled x8: blocks of 32, windows 128 and 64, each on its own layer of a
+    tiny Plamo 3 model (``interleaved_sliding_window``), two layers per group
+    with the EAGLE-3 draft layer (which joins the full-attention group), so
+    vLLM's planner makes exactly the three groups. Under the EAGLE drop
+    the siblings hit [0, 1536, 512, 1536]: kvfuzz's drivers on vLLM 0.32.0
+    give the same hits."""
+    scenario = load_entry(GEMMA4_FALLBACK).scenario
+    full, swa = scenario.kv_cache_groups[0], scenario.kv_cache_groups[1]
+    windows = dataclasses.replace(
+        scenario,
+        kv_cache_groups=(
+            dataclasses.replace(full, block_size_tokens=4),
+            swa,
+            dataclasses.replace(swa, sliding_window_tokens=8),
+        ),
+    )
+    outcome = run_engine(windows, geometry="scale")
+    assert outcome.run.unsupported is None and outcome.run.error is None
+    assert _groups(outcome) == [
+        ("FullAttentionSpec", 32, None),
+        ("SlidingWindowSpec", 32, 128),
+        ("SlidingWindowSpec", 32, 64),
+    ]
+    assert [len(g["layers"]) for g in outcome.raw["engine"]["groups"]] == [2, 2, 2]
+    assert outcome.run.hits == (0, 1536, 512, 1536)
+    assert outcome.off_run is not None and outcome.off_run.hits == (0, 0, 0, 0)
+    assert wrong_outputs(outcome) == []
+    findings = judge(outcome)[1]
+    assert [(finding_tag(f), f.expected_tokens, f.hit_tokens) for f in findings] == [
+        ("fallback@2", 992, 512),
+        ("fallback@3", 2016, 1536),
+    ]
+    _release_agrees(outcome)

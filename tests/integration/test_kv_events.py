@@ -138,7 +138,7 @@ def test_an_exported_scheduler_test_sets_the_watermark(tmp_path) -> None:
     namespace["test_kvfuzz_watermark"](tmp_path)  # type: ignore[operator]
 
 
-def test_engine_mode_refuses_events_and_the_watermark_naming_why() -> None:
+def test_engine_mode_plans_events_and_refuses_the_watermark_naming_why() -> None:
     from differential.driver.engine_mode import EngineUnsupported, engine_plan
     from differential.scenario import (
         GroupKind,
@@ -155,8 +155,10 @@ def test_engine_mode_refuses_events_and_the_watermark_naming_why() -> None:
         shared_prefix_tokens=64,
     )
     events = dataclasses.replace(base, workload=Workload(kv_events=KVEvents.FULL))
-    with pytest.raises(EngineUnsupported, match=r"^workload\.kv_events: the engine publishes"):
-        engine_plan(events)
+    # The cache-on run subscribes to the engine's events; the cache-off run has none.
+    assert engine_plan(events)["kv_events"] == "full"
+    assert engine_plan(events, prefix_caching=False)["kv_events"] == "off"
+    assert engine_plan(base)["kv_events"] == "off"
     held = dataclasses.replace(
         base, workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=12, watermark=0.25)
     )

@@ -17,7 +17,7 @@ from differential.driver.engine_mode import (
     mamba_steps,
     scaled,
 )
-from differential.scenario import DrafterKind, GroupKind, Scenario
+from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, Scenario
 from tests.factories import CORPORA, ROOT
 
 
@@ -181,12 +181,12 @@ def test_block_sizes_the_cpu_engine_cannot_give_are_unsupported_naming_the_vllm_
     # Exact geometry: the smallest block is not a multiple of 32.
     with pytest.raises(EngineUnsupported, match=r"^block size 4: the CPU attention kernels"):
         engine_plan(load_entry(SEED_JUNCTION).scenario)
-    # Two full-attention groups of block sizes 1536 and 3456 (a draft group):
-    # every full-attention layer of the tiny model has one KV shape.
+    # Two full-attention groups of block sizes 1536 and 3456 (a draft group)
+    # and no other kind: vLLM puts them into one group of one block size.
     blowup = load_entry(ROOT / "known-issues" / "alignment-blowup-1536-3456.json").scenario
     with pytest.raises(
         EngineUnsupported,
-        match=r"^full_attention groups of block sizes \[1536, 3456\]: the tiny MiMo-V2-Flash model",
+        match=r"^full_attention groups of block sizes \[1536, 3456\] and no other kind: vLLM",
     ):
         engine_plan(blowup)
     # 96 / 64 is not an integer: vLLM pads such a page instead of growing its block.
@@ -488,3 +488,313 @@ def test_drafters_the_cpu_engine_cannot_run_are_refused_naming_the_vllm_file() -
     mamba = why(ROOT / "known-issues" / "mamba-finder-ignores-eagle-drop.json", 8)
     assert mamba.startswith("a drafter beside Mamba groups: the CPU engine starts but fails")
     assert "precopy_mamba_align_fused_kernel" in mamba
+
+
+def test_the_cache_off_plan_leaves_retention_and_the_hash_block_to_vllm() -> None:
+    # Without a prefix cache vLLM still validates the retention interval
+    # against the scheduler block (vllm/v1/core/kv_cache_coordinator.py): a
+    # Mamba hybrid's cache-off engine, whose scheduler block is the model
+    # length, refused to start with retention 128 and its outputs went
+    # uncompared. The cache-off plan leaves both to vLLM's defaults, so two
+    # scenarios that differ only there share one cache-off engine.
+    path = CORPORA / "regressions" / "mamba-scheduler-chunks-of-the-step-budget--periodic.json"
+    scenario = mamba_steps(scaled(load_entry(path).scenario, 32))
+    on, off = engine_plan(scenario), engine_plan(scenario, prefix_caching=False)
+    assert on["engine"]["retention"] == 128
+    assert "retention" not in off["engine"]
+    assert off["engine"]["prefix_match_unit"] is None
+    # Without a prefix cache vLLM makes a Mamba layer's block the model length
+    # (mamba_cache_mode "none"), and the worker checks the groups it plans.
+    assert off["engine"]["max_model_len"] == 2048
+    assert [(g["spec"], g["block_size"]) for g in off["engine"]["groups"]] == [
+        ("FullAttentionSpec", 32),
+        ("MambaSpec", 2048),
+        ("MambaSpec", 2048),
+    ]
+    assert [g["block_size"] for g in on["engine"]["groups"]] == [32, 32, 32]
+    dense = dataclasses.replace(scenario, retention_interval_tokens=None)
+    assert engine_plan(dense, prefix_caching=False) == off
+    assert engine_plan(dense)["engine"] != on["engine"]
+
+
+GEMMA4_FALLBACK = CORPORA / "cases" / "gemma4-eagle3-draft-group--fallback.json"
+
+
+def _groups_with(scenario: Scenario, *groups: tuple[GroupKind, int, int | None]) -> Scenario:
+    """``scenario`` with these groups (kind, block, window in tokens) and dense retention."""
+    return dataclasses.replace(
+        scenario,
+        kv_cache_groups=tuple(KVCacheGroup(k, b, w) for k, b, w in groups),
+        retention_interval_tokens=None,
+    )
+
+
+def test_two_full_attention_block_sizes_plan_a_gemma4_model_with_kv_heads_per_layer() -> None:
+    # FA 8 + SWA 4 (window 16) + FA 4, EAGLE-3, scaled x8: FA 64, SWA 32
+    # (window 128), FA 32. The layers of block 32 get two KV heads, the
+    # layers of block 64 one; the draft layer gets the heads of the
+    # full-attention layers of the smallest block, so it joins their group.
+    # Two layers per group, the draft layer the FA 32 group's second, so
+    # vLLM's planner makes one group of each spec (one target layer each
+    # would leave FA 32 two layers against one, split into two groups), and
+    # the last full-attention layer goes last.
+    scenario = scaled(load_entry(GEMMA4_FALLBACK).scenario, 8)
+    engine = engine_plan(scenario)["engine"]
+    assert engine["architecture"] == "gemma4"
+    assert engine["block_size"] == 32
+    assert engine["layer_types"] == [
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
+    assert engine["kv_heads"] == [1, 2, 2, 2, 1]
+    assert engine["draft_kv_heads"] == 2
+    assert engine["sliding_window"] == 128
+    assert engine["groups"] == [
+        {
+            "spec": "FullAttentionSpec",
+            "block_size": 64,
+            "sliding_window": None,
+            "is_eagle_group": False,
+        },
+        {
+            "spec": "SlidingWindowSpec",
+            "block_size": 32,
+            "sliding_window": 128,
+            "is_eagle_group": False,
+        },
+        {
+            "spec": "FullAttentionSpec",
+            "block_size": 32,
+            "sliding_window": None,
+            "is_eagle_group": False,
+        },
+    ]
+    assert engine["hash_block_size"] == 32
+
+
+def test_the_gemma4_layers_end_with_full_attention_and_heads_are_the_lcm_of_the_ratios() -> None:
+    # Gemma4TextConfig makes a last layer of another kind full attention, so
+    # the last full-attention group's layer goes last. Blocks 32, 64 and 96
+    # are ratios 1, 2, 3 of the smallest: six KV heads on block 32, three on
+    # 64, two on 96 (pages 6:3:2, each dividing the largest).
+    base = scaled(load_entry(GEMMA4_FALLBACK).scenario, 8)
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    # EAGLE-3's draft layer joins the FA 32 group: two layers per group.
+    scenario = _groups_with(base, (fa, 32, None), (fa, 64, None), (swa, 96, 192))
+    engine = engine_plan(scenario)["engine"]
+    assert engine["layer_types"] == [
+        "full_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
+    assert engine["kv_heads"] == [6, 3, 2, 2, 3]
+    assert (engine["block_size"], engine["draft_kv_heads"]) == (32, 6)
+    assert [g["block_size"] for g in engine["groups"]] == [32, 64, 96]
+    # Two sliding-window block sizes beside one full-attention one.
+    engine = engine_plan(_groups_with(base, (swa, 32, 128), (swa, 64, 128), (fa, 128, None)))[
+        "engine"
+    ]
+    assert (engine["architecture"], engine["kv_heads"]) == ("gemma4", [4, 2, 4, 2, 1])
+    # One block size per kind keeps the MiMo-V2-Flash model.
+    engine = engine_plan(_groups_with(base, (fa, 64, None), (swa, 32, 128)))["engine"]
+    assert engine["architecture"] == "mimo_v2"
+
+
+def test_block_sizes_the_gemma4_model_cannot_give_are_unsupported_naming_why() -> None:
+    base = scaled(load_entry(GEMMA4_FALLBACK).scenario, 8)
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    # 96 is not a multiple of 64: vLLM pads that layer's page.
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(_groups_with(base, (fa, 64, None), (fa, 192, None), (swa, 96, 128)))
+    assert str(info.value) == (
+        "groups of block sizes [64, 96, 192]: vLLM grows a layer's block by the ratio of the "
+        "largest page to its page only when that ratio is an integer, else pads the page "
+        "(vllm/v1/core/kv_cache_utils.py, unify_kv_cache_spec_page_size); kvfuzz builds "
+        "blocks that are multiples of the smallest, up to 64 KV heads"
+    )
+    # Ratios 1, 5, 7: 35 KV heads; 1, 9, 11: 99, above 64.
+    engine_plan(_groups_with(base, (fa, 32, None), (fa, 160, None), (swa, 224, 256)))
+    with pytest.raises(EngineUnsupported, match=r"up to 64 KV heads$"):
+        engine_plan(_groups_with(base, (fa, 32, None), (fa, 288, None), (swa, 352, 512)))
+    # No full-attention group: the Gemma 4 model's last layer is one.
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(_groups_with(base, (swa, 32, 128), (swa, 64, 128)))
+    assert str(info.value).startswith(
+        "sliding_window groups of block sizes [32, 64] without a full-attention group: the "
+        "tiny Gemma 4 model's last layer is full attention (Gemma4TextConfig, "
+        "transformers/models/gemma4/configuration_gemma4.py)"
+    )
+
+
+def test_the_worker_writes_a_gemma4_model_with_kv_heads_per_layer(tmp_path: Path) -> None:
+    import json
+
+    from differential.driver.engine_worker import engine_arguments
+
+    plan = engine_plan(scaled(load_entry(GEMMA4_FALLBACK).scenario, 8))
+    kwargs = engine_arguments(plan, tmp_path)
+    target = json.loads((Path(kwargs["model"]) / "config.json").read_text())
+    assert (target["architectures"], target["model_type"]) == (
+        ["Gemma4ForCausalLM"],
+        "gemma4_text",
+    )
+    # The plan's five layers (two per group with the draft layer), as planned.
+    assert target["layer_types"] == ["full_attention", "sliding_attention"] * 2 + ["full_attention"]
+    assert {i: c["num_key_value_heads"] for i, c in target["per_layer_config"].items()} == {
+        "0": 1,
+        "1": 2,
+        "2": 2,
+        "3": 2,
+        "4": 1,
+    }
+    assert {c["head_dim"] for c in target["per_layer_config"].values()} == {32}
+    assert (target["num_attention_heads"], target["sliding_window"]) == (2, 128)
+    # Dense, no per-layer inputs, no shared KV, causal (no window conversion).
+    assert (target["enable_moe_block"], target["hidden_size_per_layer_input"]) == (False, 0)
+    assert (target["num_kv_shared_layers"], target["use_bidirectional_attention"]) == (0, None)
+    assert kwargs["block_size"] == 32
+    draft = kwargs["speculative_config"]
+    assert (draft["method"], draft["num_speculative_tokens"]) == ("eagle3", 3)
+    draft_config = json.loads((Path(draft["model"]) / "config.json").read_text())
+    assert draft_config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert (draft_config["num_key_value_heads"], draft_config["head_dim"]) == (2, 32)
+
+
+def test_several_windows_of_one_block_size_plan_a_plamo3_model_with_a_window_per_layer(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from differential.driver.engine_worker import engine_arguments
+
+    base = load_entry(GEMMA4_FALLBACK).scenario
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    scenario = scaled(_groups_with(base, (fa, 4, None), (swa, 4, 16), (swa, 4, 8)), 8)
+    plan = engine_plan(scenario)
+    engine = plan["engine"]
+    assert (engine["architecture"], engine["block_size"]) == ("plamo3", 32)
+    assert engine["sliding_windows"] == [None, 128, 64, 128, 64]
+    assert [(g["spec"], g["sliding_window"]) for g in engine["groups"]] == [
+        ("FullAttentionSpec", None),
+        ("SlidingWindowSpec", 128),
+        ("SlidingWindowSpec", 64),
+    ]
+    target = json.loads(
+        (Path(engine_arguments(plan, tmp_path)["model"]) / "config.json").read_text()
+    )
+    assert target["architectures"] == ["Plamo3ForCausalLM"]
+    # EAGLE-3: the draft layer joins the full-attention group, and each
+    # window's layers are balanced to two.
+    assert target["interleaved_sliding_window"] == [None, 128, 64, 128, 64]
+    assert target["layer_types"] == ["full_attention"] + ["sliding_attention"] * 4
+
+
+def test_several_windows_the_tiny_models_cannot_give_are_unsupported_naming_why() -> None:
+    base = load_entry(GEMMA4_FALLBACK).scenario
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    # Windows 8 and 16 beside blocks 4 and 8.
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(scaled(_groups_with(base, (fa, 8, None), (swa, 4, 16), (swa, 4, 8)), 8))
+    assert str(info.value) == (
+        "sliding windows [64, 128] beside groups of block sizes [32, 64]: the tiny model with "
+        "a window per layer, Plamo 3 (vllm/model_executor/models/plamo3.py: "
+        "config.interleaved_sliding_window), gives every layer one KV shape "
+        "(config.num_key_value_heads), and those with KV heads per layer kind or per layer read "
+        "one window per model (mimo_v2.py: config.sliding_window_size; gemma4.py, "
+        "Gemma4Attention: config.sliding_window)"
+    )
+    # An EAGLE-3 draft layer is full attention: a group two sliding windows lack.
+    with pytest.raises(
+        EngineUnsupported, match=r"^the eagle3 drafter's layers are full_attention \(block 32\)"
+    ):
+        engine_plan(scaled(_groups_with(base, (swa, 4, 16), (swa, 4, 8)), 8))
+    no_drafter = dataclasses.replace(
+        base,
+        drafter=dataclasses.replace(base.drafter, kind=DrafterKind.NONE, num_speculative_tokens=0),
+    )
+    engine = engine_plan(scaled(_groups_with(no_drafter, (swa, 4, 16), (swa, 4, 8)), 8))["engine"]
+    assert (engine["architecture"], engine["sliding_windows"]) == ("plamo3", [128, 64])
+
+
+def test_mtp_beside_the_gemma4_plamo3_and_llama4_layouts_is_refused_naming_why() -> None:
+    # vLLM builds an MTP draft from the target's own MTP layers: the tiny
+    # Gemma 4, Plamo 3 and Llama-4 targets have none.
+    base = load_entry(GEMMA4_FALLBACK).scenario
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    mtp = dataclasses.replace(base, drafter=dataclasses.replace(base.drafter, kind=DrafterKind.MTP))
+    with pytest.raises(EngineUnsupported) as info:
+        engine_plan(scaled(mtp, 8))
+    assert str(info.value).startswith(
+        "drafter 'mtp' beside groups of block sizes [32, 64] (the tiny Gemma 4 target): "
+        "vLLM builds an MTP draft from the target's own MTP layers"
+    )
+    windows = _groups_with(mtp, (fa, 4, None), (swa, 4, 16), (swa, 4, 8))
+    with pytest.raises(
+        EngineUnsupported, match=r"^drafter 'mtp' beside sliding windows \[64, 128\] "
+    ):
+        engine_plan(scaled(windows, 8))
+    chunked = load_entry(CORPORA / "cases" / "llama4-chunked-local.json").scenario
+    chunked = dataclasses.replace(chunked, drafter=mtp.drafter)
+    with pytest.raises(
+        EngineUnsupported, match=r"^drafter 'mtp' beside chunked_local_attention groups"
+    ):
+        engine_plan(scaled(chunked, 8))
+
+
+def test_mtp_marks_one_group_of_its_layers_spec_where_the_planner_makes_several() -> None:
+    # The seed regression scaled x32 as FA 64 + SWA 32 + SWA 32 (window 64)
+    # with its MTP drafter: one full-attention and one sliding-window target
+    # layer, the MTP layer the sliding-window spec's second, so vLLM's
+    # planner makes one full-attention group and two sliding-window groups
+    # (a second target sliding-window layer would make three), and marks
+    # one of them is_eagle_group (the group holding the last registered
+    # layer). A scenario marking both sliding-window groups drops on both.
+    written = load_entry(CORPORA / "regressions" / "fallback-unfixed-517c289c14.json").scenario
+    fa, swa = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+    one = dataclasses.replace(
+        scaled(written, 32),
+        kv_cache_groups=(
+            KVCacheGroup(fa, 64),
+            KVCacheGroup(swa, 32, 64, is_eagle_group=True),
+            KVCacheGroup(swa, 32, 64),
+        ),
+    )
+    engine = engine_plan(one)["engine"]
+    assert (engine["architecture"], engine["layer_types"]) == (
+        "mimo_v2",
+        ["full_attention", "sliding_attention"],
+    )
+    assert [g["is_eagle_group"] for g in engine["groups"]] == [False, True, False]
+    both = dataclasses.replace(
+        one,
+        kv_cache_groups=tuple(
+            dataclasses.replace(g, is_eagle_group=g.kind is swa) for g in one.kv_cache_groups
+        ),
+    )
+    with pytest.raises(
+        EngineUnsupported,
+        match=r"^is_eagle_group marks on sliding_window \(2 groups\): vLLM's planner marks "
+        r"sliding_window \(one group, of block 32\)",
+    ):
+        engine_plan(both)
+
+
+def test_every_layout_plans_the_groups_the_worker_checks() -> None:
+    # The Llama-4 and NemotronH plans name their groups too, with no
+    # is_eagle_group mark (no drafter, or n-gram speculation).
+    chunked = load_entry(CORPORA / "cases" / "llama4-chunked-local.json").scenario
+    ngram = dataclasses.replace(
+        chunked, drafter=dataclasses.replace(chunked.drafter, kind=DrafterKind.NGRAM)
+    )
+    engine = engine_plan(scaled(ngram, geometry_scale(ngram)))["engine"]
+    assert engine["architecture"] == "llama4"
+    assert [(g["spec"], g["is_eagle_group"]) for g in engine["groups"]] == [
+        ("FullAttentionSpec", False),
+        ("ChunkedLocalAttentionSpec", False),
+    ]
+    assert engine["drafter"]["method"] == "ngram"
