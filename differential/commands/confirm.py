@@ -15,6 +15,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -908,6 +909,9 @@ def run(args: argparse.Namespace) -> int:
         f"{len(verdicts)} file(s): {count[CONFIRMED]} confirmed, {count[NOT_REPRODUCED]} "
         f"not reproduced, {count[NOT_RUN]} not run on the engine"
     )
+    reasons = Counter(str(v["reason"]) for v in verdicts if v["verdict"] == NOT_RUN)
+    for why, n in sorted(reasons.items(), key=lambda item: (-item[1], item[0])):
+        say(f"  not run ({n}): {why}")
     code = (
         EXIT_USAGE
         if count[NOT_RUN] == len(verdicts)

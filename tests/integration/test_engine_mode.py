@@ -360,9 +360,10 @@ def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixtu
         [0, 0, 0, 256],
     )
     assert (unsupported["verdict"], unsupported["reason"]) == ("not-run", UNSUPPORTED_WHY)
-    assert captured.err.splitlines()[-1] == (
-        "2 file(s): 1 confirmed, 0 not reproduced, 1 not run on the engine"
-    )
+    assert captured.err.splitlines()[-2:] == [
+        "2 file(s): 1 confirmed, 0 not reproduced, 1 not run on the engine",
+        f"  not run (1): {UNSUPPORTED_WHY}",
+    ]
     # The lines go to stderr with --json.
     assert (
         f"{EAGLE}: confirmed on vLLM 0.32.0 engine: fallback@1, fallback@3 (engine hits "
