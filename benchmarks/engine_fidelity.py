@@ -41,7 +41,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from differential.commands.confirm import driver_mismatches, engine_replay, release_runs
+    from differential.commands.confirm import (
+        STALL_WORDS,
+        driver_mismatches,
+        engine_replay,
+        release_runs,
+    )
     from differential.corpus import finding_tag, load_entry
     from differential.driver.engine_mode import (
         EngineUnsupported,
@@ -77,10 +82,12 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     )
     run = replay.engine.run
     row["engine_s"] = round(time.perf_counter() - started, 1)
-    if run.unsupported is not None or run.error is not None:
-        row["status"] = "engine failed" if run.error else "not runnable"
-        row["why"] = run.error or run.unsupported
+    if run.unsupported is not None:
+        row["status"] = "not runnable"
+        row["why"] = run.unsupported
         return row
+    if run.error is not None:
+        row["engine_error"] = run.error
     row["engine_hits"] = list(run.hits)
     row["engine_off_hits"] = (
         None if replay.engine.off_run is None else list(replay.engine.off_run.hits)
@@ -116,6 +123,16 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         if other.error:
             row[f"{mode}_error"] = other.error
     row["driver_mismatch"] = [f.summary() for f in driver_mismatches(run, runs)]
+    if run.error is not None:
+        # A crash of the engine matches only where the drivers crash too
+        # (manager mode runs no Scheduler, so it cannot show a stall).
+        stall = STALL_WORDS in run.error
+        missed = [
+            m
+            for m, o in runs.items()
+            if not o.unsupported and not o.error and not (m == "manager" and stall)
+        ]
+        row["driver_mismatch"] += [f"{m} mode does not crash" for m in missed]
     row["status"] = "mismatch" if row["driver_mismatch"] else "match"
     return row
 
@@ -157,6 +174,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
         if "engine_hits" not in row:
             continue
         outputs = "wrong-output" if row.get("wrong_output") else "equal"
+        if row.get("engine_off_hits") is None:
+            outputs = "- (crashed: no cache-off run)" if row.get("engine_error") else "-"
         lines.append(
             f"| `{row['file']}` | {row['scale']} | {row['engine_hits']} | {same('manager', row)} "
             f"| {same('scheduler', row)} | {outputs} | {row['status']} |"

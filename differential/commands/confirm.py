@@ -474,9 +474,16 @@ def _release_findings(
 STALL_WORDS = "scheduled nothing for"
 
 
+def _one_prefixes_the_other(a: Sequence[int], b: Sequence[int]) -> bool:
+    n = min(len(a), len(b))
+    return list(a[:n]) == list(b[:n])
+
+
 def driver_mismatches(engine: RunObservation, runs: dict[str, RunObservation]) -> list[Finding]:
     """A ``driver-mismatch`` per driving mode whose hits differ from the engine's:
-    both hit lists and the first request where they part."""
+    both hit lists and the first request where they part. A stall is not
+    compared with manager mode (it runs no Scheduler), and two crashed runs
+    compare only the requests both observed."""
     findings = []
     for mode, run in runs.items():
         if run.unsupported is not None or engine.unsupported is not None:
@@ -484,6 +491,10 @@ def driver_mismatches(engine: RunObservation, runs: dict[str, RunObservation]) -
         if mode == "manager" and STALL_WORDS in (engine.error or ""):
             continue  # a stall of vLLM's Scheduler, which manager mode does not run
         if run.hits == engine.hits:
+            continue
+        if run.error and engine.error and _one_prefixes_the_other(run.hits, engine.hits):
+            # Both crashed: each observed the requests it served before the
+            # crash (none, in scheduler mode), so only those they share compare.
             continue
         first = next(
             (i for i, (a, b) in enumerate(zip(engine.hits, run.hits, strict=False)) if a != b),
