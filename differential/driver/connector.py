@@ -16,10 +16,12 @@ for external connectors.
 * :class:`RemoteStoreConnector` (``workload.connector``): a CPU-offload tier
   (the role LMCache or vLLM's offloading connector plays) whose store keeps
   what requests computed and answers lookups with what it holds beyond the
-  local hit. No KV moves: the store records *which* prefixes it holds, keyed
-  by vLLM's own chained block hashes (``Request.block_hashes``, one per hash
-  block), and kvfuzz's stand-in model runner reports the loads finished
-  (vllm/v1/outputs.py ``KVConnectorOutput``).
+  local hit; by default unbounded, or bounded and on its own chunk grid.
+  No KV moves: the store records *which* prefixes it holds, one key per
+  chunk and group named by vLLM's own chained block hashes
+  (``Request.block_hashes``), in vLLM's own ``CPUOffloadingManager`` with
+  its LRU policy, and kvfuzz's stand-in model runner reports the loads
+  finished (vllm/v1/outputs.py ``KVConnectorOutput``).
 
 Only the scheduler role is served; the worker-side methods are never called
 (no model runs) and raise if they are.

@@ -1,6 +1,6 @@
 """What a KV connector's remote store is owed (scheduler mode, ``workload.connector``).
 
-Two rules, per admitted request with a :class:`~differential.observation.ConnectorLookup`:
+Three rules, per admitted request with a :class:`~differential.observation.ConnectorLookup`:
 
 * **Adoption** (:func:`adoption_owed`, any layout). vLLM's ``Scheduler.schedule``
   (vllm/v1/core/sched/scheduler.py, the waiting loop) shows the connector its
@@ -27,8 +27,8 @@ Two rules, per admitted request with a :class:`~differential.observation.Connect
   ``fallback``, more an ``over-hit`` (KV nobody holds).
 * **The store** (:func:`store_owed`, layouts of full attention and MLA only).
   The store keeps the KV of every token a request computed
-  (:class:`differential.driver.connector.RemoteStoreConnector`) and never
-  evicts, so at a request's lookup it provably holds, of the request's
+  (:class:`differential.driver.connector.RemoteStoreConnector`) and, without
+  a capacity, never evicts, so at a request's lookup it provably holds, of the request's
   prompt, the longest common prefix with the tokens of any request that had
   *finished* before that lookup (its prompt, and its sampled tokens but the
   last, which is never computed; the prompt alone with drafts), in whole
@@ -40,7 +40,15 @@ Two rules, per admitted request with a :class:`~differential.observation.Connect
   nothing (it may have saved more). On other layouts what the store holds
   rests on vLLM's hand-offs (Mamba boundary states, the sliding-window
   blocks its reachability mask keeps), judged through the adoption rule and
-  the comparison of variants only.
+  the comparison of variants only. On the store's own grid
+  (``workload.connector.chunk_tokens``) the prefix is whole chunks, and
+  nothing is owed past the shown hit when that is less than a chunk
+  (vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py
+  ``_lookup_complete_chunks``: "We can only load less than a chunk, so
+  skip.").
+* **A bounded store** (``capacity_chunks``, any layout): owed exactly what
+  LRU over its capacity keeps (:mod:`differential.oracle.offload_lru`); the
+  store rule's promise of finished writers is not made for it.
 
 Nothing here imports vLLM.
 """
