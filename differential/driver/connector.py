@@ -47,6 +47,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from differential.observation import StoreCall
 
@@ -252,7 +253,8 @@ class RemoteStoreConnector(EmptyRemoteConnector):
     (the block pool's hash block size), in tokens; ``chunk_tokens`` (the
     store's grid, tokens) and ``capacity_chunks`` (chunks), each ``None`` by
     default. With a capacity every manager call and answer is recorded
-    (:attr:`calls`).
+    (:attr:`calls`), where the importable vLLM's ``LRUCachePolicy`` ranks
+    chunks per request (vLLM 0.33; 0.31 and 0.32 rank them by insertion).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -266,6 +268,10 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         self.unit_tokens: int = int(chunk or extra["lookup_unit_tokens"])
         capacity = extra.get("capacity_chunks")
         self.bounded = capacity is not None
+        # The oracle's replay states the request-ranked policy of vLLM 0.33's
+        # LRUCachePolicy (_get_request_rank); an older release ranks chunks by
+        # insertion alone, so its calls are not recorded for it.
+        self._recorded = self.bounded and hasattr(LRUCachePolicy, "_get_request_rank")
         self.store = CPUOffloadingManager(
             num_chunks=int(capacity) if capacity is not None else _UNBOUNDED_CHUNKS,
             cache_policy="lru",
@@ -395,7 +401,7 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         self.queries.setdefault(request.request_id, []).append(
             StoreQuery(num_computed_tokens, matched, held, load_async)
         )
-        if self.bounded:
+        if self._recorded:
             self._log_lookup(request, num_computed_tokens, held, matched)
         return matched, load_async
 
@@ -594,7 +600,7 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         refused: bool = False,
     ) -> None:
         """Record one manager call (bounded stores only)."""
-        if self.bounded:
+        if self._recorded:
             call = StoreCall(
                 op, -1, self._triples(request_id, keys), evicted=evicted, refused=refused
             )

@@ -39,6 +39,11 @@ skip."). An answer short of it is a ``fallback``: the store lost chunks LRU
 over its capacity keeps. An answer past it is not judged: the chunks loaded
 are what the writer computed, only another one was evicted instead.
 
+The replay states vLLM 0.33.0's policy; vLLM 0.31 and 0.32 rank a chunk
+by its insertion alone (no request rank), and the driver records no calls
+on them, so a bounded store there is judged by adoption and the comparison
+of variants only.
+
 Nothing here imports vLLM.
 """
 
