@@ -202,6 +202,9 @@ def _seed_fix_limit_marked_draft_group(scenario: Scenario, finding: Finding) -> 
 _LOOKUP_FINDERS = (
     "SlidingWindowManager.find_longest_cache_hit",
     "MambaManager.find_longest_cache_hit",
+    # A group whose block is larger than the hash block reads the hashes
+    # through this view (vllm/v1/core/kv_cache_utils.py), so the raise names it.
+    "BlockHashListWithBlockSize._get_value_at",
 )
 
 
@@ -210,8 +213,9 @@ def _lookahead_index_error_without_full_attention(scenario: Scenario, finding: F
     ``find_longest_cache_hit`` on a layout with no full-attention group,
     under lookahead hashes of two or more tokens: nothing capped the lookup
     at the hashed blocks (one group alone, or sliding-window and Mamba
-    groups only). The crash's ``raised in`` part names the function; an
-    error without it is matched on the lookup phase."""
+    groups only). The crash's ``raised in`` part names the function (or the
+    block-hash view it indexes through); an error without it is matched on
+    the lookup phase."""
     if finding.kind is not FindingKind.CRASH or "IndexError" not in finding.detail:
         return False
     if any(g.kind.full_attention_family for g in scenario.kv_cache_groups):
