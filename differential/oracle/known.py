@@ -883,7 +883,8 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "hit raises AssertionError and the engine crashes (full attention 8 + "
             "sliding window 8 in blocks of 4 + Mamba 8, hash block 4: a full-attention "
             "hit of 28 shown as 24, the sliding-window group's own hit 0, the store "
-            "8 tokens more, past the 4-token tail). Found by kvfuzz."
+            "8 tokens more, past the 4-token tail). Also on vLLM 0.31.0 and 0.32.0. "
+            "Found by kvfuzz."
         ),
         vllm_source="vllm/v1/core/kv_cache_manager.py "
         "KVCacheManager.get_computed_blocks_for_connector with "
