@@ -24,6 +24,7 @@ __all__ = [
     "ResumedLookup",
     "RunObservation",
     "StepTable",
+    "StoreCall",
     "runs_of",
     "tokens_of",
 ]
@@ -614,6 +615,85 @@ class ConnectorLookup:
 
 
 @dataclass(frozen=True)
+class StoreCall:
+    """(Scheduler mode, a bounded ``workload.connector``) one call kvfuzz's
+    stand-in connector made to its store's offloading manager (vLLM's
+    ``CPUOffloadingManager`` with the LRU policy, vllm/v1/kv_offload/cpu/),
+    or one answer it gave, in order, for the oracle to replay
+    (:mod:`differential.oracle.offload_lru`).
+
+    A key is vLLM's ``OffloadKey``: a chained block hash and a KV cache
+    group (``make_offload_key``, vllm/v1/kv_offload/base.py), named here by
+    a small id (the same key, the same id, across requests).
+
+    Attributes:
+        op: ``"store"`` (``prepare_store``), ``"stored"``
+            (``complete_store``), ``"load"`` (``prepare_load``), ``"loaded"``
+            (``complete_load``), ``"finish"`` (``on_request_finished``) or
+            ``"lookup"`` (a ``get_num_new_matched_tokens`` answer).
+        request: the request index.
+        keys: ``(key id, group, end position in tokens)`` per key: offered,
+            completed or loaded; for a lookup, the keys of the request's
+            full-attention-family groups, chunk by chunk, up to the longest
+            prefix it may hit (all of them up to ``n`` back a hit of ``n``).
+        evicted: (store) the key ids the manager evicted to make room.
+        refused: (store) the manager could not make room
+            (``prepare_store`` returned ``None``): nothing was stored.
+        needs: (lookup) per candidate hit ``unit, 2 unit, ...`` tokens, the
+            other key ids it needs: the chunks holding a sliding-window
+            group's tail, a Mamba group's state.
+        unit_tokens: (lookup) the lookup grid, in tokens.
+        presented_tokens: (lookup) the local hit shown, in tokens.
+        held_tokens: (lookup) the longest prefix the store held, in tokens.
+        matched_tokens: (lookup) the tokens answered past the shown hit.
+    """
+
+    op: str
+    request: int
+    keys: tuple[tuple[int, int, int], ...] = ()
+    evicted: tuple[int, ...] = ()
+    refused: bool = False
+    needs: tuple[tuple[int, ...], ...] = ()
+    unit_tokens: int = 0
+    presented_tokens: int = 0
+    held_tokens: int = 0
+    matched_tokens: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StoreCall:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            op=data["op"],
+            request=data["request"],
+            keys=tuple((k, g, p) for k, g, p in data.get("keys", ())),
+            evicted=tuple(data.get("evicted", ())),
+            refused=data.get("refused", False),
+            needs=tuple(tuple(n) for n in data.get("needs", ())),
+            unit_tokens=data.get("unit_tokens", 0),
+            presented_tokens=data.get("presented_tokens", 0),
+            held_tokens=data.get("held_tokens", 0),
+            matched_tokens=data.get("matched_tokens", 0),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (fields at their default left out)."""
+        out: dict[str, Any] = {"op": self.op, "request": self.request}
+        if self.keys:
+            out["keys"] = [list(k) for k in self.keys]
+        if self.evicted:
+            out["evicted"] = list(self.evicted)
+        if self.refused:
+            out["refused"] = True
+        if self.op == "lookup":
+            out["needs"] = [list(n) for n in self.needs]
+            out["unit_tokens"] = self.unit_tokens
+            out["presented_tokens"] = self.presented_tokens
+            out["held_tokens"] = self.held_tokens
+            out["matched_tokens"] = self.matched_tokens
+        return out
+
+
+@dataclass(frozen=True)
 class RequestObservation:
     """One request as the real manager served it.
 
@@ -812,6 +892,9 @@ class RunObservation:
             explain``) one line per scheduler step: arrivals, what each
             request was scheduled for (tokens, prefill or decode, drafts
             accepted), preemptions, finished requests, evicted blocks.
+        store_calls: (scheduler mode, a bounded connector store) the calls
+            the connector made to its store's offloading manager, and its
+            answers, in order (:class:`StoreCall`).
         watermark_admissions: (scheduler mode, recorded only with a
             ``workload.watermark``) every ``KVCacheManager.allocate_slots``
             call that admitted a waiting or preempted request while other
@@ -848,6 +931,7 @@ class RunObservation:
     newly_cached_blocks_per_group: tuple[int, ...] = ()
     kv_events: KVEventLog | None = None
     watermark_admissions: tuple[tuple[int, int, int], ...] = ()
+    store_calls: tuple[StoreCall, ...] = ()
 
     @property
     def unreachable_share(self) -> float:
@@ -884,6 +968,7 @@ class RunObservation:
             watermark_admissions=tuple(
                 (i, step, free) for i, step, free in data.get("watermark_admissions", ())
             ),
+            store_calls=tuple(StoreCall.from_dict(c) for c in data.get("store_calls", ())),
         )
 
     @property
@@ -913,6 +998,8 @@ class RunObservation:
             out["kv_events"] = self.kv_events.to_dict()
         if self.watermark_admissions:
             out["watermark_admissions"] = [list(a) for a in self.watermark_admissions]
+        if self.store_calls:
+            out["store_calls"] = [c.to_dict() for c in self.store_calls]
         return out
 
     def _base_dict(self) -> dict[str, Any]:

@@ -20,7 +20,8 @@ repeated until nothing more can be removed or the time budget is spent:
    arrival step, abort step and failed load with it), no watermark; KV
    cache events reported incrementally rather than in full, then off; then
    a plainer KV connector store: none, fewer failed loads, synchronous
-   loads, no divergent hybrid hits, prefix caching on;
+   loads, no divergent hybrid hits, prefix caching on, an unbounded store,
+   the store on the default grid;
 7. fewer images and cache salts: none at all, then a request without its
    images (their placeholder tokens become tokens of its own) or without
    its cache salt, then each image alone dropped.
@@ -43,6 +44,7 @@ from differential.errors import ScenarioError
 from differential.findings import FindingKind, Policy
 from differential.scenario import (
     ConnectorLoad,
+    ConnectorStore,
     Drafter,
     DrafterKind,
     GroupKind,
@@ -143,7 +145,8 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
 
 def _connector_store(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
     """(Scheduler mode) a plainer KV connector store: none at all, no failed
-    loads, synchronous loads, no divergent hybrid hits, prefix caching on."""
+    loads, synchronous loads, no divergent hybrid hits, prefix caching on,
+    no capacity, the default grid."""
     w = s.workload
     store = w.connector
     if store is None:
@@ -163,6 +166,18 @@ def _connector_store(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         yield "no divergent hybrid hits", with_store(divergent_hybrid_hits=False)
     if not store.prefix_caching:
         yield "prefix caching on", with_store(prefix_caching=True)
+    yield from _store_bounds(store, with_store)
+
+
+def _store_bounds(
+    store: ConnectorStore, with_store: Callable[..., Scenario | None]
+) -> Iterator[tuple[str, Scenario | None]]:
+    """A store without a capacity (unbounded, nothing evicted) and on the
+    default grid (a key per group block, hits on the hit alignment)."""
+    if store.capacity_chunks is not None:
+        yield "an unbounded store", with_store(capacity_chunks=None)
+    if store.chunk_tokens is not None:
+        yield "the store on the default grid", with_store(chunk_tokens=None)
 
 
 # Simpler KV cache event settings first (workload.kv_events).

@@ -132,7 +132,7 @@ def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
     """The scenario-space classes a scenario covers, as ``class:value`` keys
     (``group-mix``: :attr:`Scenario.group_mix`; ``draft-groups``: whether the
     EAGLE drop is annotated, falls back to every group, or never applies,
-    :attr:`Scenario.draft_groups`)."""
+    :attr:`Scenario.draft_groups`; ``connector-store``: :func:`_store_class`)."""
     model = drafter_model(scenario)
     protection = "drop" if model.drop else ("lookahead" if model.hash_lookahead_tokens else "none")
     return (
@@ -143,4 +143,16 @@ def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
         f"swa-groups:{len(scenario.sliding_window_groups)}",
         f"group-mix:{scenario.group_mix}",
         f"draft-groups:{scenario.draft_groups.value}",
+        f"connector-store:{_store_class(scenario)}",
     )
+
+
+def _store_class(scenario: Scenario) -> str:
+    """A KV connector's remote store (``workload.connector``): ``none``,
+    ``unbounded`` or ``bounded`` (a capacity, in chunks), ``+grid`` when it
+    keeps its own chunk grid (``chunk_tokens``)."""
+    store = scenario.workload.connector
+    if store is None:
+        return "none"
+    kind = "bounded" if store.bounded else "unbounded"
+    return kind + ("+grid" if store.chunk_tokens is not None else "")

@@ -917,9 +917,10 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     working set (eviction, preemption) to four times it, never below what
     the longest request needs alone; one workload in four (not with chunked
     local attention, whose drop a connector would turn on) a KV connector
-    with a remote store (:func:`_connector_stores`), and one of those in
-    four a client aborting one request a few steps in. ``scale`` is ``toy``
-    (the only scale drawn so far).
+    with a remote store (:func:`_connector_stores`; its grid and capacity:
+    :func:`_store_bounds`), and one of those in four a client aborting one
+    request a few steps in. ``scale`` is ``toy`` (the only scale drawn so
+    far).
     """
     del scale  # toy scale first
     groups, hash_block, mamba = _engine_geometry(draw)
@@ -978,7 +979,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     # (Sharded attention blocks hold more tokens: the pool still suffices.)
     groups, dcp = _decode_context_parallel(draw, groups, retention)
     try:
-        return Scenario(
+        scenario = Scenario(
             kv_cache_groups=groups,
             requests=tuple(requests),
             shared_prefix_tokens=prefix,
@@ -995,5 +996,33 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
             kv_connector=store is not None,
             **mamba_options,
         )
+        # Drawn last, so that every draw above reads the bytes it read before.
+        return _store_bounds(draw, scenario)
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the engine generator produced an invalid scenario: {exc}") from exc
+
+
+def _store_bounds(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """A KV connector store's own grid and capacity: one store in two on a
+    grid of 1, 2 or 4 scheduler blocks (``chunk_tokens``), one in two
+    bounded, at a quarter, half or all of the chunks the workload's tokens
+    could fill (``capacity_chunks``: every request's prompt and answer, in
+    chunks, times the KV cache groups)."""
+    store = scenario.workload.connector
+    if store is None:
+        return scenario
+    grid = None
+    if draw(st.booleans()):
+        grid = draw(st.sampled_from((1, 2, 4))) * scenario.scheduler_block_size_tokens
+    capacity = None
+    if draw(st.booleans()):
+        chunk = grid or scenario.effective_hash_block_size_tokens
+        tokens = sum(r.prompt_tokens + scenario.decode_steps + 1 for r in scenario.requests)
+        chunks = tokens // chunk * len(scenario.kv_cache_groups)
+        capacity = max(1, int(chunks * draw(st.sampled_from((0.25, 0.5, 1.0)))))
+    if grid is None and capacity is None:
+        return scenario
+    bounded = dataclasses.replace(store, chunk_tokens=grid, capacity_chunks=capacity)
+    return dataclasses.replace(
+        scenario, workload=dataclasses.replace(scenario.workload, connector=bounded)
+    )

@@ -101,6 +101,7 @@ from differential.observation import (
     RequestObservation,
     ResumedLookup,
     RunObservation,
+    StoreCall,
 )
 from differential.scenario import KVEvents, Scenario
 
@@ -279,8 +280,9 @@ def _set_drafter(config: Any, scenario: Scenario) -> None:
 def _remote_store_settings(scenario: Scenario) -> dict[str, Any]:
     """The ``KVTransferConfig`` settings of the workload's connector store
     (none for the empty remote store): its lookup unit and hash block, in
-    tokens, and the ``recompute`` load-failure policy (a cache tier's lost
-    copy is recomputed, not an error)."""
+    tokens, its own grid (tokens) and capacity (chunks), and the
+    ``recompute`` load-failure policy (a cache tier's lost copy is
+    recomputed, not an error)."""
     store = scenario.workload.connector
     if store is None:
         return {}
@@ -291,6 +293,8 @@ def _remote_store_settings(scenario: Scenario) -> dict[str, Any]:
             "divergent_hybrid_hits": store.divergent_hybrid_hits,
             "lookup_unit_tokens": scenario.effective_hit_alignment_tokens,
             "hash_block_tokens": scenario.effective_hash_block_size_tokens,
+            "chunk_tokens": store.chunk_tokens,
+            "capacity_chunks": store.capacity_chunks,
         },
     }
 
@@ -1113,6 +1117,7 @@ class _RunReport:
     requests: list[Any] = field(default_factory=list)  # vLLM's ``Request`` per scenario request
     # (request index, step, free blocks right after the admission)
     watermark_admissions: list[tuple[int, int, int]] = field(default_factory=list)
+    store: Any = None  # the connector's store (RemoteStoreConnector), if any
 
 
 @dataclass
@@ -1235,6 +1240,7 @@ def _install_recorders(
     if ledger is not None:
         _record_writes(manager, ledger, index_of, writes, failures)
     store = scheduler.connector if workload.connector is not None else None
+    report.store = store
     _record_adoption(manager, lookups, store, failures)
     clock.install(manager)
     if workload.watermark:
@@ -1497,7 +1503,18 @@ def _run_observation(
         newly_cached_blocks_per_group=tuple(report.newly_cached),
         kv_events=report.recorder.log(report.requests) if report.recorder is not None else None,
         watermark_admissions=tuple(report.watermark_admissions),
+        store_calls=_store_calls(report),
     )
+
+
+def _store_calls(report: _RunReport) -> tuple[StoreCall, ...]:
+    """A bounded connector store's calls to its offloading manager, and its
+    answers, each with its request index (none for other runs)."""
+    calls = getattr(report.store, "calls", None)
+    if not calls:
+        return ()
+    index_of = {r.request_id: i for i, r in enumerate(report.requests)}
+    return tuple(replace(call, request=index_of[rid]) for rid, call in calls)
 
 
 def run_scheduler_scenario(

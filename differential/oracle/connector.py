@@ -1,6 +1,6 @@
 """What a KV connector's remote store is owed (scheduler mode, ``workload.connector``).
 
-Two rules, per admitted request with a :class:`~differential.observation.ConnectorLookup`:
+Three rules, per admitted request with a :class:`~differential.observation.ConnectorLookup`:
 
 * **Adoption** (:func:`adoption_owed`, any layout). vLLM's ``Scheduler.schedule``
   (vllm/v1/core/sched/scheduler.py, the waiting loop) shows the connector its
@@ -27,8 +27,8 @@ Two rules, per admitted request with a :class:`~differential.observation.Connect
   ``fallback``, more an ``over-hit`` (KV nobody holds).
 * **The store** (:func:`store_owed`, layouts of full attention and MLA only).
   The store keeps the KV of every token a request computed
-  (:class:`differential.driver.connector.RemoteStoreConnector`) and never
-  evicts, so at a request's lookup it provably holds, of the request's
+  (:class:`differential.driver.connector.RemoteStoreConnector`) and, without
+  a capacity, never evicts, so at a request's lookup it provably holds, of the request's
   prompt, the longest common prefix with the tokens of any request that had
   *finished* before that lookup (its prompt, and its sampled tokens but the
   last, which is never computed; the prompt alone with drafts), in whole
@@ -40,7 +40,15 @@ Two rules, per admitted request with a :class:`~differential.observation.Connect
   nothing (it may have saved more). On other layouts what the store holds
   rests on vLLM's hand-offs (Mamba boundary states, the sliding-window
   blocks its reachability mask keeps), judged through the adoption rule and
-  the comparison of variants only.
+  the comparison of variants only. On the store's own grid
+  (``workload.connector.chunk_tokens``) the prefix is whole chunks, and
+  nothing is owed past the shown hit when that is less than a chunk
+  (vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py
+  ``_lookup_complete_chunks``: "We can only load less than a chunk, so
+  skip.").
+* **A bounded store** (``capacity_chunks``, any layout): owed exactly what
+  LRU over its capacity keeps (:mod:`differential.oracle.offload_lru`); the
+  store rule's promise of finished writers is not made for it.
 
 Nothing here imports vLLM.
 """
@@ -52,10 +60,11 @@ from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ConnectorLookup, RunObservation
+from differential.oracle.offload_lru import lru_findings, owed_answer
 from differential.oracle.prefix import common_prefix_tokens
 from differential.scenario import Scenario
 
-__all__ = ["StoreOwed", "adoption_owed", "connector_findings", "store_owed"]
+__all__ = ["StoreOwed", "adoption_owed", "connector_findings", "store_grid_tokens", "store_owed"]
 
 
 def adoption_owed(connector: ConnectorLookup, block_tokens: int) -> int | None:
@@ -99,7 +108,11 @@ class StoreOwed:
 def store_owed(scenario: Scenario, run: RunObservation) -> dict[int, StoreOwed]:
     """Per request index (those with a connector lookup and a recorded step),
     what the store provably held of it at its lookup (see the module
-    docstring); empty unless every group is full attention or MLA."""
+    docstring); empty unless every group is full attention or MLA, and for a
+    bounded store (what it still holds is :mod:`differential.oracle.offload_lru`'s)."""
+    store = scenario.workload.connector
+    if store is not None and store.bounded:
+        return {}
     if not all(g.kind.full_attention_family for g in scenario.kv_cache_groups):
         return {}
     prompts = scenario.prompts
@@ -109,7 +122,7 @@ def store_owed(scenario: Scenario, run: RunObservation) -> dict[int, StoreOwed]:
         for i, p in enumerate(prompts)
     ]
     hash_block = scenario.effective_hash_block_size_tokens
-    alignment = scenario.effective_hit_alignment_tokens
+    alignment = store_grid_tokens(scenario)
     out: dict[int, StoreOwed] = {}
     for r in run.requests:
         if r.connector is None or r.scheduled_step is None:
@@ -127,6 +140,15 @@ def store_owed(scenario: Scenario, run: RunObservation) -> dict[int, StoreOwed]:
     return out
 
 
+def store_grid_tokens(scenario: Scenario) -> int:
+    """The store's lookup grid, in tokens: its own chunk
+    (``workload.connector.chunk_tokens``), else the hit alignment."""
+    store = scenario.workload.connector
+    if store is not None and store.chunk_tokens is not None:
+        return store.chunk_tokens
+    return scenario.effective_hit_alignment_tokens
+
+
 def connector_findings(
     scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
 ) -> list[Finding]:
@@ -136,8 +158,9 @@ def connector_findings(
     if scenario.workload.connector is None or run.unsupported is not None:
         return []
     block = scenario.scheduler_block_size_tokens
+    grid = store_grid_tokens(scenario)
     owed_by_store = store_owed(scenario, run)
-    findings: list[Finding] = []
+    findings: list[Finding] = lru_findings(scenario, run, policy)
     for r in run.requests:
         c = r.connector
         if c is None:
@@ -145,6 +168,9 @@ def connector_findings(
         computed = c.computed_tokens
         adopted = adoption_owed(c, block)
         stored = owed_by_store.get(r.index, StoreOwed(0, None, 0))
+        if not owed_answer(stored.tokens, c.presented_tokens, grid):
+            # Less than a chunk past the shown hit is not loaded (owed_answer).
+            stored = StoreOwed(0, None, stored.shared_tokens)
         common: dict[str, Any] = {
             "divergence_tokens": stored.shared_tokens,
             "hit_tokens": computed,

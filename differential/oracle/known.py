@@ -202,6 +202,9 @@ def _seed_fix_limit_marked_draft_group(scenario: Scenario, finding: Finding) -> 
 _LOOKUP_FINDERS = (
     "SlidingWindowManager.find_longest_cache_hit",
     "MambaManager.find_longest_cache_hit",
+    # A group whose block is larger than the hash block reads the hashes
+    # through this view (vllm/v1/core/kv_cache_utils.py), so the raise names it.
+    "BlockHashListWithBlockSize._get_value_at",
 )
 
 
@@ -210,8 +213,9 @@ def _lookahead_index_error_without_full_attention(scenario: Scenario, finding: F
     ``find_longest_cache_hit`` on a layout with no full-attention group,
     under lookahead hashes of two or more tokens: nothing capped the lookup
     at the hashed blocks (one group alone, or sliding-window and Mamba
-    groups only). The crash's ``raised in`` part names the function; an
-    error without it is matched on the lookup phase."""
+    groups only). The crash's ``raised in`` part names the function (or the
+    block-hash view it indexes through); an error without it is matched on
+    the lookup phase."""
     if finding.kind is not FindingKind.CRASH or "IndexError" not in finding.detail:
         return False
     if any(g.kind.full_attention_family for g in scenario.kv_cache_groups):
@@ -289,6 +293,25 @@ def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
         and store.load is ConnectorLoad.ASYNC
         and bool(store.failed_loads)
         and len(scenario.kv_cache_groups) > 1
+    )
+
+
+def _divergent_hit_truncates_lagging_window(scenario: Scenario, finding: Finding) -> bool:
+    """An ``AssertionError`` in ``KVCacheManager.truncate_computed_blocks``
+    inside ``Scheduler.schedule`` with a KV connector that declares divergent
+    hybrid hits on a Mamba hybrid with a sliding-window group:
+    ``get_computed_blocks_for_connector`` reports the full-attention hit as
+    diverged when *any* group lags it, but the truncation a longer remote
+    hit triggers lets only a Mamba group end short ("Other groups must cover
+    it", vllm/v1/core/kv_cache_manager.py)."""
+    if finding.kind is not FindingKind.CRASH or "truncate_computed_blocks" not in finding.detail:
+        return False
+    store = scenario.workload.connector
+    return (
+        store is not None
+        and store.divergent_hybrid_hits
+        and bool(scenario.sliding_window_groups)
+        and bool(scenario.mamba_groups)
     )
 
 
@@ -844,6 +867,31 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "(a failed load's free) with Scheduler._inflight_prefill_reserved_blocks",
         example="known-issues/connector-failed-load-reserves-itself-stalls.json",
         matches=_failed_load_reserves_itself,
+    ),
+    KnownIssue(
+        name="divergent-hit-truncates-lagging-window",
+        summary=(
+            "A KV connector declaring supports_divergent_local_hybrid_hits on a Mamba "
+            "hybrid that also has a sliding-window group: "
+            "KVCacheManager.get_computed_blocks_for_connector reports the "
+            "full-attention hit, flagged diverged whenever any group's own hit is "
+            "shorter, the sliding-window group's included; when the connector's hit "
+            "strictly exceeds the local sub-block tail, Scheduler.schedule truncates "
+            "the lookup to the block-aligned hit with truncate_computed_blocks, which "
+            "lets only a Mamba group end short ('Other groups must cover it') and "
+            "asserts every other group covers it: the sliding-window group's shorter "
+            "hit raises AssertionError and the engine crashes (full attention 8 + "
+            "sliding window 8 in blocks of 4 + Mamba 8, hash block 4: a full-attention "
+            "hit of 28 shown as 24, the sliding-window group's own hit 0, the store "
+            "8 tokens more, past the 4-token tail). Also on vLLM 0.31.0 and 0.32.0. "
+            "Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/kv_cache_manager.py "
+        "KVCacheManager.get_computed_blocks_for_connector with "
+        "KVCacheManager.truncate_computed_blocks (called from "
+        "vllm/v1/core/sched/scheduler.py Scheduler.schedule)",
+        example="known-issues/connector-divergent-hit-truncates-lagging-window.json",
+        matches=_divergent_hit_truncates_lagging_window,
     ),
     KnownIssue(
         name="mamba-external-block-uncounted",

@@ -252,6 +252,20 @@ class ConnectorDocument(BaseModel):
         description="CacheConfig.enable_prefix_caching; false: the store is the only source "
         "of computed tokens (not with mamba groups).",
     )
+    capacity_chunks: _Positive | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="The store's capacity, in chunks (one key: one group's KV or Mamba state "
+        "of chunk_tokens tokens); least recently used chunks are evicted over it "
+        "(vLLM's CPUOffloadingManager with the LRU policy). null: unbounded.",
+    )
+    chunk_tokens: _Positive | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="The store's own grid, in tokens (vLLM's offloading block_size): a "
+        "multiple of the scheduler block size; hits are whole chunks. null: a key per "
+        "group block, hits on the hit alignment.",
+    )
 
     def value(self) -> ConnectorStore:
         """The store as a value."""
@@ -260,6 +274,8 @@ class ConnectorDocument(BaseModel):
             failed_loads=self.failed_loads,
             divergent_hybrid_hits=self.divergent_hybrid_hits,
             prefix_caching=self.prefix_caching,
+            capacity_chunks=self.capacity_chunks,
+            chunk_tokens=self.chunk_tokens,
         )
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "check_requests",
     "check_retention",
     "check_scenario",
+    "check_store_grid",
     "check_workload",
 ]
 
@@ -327,6 +328,27 @@ def check_connector(s: Scenario) -> None:
             "workload.connector.prefix_caching",
             False,
             "true with mamba groups (vLLM's Mamba align mode needs prefix caching)",
+        )
+    check_store_grid(s)
+
+
+def check_store_grid(s: Scenario) -> None:
+    """The store's own grid (``workload.connector.chunk_tokens``): a whole
+    number of every group's blocks, so a multiple of the scheduler block
+    (vLLM's ``build_offloading_config``,
+    vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py,
+    refuses an offloaded ``block_size`` that is not a multiple of the GPU
+    block). ``capacity_chunks`` is checked positive by the JSON form."""
+    store = s.workload.connector
+    if store is None or store.chunk_tokens is None:
+        return
+    block = s.scheduler_block_size_tokens
+    if store.chunk_tokens % block:
+        raise ScenarioError(
+            "workload.connector.chunk_tokens",
+            store.chunk_tokens,
+            f"null or a positive multiple of the scheduler block size ({block} tokens: an "
+            "offloaded chunk is a whole number of every group's blocks)",
         )
 
 

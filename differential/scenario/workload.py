@@ -162,7 +162,8 @@ class ConnectorStore:
     a CPU-offload tier: it keeps the KV of every token a request computed
     (attention blocks, keyed by vLLM's chained block hashes) and the Mamba
     states vLLM hands off (boundary states and a producer's partial tail),
-    never evicts, and answers ``get_num_new_matched_tokens`` with the tokens
+    evicts least recently used chunks over its capacity (by default it has
+    none and never evicts), and answers ``get_num_new_matched_tokens`` with the tokens
     it holds beyond the local hit it is shown. Needs ``kv_connector`` true.
 
     Attributes:
@@ -179,12 +180,32 @@ class ConnectorStore:
         prefix_caching: ``CacheConfig.enable_prefix_caching``; false leaves
             the store as the only source of computed tokens (no Mamba
             groups: vLLM's align mode needs prefix caching).
+        capacity_chunks: the store's capacity, in chunks (one chunk: one
+            KV cache group's KV, or Mamba state, of ``chunk_tokens`` tokens,
+            one key): vLLM's ``CPUOffloadingManager(num_chunks=...)`` with its
+            LRU policy (vllm/v1/kv_offload/cpu/manager.py,
+            vllm/v1/kv_offload/cpu/policies/lru.py) evicts the least
+            recently used chunk to make room. ``None``: unbounded, nothing is
+            evicted.
+        chunk_tokens: the store's own grid, in tokens: every group keeps one
+            key per ``chunk_tokens`` tokens (vLLM's offloading connector's
+            ``block_size`` in ``kv_connector_extra_config``, a whole number
+            of each group's blocks) and a hit is a whole number of chunks.
+            ``None``: each group keeps a key per block (vLLM's default,
+            ``blocks_per_chunk`` 1) and hits land on the hit alignment.
     """
 
     load: ConnectorLoad = ConnectorLoad.SYNC
     failed_loads: tuple[int, ...] = ()
     divergent_hybrid_hits: bool = False
     prefix_caching: bool = True
+    capacity_chunks: int | None = None
+    chunk_tokens: int | None = None
+
+    @property
+    def bounded(self) -> bool:
+        """The store has a capacity (it may evict)."""
+        return self.capacity_chunks is not None
 
 
 @dataclass(frozen=True)

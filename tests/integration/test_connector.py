@@ -62,6 +62,11 @@ ADOPTED = {
         (0, 0, 0, 0, 0, False, False, False),
         (0, 256, 256, 0, 256, True, False, True),
     ],
+    "connector-bounded-lru-evicts-writer-tail": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 32, 32, 0, 32, False, False, False),
+    ],
     "connector-aborted-producer-partial-tail": [
         (0, 0, 0, 0, 0, False, False, False),
         (80, 80, 16, 80, 0, False, False, False),

@@ -334,8 +334,17 @@ TWO = Drafter(DrafterKind.MULTI_MODULE_MTP, 2)
             (KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8), KVCacheGroup(GroupKind.MAMBA, 4)),
             "MambaManager.find_longest_cache_hit",
         ),
+        # Blocks of 16 and 8 beside 4 read the 4-token hashes through
+        # BlockHashListWithBlockSize, which raises (a scheduler campaign, seed 48).
+        (
+            (
+                KVCacheGroup(GroupKind.SLIDING_WINDOW, 8, 8),
+                KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 4),
+            ),
+            "BlockHashListWithBlockSize._get_value_at",
+        ),
     ],
-    ids=["one-swa-untraced", "one-swa", "two-swa", "swa-mamba"],
+    ids=["one-swa-untraced", "one-swa", "two-swa", "swa-mamba", "block-hash-view"],
 )
 def test_lookahead_crash_label_without_full_attention(
     groups: tuple[KVCacheGroup, ...], raised_in: str | None
