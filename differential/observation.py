@@ -818,6 +818,14 @@ class RunObservation:
             requests were scheduled (its ``has_scheduled_reqs``), as
             ``(request index, step, free blocks right after the call)``, the
             free blocks in blocks (``BlockPool.get_num_free_blocks``).
+        deferred_frees: (scheduler mode, async scheduling with a KV consumer
+            connector) every deferred return of a finished or preempted
+            request's blocks to the block pool (``Scheduler._drain_deferred_frees``,
+            vllm/v1/core/sched/scheduler.py), as ``(request index, step,
+            blocks)``, ``blocks`` the ``(KV cache group, index in that
+            group's block table)`` of each block in the order handed to
+            ``BlockPool.free_blocks`` (the table without its leading null
+            blocks, as ``pop_blocks_for_free`` trims it).
         kv_events: the KV cache event stream and the cache beside it
             (:class:`KVEventLog`), recorded only when the scenario turns
             events on (``workload.kv_events``); ``None`` otherwise.
@@ -848,6 +856,7 @@ class RunObservation:
     newly_cached_blocks_per_group: tuple[int, ...] = ()
     kv_events: KVEventLog | None = None
     watermark_admissions: tuple[tuple[int, int, int], ...] = ()
+    deferred_frees: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def unreachable_share(self) -> float:
@@ -884,6 +893,10 @@ class RunObservation:
             watermark_admissions=tuple(
                 (i, step, free) for i, step, free in data.get("watermark_admissions", ())
             ),
+            deferred_frees=tuple(
+                (i, step, tuple((g, k) for g, k in blocks))
+                for i, step, blocks in data.get("deferred_frees", ())
+            ),
         )
 
     @property
@@ -913,6 +926,10 @@ class RunObservation:
             out["kv_events"] = self.kv_events.to_dict()
         if self.watermark_admissions:
             out["watermark_admissions"] = [list(a) for a in self.watermark_admissions]
+        if self.deferred_frees:
+            out["deferred_frees"] = [
+                [i, step, [list(b) for b in blocks]] for i, step, blocks in self.deferred_frees
+            ]
         return out
 
     def _base_dict(self) -> dict[str, Any]:
