@@ -1331,6 +1331,14 @@ def _build_scheduler(
     return scheduler, resolved
 
 
+def _fenced(scheduler: Any) -> Counter[int]:
+    """The references vLLM's deferred frees hold, per block id: one per
+    block of each entry of ``Scheduler.deferred_frees`` (a request's blocks,
+    or a copy-on-write retention), returned to the pool when its fence step
+    is processed (vllm/v1/core/sched/scheduler.py ``_drain_deferred_frees``)."""
+    return Counter(b.block_id for _, blocks in scheduler.deferred_frees for b in blocks)
+
+
 def _install_recorders(
     scenario: Scenario,
     scheduler: Any,
@@ -1379,6 +1387,8 @@ def _install_recorders(
     writes: dict[int, list[BlockWrite]] = {}
     if ledger is not None:
         _record_writes(manager, ledger, index_of, writes, failures)
+        if getattr(scheduler, "defer_block_free", False):
+            ledger.hold_deferred(lambda: _fenced(scheduler))
     store = scheduler.connector if workload.connector is not None else None
     _record_adoption(manager, lookups, store, failures)
     clock.install(manager)

@@ -121,3 +121,23 @@ def test_an_ngram_drafter_is_refused_under_async_scheduling() -> None:
         "VllmConfig.__post_init__ refuses async scheduling with the V1 model runner for "
         "ngram-based speculative decoding"
     )
+
+
+def test_a_copy_on_write_block_fenced_by_a_deferred_free_is_its_writers_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from collections import Counter
+
+    import differential.driver.scheduler_mode as scheduler_mode
+
+    entry = load_entry(CORPORA / "regressions" / "async-cow-retention-fenced-write.json")
+    run = run_variant(entry.scenario, STOCK)
+    assert run.hits == (0, 12)
+    assert [w for r in run.requests for w in r.unsafe_writes] == []
+    # Counting the deferred copy-on-write retention as a holder is the false
+    # positive a campaign found: request 1's step at 16 tokens writes its
+    # private copy, block 4, while the fence still holds it (2 references).
+    monkeypatch.setattr(scheduler_mode, "_fenced", lambda scheduler: Counter())
+    unfenced = run_variant(entry.scenario, STOCK)
+    (write,) = [w for r in unfenced.requests for w in r.unsafe_writes]
+    assert (write.position_tokens, write.group, write.block_id, write.ref_cnt) == (16, 0, 4, 2)
