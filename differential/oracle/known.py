@@ -202,6 +202,10 @@ def _seed_fix_limit_marked_draft_group(scenario: Scenario, finding: Finding) -> 
 _LOOKUP_FINDERS = (
     "SlidingWindowManager.find_longest_cache_hit",
     "MambaManager.find_longest_cache_hit",
+    # A group whose block is larger than the hash block reads its hashes
+    # through this wrapper (vllm/v1/core/kv_cache_utils.py), which raises the
+    # same IndexError inside the group's find_longest_cache_hit.
+    "BlockHashListWithBlockSize._get_value_at",
 )
 
 
@@ -794,7 +798,9 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "but lookahead hashes stop num_hash_lookahead_tokens before the end "
             "(IndexError: SWA block 2 alone, window 2, a 19-token prompt; two SWA "
             "groups of block 4, windows 4 and 8, a 5-token prompt; both with two "
-            "speculative tokens). Full attention uses islice and caps the others. "
+            "speculative tokens; with SWA blocks 8 and 4 the 8-token group raises "
+            "inside BlockHashListWithBlockSize, its view of the 4-token hashes). "
+            "Full attention uses islice and caps the others. "
             "Found by kvfuzz."
         ),
         vllm_source="vllm/v1/core/kv_cache_coordinator.py "
