@@ -1644,11 +1644,17 @@ def _record_step(
     record_cache_map: bool,
 ) -> None:
     """After a step: the KV cache events, evictions, the requests the applied
-    output finished and, with ``record_cache_map``, the timeline line."""
+    output finished and, with ``record_cache_map``, the timeline line.
+
+    The KV cache events are drained only after a step that applied an output:
+    vLLM publishes them in ``update_from_output`` (``take_events``), so under
+    async scheduling a step that applies none publishes nothing, and its
+    lookups and cache changes go with the next drain (the queue positions
+    its lookups recorded stay valid, as nothing drained the queue)."""
     manager = scheduler.kv_cache_manager
     step = recorders.step[0]
     index_of = recorders.index_of
-    if report.recorder is not None:
+    if report.recorder is not None and done.applied is not None:
         report.recorder.drain(step)
     after = prefix_cache.cached_blocks(manager)
     lost = _cache_changes(progress.seen, after, report.newly_cached)

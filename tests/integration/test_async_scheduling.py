@@ -141,3 +141,16 @@ def test_a_copy_on_write_block_fenced_by_a_deferred_free_is_its_writers_alone(
     unfenced = run_variant(entry.scenario, STOCK)
     (write,) = [w for r in unfenced.requests for w in r.unsafe_writes]
     assert (write.position_tokens, write.group, write.block_id, write.ref_cnt) == (16, 0, 4, 2)
+
+
+def test_kv_cache_events_are_judged_where_vllm_publishes_them() -> None:
+    # vLLM publishes a step's events in update_from_output: under async
+    # scheduling the first step applies no output and publishes nothing.
+    entry = load_entry(CASES / "kv-events-full-readmission.json")
+    scenario = _async(entry.scenario)
+    result = compare_variants(scenario, UNFIXED)
+    vr = result.results[0]
+    assert vr.run.hits == run_variant(synchronous(scenario), STOCK).hits == (0, 48, 0, 32)
+    assert result.findings == ()
+    assert vr.run.kv_events is not None
+    assert vr.run.kv_events.steps[0].step == 1
