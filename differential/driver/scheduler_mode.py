@@ -313,7 +313,8 @@ def _check_async_drafter(config: Any) -> None:
     from vllm.config.speculative import EagleModelTypes, NgramGPUTypes
 
     spec = config.speculative_config
-    if spec is None or config.use_v2_model_runner:
+    # Releases before 0.33.0 refuse the same drafters whatever the runner.
+    if spec is None or getattr(config, "use_v2_model_runner", False):
         return
     allowed = {*get_args(EagleModelTypes), *get_args(NgramGPUTypes)}
     allowed |= {"draft_model", "dspark", "dflash"}
