@@ -41,6 +41,7 @@ from differential.oracle.engine import (
 )
 from differential.oracle.known import label_fix_cost, label_known
 from differential.oracle.layout import alignment_blowup
+from differential.oracle.scheduling import async_cross_checkable, cross_check_scheduling
 from differential.scenario import DrafterKind, DriveMode, GroupKind, Scenario
 from differential.variants import FixScope, Variant, VariantRole
 
@@ -54,6 +55,7 @@ __all__ = [
     "in_fix_domain",
     "in_mode",
     "judge_variant",
+    "synchronous",
 ]
 
 
@@ -74,6 +76,9 @@ class VariantResult:
         retention0_run: (scheduler mode, dense retention with a pool size
             and later turns) the same scenario with retention 0, for the
             eviction-collapse rule.
+        sync_run: (scheduler mode, async scheduling with one-at-a-time
+            arrivals) the same scenario with ``workload.async_scheduling``
+            off, for the ``async-mismatch`` rule.
     """
 
     variant: Variant
@@ -84,6 +89,7 @@ class VariantResult:
     elapsed_s: float = 0.0
     manager_run: RunObservation | None = None
     retention0_run: RunObservation | None = None
+    sync_run: RunObservation | None = None
 
 
 def _signed(values: Sequence[float]) -> str:
@@ -620,6 +626,17 @@ def in_mode(scenario: Scenario, mode: DriveMode) -> Scenario:
     return dataclasses.replace(scenario, workload=dataclasses.replace(scenario.workload, mode=mode))
 
 
+def synchronous(scenario: Scenario) -> Scenario:
+    """``scenario`` with ``workload.async_scheduling`` off: vLLM's
+    synchronous ``Scheduler``, each step's output applied before the next
+    ``schedule()`` (the control run of the ``async-mismatch`` rule)."""
+    if not scenario.workload.async_scheduling:
+        return scenario
+    return dataclasses.replace(
+        scenario, workload=dataclasses.replace(scenario.workload, async_scheduling=False)
+    )
+
+
 def no_partial_hits_reason(scenario: Scenario) -> str:
     """Why vLLM serves no partial (hash-block) hits for ``scenario``'s layout.
 
@@ -738,6 +755,10 @@ def judge_variant(
         collapse = eviction_collapse(scenario, run, retention0_run)
         if collapse is not None:
             findings += (dataclasses.replace(collapse, policy=policy),)
+    sync_run = None
+    if engine and async_cross_checkable(scenario):
+        sync_run = _run_shared(synchronous(scenario), variant, stock_runs)
+        findings += cross_check_scheduling(judged, run, sync_run, policy)
     findings = label_known(judged, findings, hits=run.hits)
     result = VariantResult(
         variant,
@@ -748,6 +769,7 @@ def judge_variant(
         time.perf_counter() - started,
         manager_run=manager_run,
         retention0_run=retention0_run,
+        sync_run=sync_run,
     )
     return result, tuple(notices)
 

@@ -111,6 +111,11 @@ class FindingKind(StrEnum):
     vLLM's ``Scheduler`` than through the manager-level driver: the driver's
     reconstruction of the scheduler's calls is wrong (or the scheduler
     changed); the finding names the first differing call."""
+    ASYNC_MISMATCH = "async-mismatch"
+    """(scheduler mode, async scheduling) requests arriving one at a time got
+    other hits under vLLM's ``AsyncScheduler`` than under its synchronous
+    ``Scheduler``, neither run evicting: caching depended on a batch being in
+    flight (:func:`differential.oracle.scheduling.cross_check_scheduling`)."""
     DRIVER_MISMATCH = "driver-mismatch"
     """(engine mode) kvfuzz's manager or scheduler driver on the engine's
     vLLM release gave other hits than vLLM's real engine: both hit lists and
@@ -120,6 +125,13 @@ class FindingKind(StrEnum):
     others were scheduled and left fewer free blocks than the KV cache
     watermark (``SchedulerConfig.watermark``, vLLM PR #44594) keeps
     (:mod:`differential.oracle.watermark`)."""
+    FREE_ORDER = "free-order"
+    """(scheduler mode, async scheduling with a KV consumer connector) a
+    request's deferred free (``Scheduler._drain_deferred_frees``) returned
+    its blocks to the free queue in another order than the immediate free
+    (group by group, each tail first), so other blocks are evicted first
+    (vLLM issue #48489; a named policy:
+    :data:`differential.oracle.scheduling.FREE_ORDER_POLICIES`)."""
     EVICTION_COLLAPSE = "eviction-collapse"
     """(scheduler mode) with dense retention every later turn of every
     session hit nothing, while retention 0 at the same pool size keeps

@@ -901,6 +901,14 @@ class RunObservation:
             requests were scheduled (its ``has_scheduled_reqs``), as
             ``(request index, step, free blocks right after the call)``, the
             free blocks in blocks (``BlockPool.get_num_free_blocks``).
+        deferred_frees: (scheduler mode, async scheduling with a KV consumer
+            connector) every deferred return of a finished or preempted
+            request's blocks to the block pool (``Scheduler._drain_deferred_frees``,
+            vllm/v1/core/sched/scheduler.py), as ``(request index, step,
+            blocks)``, ``blocks`` the ``(KV cache group, index in that
+            group's block table)`` of each block in the order handed to
+            ``BlockPool.free_blocks`` (the table without its leading null
+            blocks, as ``pop_blocks_for_free`` trims it).
         kv_events: the KV cache event stream and the cache beside it
             (:class:`KVEventLog`), recorded only when the scenario turns
             events on (``workload.kv_events``); ``None`` otherwise.
@@ -932,6 +940,7 @@ class RunObservation:
     kv_events: KVEventLog | None = None
     watermark_admissions: tuple[tuple[int, int, int], ...] = ()
     store_calls: tuple[StoreCall, ...] = ()
+    deferred_frees: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def unreachable_share(self) -> float:
@@ -969,6 +978,10 @@ class RunObservation:
                 (i, step, free) for i, step, free in data.get("watermark_admissions", ())
             ),
             store_calls=tuple(StoreCall.from_dict(c) for c in data.get("store_calls", ())),
+            deferred_frees=tuple(
+                (i, step, tuple((g, k) for g, k in blocks))
+                for i, step, blocks in data.get("deferred_frees", ())
+            ),
         )
 
     @property
@@ -1000,6 +1013,10 @@ class RunObservation:
             out["watermark_admissions"] = [list(a) for a in self.watermark_admissions]
         if self.store_calls:
             out["store_calls"] = [c.to_dict() for c in self.store_calls]
+        if self.deferred_frees:
+            out["deferred_frees"] = [
+                [i, step, [list(b) for b in blocks]] for i, step, blocks in self.deferred_frees
+            ]
         return out
 
     def _base_dict(self) -> dict[str, Any]:

@@ -140,6 +140,11 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         )
     if w.abort_steps is not None:
         yield "no aborts", _replace(s, workload=dataclasses.replace(w, abort_steps=None))
+    if w.async_scheduling:
+        yield (
+            "synchronous scheduling",
+            _replace(s, workload=dataclasses.replace(w, async_scheduling=False)),
+        )
     yield from _connector_store(s)
 
 
@@ -431,6 +436,7 @@ def _size(s: Scenario) -> tuple[int, ...]:
         len(s.workload.accepted_drafts),
         s.workload.max_num_seqs or 8,
         round(s.workload.watermark * 1000),
+        s.workload.async_scheduling,
         _EVENTS_RANK[s.workload.kv_events],
         sum(len(r.mm_inputs) + (r.cache_salt is not None) for r in s.requests),
         s.dcp_world_size,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from differential.findings import Finding
 from differential.oracle import drafter_model
-from differential.scenario import DrafterKind, Scenario
+from differential.scenario import DrafterKind, DriveMode, Scenario
 from differential.variants import file_label
 
 __all__ = ["Signature", "coverage_keys", "signature_of"]
@@ -132,10 +132,12 @@ def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
     """The scenario-space classes a scenario covers, as ``class:value`` keys
     (``group-mix``: :attr:`Scenario.group_mix`; ``draft-groups``: whether the
     EAGLE drop is annotated, falls back to every group, or never applies,
-    :attr:`Scenario.draft_groups`; ``connector-store``: :func:`_store_class`)."""
+    :attr:`Scenario.draft_groups`; ``connector-store``: :func:`_store_class`;
+    in scheduler mode only, ``scheduling``: ``async`` under
+    ``workload.async_scheduling``, else ``sync``)."""
     model = drafter_model(scenario)
     protection = "drop" if model.drop else ("lookahead" if model.hash_lookahead_tokens else "none")
-    return (
+    keys = (
         f"drafter:{scenario.drafter.kind.value}",
         f"protection:{protection}",
         f"retention:{_retention_class(scenario)}",
@@ -145,6 +147,10 @@ def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
         f"draft-groups:{scenario.draft_groups.value}",
         f"connector-store:{_store_class(scenario)}",
     )
+    workload = scenario.workload
+    if workload.mode is not DriveMode.SCHEDULER:
+        return keys
+    return (*keys, f"scheduling:{'async' if workload.async_scheduling else 'sync'}")
 
 
 def _store_class(scenario: Scenario) -> str:

@@ -902,6 +902,15 @@ def _client_aborts(
     return tuple(step if i == doomed else None for i in range(num_requests))
 
 
+def _async_scheduling(draw: st.DrawFn, drafter: DrafterKind) -> bool:
+    """One workload in four vLLM's ``AsyncScheduler`` (``Workload.async_scheduling``),
+    never with an n-gram drafter (vLLM refuses async scheduling with it on
+    the V1 model runner, ``VllmConfig.__post_init__``)."""
+    if drafter is DrafterKind.NGRAM:
+        return False
+    return draw(st.integers(0, 3)) == 0
+
+
 @st.composite
 def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     """A scheduler-mode scenario: chat sessions through vLLM's ``Scheduler``.
@@ -919,8 +928,9 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     local attention, whose drop a connector would turn on) a KV connector
     with a remote store (:func:`_connector_stores`; its grid and capacity:
     :func:`_store_bounds`), and one of those in four a client aborting one
-    request a few steps in. ``scale`` is ``toy`` (the only scale drawn so
-    far).
+    request a few steps in; one workload in four async scheduling
+    (:func:`_async_scheduling`). ``scale`` is ``toy`` (the only scale drawn
+    so far).
     """
     del scale  # toy scale first
     groups, hash_block, mamba = _engine_geometry(draw)
@@ -978,6 +988,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     # Drawn last, so that every draw above reads the bytes it read before.
     # (Sharded attention blocks hold more tokens: the pool still suffices.)
     groups, dcp = _decode_context_parallel(draw, groups, retention)
+    workload = dataclasses.replace(workload, async_scheduling=_async_scheduling(draw, kind))
     try:
         scenario = Scenario(
             kv_cache_groups=groups,

@@ -33,7 +33,8 @@ tokens computed, not to the cache size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -77,6 +78,25 @@ class BlockLedger:
         # request index -> its attention groups' tables after each step
         self._tables: dict[int, list[StepTable]] = {}
         self._null_id = id(manager.block_pool.null_block)
+        #: The references vLLM's deferred frees hold per block id (see
+        #: :meth:`hold_deferred`); ``None``: none (synchronous scheduling).
+        self._deferred: Callable[[], Counter[int]] | None = None
+
+    def hold_deferred(self, deferred: Callable[[], Counter[int]]) -> None:
+        """Count the references ``deferred()`` gives per block id as held by
+        no request: vLLM's deferred frees under async scheduling with a KV
+        consumer connector (``Scheduler.deferred_frees``, drained by
+        ``_drain_deferred_frees``, vllm/v1/core/sched/scheduler.py) keep one
+        reference per block until the steps in flight are processed, a fence
+        and not a reader. A copy-on-write block's extra reference
+        (``SingleTypeKVCacheManager._apply_cow``) is released that way too
+        (``Scheduler._free_cow_retained_blocks`` defers it to the copy
+        step's completion), so without this a request's next step, scheduled
+        before that step's output is applied, would seem to write a block
+        another request holds. A block such a fence holds is never handed to
+        another request's table before it is returned, so a request writing
+        it holds it alone but for the fence."""
+        self._deferred = deferred
 
     @classmethod
     def for_manager(cls, manager: KVCacheManager) -> BlockLedger | None:
@@ -304,6 +324,7 @@ class BlockLedger:
         # reference until the worker has copied the shared block into it.
         pending = getattr(manager, "_pending_cow_copies", None)
         cow = {dst.block_id: src.block_id for src, dst in pending} if pending else None
+        fenced = self._deferred() if self._deferred is not None else None
         first = start_tokens // size
         for k, block in enumerate(table[first : (end_tokens - 1) // size + 1], first):
             null = block.is_null
@@ -320,7 +341,16 @@ class BlockLedger:
                 # whatever the block held before it was freed and reused.
                 rec = filled[block_id] = [gid, request_index, k, max(0, start_tokens - k * size)]
             write = self._unsafe_write(
-                block, rec, gid, k, size, request_index, start_tokens, copied, cached_before
+                block,
+                rec,
+                gid,
+                k,
+                size,
+                request_index,
+                start_tokens,
+                copied,
+                cached_before,
+                fenced.get(block_id, 0) if fenced else 0,
             )
             if write is not None:
                 unsafe.append(write)
@@ -339,14 +369,16 @@ class BlockLedger:
         start_tokens: int,
         copied: bool,
         cached_before: dict[int, int],
+        fenced: int = 0,
     ) -> BlockWrite | None:
         """The step's write from ``start_tokens`` into ``block`` (block ``k``
         of KV cache group ``gid``, ``size`` tokens a block; ``rec``: what the
         ledger last recorded it filled with) as a :class:`BlockWrite`, or
         ``None`` when the block is the request's alone: vLLM's null block, a
         reference count other than 1 (less the pending copy of a
-        copy-on-write block), a prefix-cache entry covering the tokens
-        written, or another request's table holding it are unsafe."""
+        copy-on-write block and the ``fenced`` references vLLM's deferred
+        frees hold, :meth:`hold_deferred`), a prefix-cache entry covering the
+        tokens written, or another request's table holding it are unsafe."""
         block_id = block.block_id
         overwrites = bool(cached_before) and (
             max(start_tokens, k * size) < cached_before.get(block_id, 0)
@@ -359,7 +391,10 @@ class BlockLedger:
         )
         null = block.is_null
         if not (
-            (ref_cnt - 1 if copied else ref_cnt) != 1 or null or overwrites or held_by is not None
+            (ref_cnt - 1 if copied else ref_cnt) - fenced != 1
+            or null
+            or overwrites
+            or held_by is not None
         ):
             return None
         return BlockWrite(

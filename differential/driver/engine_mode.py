@@ -619,8 +619,8 @@ def _refuse_chunked_local(scenario: Scenario) -> None:
 
 def _refuse_workload(scenario: Scenario) -> None:
     """Refuse workload parts engine mode does not map: connectors, aborts, answers
-    rejoined, the Mamba shared-prefix checkpoint, the watermark, drafters kvfuzz
-    builds no tiny model for.
+    rejoined, the Mamba shared-prefix checkpoint, the watermark, async
+    scheduling, drafters kvfuzz builds no tiny model for.
 
     Raises:
         EngineUnsupported: naming the part.
@@ -648,6 +648,11 @@ def _refuse_workload(scenario: Scenario) -> None:
         raise EngineUnsupported("enable_mamba_shared_prefix_checkpoint: not mapped to the engine")
     if scenario.workload.watermark:
         raise EngineUnsupported("workload.watermark: not mapped to the engine")
+    if scenario.workload.async_scheduling:
+        raise EngineUnsupported(
+            "workload.async_scheduling: not mapped to the engine (engine mode compares "
+            "it with the synchronous drivers of its release)"
+        )
     drafter = scenario.drafter.kind
     if drafter is not DrafterKind.NONE and scenario.mamba_groups:
         raise EngineUnsupported(_DRAFTER_BESIDE_MAMBA)

@@ -74,7 +74,7 @@ import copy
 import inspect
 import logging
 import os
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -84,6 +84,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_utils import get_group_id
 
 import differential.driver.runner as runner
+from differential.capabilities import Unsupported
 from differential.driver import prefix_cache
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.features import VllmCallError, classified_run, vllm_build, vllm_call
@@ -126,11 +127,18 @@ def _model_dir() -> str:
 
 @lru_cache(maxsize=64)
 def _validated_config(
-    block_size_tokens: int, budget_tokens: int, max_num_seqs: int, max_model_len: int
+    block_size_tokens: int,
+    budget_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    async_scheduling: bool = False,
 ) -> Any:
     """The validated ``VllmConfig`` for one layout, built once per process:
     ``ModelConfig`` (reading the tiny ``config.json``), ``CacheConfig`` and
-    ``SchedulerConfig`` validated by vLLM, as :func:`_vllm_config` copies it."""
+    ``SchedulerConfig`` validated by vLLM, as :func:`_vllm_config` copies it.
+    With ``async_scheduling`` the ``SchedulerConfig`` asks for it, so
+    ``VllmConfig.__post_init__`` checks that this platform's executor
+    supports it."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model = vllm_call(
@@ -155,6 +163,7 @@ def _validated_config(
         max_model_len=max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
+        **({"async_scheduling": True} if async_scheduling else {}),
     )
     return vllm_call(
         "VllmConfig",
@@ -193,6 +202,7 @@ def _vllm_config(
             budget,
             workload.max_num_seqs or min(8, budget),
             max_model_len,
+            workload.async_scheduling,
         )
     )
     # After validation (see the module docstring): what the scheduler reads.
@@ -213,10 +223,11 @@ def _vllm_config(
                 "KVEventsConfig", KVEventsConfig, enable_kv_cache_events=True, publisher="null"
             ),
         )
-    # Synchronous scheduling (each step's output before the next schedule()),
-    # whichever platform vLLM resolved in this process: with an unresolved one
-    # VllmConfig turns async scheduling on.
-    config.scheduler_config.async_scheduling = False
+    # Synchronous scheduling (each step's output before the next schedule())
+    # unless the workload asks for vLLM's AsyncScheduler, whichever platform
+    # vLLM resolved in this process: with an unresolved one VllmConfig turns
+    # async scheduling on.
+    config.scheduler_config.async_scheduling = workload.async_scheduling
     _set_drafter(config, scenario)
     store = workload.connector
     if scenario.kv_connector or store is not None:
@@ -265,8 +276,15 @@ def _set_drafter(config: Any, scenario: Scenario) -> None:
     """Set the scenario's ``SpeculativeConfig`` on ``config`` after
     validation (see the module docstring), then run vLLM's own check of the
     step budget against the draft slots (lookahead tokens), which
-    validation skipped."""
+    validation skipped, and, under async scheduling, its check of the
+    drafter (:func:`_check_async_drafter`).
+
+    Raises:
+        Unsupported: vLLM refuses async scheduling with this drafter.
+    """
     object.__setattr__(config, "speculative_config", _speculative_config(scenario))
+    if config.scheduler_config.async_scheduling:
+        _check_async_drafter(config)
     if config.speculative_config is not None and hasattr(config, "_set_max_num_scheduled_tokens"):
         # A budget of no more than num_lookahead_tokens is a configuration
         # vLLM refuses, not one whose scheduler stalls.
@@ -274,6 +292,37 @@ def _set_drafter(config: Any, scenario: Scenario) -> None:
             "VllmConfig._set_max_num_scheduled_tokens",
             "vllm/config/vllm.py",
             config._set_max_num_scheduled_tokens,
+        )
+
+
+def _check_async_drafter(config: Any) -> None:
+    """vLLM's refusal of async scheduling with a drafter the V1 model runner
+    cannot draft for asynchronously, which validation skipped (the
+    ``SpeculativeConfig`` is set after it): ``VllmConfig.__post_init__``
+    (vllm/config/vllm.py) raises when async scheduling is asked for, the V1
+    model runner is used (``use_v2_model_runner`` false, as on this CPU
+    build without Triton) and the method is none of ``EagleModelTypes``,
+    ``NgramGPUTypes``, ``draft_model``, ``dspark`` or ``dflash``
+    (vllm/config/speculative.py), or padded drafter batches are off. The
+    same condition, read from vLLM's own type lists.
+
+    Raises:
+        Unsupported: naming vLLM's refusal and its file.
+    """
+    from typing import get_args
+
+    from vllm.config.speculative import EagleModelTypes, NgramGPUTypes
+
+    spec = config.speculative_config
+    # Releases before 0.33.0 refuse the same drafters whatever the runner.
+    if spec is None or getattr(config, "use_v2_model_runner", False):
+        return
+    allowed = {*get_args(EagleModelTypes), *get_args(NgramGPUTypes)}
+    allowed |= {"draft_model", "dspark", "dflash"}
+    if spec.method not in allowed or getattr(spec, "disable_padded_drafter_batch", False):
+        raise Unsupported(
+            "VllmConfig.__post_init__ refuses async scheduling with the V1 model runner "
+            f"for {spec.method}-based speculative decoding (vllm/config/vllm.py)"
         )
 
 
@@ -665,25 +714,43 @@ class _FreeQueueClock:
     the removal count) as the free begins. The oracle reads them in
     :func:`differential.oracle.engine.timeline_writers` and
     :func:`differential.oracle.engine.resumed_findings`.
+
+    Deferred frees (async scheduling with a KV consumer connector,
+    ``Scheduler.defer_block_free``): ``Scheduler._free_request_blocks``
+    takes a finished or preempted request's blocks with
+    ``KVCacheManager.pop_blocks_for_free`` and ``_drain_deferred_frees``
+    hands them to ``free_blocks`` once the in-flight steps are processed, a
+    call outside the three above. The clock records which request each
+    popped block is (``deferred``: block id -> (request id, preempted, KV
+    cache group, index in the group's table)) and attributes the later call
+    to its owner (a preempted request's does not count as its first free);
+    ``drained`` keeps each such call as ``(request id, step, (group, index)
+    per block in the order freed)``.
     """
 
     __slots__ = (
         "current",
+        "deferred",
+        "drained",
         "first_free",
         "lookups",
         "num_free",
         "preempted",
         "removals",
+        "step",
         "unattributed",
     )
 
-    def __init__(self, lookups: dict[str, list[_Admission]]) -> None:
+    def __init__(self, lookups: dict[str, list[_Admission]], step: list[int] | None = None) -> None:
         self.removals = 0
         self.current: str | None = None
         self.first_free: dict[str, tuple[int, int]] = {}
         self.unattributed = False
         self.lookups = lookups
         self.preempted: dict[str, tuple[int, int, int, int]] = {}
+        self.step = step if step is not None else [0]
+        self.deferred: dict[int, tuple[str, bool, int, int]] = {}
+        self.drained: list[tuple[str, int, tuple[tuple[int, int], ...]]] = []
 
     def install(self, manager: Any) -> None:
         """Wrap the instance attributes of ``manager``'s block pool and free
@@ -711,7 +778,10 @@ class _FreeQueueClock:
 
         def attributed_free_blocks(ordered_blocks: Any) -> None:
             rid = self.current
-            if rid is None:
+            if rid is None and self.deferred:
+                ordered_blocks = list(ordered_blocks)
+                self._drain(ordered_blocks, num_free())
+            elif rid is None:
                 self.unattributed = True
             elif rid not in self.first_free:
                 self.first_free[rid] = (num_free(), self.removals)
@@ -753,6 +823,51 @@ class _FreeQueueClock:
         self._attribute(
             manager, "remove_skipped_blocks", lambda a, k: a[0] if a else k["request_id"]
         )
+        self._record_pops(manager)
+
+    def _record_pops(self, manager: Any) -> None:
+        """Wrap ``manager.pop_blocks_for_free`` (the deferred-free path,
+        vllm/v1/core/kv_cache_manager.py) so each popped block is known by
+        its owner, group and index in the group's block table
+        (``deferred``)."""
+        pop = getattr(manager, "pop_blocks_for_free", None)
+        if pop is None:
+            return
+        managers = manager.coordinator.single_type_managers
+
+        def recorded_pop(*args: Any, **kwargs: Any) -> Any:
+            request = args[0] if args else kwargs["request"]
+            rid: str = request.request_id
+            where = {
+                block.block_id: (group, index)
+                for group, single in enumerate(managers)
+                for index, block in enumerate(single.req_to_blocks.get(rid, ()))
+                if not block.is_null
+            }
+            blocks = pop(*args, **kwargs)
+            preempted = not request.is_finished()
+            for block in blocks:
+                if block.block_id in where:
+                    self.deferred[block.block_id] = (rid, preempted, *where[block.block_id])
+            return blocks
+
+        manager.pop_blocks_for_free = recorded_pop
+
+    def _drain(self, blocks: list[Any], queued: int) -> None:
+        """Attribute a ``free_blocks`` call made outside the manager's calls
+        (``Scheduler._drain_deferred_frees``) to the request whose popped
+        blocks it frees, ``queued`` the free queue's length before it (in
+        blocks); a call freeing no popped block leaves the run unattributed."""
+        owned = [self.deferred.pop(b.block_id) for b in blocks if b.block_id in self.deferred]
+        if not owned:
+            self.unattributed = True
+            return
+        rid, preempted = owned[0][0], owned[0][1]
+        if any(o[0] != rid for o in owned):
+            self.unattributed = True
+        elif not preempted and rid not in self.first_free:
+            self.first_free[rid] = (queued, self.removals)
+        self.drained.append((rid, self.step[0], tuple((o[2], o[3]) for o in owned)))
 
     def _attribute(
         self, manager: Any, name: str, request_id: Callable[[tuple[Any, ...], dict[str, Any]], str]
@@ -874,6 +989,10 @@ class _ModelRunner:
         self.to_fail = frozenset(store.failed_loads) if store is not None else frozenset()
         self.failed: set[int] = set()  # request indices whose load failed
         self.manager = manager
+        self.async_scheduling = scenario.workload.async_scheduling
+        # Under async scheduling: per request id, the tokens the worker has
+        # sampled so far (the scheduler learns of them a step later).
+        self.sampled: dict[str, int] = {}
 
     @staticmethod
     def load_events(
@@ -938,6 +1057,18 @@ class _ModelRunner:
         output.invalid_block_ids = invalid
         return output, lost
 
+    def _partial_prefill(self, request: Any, spec: list[int]) -> bool:
+        """Whether the request's scheduled tokens stop short of its end (a
+        partial prefill chunk, which samples nothing), read right after
+        ``schedule()``. Under async scheduling the tokens sampled by a step
+        still in flight are placeholders the scheduler counts
+        (``num_output_placeholders``), so vLLM's own mark is read:
+        ``Request.is_prefill_chunk``, which ``Scheduler._update_after_schedule``
+        sets (vllm/v1/core/sched/scheduler.py)."""
+        if self.async_scheduling:
+            return bool(request.is_prefill_chunk)
+        return request.num_computed_tokens < request.num_tokens and not spec
+
     def step(
         self, scheduler: Any, out: Any, index_of: dict[str, int]
     ) -> tuple[list[list[int]], list[list[int]], list[str]]:
@@ -950,13 +1081,13 @@ class _ModelRunner:
             request = scheduler.requests[rid]
             i = index_of[rid]
             spec = out.scheduled_spec_decode_tokens.get(rid) or []
-            if request.num_computed_tokens < request.num_tokens and not spec:
+            if self._partial_prefill(request, spec):
                 # A partial prefill chunk samples nothing.
                 sampled.append([])
                 drafts.append([])
                 events.append(f"req-{i} +{scheduled} (prefill)")
                 continue
-            n = len(request.output_token_ids)
+            n = self.sampled.get(rid, 0) if self.async_scheduling else len(request.output_token_ids)
             take = 1
             if spec:  # drafts scheduled: accept the workload's count, reject the rest
                 accepted = self.accepted
@@ -964,6 +1095,8 @@ class _ModelRunner:
                 take += min(len(spec), wanted)
                 self.decode_count += 1
             sampled.append([self.scenario.output_token(i, n + k) for k in range(take)])
+            if self.async_scheduling:
+                self.sampled[rid] = n + take
             events.append(
                 f"req-{i} +{scheduled}"
                 + (f" ({take - 1}/{len(spec)} drafts accepted)" if spec else "")
@@ -985,10 +1118,12 @@ def _timeline_line(
     preempted: list[int],
     done: list[str],
     lost: int,
+    applied: int | None = None,
 ) -> str:
     """One step of ``kvfuzz explain``'s timeline; ``admitted`` maps each
     request admitted this step to its hit, in tokens; ``lost`` counts
-    evicted cached blocks."""
+    evicted cached blocks; ``applied`` (async scheduling) names the step
+    whose model output this step applied."""
     line = f"step {step}:"
     if arrivals:
         line += f" arrive {', '.join(f'req-{k}' for k in arrivals)};"
@@ -1001,6 +1136,8 @@ def _timeline_line(
     line += f" run {', '.join(events) or 'nothing'}"
     if preempted:
         line += f"; preempt {', '.join(f'req-{i}' for i in preempted)}"
+    if applied is not None:
+        line += f"; output of step {applied} applied"
     if done:
         line += f"; finish {', '.join(done)}"
     if lost:
@@ -1118,6 +1255,10 @@ class _RunReport:
     # (request index, step, free blocks right after the admission)
     watermark_admissions: list[tuple[int, int, int]] = field(default_factory=list)
     store: Any = None  # the connector's store (RemoteStoreConnector), if any
+    # (request index, step, (group, index) per block in the order freed)
+    deferred_frees: list[tuple[int, int, tuple[tuple[int, int], ...]]] = field(
+        default_factory=list
+    )
 
 
 @dataclass
@@ -1156,7 +1297,6 @@ def _build_scheduler(
     a context long enough for the longest request's tokens, decode steps and
     draft slots, and the KV cache groups of manager mode with the retention
     interval (tokens). Returns it with the resolved drafter settings."""
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     resolved = resolve_drafter(scenario)
@@ -1175,10 +1315,16 @@ def _build_scheduler(
     kv_config = kv_cache_config(scenario, resolved, pool, retention)
     if scenario.dcp_world_size > 1:
         runner.check_dcp_block_sizes(scenario, kv_config)
+    # The class vLLM's EngineCore.__init__ (vllm/v1/engine/core.py) builds:
+    # SchedulerConfig.get_scheduler_cls, the AsyncScheduler
+    # (vllm/v1/core/sched/async_scheduler.py) under async scheduling.
+    scheduler_cls = config.scheduler_config.get_scheduler_cls()
     scheduler = vllm_build(
-        "Scheduler",
-        "vllm/v1/core/sched/scheduler.py",
-        Scheduler,
+        scheduler_cls.__name__,
+        "vllm/v1/core/sched/async_scheduler.py"
+        if config.scheduler_config.async_scheduling
+        else "vllm/v1/core/sched/scheduler.py",
+        scheduler_cls,
         vllm_config=config,
         kv_cache_config=kv_config,
         structured_output_manager=vllm_call(
@@ -1189,6 +1335,14 @@ def _build_scheduler(
     )
     _size_encoder_budget(scheduler, scenario)
     return scheduler, resolved
+
+
+def _fenced(scheduler: Any) -> Counter[int]:
+    """The references vLLM's deferred frees hold, per block id: one per
+    block of each entry of ``Scheduler.deferred_frees`` (a request's blocks,
+    or a copy-on-write retention), returned to the pool when its fence step
+    is processed (vllm/v1/core/sched/scheduler.py ``_drain_deferred_frees``)."""
+    return Counter(b.block_id for _, blocks in scheduler.deferred_frees for b in blocks)
 
 
 def _install_recorders(
@@ -1210,7 +1364,7 @@ def _install_recorders(
     lookups: dict[str, list[_Admission]] = {}
     failures: list[BaseException] = []
     ledger = report.ledger = BlockLedger.for_manager(manager)
-    clock = _FreeQueueClock(lookups)
+    clock = _FreeQueueClock(lookups, step)
     if workload.kv_events is not KVEvents.OFF:
         report.recorder = EventRecorder(
             manager, workload.kv_events.value, scenario.effective_hash_block_size_tokens
@@ -1239,6 +1393,8 @@ def _install_recorders(
     writes: dict[int, list[BlockWrite]] = {}
     if ledger is not None:
         _record_writes(manager, ledger, index_of, writes, failures)
+        if getattr(scheduler, "defer_block_free", False):
+            ledger.hold_deferred(lambda: _fenced(scheduler))
     store = scheduler.connector if workload.connector is not None else None
     report.store = store
     _record_adoption(manager, lookups, store, failures)
@@ -1255,13 +1411,15 @@ def _arrivals(
     progress: _Progress,
     step: list[int],
     phase: list[str],
+    *,
+    in_flight: bool = False,
 ) -> tuple[range, list[int]]:
     """The requests that arrive and those aborted before the step's
     ``schedule()`` (:func:`_arrive`, :func:`_abort`), as scenario indices;
-    with arrival steps and nothing to schedule, ``step`` first jumps to the
-    next arrival."""
+    with arrival steps, nothing to schedule and no batch ``in_flight``
+    (async scheduling), ``step`` first jumps to the next arrival."""
     workload = scenario.workload
-    if workload.arrival_steps is not None and not scheduler.has_requests():
+    if workload.arrival_steps is not None and not scheduler.has_requests() and not in_flight:
         # Nothing to schedule until the next arrival: an idle gap is
         # time passing, not a stall, so go straight to that step.
         step[0] = max(step[0], workload.arrival_steps[progress.added])
@@ -1294,6 +1452,35 @@ def _admit(out: Any, recorders: _Recorders, progress: _Progress) -> list[int]:
     return admitted_now
 
 
+def _execute(
+    scheduler: Any,
+    out: Any,
+    model_runner: _ModelRunner,
+    index_of: dict[str, int],
+    ledger: BlockLedger | None,
+) -> tuple[Any, list[list[int]], list[str], list[tuple[str, int, int]]]:
+    """kvfuzz as the worker running one scheduled step (``out``, a
+    ``SchedulerOutput``): the ``ModelRunnerOutput`` (vllm/v1/outputs.py)
+    with the sampled tokens and the KV connector's loads, the next drafts,
+    the step's timeline events and the lost loads, as ``(request id, first
+    lost token, end)``; a lost load's tokens are forgotten by the ledger."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(out.num_scheduled_tokens)
+    sampled, drafts, events = model_runner.step(scheduler, out, index_of)
+    transfers, lost_loads = model_runner.loads(scheduler, out, index_of)
+    if ledger is not None:
+        for rid, lost_from, lost_to in lost_loads:
+            ledger.forget(rid, lost_from, lost_to)
+    output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: k for k, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=transfers,
+    )
+    return output, drafts, events, lost_loads
+
+
 def _run_model(
     scheduler: Any,
     out: Any,
@@ -1303,32 +1490,22 @@ def _run_model(
     step: int,
     phase: list[str],
 ) -> tuple[list[str], list[tuple[str, int, int]]]:
-    """kvfuzz as the model runner for one step: the sampled tokens, the KV
-    connector's loads and the next drafts handed to the scheduler
-    (``update_from_output``, ``update_draft_token_ids``); a lost load's
-    tokens are forgotten by the ledger. Returns the step's timeline events
-    and the lost loads, as ``(request id, first lost token, end)``."""
-    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    """kvfuzz as the model runner for one synchronous step: the step run
+    (:func:`_execute`), its output applied at once (``update_from_output``)
+    and the next drafts handed to the scheduler (``update_draft_token_ids``),
+    as vLLM's ``EngineCore.step`` and ``post_step`` do (vllm/v1/engine/core.py).
+    Returns the step's timeline events and the lost loads, as ``(request id,
+    first lost token, end)``."""
+    from vllm.v1.outputs import DraftTokenIds
 
-    req_ids = list(out.num_scheduled_tokens)
-    sampled, drafts, events = model_runner.step(scheduler, out, index_of)
-    transfers, lost_loads = model_runner.loads(scheduler, out, index_of)
-    if ledger is not None:
-        for rid, lost_from, lost_to in lost_loads:
-            ledger.forget(rid, lost_from, lost_to)
+    output, drafts, events, lost_loads = _execute(scheduler, out, model_runner, index_of, ledger)
     phase[0] = f"step {step}: update_from_output"
-    output = ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={rid: k for k, rid in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        kv_connector_output=transfers,
-    )
     vllm_call("Scheduler.update_from_output", scheduler.update_from_output, out, output)
     if model_runner.num_spec:
         vllm_call(
             "Scheduler.update_draft_token_ids",
             scheduler.update_draft_token_ids,
-            DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts),
+            DraftTokenIds(req_ids=list(out.num_scheduled_tokens), draft_token_ids=drafts),
         )
     return events, lost_loads
 
@@ -1367,6 +1544,155 @@ def _finish(
     return done
 
 
+@dataclass
+class _Step:
+    """What one engine step did: the ``SchedulerOutput`` it scheduled
+    (``None``: it scheduled nothing), the requests admitted, the model
+    runner's timeline events and lost loads for it, and the output it
+    applied (``update_from_output``): the ``SchedulerOutput`` and the step
+    it was scheduled in (without async scheduling, this step's own)."""
+
+    out: Any = None
+    admitted: list[int] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    lost_loads: list[tuple[str, int, int]] = field(default_factory=list)
+    applied: Any = None
+    applied_step: int | None = None
+
+
+def _schedule(
+    scheduler: Any, recorders: _Recorders, report: _RunReport, progress: _Progress
+) -> tuple[Any, list[int]]:
+    """``Scheduler.schedule()`` for the step, then the requests it admitted
+    (:func:`_admit`) and its preemptions counted (``report``).
+
+    Raises:
+        InternalError: a recorder failed during the call.
+    """
+    out = vllm_call("Scheduler.schedule", scheduler.schedule)
+    failures = recorders.failures
+    if failures:
+        raise InternalError(
+            f"recording a lookup or a write at step {recorders.step[0]} failed: "
+            f"{type(failures[0]).__name__}: {failures[0]}"
+        )
+    admitted_now = _admit(out, recorders, progress)
+    report.preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
+    return out, admitted_now
+
+
+def _sync_step(
+    scheduler: Any,
+    recorders: _Recorders,
+    report: _RunReport,
+    progress: _Progress,
+    model_runner: _ModelRunner,
+    phase: list[str],
+) -> _Step:
+    """One synchronous engine step (``EngineCore.step``, vllm/v1/engine/core.py):
+    ``schedule()``, the model runner, the output applied at once."""
+    out, admitted = _schedule(scheduler, recorders, report, progress)
+    step = recorders.step[0]
+    events, lost_loads = _run_model(
+        scheduler, out, model_runner, recorders.index_of, report.ledger, step, phase
+    )
+    return _Step(out, admitted, events, lost_loads, out, step)
+
+
+def _async_step(
+    scheduler: Any,
+    recorders: _Recorders,
+    report: _RunReport,
+    progress: _Progress,
+    model_runner: _ModelRunner,
+    queue: deque[tuple[int, Any, Any]],
+    phase: list[str],
+) -> _Step:
+    """One call of vLLM's ``EngineCore.step_with_batch_queue``
+    (vllm/v1/engine/core.py), its calls in its order, ``queue`` its batch
+    queue (``maxlen``: ``VllmConfig.max_concurrent_batches``, 2 under async
+    scheduling). While the scheduler has requests, ``schedule()`` and the
+    step runs (the worker's sampled tokens are kvfuzz's, made now; no
+    structured output, so sampling is never deferred); the batch joins the
+    queue, and the call returns without waiting when the queue is not full
+    and the step ran tokens or the scheduler still has requests. Otherwise
+    (or with nothing to schedule and batches queued) the oldest batch's
+    output is applied (``update_from_output``). No drafts are handed back:
+    vLLM's worker keeps them under async scheduling (``EngineCore.post_step``),
+    and the ``AsyncScheduler`` schedules placeholders for them."""
+    done = _Step()
+    if scheduler.has_requests():
+        out, done.admitted = _schedule(scheduler, recorders, report, progress)
+        output, _, done.events, done.lost_loads = _execute(
+            scheduler, out, model_runner, recorders.index_of, report.ledger
+        )
+        done.out = out
+        model_executed = out.total_num_scheduled_tokens > 0
+        queue.appendleft((recorders.step[0], out, output))
+        if len(queue) < (queue.maxlen or 1) and (model_executed or scheduler.has_requests()):
+            return done
+    elif not queue:
+        return done
+    done.applied_step, done.applied, output = queue.pop()
+    phase[0] = f"step {recorders.step[0]}: update_from_output of step {done.applied_step}"
+    vllm_call("Scheduler.update_from_output", scheduler.update_from_output, done.applied, output)
+    return done
+
+
+def _record_step(
+    scheduler: Any,
+    done: _Step,
+    arrivals: range,
+    aborts: list[int],
+    recorders: _Recorders,
+    report: _RunReport,
+    progress: _Progress,
+    model_runner: _ModelRunner,
+    record_cache_map: bool,
+) -> None:
+    """After a step: the KV cache events, evictions, the requests the applied
+    output finished and, with ``record_cache_map``, the timeline line.
+
+    The KV cache events are drained only after a step that applied an output:
+    vLLM publishes them in ``update_from_output`` (``take_events``), so under
+    async scheduling a step that applies none publishes nothing, and its
+    lookups and cache changes go with the next drain (the queue positions
+    its lookups recorded stay valid, as nothing drained the queue)."""
+    manager = scheduler.kv_cache_manager
+    step = recorders.step[0]
+    index_of = recorders.index_of
+    if report.recorder is not None and done.applied is not None:
+        report.recorder.drain(step)
+    after = prefix_cache.cached_blocks(manager)
+    lost = _cache_changes(progress.seen, after, report.newly_cached)
+    report.evicted += lost
+    progress.seen = after
+    applied = list(done.applied.num_scheduled_tokens) if done.applied is not None else []
+    finished = _finish(applied, index_of, report.requests, after, step, progress)
+    if not record_cache_map:
+        return
+    out = done.out
+    preempted = sorted(getattr(out, "preempted_req_ids", ()) or ()) if out is not None else []
+    report.timeline.append(
+        _timeline_line(
+            step,
+            arrivals=arrivals,
+            aborts=aborts,
+            admitted={i: progress.admitted[i].hit_tokens for i in done.admitted},
+            events=done.events,
+            loads=model_runner.load_events(out, index_of, done.lost_loads)
+            if out is not None
+            else [],
+            preempted=[index_of[r] for r in preempted],
+            done=finished,
+            lost=lost,
+            applied=done.applied_step
+            if model_runner.async_scheduling and done.applied is not None
+            else None,
+        )
+    )
+
+
 def _drive_steps(
     scenario: Scenario,
     scheduler: Any,
@@ -1375,9 +1701,11 @@ def _drive_steps(
     phase: list[str],
     record_cache_map: bool,
 ) -> tuple[_Progress, _ModelRunner]:
-    """Step the scheduler until every request has arrived and none is left:
-    arrivals and aborts, ``schedule()``, the model runner's output, then
-    evictions, finishes and the timeline (``report``).
+    """Step the scheduler until every request has arrived and none is left
+    (under async scheduling, none is in flight either): arrivals and aborts,
+    then one engine step (:func:`_sync_step`, or :func:`_async_step` under
+    ``workload.async_scheduling``), then evictions, finishes and the
+    timeline (:func:`_record_step`).
 
     Raises:
         InternalError: a recorder failed, or the run did not finish within
@@ -1385,57 +1713,43 @@ def _drive_steps(
         VllmCallError: the scheduler scheduled nothing for
             :data:`_MAX_IDLE_STEPS` steps while requests waited.
     """
-    manager = scheduler.kv_cache_manager
     requests = report.requests
-    index_of = recorders.index_of
     step = recorders.step
     progress = _Progress()
-    model_runner = _ModelRunner(scenario, manager)
+    model_runner = _ModelRunner(scenario, scheduler.kv_cache_manager)
+    queue: deque[tuple[int, Any, Any]] | None = (
+        deque(maxlen=scheduler.vllm_config.max_concurrent_batches)
+        if scenario.workload.async_scheduling
+        else None
+    )
     idle = 0
     total_tokens = sum(len(p) for p in scenario.prompts) + len(requests) * (
         scenario.decode_steps + 1
     )
     max_steps = 1_000 + 8 * total_tokens
     executed = 0  # steps run, not counting the idle gaps skipped to an arrival
-    while progress.added < len(requests) or scheduler.has_requests():
-        arrivals, aborts = _arrivals(scheduler, scenario, requests, progress, step, phase)
-        phase[0] = f"step {step[0]}: schedule"
-        out = vllm_call("Scheduler.schedule", scheduler.schedule)
-        failures = recorders.failures
-        if failures:
-            raise InternalError(
-                f"recording a lookup or a write at step {step[0]} failed: "
-                f"{type(failures[0]).__name__}: {failures[0]}"
-            )
-        admitted_now = _admit(out, recorders, progress)
-        report.preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
-        req_ids = list(out.num_scheduled_tokens)
-        events, lost_loads = _run_model(
-            scheduler, out, model_runner, index_of, report.ledger, step[0], phase
+    while progress.added < len(requests) or scheduler.has_requests() or queue:
+        arrivals, aborts = _arrivals(
+            scheduler, scenario, requests, progress, step, phase, in_flight=bool(queue)
         )
-        if report.recorder is not None:
-            report.recorder.drain(step[0])
-        after = prefix_cache.cached_blocks(manager)
-        lost = _cache_changes(progress.seen, after, report.newly_cached)
-        report.evicted += lost
-        progress.seen = after
-        done = _finish(req_ids, index_of, requests, after, step[0], progress)
-        if record_cache_map:
-            preempted = sorted(getattr(out, "preempted_req_ids", ()) or ())
-            report.timeline.append(
-                _timeline_line(
-                    step[0],
-                    arrivals=arrivals,
-                    aborts=aborts,
-                    admitted={i: progress.admitted[i].hit_tokens for i in admitted_now},
-                    events=events,
-                    loads=model_runner.load_events(out, index_of, lost_loads),
-                    preempted=[index_of[r] for r in preempted],
-                    done=done,
-                    lost=lost,
-                )
-            )
-        idle = 0 if req_ids else idle + 1
+        phase[0] = f"step {step[0]}: schedule"
+        if queue is None:
+            done = _sync_step(scheduler, recorders, report, progress, model_runner, phase)
+        else:
+            done = _async_step(scheduler, recorders, report, progress, model_runner, queue, phase)
+        _record_step(
+            scheduler,
+            done,
+            arrivals,
+            aborts,
+            recorders,
+            report,
+            progress,
+            model_runner,
+            record_cache_map,
+        )
+        scheduled = done.out is not None and bool(done.out.num_scheduled_tokens)
+        idle = 0 if scheduled else idle + 1
         if idle > _MAX_IDLE_STEPS:
             # vLLM's scheduler leaves waiting requests unscheduled for good
             # (an engine would hang): vLLM's behaviour, a crash naming it.
@@ -1504,6 +1818,7 @@ def _run_observation(
         kv_events=report.recorder.log(report.requests) if report.recorder is not None else None,
         watermark_admissions=tuple(report.watermark_admissions),
         store_calls=_store_calls(report),
+        deferred_frees=tuple(report.deferred_frees),
     )
 
 
@@ -1562,6 +1877,10 @@ def run_scheduler_scenario(
             scenario, scheduler, recorders, report, phase, record_cache_map
         )
         report.steps = recorders.step[0]
+        index_of = recorders.index_of
+        report.deferred_frees = [
+            (index_of[rid], step, blocks) for rid, step, blocks in recorders.clock.drained
+        ]
         report.observed = _observations(
             scenario,
             progress.admitted,

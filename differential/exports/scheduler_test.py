@@ -253,7 +253,8 @@ def check_exportable(scenario: Scenario) -> None:
 
     Raises:
         ScenarioError: the scenario has a KV connector (a remote store, named
-            ``workload.connector``, or an empty one) or client aborts.
+            ``workload.connector``, or an empty one), client aborts or async
+            scheduling.
     """
     if scenario.workload.connector is not None:
         raise ScenarioError(
@@ -271,6 +272,13 @@ def check_exportable(scenario: Scenario) -> None:
             "workload.abort_steps",
             list(scenario.workload.abort_steps),
             "null for a scheduler-mode export (the exported test runs every request to its end)",
+        )
+    if scenario.workload.async_scheduling:
+        raise ScenarioError(
+            "workload.async_scheduling",
+            True,
+            "false for a scheduler-mode export (the exported test applies each step's "
+            "output before the next schedule())",
         )
 
 

@@ -48,6 +48,13 @@ Three rules on top of the per-lookup invariants of
   local hit and what the store holds past the block-aligned local hit, and
   on layouts of full attention and MLA at least what the store provably
   held; with prefix caching off no lookup is owed a local hit.
+* **Async scheduling** (:mod:`differential.oracle.scheduling`): a run
+  under vLLM's ``AsyncScheduler`` is judged on its own timeline by the
+  rules above (a step's output is applied one step later, so a writer
+  finishes a step later); one-at-a-time arrivals owe the synchronous run's
+  hits (``async-mismatch``, made with the synchronous control run in
+  :mod:`differential.compare`), and a deferred free the immediate free's
+  order (``free-order``, vLLM issue #48489, a named policy).
 * **Eviction collapse** (:func:`eviction_collapse`): with dense retention
   every repeated prompt (a later turn of a session, or any prompt that
   repeats an earlier request's tokens for at least one hit alignment:
@@ -78,6 +85,7 @@ from differential.oracle.core import (
 from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import common_prefix_tokens, written_contents
+from differential.oracle.scheduling import free_order_findings
 from differential.oracle.watermark import watermark_findings
 from differential.scenario import MambaPrefill, Scenario
 
@@ -378,10 +386,16 @@ def _timeline_findings(scenario: Scenario, run: RunObservation, policy: Policy) 
 
 
 def mode_cross_checkable(scenario: Scenario) -> bool:
-    """Whether both modes must give the same hits: a sequential workload and
-    vLLM's own prefill chunking (a block-carved Mamba prefill,
+    """Whether both modes must give the same hits: a sequential workload,
+    synchronous scheduling (an async run is compared with the synchronous
+    Scheduler's instead: :func:`differential.oracle.scheduling.cross_check_scheduling`)
+    and vLLM's own prefill chunking (a block-carved Mamba prefill,
     ``mamba_prefill: block``, is not what the scheduler does)."""
-    return scenario.workload.sequential and scenario.mamba_prefill is MambaPrefill.SCHEDULER
+    return (
+        scenario.workload.sequential
+        and not scenario.workload.async_scheduling
+        and scenario.mamba_prefill is MambaPrefill.SCHEDULER
+    )
 
 
 def session_of(scenario: Scenario, index: int) -> int:
@@ -472,6 +486,7 @@ def judge_engine_run(
     findings += kv_event_findings(scenario, run, policy)
     findings += watermark_findings(scenario, run, policy)
     findings += connector_findings(scenario, run, policy)
+    findings += free_order_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)
 

@@ -817,7 +817,9 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "but lookahead hashes stop num_hash_lookahead_tokens before the end "
             "(IndexError: SWA block 2 alone, window 2, a 19-token prompt; two SWA "
             "groups of block 4, windows 4 and 8, a 5-token prompt; both with two "
-            "speculative tokens). Full attention uses islice and caps the others. "
+            "speculative tokens; with SWA blocks 8 and 4 the 8-token group raises "
+            "inside BlockHashListWithBlockSize, its view of the 4-token hashes). "
+            "Full attention uses islice and caps the others. "
             "Found by kvfuzz."
         ),
         vllm_source="vllm/v1/core/kv_cache_coordinator.py "
@@ -1020,6 +1022,27 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "BlockPool.emit_cached_block_events",
         example="known-issues/kv-events-full-report-dcp-block-size-assertion.json",
         matches=_full_report_dcp_block_size,
+    ),
+    KnownIssue(
+        name="deferred-free-flattens-group-order",
+        summary=(
+            "With async scheduling (or pipeline parallelism) and a KV consumer "
+            "connector, vLLM defers the return of a finished, aborted or preempted "
+            "request's blocks until the steps in flight are processed "
+            "(Scheduler.defer_block_free, vLLM PR #45357), then frees the "
+            "concatenation of its groups' blocks reversed once, so on a model of "
+            "several KV cache groups the last group's blocks go back to the free "
+            "queue first, where the immediate free hands them back group by group, "
+            "each tail first, and other blocks are evicted: FA 16 + FA 32, a writer "
+            "aborted while its step is in flight, a filler that evicts 10 blocks, "
+            "and the reader of the writer's prompt hits 0 where the synchronous run "
+            "keeps 64. vLLM issue #48489 (open); PR #48532 (open) frees each group "
+            "in its own call."
+        ),
+        vllm_source="vllm/v1/core/sched/scheduler.py Scheduler._drain_deferred_frees with "
+        "vllm/v1/core/kv_cache_coordinator.py KVCacheCoordinator.pop_blocks_for_free",
+        example="known-issues/async-deferred-free-flattens-group-order.json",
+        matches=lambda scenario, finding: finding.kind is FindingKind.FREE_ORDER,
     ),
 )
 

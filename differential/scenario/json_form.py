@@ -351,6 +351,15 @@ class WorkloadDocument(BaseModel):
         "Scheduler mode only. Written only when set.",
     )
 
+    async_scheduling: StrictBool = Field(
+        default=False,
+        exclude_if=_is_false,
+        description="SchedulerConfig.async_scheduling: vLLM's AsyncScheduler, driven as the "
+        "engine core's step_with_batch_queue does (a batch queue of two: each step is "
+        "scheduled before the previous step's output is applied). Scheduler mode only. "
+        "Written only when true.",
+    )
+
     def value(self) -> Workload:
         """The workload as a value."""
         return Workload(
@@ -365,6 +374,7 @@ class WorkloadDocument(BaseModel):
             watermark=self.watermark,
             connector=None if self.connector is None else self.connector.value(),
             abort_steps=self.abort_steps,
+            async_scheduling=self.async_scheduling,
         )
 
 

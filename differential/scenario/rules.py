@@ -258,6 +258,15 @@ def check_workload(s: Scenario) -> None:
                 "null or a list with at least one step (a list of nulls aborts nothing: "
                 "write null)",
             )
+    if w.mode is DriveMode.MANAGER and w.async_scheduling:
+        # The manager-level driver makes no scheduler steps, so no batch is
+        # ever in flight.
+        raise ScenarioError(
+            "workload.async_scheduling",
+            True,
+            "false in manager mode (a batch in flight needs vLLM's scheduler steps: "
+            "workload.mode 'scheduler')",
+        )
     if w.mode is DriveMode.MANAGER and not w.sequential:
         raise ScenarioError(
             "workload.mode",

@@ -256,6 +256,14 @@ class Workload:
             disconnects; a request already finished is left alone. ``None``:
             no request is aborted (a list holds at least one step). Scheduler
             mode only.
+        async_scheduling: ``SchedulerConfig.async_scheduling``: vLLM's
+            ``AsyncScheduler`` (vllm/v1/core/sched/async_scheduler.py), driven
+            as vLLM's engine core drives it (``EngineCore.step_with_batch_queue``,
+            vllm/v1/engine/core.py: a batch queue of two, each step scheduled
+            before the previous step's output is applied), so a step's model
+            output reaches the scheduler one step later. ``False`` (the
+            default): the synchronous ``Scheduler``, each step's output
+            applied before the next ``schedule()``. Scheduler mode only.
     """
 
     mode: DriveMode = DriveMode.MANAGER
@@ -269,6 +277,7 @@ class Workload:
     watermark: float = 0.0
     connector: ConnectorStore | None = None
     abort_steps: tuple[int | None, ...] | None = None
+    async_scheduling: bool = False
 
     @property
     def sequential(self) -> bool:

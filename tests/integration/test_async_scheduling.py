@@ -1,0 +1,156 @@
+"""Async scheduling through vLLM 0.33.0's real ``AsyncScheduler``.
+
+Exact hits from real runs: the seed corpus and a one-at-a-time chat with
+drafts give the synchronous run's hits; a decoded block still in flight is
+not cached yet; a deferred free hands a two-group request's blocks back in
+another order than the immediate free (vLLM issue #48489).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from differential.compare import compare_variants, in_mode, synchronous
+from differential.corpus import finding_tag, load_entry
+from differential.driver import run_variant
+from differential.findings import Policy
+from differential.scenario import DrafterKind, DriveMode, Scenario
+from differential.variants import parse_variants
+from tests.factories import CORPORA, ROOT
+
+pytestmark = pytest.mark.vllm
+
+UNFIXED = parse_variants("unfixed")
+(STOCK,) = UNFIXED
+CASES = CORPORA / "cases"
+SEEDS = sorted((CORPORA / "seeds").glob("*.json"))
+
+
+def _async(scenario: Scenario) -> Scenario:
+    s = in_mode(scenario, DriveMode.SCHEDULER)
+    return dataclasses.replace(s, workload=dataclasses.replace(s.workload, async_scheduling=True))
+
+
+@pytest.mark.parametrize("path", SEEDS, ids=lambda p: p.name)
+def test_seed_gives_the_synchronous_hits_under_async_scheduling(path: Path) -> None:
+    scenario = _async(load_entry(path).scenario)
+    run = run_variant(scenario, STOCK)
+    sync = run_variant(synchronous(scenario), STOCK)
+    assert run.error is None and run.unsupported is None, (run.error, run.unsupported)
+    assert run.hits == sync.hits
+    # The output of each step is applied a step later: never fewer steps.
+    assert run.steps > sync.steps
+
+
+def test_one_at_a_time_chat_with_drafts_gives_the_synchronous_hits() -> None:
+    entry = load_entry(CASES / "async-one-at-a-time-same-hits.json")
+    result = compare_variants(entry.scenario, UNFIXED)
+    vr = result.results[0]
+    assert vr.run.hits == (0, 96, 128)
+    assert vr.sync_run is not None and vr.sync_run.hits == (0, 96, 128)
+    assert result.findings == ()
+    assert (vr.run.steps, vr.sync_run.steps) == (27, 23)
+
+
+def test_a_decoded_block_in_flight_is_not_cached_yet() -> None:
+    entry = load_entry(CASES / "async-in-flight-decoded-block.json")
+    run = run_variant(entry.scenario, STOCK, record_cache_map=True)
+    assert run.hits == (0, 64)
+    assert run.timeline[17] == (
+        "step 17: arrive req-1; admit req-1 (hit 64); run req-1 +33; "
+        "output of step 16 applied; finish req-0"
+    )
+    twin = run_variant(
+        load_entry(CASES / "async-in-flight-decoded-block--synchronous.json").scenario,
+        STOCK,
+        record_cache_map=True,
+    )
+    assert twin.hits == (0, 80)
+    assert twin.timeline[16:18] == (
+        "step 16: run req-0 +1; finish req-0",
+        "step 17: arrive req-1; admit req-1 (hit 80); run req-1 +17",
+    )
+    # A step later the block is cached under async scheduling too.
+    later = dataclasses.replace(
+        entry.scenario, workload=dataclasses.replace(entry.scenario.workload, arrival_steps=(0, 18))
+    )
+    assert run_variant(later, STOCK).hits == (0, 80)
+    # Not a finding: turn 1 had not finished at turn 2's lookup.
+    assert compare_variants(entry.scenario, UNFIXED).findings == ()
+
+
+def test_a_request_freed_with_its_step_in_flight_is_freed_later_group_by_group_reversed() -> (
+    None
+):
+    entry = load_entry(ROOT / "known-issues" / "async-deferred-free-flattens-group-order.json")
+    run = run_variant(entry.scenario, STOCK, record_cache_map=True)
+    assert run.hits == (0, 0, 0)
+    assert run.timeline[3] == (
+        "step 3: abort req-0; run nothing; output of step 2 applied; finish req-0"
+    )
+    # Aborted at step 3 with its step-2 decode in flight: its 14 blocks (9 of
+    # 16 tokens, 5 of 32) go back when step 2's output is applied, the
+    # 32-token group's first, each group tail first.
+    flattened = tuple((1, k) for k in range(4, -1, -1)) + tuple((0, k) for k in range(8, -1, -1))
+    assert run.deferred_frees == ((0, 3, flattened),)
+    result = compare_variants(entry.scenario, UNFIXED)
+    assert [finding_tag(f) for f in result.findings] == ["free-order@0"]
+    assert result.findings[0].known_issue == "deferred-free-flattens-group-order"
+    # `retained` accepts vLLM 0.33.0's flattened order.
+    assert compare_variants(entry.scenario, UNFIXED, policy=Policy.RETAINED).findings == ()
+    twin = run_variant(
+        load_entry(CASES / "async-deferred-free-group-order--synchronous.json").scenario, STOCK
+    )
+    assert twin.hits == (0, 0, 64)
+    assert twin.deferred_frees == ()
+
+
+def test_an_ngram_drafter_is_refused_under_async_scheduling() -> None:
+    scenario = _async(load_entry(CASES / "async-one-at-a-time-same-hits.json").scenario)
+    ngram = dataclasses.replace(
+        scenario,
+        drafter=dataclasses.replace(scenario.drafter, kind=DrafterKind.NGRAM),
+        workload=dataclasses.replace(scenario.workload, accepted_drafts=()),
+    )
+    run = run_variant(ngram, STOCK)
+    assert run.unsupported is not None
+    assert run.unsupported.startswith(
+        "VllmConfig.__post_init__ refuses async scheduling with the V1 model runner for "
+        "ngram-based speculative decoding"
+    )
+
+
+def test_a_copy_on_write_block_fenced_by_a_deferred_free_is_its_writers_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from collections import Counter
+
+    import differential.driver.scheduler_mode as scheduler_mode
+
+    entry = load_entry(CORPORA / "regressions" / "async-cow-retention-fenced-write.json")
+    run = run_variant(entry.scenario, STOCK)
+    assert run.hits == (0, 12)
+    assert [w for r in run.requests for w in r.unsafe_writes] == []
+    # Counting the deferred copy-on-write retention as a holder is the false
+    # positive a campaign found: request 1's step at 16 tokens writes its
+    # private copy, block 4, while the fence still holds it (2 references).
+    monkeypatch.setattr(scheduler_mode, "_fenced", lambda scheduler: Counter())
+    unfenced = run_variant(entry.scenario, STOCK)
+    (write,) = [w for r in unfenced.requests for w in r.unsafe_writes]
+    assert (write.position_tokens, write.group, write.block_id, write.ref_cnt) == (16, 0, 4, 2)
+
+
+def test_kv_cache_events_are_judged_where_vllm_publishes_them() -> None:
+    # vLLM publishes a step's events in update_from_output: under async
+    # scheduling the first step applies no output and publishes nothing.
+    entry = load_entry(CASES / "kv-events-full-readmission.json")
+    scenario = _async(entry.scenario)
+    result = compare_variants(scenario, UNFIXED)
+    vr = result.results[0]
+    assert vr.run.hits == run_variant(synchronous(scenario), STOCK).hits == (0, 48, 0, 32)
+    assert result.findings == ()
+    assert vr.run.kv_events is not None
+    assert vr.run.kv_events.steps[0].step == 1
