@@ -486,8 +486,12 @@ def _redraw_weights(model: Any) -> None:
     is uniform (logprob -ln 1024 = -6.93 for every token), so greedy outputs
     are ties and cannot show wrong KV. Here matrices get N(0, 1/fan_in)
     (embeddings N(0, 1), the LM head N(0, 9/fan_in): peaked distributions),
-    norm weights 1, other vectors 0; Mamba's ``A_log``, ``D``, ``dt_bias``
-    and convolution weights keep their dummy values (a stable recurrence).
+    norm weights 1, other vectors 0. Mamba2 layers
+    (vllm/model_executor/layers/mamba/mamba_mixer2.py, ``MambaMixer2``) get
+    Mamba2's own initial values (:func:`_mamba_parameter`): their dummy
+    values (``A`` about 0, convolution weights about 1e-3) left the layer's
+    output about 0 and a recurrence that never forgets, so a wrong cached
+    state moved nothing.
     The dummy loader also draws persistent buffers: Gemma 4's ``layer_scalar``
     (a checkpoint value each decoder layer's output is multiplied by,
     ``torch.ones(1)`` in vllm/model_executor/models/gemma4.py) is set back to
@@ -502,11 +506,12 @@ def _redraw_weights(model: Any) -> None:
     owner = type(model).__name__
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if any(key in name for key in ("A_log", ".D", "dt_bias", "conv1d")):
-                continue
             seed = zlib.crc32(f"{owner}:{name}".encode())
             generator = torch.Generator().manual_seed(seed)
-            if param.dim() >= 2:
+            mamba = _mamba_parameter(name, tuple(param.shape), generator)
+            if mamba is not None:
+                values = mamba
+            elif param.dim() >= 2:
                 fan_in = param.shape[-1]
                 if "embed" in name:
                     std = 1.0
@@ -523,6 +528,30 @@ def _redraw_weights(model: Any) -> None:
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.fill_(1.0)
+
+
+def _mamba_parameter(name: str, shape: tuple[int, ...], generator: Any) -> Any:
+    """Mamba2's initial value for a ``MambaMixer2`` per-head parameter named
+    ``name`` (vllm/model_executor/layers/mamba/mamba_mixer2.py), drawn from
+    ``generator``, or ``None`` for any other parameter (drawn as a matrix,
+    a norm or a bias). As the Mamba2 reference initialises them: ``A``
+    (vLLM keeps ``-exp(A_log)``) uniform in [-16, -1] per head; ``dt_bias``
+    the inverse softplus of a step ``dt`` log-uniform in [1e-3, 1e-1], so a
+    head's state decays by ``exp(dt * A)`` per token and forgets over about 1
+    to 1000 tokens; ``D`` (the skip connection) 1. The depthwise convolution
+    ``conv1d.weight`` (kernel of ``shape[-1]`` tokens) is a matrix: N(0,
+    1/kernel)."""
+    import torch
+
+    if name.endswith(".A"):
+        return -(1.0 + 15.0 * torch.rand(shape, generator=generator))
+    if name.endswith(".dt_bias"):
+        low, high = math.log(1e-3), math.log(1e-1)
+        dt = torch.exp(low + (high - low) * torch.rand(shape, generator=generator))
+        return dt + torch.log(-torch.expm1(-dt))
+    if name.endswith(".D"):
+        return torch.ones(shape)
+    return None
 
 
 def _install_weight_redraw() -> None:
