@@ -32,12 +32,14 @@ from typing import Any
 
 from differential.capabilities import Unsupported, equivalent_scenario
 from differential.driver.engine_mode import (
+    TOP_LOGPROBS,
     EngineResult,
     EngineUnsupported,
     engine_plan,
     geometry_scale,
     mamba_steps,
     observation,
+    output_tokens,
     scaled,
 )
 from differential.errors import VariantError
@@ -342,6 +344,13 @@ def run_engine(
         notes.append(
             f"engine geometry: every token length scaled x{factor} (blocks {blocks} -> "
             f"{[b * factor for b in blocks]}); hits are the scaled scenario's"
+        )
+    sampled = output_tokens(run_scenario)
+    if cache_off and sampled > run_scenario.decode_steps + 1:
+        notes.append(
+            f"engine: outputs compared over {sampled} sampled tokens per request (the scenario "
+            f"samples {run_scenario.decode_steps + 1}; a sequential run without a pool, so the "
+            f"extra decode changes no hit), top-{TOP_LOGPROBS} logprobs each"
         )
     if scenario.workload.accepted_drafts:
         notes.append(
