@@ -904,6 +904,7 @@ class _Instruments:
         self.evicted = 0
         self.broken: list[int] = []
         self.replaced: list[list[int]] = []  # [request, group, block slot]
+        self.contents: dict[bytes, tuple[int, tuple[int, ...]]] = {}
         if breakage is not None and breakage not in BREAKAGES:
             raise PlanError(f"unknown breakage {breakage!r}: known {', '.join(BREAKAGES)}")
         self.breakage = breakage
@@ -923,8 +924,10 @@ class _Instruments:
 
         def get_computed_blocks(request: Any) -> Any:
             blocks, hit, boundary = lookup(request)
-            if self.breakage is not None and hit:
-                blocks = self._break(request, blocks, hit)
+            if self.breakage is not None:
+                self._record_contents(request)
+                if hit:
+                    blocks = self._break(request, blocks, hit)
             self.lookups[_index(request.request_id)] = (hit, boundary, self.step)
             return blocks, hit, boundary
 
@@ -964,11 +967,15 @@ class _Instruments:
             spec = groups[gi].kv_cache_spec
             slot = self._slot(type(spec).__name__, spec, group_blocks, hit, index)
             if slot is not None:
-                same_group = self.breakage != "wrong-block"
                 held = {b.block_id for g in blocks.blocks for b in g}
-                if not same_group:  # as first calibrated: this group's blocks only
+                if self.breakage == "wrong-block":  # as first calibrated
                     held = {b.block_id for b in group_blocks}
-                other = self._other_cached_block(held, gi if same_group else None)
+                    other = self._other_cached_block(held, None, None)
+                else:
+                    size = spec.block_size
+                    tokens = tuple(request.all_token_ids[slot * size : (slot + 1) * size])
+                    same = (slot * size, tokens) if size == self.pool.hash_block_size else None
+                    other = self._other_cached_block(held, gi, same)
                 if other is not None:
                     group_blocks[slot] = other
                     self.broken.append(index)
@@ -1017,13 +1024,27 @@ class _Instruments:
             return real[-1]
         return None
 
-    def _other_cached_block(self, held: set[int], group: int | None) -> Any:
+    def _record_contents(self, request: Any) -> None:
+        """Remember what each of ``request``'s hashed blocks holds: per block
+        hash (``Request.block_hashes``, one per ``BlockPool.hash_block_size``
+        tokens) its first position and its tokens."""
+        size = self.pool.hash_block_size
+        tokens = request.all_token_ids
+        for j, block_hash in enumerate(request.block_hashes):
+            self.contents[bytes(block_hash)] = (j * size, tuple(tokens[j * size : (j + 1) * size]))
+
+    def _other_cached_block(
+        self, held: set[int], group: int | None, same: tuple[int, tuple[int, ...]] | None
+    ) -> Any:
         """The first block of the pool (by block id) that is cached (has a
         block hash), not the null block, held by no request (``ref_cnt`` 0)
         and not among ``held``; with ``group`` set, one cached for that KV
         cache group (``get_group_id``, vllm/v1/core/kv_cache_utils.py), so it
-        holds that group's layers' KV (or state) for other tokens."""
-        from vllm.v1.core.kv_cache_utils import get_group_id
+        holds that group's layers' KV (or state) for other tokens. A block
+        known to hold ``same`` (first position, tokens) is passed over: a
+        prompt that repeats another's tokens at the same positions (a rejoin)
+        has blocks of another hash whose first layer's KV is the same."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         for candidate in self.pool.blocks:
             if (
@@ -1032,6 +1053,10 @@ class _Instruments:
                 and candidate.block_hash is not None
                 and candidate.ref_cnt == 0
                 and (group is None or get_group_id(candidate.block_hash) == group)
+                and (
+                    same is None
+                    or self.contents.get(bytes(get_block_hash(candidate.block_hash))) != same
+                )
             ):
                 return candidate
         return None

@@ -288,6 +288,39 @@ def _checked_run(
     return run
 
 
+def _mapping_notes(
+    scenario: Scenario, run_scenario: Scenario, factor: int, cache_off: bool
+) -> list[str]:
+    """The report's notes on how ``scenario`` was mapped onto the engine as
+    ``run_scenario`` (geometry factor ``factor``): Mamba prefill in vLLM's own
+    chunking, scaled token lengths, and how many sampled tokens the output
+    check compares when more than the scenario samples."""
+    notes: list[str] = []
+    if run_scenario.mamba_groups and (
+        run_scenario.mamba_prefill is not scenario.mamba_prefill
+        or run_scenario.step_budget_tokens != scaled(scenario, factor).step_budget_tokens
+    ):
+        notes.append(
+            "engine: Mamba prefill in vLLM's own chunking with steps of one block "
+            f"({run_scenario.step_budget_tokens} tokens; the CPU Mamba2 kernels keep no state "
+            "inside a step): judged and compared in that form"
+        )
+    if factor > 1:
+        blocks = sorted({g.block_size_tokens for g in scenario.kv_cache_groups})
+        notes.append(
+            f"engine geometry: every token length scaled x{factor} (blocks {blocks} -> "
+            f"{[b * factor for b in blocks]}); hits are the scaled scenario's"
+        )
+    sampled = output_tokens(run_scenario)
+    if cache_off and sampled > run_scenario.decode_steps + 1:
+        notes.append(
+            f"engine: outputs compared over {sampled} sampled tokens per request (the scenario "
+            f"samples {run_scenario.decode_steps + 1}; a sequential run without a pool, so the "
+            f"extra decode changes no hit), top-{TOP_LOGPROBS} logprobs each"
+        )
+    return notes
+
+
 def run_engine(
     scenario: Scenario,
     *,
@@ -330,28 +363,7 @@ def run_engine(
     notes: list[str] = []
     factor = geometry_scale(scenario) if geometry == "scale" else 1
     run_scenario = mamba_steps(scaled(scenario, factor))
-    if run_scenario.mamba_groups and (
-        run_scenario.mamba_prefill is not scenario.mamba_prefill
-        or run_scenario.step_budget_tokens != scaled(scenario, factor).step_budget_tokens
-    ):
-        notes.append(
-            "engine: Mamba prefill in vLLM's own chunking with steps of one block "
-            f"({run_scenario.step_budget_tokens} tokens; the CPU Mamba2 kernels keep no state "
-            "inside a step): judged and compared in that form"
-        )
-    if factor > 1:
-        blocks = sorted({g.block_size_tokens for g in scenario.kv_cache_groups})
-        notes.append(
-            f"engine geometry: every token length scaled x{factor} (blocks {blocks} -> "
-            f"{[b * factor for b in blocks]}); hits are the scaled scenario's"
-        )
-    sampled = output_tokens(run_scenario)
-    if cache_off and sampled > run_scenario.decode_steps + 1:
-        notes.append(
-            f"engine: outputs compared over {sampled} sampled tokens per request (the scenario "
-            f"samples {run_scenario.decode_steps + 1}; a sequential run without a pool, so the "
-            f"extra decode changes no hit), top-{TOP_LOGPROBS} logprobs each"
-        )
+    notes += _mapping_notes(scenario, run_scenario, factor, cache_off)
     if scenario.workload.accepted_drafts:
         notes.append(
             "engine: workload.accepted_drafts is not used (the engine's drafts are its own)"
