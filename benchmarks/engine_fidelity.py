@@ -190,7 +190,7 @@ def _calibration_table(rows: list[dict[str, Any]], breakage: str) -> str:
         flagged = row.get("wrong_output_requests") or []
         tokens, requests = row.get("compared_tokens") or (0, 0)
         lines.append(
-            f"| `{row['file']}` | {row['engine_hits']} | {broken or 'none (does not apply)'} "
+            f"| `{row['file']}` | {row['engine_hits']} | {broken or 'none (no block replaced)'} "
             f"| {flagged or '-'} | {tokens} ({requests}) |"
         )
     caught = sum(
