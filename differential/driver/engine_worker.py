@@ -965,7 +965,7 @@ class _Instruments:
         for gi, group_blocks in enumerate(blocks.blocks):
             group_blocks = list(group_blocks)
             spec = groups[gi].kv_cache_spec
-            slot = self._slot(type(spec).__name__, spec, group_blocks, hit, index)
+            slot = self._slot(type(spec).__name__, spec, group_blocks, hit, request)
             if slot is not None:
                 held = {b.block_id for g in blocks.blocks for b in g}
                 if self.breakage == "wrong-block":  # as first calibrated
@@ -984,7 +984,7 @@ class _Instruments:
         return type(blocks)(tuple(new_groups))
 
     def _slot(
-        self, kind: str, spec: Any, group_blocks: list[Any], hit: int, index: int
+        self, kind: str, spec: Any, group_blocks: list[Any], hit: int, request: Any
     ) -> int | None:
         """Which of a group's hit blocks (index into ``group_blocks``, one block
         of ``spec.block_size`` tokens each) the breakage replaces, or ``None``
@@ -993,9 +993,13 @@ class _Instruments:
         * ``wrong-block``: the last block of a full-attention group;
         * ``wrong-block-anywhere``: a full-attention block drawn from the
           request's index (crc32), not the last where there are several;
-        * ``wrong-swa-block``: a sliding-window block the first computed token
-          (position ``hit``) reads, i.e. one holding a position of
-          ``[hit - sliding_window + 1, hit - 1]``, drawn from the index;
+        * ``wrong-swa-block``: a sliding-window hit block the first sampled
+          token's logits read (the last prompt token, position ``P - 1`` of a
+          ``P``-token prompt, attends to ``[P - sliding_window, P - 1]``),
+          drawn from the request's index; none when the hit ends before that
+          window. (A block only the prompt tokens after the hit read changes
+          no output where no later layer mixes positions: a model whose last
+          layer slides.)
         * ``stale-swa-block``: the null slot of a sliding-window group just
           before the window (every position below ``hit - sliding_window +
           1``: ``SlidingWindowManager.get_num_skipped_tokens``,
@@ -1005,7 +1009,7 @@ class _Instruments:
           block, ``MambaManager.find_longest_cache_hit``).
         """
         real = [j for j, b in enumerate(group_blocks) if not b.is_null]
-        draw = zlib.crc32(f"{self.breakage}:{index}".encode())
+        draw = zlib.crc32(f"{self.breakage}:{_index(request.request_id)}".encode())
         if kind == "FullAttentionSpec" and real:
             if self.breakage == "wrong-block":
                 return real[-1]
@@ -1014,7 +1018,8 @@ class _Instruments:
         if kind == "SlidingWindowSpec" and self.breakage in ("wrong-swa-block", "stale-swa-block"):
             size, first_read = spec.block_size, hit - spec.sliding_window + 1
             if self.breakage == "wrong-swa-block":
-                inside = [j for j in real if (j + 1) * size - 1 >= first_read and j * size < hit]
+                sampled_read = request.num_prompt_tokens - spec.sliding_window
+                inside = [j for j in real if (j + 1) * size - 1 >= sampled_read and j * size < hit]
                 return inside[draw % len(inside)] if inside else None
             outside = [
                 j for j, b in enumerate(group_blocks) if b.is_null and (j + 1) * size <= first_read
