@@ -83,7 +83,8 @@ ENGINE_STAMP = ".kvfuzz-engine"
 #: forward pass (other batch shapes, other chunking), so float32 sums may round
 #: differently (about 1e-6 relative); on every corpus scenario the CPU engine
 #: gave bit-identical logprobs (difference 0.0), while the smallest change a
-#: wrong block on a hit made in the calibration was 8.4e-4.
+#: caught breakage of the calibration made to a top-8 logprob vector was
+#: 2.4e-4 (a wrong Mamba state; a wrong full-attention block: 7.6e-2).
 LOGPROB_TOLERANCE = 1e-4
 
 
@@ -347,7 +348,8 @@ def run_engine(
             multiple of 32 tokens) or ``exact`` (blocks must be multiples of 32
             tokens).
         cache_off: also run with prefix caching off (for :func:`wrong_outputs`).
-        breakage: the worker's calibration breakage (``"wrong-block"``), on the
+        breakage: the worker's calibration breakage (one of
+            ``engine_worker.BREAKAGES``, such as ``"wrong-block"``), on the
             cache-on run only.
         timeout_s: seconds per run (engine start included).
         variant: the variant to run (``None``: vLLM as installed, the run
