@@ -15,9 +15,13 @@ given), in this order:
    request where they part).
 
 Prints a Markdown table (one row per scenario) and a summary; ``--out FILE``
-also writes every row as JSON. ``--breakage wrong-block`` runs the engine
-with the calibration breakage (a wrong block handed out on every hit) and
-counts the scenarios ``wrong-output`` catches. ``--max-tokens`` skips
+also writes every row as JSON. ``--breakage NAME`` runs the engine
+with a calibration breakage of the engine worker (``wrong-block``,
+``wrong-block-anywhere``, ``wrong-swa-block``, ``wrong-mamba-state``: a
+wrong block or state handed out on a hit; ``stale-swa-block``, the negative
+control: a block outside the sliding window, which attention never reads) and
+prints the calibration table: per scenario the requests broken and those
+``wrong-output`` flagged. ``--max-tokens`` skips
 scenarios whose scaled prompts exceed it (stated in the row).
 
 Run (about 15 minutes on 2 cores for the bundled corpus)::
@@ -57,6 +61,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         scaled,
     )
     from differential.findings import FindingKind, Policy
+    from differential.variants.engine import compared_tokens
 
     row: dict[str, Any] = {"file": str(path.relative_to(ROOT) if path.is_absolute() else path)}
     entry = load_entry(path)
@@ -98,6 +103,10 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     row["wrong_output"] = [
         f.summary() for f in replay.findings if f.kind is FindingKind.WRONG_OUTPUT
     ]
+    row["wrong_output_requests"] = sorted(
+        {f.request for f in replay.findings if f.kind is FindingKind.WRONG_OUTPUT}
+    )
+    row["compared_tokens"] = list(compared_tokens(replay.engine))
     row["notes"] = list(replay.engine.notes)
     row["engine_start_s"] = [
         (raw.get("engine") or {}).get("start_s")
@@ -108,6 +117,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         row["cache_off_error"] = replay.engine.off_run.error
     if args.breakage:
         row["broken_requests"] = replay.engine.raw.get("broken", [])
+        row["broken_blocks"] = replay.engine.raw.get("broken_blocks", [])
     if args.no_release:
         row["status"] = "engine only"
         return row
@@ -183,14 +193,71 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _calibration_table(rows: list[dict[str, Any]], breakage: str) -> str:
+    """The calibration table for ``breakage``: per scenario the engine ran, its
+    hits, the requests given a wrong block and those ``wrong-output`` flagged,
+    and how many sampled tokens were compared (over how many requests)."""
+    lines = [
+        f"| scenario | engine hits | requests broken ({breakage}) | wrong-output on "
+        "| tokens compared (requests) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        if "engine_hits" not in row:
+            continue
+        broken = row.get("broken_requests") or []
+        flagged = row.get("wrong_output_requests") or []
+        tokens, requests = row.get("compared_tokens") or (0, 0)
+        lines.append(
+            f"| `{row['file']}` | {row['engine_hits']} | {broken or 'none (no block replaced)'} "
+            f"| {flagged or '-'} | {tokens} ({requests}) |"
+        )
+    caught = sum(
+        len(set(r.get("broken_requests") or []) & set(r.get("wrong_output_requests") or []))
+        for r in rows
+    )
+    broken_total = sum(len(r.get("broken_requests") or []) for r in rows)
+    other = sum(
+        len(set(r.get("wrong_output_requests") or []) - set(r.get("broken_requests") or []))
+        for r in rows
+    )
+    lines.append("")
+    lines.append(
+        f"{breakage}: wrong-output flagged {caught} of {broken_total} broken request(s), "
+        f"and {other} request(s) not broken"
+    )
+    return "\n".join(lines)
+
+
+def _calibration_status(ran: list[dict[str, Any]], breakage: str) -> int:
+    """Exit status of a calibration run: 0 when ``wrong-output`` flagged
+    exactly the broken requests (none for the negative control
+    ``stale-swa-block``) on every scenario and the breakage applied somewhere."""
+    applied = any(r.get("broken_requests") for r in ran)
+    for r in ran:
+        broken = set(r.get("broken_requests") or [])
+        flagged = set(r.get("wrong_output_requests") or [])
+        if flagged != (set() if breakage == "stale-swa-block" else broken):
+            return 1
+    return 0 if applied else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    from differential.driver.engine_worker import BREAKAGES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "paths", nargs="*", type=Path, help="files or folders (default: corpora, known-issues)"
     )
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--max-tokens", type=int, default=200_000, help="skip larger scenarios")
-    parser.add_argument("--breakage", choices=["wrong-block"], default=None)
+    parser.add_argument(
+        "--breakage",
+        choices=BREAKAGES,
+        default=None,
+        help="the engine worker's calibration breakage on the cache-on run (prints the "
+        "calibration table; stale-swa-block is a negative control)",
+    )
     parser.add_argument("--no-release", action="store_true", help="engine runs only")
     args = parser.parse_args(argv)
 
@@ -224,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     matched = [r for r in ran if r["status"] == "match"]
     wrong = [r for r in ran if r.get("wrong_output")]
     mismatched = [r for r in ran if r["status"] == "mismatch"]
-    print(_table(rows))
+    print(_calibration_table(rows, args.breakage) if args.breakage else _table(rows))
     print()
     print(
         f"{len(files)} scenario(s); {len(ran)} ran on the engine, {len(matched)} match both "
@@ -250,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=2) + "\n")
     if args.breakage:
-        return 0 if wrong else 1
+        return _calibration_status(ran, args.breakage)
     return 1 if any(r["status"] == "mismatch" for r in ran) or wrong else 0
 
 

@@ -94,7 +94,12 @@ def _cache_off_notice(outcome: EngineResult) -> str:
     """The report's line on the prefix-cache-off run: its hits and the largest
     logprob difference, or, when it failed or left requests unserved, that the
     sampled tokens of those requests were not compared (never "compared")."""
-    from differential.variants.engine import LOGPROB_TOLERANCE, max_logprob_difference
+    from differential.driver.engine_mode import TOP_LOGPROBS
+    from differential.variants.engine import (
+        LOGPROB_TOLERANCE,
+        compared_tokens,
+        max_logprob_difference,
+    )
 
     off = outcome.off_run
     assert off is not None
@@ -107,7 +112,8 @@ def _cache_off_notice(outcome: EngineResult) -> str:
     missing = sorted({r.index for r in outcome.run.requests} - served)
     unserved = f"; requests {missing} not served, not compared" if missing else ""
     return (
-        f"engine, prefix cache off: hits {list(off.hits)}; sampled tokens compared, "
+        f"engine, prefix cache off: hits {list(off.hits)}; sampled tokens compared "
+        f"({compared_tokens(outcome)[0]} tokens, top-{TOP_LOGPROBS} logprobs each), "
         f"largest logprob difference {max_logprob_difference(outcome):.1e} "
         f"(tolerance {LOGPROB_TOLERANCE:g})"
         f"{unserved}"

@@ -58,6 +58,8 @@ from differential.scenario import DrafterKind, GroupKind, KVCacheGroup, MambaPre
 
 __all__ = [
     "ENGINE_BLOCK_MULTIPLE",
+    "OUTPUT_CHECK_TOKENS",
+    "TOP_LOGPROBS",
     "EngineResult",
     "EngineUnsupported",
     "engine_plan",
@@ -66,6 +68,7 @@ __all__ = [
     "geometry_scale",
     "mamba_steps",
     "observation",
+    "output_tokens",
     "scaled",
 ]
 
@@ -73,6 +76,15 @@ __all__ = [
 ENGINE_BLOCK_MULTIPLE = 32
 _VOCAB = 1024
 _FIRST_TOKEN = 3  # 0-2 are pad, BOS and EOS in the tiny configs
+
+#: Sampled tokens per request the output check compares where decoding more
+#: cannot change what the scenario observes (:func:`output_tokens`).
+OUTPUT_CHECK_TOKENS = 8
+
+#: Logprobs the engine returns per sampled position (``SamplingParams.logprobs``:
+#: the ``TOP_LOGPROBS`` most likely tokens), compared as a vector between the
+#: cache-on and cache-off runs.
+TOP_LOGPROBS = 8
 
 
 class EngineUnsupported(Exception):
@@ -291,7 +303,8 @@ def engine_plan(
     # engine's own sampled tokens from the worker; only its own tokens come
     # from here, so kvfuzz's stand-in answers in these prompts are never sent.
     salt, prompts = _mapped_prompts(scenario)
-    longest = max(len(p) for p in prompts) + scenario.decode_steps + 1
+    sampled = output_tokens(scenario)
+    longest = max(len(p) for p in prompts) + sampled
     if scenario.workload.shares_output:
         longest = sum(len(p) for p in prompts) + len(prompts) * (scenario.decode_steps + 1)
     engine["max_model_len"] = _max_model_len(scenario, longest, block)
@@ -313,7 +326,7 @@ def engine_plan(
                 # Its own tokens, then what it rejoins of its source.
                 "own": list(prompts[i][r.divergence_tokens :]),
                 "arrival": None if arrival is None else arrival[i],
-                "max_tokens": scenario.decode_steps + 1,
+                "max_tokens": sampled,
             }
         )
     return {
@@ -322,9 +335,37 @@ def engine_plan(
         "requests": requests,
         "shares_output": scenario.workload.shares_output,
         "breakage": breakage,
+        "logprobs": TOP_LOGPROBS,
         "variant": variant,
         "kv_events": _kv_events_plan(scenario, prefix_caching),
     }
+
+
+def output_tokens(scenario: Scenario) -> int:
+    """Tokens each request samples on the engine: ``decode_steps + 1`` (the
+    first with its prefill), or :data:`OUTPUT_CHECK_TOKENS` when more and
+    decoding them cannot change what the scenario observes.
+
+    More sampled tokens only lengthen each request's decode: in a sequential
+    run (no ``workload.arrival_steps``: a request is added when the previous
+    finished) nothing else is scheduled beside them; without a pool
+    (``workload.pool_blocks``) the decoded blocks evict nothing; without
+    ``workload.shares_output`` no later prompt copies them; without KV cache
+    events no stream records them. A later prompt shares only prompt tokens,
+    so the blocks vLLM caches while decoding
+    (``KVCacheManager.allocate_slots``, vllm/v1/core/kv_cache_manager.py)
+    serve no hit it would not get otherwise.
+    """
+    steps = scenario.decode_steps + 1
+    w = scenario.workload
+    if (
+        w.sequential
+        and w.pool_blocks is None
+        and not w.shares_output
+        and w.kv_events.value == "off"
+    ):
+        return max(steps, OUTPUT_CHECK_TOKENS)
+    return steps
 
 
 def _max_model_len(scenario: Scenario, longest: int, block: int) -> int:

@@ -486,8 +486,12 @@ def _redraw_weights(model: Any) -> None:
     is uniform (logprob -ln 1024 = -6.93 for every token), so greedy outputs
     are ties and cannot show wrong KV. Here matrices get N(0, 1/fan_in)
     (embeddings N(0, 1), the LM head N(0, 9/fan_in): peaked distributions),
-    norm weights 1, other vectors 0; Mamba's ``A_log``, ``D``, ``dt_bias``
-    and convolution weights keep their dummy values (a stable recurrence).
+    norm weights 1, other vectors 0. Mamba2 layers
+    (vllm/model_executor/layers/mamba/mamba_mixer2.py, ``MambaMixer2``) get
+    Mamba2's own initial values (:func:`_mamba_parameter`): their dummy
+    values (``A`` about 0, convolution weights about 1e-3) left the layer's
+    output about 0 and a recurrence that never forgets, so a wrong cached
+    state moved nothing.
     The dummy loader also draws persistent buffers: Gemma 4's ``layer_scalar``
     (a checkpoint value each decoder layer's output is multiplied by,
     ``torch.ones(1)`` in vllm/model_executor/models/gemma4.py) is set back to
@@ -502,11 +506,12 @@ def _redraw_weights(model: Any) -> None:
     owner = type(model).__name__
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if any(key in name for key in ("A_log", ".D", "dt_bias", "conv1d")):
-                continue
             seed = zlib.crc32(f"{owner}:{name}".encode())
             generator = torch.Generator().manual_seed(seed)
-            if param.dim() >= 2:
+            mamba = _mamba_parameter(name, tuple(param.shape), generator)
+            if mamba is not None:
+                values = mamba
+            elif param.dim() >= 2:
                 fan_in = param.shape[-1]
                 if "embed" in name:
                     std = 1.0
@@ -523,6 +528,30 @@ def _redraw_weights(model: Any) -> None:
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.fill_(1.0)
+
+
+def _mamba_parameter(name: str, shape: tuple[int, ...], generator: Any) -> Any:
+    """Mamba2's initial value for a ``MambaMixer2`` per-head parameter named
+    ``name`` (vllm/model_executor/layers/mamba/mamba_mixer2.py), drawn from
+    ``generator``, or ``None`` for any other parameter (drawn as a matrix,
+    a norm or a bias). As the Mamba2 reference initialises them: ``A``
+    (vLLM keeps ``-exp(A_log)``) uniform in [-16, -1] per head; ``dt_bias``
+    the inverse softplus of a step ``dt`` log-uniform in [1e-3, 1e-1], so a
+    head's state decays by ``exp(dt * A)`` per token and forgets over about 1
+    to 1000 tokens; ``D`` (the skip connection) 1. The depthwise convolution
+    ``conv1d.weight`` (kernel of ``shape[-1]`` tokens) is a matrix: N(0,
+    1/kernel)."""
+    import torch
+
+    if name.endswith(".A"):
+        return -(1.0 + 15.0 * torch.rand(shape, generator=generator))
+    if name.endswith(".dt_bias"):
+        low, high = math.log(1e-3), math.log(1e-1)
+        dt = torch.exp(low + (high - low) * torch.rand(shape, generator=generator))
+        return dt + torch.log(-torch.expm1(-dt))
+    if name.endswith(".D"):
+        return torch.ones(shape)
+    return None
 
 
 def _install_weight_redraw() -> None:
@@ -754,8 +783,7 @@ class _EventStream:
         count = len(prompts)
         made = [self.requests.get(i, SimpleNamespace(block_hashes=[])) for i in range(count)]
         sequences = [
-            list(prompts[i] or [])
-            + (list(outputs[i].outputs[0].token_ids) if i in outputs else [])
+            list(prompts[i] or []) + (list(outputs[i].outputs[0].token_ids) if i in outputs else [])
             for i in range(count)
         ]
         return {
@@ -850,6 +878,16 @@ def _check_groups(engine: dict[str, Any], core: Any, cache_config: Any) -> None:
         )
 
 
+#: The calibration breakages a plan may name (:meth:`_Instruments._slot`).
+BREAKAGES = (
+    "wrong-block",
+    "wrong-block-anywhere",
+    "wrong-swa-block",
+    "stale-swa-block",
+    "wrong-mamba-state",
+)
+
+
 class _Instruments:
     """Counters and per-request records taken off the engine's own objects
     during one run: the last ``KVCacheManager.get_computed_blocks`` result per
@@ -865,6 +903,10 @@ class _Instruments:
         self.lookups: dict[int, tuple[int, int, int]] = {}
         self.evicted = 0
         self.broken: list[int] = []
+        self.replaced: list[list[int]] = []  # [request, group, block slot]
+        self.contents: dict[bytes, tuple[int, tuple[int, ...]]] = {}
+        if breakage is not None and breakage not in BREAKAGES:
+            raise PlanError(f"unknown breakage {breakage!r}: known {', '.join(BREAKAGES)}")
         self.breakage = breakage
         self.scheduled_tokens = 0  # in the last step
         self._saved: list[tuple[Any, str]] = []
@@ -882,8 +924,10 @@ class _Instruments:
 
         def get_computed_blocks(request: Any) -> Any:
             blocks, hit, boundary = lookup(request)
-            if self.breakage == "wrong-block" and hit:
-                blocks = self._wrong_block(request, blocks)
+            if self.breakage is not None:
+                self._record_contents(request)
+                if hit:
+                    blocks = self._break(request, blocks, hit)
             self.lookups[_index(request.request_id)] = (hit, boundary, self.step)
             return blocks, hit, boundary
 
@@ -906,29 +950,121 @@ class _Instruments:
             delattr(obj, name)  # the class's method shows through again
         self._saved.clear()
 
-    def _wrong_block(self, request: Any, blocks: Any) -> Any:
-        """Calibration breakage: the last hit block of every full-attention
-        group is replaced by another cached block of that group (one holding
-        other tokens' KV), so the hit length is unchanged and the KV wrong."""
+    def _break(self, request: Any, blocks: Any, hit: int) -> Any:
+        """The calibration breakage (:data:`BREAKAGES`) applied to one
+        ``KVCacheManager.get_computed_blocks`` result (vllm/v1/core/kv_cache_manager.py:
+        per KV cache group the hit's blocks, ``hit`` tokens): one block of each
+        group it applies to is replaced by another cached block, the hit length
+        unchanged. The request's index goes to :attr:`broken` when a block was
+        replaced.
+
+        """
+        index = _index(request.request_id)
         groups = self.core.scheduler.kv_cache_config.kv_cache_groups
         new_groups = []
         for gi, group_blocks in enumerate(blocks.blocks):
             group_blocks = list(group_blocks)
             spec = groups[gi].kv_cache_spec
-            if group_blocks and type(spec).__name__ == "FullAttentionSpec":
-                held = {b.block_id for b in group_blocks}
-                for candidate in self.pool.blocks:
-                    if (
-                        candidate.block_id not in held
-                        and not candidate.is_null
-                        and candidate.block_hash is not None
-                        and candidate.ref_cnt == 0
-                    ):
-                        group_blocks[-1] = candidate
-                        self.broken.append(_index(request.request_id))
-                        break
+            slot = self._slot(type(spec).__name__, spec, group_blocks, hit, request)
+            if slot is not None:
+                held = {b.block_id for g in blocks.blocks for b in g}
+                if self.breakage == "wrong-block":  # as first calibrated
+                    held = {b.block_id for b in group_blocks}
+                    other = self._other_cached_block(held, None, None)
+                else:
+                    size = spec.block_size
+                    tokens = tuple(request.all_token_ids[slot * size : (slot + 1) * size])
+                    same = (slot * size, tokens) if size == self.pool.hash_block_size else None
+                    other = self._other_cached_block(held, gi, same)
+                if other is not None:
+                    group_blocks[slot] = other
+                    self.broken.append(index)
+                    self.replaced.append([index, gi, slot])
             new_groups.append(group_blocks)
         return type(blocks)(tuple(new_groups))
+
+    def _slot(
+        self, kind: str, spec: Any, group_blocks: list[Any], hit: int, request: Any
+    ) -> int | None:
+        """Which of a group's hit blocks (index into ``group_blocks``, one block
+        of ``spec.block_size`` tokens each) the breakage replaces, or ``None``
+        when it does not apply to the group (``kind``: the spec's class).
+
+        * ``wrong-block``: the last block of a full-attention group;
+        * ``wrong-block-anywhere``: a full-attention block drawn from the
+          request's index (crc32), not the last where there are several;
+        * ``wrong-swa-block``: a sliding-window hit block the first sampled
+          token's logits read (the last prompt token, position ``P - 1`` of a
+          ``P``-token prompt, attends to ``[P - sliding_window, P - 1]``),
+          drawn from the request's index; none when the hit ends before that
+          window. (A block only the prompt tokens after the hit read changes
+          no output where no later layer mixes positions: a model whose last
+          layer slides.)
+        * ``stale-swa-block``: the null slot of a sliding-window group just
+          before the window (every position below ``hit - sliding_window +
+          1``: ``SlidingWindowManager.get_num_skipped_tokens``,
+          vllm/v1/core/single_type_kv_cache_manager.py), which attention never
+          reads: a negative control;
+        * ``wrong-mamba-state``: a Mamba group's hit state (its one non-null
+          block, ``MambaManager.find_longest_cache_hit``).
+        """
+        real = [j for j, b in enumerate(group_blocks) if not b.is_null]
+        draw = zlib.crc32(f"{self.breakage}:{_index(request.request_id)}".encode())
+        if kind == "FullAttentionSpec" and real:
+            if self.breakage == "wrong-block":
+                return real[-1]
+            if self.breakage == "wrong-block-anywhere":
+                return real[draw % (len(real) - 1)] if len(real) > 1 else real[0]
+        if kind == "SlidingWindowSpec" and self.breakage in ("wrong-swa-block", "stale-swa-block"):
+            size, first_read = spec.block_size, hit - spec.sliding_window + 1
+            if self.breakage == "wrong-swa-block":
+                sampled_read = request.num_prompt_tokens - spec.sliding_window
+                inside = [j for j in real if (j + 1) * size - 1 >= sampled_read and j * size < hit]
+                return inside[draw % len(inside)] if inside else None
+            outside = [
+                j for j, b in enumerate(group_blocks) if b.is_null and (j + 1) * size <= first_read
+            ]
+            return outside[-1] if outside else None
+        if kind == "MambaSpec" and self.breakage == "wrong-mamba-state" and real:
+            return real[-1]
+        return None
+
+    def _record_contents(self, request: Any) -> None:
+        """Remember what each of ``request``'s hashed blocks holds: per block
+        hash (``Request.block_hashes``, one per ``BlockPool.hash_block_size``
+        tokens) its first position and its tokens."""
+        size = self.pool.hash_block_size
+        tokens = request.all_token_ids
+        for j, block_hash in enumerate(request.block_hashes):
+            self.contents[bytes(block_hash)] = (j * size, tuple(tokens[j * size : (j + 1) * size]))
+
+    def _other_cached_block(
+        self, held: set[int], group: int | None, same: tuple[int, tuple[int, ...]] | None
+    ) -> Any:
+        """The first block of the pool (by block id) that is cached (has a
+        block hash), not the null block, held by no request (``ref_cnt`` 0)
+        and not among ``held``; with ``group`` set, one cached for that KV
+        cache group (``get_group_id``, vllm/v1/core/kv_cache_utils.py), so it
+        holds that group's layers' KV (or state) for other tokens. A block
+        known to hold ``same`` (first position, tokens) is passed over: a
+        prompt that repeats another's tokens at the same positions (a rejoin)
+        has blocks of another hash whose first layer's KV is the same."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        for candidate in self.pool.blocks:
+            if (
+                candidate.block_id not in held
+                and not candidate.is_null
+                and candidate.block_hash is not None
+                and candidate.ref_cnt == 0
+                and (group is None or get_group_id(candidate.block_hash) == group)
+                and (
+                    same is None
+                    or self.contents.get(bytes(get_block_hash(candidate.block_hash))) != same
+                )
+            ):
+                return candidate
+        return None
 
 
 class _PlanRequests:
@@ -945,6 +1081,7 @@ class _PlanRequests:
         self.engine = engine
         self.instruments = instruments
         self.shares_output = bool(plan.get("shares_output"))
+        self.top_logprobs = int(plan.get("logprobs") or 2)
         self.prefix: list[int] = plan["prefix"]
         self.specs: list[dict[str, Any]] = plan["requests"]
         self.sequential = all(s["arrival"] is None for s in self.specs)
@@ -995,7 +1132,7 @@ class _PlanRequests:
             max_tokens=specs[i]["max_tokens"],
             temperature=0.0,
             ignore_eos=True,
-            logprobs=2,
+            logprobs=self.top_logprobs,
             **self.extra,
         )
         self.engine.add_request(
@@ -1068,7 +1205,7 @@ class _PlanRequests:
         for i in sorted(self.outputs):
             out = self.outputs[i]
             completion = out.outputs[0]
-            logprobs, runner_up = _sampled_logprobs(completion)
+            logprobs, runner_up, top = _sampled_logprobs(completion, self.top_logprobs)
             hit, boundary, lookup_step = self.instruments.lookups.get(i, (0, 0, 0))
             row = self.rows[i]
             row.update(
@@ -1080,21 +1217,33 @@ class _PlanRequests:
                 output_token_ids=list(completion.token_ids),
                 logprobs=logprobs,
                 runner_up_logprobs=runner_up,
+                top_logprobs=top,
             )
             requests.append(row)
         return requests
 
 
-def _sampled_logprobs(completion: Any) -> tuple[list[float], list[float | None]]:
-    """Per sampled token of ``completion``, its logprob and the best other
-    token's (``None`` when the engine returned no other)."""
+def _sampled_logprobs(
+    completion: Any, k: int
+) -> tuple[list[float], list[float | None], list[list[list[float]]]]:
+    """Per sampled token of ``completion`` (a ``CompletionOutput``): its
+    logprob, the best other token's (``None`` when the engine returned no
+    other), and the ``k`` most likely tokens as ``[token, logprob]`` pairs by
+    rank (``Logprob.rank`` 1 to ``k``; vLLM's ``SamplingParams.logprobs``
+    returns them and the sampled token, vllm/v1/engine/logprobs.py)."""
     logprobs: list[float] = []
     runner_up: list[float | None] = []
+    top: list[list[list[float]]] = []
     for token, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
         logprobs.append(entry[token].logprob)
         others = [v.logprob for t, v in entry.items() if t != token]
         runner_up.append(max(others) if others else None)
-    return logprobs, runner_up
+        ranked = sorted(
+            ((v.rank, t, v.logprob) for t, v in entry.items() if v.rank is not None),
+            key=lambda item: (item[0], -item[2]),
+        )
+        top.append([[t, lp] for rank, t, lp in ranked if rank <= k])
+    return logprobs, runner_up, top
 
 
 def _engine_report(
@@ -1144,7 +1293,8 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
     engine step it is added at, null for after the previous request
     finished; ``max_tokens``), ``shares_output`` (a request with a source
     copies the source's prompt followed by its sampled tokens),
-    ``breakage`` (null, or ``"wrong-block"``: :meth:`_Instruments._wrong_block`),
+    ``breakage`` (null, or one of :data:`BREAKAGES`: :meth:`_Instruments._break`),
+    ``logprobs`` (the top logprobs sampled per position, default 2),
     ``kv_events`` (``"off"``, or ``"incremental"`` / ``"full"``: KV cache
     events on and every request's ``kv_cache_report_mode``, recorded by
     :class:`_EventStream` off vLLM's ZMQ publisher) and ``variant`` (null,
@@ -1162,11 +1312,13 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
         engine step at whose end it finished), arrival_step,
         shared_tokens (longest common prefix with the tokens of every request
         added before it), output_token_ids, logprobs (the sampled token's),
-        runner_up_logprobs (the best other token's, or null)], "broken":
-        request indices the breakage changed, "error": null or the engine's
-        exception, "variant": {"patch": the plan's variant, "applied": the
-        replacements it installed, ``Owner.attribute``}, "kv_events": null
-        (events off) or :meth:`_EventStream.reply`}``.
+        runner_up_logprobs (the best other token's, or null), top_logprobs
+        (per position the plan's ``logprobs`` most likely tokens, ``[token,
+        logprob]`` by rank)], "broken": request indices the breakage changed,
+        "broken_blocks": ``[request, group, block slot]`` per block replaced,
+        "error": null or the engine's exception, "variant": {"patch": the
+        plan's variant, "applied": the replacements it installed,
+        ``Owner.attribute``}, "kv_events": null (events off) or :meth:`_EventStream.reply`}``.
 
     Raises:
         PlanError: the plan's variant patch cannot apply (an *unsupported* run).
@@ -1281,6 +1433,7 @@ def _run_engine(
         "engine": _engine_report(engine, kwargs, start_s, started, instruments),
         "requests": rows,
         "broken": sorted(set(instruments.broken)),
+        "broken_blocks": instruments.replaced,
         "error": error,
         "restart": error is not None,
         "kv_events": events,

@@ -25,18 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from differential.capabilities import Unsupported, equivalent_scenario
 from differential.driver.engine_mode import (
+    TOP_LOGPROBS,
     EngineResult,
     EngineUnsupported,
     engine_plan,
     geometry_scale,
     mamba_steps,
     observation,
+    output_tokens,
     scaled,
 )
 from differential.errors import VariantError
@@ -54,6 +57,7 @@ __all__ = [
     "ENGINE_VENV_ENV",
     "LOGPROB_TOLERANCE",
     "EngineUnavailable",
+    "compared_tokens",
     "engine_python",
     "engine_run_name",
     "engine_stamp",
@@ -64,6 +68,7 @@ __all__ = [
     "max_logprob_difference",
     "run_engine",
     "shutdown_engine",
+    "top_logprob_difference",
     "wrong_outputs",
 ]
 
@@ -78,7 +83,8 @@ ENGINE_STAMP = ".kvfuzz-engine"
 #: forward pass (other batch shapes, other chunking), so float32 sums may round
 #: differently (about 1e-6 relative); on every corpus scenario the CPU engine
 #: gave bit-identical logprobs (difference 0.0), while the smallest change a
-#: wrong block on a hit made in the calibration was 8.4e-4.
+#: caught breakage of the calibration made to a top-8 logprob vector was
+#: 2.4e-4 (a wrong Mamba state; a wrong full-attention block: 7.6e-2).
 LOGPROB_TOLERANCE = 1e-4
 
 
@@ -283,6 +289,39 @@ def _checked_run(
     return run
 
 
+def _mapping_notes(
+    scenario: Scenario, run_scenario: Scenario, factor: int, cache_off: bool
+) -> list[str]:
+    """The report's notes on how ``scenario`` was mapped onto the engine as
+    ``run_scenario`` (geometry factor ``factor``): Mamba prefill in vLLM's own
+    chunking, scaled token lengths, and how many sampled tokens the output
+    check compares when more than the scenario samples."""
+    notes: list[str] = []
+    if run_scenario.mamba_groups and (
+        run_scenario.mamba_prefill is not scenario.mamba_prefill
+        or run_scenario.step_budget_tokens != scaled(scenario, factor).step_budget_tokens
+    ):
+        notes.append(
+            "engine: Mamba prefill in vLLM's own chunking with steps of one block "
+            f"({run_scenario.step_budget_tokens} tokens; the CPU Mamba2 kernels keep no state "
+            "inside a step): judged and compared in that form"
+        )
+    if factor > 1:
+        blocks = sorted({g.block_size_tokens for g in scenario.kv_cache_groups})
+        notes.append(
+            f"engine geometry: every token length scaled x{factor} (blocks {blocks} -> "
+            f"{[b * factor for b in blocks]}); hits are the scaled scenario's"
+        )
+    sampled = output_tokens(run_scenario)
+    if cache_off and sampled > run_scenario.decode_steps + 1:
+        notes.append(
+            f"engine: outputs compared over {sampled} sampled tokens per request (the scenario "
+            f"samples {run_scenario.decode_steps + 1}; a sequential run without a pool, so the "
+            f"extra decode changes no hit), top-{TOP_LOGPROBS} logprobs each"
+        )
+    return notes
+
+
 def run_engine(
     scenario: Scenario,
     *,
@@ -309,7 +348,8 @@ def run_engine(
             multiple of 32 tokens) or ``exact`` (blocks must be multiples of 32
             tokens).
         cache_off: also run with prefix caching off (for :func:`wrong_outputs`).
-        breakage: the worker's calibration breakage (``"wrong-block"``), on the
+        breakage: the worker's calibration breakage (one of
+            ``engine_worker.BREAKAGES``, such as ``"wrong-block"``), on the
             cache-on run only.
         timeout_s: seconds per run (engine start included).
         variant: the variant to run (``None``: vLLM as installed, the run
@@ -325,21 +365,7 @@ def run_engine(
     notes: list[str] = []
     factor = geometry_scale(scenario) if geometry == "scale" else 1
     run_scenario = mamba_steps(scaled(scenario, factor))
-    if run_scenario.mamba_groups and (
-        run_scenario.mamba_prefill is not scenario.mamba_prefill
-        or run_scenario.step_budget_tokens != scaled(scenario, factor).step_budget_tokens
-    ):
-        notes.append(
-            "engine: Mamba prefill in vLLM's own chunking with steps of one block "
-            f"({run_scenario.step_budget_tokens} tokens; the CPU Mamba2 kernels keep no state "
-            "inside a step): judged and compared in that form"
-        )
-    if factor > 1:
-        blocks = sorted({g.block_size_tokens for g in scenario.kv_cache_groups})
-        notes.append(
-            f"engine geometry: every token length scaled x{factor} (blocks {blocks} -> "
-            f"{[b * factor for b in blocks]}); hits are the scaled scenario's"
-        )
+    notes += _mapping_notes(scenario, run_scenario, factor, cache_off)
     if scenario.workload.accepted_drafts:
         notes.append(
             "engine: workload.accepted_drafts is not used (the engine's drafts are its own)"
@@ -380,14 +406,95 @@ def run_engine(
     return EngineResult(run_scenario, factor, run, off_run, raw, raw_off, caps, tuple(notes))
 
 
-def wrong_outputs(result: EngineResult, *, tolerance: float = LOGPROB_TOLERANCE) -> list[Finding]:
-    """``wrong-output`` findings: requests whose sampled tokens or logprobs with
-    the prefix cache on differ from the cache-off run.
+def top_logprob_difference(
+    on: Sequence[Sequence[float]], off: Sequence[Sequence[float]]
+) -> tuple[float, int | None]:
+    """How far apart two top-k logprob vectors of one sampled position are, in
+    nats, and the token where they are farthest (``None`` when both are empty).
 
-    Per request, the first position where the sampled tokens differ is a
-    finding unless the cache-off run had a near tie there (its best two
-    logprobs within ``tolerance``: rounding may pick either); with equal
-    tokens, a logprob differing by more than ``tolerance`` nats is one. A
+    ``on`` and ``off`` are the cache-on and cache-off runs' ``[token, logprob]``
+    pairs (vLLM's ``SamplingParams.logprobs``: the k most likely tokens, by
+    rank). The difference is the largest of
+
+    * ``|on[t] - off[t]|`` over the tokens ``t`` in both sets;
+    * for a token in one set only, how far its logprob lies above the other
+      set's lowest (its k-th) logprob: the other run ranked it below its k-th
+      token, so its logprob there is at most that one, and the difference at
+      that token is at least this much (0 when it lies below).
+
+    So the value never exceeds the true largest difference over the union of
+    the two sets, and a token that enters or leaves the top k counts only by
+    what it must have moved. Equal vectors give 0.0.
+    """
+    a = {int(t): float(lp) for t, lp in on}
+    b = {int(t): float(lp) for t, lp in off}
+    worst, where = 0.0, None
+    floor_a = min(a.values(), default=float("inf"))
+    floor_b = min(b.values(), default=float("inf"))
+    for token in sorted(a.keys() | b.keys()):
+        if token in a and token in b:
+            delta = abs(a[token] - b[token])
+        elif token in a:
+            delta = max(0.0, a[token] - floor_b)
+        else:
+            delta = max(0.0, b[token] - floor_a)
+        if where is None or delta > worst:
+            worst, where = delta, token
+    return worst, where
+
+
+def _position_difference(a: dict[str, Any], b: dict[str, Any], k: int) -> tuple[float, int | None]:
+    """Sampled position ``k`` of two request rows: :func:`top_logprob_difference`
+    of their ``top_logprobs`` (rows without them: the sampled token's
+    logprob difference)."""
+    top_a, top_b = a.get("top_logprobs"), b.get("top_logprobs")
+    if top_a is not None and top_b is not None and k < len(top_a) and k < len(top_b):
+        return top_logprob_difference(top_a[k], top_b[k])
+    return abs(a["logprobs"][k] - b["logprobs"][k]), a["output_token_ids"][k]
+
+
+def _position_finding(
+    a: dict[str, Any], b: dict[str, Any], k: int, tolerance: float
+) -> tuple[bool, Finding | None]:
+    """Compare sampled position ``k`` of request rows ``a`` (cache on) and
+    ``b`` (cache off): whether the rows differ there (comparison stops), and
+    the ``wrong-output`` finding, ``None`` for a near tie of different tokens
+    (the cache-off run's best two logprobs within ``tolerance``)."""
+    i, x, y = a["index"], a["output_token_ids"][k], b["output_token_ids"][k]
+    where = f"sampled token {k} (position {a['prompt_tokens'] + k})"
+    cached = f"{a['num_cached_tokens']} cached tokens"
+    if x != y:
+        runner_up = b["runner_up_logprobs"][k]
+        if runner_up is not None and b["logprobs"][k] - runner_up <= tolerance:
+            return True, None
+        detail = (
+            f"{where} is {x} with the prefix cache ({cached}) and {y} without it (logprob "
+            f"{b['logprobs'][k]:.4f} vs runner-up "
+            f"{runner_up if runner_up is None else round(runner_up, 4)})"
+        )
+    else:
+        delta, token = _position_difference(a, b, k)
+        if delta <= tolerance:
+            return False, None
+        top = "top-k logprobs" if "top_logprobs" in a else "logprob"
+        detail = (
+            f"{where}: {top} differ by {delta:.2e} > tolerance {tolerance:g} at token {token} "
+            f"(sampled {x}: {a['logprobs'][k]:.6f} with the prefix cache ({cached}), "
+            f"{b['logprobs'][k]:.6f} without it)"
+        )
+    hit = a["num_cached_tokens"]
+    return True, Finding(FindingKind.WRONG_OUTPUT, "engine", i, detail, hit_tokens=hit)
+
+
+def wrong_outputs(result: EngineResult, *, tolerance: float = LOGPROB_TOLERANCE) -> list[Finding]:
+    """``wrong-output`` findings: requests whose sampled tokens or top-k
+    logprobs with the prefix cache on differ from the cache-off run.
+
+    Per request, sampled position by position, the first position where the
+    runs differ is a finding: a different sampled token (unless the cache-off
+    run had a near tie there, its best two logprobs within ``tolerance``:
+    rounding may pick either), or, with the same token, top-k logprob vectors
+    more than ``tolerance`` nats apart (:func:`top_logprob_difference`). A
     request whose prompt differs between the runs (an earlier answer it copies
     differed) is not compared.
     """
@@ -399,64 +506,43 @@ def wrong_outputs(result: EngineResult, *, tolerance: float = LOGPROB_TOLERANCE)
     for i in sorted(on):
         if i not in off:
             continue
-        a, b = on[i], off[i]
         source = scenario.requests[i].shares_with
         if scenario.workload.shares_output and source in differed:
             continue
-        tokens_a, tokens_b = a["output_token_ids"], b["output_token_ids"]
-        for k, (x, y) in enumerate(zip(tokens_a, tokens_b, strict=False)):
-            if x != y:
-                runner_up = b["runner_up_logprobs"][k]
-                tie = runner_up is not None and b["logprobs"][k] - runner_up <= tolerance
+        positions = min(len(on[i]["output_token_ids"]), len(off[i]["output_token_ids"]))
+        for k in range(positions):
+            stop, finding = _position_finding(on[i], off[i], k, tolerance)
+            if stop:
                 differed.add(i)
-                if not tie:
-                    findings.append(
-                        Finding(
-                            FindingKind.WRONG_OUTPUT,
-                            "engine",
-                            i,
-                            f"sampled token {k} (position {a['prompt_tokens'] + k}) is {x} with "
-                            f"the prefix cache ({a['num_cached_tokens']} cached tokens) and {y} "
-                            f"without it (logprob {b['logprobs'][k]:.4f} vs runner-up "
-                            f"{runner_up if runner_up is None else round(runner_up, 4)})",
-                            hit_tokens=a["num_cached_tokens"],
-                        )
-                    )
-                break
-            delta = abs(a["logprobs"][k] - b["logprobs"][k])
-            if delta > tolerance:
-                differed.add(i)
-                findings.append(
-                    Finding(
-                        FindingKind.WRONG_OUTPUT,
-                        "engine",
-                        i,
-                        f"sampled token {k} (position {a['prompt_tokens'] + k}): logprob "
-                        f"{a['logprobs'][k]:.6f} with the prefix cache "
-                        f"({a['num_cached_tokens']} cached tokens), {b['logprobs'][k]:.6f} "
-                        f"without it (difference {delta:.2e} > tolerance {tolerance:g})",
-                        hit_tokens=a["num_cached_tokens"],
-                    )
-                )
+                findings += [finding] if finding is not None else []
                 break
     return findings
 
 
 def max_logprob_difference(result: EngineResult) -> float:
-    """The largest cache-on / cache-off logprob difference over equal tokens, in nats."""
+    """The largest cache-on / cache-off difference of top-k logprob vectors
+    (:func:`top_logprob_difference`) over the sampled positions up to each
+    request's first different token, in nats."""
     on = {r["index"]: r for r in result.raw.get("requests", [])}
     worst = 0.0
     for r in result.raw_off.get("requests", []):
         a = on.get(r["index"])
         if a is None:
             continue
-        for x, y, la, lb in zip(
-            a["output_token_ids"], r["output_token_ids"], a["logprobs"], r["logprobs"], strict=False
-        ):
+        for k, (x, y) in enumerate(zip(a["output_token_ids"], r["output_token_ids"], strict=False)):
             if x != y:
                 break
-            worst = max(worst, abs(la - lb))
+            worst = max(worst, _position_difference(a, r, k)[0])
     return worst
+
+
+def compared_tokens(result: EngineResult) -> tuple[int, int]:
+    """How many sampled tokens the output check compared (tokens both runs
+    sampled, over every request both served) and over how many requests."""
+    on = {r["index"]: r for r in result.raw.get("requests", [])}
+    pairs = [(on[r["index"]], r) for r in result.raw_off.get("requests", []) if r["index"] in on]
+    tokens = sum(min(len(a["output_token_ids"]), len(b["output_token_ids"])) for a, b in pairs)
+    return tokens, len(pairs)
 
 
 def judged_scenario(result: EngineResult) -> Scenario:

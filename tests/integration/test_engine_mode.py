@@ -192,7 +192,8 @@ def test_wrong_output_catches_a_wrong_block_on_a_hit() -> None:
     assert found, "the wrong block on a hit changed no output"
     assert {f.kind for f in found} == {FindingKind.WRONG_OUTPUT}
     # Request 3's wrong block (32 of 560 positions, one of two layers) moves
-    # its first logprob by 8.4e-4, above the 1e-4 tolerance.
+    # its first sampled logprob by 8.4e-4 and its top-8 logprobs by 9.6e-2,
+    # far above the 1e-4 tolerance.
     assert [f.request for f in found] == [1, 3]
     first = found[0]
     assert first.request == 1
