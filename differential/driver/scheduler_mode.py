@@ -314,8 +314,13 @@ def _check_async_drafter(config: Any) -> None:
     from vllm.config.speculative import EagleModelTypes, NgramGPUTypes
 
     spec = config.speculative_config
-    # Releases before 0.33.0 refuse the same drafters whatever the runner.
-    if spec is None or getattr(config, "use_v2_model_runner", False):
+    # The V1 model runner, always: VllmConfig.use_v2_model_runner reads the
+    # process's platform and Triton (vllm/config/vllm.py), which differ
+    # between processes here (a worker that has resolved the CPU platform
+    # and one that has not), and the V1 runner is the one without Triton,
+    # as on the CPU engine. Releases before 0.33.0 refuse the same drafters
+    # whatever the runner.
+    if spec is None:
         return
     allowed = {*get_args(EagleModelTypes), *get_args(NgramGPUTypes)}
     allowed |= {"draft_model", "dspark", "dflash"}

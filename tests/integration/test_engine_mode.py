@@ -377,6 +377,9 @@ def test_confirm_exit_codes_and_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     claimed.write_text(json.dumps(data))
     assert main(["confirm", "--no-release", str(claimed)]) == 1
     assert capsys.readouterr().out.splitlines() == [
+        f"{claimed}: note: engine: outputs compared over 8 sampled tokens per request (the "
+        "scenario samples 1; a sequential run without a pool, so the extra decode changes no "
+        "hit), top-8 logprobs each",
         f"{claimed}: not reproduced on the engine: fallback@2 (engine hits [0, 0, 0, 256]; "
         "the engine's findings: fallback@1, fallback@3)",
         "1 file(s): 0 confirmed, 1 not reproduced, 0 not run on the engine",

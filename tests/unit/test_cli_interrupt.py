@@ -25,6 +25,10 @@ import os, runpy, signal, sys
 target, start, *argv = sys.argv[1:]
 if start == "ignored":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+else:
+    # Python's own start, whatever the test process left to its children (an
+    # ignored SIGINT is inherited across exec).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class CtrlC:
     sent = False

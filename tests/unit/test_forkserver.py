@@ -244,7 +244,10 @@ def test_a_server_whose_owner_stops_while_it_pre_imports_leaves_nothing(
         [
             sys.executable,
             "-c",
-            "import sys; from differential import forkserver\n"
+            # Python's own SIGINT, whatever this test process left to its
+            # children (an ignored SIGINT is inherited across exec).
+            "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from differential import forkserver\n"
             "try:\n"
             "    forkserver.ForkServer.start(['json', 'kvfuzz_slow_import'])\n"
             "except KeyboardInterrupt:\n"
