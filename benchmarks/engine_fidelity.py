@@ -45,12 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from differential.commands.confirm import (
-        STALL_WORDS,
-        driver_mismatches,
-        engine_replay,
-        release_runs,
-    )
+    from differential.commands.confirm import driver_mismatches, engine_replay, release_runs
     from differential.corpus import finding_tag, load_entry
     from differential.driver.engine_mode import (
         EngineUnsupported,
@@ -60,7 +55,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         mamba_steps,
         scaled,
     )
-    from differential.findings import FindingKind, Policy
+    from differential.findings import STALL_WORDS, FindingKind, Policy
     from differential.variants.engine import compared_tokens
 
     row: dict[str, Any] = {"file": str(path.relative_to(ROOT) if path.is_absolute() else path)}

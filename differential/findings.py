@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["FIX_COMPARISONS", "SEVERITY", "Finding", "FindingKind", "Policy"]
+__all__ = ["FIX_COMPARISONS", "SEVERITY", "STALL_WORDS", "Finding", "FindingKind", "Policy"]
+
+#: What a stall's crash detail says, in every driving mode and on the engine:
+#: vLLM's Scheduler scheduled no token for many steps with requests unfinished
+#: (differential/driver/scheduler_mode.py, differential/driver/engine_worker.py).
+STALL_WORDS = "scheduled nothing for"
 
 
 class Policy(StrEnum):

@@ -31,7 +31,7 @@ from differential.commands.options import (
     timeout_seconds,
 )
 from differential.corpus import CorpusEntry, finding_tag
-from differential.findings import Finding, FindingKind, Policy
+from differential.findings import STALL_WORDS, Finding, FindingKind, Policy
 from differential.observation import RunObservation
 from differential.scenario import Scenario
 from differential.variant import Variant
@@ -473,11 +473,6 @@ def _release_findings(
     if run.mode == "scheduler":
         return judge_engine_run(judged, run, policy)[1]
     return judge_run(judged, run, policy)[1]
-
-
-#: What a stall's crash says, in every driving mode and on the engine: vLLM's
-#: Scheduler scheduled no token for many steps with requests unfinished.
-STALL_WORDS = "scheduled nothing for"
 
 
 def _one_prefixes_the_other(a: Sequence[int], b: Sequence[int]) -> bool:

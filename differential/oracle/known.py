@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from differential.findings import Finding, FindingKind, Policy
+from differential.findings import STALL_WORDS, Finding, FindingKind, Policy
 from differential.oracle import (
     checkpoints,
     dense_hit,
@@ -271,7 +271,7 @@ def _padded_draft_above_step_budget(scenario: Scenario, finding: Finding) -> boo
     in ``Scheduler.schedule`` (vllm/v1/core/sched/scheduler.py) refuses to
     schedule it un-padded, and ``VllmConfig`` accepted the budget because it
     checks ``num_lookahead_tokens`` (0 for n-gram), not the padded draft."""
-    if finding.kind is not FindingKind.CRASH or "scheduled nothing for" not in finding.detail:
+    if finding.kind is not FindingKind.CRASH or STALL_WORDS not in finding.detail:
         return False
     spec = scenario.drafter.num_speculative_tokens
     return spec > 0 and 1 + spec > scenario.step_budget_tokens
@@ -285,7 +285,7 @@ def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
     but leaves it in ``Scheduler._inflight_prefills``, so its next async
     admission reserves its own remaining blocks besides allocating them
     (``_inflight_prefill_reserved_blocks``, vllm/v1/core/sched/scheduler.py)."""
-    if finding.kind is not FindingKind.CRASH or "scheduled nothing for" not in finding.detail:
+    if finding.kind is not FindingKind.CRASH or STALL_WORDS not in finding.detail:
         return False
     store = scenario.workload.connector
     return (
