@@ -55,7 +55,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         mamba_steps,
         scaled,
     )
-    from differential.findings import STALL_WORDS, FindingKind, Policy
+    from differential.findings import FindingKind, Policy
     from differential.variants.engine import compared_tokens
 
     row: dict[str, Any] = {"file": str(path.relative_to(ROOT) if path.is_absolute() else path)}
@@ -127,17 +127,8 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
             row[f"{mode}_why"] = other.unsupported
         if other.error:
             row[f"{mode}_error"] = other.error
+    # A crash of the engine matches only where the drivers crash too.
     row["driver_mismatch"] = [f.summary() for f in driver_mismatches(run, runs)]
-    if run.error is not None:
-        # A crash of the engine matches only where the drivers crash too
-        # (manager mode runs no Scheduler, so it cannot show a stall).
-        stall = STALL_WORDS in run.error
-        missed = [
-            m
-            for m, o in runs.items()
-            if not o.unsupported and not o.error and not (m == "manager" and stall)
-        ]
-        row["driver_mismatch"] += [f"{m} mode does not crash" for m in missed]
     row["status"] = "mismatch" if row["driver_mismatch"] else "match"
     return row
 

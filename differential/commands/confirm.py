@@ -482,15 +482,27 @@ def _one_prefixes_the_other(a: Sequence[int], b: Sequence[int]) -> bool:
 
 def driver_mismatches(engine: RunObservation, runs: dict[str, RunObservation]) -> list[Finding]:
     """A ``driver-mismatch`` per driving mode whose hits differ from the engine's:
-    both hit lists and the first request where they part. A stall is not
-    compared with manager mode (it runs no Scheduler), and two crashed runs
-    compare only the requests both observed."""
+    both hit lists and the first request where they part; or one whose run
+    does not crash where the engine's does. A stall is not compared with
+    manager mode (it runs no Scheduler), and two crashed runs compare only
+    the requests both observed."""
     findings = []
     for mode, run in runs.items():
         if run.unsupported is not None or engine.unsupported is not None:
             continue
         if mode == "manager" and STALL_WORDS in (engine.error or ""):
             continue  # a stall of vLLM's Scheduler, which manager mode does not run
+        if engine.error and not run.error:
+            findings.append(
+                Finding(
+                    FindingKind.DRIVER_MISMATCH,
+                    f"{run.variant} {mode} vs engine",
+                    len(engine.hits),
+                    f"the engine crashes ({engine.error}), {mode} mode on {run.variant} "
+                    f"does not (hits {list(run.hits)})",
+                )
+            )
+            continue
         if run.hits == engine.hits:
             continue
         if run.error and engine.error and _one_prefixes_the_other(run.hits, engine.hits):
@@ -755,6 +767,7 @@ def _release_verdict(
     recorded: dict[str, Any] = {}
     disagree: list[str] = []
     ran: list[str] = []
+    stall = STALL_WORDS in (outcome.run.error or "")
     for mode, (r, findings) in judged.items():
         tags = {finding_tag(f) for f in findings}
         recorded[mode] = {
@@ -772,7 +785,6 @@ def _release_verdict(
         if r.unsupported is not None:
             continue
         ran.append(mode)
-        stall = STALL_WORDS in (outcome.run.error or "")
         judged_here = claims if mode == "scheduler" else _manager_judged(claims, stall)
         if claims and not judged_here:
             say(f"{name}: release:{version} {mode} mode does not judge {', '.join(sorted(claims))}")
