@@ -47,6 +47,13 @@ class BlockRecord:
         writer_block_index: the block's index in the writer's block table, in
             blocks (it held the writer's tokens ``[i * B, (i + 1) * B)``).
         filled_tokens: how many of those tokens the writer computed, in tokens.
+        state_tokens: for a state group's block (Mamba in ``align`` mode), the
+            position, in tokens, of the writer's state it holds: the state
+            after the writer's tokens ``[0, state_tokens)``; ``None`` for an
+            attention block, or a state the driver does not follow (one a
+            step with draft tokens wrote, whose position the drafts'
+            acceptance decides). See
+            :class:`~differential.driver.block_ledger.BlockLedger`.
     """
 
     block_id: int
@@ -54,6 +61,7 @@ class BlockRecord:
     writer: int | None
     writer_block_index: int | None
     filled_tokens: int
+    state_tokens: int | None = None
 
     @classmethod
     def from_list(cls, data: list[Any] | None) -> BlockRecord | None:
@@ -61,8 +69,12 @@ class BlockRecord:
         return None if data is None else cls(*data)
 
     def to_list(self) -> list[Any]:
-        """Compact JSON form ``[block_id, group, writer, writer_block_index, filled_tokens]``."""
-        return [self.block_id, self.group, self.writer, self.writer_block_index, self.filled_tokens]
+        """Compact JSON form ``[block_id, group, writer, writer_block_index,
+        filled_tokens]``, with ``state_tokens`` last when it is set."""
+        out = [self.block_id, self.group, self.writer, self.writer_block_index, self.filled_tokens]
+        if self.state_tokens is not None:
+            out.append(self.state_tokens)
+        return out
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,9 @@ class BlockWrite:
         null: the block is vLLM's null block.
         held_by: another request (its index) whose block table still holds
             the block, whatever the reference count says (``None``: none).
+        cached_state_tokens: for a state group's block whose prefix-cache
+            entry promises the state at another position, that position in
+            tokens (``None`` otherwise).
     """
 
     position_tokens: int
@@ -93,6 +108,7 @@ class BlockWrite:
     cached: bool
     null: bool
     held_by: int | None = None
+    cached_state_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockWrite:
@@ -110,6 +126,11 @@ class BlockWrite:
             "cached": self.cached,
             "null": self.null,
             **({} if self.held_by is None else {"held_by": self.held_by}),
+            **(
+                {}
+                if self.cached_state_tokens is None
+                else {"cached_state_tokens": self.cached_state_tokens}
+            ),
         }
 
 

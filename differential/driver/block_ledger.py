@@ -26,6 +26,26 @@ hit length does not carry:
   past it, which is safe, so only writes below the entry's
   ``block_hash_num_tokens`` count.
 
+* for every ``allocate_slots`` step of a Mamba group in ``align`` mode,
+  which state each block holds afterwards: the model runner keeps a
+  request's running state in the block at index ``cdiv(e, B) - 1`` of its
+  table for a step ending at ``e`` tokens (``curr_state_idx`` in
+  ``preprocess_mamba``, vllm/v1/worker/mamba_utils.py: "We always save the
+  current running state at the last (1 + num_speculative_blocks) block"),
+  so once the forward has run that block holds the request's state after
+  its tokens ``[0, e)``; a copy-on-write copy the step queued
+  (``SingleTypeKVCacheManager._pending_cow_copies``, run by the worker
+  before the forward) gives its destination the source's state first. A
+  step whose running block is the null block, held by another request, or
+  already in the prefix cache for a state at another position
+  (``KVCacheBlock.block_hash_num_tokens``) is an unsafe write: a cached
+  state block changed after it was cached. A step with draft tokens leaves
+  states whose position the drafts' acceptance decides
+  (``postprocess_mamba_fused_kernel``): the blocks it touches are recorded
+  as written by the request at a position not followed, as are the states
+  of a group with prefill checkpoint blocks (none of kvfuzz's specs has
+  them: ``differential.driver.specs``).
+
 The ledger is keyed by block id and updated only for the blocks a step
 writes (the tokens ``[start, end)``), so its cost is proportional to the
 tokens computed, not to the cache size.
@@ -57,9 +77,9 @@ class BlockLedger:
     def __init__(self, manager: KVCacheManager) -> None:
         self._managers = manager.coordinator.single_type_managers
         self._block_sizes = [m.block_size for m in self._managers]
-        # State groups (Mamba in align mode) keep one state block per step end
-        # and null blocks elsewhere in the table: their writes are not the
-        # attention pattern this ledger checks, so they are left out.
+        # State groups (Mamba) keep one state block per step end and null
+        # blocks elsewhere in the table: not the attention write pattern, so
+        # they are followed apart (_record_state_write).
         self._state_groups = {
             gid for gid, m in enumerate(self._managers) if isinstance(m, MambaManager)
         }
@@ -69,8 +89,19 @@ class BlockLedger:
             for gid, m in enumerate(self._managers)
             if gid not in self._state_groups
         ]
-        # block id -> [group, writer request index, writer block index, filled tokens]
+        # (group, manager, block size in tokens) of the state groups whose
+        # states the ledger follows (align mode: vLLM caches a state per block).
+        self._state = [
+            (gid, m, self._block_sizes[gid])
+            for gid in sorted(self._state_groups)
+            if getattr(m := self._managers[gid], "mamba_cache_mode", None) == "align"
+        ]
+        # block id -> [group, writer request index, writer block index, filled
+        # tokens] for attention, plus [state position in tokens, or -1: not
+        # followed] for a state group's block
         self._filled: dict[int, list[int]] = {}
+        # group -> how many copy-on-write copies it had queued before the step
+        self._cow_seen: dict[int, int] = {}
         # request index -> vLLM request id, for the writers recorded above
         self._request_ids: dict[int, str] = {}
         # block id -> the record a lookup returns for it, until it is written again
@@ -133,6 +164,9 @@ class BlockLedger:
                     rec = filled.get(block_id)
                     if rec is None:
                         record = BlockRecord(block_id, None, None, None, 0)
+                    elif len(rec) > 4:
+                        state = rec[4] if rec[4] >= 0 else None
+                        record = BlockRecord(block_id, rec[0], rec[1], rec[2], rec[3], state)
                     else:
                         record = BlockRecord(block_id, rec[0], rec[1], rec[2], rec[3])
                     records[block_id] = record
@@ -157,6 +191,8 @@ class BlockLedger:
                 prefill step), else ``None``.
         """
         cached: dict[int, int] = {}
+        for gid, manager, _size in self._state:
+            self._cow_seen[gid] = len(getattr(manager, "_pending_cow_copies", ()))
         if end_tokens <= start_tokens:
             return cached
         for gid, manager in enumerate(self._managers):
@@ -189,10 +225,17 @@ class BlockLedger:
                 start is a block boundary of every group.
         """
         for gid, manager in enumerate(self._managers):
-            if gid in self._state_groups or end_tokens <= start_tokens:
+            if end_tokens <= start_tokens:
                 continue
             size = self._block_sizes[gid]
             table = manager.req_to_blocks.get(request_id, ())
+            if gid in self._state_groups:
+                # The state the load was to leave at its end was never written.
+                k = -(-end_tokens // size) - 1
+                if 0 <= k < len(table) and not table[k].is_null:
+                    self._filled.pop(table[k].block_id, None)
+                    self._records.pop(table[k].block_id, None)
+                continue
             for block in table[start_tokens // size : (end_tokens - 1) // size + 1]:
                 if not block.is_null:
                     self._filled.pop(block.block_id, None)
@@ -251,6 +294,7 @@ class BlockLedger:
         *,
         processed_tokens: int | None = None,
         loaded_tokens: int = 0,
+        draft_tokens: int = 0,
     ) -> list[BlockWrite]:
         """Record the tokens ``[start, end)`` the step wrote and where each
         attention group's table holds null blocks (:meth:`take_tables`);
@@ -270,6 +314,9 @@ class BlockLedger:
                 block wholly inside them (a sliding window's skipped block,
                 ``SingleTypeKVCacheManager.allocate_external_computed_blocks``)
                 is no write.
+            draft_tokens: how many of the step's tokens are draft tokens
+                (``Request.spec_token_ids`` scheduled): the states such a
+                step leaves are not followed.
         """
         # The step computes from past the connector's load.
         computed_from = start_tokens + loaded_tokens
@@ -298,7 +345,138 @@ class BlockLedger:
                     cached_before,
                     unsafe,
                 )
+        for gid, manager, size in self._state:
+            table = manager.req_to_blocks.get(request_id)
+            if table:
+                self._record_state_write(
+                    gid,
+                    manager,
+                    size,
+                    table,
+                    request_index,
+                    (start_tokens, computed_from, end_tokens),
+                    draft_tokens,
+                    unsafe,
+                )
         return unsafe
+
+    def _take_cow_copies(self, gid: int, manager: Any) -> None:
+        """Give each copy-on-write destination the copy-on-write source's state,
+        for the copies ``manager`` queued since :meth:`before_step` (the worker
+        runs them before the step's forward: ``KVCacheManager.take_kv_cache_block_copies``,
+        vllm/v1/core/kv_cache_manager.py)."""
+        pending = getattr(manager, "_pending_cow_copies", None) or []
+        seen = self._cow_seen.pop(gid, 0)
+        for source, dest in pending[seen if seen <= len(pending) else 0 :]:
+            self._records.pop(dest.block_id, None)
+            rec = self._filled.get(source.block_id)
+            if rec is not None and len(rec) > 4 and rec[0] == gid:
+                self._filled[dest.block_id] = list(rec)
+            else:
+                self._filled.pop(dest.block_id, None)
+
+    def _record_state_write(
+        self,
+        gid: int,
+        manager: Any,
+        size: int,
+        table: Sequence[Any],
+        request_index: int,
+        span: tuple[int, int, int],
+        draft_tokens: int,
+        unsafe: list[BlockWrite],
+    ) -> None:
+        """Record the state one step leaves in a state group (``table``, blocks
+        of ``size`` tokens; ``span``: the step's first token, its first
+        computed token past a connector's load, and its end, in tokens) and
+        append an unsafe write of its running state block to ``unsafe``.
+
+        The running state of a step ending at ``e`` tokens is kept in the
+        block at index ``cdiv(e, size) - 1`` (``preprocess_mamba``,
+        vllm/v1/worker/mamba_utils.py); a step with drafts, or a group with
+        prefill checkpoint blocks (``MambaManager.has_prefill_checkpoint_blocks``:
+        the worker also exports a checkpoint state,
+        vllm/model_executor/layers/mamba/checkpoint.py), leaves states at
+        positions the ledger does not follow (recorded as position -1)."""
+        start, computed_from, end = span
+        self._take_cow_copies(gid, manager)
+        if start < computed_from:
+            # A connector's load leaves the state at its end in the block
+            # for it (the store's state for the request's own tokens).
+            k = -(-computed_from // size) - 1
+            if k < len(table) and not table[k].is_null:
+                self._records.pop(table[k].block_id, None)
+                self._filled[table[k].block_id] = [gid, request_index, k, 0, computed_from]
+        if end <= computed_from:
+            return
+        followed = draft_tokens == 0 and not getattr(
+            manager, "has_prefill_checkpoint_blocks", False
+        )
+        last = -(-end // size) - 1
+        if last >= len(table):
+            return  # no block for it: vLLM's own assertion, not the ledger's
+        # A step with drafts may leave a state in any block from the first
+        # one it computes into (postprocess_mamba_fused_kernel's aligned copy).
+        first = last if followed else max(0, -(-(computed_from + 1) // size) - 1)
+        for k in range(first, last + 1):
+            block = table[k]
+            if block.is_null and k < last:
+                continue
+            write = self._unsafe_state_write(
+                block, gid, k, manager, end if followed else None, request_index, computed_from
+            )
+            if write is not None:
+                unsafe.append(write)
+            if block.is_null:
+                continue
+            self._records.pop(block.block_id, None)
+            self._filled[block.block_id] = [gid, request_index, k, 0, end if followed else -1]
+
+    def _unsafe_state_write(
+        self,
+        block: Any,
+        gid: int,
+        k: int,
+        manager: Any,
+        position: int | None,
+        request_index: int,
+        start_tokens: int,
+    ) -> BlockWrite | None:
+        """The step's write of a state at ``position`` tokens (``None``: not
+        followed) into ``block`` (index ``k`` of KV cache group ``gid``) as a
+        :class:`BlockWrite`, or ``None`` when the block is the request's
+        alone: not the null block, one reference (less those a queued
+        copy-on-write copy holds on either end,
+        ``SingleTypeKVCacheManager._apply_cow`` and ``MambaManager.allocate_new_blocks``,
+        and vLLM's deferred frees' fences), and no prefix-cache entry
+        promising the state at another position
+        (``KVCacheBlock.block_hash_num_tokens``, set by
+        ``BlockPool.cache_partial_block`` and ``cache_full_blocks``, the block's
+        end when unset)."""
+        null = bool(block.is_null)
+        ref_cnt = block.ref_cnt
+        block_id = block.block_id
+        pending = getattr(manager, "_pending_cow_copies", None) or ()
+        copying = sum((s is block) + (d is block) for s, d in pending)
+        fenced = self._deferred().get(block_id, 0) if self._deferred is not None else 0
+        covered = None
+        if block.block_hash is not None:
+            covered = getattr(block, "block_hash_num_tokens", None)
+            covered = (k + 1) * self._block_sizes[gid] if covered is None else covered
+        overwrites = covered is not None and position is not None and covered != position
+        if not (null or overwrites or ref_cnt - copying - fenced != 1):
+            return None
+        return BlockWrite(
+            position_tokens=start_tokens,
+            group=gid,
+            block_index=k,
+            block_id=block_id,
+            ref_cnt=ref_cnt,
+            cached=overwrites,
+            null=null,
+            held_by=None,
+            cached_state_tokens=covered if overwrites else None,
+        )
 
     def _record_group_writes(
         self,

@@ -22,6 +22,17 @@ compose with the seed fix.
 * ``mutant-mamba-eagle-margin``: ``MambaManager.find_longest_cache_hit``
   gets back the EAGLE margin vLLM withholds from Mamba groups, so it can hit a
   state past the point full attention proves.
+* ``mutant-mamba-state-no-cow``: ``MambaManager.allocate_new_blocks``
+  forgets a running request's partial hit on its own cached partial tail,
+  so the step neither moves the tail's cache entry to a copy-on-write block
+  nor queues the copy: the request's next forward writes its running state
+  into the block the prefix cache holds for the state at the tail, a cached
+  state changed after it was cached (the write vLLM's
+  ``move_block_hashes`` + ``_pending_cow_copies`` path exists to avoid:
+  "the queued copy fills it before forward overwrites source_block",
+  vllm/v1/core/single_type_kv_cache_manager.py). Only the block-level
+  check sees it: an ``unsafe-write`` of a cached block, and a later hit on
+  the tail handed a state for other tokens.
 * ``mutant-mru-eviction``: ``FreeKVCacheBlockQueue.append_n`` puts the
   blocks at the front of the free queue, so ``BlockPool.free_blocks`` queues
   freed cached blocks to be evicted first (most recently used first) instead
@@ -45,6 +56,7 @@ __all__ = [
     "mutant_double_drop",
     "mutant_extra_block",
     "mutant_mamba_eagle_margin",
+    "mutant_mamba_state_no_cow",
     "mutant_mru_eviction",
     "mutant_no_junction",
     "mutant_no_peek",
@@ -189,6 +201,23 @@ def mutant_mamba_eagle_margin() -> Iterator[None]:
             return current(cls, block_hashes, max_length, *args, **kwargs)
 
         with patched(((MambaManager, "find_longest_cache_hit", classmethod(with_margin)),)):
+            yield
+
+
+@contextmanager
+def mutant_mamba_state_no_cow() -> Iterator[None]:
+    """The fixed variant, whose running requests write into their own cached
+    partial-tail state block (no copy-on-write)."""
+    with seed_pr_fix():
+        current = MambaManager.__dict__["allocate_new_blocks"]
+
+        def no_cow(self: MambaManager, request_id: str, *args: Any, **kwargs: Any) -> Any:
+            if request_id in getattr(self, "_allocated_block_reqs", ()):
+                self._partial_hit_reqs.pop(request_id, None)
+                self._producer_partial_tail_reqs.pop(request_id, None)
+            return current(self, request_id, *args, **kwargs)
+
+        with patched(((MambaManager, "allocate_new_blocks", no_cow),)):
             yield
 
 

@@ -592,6 +592,11 @@ def _record_writes(
             blocks = given.get("new_computed_blocks")
             adopted = blocks.blocks if blocks is not None else None
             rid = request.request_id
+            # Tokens past the request's own (and, under async scheduling, its
+            # output placeholders') are the step's draft tokens.
+            drafts = max(
+                0, end - request.num_tokens - getattr(request, "num_output_placeholders", 0)
+            )
             cached_before = ledger.before_step(rid, start, end, adopted)
         except Exception as exc:  # kvfuzz's own failure
             failures.append(exc)
@@ -609,6 +614,7 @@ def _record_writes(
                         cached_before,
                         processed_tokens=processed,
                         loaded_tokens=loaded,
+                        draft_tokens=drafts,
                     )
                 )
             except Exception as exc:  # kvfuzz's own failure

@@ -42,9 +42,14 @@ size ``B``, with hit ``h`` tokens:
    mid-prefill OOM"). A block kept below ``s`` is a ``kept-skipped-block``
    finding; the null block where the step attends, a ``wrong-kv`` one.
 
-A state group (Mamba, coming with its group kind) is checked by
-:func:`state_group_violations`: register it in :data:`GROUP_CHECKS` under the
-new :class:`~differential.scenario.GroupKind`.
+A state group (Mamba) is checked by :func:`state_group_violations`: the
+count, the state at the hit a real block, nothing past the hit, and the
+state's contents: the state after exactly the sibling's tokens before the
+hit (``BlockRecord.state_tokens``). Rule 4 covers a state group's writes
+too: the running state a step leaves (``preprocess_mamba``,
+vllm/v1/worker/mamba_utils.py) must not land in a block another request
+holds or one cached for a state at another position: a cached state
+changed after it was cached.
 
 The facts come from the driver (:class:`~differential.observation.BlockRecord`,
 :class:`~differential.observation.BlockWrite`); nothing here imports vLLM.
@@ -208,6 +213,11 @@ def _describe(held: BlockRecord | None) -> str:
         return "the null block"
     if held.writer is None:
         return f"block {held.block_id}, never written in this run"
+    if held.state_tokens is not None:
+        return (
+            f"block {held.block_id}: request {held.writer}'s group-{held.group} state "
+            f"after {held.state_tokens} tokens"
+        )
     return (
         f"block {held.block_id}: request {held.writer}'s group-{held.group} block "
         f"{held.writer_block_index}, {held.filled_tokens} token(s) written"
@@ -423,10 +433,19 @@ def state_group_violations(
     A state group holds one state per block boundary and a hit needs only the
     state at the hit (vLLM ``MambaManager.find_longest_cache_hit`` pads the
     blocks below it with null blocks): ``ceil(h / B)`` blocks (a fine-grained
-    hit may end inside a block), the last one real, nothing past the hit. What
-    a state block holds is not checked: the driver's ledger does not follow
-    state blocks. Same arguments as :func:`attention_violations`
-    (``sibling`` and ``tokens`` unused).
+    hit may end inside a block), the last one real, nothing past the hit.
+
+    **Contents**: a state sums every token before it, so the last block must
+    hold the state after exactly ``h`` tokens (``BlockRecord.state_tokens``),
+    in this group, written by an earlier request whose tokens ``[0, h)``
+    equal the sibling's (vLLM's own end-to-end test of vLLM #43559 compares
+    greedy outputs with prefix caching on and off: a state for other tokens,
+    or for another position, is silent output corruption). The driver's
+    ledger follows where the model runner keeps each step's state
+    (:class:`~differential.driver.block_ledger.BlockLedger`); a state it does
+    not follow (``state_tokens`` ``None`` with a writer: a step with drafts)
+    is not judged, and a state never written in the run is ``unwritten``.
+    Same arguments as :func:`attention_violations`.
     """
     size = group.block_size_tokens
     # A fine-grained hit ends inside a block, whose state is the hit's.
@@ -466,10 +485,43 @@ def state_group_violations(
                     f"group {gid} has the null block where the state at {hit_tokens} is due",
                 )
             )
-        # What a state block holds is not recorded by the driver (a state sums
-        # every token before it, and state blocks are not the attention write
-        # pattern the ledger follows): count, null and past-hit only.
+        else:
+            bad = _state_violation(gid, owed - 1, held, hit_tokens, sibling, tokens)
+            if bad is not None:
+                out.append(bad)
     return out
+
+
+def _state_violation(
+    gid: int, index: int, held: BlockRecord, hit_tokens: int, sibling: int, tokens: TokenView
+) -> BlockViolation | None:
+    """Check the state block at ``index`` a hit of ``hit_tokens`` hands the
+    sibling: the state after exactly the sibling's tokens ``[0, hit)``."""
+    if held.writer is None:
+        return BlockViolation(
+            ViolationKind.UNWRITTEN,
+            gid,
+            index,
+            held,
+            f"group {gid} block index {index} is {_describe(held)}; a hit of {hit_tokens} "
+            "tokens needs the state after them",
+        )
+    if held.state_tokens is None:
+        return None  # a state the driver does not follow
+    if (
+        held.group != gid
+        or held.state_tokens != hit_tokens
+        or tokens.reach(held.writer, sibling) < hit_tokens
+    ):
+        return BlockViolation(
+            ViolationKind.FOREIGN,
+            gid,
+            index,
+            held,
+            f"group {gid} block index {index} is {_describe(held)}, not the state after "
+            f"request {sibling}'s tokens 0..{hit_tokens}",
+        )
+    return None
 
 
 GroupCheck = Callable[
@@ -508,6 +560,9 @@ def request_violations(
         why = (
             "the null block"
             if write.null
+            else f"whose prefix-cache entry is the state after {write.cached_state_tokens} "
+            "tokens: a cached state changed after it was cached"
+            if write.cached_state_tokens is not None
             else "whose prefix-cache entry already covers them"
             if write.cached
             else f"which request {write.held_by}'s block table holds (ref_cnt {write.ref_cnt})"

@@ -90,6 +90,11 @@ for _name, _what, _base in (
         "fixed",
     ),
     (
+        "mamba-state-no-cow",
+        "a running request writes its state into its own cached partial-tail state block",
+        "fixed",
+    ),
+    (
         "mru-eviction",
         "freed cached blocks queued to be evicted first, not last (no LRU)",
         "fixed",
@@ -125,6 +130,7 @@ MUTANTS = (
     "mutant-null-in-window",
     "mutant-extra-block",
     "mutant-mamba-eagle-margin",
+    "mutant-mamba-state-no-cow",
 )
 
 

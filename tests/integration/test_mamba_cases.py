@@ -83,6 +83,70 @@ def test_mamba_eagle_margin_mutant_is_caught() -> None:
     assert not [f for f in result.findings if f.owner == "fixed"]
 
 
+@pytest.mark.parametrize("mode", ["manager", "scheduler"])
+def test_state_blocks_hold_the_writers_state_at_the_hit(mode: str) -> None:
+    # Request 2 hits 32 tokens of request 1's prompt; the one state block the
+    # Mamba group hands it holds request 1's state after exactly 32 tokens
+    # (the runner's running-state block of the prefill chunk ending at 32).
+    from differential.compare import in_mode
+    from differential.driver import run_variant
+    from differential.scenario import DriveMode
+
+    entry = load_entry(ROOT / "corpora/cases/mamba-shared-prefix-junction.json")
+    run = run_variant(in_mode(entry.scenario, DriveMode(mode)), parse_variants("fixed")[0])
+    assert run.hits == (0, 0, 32)
+    mamba = run.requests[2].lookup_blocks[1]
+    assert [(b.writer, b.state_tokens) for b in mamba if b is not None] == [(1, 32)]
+    assert [b for b in mamba if b is None] == [None]
+
+
+@pytest.mark.parametrize(("mode", "second_writer_block"), [("manager", 8), ("scheduler", 7)])
+def test_a_cached_state_changed_after_caching_is_wrong_kv(
+    mode: str, second_writer_block: int
+) -> None:
+    # 100-token writers cache a fine-grained partial tail at 80 (hash block
+    # 16, Mamba block 64); the mutant keeps them writing their running state
+    # into that cached block instead of moving its cache entry to a
+    # copy-on-write block. The hits are unchanged (80); only the content
+    # check sees the write (requests 0 and 2) and the state after 100 tokens
+    # handed to a sibling that needs the state after 80 (requests 1 and 3).
+    from differential.compare import in_mode
+    from differential.findings import FindingKind
+    from differential.scenario import DriveMode
+
+    entry = load_entry(
+        ROOT / "corpora/cases/mamba-fine-grained-replay-L100--scheduler-prefill.json"
+    )
+    scenario = in_mode(entry.scenario, DriveMode(mode))
+    result = compare_variants(scenario, parse_variants("fixed,mutant-mamba-state-no-cow"))
+    assert [list(vr.run.hits) for vr in result.results] == [[0, 80, 0, 80]] * 2
+    assert not [f for f in result.findings if f.owner == "fixed"]
+    write = (
+        "whose prefix-cache entry is the state after 80 tokens: "
+        "a cached state changed after it was cached"
+    )
+    b = second_writer_block
+    wrong = [
+        (f.request, f.detail)
+        for f in result.findings
+        if f.kind is FindingKind.WRONG_KV and not f.detail.startswith("dense")
+    ]
+    assert wrong == [
+        (0, f"the step at 80 tokens writes group 1 block index 1 (block 3), {write}"),
+        (
+            1,
+            "group 1 block index 1 is block 3: request 0's group-1 state after 100 tokens, "
+            "not the state after request 1's tokens 0..80",
+        ),
+        (2, f"the step at 80 tokens writes group 1 block index 1 (block {b}), {write}"),
+        (
+            3,
+            f"group 1 block index 1 is block {b}: request 2's group-1 state after 100 tokens, "
+            "not the state after request 3's tokens 0..80 (+1 more)",
+        ),
+    ]
+
+
 def test_exported_mamba_test_drives_the_state_group(tmp_path) -> None:
     import subprocess
 

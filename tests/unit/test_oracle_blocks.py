@@ -210,6 +210,39 @@ def test_state_group(blocks: tuple[str | None, ...], expected: list) -> None:
     assert [(v.kind, v.block_index) for v in got] == expected
 
 
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [
+        # Request 0 (looked up first, same first 48 tokens): its state after 48.
+        (BlockRecord(305, 0, 0, 5, 0, 48), []),
+        # The state after 40 or 56 tokens, or another group's state: foreign.
+        (BlockRecord(305, 0, 0, 4, 0, 40), [ViolationKind.FOREIGN]),
+        (BlockRecord(305, 0, 0, 6, 0, 56), [ViolationKind.FOREIGN]),
+        (BlockRecord(305, 1, 0, 5, 0, 48), [ViolationKind.FOREIGN]),
+        # The sibling's own state: it cannot have written it before its lookup.
+        (BlockRecord(305, 0, 1, 5, 0, 48), [ViolationKind.FOREIGN]),
+        # Never written in the run; written at a position the driver does not follow.
+        (BlockRecord(305, None, None, None, 0), [ViolationKind.UNWRITTEN]),
+        (BlockRecord(305, 0, 0, 5, 0, None), []),
+    ],
+)
+def test_state_group_contents(record: BlockRecord, expected: list[ViolationKind]) -> None:
+    group = KVCacheGroup(GroupKind.MAMBA, 8)
+    records = (None,) * 5 + (record,)
+    got = state_group_violations(group, 0, HIT, records, 1, TokenView(SCENARIO))
+    assert [v.kind for v in got] == expected
+    assert all(v.block_index == 5 for v in got)
+
+
+def test_state_record_round_trips() -> None:
+    state = BlockRecord(7, 1, 0, 5, 0, 48)
+    assert state.to_list() == [7, 1, 0, 5, 0, 48]
+    assert BlockRecord.from_list(state.to_list()) == state
+    attention = BlockRecord(7, 0, 0, 5, 8)
+    assert attention.to_list() == [7, 0, 0, 5, 8]
+    assert BlockRecord.from_list(attention.to_list()) == attention
+
+
 def test_render_blocks() -> None:
     assert render_blocks([None, 3, 4]) == "[null, 3, 4]"
     assert render_blocks(list(range(20)), edge=2) == "[0, 1, …(16 more)…, 18, 19]"
