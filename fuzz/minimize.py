@@ -49,6 +49,7 @@ from differential.scenario import (
     DrafterKind,
     GroupKind,
     KVEvents,
+    KVEventsView,
     Scenario,
 )
 from differential.variants import Variant
@@ -128,6 +129,11 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         yield "one running sequence", _replace(s, workload=dataclasses.replace(w, max_num_seqs=1))
     if w.watermark:
         yield "no watermark", _replace(s, workload=dataclasses.replace(w, watermark=0.0))
+    if w.kv_events_view is not KVEventsView.PER_COPY:
+        yield (
+            "the per-copy KV event view",
+            _replace(s, workload=dataclasses.replace(w, kv_events_view=KVEventsView.PER_COPY)),
+        )
     if w.kv_events is KVEvents.FULL:
         yield (
             "incremental KV event reports",
@@ -136,7 +142,12 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
     if w.kv_events is not KVEvents.OFF:
         yield (
             "no KV cache events",
-            _replace(s, workload=dataclasses.replace(w, kv_events=KVEvents.OFF)),
+            _replace(
+                s,
+                workload=dataclasses.replace(
+                    w, kv_events=KVEvents.OFF, kv_events_view=KVEventsView.PER_COPY
+                ),
+            ),
         )
     if w.abort_steps is not None:
         yield "no aborts", _replace(s, workload=dataclasses.replace(w, abort_steps=None))
@@ -438,6 +449,7 @@ def _size(s: Scenario) -> tuple[int, ...]:
         round(s.workload.watermark * 1000),
         s.workload.async_scheduling,
         _EVENTS_RANK[s.workload.kv_events],
+        s.workload.kv_events_view is not KVEventsView.PER_COPY,
         sum(len(r.mm_inputs) + (r.cache_salt is not None) for r in s.requests),
         s.dcp_world_size,
     )

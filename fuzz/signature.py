@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from differential.findings import Finding
 from differential.oracle import drafter_model
-from differential.scenario import DrafterKind, DriveMode, Scenario
+from differential.scenario import DrafterKind, DriveMode, KVEvents, Scenario
 from differential.variants import file_label
 
 __all__ = ["Signature", "coverage_keys", "signature_of"]
@@ -133,11 +133,12 @@ def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
     (``group-mix``: :attr:`Scenario.group_mix`; ``draft-groups``: whether the
     EAGLE drop is annotated, falls back to every group, or never applies,
     :attr:`Scenario.draft_groups`; ``connector-store``: :func:`_store_class`;
+    with KV cache events on, ``kv-events-view``: ``per-copy`` or ``router``;
     in scheduler mode only, ``scheduling``: ``async`` under
     ``workload.async_scheduling``, else ``sync``)."""
     model = drafter_model(scenario)
     protection = "drop" if model.drop else ("lookahead" if model.hash_lookahead_tokens else "none")
-    keys = (
+    keys: tuple[str, ...] = (
         f"drafter:{scenario.drafter.kind.value}",
         f"protection:{protection}",
         f"retention:{_retention_class(scenario)}",
@@ -148,6 +149,8 @@ def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
         f"connector-store:{_store_class(scenario)}",
     )
     workload = scenario.workload
+    if workload.kv_events is not KVEvents.OFF:
+        keys = (*keys, f"kv-events-view:{workload.kv_events_view.value}")
     if workload.mode is not DriveMode.SCHEDULER:
         return keys
     return (*keys, f"scheduling:{'async' if workload.async_scheduling else 'sync'}")

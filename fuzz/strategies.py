@@ -30,6 +30,7 @@ from differential.scenario import (
     GroupKind,
     KVCacheGroup,
     KVEvents,
+    KVEventsView,
     MambaPrefill,
     MultiModalInput,
     RequestSpec,
@@ -528,6 +529,14 @@ def _mamba_options(
     }
 
 
+def _kv_events_view(draw: st.DrawFn, events: KVEvents) -> KVEventsView:
+    """With KV cache events on, the router view for one scenario in three
+    (``Workload.kv_events_view``); drawn only then."""
+    if events is KVEvents.OFF:
+        return KVEventsView.PER_COPY
+    return KVEventsView.ROUTER if draw(st.integers(0, 2)) == 0 else KVEventsView.PER_COPY
+
+
 def _kv_events(draw: st.DrawFn, mamba: bool) -> KVEvents:
     """KV cache events for one scenario in four, in 'full' report mode only
     without Mamba groups (vLLM 0.33.0's full report indexes past the block
@@ -579,6 +588,8 @@ def scenarios(
     requests = _multimodal(draw, requests, alignment)
     # Last of all, decode context parallelism (it may scale the groups' blocks).
     groups, dcp = _decode_context_parallel(draw, groups, retention)
+    # And after it the event stream's view, drawn only with events on.
+    view = _kv_events_view(draw, events)
     try:
         return Scenario(
             kv_cache_groups=groups,
@@ -591,7 +602,7 @@ def scenarios(
             disable_eagle_block_drop=disable_drop,
             prefill_chunk_tokens=chunk,
             decode_steps=decode_steps,
-            workload=Workload(kv_events=events),
+            workload=Workload(kv_events=events, kv_events_view=view),
             dcp_world_size=dcp,
             **mamba_options,  # type: ignore[arg-type]
         )

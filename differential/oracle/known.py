@@ -1044,6 +1044,30 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         example="known-issues/async-deferred-free-flattens-group-order.json",
         matches=lambda scenario, finding: finding.kind is FindingKind.FREE_ORDER,
     ),
+    KnownIssue(
+        name="kv-events-removed-per-copy",
+        summary=(
+            "vLLM publishes a BlockRemoved for every physical block it evicts "
+            "(BlockPool._maybe_evict_cached_block), also for one of two blocks "
+            "that hold the same hash: an identical block-aligned prompt recomputes "
+            "its last block and caches a second copy. A KV-cache-aware router that "
+            "reads BlockRemoved as 'no longer cached here' then drops a prefix the "
+            "engine still serves from the other copy: two identical 64-token "
+            "prompts (FA 16), a third request that evicts the first copy only, "
+            "and from that step on the router's set lacks the hash the pool still "
+            "holds. Judged under the router view only (workload.kv_events_view "
+            "'router'); vLLM 0.33.0's per-copy stream replays exactly by counts. "
+            "vLLM PR #55092 (open) emits the removal only with the last copy."
+        ),
+        vllm_source="vllm/v1/core/block_pool.py BlockPool._maybe_evict_cached_block "
+        "with BlockPool._emit_block_removed_events",
+        example="known-issues/kv-events-router-drops-a-cached-duplicate.json",
+        matches=lambda scenario, finding: (
+            finding.kind is FindingKind.KV_EVENTS
+            and finding.detail.startswith("router: ")
+            and "while the pool still caches it" in finding.detail
+        ),
+    ),
 )
 
 

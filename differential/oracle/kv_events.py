@@ -29,6 +29,19 @@ The contract, rule by rule, judged after every drain of the event queue
     holds under that group and hash; ``AllBlocksCleared`` empties the
     replay. The reused blocks a ``"full"`` report re-announces (below) are
     not new blocks and are not counted.
+``router``
+    Judged instead of ``replay`` under the router view
+    (``workload.kv_events_view`` ``"router"``,
+    :class:`~differential.scenario.KVEventsView`): a KV-cache-aware router
+    keeps, per group, the set of hashes an engine holds, adding a hash on
+    ``BlockStored`` and dropping it on ``BlockRemoved``. Replaying the stream
+    that way must give, after every drain, exactly the hashes the pool still
+    holds (RFC #20492: the events are "the public contract for any component
+    ... consuming KV-Cache lifecycle events"). vLLM 0.33.0's per-copy stream
+    breaks it when one of two copies of a hash is removed while the other is
+    still cached: the router stops routing a prefix the engine still serves
+    (vLLM PR #55092, open, removes a hash only with its last copy). A named
+    policy a scenario asks for while upstream has not settled it.
 ``stored``
     Each ``BlockStored`` describes a real token prefix: its
     ``parent_block_hash`` is the hash of the prefix its ``token_ids`` extend
@@ -76,12 +89,12 @@ from dataclasses import dataclass, field
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import KVEvent, KVEventLog, KVEventLookup, RunObservation, tokens_of
 from differential.oracle.prefix import pairwise_common_prefix_tokens, scenario_memo
-from differential.scenario import GroupKind, KVCacheGroup, Scenario
+from differential.scenario import GroupKind, KVCacheGroup, KVEventsView, Scenario
 
 __all__ = ["RULES", "SPEC_KIND", "kv_event_findings", "kv_event_rule"]
 
 #: The rules, in the order findings are reported.
-RULES = ("replay", "stored", "removed", "lookup")
+RULES = ("replay", "router", "stored", "removed", "lookup")
 
 SPEC_KIND: dict[GroupKind, str] = {
     GroupKind.FULL_ATTENTION: "full_attention",
@@ -280,11 +293,14 @@ class _Judge:
         # comparing the two is one dict comparison.
         replay: dict[tuple[int, int], int] = {}
         pool: dict[tuple[int, int], int] = {}
+        # A router's view: the (group, hash) pairs announced and not removed since.
+        router: set[tuple[int, int]] = set()
         for step in self.log.steps:
             emitted: dict[int, list[KVEvent]] = defaultdict(list)
             for event in step.events:
                 if event.kind == "cleared":
                     replay.clear()
+                    router.clear()
                     continue
                 name = "BlockStored" if event.kind == "stored" else "BlockRemoved"
                 if event.group is None or not 0 <= event.group < groups:
@@ -301,6 +317,7 @@ class _Judge:
                 if event.kind == "removed":
                     for label in event.hashes:
                         key = (event.group, label)
+                        router.discard(key)
                         held = replay.get(key, 0)
                         if held <= 0:
                             self.breach(
@@ -319,6 +336,7 @@ class _Judge:
                 for label in event.hashes:
                     key = (event.group, label)
                     replay[key] = replay.get(key, 0) + 1
+                    router.add(key)
             for index, lookup in enumerate(step.lookups):
                 self.lookup(step.step, lookup, emitted.pop(index, []))
             for group, label, blocks in step.pool:
@@ -326,7 +344,37 @@ class _Judge:
                     pool[(group, label)] = blocks
                 else:
                     pool.pop((group, label), None)
-            self.compare(step.step, replay, pool)
+            if self.scenario.workload.kv_events_view is KVEventsView.ROUTER:
+                self.compare_router(step.step, router, pool)
+            else:
+                self.compare(step.step, replay, pool)
+
+    def compare_router(
+        self, step: int, router: set[tuple[int, int]], pool: dict[tuple[int, int], int]
+    ) -> None:
+        """The ``router`` rule after one drain: the hashes a router holds
+        (``router``) are exactly those the pool caches (``pool``: blocks per
+        (group, hash), positive counts only)."""
+        if router == pool.keys():
+            return
+        keys = sorted(router ^ pool.keys())
+        g, label = keys[0]
+        named = self.log.prefixes.get(label)
+        prefix = f"request {named[0]}'s first {named[1]} tokens" if named else "no request's prefix"
+        held = pool.get((g, label), 0)
+        what = (
+            f"the router dropped the hash of {prefix} (group {g}) while the pool still "
+            f"caches it in {held} block(s): it stops routing that prefix here"
+            if held
+            else f"the router holds the hash of {prefix} (group {g}), which the pool no "
+            "longer caches: it routes that prefix here to be recomputed"
+        )
+        self.breach(
+            "router",
+            None,
+            f"step {step}: a router replaying the stream as a set holds {len(router)} "
+            f"hashes, the pool {len(pool)}; first difference: {what}",
+        )
 
     def compare(
         self, step: int, replay: dict[tuple[int, int], int], pool: dict[tuple[int, int], int]

@@ -33,6 +33,7 @@ from differential.scenario.workload import (
     ConnectorStore,
     DriveMode,
     KVEvents,
+    KVEventsView,
     MultiModalInput,
     RequestSpec,
     Workload,
@@ -327,6 +328,15 @@ class WorkloadDocument(BaseModel):
         "kv_cache_report_mode 'full', so reused blocks are announced again). The stream "
         "is recorded per step and judged. Written only when not 'off'.",
     )
+    kv_events_view: KVEventsView = Field(
+        default=KVEventsView.PER_COPY,
+        exclude_if=lambda v: v is KVEventsView.PER_COPY,
+        description="How the KV cache event stream is judged: 'per-copy' (vLLM 0.33.0's "
+        "stream, a BlockRemoved per physical copy of a hash; replayed by counts) or "
+        "'router' (a KV-cache-aware router's view: replayed as a set of hashes, it must "
+        "give exactly the hashes the pool still holds; vLLM PR #55092, open). Only with "
+        "kv_events on. Written only when not 'per-copy'.",
+    )
     watermark: Annotated[float, Field(ge=0.0, lt=1.0, strict=True)] = Field(
         default=0.0,
         exclude_if=lambda v: v == 0.0,
@@ -371,6 +381,7 @@ class WorkloadDocument(BaseModel):
             shares_output=self.shares_output,
             accepted_drafts=self.accepted_drafts,
             kv_events=self.kv_events,
+            kv_events_view=self.kv_events_view,
             watermark=self.watermark,
             connector=None if self.connector is None else self.connector.value(),
             abort_steps=self.abort_steps,

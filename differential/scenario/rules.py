@@ -16,7 +16,7 @@ from differential.errors import ScenarioError
 from differential.scenario.drafter import DROPPING_DRAFTERS, DrafterKind
 from differential.scenario.groups import DraftGroups, GroupKind, MambaPrefill
 from differential.scenario.multimodal import PlacedInput, placed_inputs, split_input
-from differential.scenario.workload import ConnectorLoad, DriveMode
+from differential.scenario.workload import ConnectorLoad, DriveMode, KVEvents, KVEventsView
 
 if TYPE_CHECKING:
     from differential.scenario.model import Scenario
@@ -258,6 +258,13 @@ def check_workload(s: Scenario) -> None:
                 "null or a list with at least one step (a list of nulls aborts nothing: "
                 "write null)",
             )
+    if w.kv_events_view is not KVEventsView.PER_COPY and w.kv_events is KVEvents.OFF:
+        raise ScenarioError(
+            "workload.kv_events_view",
+            w.kv_events_view.value,
+            "'per-copy' when kv_events is 'off' (a view of a stream needs the stream: "
+            "kv_events 'incremental' or 'full')",
+        )
     if w.mode is DriveMode.MANAGER and w.async_scheduling:
         # The manager-level driver makes no scheduler steps, so no batch is
         # ever in flight.

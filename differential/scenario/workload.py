@@ -118,6 +118,25 @@ class DriveMode(StrEnum):
     SCHEDULER = "scheduler"
 
 
+class KVEventsView(StrEnum):
+    """How the KV cache event stream is judged (:mod:`differential.oracle.kv_events`).
+
+    ``PER_COPY`` (the default): as vLLM 0.33.0 publishes it, one
+    ``BlockStored`` / ``BlockRemoved`` per physical block, so a hash two
+    blocks hold is removed once per copy; replaying the stream by counts
+    must give the pool's blocks per hash. ``ROUTER``: as a KV-cache-aware
+    router reads it (llm-d's KV-cache-aware routing, NVIDIA Dynamo's KV
+    router: a ``BlockRemoved`` means the engine no longer holds the prefix),
+    replaying the stream as a set of hashes must give exactly the hashes the
+    pool still holds. vLLM PR #55092 (open) would emit a ``BlockRemoved`` only
+    with a hash's last copy; until upstream settles it the router view is a
+    named policy a scenario asks for, not the default.
+    """
+
+    PER_COPY = "per-copy"
+    ROUTER = "router"
+
+
 class KVEvents(StrEnum):
     """Whether vLLM publishes KV cache events in a run, and for which blocks.
 
@@ -239,6 +258,9 @@ class Workload:
             are rejected. Empty: no drafts are proposed. Scheduler mode only.
         kv_events: KV cache events and the requests' report mode
             (:class:`KVEvents`); both modes honour it.
+        kv_events_view: how the stream is judged (:class:`KVEventsView`):
+            vLLM 0.33.0's per-copy stream, or a router's view of it. Only
+            with ``kv_events`` on.
         watermark: ``SchedulerConfig.watermark``: the fraction (``0 <= w <
             1``) of the pool's blocks vLLM keeps free when it admits a waiting
             or preempted request while others are scheduled
@@ -274,6 +296,7 @@ class Workload:
     shares_output: bool = False
     accepted_drafts: tuple[int, ...] = ()
     kv_events: KVEvents = KVEvents.OFF
+    kv_events_view: KVEventsView = KVEventsView.PER_COPY
     watermark: float = 0.0
     connector: ConnectorStore | None = None
     abort_steps: tuple[int | None, ...] | None = None

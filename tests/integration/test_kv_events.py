@@ -12,7 +12,7 @@ from differential.corpus import finding_tag, load_entry
 from differential.driver import run_variant
 from differential.oracle.engine import judge_engine_run
 from differential.oracle.kv_events import kv_event_findings, kv_event_rule
-from differential.scenario import DriveMode
+from differential.scenario import DriveMode, KVEventsView
 from differential.variants import parse_variants
 from tests.factories import CORPORA
 
@@ -73,6 +73,37 @@ def test_an_evicted_duplicate_block_is_removed_once_per_copy() -> None:
     assert removals.count(fourth) == 2
     assert all(e.lookup is None for e in events)  # incremental: lookups publish nothing
     assert judge_engine_run(scenario, run)[1] == ()
+
+
+def test_the_router_view_drops_a_prefix_one_copy_of_which_stays_cached() -> None:
+    # Request 2 (80 tokens, 10-block pool) evicts request 0's copy of the
+    # 64-token prefix at step 9 and leaves request 1's copy cached: one
+    # BlockRemoved of a hash the pool still holds. The per-copy replay holds;
+    # a router's set lacks the hash from then on (vLLM PR #55092).
+    from tests.factories import ROOT
+
+    entry = load_entry(ROOT / "known-issues/kv-events-router-drops-a-cached-duplicate.json")
+    (unfixed,) = parse_variants("unfixed")
+    run = run_variant(entry.scenario, unfixed)
+    assert run.hits == (0, 48, 0, 48)
+    (finding,) = kv_event_findings(entry.scenario, run)
+    assert kv_event_rule(finding) == "router"
+    assert finding.detail == (
+        "router: step 9: a router replaying the stream as a set holds 8 hashes, the pool 9; "
+        "first difference: the router dropped the hash of request 0's first 64 tokens "
+        "(group 0) while the pool still caches it in 1 block(s): it stops routing that "
+        "prefix here"
+    )
+    per_copy = dataclasses.replace(
+        entry.scenario,
+        workload=dataclasses.replace(entry.scenario.workload, kv_events_view=KVEventsView.PER_COPY),
+    )
+    assert kv_event_findings(per_copy, run_variant(per_copy, unfixed)) == []
+    result = compare_variants(entry.scenario, parse_variants("unfixed,fixed"))
+    assert {(f.owner, f.known_issue) for f in result.findings} == {
+        ("unfixed", "kv-events-removed-per-copy"),
+        ("fixed", "kv-events-removed-per-copy"),
+    }
 
 
 def test_full_report_mode_reannounces_at_every_lookup_that_hits() -> None:

@@ -32,6 +32,7 @@ from differential.scenario import (
     GroupKind,
     KVCacheGroup,
     KVEvents,
+    KVEventsView,
     RequestSpec,
     Scenario,
     Workload,
@@ -41,7 +42,9 @@ PREFIXES = {0: (0, 4), 1: (0, 8)}
 KIND = {0: ("full_attention", None), 1: ("sliding_window", 8)}
 
 
-def scenario(mode: KVEvents = KVEvents.INCREMENTAL) -> Scenario:
+def scenario(
+    mode: KVEvents = KVEvents.INCREMENTAL, view: KVEventsView = KVEventsView.PER_COPY
+) -> Scenario:
     return Scenario(
         kv_cache_groups=(
             KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
@@ -49,7 +52,7 @@ def scenario(mode: KVEvents = KVEvents.INCREMENTAL) -> Scenario:
         ),
         requests=(RequestSpec(8, 1), RequestSpec(8, 1)),
         shared_prefix_tokens=8,
-        workload=Workload(kv_events=mode),
+        workload=Workload(kv_events=mode, kv_events_view=view),
     )
 
 
@@ -70,10 +73,14 @@ FIRST = KVEventStep(
 )
 
 
-def judged(*steps: KVEventStep, mode: KVEvents = KVEvents.INCREMENTAL) -> list[Finding]:
+def judged(
+    *steps: KVEventStep,
+    mode: KVEvents = KVEvents.INCREMENTAL,
+    view: KVEventsView = KVEventsView.PER_COPY,
+) -> list[Finding]:
     log = KVEventLog(mode.value, steps, dict(PREFIXES))
     run = RunObservation("v", "test", None, (), kv_events=log)
-    return kv_event_findings(scenario(mode), run)
+    return kv_event_findings(scenario(mode, view), run)
 
 
 def test_a_stream_that_rebuilds_the_cache_passes() -> None:
@@ -106,6 +113,40 @@ def test_one_blockremoved_per_physical_copy_keeps_the_replay_exact() -> None:
     )
     third = KVEventStep(step=3, events=(KVEvent("removed", 0, (1,)),), pool=((0, 1, 1),))
     assert judged(FIRST, second, third) == []
+
+
+def test_the_router_view_loses_a_hash_one_of_two_copies_of_leaves() -> None:
+    # The same stream under the router view: the one BlockRemoved drops label
+    # 1 of group 0 from the router's set while the pool still holds a copy.
+    second = KVEventStep(
+        step=2,
+        events=(stored(0, (1,), 0, list(range(5, 9))),),
+        pool=((0, 1, 2),),
+    )
+    third = KVEventStep(step=3, events=(KVEvent("removed", 0, (1,)),), pool=((0, 1, 1),))
+    assert judged(FIRST, second, view=KVEventsView.ROUTER) == []
+    (finding,) = judged(FIRST, second, third, view=KVEventsView.ROUTER)
+    assert kv_event_rule(finding) == "router"
+    assert finding.detail == (
+        "router: step 3: a router replaying the stream as a set holds 3 hashes, the pool 4; "
+        "first difference: the router dropped the hash of request 0's first 8 tokens "
+        "(group 0) while the pool still caches it in 1 block(s): it stops routing that "
+        "prefix here"
+    )
+    # Removing the last copy too brings the router and the pool together again.
+    fourth = KVEventStep(step=4, events=(KVEvent("removed", 0, (1,)),), pool=((0, 1, 0),))
+    (finding,) = judged(FIRST, second, third, fourth, view=KVEventsView.ROUTER)
+    assert "(and" not in finding.detail
+
+
+def test_the_router_view_sees_a_hash_held_after_its_last_copy_is_gone() -> None:
+    # A block evicted without its BlockRemoved: the router still holds it.
+    second = KVEventStep(step=2, pool=((0, 1, 0),))
+    (finding,) = judged(FIRST, second, view=KVEventsView.ROUTER)
+    assert finding.detail.endswith(
+        "the router holds the hash of request 0's first 8 tokens (group 0), which the pool "
+        "no longer caches: it routes that prefix here to be recomputed"
+    )
 
 
 def test_removing_a_block_never_stored_is_a_removed_finding() -> None:
@@ -247,6 +288,12 @@ def test_workload_fields_are_written_only_when_set_and_checked() -> None:
         watermarked(1.0)
     with pytest.raises(ScenarioError, match="'scheduler' when watermark is set"):
         dataclasses.replace(scenario(), workload=Workload(watermark=0.1))
+    assert "kv_events_view" not in scenario().to_dict()["workload"]
+    routed = scenario(view=KVEventsView.ROUTER)
+    assert routed.to_dict()["workload"]["kv_events_view"] == "router"
+    assert Scenario.from_dict(routed.to_dict()) == routed
+    with pytest.raises(ScenarioError, match="workload.kv_events_view.*'per-copy' when kv_events"):
+        scenario(KVEvents.OFF, KVEventsView.ROUTER)
     data = scenario().to_dict()
     data["workload"]["kv_events"] = "yes"
     with pytest.raises(ScenarioError, match="one of 'off', 'incremental', 'full'"):
