@@ -360,6 +360,42 @@ class BlockLedger:
                 )
         return unsafe
 
+    def after_drafts(
+        self,
+        request_index: int,
+        request_id: str,
+        end_tokens: int,
+        draft_tokens: int,
+        accepted_tokens: int,
+    ) -> None:
+        """Record the state a step with drafts leaves on a block boundary once
+        its drafts are accepted or rejected: vLLM's postprocess
+        (``postprocess_mamba_fused_kernel``, vllm/v1/worker/mamba_utils.py)
+        copies the state after ``aligned = new // B * B`` tokens, ``new`` the
+        tokens computed once the step is accepted, into the block at index
+        ``aligned // B - 1`` when ``aligned`` is at least the running state's
+        ``end - drafts`` tokens. The blocks :meth:`after_step` recorded as not
+        followed for the step stay so but that one.
+
+        Args:
+            request_index, request_id: the request.
+            end_tokens: its computed tokens with the step's, drafts included.
+            draft_tokens: the step's draft tokens.
+            accepted_tokens: the tokens the step keeps (``num_accepted``: the
+                sampled token and the drafts accepted, at least 1).
+        """
+        running = end_tokens - draft_tokens
+        new = running + accepted_tokens - 1
+        for gid, manager, size in self._state:
+            table = manager.req_to_blocks.get(request_id)
+            aligned = new // size * size
+            if not table or aligned < running or aligned == 0:
+                continue
+            k = aligned // size - 1
+            if k < len(table) and not table[k].is_null:
+                self._records.pop(table[k].block_id, None)
+                self._filled[table[k].block_id] = [gid, request_index, k, 0, aligned]
+
     def _take_cow_copies(self, gid: int, manager: Any) -> None:
         """Give each copy-on-write destination the copy-on-write source's state,
         for the copies ``manager`` queued since :meth:`before_step` (the worker

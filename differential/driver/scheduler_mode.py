@@ -1483,6 +1483,13 @@ def _execute(
     if ledger is not None:
         for rid, lost_from, lost_to in lost_loads:
             ledger.forget(rid, lost_from, lost_to)
+        for rid, kept in zip(req_ids, sampled, strict=True):
+            spec = out.scheduled_spec_decode_tokens.get(rid)
+            if spec and kept:
+                # The state the kept tokens end on, once the step's drafts are
+                # judged (num_computed_tokens already counts the step's tokens).
+                end = scheduler.requests[rid].num_computed_tokens
+                ledger.after_drafts(index_of[rid], rid, end, len(spec), len(kept))
     output = ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: k for k, rid in enumerate(req_ids)},

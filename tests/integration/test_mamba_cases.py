@@ -100,6 +100,18 @@ def test_state_blocks_hold_the_writers_state_at_the_hit(mode: str) -> None:
     assert [b for b in mamba if b is None] == [None]
 
 
+def test_a_state_copied_on_a_boundary_after_drafts_is_followed() -> None:
+    # Turn 1 decodes with drafts; the state at 48 reaches its block by
+    # vLLM's postprocess copy once the drafts are judged (BlockLedger.after_drafts).
+    from differential.driver import run_variant
+
+    entry = load_entry(ROOT / "corpora/cases/mamba-drafts-decoded-state.json")
+    run = run_variant(entry.scenario, parse_variants("fixed")[0])
+    assert run.hits == (0, 48)
+    mamba = [b for b in run.requests[1].lookup_blocks[1] if b is not None]
+    assert [(b.writer, b.writer_block_index, b.state_tokens) for b in mamba] == [(0, 2, 48)]
+
+
 @pytest.mark.parametrize(("mode", "second_writer_block"), [("manager", 8), ("scheduler", 7)])
 def test_a_cached_state_changed_after_caching_is_wrong_kv(
     mode: str, second_writer_block: int

@@ -292,7 +292,7 @@ def test_workload_fields_are_written_only_when_set_and_checked() -> None:
     routed = scenario(view=KVEventsView.ROUTER)
     assert routed.to_dict()["workload"]["kv_events_view"] == "router"
     assert Scenario.from_dict(routed.to_dict()) == routed
-    with pytest.raises(ScenarioError, match="workload.kv_events_view.*'per-copy' when kv_events"):
+    with pytest.raises(ScenarioError, match=r"workload\.kv_events_view.*'per-copy' when kv_events"):
         scenario(KVEvents.OFF, KVEventsView.ROUTER)
     data = scenario().to_dict()
     data["workload"]["kv_events"] = "yes"
