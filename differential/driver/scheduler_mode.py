@@ -272,6 +272,31 @@ def _set_cache_layout(config: Any, scenario: Scenario, num_blocks: int) -> None:
         config.cache_config.enable_mamba_shared_prefix_checkpoint = True
 
 
+def _resolve_cache_block_size(config: Any, kv_config: Any) -> None:
+    """Set ``CacheConfig.block_size`` as vLLM's engine does once the KV cache
+    groups are known: ``EngineCore._initialize_kv_caches``
+    (vllm/v1/engine/core.py, 0.32.0 and 0.33.0) sets it to the smallest block
+    (tokens) of the prefix-cacheable groups (``KVCacheSpec.prefix_cacheable``;
+    of all groups when none is, or when the release's specs do not say).
+
+    The ``Scheduler`` reads it: ``_mamba_block_aligned_split`` aligns a Mamba
+    hybrid's prefill chunks to it in align mode. With a group whose block is
+    smaller than the Mamba block (a drafter's own group, vLLM's
+    vllm/v1/worker/gpu/model_states/mamba_hybrid.py ``add_request`` names
+    DFlash) that grid is not the Mamba block grid (vLLM PR #54076)."""
+    groups = kv_config.kv_cache_groups
+    if not groups:
+        return
+    participating = [
+        g.kv_cache_spec.block_size
+        for g in groups
+        if getattr(g.kv_cache_spec, "prefix_cacheable", True)
+    ]
+    config.cache_config.block_size = min(
+        participating or [g.kv_cache_spec.block_size for g in groups]
+    )
+
+
 def _set_drafter(config: Any, scenario: Scenario) -> None:
     """Set the scenario's ``SpeculativeConfig`` on ``config`` after
     validation (see the module docstring), then run vLLM's own check of the
@@ -1326,6 +1351,7 @@ def _build_scheduler(
     kv_config = kv_cache_config(scenario, resolved, pool, retention)
     if scenario.dcp_world_size > 1:
         runner.check_dcp_block_sizes(scenario, kv_config)
+    _resolve_cache_block_size(config, kv_config)
     # The class vLLM's EngineCore.__init__ (vllm/v1/engine/core.py) builds:
     # SchedulerConfig.get_scheduler_cls, the AsyncScheduler
     # (vllm/v1/core/sched/async_scheduler.py) under async scheduling.

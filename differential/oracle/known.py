@@ -27,7 +27,7 @@ from differential.oracle import (
     state,
 )
 from differential.oracle.prefix import shared_prefixes
-from differential.scenario import ConnectorLoad, DraftGroups, KVEvents, Scenario
+from differential.scenario import ConnectorLoad, DraftGroups, DriveMode, KVEvents, Scenario
 from differential.variant import FixScope
 
 __all__ = ["KNOWN_FIX_COSTS", "KNOWN_ISSUES", "KnownIssue", "label_fix_cost", "label_known"]
@@ -552,6 +552,30 @@ def _state_cached_one_token_short(scenario: Scenario, finding: Finding) -> bool:
     return any(expected % g.block_size_tokens for g in scenario.mamba_groups)
 
 
+def _chunk_split_on_attention_grid(scenario: Scenario, finding: Finding) -> bool:
+    """A Mamba hybrid driven through vLLM's ``Scheduler`` (scheduler mode)
+    whose smallest group block (tokens) is below the Mamba block: the engine
+    sets ``CacheConfig.block_size`` to that smallest block
+    (``EngineCore._initialize_kv_caches``) and
+    ``Scheduler._mamba_block_aligned_split`` aligns prefill chunks to it, so
+    a step ends off the Mamba block grid and the Mamba block whose state the
+    oracle owes is never materialized: a hit below the owed one (``fallback``,
+    the dense cross-check's ``dense-mismatch``) or one that the manager-level
+    driver, chunking on the Mamba grid, does not share (``mode-mismatch``).
+    vLLM PR #54076 (open) aligns to the Mamba group's block instead."""
+    if scenario.workload.mode is not DriveMode.SCHEDULER or not scenario.mamba_groups:
+        return False
+    mamba_block = min(g.block_size_tokens for g in scenario.mamba_groups)
+    if min(g.block_size_tokens for g in scenario.kv_cache_groups) >= mamba_block:
+        return False
+    if finding.kind is FindingKind.MODE_MISMATCH:
+        return True
+    if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
+        return False
+    expected, hit = finding.expected_tokens, finding.hit_tokens
+    return expected is not None and hit is not None and hit < expected
+
+
 def _alignment_blowup(scenario: Scenario, finding: Finding) -> bool:
     """The layout's hit alignment exceeds every group block size."""
     return finding.kind is FindingKind.ALIGNMENT_BLOWUP
@@ -604,6 +628,30 @@ class KnownIssue:
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        name="mamba-chunk-split-on-attention-block-grid",
+        summary=(
+            "A Mamba hybrid (align mode) with a group whose block is smaller than the "
+            "Mamba block (a drafter's own group: vLLM's "
+            "vllm/v1/worker/gpu/model_states/mamba_hybrid.py names DFlash): "
+            "EngineCore._initialize_kv_caches sets CacheConfig.block_size to the "
+            "smallest prefix-cacheable block and Scheduler._mamba_block_aligned_split "
+            "aligns prefill chunks to it, not to the Mamba block. A step then ends off "
+            "the Mamba grid: the state at a Mamba boundary the step crosses is never "
+            "materialized (its block stays null), and the state at the step's end is "
+            "later cached under the next boundary's hash. Full attention 16 + Mamba "
+            "64, hash block 16, steps of 80 tokens, a 200-token writer: a request "
+            "sharing 100 tokens hits 0 where 64 is owed, and one sharing 150 hits "
+            "128 holding the state after 80 tokens (same hit length, wrong state). "
+            "Also on vLLM 0.32.0. vLLM PR #54076 (open) aligns to the Mamba group's "
+            "block."
+        ),
+        vllm_source="vllm/v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split "
+        "(block_size = self.cache_config.block_size) with vllm/v1/engine/core.py "
+        "EngineCore._initialize_kv_caches",
+        example="known-issues/mamba-chunk-split-on-attention-block-grid.json",
+        matches=_chunk_split_on_attention_grid,
+    ),
     KnownIssue(
         name="alignment-lcm-blowup",
         summary=(
@@ -883,9 +931,8 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "lets only a Mamba group end short ('Other groups must cover it') and "
             "asserts every other group covers it: the sliding-window group's shorter "
             "hit raises AssertionError and the engine crashes (full attention 8 + "
-            "sliding window 8 in blocks of 4 + Mamba 8, hash block 4: a full-attention "
-            "hit of 28 shown as 24, the sliding-window group's own hit 0, the store "
-            "8 tokens more, past the 4-token tail). Also on vLLM 0.31.0 and 0.32.0. "
+            "sliding window 12 in blocks of 4 + Mamba 8, hash block 4, MTP, nine "
+            "requests in three waves: step 34). Also on vLLM 0.31.0 and 0.32.0. "
             "Found by kvfuzz."
         ),
         vllm_source="vllm/v1/core/kv_cache_manager.py "

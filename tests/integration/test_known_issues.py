@@ -169,3 +169,26 @@ def test_a_shared_stock_dense_run_is_judged_once_with_the_same_findings() -> Non
         assert [(f.variant, f.request, f.hit_tokens, f.expected_tokens) for f in dense] == [
             (variant.name, 1, 32, 48)
         ]
+
+
+def test_mamba_chunk_split_on_the_engines_block_grid() -> None:
+    # vLLM PR #54076: the Scheduler aligns prefill chunks to CacheConfig.block_size,
+    # which the engine sets to the smallest group block (16), not the Mamba
+    # block (64): the state at 64 is never made. Manager mode chunks on the
+    # Mamba grid and hits 64.
+    import dataclasses
+
+    from differential.scenario import DriveMode
+
+    entry = load_entry(ROOT / "known-issues/mamba-chunk-split-on-attention-block-grid.json")
+    scheduler = compare_variants(entry.scenario, parse_variants("unfixed"))
+    assert list(scheduler.results[0].run.hits) == [0, 0, 128]
+    assert {f.known_issue for f in scheduler.findings} == {
+        "mamba-chunk-split-on-attention-block-grid"
+    }
+    manager_workload = dataclasses.replace(entry.scenario.workload, mode=DriveMode.MANAGER)
+    manager = compare_variants(
+        dataclasses.replace(entry.scenario, workload=manager_workload), parse_variants("unfixed")
+    )
+    assert list(manager.results[0].run.hits) == [0, 64, 128]
+    assert manager.findings == ()
