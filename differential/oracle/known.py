@@ -561,8 +561,11 @@ def _chunk_split_on_attention_grid(scenario: Scenario, finding: Finding) -> bool
     a step ends off the Mamba block grid and the Mamba block whose state the
     oracle owes is never materialized: a hit below the owed one (``fallback``,
     the dense cross-check's ``dense-mismatch``) or one that the manager-level
-    driver, chunking on the Mamba grid, does not share (``mode-mismatch``).
-    vLLM PR #54076 (open) aligns to the Mamba group's block instead."""
+    driver, chunking on the Mamba grid, does not share (``mode-mismatch``);
+    or a hit of the right length handed a state cached under the next
+    boundary's hash (``wrong-kv``: a state block holding the state after
+    other tokens than the hit's). vLLM PR #54076 (open) aligns to the Mamba
+    group's block instead."""
     if scenario.workload.mode is not DriveMode.SCHEDULER or not scenario.mamba_groups:
         return False
     mamba_block = min(g.block_size_tokens for g in scenario.mamba_groups)
@@ -570,6 +573,8 @@ def _chunk_split_on_attention_grid(scenario: Scenario, finding: Finding) -> bool
         return False
     if finding.kind is FindingKind.MODE_MISMATCH:
         return True
+    if finding.kind is FindingKind.WRONG_KV:
+        return "state after" in finding.detail and "not the state after" in finding.detail
     if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
         return False
     expected, hit = finding.expected_tokens, finding.hit_tokens

@@ -186,6 +186,16 @@ def test_mamba_chunk_split_on_the_engines_block_grid() -> None:
     assert {f.known_issue for f in scheduler.findings} == {
         "mamba-chunk-split-on-attention-block-grid"
     }
+    # Request 2's hit is the owed length, 128, but the state block hashed for
+    # 128 holds the state after the step that ended at 80.
+    wrong = [f for f in scheduler.findings if f.kind.value == "wrong-kv"]
+    assert [(f.request, f.detail) for f in wrong] == [
+        (
+            2,
+            "group 1 block index 1 is block 6: request 0's group-1 state after 80 tokens, "
+            "not the state after request 2's tokens 0..128",
+        )
+    ]
     manager_workload = dataclasses.replace(entry.scenario.workload, mode=DriveMode.MANAGER)
     manager = compare_variants(
         dataclasses.replace(entry.scenario, workload=manager_workload), parse_variants("unfixed")
