@@ -529,6 +529,10 @@ class ResumedLookup:
         freed_queue_removals: blocks removed from the free queue since the
             start of the run at that moment, in blocks.
         lookup_queue_removals: the same count at the lookup, in blocks.
+        preempted_known_tokens: its tokens (``Request.num_tokens``) when it
+            was preempted, in tokens: under async scheduling a token sampled
+            by a step still in flight arrives after the preemption's free
+            (``None``: not recorded; ``known_tokens`` stands for it).
     """
 
     step: int
@@ -538,6 +542,7 @@ class ResumedLookup:
     freed_queue_blocks: int | None
     freed_queue_removals: int | None
     lookup_queue_removals: int | None
+    preempted_known_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ResumedLookup:
@@ -554,6 +559,11 @@ class ResumedLookup:
             "freed_queue_blocks": self.freed_queue_blocks,
             "freed_queue_removals": self.freed_queue_removals,
             "lookup_queue_removals": self.lookup_queue_removals,
+            **(
+                {}
+                if self.preempted_known_tokens is None
+                else {"preempted_known_tokens": self.preempted_known_tokens}
+            ),
         }
 
 

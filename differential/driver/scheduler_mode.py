@@ -783,7 +783,7 @@ class _FreeQueueClock:
         self.first_free: dict[str, tuple[int, int]] = {}
         self.unattributed = False
         self.lookups = lookups
-        self.preempted: dict[str, tuple[int, int, int, int]] = {}
+        self.preempted: dict[str, tuple[int, int, int, int, int]] = {}
         self.step = step if step is not None else [0]
         self.deferred: dict[int, tuple[str, bool, int, int]] = {}
         self.drained: list[tuple[str, int, tuple[tuple[int, int], ...]]] = []
@@ -844,6 +844,7 @@ class _FreeQueueClock:
                     request.num_computed_tokens,
                     num_free(),
                     self.removals,
+                    request.num_tokens,
                 )
             outer, self.current = self.current, rid
             try:
@@ -931,7 +932,7 @@ class _FreeQueueClock:
             return None
         del self.preempted[request_id]
         lookup = made[-1]
-        _, computed, queued, removals = mark
+        _, computed, queued, removals, known = mark
         recorded = not self.unattributed
         return ResumedLookup(
             step=step,
@@ -941,6 +942,7 @@ class _FreeQueueClock:
             freed_queue_blocks=queued if recorded else None,
             freed_queue_removals=removals if recorded else None,
             lookup_queue_removals=lookup.queue_removals if recorded else None,
+            preempted_known_tokens=known,
         )
 
     def freed(self, request_id: str) -> tuple[int | None, int | None]:

@@ -279,8 +279,12 @@ def resumed_owed_tokens(scenario: Scenario, model: DrafterModel, lookup: Resumed
     (``KVCacheManager.allocate_slots`` caches ``min(computed + new,
     num_tokens)`` tokens, ``update_from_output`` the accepted drafts),
     except the last ``k`` tokens' blocks under lookahead hashes (a block's
-    hash needs ``k`` tokens past it): ``c_g = min(C, T - k) // B_g`` blocks in
-    a group of block size ``B_g``, ``T = known_tokens``. ``KVCacheManager.free``
+    hash needs ``k`` tokens past it): ``c_g = min(C, T_p - k) // B_g`` blocks
+    in a group of block size ``B_g``, ``T_p`` the tokens known at the
+    preemption (``preempted_known_tokens``; under async scheduling the token
+    a step still in flight samples is appended after the free, so its
+    block's hash did not exist when the blocks were cached; ``known_tokens``
+    where not recorded). ``KVCacheManager.free``
     hands them to vLLM's free queue tail block first
     (vllm/v1/core/block_pool.py ``BlockPool.free_blocks``; vllm/v1/core/kv_cache_utils.py
     ``FreeKVCacheBlockQueue``), behind the ``Q`` blocks queued; a request
@@ -304,7 +308,8 @@ def resumed_owed_tokens(scenario: Scenario, model: DrafterModel, lookup: Resumed
     queued = lookup.freed_queue_blocks
     removed = lookup.lookup_queue_removals - lookup.freed_queue_removals
     known = lookup.known_tokens
-    computed = min(lookup.preempted_computed_tokens, known - model.hash_lookahead_tokens)
+    at_free = known if lookup.preempted_known_tokens is None else lookup.preempted_known_tokens
+    computed = min(lookup.preempted_computed_tokens, at_free - model.hash_lookahead_tokens)
     drops = scenario.drop_group_indices if model.drop else frozenset()
     limit = known - 1
     for index, group in enumerate(scenario.kv_cache_groups):

@@ -154,3 +154,31 @@ def test_kv_cache_events_are_judged_where_vllm_publishes_them() -> None:
     assert result.findings == ()
     assert vr.run.kv_events is not None
     assert vr.run.kv_events.steps[0].step == 1
+
+
+def test_a_preempted_request_is_owed_the_blocks_hashed_before_its_token_in_flight() -> None:
+    # Request 1 is preempted with 23 tokens computed, steps in flight
+    # included, and 20 tokens known at the free: under EAGLE's lookahead hash
+    # (one token past the block) block [16, 20) had no hash and was never
+    # cached. The resumed lookup (21 tokens known by then) hits 16, which is
+    # owed; the tokens known at the lookup would owe 20.
+    from differential.oracle.core import drafter_model
+    from differential.oracle.engine import resumed_owed_tokens
+
+    rel = "regressions/async-preempted-in-flight-token-lookahead-hash.json"
+    entry = load_entry(CORPORA / rel)
+    result = compare_variants(entry.scenario, parse_variants("unfixed"))
+    run = result.results[0].run
+    (resumed,) = run.requests[1].resumed
+    assert (
+        resumed.hit_tokens,
+        resumed.known_tokens,
+        resumed.preempted_computed_tokens,
+        resumed.preempted_known_tokens,
+    ) == (16, 21, 23, 20)
+    model = drafter_model(entry.scenario)
+    assert model.hash_lookahead_tokens == 1
+    assert resumed_owed_tokens(entry.scenario, model, resumed) == 16
+    stale = dataclasses.replace(resumed, preempted_known_tokens=None)
+    assert resumed_owed_tokens(entry.scenario, model, stale) == 20
+    assert result.findings == ()
