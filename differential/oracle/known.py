@@ -14,6 +14,7 @@ scenario, the findings and the hits, as the oracle's rules do.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -275,6 +276,31 @@ def _padded_draft_above_step_budget(scenario: Scenario, finding: Finding) -> boo
         return False
     spec = scenario.drafter.num_speculative_tokens
     return spec > 0 and 1 + spec > scenario.step_budget_tokens
+
+
+def _async_load_reservation_caps_window(scenario: Scenario, finding: Finding) -> bool:
+    """vLLM's Scheduler scheduled nothing for good (kvfuzz's stall crash) with
+    a KV connector loading asynchronously, no load failing, on a layout with
+    a sliding-window group: an in-flight prefill's reservation
+    (``Scheduler._request_remaining_blocks``, ``apply_admission_cap=True``)
+    caps the window group at its window's blocks, while the request's own
+    allocation once its load has arrived needs the blocks below the window it
+    still holds (no step has freed them), so a second load admitted against
+    that reservation leaves the first too few blocks; neither can be
+    preempted (vllm/v1/core/sched/scheduler.py). Two requests at least wait
+    when the stall is named (the one that cannot fit and one behind it)."""
+    if finding.kind is not FindingKind.CRASH or STALL_WORDS not in finding.detail:
+        return False
+    waiting = re.search(r"with (\d+) request\(s\) waiting", finding.detail)
+    store = scenario.workload.connector
+    return (
+        waiting is not None
+        and int(waiting.group(1)) >= 2
+        and store is not None
+        and store.load is ConnectorLoad.ASYNC
+        and not store.failed_loads
+        and bool(scenario.sliding_window_groups)
+    )
 
 
 def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
@@ -922,6 +948,32 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "(a failed load's free) with Scheduler._inflight_prefill_reserved_blocks",
         example="known-issues/connector-failed-load-reserves-itself-stalls.json",
         matches=_failed_load_reserves_itself,
+    ),
+    KnownIssue(
+        name="async-load-reservation-caps-the-window",
+        summary=(
+            "With a KV connector loading asynchronously, vLLM admits a second load "
+            "only if it fits beside what the in-flight prefills still need "
+            "(Scheduler._inflight_prefill_reserved_blocks: 'to avoid deadlock'). "
+            "That need, Scheduler._request_remaining_blocks, applies the admission "
+            "cap, which counts a sliding-window group at its window's blocks on the "
+            "promise that remove_skipped_blocks frees the blocks below it; but a "
+            "request whose load has just arrived has run no step, still holds those "
+            "blocks, and its allocate_slots (the full sequence must fit) needs "
+            "blocks for them. The first load's request then never fits, it heads "
+            "the queue of requests holding KV, the second waits behind it, neither "
+            "can be preempted, and the engine stalls: full attention 4 + a sliding "
+            "window of 7 in blocks of 4, MTP 1, a 26-block pool, two requests of 40 "
+            "and 35 tokens loading 32 each: the first is reserved 3 more blocks, "
+            "needs 6, and finds 5 free. Also on vLLM 0.31.0 and 0.32.0. Found by kvfuzz "
+            "(seed 63)."
+        ),
+        vllm_source="vllm/v1/core/sched/scheduler.py Scheduler._request_remaining_blocks "
+        "(apply_admission_cap=True) with Scheduler.schedule's async-load admission and "
+        "vllm/v1/core/single_type_kv_cache_manager.py "
+        "SlidingWindowManager.get_num_blocks_to_allocate",
+        example="known-issues/connector-async-load-reservation-caps-the-window-stalls.json",
+        matches=_async_load_reservation_caps_window,
     ),
     KnownIssue(
         name="divergent-hit-truncates-lagging-window",

@@ -689,6 +689,16 @@ def test_a_stall_after_a_whole_failed_async_load_is_the_self_reserving_retry() -
     assert label_known(stalling(failing, single), [stall])[0].known_issue is None
     other = Finding(FindingKind.CRASH, "v", 0, "request 0: lookup: ValueError: no")
     assert label_known(stalling(failing, hybrid), [other])[0].known_issue is None
+    # Two requests holding KV stalled without a failed load: the reservation
+    # that caps the window (both waiting), not with one waiting or no window.
+    two = Finding(FindingKind.CRASH, "v", 0, STALL.replace("with 1 request", "with 2 request"))
+    assert label_known(stalling(plain, hybrid), [two])[0].known_issue == (
+        "async-load-reservation-caps-the-window"
+    )
+    assert label_known(stalling(plain, single), [two])[0].known_issue is None
+    assert label_known(stalling(failing, hybrid), [two])[0].known_issue == (
+        "scheduler-stall-failed-load-reserves-itself"
+    )
 
 
 def test_a_pool_error_with_external_tokens_on_a_mamba_hybrid_is_the_uncounted_block() -> None:
