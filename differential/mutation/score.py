@@ -1092,6 +1092,28 @@ def _reach(items: Sequence[MutantOutcome]) -> str:
     return f"{sum(o.reached for o in items)} / {tests}"
 
 
+def _side_by_side_per_function(run: MutationRun) -> list[str]:
+    """The side-by-side table per function: who kills, who reaches."""
+    lines = [
+        "",
+        "### Per function",
+        "",
+        "| module | function | sampled | kvfuzz only | tests only | both | neither "
+        "| reached (kvfuzz / tests) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    per: dict[tuple[str, str], list[MutantOutcome]] = {}
+    for o in run.outcomes:
+        per.setdefault((o.mutant.module, o.mutant.function or "(module)"), []).append(o)
+    for (module, function), items in sorted(per.items()):
+        k, t, b, neither, _ = _split(items)
+        lines.append(
+            f"| {Path(module).stem} | `{function}` | {len(items)} | {k} | {t} | {b} | {neither} "
+            f"| {_reach(items)} |"
+        )
+    return lines
+
+
 def _side_by_side(run: MutationRun, baseline: VllmTestsBaseline) -> list[str]:
     """The report's comparison with vLLM's own tests (``kvfuzz mutate --vllm-tests``)."""
     timed = [o.tests for o in run.outcomes if o.tests is not None]
@@ -1143,23 +1165,7 @@ def _side_by_side(run: MutationRun, baseline: VllmTestsBaseline) -> list[str]:
             f"| {pct(run.tests_score(path))} "
             f"| {pct(run.union_score(path))} |"
         )
-    lines += [
-        "",
-        "### Per function",
-        "",
-        "| module | function | sampled | kvfuzz only | tests only | both | neither "
-        "| reached (kvfuzz / tests) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    per: dict[tuple[str, str], list[MutantOutcome]] = {}
-    for o in run.outcomes:
-        per.setdefault((o.mutant.module, o.mutant.function or "(module)"), []).append(o)
-    for (module, function), items in sorted(per.items()):
-        k, t, b, neither, _ = _split(items)
-        lines.append(
-            f"| {Path(module).stem} | `{function}` | {len(items)} | {k} | {t} | {b} | {neither} "
-            f"| {_reach(items)} |"
-        )
+    lines += _side_by_side_per_function(run)
     lines += ["", "### Killed by kvfuzz only", ""]
     only = [o for o in run.outcomes if o.killed and not o.killed_by_tests]
     lines += [
