@@ -1,10 +1,12 @@
 """kvfuzz's mutation score on vLLM's cache-manager code, and its cost per mutant.
 
 Run: ``.venv/bin/python benchmarks/mutation_score.py [--sample N] [--seed S]
-[--campaign-examples K] [--vllm-tests PATH] [PATH...]``
+[--campaign-examples K] [--scheduler-examples J] [--scope cache|managers]
+[--vllm-tests PATH] [PATH...]``
 
-By default a small sampled run, fast enough to run by hand (8 mutants, two
-per module, seed 0, the seed corpus plus 10 campaign scenarios: a few
+By default a small sampled run, fast enough to run by hand (8 mutants of the
+``cache`` scope, drawn in proportion to each module's mutants, seed 0, the
+seed corpus plus 10 campaign and 4 scheduler-mode campaign scenarios: a few
 minutes on 2 cores). The figure the report in ``docs/mutation-report.md``
 gives comes from ``--sample 60 --campaign-examples 40 corpora``. Prints:
 
@@ -44,6 +46,10 @@ def main() -> None:
     parser.add_argument(
         "--campaign-examples", type=int, default=10, help="campaign scenarios (default: 10)"
     )
+    parser.add_argument(
+        "--scheduler-examples", type=int, default=4, help="scheduler-mode campaign scenarios"
+    )
+    parser.add_argument("--scope", default="cache", help="cache or managers (default: cache)")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-scenario timeout, s")
     parser.add_argument("--vllm-tests", type=Path, default=None, help="vLLM's tests' root")
     parser.add_argument("--test-timeout", type=float, default=60.0, help="per-test timeout, s")
@@ -52,7 +58,7 @@ def main() -> None:
     import differential.driver.runner  # noqa: F401  (vLLM's dependencies, for the fork server)
     from differential import forkserver
     from differential.mutation.mutants import (
-        MODULES,
+        SCOPES,
         enumerate_mutants,
         installed_vllm,
         sample_mutants,
@@ -66,9 +72,12 @@ def main() -> None:
 
     started = time.perf_counter()
     root = installed_vllm()
-    generated = enumerate_mutants(root)
-    mutants = sample_mutants(generated, args.sample, args.seed)
-    scenarios = draw_scenarios(args.paths, args.seed, args.campaign_examples)
+    scope = SCOPES[args.scope]
+    generated = enumerate_mutants(root, scope.modules)
+    mutants = sample_mutants(generated, args.sample, args.seed, proportional=scope.proportional)
+    scenarios = draw_scenarios(
+        args.paths, args.seed, args.campaign_examples, args.scheduler_examples
+    )
     print(f"generation: {time.perf_counter() - started:.1f} s")
     work = default_work_dir()
     server = forkserver.ForkServer.start(forkserver.default_preload())
@@ -84,6 +93,7 @@ def main() -> None:
             timeout_s=args.timeout,
             vllm_tests=None if args.vllm_tests is None else args.vllm_tests.resolve(),
             test_timeout_s=args.test_timeout,
+            modules=scope.modules,
         )
     finally:
         os.environ.pop(forkserver.ENV, None)
@@ -97,11 +107,11 @@ def main() -> None:
         f"{'module':<42} {'generated':>9} {'sampled':>7} {'killed':>6} {'t/o':>4} "
         f"{'surv':>5} {'equiv?':>6} {'score':>6}"
     )
-    for scope in MODULES:
-        c = run.counts(scope.path)
-        score = run.score(scope.path)
+    for module in run.generated:
+        c = run.counts(module)
+        score = run.score(module)
         print(
-            f"{scope.path:<42} {run.generated[scope.path]:>9} {sum(c.values()):>7} "
+            f"{module:<42} {run.generated[module]:>9} {sum(c.values()):>7} "
             f"{c[MutantStatus.KILLED]:>6} {c[MutantStatus.TIMED_OUT]:>4} "
             f"{c[MutantStatus.SURVIVED]:>5} {c[MutantStatus.EQUIVALENT_SUSPECT]:>6} "
             f"{'-' if score is None else f'{100 * score:.0f}%':>6}"

@@ -14,7 +14,7 @@ from differential.commands.options import add_policy, percent, timeout_seconds
 from differential.errors import VariantError
 from differential.findings import Policy
 from differential.mutation.mutants import (
-    MODULES,
+    SCOPES,
     ModuleScope,
     enumerate_mutants,
     installed_vllm,
@@ -81,7 +81,8 @@ def _add_drawing_options(parser: ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help=f"mutants to run, spread evenly over the modules (default: {DEFAULT_SAMPLE})",
+        help="mutants to run, in proportion to each module's mutants in scope (--scope "
+        f"managers: evenly over its modules) (default: {DEFAULT_SAMPLE})",
     )
     parser.add_argument(
         "--mutants",
@@ -102,11 +103,29 @@ def _add_drawing_options(parser: ArgumentParser) -> None:
         help="scenarios of the seeded campaign run after PATH... (default: %(default)s)",
     )
     parser.add_argument(
+        "--scheduler-examples",
+        type=int,
+        default=0,
+        metavar="J",
+        help="scenarios of the seeded scheduler-mode campaign (kvfuzz fuzz --mode scheduler) "
+        "run after those: they drive vLLM's Scheduler, as the corpus's scheduler-mode files "
+        "do (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--scope",
+        default="cache",
+        choices=list(SCOPES),
+        help="cache: all of vLLM's prefix-cache code (the managers, the block pool, the "
+        "coordinators, kv_cache_utils, the planning code, the Scheduler's cache paths), "
+        "sampled in proportion to each module's mutants; managers: the four modules of "
+        "the first recorded runs, sampled evenly (default: %(default)s)",
+    )
+    parser.add_argument(
         "--modules",
         default=None,
-        help="comma-separated module stems (default: all of "
-        + ", ".join(m.short for m in MODULES)
-        + ")",
+        help="comma-separated module stems of the --scope (default: all of its modules: "
+        + ", ".join(m.short for m in SCOPES["cache"].modules)
+        + " in cache)",
     )
 
 
@@ -255,13 +274,16 @@ def run(args: Any) -> int:
     vllm_tests = None if args.vllm_tests is None else check_tests_folder(args.vllm_tests)
     recorded = None if args.vllm_tests_from is None else recorded_tests(args.vllm_tests_from)
     _check_outputs(args, _run_inputs(args))
-    scenarios = draw_scenarios(args.paths, args.seed, args.campaign_examples)
+    scenarios = draw_scenarios(
+        args.paths, args.seed, args.campaign_examples, args.scheduler_examples
+    )
     vllm_root = installed_vllm()
     generated_by = enumerate_mutants(vllm_root, modules)
     if args.mutants is not None:
         mutants = select_mutants(generated_by, args.mutants)
     else:
-        mutants = sample_mutants(generated_by, sample, args.seed)
+        proportional = SCOPES[args.scope].proportional
+        mutants = sample_mutants(generated_by, sample, args.seed, proportional=proportional)
     if shard is not None:
         mutants = mutants[shard[0] - 1 :: shard[1]]
     if not scenarios:
@@ -299,6 +321,7 @@ def run(args: Any) -> int:
             command=_run_command(args, sample, vllm_tests),
             vllm_tests=vllm_tests,
             test_timeout_s=args.test_timeout,
+            modules=modules,
         )
         if recorded is not None:
             run = recorded.attach(run)
@@ -307,7 +330,7 @@ def run(args: Any) -> int:
             os.environ.pop(forkserver.ENV, None)
             server.close()
         shutil.rmtree(work, ignore_errors=True)
-    return _summary(run, args, modules)
+    return _summary(run, args)
 
 
 def _check_options(args: Any) -> tuple[tuple[int, int] | None, tuple[ModuleScope, ...], int]:
@@ -319,7 +342,7 @@ def _check_options(args: Any) -> tuple[tuple[int, int] | None, tuple[ModuleScope
         VariantError: naming the option and what is allowed.
     """
     shard = None if args.shard is None else parse_shard(args.shard)
-    modules = select_modules(args.modules)
+    modules = select_modules(args.modules, args.scope)
     if args.mutants is not None and args.sample is not None:
         raise VariantError("--mutants and --sample: give one; allowed: a sample or a list")
     sample = DEFAULT_SAMPLE if args.sample is None else args.sample
@@ -327,6 +350,8 @@ def _check_options(args: Any) -> tuple[tuple[int, int] | None, tuple[ModuleScope
         raise VariantError(f"--sample must be >= 1, got {sample}")
     if args.campaign_examples < 0:
         raise VariantError(f"--campaign-examples must be >= 0, got {args.campaign_examples}")
+    if args.scheduler_examples < 0:
+        raise VariantError(f"--scheduler-examples must be >= 0, got {args.scheduler_examples}")
     if args.vllm_tests is not None and args.vllm_tests_from is not None:
         raise VariantError(
             "--vllm-tests and --vllm-tests-from: give one; allowed: run the tests or reuse "
@@ -341,6 +366,9 @@ def _run_command(args: Any, sample: int, vllm_tests: Path | None) -> dict[str, A
     return {
         "paths": [str(p) for p in args.paths],
         "campaign_examples": args.campaign_examples,
+        "scheduler_examples": args.scheduler_examples,
+        "scope": args.scope,
+        **({"modules": args.modules} if args.modules is not None else {}),
         **({"sample": sample} if args.mutants is None else {"mutants": args.mutants}),
         "timeout_s": args.timeout,
         "policy": args.policy,
@@ -390,11 +418,10 @@ def _merge(args: Any) -> int:
     _check_outputs(args, list(args.merge))
     run = merge_runs([(path, load_run(path)) for path in args.merge])
     print(f"merged {len(args.merge)} shard(s): {len(run.outcomes)} mutants")
-    modules = tuple(m for m in MODULES if m.path in {o.mutant.module for o in run.outcomes})
-    return _summary(run, args, modules)
+    return _summary(run, args)
 
 
-def _summary(run: MutationRun, args: Any, modules: tuple[ModuleScope, ...]) -> int:
+def _summary(run: MutationRun, args: Any) -> int:
     """Write ``--json`` / ``--markdown``, print the scores; the exit code by ``--fail-under``."""
     if args.json is not None:
         write_json(run, args.json)
@@ -402,10 +429,12 @@ def _summary(run: MutationRun, args: Any, modules: tuple[ModuleScope, ...]) -> i
         from differential.corpus import write_atomic
 
         write_atomic(args.markdown, render_markdown(run))
-    for scope in modules:
-        c = run.counts(scope.path)
+    for module in run.generated:
+        c = run.counts(module)
+        if not c:
+            continue
         print(
-            f"{scope.path:<42} {pct(run.score(scope.path)):>5}  killed {c[MutantStatus.KILLED]}"
+            f"{module:<42} {pct(run.score(module)):>5}  killed {c[MutantStatus.KILLED]}"
             f", timed out {c[MutantStatus.TIMED_OUT]}, survived {c[MutantStatus.SURVIVED]}, "
             f"equivalent-suspect {c[MutantStatus.EQUIVALENT_SUSPECT]}"
         )

@@ -10,21 +10,49 @@ own runner's state at call time; that couples the mutated vLLM to mutmut's
 runner and changes every function of the file under test, which is wrong for
 a tree that must otherwise be stock vLLM.
 
-Modules and scopes (the code kvfuzz's scenarios drive; the other managers,
-Mamba, cross-attention, chunked local, HiSparse and friends, are left out
-until kvfuzz models them):
+Two scopes (``kvfuzz mutate --scope``):
 
-* ``vllm/v1/core/single_type_kv_cache_manager.py``: ``SingleTypeKVCacheManager``,
-  ``FullAttentionManager``, ``SlidingWindowManager``, ``get_manager_for_kv_cache_spec``;
+**cache** (the default, :data:`MODULES`): all of vLLM's prefix-cache code,
+function by function where a file mixes it with other work.
+
+* ``vllm/v1/core/single_type_kv_cache_manager.py``: every manager (full
+  attention, sliding window, RSWA, chunked local, circular buffer, Mamba,
+  cross-attention, sink, HiSparse) and the spec -> manager registry;
+* ``vllm/v1/core/block_pool.py``: all of it (the cached-hash map, the free
+  queue's eviction order, ``touch``, KV cache events);
 * ``vllm/v1/core/kv_cache_coordinator.py``: everything but
-  ``KVCacheCoordinatorNoPrefixCache``;
+  ``KVCacheCoordinatorNoPrefixCache`` (prefix caching off);
 * ``vllm/v1/core/kv_cache_manager.py``: everything;
-* ``vllm/v1/core/kv_cache_utils.py``: the block hasher (``hash_block_tokens``,
-  ``get_request_block_hasher``, the extra keys, ``BlockHashListWithBlockSize``,
-  ``resolve_block_hashes`` and the hash-with-group-id helpers).
+* ``vllm/v1/core/kv_cache_utils.py``: all but the memory-capacity reporting
+  (``get_max_concurrency_for_kv_cache_config``, ``get_kv_cache_capacity``,
+  ``update_kv_cache_capacity``, ``_kv_cache_device_name``) and
+  ``KVCacheBlock.__repr__``: the block hasher, ``KVCacheBlock``,
+  ``FreeKVCacheBlockQueue``, the hit granularity (``partial_hash_hits_enabled``,
+  ``resolve_kv_cache_block_sizes``, ``resolve_cache_hit_alignment_tokens``),
+  ``eagle_proof_margin``, the event keys;
+* ``vllm/v1/core/kv_cache_planning.py`` (vLLM 0.33.0's name for the grouping
+  code): all but the memory checks and the max-model-length estimates
+  (:data:`_PLANNING_MEMORY`) and the warning ``_warn_if_unannotated_eagle_mamba``:
+  grouping, page-size unification, packing, draft-group marking
+  (``get_global_kv_cache_groups``), the config from groups;
+* ``vllm/v1/core/kv_cache_config_builder.py``: all of it (the builder interface);
+* ``vllm/v1/core/sched/scheduler.py``: the ``Scheduler`` methods that call
+  the KV cache manager, the block pool or the KV connector, or decide
+  admission and preemption (:data:`SCHEDULER_CACHE_METHODS`, each with why);
+  its output processing, encoder cache, structured output, drafts, stats and
+  shutdown stay out.
+
+**managers** (:data:`MANAGER_MODULES`): the scope of the first recorded
+runs (``docs/mutation-run.json``, ``docs/mutation-side-by-side-run.json``,
+``docs/mutation-vllm-tests-run.json``): the full-attention and
+sliding-window managers, the coordinators, ``KVCacheManager`` and the block
+hasher of ``kv_cache_utils.py``, sampled evenly over its four modules as
+those runs were.
 
 Mutations inside type annotations and ``logger`` calls are not generated
-(they cannot change what the manager does).
+(they cannot change what the manager does). A mutant's identifier names its
+file and its cosmic-ray occurrence in the whole file, so the same mutant has
+the same id in both scopes.
 
 A mutant's tree (:func:`build_mutant_tree`) is the installed vLLM package
 with one module's source replaced, run as a tree variant.
@@ -47,10 +75,14 @@ from typing import Any
 from differential.errors import VariantError
 
 __all__ = [
+    "MANAGER_MODULES",
     "MODULES",
     "OUT_OF_SCOPE",
+    "SCHEDULER_CACHE_METHODS",
+    "SCOPES",
     "ModuleScope",
     "Mutant",
+    "MutationScope",
     "build_mutant_tree",
     "enumerate_mutants",
     "installed_vllm",
@@ -108,7 +140,9 @@ class ModuleScope:
         return not under(self.exclude)
 
 
-MODULES: tuple[ModuleScope, ...] = (
+#: The scope of the first recorded runs (``--scope managers``): the managers
+#: kvfuzz modelled first, sampled evenly over these four modules.
+MANAGER_MODULES: tuple[ModuleScope, ...] = (
     ModuleScope(
         "v1/core/single_type_kv_cache_manager.py",
         include=(
@@ -135,6 +169,116 @@ MODULES: tuple[ModuleScope, ...] = (
         ),
     ),
 )
+
+#: The ``Scheduler`` methods of ``vllm/v1/core/sched/scheduler.py`` in the
+#: ``cache`` scope, each with why: they call the KV cache manager, the block
+#: pool or the KV connector, or decide admission and preemption.
+SCHEDULER_CACHE_METHODS: dict[str, str] = {
+    "__init__": "builds the KVCacheManager and the KV connector, sets the watermark and "
+    "the admission caps (running requests, tokens per step, in-flight prefills)",
+    "_mamba_block_aligned_split": "cuts a prefill chunk at Mamba block boundaries, "
+    "which decides the states the cache keeps",
+    "_get_local_prefix_cache_hit": "the prefix-cache lookup (get_computed_blocks) "
+    "and the connector's matched tokens",
+    "_reserve_prefill_lookahead": "sizes a prefill chunk for an MTP drafter's lookahead "
+    "(the tokens a step computes and caches)",
+    "schedule": "admission and its caps, the watermark, allocate_slots, preemption "
+    "and resume, connector loads",
+    "_get_new_block_ids_to_zero": "the KV cache manager's new blocks to zero",
+    "_preempt_request": "preemption: frees the request's blocks, tells the connector",
+    "_update_after_schedule": "advances computed tokens and the in-flight prefill set "
+    "the reservations read",
+    "update_from_output": "caches and frees blocks of finished and stopped requests, "
+    "reads the connector's output",
+    "_is_blocked_waiting_status": "which waiting requests admission skips",
+    "_holds_kv_blocks": "whether a waiting request holds KV blocks (its queue)",
+    "_enqueue_waiting_request": "the waiting queue admission reads",
+    "add_request": "queues a request for admission, registers it with the connector",
+    "finish_requests": "frees a finished request's blocks",
+    "_free_request": "frees blocks, or defers them to the connector",
+    "_free_blocks": "frees a request's blocks in the KV cache manager",
+    "_request_blocks_can_be_freed": "whether the connector still holds a request's blocks",
+    "_free_request_blocks": "the KV cache manager's free",
+    "_free_cow_retained_blocks": "frees blocks kept for copy-on-write (block pool)",
+    "_drain_deferred_frees": "frees deferred under async scheduling (block pool)",
+    "_drain_deferred_loads": "connector loads deferred to the next step",
+    "reset_prefix_cache": "resets the prefix cache, preempting running requests",
+    "reset_connector_cache": "resets the connector's cache",
+    "_connector_finished": "the connector's end of a request: delayed frees",
+    "_request_remaining_blocks": "blocks a request still needs (admission caps)",
+    "_set_kv_fetch_stage": "a remote-prefill request's fetch stage (admission)",
+    "_inflight_prefill_reserved_blocks": "blocks reserved for in-flight prefills",
+    "_load_restores_replay_window": "whether a connector load restores the replay window",
+    "_mark_prefix_replay": "marks a request's prefix replay after a load",
+    "_update_waiting_for_remote_kv": "a finished remote KV load: caches the loaded blocks",
+    "_handle_blocked_waiting_request": "resumes a request blocked on a remote KV load",
+    "_update_from_kv_xfer_finished": "the connector's finished sends and receives",
+    "_update_requests_with_invalid_blocks": "a failed load: recompute from the first invalid block",
+    "_handle_failed_recving": "a failed receive frees or recomputes",
+    "_handle_invalid_blocks": "the connector's invalid block ids",
+}
+
+#: Memory checks and max-model-length estimates of
+#: ``vllm/v1/core/kv_cache_planning.py``: sizing, not what the cache keeps.
+_PLANNING_MEMORY: tuple[str, ...] = (
+    "_check_enough_kv_cache_memory",
+    "max_memory_usage_bytes",
+    "estimate_max_model_len",
+    "check_enough_kv_cache_memory",
+    "_max_memory_usage_bytes_from_groups",
+    "_estimate_max_model_len_from_groups",
+    "_auto_fit_max_model_len",
+    "_warn_if_unannotated_eagle_mamba",
+)
+
+#: The ``cache`` scope: all of vLLM's prefix-cache code (the module docstring
+#: lists what each file contributes).
+MODULES: tuple[ModuleScope, ...] = (
+    ModuleScope("v1/core/single_type_kv_cache_manager.py"),
+    ModuleScope("v1/core/block_pool.py"),
+    ModuleScope("v1/core/kv_cache_coordinator.py", exclude=("KVCacheCoordinatorNoPrefixCache",)),
+    ModuleScope("v1/core/kv_cache_manager.py"),
+    ModuleScope(
+        "v1/core/kv_cache_utils.py",
+        exclude=(
+            "KVCacheBlock.__repr__",
+            "get_max_concurrency_for_kv_cache_config",
+            "get_kv_cache_capacity",
+            "_kv_cache_device_name",
+            "update_kv_cache_capacity",
+        ),
+    ),
+    ModuleScope("v1/core/kv_cache_planning.py", exclude=_PLANNING_MEMORY),
+    ModuleScope("v1/core/kv_cache_config_builder.py"),
+    ModuleScope(
+        "v1/core/sched/scheduler.py",
+        include=tuple(f"Scheduler.{name}" for name in SCHEDULER_CACHE_METHODS),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class MutationScope:
+    """A named set of module scopes and how a sample is spread over them.
+
+    Attributes:
+        name: what ``kvfuzz mutate --scope`` calls it.
+        modules: the modules and the part of each in scope.
+        proportional: ``True``: a sample is drawn in proportion to the
+            mutants each module has in scope (every mutant of the scope
+            equally likely); ``False``: evenly over the modules.
+    """
+
+    name: str
+    modules: tuple[ModuleScope, ...]
+    proportional: bool
+
+
+#: ``kvfuzz mutate --scope NAME``; the first is the default.
+SCOPES: dict[str, MutationScope] = {
+    "cache": MutationScope("cache", MODULES, proportional=True),
+    "managers": MutationScope("managers", MANAGER_MODULES, proportional=False),
+}
 
 
 @dataclass(frozen=True)
@@ -343,12 +487,19 @@ def enumerate_mutants(
     return result
 
 
-def sample_mutants(mutants: dict[str, list[Mutant]], count: int, seed: int) -> list[Mutant]:
-    """``count`` mutants, spread evenly over the modules, drawn with ``random.Random(seed)``.
+def sample_mutants(
+    mutants: dict[str, list[Mutant]], count: int, seed: int, *, proportional: bool = False
+) -> list[Mutant]:
+    """``count`` mutants drawn with ``random.Random(seed)``, module by module.
 
-    Each module gets ``count // modules`` (the remainder going to the modules
-    with the most mutants); a module with fewer gives all it has. The same
-    seed and mutants give the same sample, in the same order.
+    Evenly (``proportional`` false): each module gets ``count // modules``
+    (the remainder going to the modules with the most mutants). In
+    proportion (``proportional`` true): each module gets its share of
+    ``count`` by its number of mutants in scope, rounded by largest
+    remainder (ties to the earlier module), so every mutant of the scope is
+    equally likely and the shares add up to ``count``. Either way a module
+    with fewer gives all it has. The same seed and mutants give the same
+    sample, in the same order.
 
     Raises:
         VariantError: ``count`` below 1.
@@ -357,14 +508,33 @@ def sample_mutants(mutants: dict[str, list[Mutant]], count: int, seed: int) -> l
         raise VariantError(f"--sample must be >= 1, got {count}")
     rng = random.Random(seed)
     modules = [m for m in mutants if mutants[m]]
-    share = {m: count // len(modules) for m in modules} if modules else {}
-    for m in sorted(modules, key=lambda m: -len(mutants[m]))[: count % max(1, len(modules))]:
-        share[m] += 1
+    share = _proportional_shares(mutants, modules, count) if proportional else {}
+    if not proportional:
+        share = {m: count // len(modules) for m in modules} if modules else {}
+        for m in sorted(modules, key=lambda m: -len(mutants[m]))[: count % max(1, len(modules))]:
+            share[m] += 1
     picked: list[Mutant] = []
     for m in modules:
         pool = mutants[m]
         picked += rng.sample(pool, min(share[m], len(pool)))
     return picked
+
+
+def _proportional_shares(
+    mutants: dict[str, list[Mutant]], modules: Sequence[str], count: int
+) -> dict[str, int]:
+    """Each module's share of ``count`` by its mutants, by largest remainder
+    (Hamilton's method; ties to the earlier module), never above what it has."""
+    total = sum(len(mutants[m]) for m in modules)
+    if total == 0:
+        return {}
+    count = min(count, total)
+    exact = {m: count * len(mutants[m]) / total for m in modules}
+    share = {m: int(exact[m]) for m in modules}
+    order = sorted(modules, key=lambda m: (-(exact[m] - share[m]), modules.index(m)))
+    for m in order[: count - sum(share.values())]:
+        share[m] += 1
+    return share
 
 
 def select_mutants(mutants: dict[str, list[Mutant]], text: str) -> list[Mutant]:
@@ -465,20 +635,24 @@ def build_mutant_tree(vllm_root: Path, module: str, source: str, dest: Path) -> 
     return dest
 
 
-def select_modules(text: str | None) -> tuple[ModuleScope, ...]:
-    """Parse ``--modules`` (comma-separated file stems; ``None``: all four).
+def select_modules(text: str | None, scope: str = "cache") -> tuple[ModuleScope, ...]:
+    """Parse ``--modules`` (comma-separated file stems; ``None``: every module
+    of ``scope``, a :data:`SCOPES` name) into that scope's module scopes.
 
     Raises:
-        VariantError: an unknown or empty name.
+        VariantError: an unknown scope, or an unknown or empty module name.
     """
+    chosen = SCOPES.get(scope)
+    if chosen is None:
+        raise VariantError(f"--scope {scope!r} is unknown; allowed: {', '.join(SCOPES)}")
     if text is None:
-        return MODULES
+        return chosen.modules
     names = [n.strip().removesuffix(".py") for n in text.split(",") if n.strip()]
-    by_stem = {m.short: m for m in MODULES}
+    by_stem = {m.short: m for m in chosen.modules}
     unknown = [n for n in names if n not in by_stem]
     if not names or unknown:
         raise VariantError(
-            f"--modules: unknown module {', '.join(unknown) or repr(text)}; "
+            f"--modules: unknown module {', '.join(unknown) or repr(text)} in --scope {scope}; "
             f"allowed: {', '.join(by_stem)}"
         )
     return tuple(by_stem[n] for n in dict.fromkeys(names))

@@ -93,6 +93,7 @@ __all__ = [
     "judge_stock",
     "mutant_source",
     "reached_statements",
+    "recorded_scope",
     "recorded_tests",
     "render_markdown",
     "run_mutant",
@@ -268,7 +269,7 @@ class MutationRun:
             "seed": self.seed,
             "command": self.command,
             "score": self.score(),
-            "score_per_module": {m.path: self.score(m.path) for m in MODULES},
+            "score_per_module": {m: self.score(m) for m in self.generated},
             "generated": self.generated,
             "scenarios": list(self.scenarios),
             "scenario_sha256": list(self.scenario_sha256),
@@ -283,41 +284,51 @@ class MutationRun:
         if self.tests_baseline is not None:
             data["vllm_tests"] = self.tests_baseline.to_dict()
             data["vllm_tests_score"] = self.tests_score()
-            data["vllm_tests_score_per_module"] = {
-                m.path: self.tests_score(m.path) for m in MODULES
-            }
+            data["vllm_tests_score_per_module"] = {m: self.tests_score(m) for m in self.generated}
             data["union_score"] = self.union_score()
         return data
 
 
-def campaign_scenarios(seed: int, count: int) -> list[Scenario]:
-    """The first ``count`` scenarios a ``kvfuzz fuzz --seed SEED`` campaign runs.
+def campaign_scenarios(seed: int, count: int, *, scheduler: bool = False) -> list[Scenario]:
+    """The first ``count`` scenarios a ``kvfuzz fuzz --seed SEED`` campaign runs
+    (``scheduler``: a ``kvfuzz fuzz --mode scheduler --seed SEED`` campaign's,
+    engine workloads through vLLM's ``Scheduler``).
 
     The same bytes (``random.Random(seed)``, the campaign's buffer sizes)
     through the same decoder (:func:`fuzz.target.decode`).
     """
+    from differential.scenario import DriveMode
     from fuzz.campaign import _BUFFER_SIZES
     from fuzz.target import decode
 
+    mode = DriveMode.SCHEDULER if scheduler else DriveMode.MANAGER
     rng = random.Random(seed)
     scenarios: list[Scenario] = []
     while len(scenarios) < count:
         buffer = rng.randbytes(rng.choice(_BUFFER_SIZES))
-        scenario = decode(buffer)
+        scenario = decode(buffer, mode)
         if scenario is not None:
             scenarios.append(scenario)
     return scenarios
 
 
 def draw_scenarios(
-    paths: Sequence[str | Path], seed: int, campaign_examples: int
+    paths: Sequence[str | Path],
+    seed: int,
+    campaign_examples: int,
+    scheduler_examples: int = 0,
 ) -> list[tuple[str, Scenario]]:
-    """The scenarios ``kvfuzz mutate PATH... --seed SEED --campaign-examples K`` runs.
+    """The scenarios ``kvfuzz mutate PATH... --seed SEED --campaign-examples K
+    --scheduler-examples J`` runs.
 
     ``(name, scenario)`` in run order: every scenario file under ``paths``
     (sorted, named by its path as given), then the first ``campaign_examples``
     of the seeded campaign (:func:`campaign_scenarios`), named ``campaign seed
-    SEED example I``.
+    SEED example I``, then the first ``scheduler_examples`` of the seeded
+    scheduler-mode campaign, named ``scheduler campaign seed SEED example I``:
+    the scenarios that drive vLLM's ``Scheduler`` (and so reach
+    ``vllm/v1/core/sched/scheduler.py``) besides the corpus's scheduler-mode
+    files.
 
     Raises:
         ScenarioError: a path that does not exist or an invalid scenario file.
@@ -328,6 +339,10 @@ def draw_scenarios(
     drawn += [
         (f"campaign seed {seed} example {i}", s)
         for i, s in enumerate(campaign_scenarios(seed, campaign_examples))
+    ]
+    drawn += [
+        (f"scheduler campaign seed {seed} example {i}", s)
+        for i, s in enumerate(campaign_scenarios(seed, scheduler_examples, scheduler=True))
     ]
     return drawn
 
@@ -475,6 +490,7 @@ _RUNS = (
     ("dense_run", "dense run"),
     ("manager_run", "manager-mode run"),
     ("retention0_run", "retention-0 run"),
+    ("sync_run", "synchronous run"),
 )
 
 
@@ -757,6 +773,7 @@ def run_mutation(
     command: dict[str, Any] | None = None,
     vllm_tests: Path | None = None,
     test_timeout_s: float = 60.0,
+    modules: Sequence[ModuleScope] = MODULES,
 ) -> MutationRun:
     """Judge stock once, check an unmutated tree, then run every mutant in turn.
 
@@ -774,6 +791,8 @@ def run_mutation(
         command: recorded in the run (``paths``, ``campaign_examples``).
         vllm_tests: the tests' root, or ``None`` to judge by kvfuzz alone.
         test_timeout_s: per-test timeout of vLLM's tests, in seconds.
+        modules: the scope's modules: the files whose lines the stock runs
+            and vLLM's tests are measured on (each mutant's module among them).
 
     Raises:
         InternalError: the unmutated tree's worker cannot start (kvfuzz's
@@ -787,12 +806,12 @@ def run_mutation(
         tests = VllmTests.prepare(
             vllm_tests,
             vllm_root,
-            [m.path for m in MODULES],
+            [m.path for m in modules],
             cwd=work / "vllm-tests-cwd",
             timeout_s=test_timeout_s,
         )
     stock_started = time.perf_counter()
-    stock, reached = judge_stock([s for _, s in scenarios], vllm_root, policy=policy)
+    stock, reached = judge_stock([s for _, s in scenarios], vllm_root, modules, policy=policy)
     stock_s = time.perf_counter() - stock_started
     excluded = check_unmutated(
         scenarios,
@@ -961,6 +980,12 @@ def recorded_tests(path: Path) -> RecordedTests:
     return RecordedTests(path, load_run(path, "--vllm-tests-from"))
 
 
+def recorded_scope(command: dict[str, Any]) -> str:
+    """The ``--scope`` a run's recorded ``command`` was made with (runs
+    recorded before ``--scope`` existed mutated the ``managers`` scope)."""
+    return str(command.get("scope", "managers"))
+
+
 def pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -976,6 +1001,9 @@ def render_markdown(run: MutationRun) -> str:
         f"{len(run.scenarios)} scenarios; {run.elapsed_s:.0f} s, "
         f"{run.elapsed_s / max(1, len(run.outcomes)):.1f} s per mutant).",
         "",
+        f"Scope: `{recorded_scope(run.command)}` "
+        f"({len(run.generated)} modules; `differential/mutation/mutants.py`).",
+        "",
         f"Unmutated-tree check: {len(run.scenarios) - len(run.excluded)} of "
         f"{len(run.scenarios)} scenarios equal stock on an unmutated tree, "
         f"{len(run.excluded)} excluded ({run.check_s:.0f} s; stock judged once, "
@@ -986,13 +1014,13 @@ def render_markdown(run: MutationRun) -> str:
         "| score |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for scope in MODULES:
-        c = run.counts(scope.path)
+    for module in run.generated:
+        c = run.counts(module)
         lines.append(
-            f"| `{scope.path}` | {run.generated.get(scope.path, 0)} | {sum(c.values())} "
+            f"| `{module}` | {run.generated[module]} | {sum(c.values())} "
             f"| {c[MutantStatus.KILLED]} | {c[MutantStatus.TIMED_OUT]} "
             f"| {c[MutantStatus.SURVIVED]} | {c[MutantStatus.EQUIVALENT_SUSPECT]} "
-            f"| {pct(run.score(scope.path))} |"
+            f"| {pct(run.score(module))} |"
         )
     lines += [
         "",
@@ -1044,7 +1072,8 @@ def _diff_line(diff: str) -> str:
 
 
 def _split(items: Sequence[MutantOutcome]) -> tuple[int, int, int, int, int]:
-    """``(kvfuzz only, tests only, both, neither, tests not run)`` counts."""
+    """``(kvfuzz only, tests only, both, neither, tests not run)`` counts
+    (:func:`_reach` counts what each side reaches)."""
     kvfuzz = sum(o.killed and not o.killed_by_tests for o in items)
     tests = sum(o.killed_by_tests and not o.killed for o in items)
     both = sum(o.killed and o.killed_by_tests for o in items)
@@ -1052,6 +1081,37 @@ def _split(items: Sequence[MutantOutcome]) -> tuple[int, int, int, int, int]:
         o.tests is not None and o.tests.verdict is VllmTestsVerdict.NOT_RUN for o in items
     )
     return kvfuzz, tests, both, len(items) - kvfuzz - tests - both, not_run
+
+
+def _reach(items: Sequence[MutantOutcome]) -> str:
+    """``"R / T"``: the mutants kvfuzz's stock runs reach and those some
+    stock-passing test of vLLM's executes (the tests ran: not ``not run``)."""
+    tests = sum(
+        o.tests is not None and o.tests.verdict is not VllmTestsVerdict.NOT_RUN for o in items
+    )
+    return f"{sum(o.reached for o in items)} / {tests}"
+
+
+def _side_by_side_per_function(run: MutationRun) -> list[str]:
+    """The side-by-side table per function: who kills, who reaches."""
+    lines = [
+        "",
+        "### Per function",
+        "",
+        "| module | function | sampled | kvfuzz only | tests only | both | neither "
+        "| reached (kvfuzz / tests) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    per: dict[tuple[str, str], list[MutantOutcome]] = {}
+    for o in run.outcomes:
+        per.setdefault((o.mutant.module, o.mutant.function or "(module)"), []).append(o)
+    for (module, function), items in sorted(per.items()):
+        k, t, b, neither, _ = _split(items)
+        lines.append(
+            f"| {Path(module).stem} | `{function}` | {len(items)} | {k} | {t} | {b} | {neither} "
+            f"| {_reach(items)} |"
+        )
+    return lines
 
 
 def _side_by_side(run: MutationRun, baseline: VllmTestsBaseline) -> list[str]:
@@ -1087,36 +1147,25 @@ def _side_by_side(run: MutationRun, baseline: VllmTestsBaseline) -> list[str]:
         f"{sum(t.elapsed_s for t in timed) / n:.1f} s ({len(ran)} mutant(s) ran tests, "
         f"{sum(t.selected for t in ran) / max(1, len(ran)):.0f} tests selected on average).",
         "",
+        "Reached: the mutants kvfuzz's stock runs execute the mutated statement of / "
+        "those some stock-passing test executes it of.",
+        "",
         "| module | sampled | kvfuzz only | tests only | both | neither | tests not run "
-        "| kvfuzz | tests | union |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| reached (kvfuzz / tests) | kvfuzz | tests | union |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for scope in [*MODULES, None]:
-        path = None if scope is None else scope.path
+    for path in [*run.generated, None]:
         items = [o for o in run.outcomes if path is None or o.mutant.module == path]
         if not items and path is not None:
             continue
         k, t, b, neither, not_run = _split(items)
         lines.append(
             f"| {'all' if path is None else f'`{path}`'} | {len(items)} | {k} | {t} | {b} "
-            f"| {neither} | {not_run} | {pct(run.score(path))} | {pct(run.tests_score(path))} "
+            f"| {neither} | {not_run} | {_reach(items)} | {pct(run.score(path))} "
+            f"| {pct(run.tests_score(path))} "
             f"| {pct(run.union_score(path))} |"
         )
-    lines += [
-        "",
-        "### Per function",
-        "",
-        "| module | function | sampled | kvfuzz only | tests only | both | neither |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    per: dict[tuple[str, str], list[MutantOutcome]] = {}
-    for o in run.outcomes:
-        per.setdefault((o.mutant.module, o.mutant.function or "(module)"), []).append(o)
-    for (module, function), items in sorted(per.items()):
-        k, t, b, neither, _ = _split(items)
-        lines.append(
-            f"| {Path(module).stem} | `{function}` | {len(items)} | {k} | {t} | {b} | {neither} |"
-        )
+    lines += _side_by_side_per_function(run)
     lines += ["", "### Killed by kvfuzz only", ""]
     only = [o for o in run.outcomes if o.killed and not o.killed_by_tests]
     lines += [

@@ -9,6 +9,7 @@ import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,6 +151,154 @@ def test_sampling_is_even_across_modules_and_seeded() -> None:
         sample_mutants(pool, 0, seed=0)
 
 
+def test_proportional_sampling_is_seeded_and_in_proportion_to_mutants() -> None:
+    pool = {"a.py": _fake("a.py", 50), "b.py": _fake("b.py", 30), "c.py": _fake("c.py", 2)}
+    sample = sample_mutants(pool, 10, seed=7, proportional=True)
+    assert sample == sample_mutants(pool, 10, seed=7, proportional=True)
+    assert sample != sample_mutants(pool, 10, seed=8, proportional=True)
+    # 10 x (50, 30, 2) / 82 = 6.10, 3.66, 0.24: floors 6, 3, 0, the one left to
+    # the largest remainder (b.py).
+    assert Counter(m.module for m in sample) == {"a.py": 6, "b.py": 4}
+    # 41 is exactly half of every module.
+    half = sample_mutants(pool, 41, seed=0, proportional=True)
+    assert Counter(m.module for m in half) == {"a.py": 25, "b.py": 15, "c.py": 1}
+    assert len(set(half)) == 41
+    # More than there are: every mutant once.
+    assert len(set(sample_mutants(pool, 500, seed=0, proportional=True))) == 82
+    with pytest.raises(VariantError, match="--sample"):
+        sample_mutants(pool, 0, seed=0, proportional=True)
+
+
+@pytest.fixture(scope="module")
+def cache_scope() -> dict[str, list[Mutant]]:
+    """Every mutant of the ``cache`` scope of the installed vLLM 0.33.0."""
+    from differential.mutation.mutants import installed_vllm
+
+    return enumerate_mutants(installed_vllm(), MODULES)
+
+
+def test_the_cache_scope_widens_to_every_cache_module(
+    cache_scope: dict[str, list[Mutant]],
+) -> None:
+    from differential.mutation.mutants import MANAGER_MODULES
+
+    assert [m.path for m in MODULES] == [
+        "v1/core/single_type_kv_cache_manager.py",
+        "v1/core/block_pool.py",
+        "v1/core/kv_cache_coordinator.py",
+        "v1/core/kv_cache_manager.py",
+        "v1/core/kv_cache_utils.py",
+        "v1/core/kv_cache_planning.py",
+        "v1/core/kv_cache_config_builder.py",
+        "v1/core/sched/scheduler.py",
+    ]
+    functions = {m.function for mutants in cache_scope.values() for m in mutants}
+    # Widened: the managers the first scope left out, the block pool, the
+    # free queue and hit granularity, planning, draft-group marking.
+    for name in (
+        "MambaManager.allocate_new_blocks",
+        "ChunkedLocalAttentionManager.find_longest_cache_hit",
+        "CrossAttentionManager.find_longest_cache_hit",
+        "CircularBufferManager.get_num_blocks_to_allocate",
+        "HiSparseResidentManager.get_num_blocks_to_allocate",
+        "BlockPool.touch",
+        "BlockPool.get_new_blocks",
+        "FreeKVCacheBlockQueue.popleft_n",
+        "resolve_cache_hit_alignment_tokens",
+        "eagle_proof_margin",
+        "partial_hash_hits_enabled",
+        "unify_kv_cache_spec_page_size",
+        "get_global_kv_cache_groups",
+        "Scheduler.schedule",
+        "Scheduler._update_waiting_for_remote_kv",
+        "Scheduler._update_requests_with_invalid_blocks",
+        "Scheduler._preempt_request",
+    ):
+        assert name in functions, name
+    # Out: memory sizing, capacity reporting, a repr, no-prefix-cache.
+    for name in (
+        "estimate_max_model_len",
+        "get_kv_cache_capacity",
+        "KVCacheBlock.__repr__",
+        "KVCacheCoordinatorNoPrefixCache.find_longest_cache_hit",
+    ):
+        assert name not in functions, name
+    # The managers scope is untouched: a subset of the cache scope, same ids.
+    managers = enumerate_mutants(installed_vllm_root(), MANAGER_MODULES[3:])
+    assert {m.ident for m in managers[MANAGER_MODULES[3].path]} < {
+        m.ident for m in cache_scope[MANAGER_MODULES[3].path]
+    }
+
+
+def installed_vllm_root() -> Path:
+    from differential.mutation.mutants import installed_vllm
+
+    return installed_vllm()
+
+
+def test_only_the_schedulers_cache_paths_are_mutated(
+    cache_scope: dict[str, list[Mutant]],
+) -> None:
+    """vllm/v1/core/sched/scheduler.py: mutants lie only in the methods that
+    call the KV cache manager, the block pool or the connector, or decide
+    admission and preemption; none in output processing, stats, the encoder
+    cache or structured output, and none inside a logger call."""
+    import ast
+
+    from differential.mutation.mutants import SCHEDULER_CACHE_METHODS
+
+    path = "v1/core/sched/scheduler.py"
+    mutants = cache_scope[path]
+    by_function = Counter(m.function.split(".")[1] for m in mutants)
+    assert set(by_function) <= set(SCHEDULER_CACHE_METHODS)
+    source = (installed_vllm_root() / path).read_text()
+    (scheduler,) = (
+        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Scheduler"
+    )
+    methods = {n.name for n in scheduler.body if isinstance(n, ast.FunctionDef)}
+    # Every named method still exists in this vLLM; all but one give mutants
+    # (_inflight_prefill_reserved_blocks is one sum() of a generator).
+    assert set(SCHEDULER_CACHE_METHODS) <= methods
+    assert set(SCHEDULER_CACHE_METHODS) - set(by_function) == {"_inflight_prefill_reserved_blocks"}
+    for name in (
+        "_update_request_with_output",
+        "_make_cached_request_data",
+        "make_stats",
+        "_try_schedule_encoder_inputs",
+        "get_grammar_bitmask",
+        "update_draft_token_ids",
+        "shutdown",
+    ):
+        assert name not in by_function, name
+    # A logger call's argument lines (after the line it starts on) give no mutant.
+    logger_lines = {
+        line
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "logger"
+        for line in range(node.lineno + 1, (node.end_lineno or node.lineno) + 1)
+    }
+    assert len(logger_lines) > 10  # schedule() and update_from_output() do log
+    assert [m.ident for m in mutants if m.line in logger_lines] == []
+
+
+def test_scopes_are_chosen_by_name() -> None:
+    from differential.mutation.mutants import MANAGER_MODULES
+
+    assert select_modules(None) == MODULES
+    assert select_modules(None, "managers") == MANAGER_MODULES
+    assert [m.short for m in select_modules("scheduler,block_pool")] == [
+        "scheduler",
+        "block_pool",
+    ]
+    with pytest.raises(VariantError, match="unknown module block_pool in --scope managers"):
+        select_modules("block_pool", "managers")
+    with pytest.raises(VariantError, match="--scope 'all' is unknown; allowed: cache, managers"):
+        select_modules(None, "all")
+
+
 def test_tree_is_a_symlink_farm_with_one_real_file(root: Path, tmp_path: Path) -> None:
     tree = build_mutant_tree(root, MODULE, "MUTATED = True\n", tmp_path / "tree")
     package = tree / "vllm"
@@ -204,7 +353,7 @@ def test_score_counts_timeouts_as_killed_per_module() -> None:
 
 def test_module_selection() -> None:
     assert select_modules(None) == MODULES
-    assert select_modules("kv_cache_utils.py,kv_cache_manager") == (MODULES[3], MODULES[2])
+    assert select_modules("kv_cache_utils.py,kv_cache_manager") == (MODULES[4], MODULES[3])
     with pytest.raises(VariantError, match="allowed: single_type_kv_cache_manager"):
         select_modules("mamba")
 
@@ -215,6 +364,7 @@ def test_module_selection() -> None:
         (["--modules", "mamba"], "--modules: unknown module mamba"),
         (["--sample", "0"], "--sample must be >= 1"),
         (["--campaign-examples", "-1"], "--campaign-examples must be >= 0"),
+        (["--scheduler-examples", "-1"], "--scheduler-examples must be >= 0"),
         (["--json", "/nonexistent-folder/x.json"], "folder /nonexistent-folder does not exist"),
         (["--shard", "3/2"], "--shard '3/2': allowed: I/N with 1 <= I <= N"),
         (["--vllm-tests", "/nonexistent-folder"], "no tests/v1/core folder there"),
@@ -342,13 +492,19 @@ def test_the_recorded_run_draws_the_scenarios_its_command_draws_today(
     """docs/mutation-run.json (the 60-mutant score) and
     docs/mutation-side-by-side-run.json (the 120 mutants beside vLLM's tests)
     must be the runs their documented commands make on today's code: the same
-    corpus files and campaign scenarios, byte for byte (by digest). A corpus
-    or generator change that draws other scenarios fails here: rerun the
+    corpus files and campaign scenarios, byte for byte (by digest), and the
+    same mutants, drawn from the same scope. A corpus, generator or scope
+    change that draws other scenarios or mutants fails here: rerun the
     commands in docs/mutation-report.md."""
     recorded = json.loads((ROOT / "docs" / record).read_text())
     command = recorded["command"]
     monkeypatch.chdir(ROOT)  # corpus files are named by their path as given
-    drawn = draw_scenarios(command["paths"], recorded["seed"], command["campaign_examples"])
+    drawn = draw_scenarios(
+        command["paths"],
+        recorded["seed"],
+        command["campaign_examples"],
+        command.get("scheduler_examples", 0),
+    )
     names = [name for name, _ in drawn]
     assert names == recorded["scenarios"]
     changed = [
@@ -357,12 +513,59 @@ def test_the_recorded_run_draws_the_scenarios_its_command_draws_today(
         if scenario_digest(scenario) != digest
     ]
     assert changed == [], f"{len(changed)} scenarios differ from docs/{record}; regenerate it"
-    # The documented command is the one recorded.
+    _check_recorded_mutants(recorded, record)
+
+
+def _check_recorded_mutants(recorded: dict[str, Any], record: str) -> None:
+    """The recorded run's scope, generated counts and sampled mutants are what
+    its command draws today, and its documented command names its scope."""
+    from differential.mutation.mutants import SCOPES, installed_vllm
+    from differential.mutation.score import recorded_scope
+
+    command = recorded["command"]
+    scope_name = recorded_scope(command)
+    scope = SCOPES[scope_name]
+    modules = select_modules(command.get("modules"), scope_name)
+    generated = enumerate_mutants(installed_vllm(), modules)
+    assert {m: len(v) for m, v in generated.items()} == recorded["generated"]
+    sample = sample_mutants(
+        generated, command["sample"], recorded["seed"], proportional=scope.proportional
+    )
+    assert [m.ident for m in sample] == [m["id"] for m in recorded["mutants"]], (
+        f"docs/{record} holds other mutants than its command samples today; regenerate it"
+    )
     report = (ROOT / "docs" / "mutation-report.md").read_text()
-    assert (
+    documented = (
         f"kvfuzz mutate {' '.join(command['paths'])} --sample {command['sample']} "
         f"--seed {recorded['seed']} --campaign-examples {command['campaign_examples']}"
-    ) in " ".join(report.replace("\\\n", " ").split())
+        + (
+            f" --scheduler-examples {command['scheduler_examples']}"
+            if command.get("scheduler_examples")
+            else ""
+        )
+        + f" --scope {scope_name}"
+    )
+    assert documented in " ".join(report.replace("\\\n", " ").split())
+
+
+def test_scheduler_examples_are_the_scheduler_mode_campaigns_first_scenarios() -> None:
+    """``--scheduler-examples J``: the first J scenarios of ``kvfuzz fuzz
+    --mode scheduler --seed SEED``, after the manager-mode campaign's: they
+    drive vLLM's Scheduler, so they reach vllm/v1/core/sched/scheduler.py."""
+    from differential.scenario import DriveMode
+
+    drawn = draw_scenarios([], 3, 1, 2)
+    assert [name for name, _ in drawn] == [
+        "campaign seed 3 example 0",
+        "scheduler campaign seed 3 example 0",
+        "scheduler campaign seed 3 example 1",
+    ]
+    assert [s.workload.mode for _, s in drawn] == [
+        DriveMode.MANAGER,
+        DriveMode.SCHEDULER,
+        DriveMode.SCHEDULER,
+    ]
+    assert draw_scenarios([], 3, 1) == drawn[:1]
 
 
 def test_the_recorded_run_loads_back_as_it_was_written() -> None:
@@ -447,7 +650,7 @@ def test_a_tests_only_kill_in_out_of_scope_code_says_so() -> None:
         VllmTestsVerdict,
     )
 
-    module = MODULES[2].path
+    module = MODULES[3].path
     killed = VllmTestsOutcome(VllmTestsVerdict.KILLED, "tests/v1/core/t.py::t", "failed", 3, 1.0)
     outcomes = tuple(
         dataclasses.replace(
@@ -473,6 +676,8 @@ def test_a_tests_only_kill_in_out_of_scope_code_says_so() -> None:
         "; out of kvfuzz's scope: " + OUT_OF_SCOPE["KVCacheManager.get_num_common_prefix_blocks"]
     )
     assert "cascade attention was removed" in first and "scope" not in second
+    # Per module: neither reached by kvfuzz's stock runs, both run by the tests.
+    assert f"| `{module}` | 2 | 0 | 2 | 0 | 0 | 0 | 0 / 2 | 0% | 100% | 100% |" in lines
     assert "1 of these 2 lie in code kvfuzz does not reach by design" in "\n".join(lines)
 
 

@@ -218,10 +218,11 @@ def test_the_report_splits_kills_between_kvfuzz_and_vllms_tests() -> None:
     assert "Scores: kvfuzz **50%**, vLLM's tests **33%**, union **67%** (6 mutants)" in text
     assert "10 tests ran on stock, 8 passed" in text
     # sampled, kvfuzz only, tests only, both, neither, tests not run, then the scores.
-    assert f"| `{first}` | 4 | 2 | 1 | 1 | 0 | 1 | 75% | 50% | 100% |" in text
-    assert f"| `{second}` | 2 | 0 | 0 | 0 | 2 | 1 | 0% | 0% | 0% |" in text
-    assert "| all | 6 | 2 | 1 | 1 | 2 | 2 | 50% | 33% | 67% |" in text
-    assert "| single_type_kv_cache_manager | `F.g` | 3 | 2 | 1 | 0 | 0 |" in text
+    # Reached: every mutant by kvfuzz's stock runs; by the tests, those not "not run".
+    assert f"| `{first}` | 4 | 2 | 1 | 1 | 0 | 1 | 4 / 3 | 75% | 50% | 100% |" in text
+    assert f"| `{second}` | 2 | 0 | 0 | 0 | 2 | 1 | 2 / 1 | 0% | 0% | 0% |" in text
+    assert "| all | 6 | 2 | 1 | 1 | 2 | 2 | 6 / 4 | 50% | 33% | 67% |" in text
+    assert "| single_type_kv_cache_manager | `F.g` | 3 | 2 | 1 | 0 | 0 | 3 / 2 |" in text
     assert "| single_type_kv_cache_manager | `h` | 1 | 0 | 0 | 1 | 0 |" in text
     kvfuzz_only = text.split("### Killed by kvfuzz only")[1].split("###")[0]
     assert "- `single_type_kv_cache_manager:AddNot:0` (F.g, line 10): `x = not 0`: why 0\n" in (
