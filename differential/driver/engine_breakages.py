@@ -33,8 +33,9 @@ MAMBA_BREAKAGES = (*MAMBA_PARTS, WRITTEN_AFTER_CACHE)
 
 
 def _index(request_id: str) -> int:
-    """The plan's request index of an engine request id (``RUN-INDEX``)."""
-    return int(request_id.rsplit("-", 1)[1])
+    """The plan's request index of an engine request id (``RUN-INDEX``, to
+    which vLLM's engine may append its own ``-SUFFIX``)."""
+    return int(request_id.split("-")[1])
 
 
 class MambaBreakage:
@@ -70,7 +71,8 @@ class MambaBreakage:
         self.breakage = breakage
         self.manager = core.scheduler.kv_cache_manager
         self.pool = self.manager.block_pool
-        groups = core.scheduler.kv_cache_config.kv_cache_groups
+        self.kv_cache_config = core.scheduler.kv_cache_config
+        groups = self.kv_cache_config.kv_cache_groups
         self.groups = [
             g for g, group in enumerate(groups) if type(group.kv_cache_spec).__name__ == "MambaSpec"
         ]
@@ -78,7 +80,9 @@ class MambaBreakage:
         self.broken: list[int] = []
         self.replaced: list[list[int]] = []  # [request, group, block slot]
         self.writes: list[list[int]] = []  # [writer request, group, block id, step]
-        self.pending: dict[str, tuple[int, int]] = {}  # request id -> (group, hit block id)
+        # request id -> (group, hit block id, its slot in the hit's blocks)
+        self.pending: dict[str, tuple[int, int, int]] = {}
+        self._restore: list[tuple[Any, int, Any]] = []  # (state tensor, block id, saved part)
         self.cached_by: dict[int, int] = {}  # block id -> request index that cached it
         self.overwritten: dict[int, int] = {}  # block id -> writer request index
         self._redirected: list[tuple[Any, int, int, int, int, int, list[Any], list[Any]]] = []
@@ -97,7 +101,7 @@ class MambaBreakage:
                 continue
             block_id = blocks.blocks[g][real[-1]].block_id
             if self.breakage in MAMBA_PARTS:
-                self.pending[request.request_id] = (g, block_id)
+                self.pending[request.request_id] = (g, block_id, real[-1])
             elif block_id in self.overwritten:
                 self._report(index, g, real[-1])
 
@@ -121,9 +125,43 @@ class MambaBreakage:
 
     # ------------------------------------------------------------ model-runner side
 
+    def scheduled(self, scheduler_output: Any, forward_context: dict[str, Any]) -> None:
+        """After ``Scheduler.schedule``: for a part breakage, put the part of
+        another cached state block into the hit block of every request first
+        scheduled now with a Mamba hit (it reads the hit block in this step,
+        before the forward pass: the model runner's copy-on-write of a hit
+        that ends inside a block, ``copy_kv_cache_blocks_inplace`` in
+        ``_update_states``, vllm/v1/worker/utils.py, or ``preprocess_mamba``'s
+        copy of a hit that ends on a block boundary); it is restored after
+        ``preprocess_mamba``, before the forward pass."""
+        if self.breakage not in MAMBA_PARTS:
+            return
+        part = MAMBA_PARTS[self.breakage]
+        swapped: dict[int, int | None] = {}  # hit block id -> the other block (None: none)
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id not in self.pending:
+                continue
+            g, hit_block, slot = self.pending.pop(new.req_id)
+            layers = self._layers(g, forward_context)
+            if hit_block not in swapped:
+                other = self._other_part(g, hit_block, part, layers)
+                swapped[hit_block] = other
+                for states in layers if other is not None else []:
+                    saved = states[part][hit_block].clone()
+                    self._restore.append((states[part], hit_block, saved))
+                    states[part][hit_block].copy_(states[part][other])
+            if swapped[hit_block] is not None:
+                self._report(_index(new.req_id), g, slot)
+
+    def _layers(self, group: int, forward_context: dict[str, Any]) -> list[Any]:
+        """Each Mamba layer's state tensors (``kv_cache``) of ``group``."""
+        names = self.kv_cache_config.kv_cache_groups[group].layer_names
+        return [forward_context[n].kv_cache for n in names]
+
     def wrap_preprocess(self, original: Callable[..., Any], step: Callable[[], int]) -> Any:
         """``preprocess_mamba`` with the breakage around it (``step``: the
-        engine step now)."""
+        engine step now): a part breakage's hit blocks restored after it,
+        ``state-written-after-cache``'s writes redirected."""
 
         def preprocess(
             scheduler_output: Any,
@@ -136,16 +174,6 @@ class MambaBreakage:
             *args: Any,
             **kwargs: Any,
         ) -> Any:
-            layers = {
-                g: [
-                    forward_context[n].kv_cache
-                    for n in kv_cache_config.kv_cache_groups[g].layer_names
-                ]
-                for g in self.groups
-            }
-            restore = []
-            if self.breakage in MAMBA_PARTS:
-                restore = self._swap_parts(mamba_state_idx, input_batch, requests, layers)
             try:
                 out = original(
                     scheduler_output,
@@ -159,46 +187,19 @@ class MambaBreakage:
                     **kwargs,
                 )
             finally:
-                for state, block_id, saved in restore:
-                    state[block_id].copy_(saved)
+                self.restore()
             if self.breakage == WRITTEN_AFTER_CACHE:
+                layers = {g: self._layers(g, forward_context) for g in self.groups}
                 self._redirect(mamba_state_idx, input_batch, requests, layers, step())
             return out
 
         return preprocess
 
-    def _swap_parts(
-        self,
-        mamba_state_idx: dict[str, int],
-        input_batch: Any,
-        requests: dict[str, Any],
-        layers: dict[int, list[Any]],
-    ) -> list[tuple[Any, int, Any]]:
-        """Put the breakage's part of another cached state block into the hit
-        block of every scheduled request that copies from a pending hit
-        block in this ``preprocess_mamba`` call; returns ``(state tensor,
-        block id, saved part)`` to restore."""
-        part = MAMBA_PARTS[self.breakage]
-        restore: list[tuple[Any, int, Any]] = []
-        swapped: dict[int, int | None] = {}  # hit block id -> the other block (None: none)
-        for req_id in input_batch.req_ids:
-            if req_id not in self.pending or req_id in mamba_state_idx:
-                continue  # no hit, or not its first step
-            g, hit_block = self.pending.pop(req_id)
-            state = requests[req_id]
-            prev = (state.num_computed_tokens - 1) // self.block_size[g]
-            if prev < 0 or state.block_ids[g][prev] != hit_block:
-                continue  # preprocess_mamba copies from no hit block
-            if hit_block not in swapped:
-                other = self._other_part(g, hit_block, part, layers[g])
-                swapped[hit_block] = other
-                if other is not None:
-                    for states in layers[g]:
-                        restore.append((states[part], hit_block, states[part][hit_block].clone()))
-                        states[part][hit_block].copy_(states[part][other])
-            if swapped[hit_block] is not None:
-                self._report(_index(req_id), g, prev)
-        return restore
+    def restore(self) -> None:
+        """Put back the hit blocks' parts a part breakage replaced."""
+        for state, block_id, saved in self._restore:
+            state[block_id].copy_(saved)
+        self._restore.clear()
 
     def _cached_blocks(self, group: int) -> list[Any]:
         """The blocks cached for ``group`` (the pool's
@@ -253,16 +254,17 @@ class MambaBreakage:
             for g in self.groups:
                 curr = mamba_state_idx[req_id]
                 own = requests[req_id].block_ids[g][curr]
-                table = input_batch.block_table[g].block_table.np
+                table = input_batch.block_table[g].block_table  # CpuGpuBuffer
                 target = self._write_target(g, writer, taken)
-                if target is None or int(table[row, curr]) != own:
+                if target is None or int(table.gpu[row, curr]) != own:
                     continue
                 taken.add(target)
                 before = [state[target].clone() for states in layers[g] for state in states]
                 for states in layers[g]:
                     for state in states:
                         state[target].copy_(state[own])
-                table[row, curr] = target
+                table.np[row, curr] = target
+                table.gpu[row, curr] = target  # committed before preprocess_mamba
                 self._redirected.append((table, row, curr, own, target, writer, layers[g], before))
                 self.writes.append([writer, g, target, step])
 
@@ -270,11 +272,13 @@ class MambaBreakage:
         """After an engine step: each redirected request's state copied back to
         its own block and its block table entry restored; a cached block the
         step's kernels changed is overwritten."""
+        self.restore()
         for table, row, curr, own, target, writer, layers, before in self._redirected:
             for states in layers:
                 for state in states:
                     state[own].copy_(state[target])
-            table[row, curr] = own
+            table.np[row, curr] = own
+            table.gpu[row, curr] = own
             after = [state[target] for states in layers for state in states]
             if any(not a.equal(b) for a, b in zip(after, before, strict=True)):
                 self.overwritten[target] = writer

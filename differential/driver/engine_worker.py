@@ -939,6 +939,10 @@ class _Instruments:
         def scheduled(*args: Any, **kwargs: Any) -> Any:
             out = schedule(*args, **kwargs)
             self.scheduled_tokens = int(out.total_num_scheduled_tokens)
+            if self.mamba is not None:
+                # The model runner's layers (the engine core's own VllmConfig).
+                context = self.core.vllm_config.compilation_config.static_forward_context
+                self.mamba.scheduled(out, context)
             return out
 
         def get_computed_blocks(request: Any) -> Any:
