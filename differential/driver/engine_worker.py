@@ -975,7 +975,8 @@ class _Instruments:
         return self
 
     def _install_mamba(self, mamba: MambaBreakage) -> None:
-        """Wrap ``BlockPool.cache_full_blocks`` (who cached each state block)
+        """Wrap ``BlockPool.cache_full_blocks`` and ``cache_partial_block``
+        (who cached each state block)
         and vLLM's ``preprocess_mamba`` (vllm/v1/worker/mamba_utils.py, looked
         up on its module by the model runner at every step) for a
         :class:`MambaBreakage`."""
@@ -997,8 +998,20 @@ class _Instruments:
             )
             return out
 
-        self._saved.append((self.pool, "cache_full_blocks"))
+        partial = self.pool.cache_partial_block
+        partial_signature = inspect.signature(partial)
+
+        def cache_partial_block(*args: Any, **kwargs: Any) -> Any:
+            # A prompt tail cached inside a block (the state at a fine-grained
+            # checkpoint): SingleTypeKVCacheManager._cache_partial_tail_block.
+            out = partial(*args, **kwargs)
+            a = partial_signature.bind(*args, **kwargs).arguments
+            mamba.cached(a["request"], [a["block"]], 0, 1, a["kv_cache_group_id"])
+            return out
+
+        self._saved += [(self.pool, "cache_full_blocks"), (self.pool, "cache_partial_block")]
         self.pool.cache_full_blocks = cache_full_blocks
+        self.pool.cache_partial_block = cache_partial_block
         original = mamba_utils.preprocess_mamba
         mamba_utils.preprocess_mamba = mamba.wrap_preprocess(original, lambda: self.step)
         self._restore_module = (mamba_utils, original)
