@@ -18,10 +18,17 @@ Prints a Markdown table (one row per scenario) and a summary; ``--out FILE``
 also writes every row as JSON. ``--breakage NAME`` runs the engine
 with a calibration breakage of the engine worker (``wrong-block``,
 ``wrong-block-anywhere``, ``wrong-swa-block``, ``wrong-mamba-state``: a
-wrong block or state handed out on a hit; ``stale-swa-block``, the negative
+wrong block or state handed out on a hit; ``wrong-mamba-ssm``,
+``wrong-mamba-conv``: one part of the hit Mamba state from another cached
+state block; ``state-written-after-cache``: cached Mamba state blocks
+written again by other requests' steps; ``stale-swa-block``, the negative
 control: a block outside the sliding window, which attention never reads) and
 prints the calibration table: per scenario the requests broken and those
-``wrong-output`` flagged. ``--max-tokens`` skips
+``wrong-output`` flagged. ``--calibration-table DIR/*.json`` runs nothing
+and prints the table of several such runs side by side (each ``--out``
+file named after its breakage, ``stock.json`` for the run without one;
+exit 0 when every breakage flagged exactly the requests it broke, the
+control none, and stock none). ``--max-tokens`` skips
 scenarios whose scaled prompts exceed it (stated in the row).
 
 Run (about 15 minutes on 2 cores for the bundled corpus)::
@@ -55,6 +62,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         mamba_steps,
         scaled,
     )
+    from differential.driver.engine_worker import BREAKAGE_SPECS
     from differential.findings import FindingKind, Policy
     from differential.variants.engine import compared_tokens
 
@@ -65,10 +73,16 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     mapped = mamba_steps(scaled(entry.scenario, factor))
     row["scale"] = factor
     try:
-        engine_plan(mapped)
+        plan = engine_plan(mapped)
     except EngineUnsupported as exc:
         row["status"] = "not runnable"
         row["why"] = str(exc)
+        return row
+    if args.breakage and all(
+        g["spec"] != BREAKAGE_SPECS[args.breakage] for g in plan["engine"]["groups"]
+    ):
+        row["status"] = "not applicable"
+        row["why"] = f"{args.breakage}: no {BREAKAGE_SPECS[args.breakage]} group"
         return row
     tokens = sum(len(p) for p in mapped.prompts)
     row["tokens"] = tokens
@@ -110,6 +124,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     ]
     if replay.engine.off_run is not None and replay.engine.off_run.error:
         row["cache_off_error"] = replay.engine.off_run.error
+    row["breakage"] = args.breakage
     if args.breakage:
         row["broken_requests"] = replay.engine.raw.get("broken", [])
         row["broken_blocks"] = replay.engine.raw.get("broken_blocks", [])
@@ -228,6 +243,82 @@ def _calibration_status(ran: list[dict[str, Any]], breakage: str) -> int:
     return 0 if applied else 1
 
 
+def _cell(row: dict[str, Any] | None, breakage: str) -> str:
+    """One calibration cell: ``broken / flagged`` request indices (``-`` where
+    the breakage replaced nothing and nothing was flagged); for ``stock``
+    the flagged requests, or ``clean``."""
+    if row is not None and row.get("status") == "not applicable":
+        return "n/a"
+    if row is None or "engine_hits" not in row:
+        return "not run"
+    flagged = row.get("wrong_output_requests") or []
+    if breakage == "stock":
+        return f"flagged {_ids(flagged)}" if flagged else "clean"
+    broken = row.get("broken_requests") or []
+    if not broken and not flagged:
+        return "-"
+    return f"{_ids(broken) or 'none'} / {_ids(flagged) or 'none'}"
+
+
+def _ids(indices: list[int]) -> str:
+    return ", ".join(str(i) for i in indices)
+
+
+def calibration_summary(rows: list[dict[str, Any]], breakage: str) -> dict[str, int]:
+    """For one breakage's rows (or ``stock``'s): scenarios the engine ran,
+    scenarios where it broke a request (``applied``), requests broken,
+    broken requests flagged (``caught``), requests flagged that it did not
+    break (``other``), and the run's :func:`_calibration_status` (stock: 1
+    when any request was flagged)."""
+    ran = [r for r in rows if "engine_hits" in r]
+    broken = [set(r.get("broken_requests") or []) for r in ran]
+    flagged = [set(r.get("wrong_output_requests") or []) for r in ran]
+    status = int(any(flagged)) if breakage == "stock" else _calibration_status(ran, breakage)
+    return {
+        "ran": len(ran),
+        "applied": sum(1 for b in broken if b),
+        "broken": sum(len(b) for b in broken),
+        "caught": sum(len(b & f) for b, f in zip(broken, flagged, strict=True)),
+        "other": sum(len(f - b) for b, f in zip(broken, flagged, strict=True)),
+        "status": status,
+    }
+
+
+def combined_calibration_table(runs: dict[str, list[dict[str, Any]]]) -> tuple[str, int]:
+    """The calibration table of several runs (``runs``: rows by breakage
+    name, ``stock`` for the run without one; columns in :data:`BREAKAGES`
+    order): per scenario the engine ran, its stock hits and one
+    :func:`_cell` per run, then per run its :func:`calibration_summary`.
+    Returns the Markdown and the exit status: 0 when every run's status is 0."""
+    from differential.driver.engine_worker import BREAKAGES
+
+    names = [n for n in ("stock", *BREAKAGES) if n in runs]
+    by_file = {n: {r["file"]: r for r in runs[n]} for n in names}
+    files = sorted({r["file"] for n in names for r in runs[n] if "engine_hits" in r})
+    header = " | ".join(f"`{n}`" + (" (control)" if n == "stale-swa-block" else "") for n in names)
+    lines = [f"| scenario | engine hits | {header} |", "| --- " * (len(names) + 2) + "|"]
+    for file in files:
+        hits = next(by_file[n][file]["engine_hits"] for n in names if file in by_file[n])
+        cells = " | ".join(_cell(by_file[n].get(file), n) for n in names)
+        lines.append(f"| `{file}` | {hits} | {cells} |")
+    status = 0
+    summary = []
+    for n in names:
+        s = calibration_summary(runs[n], n)
+        status |= s["status"]
+        if n == "stock":
+            summary.append(f"{s['ran'] - s['other']} of {s['ran']} clean")
+        elif n == "stale-swa-block":
+            summary.append(f"applied {s['applied']}, flagged {s['caught'] + s['other']}")
+        else:
+            summary.append(
+                f"caught {s['caught']} of {s['broken']} in {s['applied']}; "
+                f"other flagged {s['other']}"
+            )
+    lines.append("| **summary** | | " + " | ".join(f"**{c}**" for c in summary) + " |")
+    return "\n".join(lines), status
+
+
 def main(argv: list[str] | None = None) -> int:
     from differential.driver.engine_worker import BREAKAGES
 
@@ -245,7 +336,20 @@ def main(argv: list[str] | None = None) -> int:
         "calibration table; stale-swa-block is a negative control)",
     )
     parser.add_argument("--no-release", action="store_true", help="engine runs only")
+    parser.add_argument(
+        "--calibration-table",
+        nargs="+",
+        type=Path,
+        metavar="ROWS",
+        help="run nothing: print the combined calibration table of the rows --out wrote, "
+        "one file per breakage named after it (stock.json for the run without one)",
+    )
     args = parser.parse_args(argv)
+    if args.calibration_table:
+        runs = {p.stem: json.loads(p.read_text()) for p in args.calibration_table}
+        table, status = combined_calibration_table(runs)
+        print(table)
+        return status
 
     from differential.corpus import iter_scenario_files
     from differential.variants.engine import EngineUnavailable, engine_python, shutdown_engine
@@ -284,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         f"drivers on release:0.32.0, {len(mismatched)} mismatch, "
         f"{len(wrong)} with wrong-output"
     )
+    skipped = [r for r in rows if r["status"] == "not applicable"]
+    if skipped:
+        print(f"{len(skipped)} not run: {args.breakage} cannot apply (no group it acts on)")
     starts = [s for r in ran for s in r.get("engine_start_s", []) if s is not None]
     built = [s for s in starts if s > 0]
     print(
@@ -296,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  cache-off run failed, outputs not compared: {r['file']}: {why}")
     reasons: dict[str, int] = {}
     for r in rows:
-        if "engine_hits" not in r:
+        if "engine_hits" not in r and r["status"] != "not applicable":
             reasons[r["why"]] = reasons.get(r["why"], 0) + 1
     for why, n in sorted(reasons.items(), key=lambda item: -item[1]):
         print(f"  not run ({n}): {why}")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import inspect
 import itertools
 import json
 import math
@@ -51,6 +52,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from differential.driver.engine_breakages import MAMBA_BREAKAGES, MambaBreakage
 from differential.driver.protocol import (
     ProtocolError,
     die_with_parent,
@@ -878,14 +880,26 @@ def _check_groups(engine: dict[str, Any], core: Any, cache_config: Any) -> None:
         )
 
 
-#: The calibration breakages a plan may name (:meth:`_Instruments._slot`).
+#: The calibration breakages a plan may name (:meth:`_Instruments._slot`; the
+#: Mamba state breakages: :class:`~differential.driver.engine_breakages.MambaBreakage`).
 BREAKAGES = (
     "wrong-block",
     "wrong-block-anywhere",
     "wrong-swa-block",
     "stale-swa-block",
     "wrong-mamba-state",
+    *MAMBA_BREAKAGES,
 )
+
+#: The KV cache spec (class name) of the groups each breakage acts on: a
+#: scenario with no such group cannot be broken by it.
+BREAKAGE_SPECS = {
+    "wrong-block": "FullAttentionSpec",
+    "wrong-block-anywhere": "FullAttentionSpec",
+    "wrong-swa-block": "SlidingWindowSpec",
+    "stale-swa-block": "SlidingWindowSpec",
+    **{name: "MambaSpec" for name in ("wrong-mamba-state", *MAMBA_BREAKAGES)},
+}
 
 
 class _Instruments:
@@ -908,8 +922,13 @@ class _Instruments:
         if breakage is not None and breakage not in BREAKAGES:
             raise PlanError(f"unknown breakage {breakage!r}: known {', '.join(BREAKAGES)}")
         self.breakage = breakage
+        self.mamba: MambaBreakage | None = None
+        if breakage in MAMBA_BREAKAGES:
+            self.mamba = MambaBreakage(breakage, core)
+            self.mamba.broken, self.mamba.replaced = self.broken, self.replaced
         self.scheduled_tokens = 0  # in the last step
         self._saved: list[tuple[Any, str]] = []
+        self._restore_module: tuple[Any, Any] | None = None
 
     def __enter__(self) -> _Instruments:
         manager, pool, scheduler = self.manager, self.pool, self.core.scheduler
@@ -920,11 +939,17 @@ class _Instruments:
         def scheduled(*args: Any, **kwargs: Any) -> Any:
             out = schedule(*args, **kwargs)
             self.scheduled_tokens = int(out.total_num_scheduled_tokens)
+            if self.mamba is not None:
+                # The model runner's layers (the engine core's own VllmConfig).
+                context = self.core.vllm_config.compilation_config.static_forward_context
+                self.mamba.scheduled(out, context)
             return out
 
         def get_computed_blocks(request: Any) -> Any:
             blocks, hit, boundary = lookup(request)
-            if self.breakage is not None:
+            if self.mamba is not None and hit:
+                self.mamba.looked_up(request, blocks)
+            elif self.breakage is not None:
                 self._record_contents(request)
                 if hit:
                     blocks = self._break(request, blocks, hit)
@@ -934,6 +959,8 @@ class _Instruments:
         def maybe_evict(block: Any) -> bool:
             evicted = bool(evict(block))
             self.evicted += evicted
+            if evicted and self.mamba is not None:
+                self.mamba.evicted(block)
             return evicted
 
         for obj, name, fn in (
@@ -943,12 +970,65 @@ class _Instruments:
         ):
             self._saved.append((obj, name))
             setattr(obj, name, fn)
+        if self.mamba is not None:
+            self._install_mamba(self.mamba)
         return self
+
+    def _install_mamba(self, mamba: MambaBreakage) -> None:
+        """Wrap ``BlockPool.cache_full_blocks`` and ``cache_partial_block``
+        (who cached each state block)
+        and vLLM's ``preprocess_mamba`` (vllm/v1/worker/mamba_utils.py, looked
+        up on its module by the model runner at every step) for a
+        :class:`MambaBreakage`."""
+        from vllm.v1.worker import mamba_utils
+
+        cache = self.pool.cache_full_blocks
+
+        signature = inspect.signature(cache)
+
+        def cache_full_blocks(*args: Any, **kwargs: Any) -> Any:
+            out = cache(*args, **kwargs)
+            a = signature.bind(*args, **kwargs).arguments
+            mamba.cached(
+                a["request"],
+                a["blocks"],
+                a["num_cached_blocks"],
+                a["num_full_blocks"],
+                a["kv_cache_group_id"],
+            )
+            return out
+
+        partial = self.pool.cache_partial_block
+        partial_signature = inspect.signature(partial)
+
+        def cache_partial_block(*args: Any, **kwargs: Any) -> Any:
+            # A prompt tail cached inside a block (the state at a fine-grained
+            # checkpoint): SingleTypeKVCacheManager._cache_partial_tail_block.
+            out = partial(*args, **kwargs)
+            a = partial_signature.bind(*args, **kwargs).arguments
+            mamba.cached(a["request"], [a["block"]], 0, 1, a["kv_cache_group_id"])
+            return out
+
+        self._saved += [(self.pool, "cache_full_blocks"), (self.pool, "cache_partial_block")]
+        self.pool.cache_full_blocks = cache_full_blocks
+        self.pool.cache_partial_block = cache_partial_block
+        original = mamba_utils.preprocess_mamba
+        mamba_utils.preprocess_mamba = mamba.wrap_preprocess(original, lambda: self.step)
+        self._restore_module = (mamba_utils, original)
+
+    def after_step(self) -> None:
+        """Called after each engine step (:class:`MambaBreakage.after_step`)."""
+        if self.mamba is not None:
+            self.mamba.after_step()
 
     def __exit__(self, *exc: object) -> None:
         for obj, name in self._saved:
             delattr(obj, name)  # the class's method shows through again
         self._saved.clear()
+        if self._restore_module is not None:
+            module, original = self._restore_module
+            module.preprocess_mamba = original
+            self._restore_module = None
 
     def _break(self, request: Any, blocks: Any, hit: int) -> Any:
         """The calibration breakage (:data:`BREAKAGES`) applied to one
@@ -1157,7 +1237,9 @@ class _PlanRequests:
                 reports it.
         """
         self.instruments.scheduled_tokens = 0
-        for out in self.engine.step():
+        outputs = self.engine.step()
+        self.instruments.after_step()
+        for out in outputs:
             if out.finished:
                 self.outputs[_index(out.request_id)] = out
                 self.finished_at[_index(out.request_id)] = self.instruments.step
@@ -1315,7 +1397,11 @@ def run_plan(engines: _Engines, plan: dict[str, Any]) -> dict[str, Any]:
         runner_up_logprobs (the best other token's, or null), top_logprobs
         (per position the plan's ``logprobs`` most likely tokens, ``[token,
         logprob]`` by rank)], "broken": request indices the breakage changed,
-        "broken_blocks": ``[request, group, block slot]`` per block replaced,
+        "broken_blocks": ``[request, group, block slot]`` per block replaced
+        (or, for the Mamba state breakages of
+        :mod:`~differential.driver.engine_breakages`, per hit state block read
+        broken), "state_writes": ``[writer request, group, block id, engine
+        step]`` per cached state block ``state-written-after-cache`` overwrote,
         "error": null or the engine's exception, "variant": {"patch": the
         plan's variant, "applied": the replacements it installed,
         ``Owner.attribute``}, "kv_events": null (events off) or :meth:`_EventStream.reply`}``.
@@ -1434,6 +1520,7 @@ def _run_engine(
         "requests": rows,
         "broken": sorted(set(instruments.broken)),
         "broken_blocks": instruments.replaced,
+        "state_writes": [] if instruments.mamba is None else instruments.mamba.writes,
         "error": error,
         "restart": error is not None,
         "kv_events": events,

@@ -1294,9 +1294,7 @@ class _RunReport:
     watermark_admissions: list[tuple[int, int, int]] = field(default_factory=list)
     store: Any = None  # the connector's store (RemoteStoreConnector), if any
     # (request index, step, (group, index) per block in the order freed)
-    deferred_frees: list[tuple[int, int, tuple[tuple[int, int], ...]]] = field(
-        default_factory=list
-    )
+    deferred_frees: list[tuple[int, int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
 
 
 @dataclass

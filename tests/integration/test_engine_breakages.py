@@ -87,3 +87,22 @@ def test_a_wrong_mamba_state_is_caught_on_exactly_the_broken_requests() -> None:
     assert [f.request for f in wrong_outputs(outcome)] == [1, 3]
     stock = run_engine(load_entry(MAMBA).scenario)
     assert stock.raw["broken"] == [] and wrong_outputs(stock) == []
+
+
+# A 100-token writer, another writer, then the first writer's prompt resent:
+# the resend hits 96 tokens (the Mamba state at 96) that the first writer
+# cached before the second ran.
+RESEND_AFTER_ANOTHER = CORPORA / "cases" / "mamba-resend-after-another-writer.json"
+
+
+def test_a_wrong_ssm_state_alone_is_caught_on_exactly_the_broken_requests() -> None:
+    # Siblings 1 and 3 hit 96 tokens inside the Mamba block 64-127 (slot 1
+    # of group 1): the model runner copies that block (copy-on-write) in
+    # their first step, with the SSM state of another cached state block.
+    outcome = run_engine(load_entry(MAMBA).scenario, breakage="wrong-mamba-ssm")
+    assert outcome.run.hits == (0, 96, 0, 96)
+    assert outcome.raw["broken_blocks"] == [[1, 1, 1], [3, 1, 1]]
+    assert [f.request for f in wrong_outputs(outcome)] == [1, 3]
+    # Restored after the read: the cached blocks serve the stock outputs again.
+    stock = run_engine(load_entry(MAMBA).scenario)
+    assert wrong_outputs(stock) == [] and max_logprob_difference(stock) == 0.0
