@@ -63,6 +63,7 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         scaled,
     )
     from differential.driver.engine_worker import BREAKAGE_SPECS
+    from differential.errors import ScenarioError
     from differential.findings import FindingKind, Policy
     from differential.variants.engine import compared_tokens
 
@@ -70,11 +71,12 @@ def _row(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     entry = load_entry(path)
     geometry = file_geometry(path)
     factor = geometry_scale(entry.scenario) if geometry == "scale" else 1
-    mapped = mamba_steps(scaled(entry.scenario, factor))
     row["scale"] = factor
     try:
+        mapped = mamba_steps(scaled(entry.scenario, factor))
         plan = engine_plan(mapped)
-    except EngineUnsupported as exc:
+    except (EngineUnsupported, ScenarioError) as exc:
+        # A scenario the engine's geometry cannot hold costs its row, not the run.
         row["status"] = "not runnable"
         row["why"] = str(exc)
         return row

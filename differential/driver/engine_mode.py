@@ -107,7 +107,8 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
     """``scenario`` with every token length multiplied by ``factor``.
 
     Blocks, windows, chunks, the hash block, the hit alignment, the retention
-    interval, the prefill chunk and step budget, the shared prefix, every
+    interval, the prefill chunk and step budget, a KV connector store's chunk
+    (``workload.connector.chunk_tokens``), the shared prefix, every
     divergence point and suffix, every image, and each request's sampled
     tokens scale; block counts (the pool) and draft counts do not. A request
     samples ``decode_steps + 1`` tokens (the first with its prefill), so
@@ -149,8 +150,15 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
         )
         for r in scenario.requests
     )
+    store = scenario.workload.connector
     workload = dataclasses.replace(
-        scenario.workload, max_num_batched_tokens=n(scenario.workload.max_num_batched_tokens)
+        scenario.workload,
+        max_num_batched_tokens=n(scenario.workload.max_num_batched_tokens),
+        connector=(
+            None
+            if store is None
+            else dataclasses.replace(store, chunk_tokens=n(store.chunk_tokens))
+        ),
     )
     return dataclasses.replace(
         scenario,

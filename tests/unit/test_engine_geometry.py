@@ -96,3 +96,24 @@ def test_the_release_verdict_says_release_difference_only_where_the_hits_differ(
     words = _release_words("0.32.0", {"eviction-collapse@run"}, confirmed, disagree, same_hits)
     assert words.startswith(opening)
     assert ("release difference" in words) == (not confirmed and not disagree and not same_hits)
+
+
+def test_every_bundled_file_maps_to_the_engines_geometry() -> None:
+    # Scaling keeps a scenario valid: every token length scales, a KV
+    # connector store's own chunk grid included (connector.chunk_tokens 16
+    # beside blocks of 4, scaled by 16: 256 beside 64).
+    from differential.driver.engine_mode import mamba_steps, scaled
+
+    files = sorted((*CORPORA.rglob("*.json"), *(ROOT / "known-issues").glob("*.json")))
+    for path in files:
+        scenario = load_entry(path).scenario
+        factor = geometry_scale(scenario) if file_geometry(path) == "scale" else 1
+        mamba_steps(scaled(scenario, factor))
+    lagging = load_entry(
+        ROOT / "known-issues" / "connector-divergent-hit-truncates-lagging-window.json"
+    )
+    store = lagging.scenario.workload.connector
+    assert store is not None and store.chunk_tokens is not None
+    factor = geometry_scale(lagging.scenario)
+    mapped = scaled(lagging.scenario, factor).workload.connector
+    assert mapped is not None and mapped.chunk_tokens == store.chunk_tokens * factor
