@@ -918,7 +918,7 @@ class _Instruments:
         self.evicted = 0
         self.broken: list[int] = []
         self.replaced: list[list[int]] = []  # [request, group, block slot]
-        self.contents: dict[bytes, tuple[int, tuple[int, ...]]] = {}
+        self.contents: dict[bytes, tuple[int, ...]] = {}
         if breakage is not None and breakage not in BREAKAGES:
             raise PlanError(f"unknown breakage {breakage!r}: known {', '.join(BREAKAGES)}")
         self.breakage = breakage
@@ -1052,10 +1052,9 @@ class _Instruments:
                     held = {b.block_id for b in group_blocks}
                     other = self._other_cached_block(held, None, None)
                 else:
-                    size = spec.block_size
-                    tokens = tuple(request.all_token_ids[slot * size : (slot + 1) * size])
-                    same = (slot * size, tokens) if size == self.pool.hash_block_size else None
-                    other = self._other_cached_block(held, gi, same)
+                    start, end = slot * spec.block_size, (slot + 1) * spec.block_size
+                    read = tuple(request.all_token_ids[: min(end, hit)])
+                    other = self._other_cached_block(held, gi, (start, end, read))
                 if other is not None:
                     group_blocks[slot] = other
                     self.broken.append(index)
@@ -1110,25 +1109,33 @@ class _Instruments:
         return None
 
     def _record_contents(self, request: Any) -> None:
-        """Remember what each of ``request``'s hashed blocks holds: per block
-        hash (``Request.block_hashes``, one per ``BlockPool.hash_block_size``
-        tokens) its first position and its tokens."""
+        """Remember what each of ``request``'s hashed blocks was computed
+        after: per block hash (``Request.block_hashes``, one per
+        ``BlockPool.hash_block_size`` tokens) the request's whole token prefix
+        up to that hash block's end (tokens ``[0, (j + 1) * hash_block_size)``).
+        A group block of ``k`` hash blocks is cached under the hash of its
+        last hash block (``BlockHashListWithBlockSize``,
+        vllm/v1/core/kv_cache_utils.py), so this prefix is also the one up to
+        the group block's end, whatever the group's block size."""
         size = self.pool.hash_block_size
-        tokens = request.all_token_ids
+        tokens = tuple(request.all_token_ids)
         for j, block_hash in enumerate(request.block_hashes):
-            self.contents[bytes(block_hash)] = (j * size, tuple(tokens[j * size : (j + 1) * size]))
+            self.contents[bytes(block_hash)] = tokens[: (j + 1) * size]
 
     def _other_cached_block(
-        self, held: set[int], group: int | None, same: tuple[int, tuple[int, ...]] | None
+        self, held: set[int], group: int | None, same: tuple[int, int, tuple[int, ...]] | None
     ) -> Any:
         """The first block of the pool (by block id) that is cached (has a
         block hash), not the null block, held by no request (``ref_cnt`` 0)
         and not among ``held``; with ``group`` set, one cached for that KV
         cache group (``get_group_id``, vllm/v1/core/kv_cache_utils.py), so it
         holds that group's layers' KV (or state) for other tokens. A block
-        known to hold ``same`` (first position, tokens) is passed over: a
-        prompt that repeats another's tokens at the same positions (a rejoin)
-        has blocks of another hash whose first layer's KV is the same."""
+        that would give the request the same KV is passed over: ``same`` is
+        the replaced block's first and end positions (tokens) and the
+        request's tokens up to the end of what it reads there (the block's
+        end, or the hit's inside a block), and a block cached at an end inside
+        the same block, at or after that read end, after the same tokens
+        holds the same KV for every position read (:meth:`_holds_same`)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         for candidate in self.pool.blocks:
@@ -1140,11 +1147,29 @@ class _Instruments:
                 and (group is None or get_group_id(candidate.block_hash) == group)
                 and (
                     same is None
-                    or self.contents.get(bytes(get_block_hash(candidate.block_hash))) != same
+                    or not self._holds_same(
+                        self.contents.get(bytes(get_block_hash(candidate.block_hash))), same
+                    )
                 )
             ):
                 return candidate
         return None
+
+    @staticmethod
+    def _holds_same(prefix: tuple[int, ...] | None, same: tuple[int, int, tuple[int, ...]]) -> bool:
+        """Whether a block cached after ``prefix`` (tokens up to its block
+        hash's end; ``None``: not known) holds the KV that ``same`` (first and
+        end positions of the replaced block, in tokens, and the tokens up to
+        the end read there) reads: its hash ends inside ``[first, end]``, not
+        before the read end, and its tokens up to the read end are the
+        same."""
+        first, end, read = same
+        return (
+            prefix is not None
+            and first < len(prefix) <= end
+            and len(prefix) >= len(read)
+            and prefix[: len(read)] == read
+        )
 
 
 class _PlanRequests:
