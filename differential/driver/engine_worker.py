@@ -975,8 +975,8 @@ class _Instruments:
         return self
 
     def _install_mamba(self, mamba: MambaBreakage) -> None:
-        """Wrap ``BlockPool.cache_full_blocks`` and ``cache_partial_block``
-        (who cached each state block)
+        """Wrap ``BlockPool.cache_full_blocks``, ``cache_partial_block`` and
+        ``move_block_hashes`` (who cached each state block)
         and vLLM's ``preprocess_mamba`` (vllm/v1/worker/mamba_utils.py, looked
         up on its module by the model runner at every step) for a
         :class:`MambaBreakage`."""
@@ -1009,9 +1009,21 @@ class _Instruments:
             mamba.cached(a["request"], [a["block"]], 0, 1, a["kv_cache_group_id"])
             return out
 
-        self._saved += [(self.pool, "cache_full_blocks"), (self.pool, "cache_partial_block")]
+        move = self.pool.move_block_hashes
+
+        def move_block_hashes(src_block: Any, dst_block: Any) -> Any:
+            out = move(src_block, dst_block)
+            mamba.moved(src_block, dst_block)
+            return out
+
+        self._saved += [
+            (self.pool, "cache_full_blocks"),
+            (self.pool, "cache_partial_block"),
+            (self.pool, "move_block_hashes"),
+        ]
         self.pool.cache_full_blocks = cache_full_blocks
         self.pool.cache_partial_block = cache_partial_block
+        self.pool.move_block_hashes = move_block_hashes
         original = mamba_utils.preprocess_mamba
         mamba_utils.preprocess_mamba = mamba.wrap_preprocess(original, lambda: self.step)
         self._restore_module = (mamba_utils, original)
