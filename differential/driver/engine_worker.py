@@ -918,7 +918,7 @@ class _Instruments:
         self.evicted = 0
         self.broken: list[int] = []
         self.replaced: list[list[int]] = []  # [request, group, block slot]
-        self.contents: dict[bytes, tuple[int, ...]] = {}
+        self.contents: dict[bytes, tuple[int, tuple[int, ...]]] = {}
         if breakage is not None and breakage not in BREAKAGES:
             raise PlanError(f"unknown breakage {breakage!r}: known {', '.join(BREAKAGES)}")
         self.breakage = breakage
@@ -1121,18 +1121,22 @@ class _Instruments:
         return None
 
     def _record_contents(self, request: Any) -> None:
-        """Remember what each of ``request``'s hashed blocks was computed
-        after: per block hash (``Request.block_hashes``, one per
-        ``BlockPool.hash_block_size`` tokens) the request's whole token prefix
-        up to that hash block's end (tokens ``[0, (j + 1) * hash_block_size)``).
-        A group block of ``k`` hash blocks is cached under the hash of its
-        last hash block (``BlockHashListWithBlockSize``,
-        vllm/v1/core/kv_cache_utils.py), so this prefix is also the one up to
-        the group block's end, whatever the group's block size."""
+        """Remember what each of ``request``'s hashed blocks holds: per block
+        hash (``Request.block_hashes``, one per ``BlockPool.hash_block_size``
+        tokens) the end of its hash block (tokens) and the request's tokens
+        over the largest group block before it. A group block of ``k`` hash
+        blocks is cached under the hash of its last hash block
+        (``BlockHashListWithBlockSize``, vllm/v1/core/kv_cache_utils.py), and
+        a partial entry under the hash at its prefix boundary
+        (``BlockPool.cache_partial_block``), so this covers the tokens of the
+        group block it is cached under, whatever the group's block size."""
         size = self.pool.hash_block_size
-        tokens = tuple(request.all_token_ids)
+        groups = self.core.scheduler.kv_cache_config.kv_cache_groups
+        span = max(g.kv_cache_spec.block_size for g in groups)
+        tokens = request.all_token_ids
         for j, block_hash in enumerate(request.block_hashes):
-            self.contents[bytes(block_hash)] = tokens[: (j + 1) * size]
+            end = (j + 1) * size
+            self.contents[bytes(block_hash)] = (end, tuple(tokens[max(0, end - span) : end]))
 
     def _other_cached_block(
         self, held: set[int], group: int | None, same: tuple[int, int, tuple[int, ...]] | None
@@ -1147,7 +1151,7 @@ class _Instruments:
         request's tokens up to the end of what it reads there (the block's
         end, or the hit's inside a block), and a block cached at an end inside
         the same block, at or after that read end, after the same tokens
-        holds the same KV for every position read (:meth:`_holds_same`)."""
+        holds the same tokens at every position read (:meth:`_holds_same`)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         for candidate in self.pool.blocks:
@@ -1168,19 +1172,29 @@ class _Instruments:
         return None
 
     @staticmethod
-    def _holds_same(prefix: tuple[int, ...] | None, same: tuple[int, int, tuple[int, ...]]) -> bool:
-        """Whether a block cached after ``prefix`` (tokens up to its block
-        hash's end; ``None``: not known) holds the KV that ``same`` (first and
-        end positions of the replaced block, in tokens, and the tokens up to
-        the end read there) reads: its hash ends inside ``[first, end]``, not
-        before the read end, and its tokens up to the read end are the
-        same."""
+    def _holds_same(
+        known: tuple[int, tuple[int, ...]] | None, same: tuple[int, int, tuple[int, ...]]
+    ) -> bool:
+        """Whether a block cached under a hash that ``known`` describes (the
+        hash block's end and the tokens before it: :meth:`_record_contents`;
+        ``None``: not known) holds what ``same`` (first and end positions of
+        the replaced block, in tokens, and the request's tokens up to the end
+        read there) reads: its hash ends inside ``(first, end]``, not before
+        the read end, and it holds the same tokens at the same positions from
+        ``first`` to the read end. After the same whole prefix that is the
+        same KV and state; after another prefix, the same KV of the first
+        attention layer (all of it in a one-layer model), so such a block is
+        passed over too (a rejoin's blocks of another hash)."""
+        if known is None:
+            return False
+        known_end, tokens = known
         first, end, read = same
+        low = known_end - len(tokens)  # the position of tokens[0]
         return (
-            prefix is not None
-            and first < len(prefix) <= end
-            and len(prefix) >= len(read)
-            and prefix[: len(read)] == read
+            first < known_end <= end
+            and known_end >= len(read)
+            and low <= first
+            and tokens[first - low : len(read) - low] == read[first:]
         )
 
 
