@@ -112,6 +112,17 @@ class MambaBreakage:
             for block in blocks[start:end]:
                 self.cached_by.setdefault(block.block_id, _index(request.request_id))
 
+    def moved(self, source: Any, copy: Any) -> None:
+        """``BlockPool.move_block_hashes`` re-pointed ``source``'s cache
+        entries to ``copy`` (vllm/v1/core/block_pool.py): a request that
+        keeps writing into a state block it cached at a partial hit or a
+        fine-grained checkpoint leaves the prefix cache a private copy
+        (``MambaManager`` allocation, vllm/v1/core/single_type_kv_cache_manager.py),
+        which later hits read; its cacher is the source's."""
+        for known in (self.cached_by, self.overwritten):
+            if source.block_id in known:
+                known[copy.block_id] = known.pop(source.block_id)
+
     def evicted(self, block: Any) -> None:
         """A cached block was evicted (its hash dropped): forget it."""
         self.cached_by.pop(block.block_id, None)

@@ -975,8 +975,8 @@ class _Instruments:
         return self
 
     def _install_mamba(self, mamba: MambaBreakage) -> None:
-        """Wrap ``BlockPool.cache_full_blocks`` and ``cache_partial_block``
-        (who cached each state block)
+        """Wrap ``BlockPool.cache_full_blocks``, ``cache_partial_block`` and
+        ``move_block_hashes`` (who cached each state block)
         and vLLM's ``preprocess_mamba`` (vllm/v1/worker/mamba_utils.py, looked
         up on its module by the model runner at every step) for a
         :class:`MambaBreakage`."""
@@ -1009,9 +1009,21 @@ class _Instruments:
             mamba.cached(a["request"], [a["block"]], 0, 1, a["kv_cache_group_id"])
             return out
 
-        self._saved += [(self.pool, "cache_full_blocks"), (self.pool, "cache_partial_block")]
+        move = self.pool.move_block_hashes
+
+        def move_block_hashes(src_block: Any, dst_block: Any) -> Any:
+            out = move(src_block, dst_block)
+            mamba.moved(src_block, dst_block)
+            return out
+
+        self._saved += [
+            (self.pool, "cache_full_blocks"),
+            (self.pool, "cache_partial_block"),
+            (self.pool, "move_block_hashes"),
+        ]
         self.pool.cache_full_blocks = cache_full_blocks
         self.pool.cache_partial_block = cache_partial_block
+        self.pool.move_block_hashes = move_block_hashes
         original = mamba_utils.preprocess_mamba
         mamba_utils.preprocess_mamba = mamba.wrap_preprocess(original, lambda: self.step)
         self._restore_module = (mamba_utils, original)
@@ -1052,10 +1064,9 @@ class _Instruments:
                     held = {b.block_id for b in group_blocks}
                     other = self._other_cached_block(held, None, None)
                 else:
-                    size = spec.block_size
-                    tokens = tuple(request.all_token_ids[slot * size : (slot + 1) * size])
-                    same = (slot * size, tokens) if size == self.pool.hash_block_size else None
-                    other = self._other_cached_block(held, gi, same)
+                    start, end = slot * spec.block_size, (slot + 1) * spec.block_size
+                    read = tuple(request.all_token_ids[: min(end, hit)])
+                    other = self._other_cached_block(held, gi, (start, end, read))
                 if other is not None:
                     group_blocks[slot] = other
                     self.broken.append(index)
@@ -1112,23 +1123,35 @@ class _Instruments:
     def _record_contents(self, request: Any) -> None:
         """Remember what each of ``request``'s hashed blocks holds: per block
         hash (``Request.block_hashes``, one per ``BlockPool.hash_block_size``
-        tokens) its first position and its tokens."""
+        tokens) the end of its hash block (tokens) and the request's tokens
+        over the largest group block before it. A group block of ``k`` hash
+        blocks is cached under the hash of its last hash block
+        (``BlockHashListWithBlockSize``, vllm/v1/core/kv_cache_utils.py), and
+        a partial entry under the hash at its prefix boundary
+        (``BlockPool.cache_partial_block``), so this covers the tokens of the
+        group block it is cached under, whatever the group's block size."""
         size = self.pool.hash_block_size
+        groups = self.core.scheduler.kv_cache_config.kv_cache_groups
+        span = max(g.kv_cache_spec.block_size for g in groups)
         tokens = request.all_token_ids
         for j, block_hash in enumerate(request.block_hashes):
-            self.contents[bytes(block_hash)] = (j * size, tuple(tokens[j * size : (j + 1) * size]))
+            end = (j + 1) * size
+            self.contents[bytes(block_hash)] = (end, tuple(tokens[max(0, end - span) : end]))
 
     def _other_cached_block(
-        self, held: set[int], group: int | None, same: tuple[int, tuple[int, ...]] | None
+        self, held: set[int], group: int | None, same: tuple[int, int, tuple[int, ...]] | None
     ) -> Any:
         """The first block of the pool (by block id) that is cached (has a
         block hash), not the null block, held by no request (``ref_cnt`` 0)
         and not among ``held``; with ``group`` set, one cached for that KV
         cache group (``get_group_id``, vllm/v1/core/kv_cache_utils.py), so it
         holds that group's layers' KV (or state) for other tokens. A block
-        known to hold ``same`` (first position, tokens) is passed over: a
-        prompt that repeats another's tokens at the same positions (a rejoin)
-        has blocks of another hash whose first layer's KV is the same."""
+        that would give the request the same KV is passed over: ``same`` is
+        the replaced block's first and end positions (tokens) and the
+        request's tokens up to the end of what it reads there (the block's
+        end, or the hit's inside a block), and a block cached at an end inside
+        the same block, at or after that read end, after the same tokens
+        holds the same tokens at every position read (:meth:`_holds_same`)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         for candidate in self.pool.blocks:
@@ -1140,11 +1163,39 @@ class _Instruments:
                 and (group is None or get_group_id(candidate.block_hash) == group)
                 and (
                     same is None
-                    or self.contents.get(bytes(get_block_hash(candidate.block_hash))) != same
+                    or not self._holds_same(
+                        self.contents.get(bytes(get_block_hash(candidate.block_hash))), same
+                    )
                 )
             ):
                 return candidate
         return None
+
+    @staticmethod
+    def _holds_same(
+        known: tuple[int, tuple[int, ...]] | None, same: tuple[int, int, tuple[int, ...]]
+    ) -> bool:
+        """Whether a block cached under a hash that ``known`` describes (the
+        hash block's end and the tokens before it: :meth:`_record_contents`;
+        ``None``: not known) holds what ``same`` (first and end positions of
+        the replaced block, in tokens, and the request's tokens up to the end
+        read there) reads: its hash ends inside ``(first, end]``, not before
+        the read end, and it holds the same tokens at the same positions from
+        ``first`` to the read end. After the same whole prefix that is the
+        same KV and state; after another prefix, the same KV of the first
+        attention layer (all of it in a one-layer model), so such a block is
+        passed over too (a rejoin's blocks of another hash)."""
+        if known is None:
+            return False
+        known_end, tokens = known
+        first, end, read = same
+        low = known_end - len(tokens)  # the position of tokens[0]
+        return (
+            first < known_end <= end
+            and known_end >= len(read)
+            and low <= first
+            and tokens[first - low : len(read) - low] == read[first:]
+        )
 
 
 class _PlanRequests:

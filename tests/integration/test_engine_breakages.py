@@ -93,6 +93,7 @@ def test_a_wrong_mamba_state_is_caught_on_exactly_the_broken_requests() -> None:
 # the resend hits 96 tokens (the Mamba state at 96) that the first writer
 # cached before the second ran.
 RESEND_AFTER_ANOTHER = CORPORA / "cases" / "mamba-resend-after-another-writer.json"
+WRITTEN = "state-written-after-cache"
 
 
 def test_a_wrong_ssm_state_alone_is_caught_on_exactly_the_broken_requests() -> None:
@@ -106,3 +107,18 @@ def test_a_wrong_ssm_state_alone_is_caught_on_exactly_the_broken_requests() -> N
     # Restored after the read: the cached blocks serve the stock outputs again.
     stock = run_engine(load_entry(MAMBA).scenario)
     assert wrong_outputs(stock) == [] and max_logprob_difference(stock) == 0.0
+
+
+def test_a_cached_state_written_by_another_request_is_caught_on_the_resend() -> None:
+    # The first writer's state at 96 lives in a private copy (its cache entry
+    # moved there by BlockPool.move_block_hashes while the writer kept
+    # writing its own block); the second writer's steps write their state
+    # into it, and the resend, whose hit ends on it (slot 1 of the Mamba
+    # group 1), reads the second writer's state.
+    outcome = run_engine(load_entry(RESEND_AFTER_ANOTHER).scenario, breakage=WRITTEN)
+    assert outcome.run.hits == (0, 0, 96)
+    assert outcome.raw["broken_blocks"] == [[2, 1, 1]]
+    assert outcome.raw["broken"] == [2]
+    assert [f.request for f in wrong_outputs(outcome)] == [2]
+    stock = run_engine(load_entry(RESEND_AFTER_ANOTHER).scenario)
+    assert stock.raw["broken"] == [] and wrong_outputs(stock) == []
