@@ -20,7 +20,8 @@ import pytest
 
 from differential import forkserver
 from differential.corpus import load_entry
-from differential.mutation.mutants import MODULES, enumerate_mutants, installed_vllm
+from differential.mutation.mutants import MANAGER_MODULES as MODULES
+from differential.mutation.mutants import enumerate_mutants, installed_vllm
 from differential.mutation.score import (
     ExcludedScenario,
     MutantStatus,
@@ -219,6 +220,8 @@ def test_vllms_tests_kill_what_kvfuzz_misses_and_miss_what_kvfuzz_kills(tmp_path
     result = kvfuzz_cli(
         "mutate",
         "corpora/seeds/triton-mtp3-swa16-fa32-r8192.json",
+        "--scope",
+        "managers",
         "--modules",
         "kv_cache_utils",
         "--sample",
@@ -254,7 +257,8 @@ def test_vllms_tests_kill_what_kvfuzz_misses_and_miss_what_kvfuzz_kills(tmp_path
     assert data["score"] == 0.5 and data["vllm_tests_score"] == 0.5
     assert data["union_score"] == 1.0
     text = report.read_text()
-    assert "| `v1/core/kv_cache_utils.py` | 2 | 1 | 1 | 0 | 0 | 1 | 50% | 50% | 100% |" in text
+    row = "| `v1/core/kv_cache_utils.py` | 2 | 1 | 1 | 0 | 0 | 1 | 2 / 1 | 50% | 50% | 100% |"
+    assert row in text
     assert "- `kv_cache_utils:NumberReplacer:0` (make_block_hash_with_group_id, line 69)" in text
     assert "vLLM's tests: 2 of 3 pass on stock" in result.stdout
 
