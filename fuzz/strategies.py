@@ -940,8 +940,9 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     with a remote store (:func:`_connector_stores`; its grid and capacity:
     :func:`_store_bounds`), and one of those in four a client aborting one
     request a few steps in; one workload in four async scheduling
-    (:func:`_async_scheduling`). ``scale`` is ``toy`` (the only scale drawn
-    so far).
+    (:func:`_async_scheduling`); one in four KV cache events
+    (:func:`_kv_events`), judged under the router view one time in three.
+    ``scale`` is ``toy`` (the only scale drawn so far).
     """
     del scale  # toy scale first
     groups, hash_block, mamba = _engine_geometry(draw)
@@ -1000,6 +1001,11 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     # (Sharded attention blocks hold more tokens: the pool still suffices.)
     groups, dcp = _decode_context_parallel(draw, groups, retention)
     workload = dataclasses.replace(workload, async_scheduling=_async_scheduling(draw, kind))
+    # Then KV cache events and the stream's view, for one workload in four.
+    events = _kv_events(draw, mamba)
+    workload = dataclasses.replace(
+        workload, kv_events=events, kv_events_view=_kv_events_view(draw, events)
+    )
     try:
         scenario = Scenario(
             kv_cache_groups=groups,

@@ -355,3 +355,16 @@ def test_generator_reaches_kv_cache_events(mode: KVEvents) -> None:
 
     found = reach(lambda s: s.workload.kv_events is mode and len(s.kv_cache_groups) > 1)
     assert found.workload.kv_events is mode
+
+
+def test_the_scheduler_mode_generator_reaches_the_router_view() -> None:
+    from fuzz.strategies import engine_scenarios
+    from tests.factories import reach
+
+    found = reach(
+        lambda s: s.workload.kv_events_view is KVEventsView.ROUTER
+        and s.workload.pool_blocks is not None,
+        engine_scenarios(),
+    )
+    assert found.workload.mode is DriveMode.SCHEDULER
+    assert found.workload.kv_events is not KVEvents.OFF
