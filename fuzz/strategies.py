@@ -922,6 +922,19 @@ def _async_scheduling(draw: st.DrawFn, drafter: DrafterKind) -> bool:
     return draw(st.integers(0, 3)) == 0
 
 
+def _scheduling_and_events(
+    draw: st.DrawFn, workload: Workload, kind: DrafterKind, mamba: bool
+) -> Workload:
+    """``workload`` with async scheduling (:func:`_async_scheduling`), then KV
+    cache events (:func:`_kv_events`, one workload in four) and the stream's
+    view (:func:`_kv_events_view`), drawn in that order."""
+    workload = dataclasses.replace(workload, async_scheduling=_async_scheduling(draw, kind))
+    events = _kv_events(draw, mamba)
+    return dataclasses.replace(
+        workload, kv_events=events, kv_events_view=_kv_events_view(draw, events)
+    )
+
+
 @st.composite
 def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     """A scheduler-mode scenario: chat sessions through vLLM's ``Scheduler``.
@@ -939,10 +952,8 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     local attention, whose drop a connector would turn on) a KV connector
     with a remote store (:func:`_connector_stores`; its grid and capacity:
     :func:`_store_bounds`), and one of those in four a client aborting one
-    request a few steps in; one workload in four async scheduling
-    (:func:`_async_scheduling`); one in four KV cache events
-    (:func:`_kv_events`), judged under the router view one time in three.
-    ``scale`` is ``toy`` (the only scale drawn so far).
+    request a few steps in; async scheduling and KV cache events
+    (:func:`_scheduling_and_events`). ``scale`` is ``toy`` (the only scale).
     """
     del scale  # toy scale first
     groups, hash_block, mamba = _engine_geometry(draw)
@@ -1000,12 +1011,7 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     # Drawn last, so that every draw above reads the bytes it read before.
     # (Sharded attention blocks hold more tokens: the pool still suffices.)
     groups, dcp = _decode_context_parallel(draw, groups, retention)
-    workload = dataclasses.replace(workload, async_scheduling=_async_scheduling(draw, kind))
-    # Then KV cache events and the stream's view, for one workload in four.
-    events = _kv_events(draw, mamba)
-    workload = dataclasses.replace(
-        workload, kv_events=events, kv_events_view=_kv_events_view(draw, events)
-    )
+    workload = _scheduling_and_events(draw, workload, kind, mamba)
     try:
         scenario = Scenario(
             kv_cache_groups=groups,
