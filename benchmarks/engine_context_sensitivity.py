@@ -4,8 +4,9 @@ Engine mode's output check (``wrong-output``) compares top-k logprob vectors
 with the prefix cache on and off; a wrong cached block can only show where
 the KV of the tokens it covers moves the output. This measures that: on the
 tiny Llama with a sliding-window and a full-attention layer (window 64 tokens,
-blocks of 32) and on the tiny NemotronH (a Mamba2 layer and an attention
-layer), both with the weights engine mode draws
+blocks of 32), on the tiny NemotronH (a Mamba2 layer and an attention
+layer) and the tiny Mamba-only NemotronH (one Mamba2 layer: what its state
+alone carries), all with the weights engine mode draws
 (``engine_worker._redraw_weights``), it changes ONE prompt token at distance
 ``d`` tokens before the end of a 600-token prompt and prints how far the top-8
 logprob vector of the next token moves
@@ -18,7 +19,7 @@ Runs in the engine environment, on vLLM's CPU engine, prefix cache off::
 
     PYTHONPATH=. .engine-venv/bin/python benchmarks/engine_context_sensitivity.py
 
-About a minute on 2 cores (two engine starts).
+About a minute and a half on 2 cores (three engine starts).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "block_size": 32,
     },
     "nemotron_h M*": {"architecture": "nemotron_h", "pattern": "M*", "block_size": 32},
+    "nemotron_h M": {"architecture": "nemotron_h", "pattern": "M", "block_size": 32},
 }
 
 

@@ -490,10 +490,10 @@ def _redraw_weights(model: Any) -> None:
     (embeddings N(0, 1), the LM head N(0, 9/fan_in): peaked distributions),
     norm weights 1, other vectors 0. Mamba2 layers
     (vllm/model_executor/layers/mamba/mamba_mixer2.py, ``MambaMixer2``) get
-    Mamba2's own initial values (:func:`_mamba_parameter`): their dummy
-    values (``A`` about 0, convolution weights about 1e-3) left the layer's
-    output about 0 and a recurrence that never forgets, so a wrong cached
-    state moved nothing.
+    per-head values whose memories span 10 to 10,000 tokens
+    (:func:`_mamba_parameter`): their dummy values (``A`` about 0,
+    convolution weights about 1e-3) left the layer's output about 0, so a
+    wrong cached state moved nothing.
     The dummy loader also draws persistent buffers: Gemma 4's ``layer_scalar``
     (a checkpoint value each decoder layer's output is multiplied by,
     ``torch.ones(1)`` in vllm/model_executor/models/gemma4.py) is set back to
@@ -533,22 +533,29 @@ def _redraw_weights(model: Any) -> None:
 
 
 def _mamba_parameter(name: str, shape: tuple[int, ...], generator: Any) -> Any:
-    """Mamba2's initial value for a ``MambaMixer2`` per-head parameter named
-    ``name`` (vllm/model_executor/layers/mamba/mamba_mixer2.py), drawn from
+    """The value of a ``MambaMixer2`` per-head parameter named ``name``
+    (vllm/model_executor/layers/mamba/mamba_mixer2.py), drawn from
     ``generator``, or ``None`` for any other parameter (drawn as a matrix,
-    a norm or a bias). As the Mamba2 reference initialises them: ``A``
-    (vLLM keeps ``-exp(A_log)``) uniform in [-16, -1] per head; ``dt_bias``
-    the inverse softplus of a step ``dt`` log-uniform in [1e-3, 1e-1], so a
-    head's state decays by ``exp(dt * A)`` per token and forgets over about 1
-    to 1000 tokens; ``D`` (the skip connection) 1. The depthwise convolution
-    ``conv1d.weight`` (kernel of ``shape[-1]`` tokens) is a matrix: N(0,
-    1/kernel)."""
+    a norm or a bias). A head's state decays by ``exp(dt * A)`` per token and
+    takes in each token scaled by ``dt``. The step ``dt`` (``dt_bias`` is its
+    inverse softplus) is log-uniform in [1e-2, 1e-1] (the Mamba2 reference
+    initialisation's upper decade); ``A`` (vLLM keeps ``-exp(A_log)``) spreads
+    the heads' memories: head ``h`` of ``H`` gets ``A = -10 ** (-2 + 2h / (H -
+    1))``, from -0.01 to -1, so the decay rates ``dt * |A|`` run from 1e-4 to
+    1e-1 per token and the heads forget over about 10 to 10,000 tokens. (The
+    reference's ``A`` in [-16, -1] forgets within about 100 tokens in every
+    head: a wrong convolution state three tokens long then moved nothing a
+    hundred tokens on.) ``D`` (the skip connection) is 1. The depthwise
+    convolution ``conv1d.weight`` (kernel of ``shape[-1]`` tokens) is a
+    matrix: N(0, 1/kernel)."""
     import torch
 
     if name.endswith(".A"):
-        return -(1.0 + 15.0 * torch.rand(shape, generator=generator))
+        heads = shape[0]
+        exponents = torch.linspace(-2.0, 0.0, heads) if heads > 1 else torch.zeros(1)
+        return -torch.pow(10.0, exponents)
     if name.endswith(".dt_bias"):
-        low, high = math.log(1e-3), math.log(1e-1)
+        low, high = math.log(1e-2), math.log(1e-1)
         dt = torch.exp(low + (high - low) * torch.rand(shape, generator=generator))
         return dt + torch.log(-torch.expm1(-dt))
     if name.endswith(".D"):
