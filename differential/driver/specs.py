@@ -88,7 +88,8 @@ def spec_for_kind(
     chunked local attention (vllm/v1/kv_cache_interface.py: full attention
     ``FullAttentionSpec``, MLA ``MLAAttentionSpec``, sliding window
     ``SlidingWindowSpec``, sliding-window MLA ``SlidingWindowMLASpec``,
-    chunked local attention ``ChunkedLocalAttentionSpec``)."""
+    chunked local attention ``ChunkedLocalAttentionSpec``, circular buffer
+    ``CircularBufferSpec``)."""
     if kind.sliding_window_family:
         assert window is not None
         if kind is GroupKind.SLIDING_WINDOW_MLA:
@@ -99,6 +100,10 @@ def spec_for_kind(
         return _build_spec("ChunkedLocalAttentionSpec", attention_chunk_size=chunk, **common)
     if kind is GroupKind.MLA:
         return _build_spec("MLAAttentionSpec", **common)
+    if kind is GroupKind.CIRCULAR_BUFFER:
+        # As DeepseekCompressor.get_kv_cache_spec builds the ring
+        # (vllm/models/deepseek_v41/compressor.py): one KV head, no V.
+        return _build_spec("CircularBufferSpec", **{**common, "head_size_v": 0})
     return _build_spec("FullAttentionSpec", **common)
 
 

@@ -309,6 +309,7 @@ def _group_kind_label(group: KVCacheGroup) -> str:
         GroupKind.MLA: "mla",
         GroupKind.SLIDING_WINDOW_MLA: "swmla",
         GroupKind.CHUNKED_LOCAL_ATTENTION: "chunk",
+        GroupKind.CIRCULAR_BUFFER: "ring",
     }.get(group.kind, "swa") + ("*" if group.is_eagle_group else "")
 
 
@@ -367,6 +368,11 @@ def render_text(exp: Explanation) -> str:
         "█ cached at lookup  · not cached  | periodic checkpoint  e expected checkpoint  "
         "D divergence point"
         + ("  ◆ Mamba state cached (ends in that column)" if scenario.mamba_groups else "")
+        + (
+            "  ring: a circular buffer, never cached (one block per request)"
+            if len(scenario.cacheable_groups) < len(scenario.kv_cache_groups)
+            else ""
+        )
         + (
             "  * draft group (is_eagle_group)"
             if any(g.is_eagle_group for g in scenario.kv_cache_groups)

@@ -524,6 +524,39 @@ def _state_violation(
     return None
 
 
+def ring_violations(
+    group: KVCacheGroup,
+    gid: int,
+    hit_tokens: int,
+    blocks: Sequence[BlockRecord | None],
+    sibling: int,
+    tokens: TokenView,
+) -> list[BlockViolation]:
+    """Violations of a circular buffer's lookup: any block at all.
+
+    A ring holds the raw keys of the token group a KV compressor has not
+    compressed yet, one block per request (vLLM ``CircularBufferSpec``); it is
+    not prefix-cacheable, ``HybridKVCacheCoordinator`` looks none of it up and
+    leaves its slot of the hit empty, and the new request claims a fresh
+    ring (``CircularBufferManager._claim_ring_block``). A ring block handed to
+    a hit would hold another request's open group. Arguments as
+    :func:`attention_violations`.
+    """
+    if not blocks:
+        return []
+    return [
+        BlockViolation(
+            ViolationKind.COUNT,
+            gid,
+            0,
+            blocks[0],
+            f"group {gid} ({group.kind.value}, block {group.block_size_tokens}) returned "
+            f"{len(blocks)} blocks for a hit of {hit_tokens} tokens: a circular buffer is not "
+            "prefix-cacheable and owes none",
+        )
+    ]
+
+
 GroupCheck = Callable[
     [KVCacheGroup, int, int, Sequence[BlockRecord | None], int, TokenView], list[BlockViolation]
 ]
@@ -535,6 +568,7 @@ GROUP_CHECKS: dict[GroupKind, GroupCheck] = {
     GroupKind.MLA: attention_violations,
     GroupKind.SLIDING_WINDOW_MLA: attention_violations,
     GroupKind.CHUNKED_LOCAL_ATTENTION: attention_violations,
+    GroupKind.CIRCULAR_BUFFER: ring_violations,
 }
 """The check for each group kind (a state kind: :func:`state_group_violations`)."""
 

@@ -37,6 +37,23 @@ class GroupKind(StrEnum):
     #: ``ChunkedLocalAttentionManager``: a token attends only to the tokens of
     #: its own chunk, so blocks of earlier chunks are never needed for a hit.
     CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    #: A circular buffer (the ring of raw keys a KV compressor has not yet
+    #: compressed: DeepSeek-V4.1's ``DeepseekCompressor``,
+    #: vllm/models/deepseek_v41/compressor.py; GLM-5-next, Step-5, Qwen-4
+    #: experimental): vLLM's ``CircularBufferSpec`` driven by
+    #: ``CircularBufferManager``. One block per request for its whole life,
+    #: never prefix-cacheable (``CircularBufferSpec.prefix_cacheable`` is
+    #: false): ``HybridKVCacheCoordinator`` leaves it out of every lookup, so
+    #: it hits nothing and bounds no other group's hit. Its block size (the
+    #: ring's capacity, in tokens) still enters the scheduler block size
+    #: (``resolve_kv_cache_block_sizes`` takes the LCM of every group).
+    CIRCULAR_BUFFER = "circular_buffer"
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether the kind's groups take part in prefix caching (vLLM
+        ``KVCacheSpec.prefix_cacheable``; false for a circular buffer)."""
+        return self is not GroupKind.CIRCULAR_BUFFER
 
     @property
     def full_attention_family(self) -> bool:
@@ -117,8 +134,8 @@ class KVCacheGroup:
         Raises:
             ScenarioError: naming ``where``: a window without a sliding-window
                 kind (or none with one), a chunk without chunked local
-                attention (or none with it), a Mamba group marked as a draft
-                group.
+                attention (or none with it), a Mamba or circular-buffer
+                group marked as a draft group.
         """
         window = self.kind.sliding_window_family
         if window and self.sliding_window_tokens is None:
@@ -143,6 +160,15 @@ class KVCacheGroup:
                 f"{where}.attention_chunk_size_tokens",
                 self.attention_chunk_size_tokens,
                 f"null for a {self.kind.value} group",
+            )
+        if self.is_eagle_group and not self.kind.prefix_cacheable:
+            # verify_and_split_kv_cache_groups skips a group that is not
+            # prefix-cacheable before it reads the EAGLE mark.
+            raise ScenarioError(
+                f"{where}.is_eagle_group",
+                True,
+                f"false for a {self.kind.value} group (it takes no part in prefix caching, "
+                "so it has no EAGLE block to drop)",
             )
         if self.is_eagle_group and self.kind is GroupKind.MAMBA:
             # HybridKVCacheCoordinator.find_longest_cache_hit: draft models
