@@ -283,6 +283,7 @@ def _layout_text(scenario: Scenario) -> str:
     return ", ".join(
         f"{g.kind.value} block {g.block_size_tokens}"
         + (f" window {g.sliding_window_tokens}" if g.sliding_window_tokens else "")
+        + (f" sink {g.sink_len_tokens}" if g.sink_len_tokens else "")
         for g in scenario.kv_cache_groups
     )
 
@@ -316,6 +317,8 @@ def _groups(scenario: Scenario) -> str:
             args = [*common, f"attention_chunk_size={g.attention_chunk_size_tokens}"]
         elif g.kind is GroupKind.MLA:
             cls, args = "MLAAttentionSpec", common
+        elif g.kind is GroupKind.SINK_FULL_ATTENTION:
+            cls, args = "SinkFullAttentionSpec", [*common, f"sink_len={g.sink_len_tokens}"]
         elif g.kind is GroupKind.MAMBA:
             cls = "MambaSpec"
             args = [

@@ -569,6 +569,9 @@ GROUP_CHECKS: dict[GroupKind, GroupCheck] = {
     GroupKind.SLIDING_WINDOW_MLA: attention_violations,
     GroupKind.CHUNKED_LOCAL_ATTENTION: attention_violations,
     GroupKind.CIRCULAR_BUFFER: ring_violations,
+    # SinkFullAttentionManager inherits FullAttentionManager's lookup; the
+    # sink is no request's prefix, so a hit owes exactly full attention's.
+    GroupKind.SINK_FULL_ATTENTION: attention_violations,
 }
 """The check for each group kind (a state kind: :func:`state_group_violations`)."""
 
