@@ -576,6 +576,25 @@ GROUP_CHECKS: dict[GroupKind, GroupCheck] = {
 """The check for each group kind (a state kind: :func:`state_group_violations`)."""
 
 
+def _sink_write(sink_blocks: int) -> str:
+    """Why a write into a static sink's block is unsafe.
+
+    The sink is learned KV shared by every request and part of none's
+    prefix: ``create_static_sink_attention_backend``
+    (vllm/model_executor/layers/attention/static_sink_attention.py) prepends
+    the physical blocks ``1 .. sink_len / block_size`` to every block table
+    and ``StaticSinkAttention.populate_sink_kv`` writes the sink there once.
+    vLLM PR #28775 therefore takes those blocks off the free list
+    (``SinkFullAttentionManager``: ``free_block_queue.popleft_n``); a request
+    handed one writes its own KV over the sink every later step reads (every
+    group's layers alias the memory of a block id).
+    """
+    return (
+        f"one of the static sink's blocks (physical blocks 1-{sink_blocks}, which the "
+        "attention backend reads as the sink: never handed to a request, vLLM PR #28775)"
+    )
+
+
 def request_violations(
     scenario: Scenario,
     obs: RequestObservation,
@@ -593,10 +612,13 @@ def request_violations(
     ):
         hit = obs.per_group_hit_tokens[gid] if divergent else obs.hit_tokens
         out += GROUP_CHECKS[group.kind](group, gid, hit, blocks, obs.index, tokens)
+    sink_blocks = scenario.num_sink_blocks
     for write in obs.unsafe_writes:
         why = (
             "the null block"
             if write.null
+            else _sink_write(sink_blocks)
+            if 1 <= write.block_id <= sink_blocks
             else f"whose prefix-cache entry is the state after {write.cached_state_tokens} "
             "tokens: a cached state changed after it was cached"
             if write.cached_state_tokens is not None

@@ -263,6 +263,14 @@ class Scenario:
         return self.scheduler_block_size_tokens
 
     @property
+    def num_sink_blocks(self) -> int:
+        """The physical blocks after the null block that static sinks hold, in
+        blocks: the largest sink full attention group's ``sink_len /
+        block_size`` (0 without one). Every group's layers alias them: vLLM
+        PR #28775 takes them off the block pool's free list."""
+        return max((g.num_sink_blocks for g in self.kv_cache_groups), default=0)
+
+    @property
     def cacheable_groups(self) -> tuple[KVCacheGroup, ...]:
         """The groups that take part in prefix caching, in order (all but
         circular buffers: vLLM ``KVCacheConfig.prefix_cacheable_groups``)."""
