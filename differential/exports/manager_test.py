@@ -255,6 +255,7 @@ IMPORTABLE = {
     "KVCacheGroupSpec": "vllm.v1.kv_cache_interface",
     "MambaSpec": "vllm.v1.kv_cache_interface",
     "MLAAttentionSpec": "vllm.v1.kv_cache_interface",
+    "SinkFullAttentionSpec": "vllm.v1.kv_cache_interface",
     "SlidingWindowMLASpec": "vllm.v1.kv_cache_interface",
     "SlidingWindowSpec": "vllm.v1.kv_cache_interface",
     "DraftTokenIds": "vllm.v1.outputs",
@@ -579,8 +580,9 @@ def _fix_note(
 def _pool_blocks(scenario: Scenario) -> int:
     """The exported manager's pool, in blocks: room for every request's prompt,
     decode steps and speculative slots in every KV cache group at once, plus
-    a margin of 2 blocks per request and group and 16 overall."""
-    return 16 + sum(
+    a margin of 2 blocks per request and group and 16 overall, and a static
+    sink's blocks (vLLM PR #28775 takes them off the free list)."""
+    return 16 + scenario.num_sink_blocks + sum(
         (
             r.prompt_tokens
             + scenario.decode_steps

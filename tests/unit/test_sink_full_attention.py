@@ -184,3 +184,17 @@ def test_engine_mode_builds_no_sink_model_and_scales_the_sink() -> None:
     assert (group.block_size_tokens, group.sink_len_tokens, group.num_sink_blocks) == (32, 64, 2)
     with pytest.raises(EngineUnsupported, match=r"^sink_full_attention groups: kvfuzz's engine"):
         engine_plan(s)
+
+
+def test_an_exported_crash_test_builds_the_sink_spec() -> None:
+    from differential.exports.manager_test import export_test
+
+    s = scenario(SINK, requests=(RequestSpec(16, 1),))
+    crash = Finding(FindingKind.CRASH, "unfixed", 0, CRASH)
+    source = export_test(s, crash, None, signature="crash", name="t", fixed_hit_tokens=None)
+    assert "from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, " in source
+    assert "SinkFullAttentionSpec" in source.split("init_none_hash(sha256)")[0]
+    assert "            kv_cache_spec=SinkFullAttentionSpec(\n" in source
+    assert "                sink_len=32,\n" in source
+    assert "Geometry: sink_full_attention block 16 sink 32;" in source
+    compile(source, "exported.py", "exec")
