@@ -98,6 +98,10 @@ class BlockWrite:
         cached_state_tokens: for a state group's block whose prefix-cache
             entry promises the state at another position, that position in
             tokens (``None`` otherwise).
+        sink: the block id is one of the physical blocks a static sink
+            holds (``1 .. sink_len / block_size`` of a sink full attention
+            group, vllm/model_executor/layers/attention/static_sink_attention.py):
+            every group's layers alias that memory.
     """
 
     position_tokens: int
@@ -109,6 +113,7 @@ class BlockWrite:
     null: bool
     held_by: int | None = None
     cached_state_tokens: int | None = None
+    sink: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockWrite:
@@ -131,6 +136,7 @@ class BlockWrite:
                 if self.cached_state_tokens is None
                 else {"cached_state_tokens": self.cached_state_tokens}
             ),
+            **({"sink": True} if self.sink else {}),
         }
 
 

@@ -243,10 +243,17 @@ def mamba_geometries(draw: st.DrawFn, scale: Scale) -> tuple[tuple[KVCacheGroup,
 def _pin(groups: tuple[KVCacheGroup, ...], kinds: frozenset[GroupKind]) -> tuple[KVCacheGroup, ...]:
     """Attention groups with every pinned attention kind present (adds a
     group of each missing kind, at the layout's hit alignment, so no
-    block size changes the alignment)."""
+    block size changes the alignment; a circular buffer at the layout's
+    smallest block, a divisor of the alignment, as DeepSeek-V4.1's 8-token
+    ring sits beside its larger blocks; a sink full attention group with a
+    static sink of two of its blocks)."""
     have = {g.kind for g in groups}
     if kinds <= have:
         return groups
+    if GroupKind.CIRCULAR_BUFFER in kinds - have:
+        ring = KVCacheGroup(GroupKind.CIRCULAR_BUFFER, min(g.block_size_tokens for g in groups))
+        groups = (*groups, ring)
+        have.add(GroupKind.CIRCULAR_BUFFER)
     block = math.lcm(*(g.block_size_tokens for g in groups))
     if GroupKind.CHUNKED_LOCAL_ATTENTION in kinds | have and not any(
         g.kind.full_attention_family for g in groups
@@ -256,7 +263,8 @@ def _pin(groups: tuple[KVCacheGroup, ...], kinds: frozenset[GroupKind]) -> tuple
     for kind in sorted(kinds - have - {GroupKind.MAMBA}):
         window = 4 * block if kind.sliding_window_family else None
         chunk = 4 * block if kind is GroupKind.CHUNKED_LOCAL_ATTENTION else None
-        added.append(KVCacheGroup(kind, block, window, chunk))
+        sink = 2 * block if kind is GroupKind.SINK_FULL_ATTENTION else None
+        added.append(KVCacheGroup(kind, block, window, chunk, sink_len_tokens=sink))
     return (*groups, *added)
 
 
@@ -275,7 +283,9 @@ def _draft_groups(
         return groups
     blocks = sorted({g.block_size_tokens for g in groups})
     candidates = [
-        i for i, g in enumerate(groups) if g.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION
+        i
+        for i, g in enumerate(groups)
+        if g.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION and g.kind.prefix_cacheable
     ]
     if draw(st.booleans()) or not candidates:
         draft = KVCacheGroup(
@@ -284,15 +294,7 @@ def _draft_groups(
         return (*groups, draft)
     mark = draw(st.sampled_from(candidates))
     return tuple(
-        KVCacheGroup(
-            g.kind,
-            g.block_size_tokens,
-            g.sliding_window_tokens,
-            g.attention_chunk_size_tokens,
-            True,
-        )
-        if i == mark
-        else g
+        dataclasses.replace(g, is_eagle_group=True) if i == mark else g
         for i, g in enumerate(groups)
     )
 
@@ -351,6 +353,17 @@ def _scenario_geometry(
             KVCacheGroup(GroupKind.SLIDING_WINDOW, hash_block or block, 4 * block),
             *(g for g in groups if g.kind is GroupKind.MAMBA),
         )
+    if GroupKind.CIRCULAR_BUFFER in kinds:
+        # A ring beside the Mamba hybrid at its smallest block (a divisor of
+        # the Mamba block: the scheduler block stays the Mamba block).
+        ring = KVCacheGroup(GroupKind.CIRCULAR_BUFFER, min(g.block_size_tokens for g in groups))
+        groups = (*groups, ring)
+    if GroupKind.SINK_FULL_ATTENTION in kinds:
+        # openPangu's static-sink layers beside the hybrid, at its scheduler
+        # block (which stays), with a sink of two blocks.
+        block = math.lcm(*(g.block_size_tokens for g in groups))
+        sink = KVCacheGroup(GroupKind.SINK_FULL_ATTENTION, block, sink_len_tokens=2 * block)
+        groups = (*groups, sink)
     return groups, hash_block, mamba
 
 

@@ -72,9 +72,13 @@ class BlockLedger:
         manager: the ``KVCacheManager`` being driven; its coordinator's
             ``single_type_managers`` give each group's block table
             (``req_to_blocks``) and block size, in tokens.
+        sink_blocks: how many physical blocks after the null block a static
+            sink holds (``Scenario.num_sink_blocks``, in blocks): a step
+            writing block ids ``1 .. sink_blocks`` overwrites the sink's KV.
     """
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, sink_blocks: int = 0) -> None:
+        self._sink_blocks = sink_blocks
         self._managers = manager.coordinator.single_type_managers
         self._block_sizes = [m.block_size for m in self._managers]
         # State groups (Mamba) keep one state block per step end and null
@@ -130,10 +134,11 @@ class BlockLedger:
         self._deferred = deferred
 
     @classmethod
-    def for_manager(cls, manager: KVCacheManager) -> BlockLedger | None:
-        """A ledger for ``manager``, or ``None`` if its vLLM lacks what the ledger
-        reads (per-group ``req_to_blocks`` and ``block_size``, a null block with
-        ``is_null``): an older release then runs without the block-level check."""
+    def for_manager(cls, manager: KVCacheManager, sink_blocks: int = 0) -> BlockLedger | None:
+        """A ledger for ``manager`` (``sink_blocks`` as :class:`BlockLedger`), or
+        ``None`` if its vLLM lacks what the ledger reads (per-group
+        ``req_to_blocks`` and ``block_size``, a null block with ``is_null``):
+        an older release then runs without the block-level check."""
         try:
             managers = manager.coordinator.single_type_managers
             null = manager.block_pool.null_block
@@ -141,7 +146,7 @@ class BlockLedger:
                 return None
         except AttributeError:
             return None
-        return cls(manager)
+        return cls(manager, sink_blocks)
 
     def lookup(self, blocks: Sequence[Sequence[Any]]) -> tuple[tuple[BlockRecord | None, ...], ...]:
         """Per group, what each block a lookup returned held (``None``: the null block).
@@ -500,7 +505,8 @@ class BlockLedger:
             covered = getattr(block, "block_hash_num_tokens", None)
             covered = (k + 1) * self._block_sizes[gid] if covered is None else covered
         overwrites = covered is not None and position is not None and covered != position
-        if not (null or overwrites or ref_cnt - copying - fenced != 1):
+        sink = not null and block_id <= self._sink_blocks
+        if not (null or overwrites or sink or ref_cnt - copying - fenced != 1):
             return None
         return BlockWrite(
             position_tokens=start_tokens,
@@ -512,6 +518,7 @@ class BlockLedger:
             null=null,
             held_by=None,
             cached_state_tokens=covered if overwrites else None,
+            sink=sink,
         )
 
     def _record_group_writes(
@@ -592,7 +599,8 @@ class BlockLedger:
         reference count other than 1 (less the pending copy of a
         copy-on-write block and the ``fenced`` references vLLM's deferred
         frees hold, :meth:`hold_deferred`), a prefix-cache entry covering the
-        tokens written, or another request's table holding it are unsafe."""
+        tokens written, another request's table holding it, or a static
+        sink's block are unsafe."""
         block_id = block.block_id
         overwrites = bool(cached_before) and (
             max(start_tokens, k * size) < cached_before.get(block_id, 0)
@@ -604,10 +612,12 @@ class BlockLedger:
             else self._held_by_other(block, rec, request_index)
         )
         null = block.is_null
+        sink = not null and block_id <= self._sink_blocks
         if not (
             (ref_cnt - 1 if copied else ref_cnt) - fenced != 1
             or null
             or overwrites
+            or sink
             or held_by is not None
         ):
             return None
@@ -620,6 +630,7 @@ class BlockLedger:
             cached=overwrites,
             null=bool(null),
             held_by=held_by,
+            sink=sink,
         )
 
     def _record_fill(

@@ -130,6 +130,7 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
             n(g.sliding_window_tokens),
             n(g.attention_chunk_size_tokens),
             g.is_eagle_group,
+            n(g.sink_len_tokens),
         )
         for g in scenario.kv_cache_groups
     )

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
+from vllm.v1 import kv_cache_interface
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -193,7 +194,15 @@ def _vllm_config(model: ModelDescription, settings: Scenario) -> VllmConfig:
     return config
 
 
+# CircularBufferSpec (vLLM 0.33.0; a release without it plans no ring).
+_RING: tuple[tuple[type[KVCacheSpec], GroupKind], ...] = tuple(
+    (cls, GroupKind.CIRCULAR_BUFFER)
+    for cls in (getattr(kv_cache_interface, "CircularBufferSpec", None),)
+    if cls is not None
+)
+
 _KINDS: tuple[tuple[type[KVCacheSpec], GroupKind], ...] = (
+    *_RING,
     (SlidingWindowMLASpec, GroupKind.SLIDING_WINDOW_MLA),
     (SlidingWindowSpec, GroupKind.SLIDING_WINDOW),
     (ChunkedLocalAttentionSpec, GroupKind.CHUNKED_LOCAL_ATTENTION),

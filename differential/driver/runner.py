@@ -550,7 +550,9 @@ def _build(
         mamba_view=_mamba_scheduler_view(scenario, manager, resolved),
         # Scheduler._reserve_prefill_lookahead reads only this attribute.
         scheduler_view=SimpleNamespace(num_prefill_lookahead=resolved.num_prefill_lookahead_tokens),
-        ledger=BlockLedger.for_manager(manager) if record_blocks else None,
+        ledger=(
+            BlockLedger.for_manager(manager, scenario.num_sink_blocks) if record_blocks else None
+        ),
         record_cache_map=record_cache_map,
         seen=seen,
         seen_per_group=_blocks_per_group(seen, len(scenario.kv_cache_groups)),

@@ -1400,7 +1400,7 @@ def _install_recorders(
     step = [0]
     lookups: dict[str, list[_Admission]] = {}
     failures: list[BaseException] = []
-    ledger = report.ledger = BlockLedger.for_manager(manager)
+    ledger = report.ledger = BlockLedger.for_manager(manager, scenario.num_sink_blocks)
     clock = _FreeQueueClock(lookups, step)
     if workload.kv_events is not KVEvents.OFF:
         report.recorder = EventRecorder(

@@ -54,10 +54,12 @@ def attention_spec(
     window: int | None,
     extra_retained: int,
     chunk: int | None = None,
+    sink: int | None = None,
 ) -> KVCacheSpec:
     """An attention group's spec (block size in tokens; window in tokens for
     the sliding-window family; ``chunk`` in tokens for chunked local
-    attention; ``extra_retained`` tokens kept below the window, see
+    attention; ``sink`` tokens of static sink for sink full attention;
+    ``extra_retained`` tokens kept below the window, see
     :func:`kv_cache_config`). Layer shapes are placeholders: no tensor is
     ever allocated.
 
@@ -65,7 +67,7 @@ def attention_spec(
     ``FullAttentionSpec``, MLA ``MLAAttentionSpec`` (one latent head, no V),
     sliding window ``SlidingWindowSpec``, sliding-window MLA
     ``SlidingWindowMLASpec``, chunked local attention
-    ``ChunkedLocalAttentionSpec``.
+    ``ChunkedLocalAttentionSpec``, sink full attention ``SinkFullAttentionSpec``.
 
     Raises:
         UnsupportedFeature: ``extra_retained`` is set on a release without it.
@@ -76,19 +78,26 @@ def attention_spec(
             common["extra_retained_tokens"] = extra_retained
         elif extra_retained:
             raise UnsupportedFeature(Feature.EXTRA_RETAINED_TOKENS)
-    return spec_for_kind(kind, window=window, chunk=chunk, **common)
+    return spec_for_kind(kind, window=window, chunk=chunk, sink=sink, **common)
 
 
 def spec_for_kind(
-    kind: GroupKind, *, window: int | None = None, chunk: int | None = None, **common: Any
+    kind: GroupKind,
+    *,
+    window: int | None = None,
+    chunk: int | None = None,
+    sink: int | None = None,
+    **common: Any,
 ) -> KVCacheSpec:
     """vLLM's spec class for an attention ``kind``, built with ``common``
     (block size, heads, head size, dtype, ...) plus the kind's own field:
     ``window`` tokens for the sliding-window family, ``chunk`` tokens for
-    chunked local attention (vllm/v1/kv_cache_interface.py: full attention
+    chunked local attention, ``sink`` tokens of static sink for sink full
+    attention (vllm/v1/kv_cache_interface.py: full attention
     ``FullAttentionSpec``, MLA ``MLAAttentionSpec``, sliding window
     ``SlidingWindowSpec``, sliding-window MLA ``SlidingWindowMLASpec``,
-    chunked local attention ``ChunkedLocalAttentionSpec``)."""
+    chunked local attention ``ChunkedLocalAttentionSpec``, circular buffer
+    ``CircularBufferSpec``, sink full attention ``SinkFullAttentionSpec``)."""
     if kind.sliding_window_family:
         assert window is not None
         if kind is GroupKind.SLIDING_WINDOW_MLA:
@@ -99,6 +108,15 @@ def spec_for_kind(
         return _build_spec("ChunkedLocalAttentionSpec", attention_chunk_size=chunk, **common)
     if kind is GroupKind.MLA:
         return _build_spec("MLAAttentionSpec", **common)
+    if kind is GroupKind.CIRCULAR_BUFFER:
+        # As DeepseekCompressor.get_kv_cache_spec builds the ring
+        # (vllm/models/deepseek_v41/compressor.py): one KV head, no V.
+        return _build_spec("CircularBufferSpec", **{**common, "head_size_v": 0})
+    if kind is GroupKind.SINK_FULL_ATTENTION:
+        # As StaticSinkAttention.get_kv_cache_spec builds it
+        # (vllm/model_executor/layers/attention/static_sink_attention.py).
+        assert sink is not None
+        return _build_spec("SinkFullAttentionSpec", sink_len=sink, **common)
     return _build_spec("FullAttentionSpec", **common)
 
 
@@ -146,6 +164,7 @@ def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSp
         g.sliding_window_tokens,
         extra_retained,
         g.attention_chunk_size_tokens,
+        g.sink_len_tokens,
     )
     if dcp > 1:
         resolve = getattr(kv_cache_utils, "resolve_dcp_kv_block_size", None)
@@ -162,8 +181,10 @@ def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSp
 
 
 def pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
-    """The block-pool size in blocks: every request takes fresh blocks, nothing evicts."""
-    total = 1  # the null block
+    """The block-pool size in blocks: every request takes fresh blocks, nothing
+    evicts. A sink full attention group's static sink holds its own blocks
+    for the pool's life (vLLM PR #28775: taken off the free list)."""
+    total = 1 + sum(g.num_sink_blocks for g in scenario.kv_cache_groups)  # the null block, sinks
     extra = scenario.decode_steps + resolved.num_lookahead_tokens + 1
     for request in scenario.requests:
         for group in scenario.kv_cache_groups:

@@ -309,6 +309,8 @@ def _group_kind_label(group: KVCacheGroup) -> str:
         GroupKind.MLA: "mla",
         GroupKind.SLIDING_WINDOW_MLA: "swmla",
         GroupKind.CHUNKED_LOCAL_ATTENTION: "chunk",
+        GroupKind.CIRCULAR_BUFFER: "ring",
+        GroupKind.SINK_FULL_ATTENTION: "sink",
     }.get(group.kind, "swa") + ("*" if group.is_eagle_group else "")
 
 
@@ -367,6 +369,17 @@ def render_text(exp: Explanation) -> str:
         "█ cached at lookup  · not cached  | periodic checkpoint  e expected checkpoint  "
         "D divergence point"
         + ("  ◆ Mamba state cached (ends in that column)" if scenario.mamba_groups else "")
+        + (
+            "  ring: a circular buffer, never cached (one block per request)"
+            if len(scenario.cacheable_groups) < len(scenario.kv_cache_groups)
+            else ""
+        )
+        + "".join(
+            f"  sink: full attention beside a {g.sink_len_tokens}-token static sink "
+            f"(physical blocks 1-{g.num_sink_blocks}, no request's prefix)"
+            for g in scenario.kv_cache_groups
+            if g.sink_len_tokens
+        )
         + (
             "  * draft group (is_eagle_group)"
             if any(g.is_eagle_group for g in scenario.kv_cache_groups)

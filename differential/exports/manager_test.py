@@ -255,6 +255,7 @@ IMPORTABLE = {
     "KVCacheGroupSpec": "vllm.v1.kv_cache_interface",
     "MambaSpec": "vllm.v1.kv_cache_interface",
     "MLAAttentionSpec": "vllm.v1.kv_cache_interface",
+    "SinkFullAttentionSpec": "vllm.v1.kv_cache_interface",
     "SlidingWindowMLASpec": "vllm.v1.kv_cache_interface",
     "SlidingWindowSpec": "vllm.v1.kv_cache_interface",
     "DraftTokenIds": "vllm.v1.outputs",
@@ -283,6 +284,7 @@ def _layout_text(scenario: Scenario) -> str:
     return ", ".join(
         f"{g.kind.value} block {g.block_size_tokens}"
         + (f" window {g.sliding_window_tokens}" if g.sliding_window_tokens else "")
+        + (f" sink {g.sink_len_tokens}" if g.sink_len_tokens else "")
         for g in scenario.kv_cache_groups
     )
 
@@ -316,6 +318,8 @@ def _groups(scenario: Scenario) -> str:
             args = [*common, f"attention_chunk_size={g.attention_chunk_size_tokens}"]
         elif g.kind is GroupKind.MLA:
             cls, args = "MLAAttentionSpec", common
+        elif g.kind is GroupKind.SINK_FULL_ATTENTION:
+            cls, args = "SinkFullAttentionSpec", [*common, f"sink_len={g.sink_len_tokens}"]
         elif g.kind is GroupKind.MAMBA:
             cls = "MambaSpec"
             args = [
@@ -576,8 +580,9 @@ def _fix_note(
 def _pool_blocks(scenario: Scenario) -> int:
     """The exported manager's pool, in blocks: room for every request's prompt,
     decode steps and speculative slots in every KV cache group at once, plus
-    a margin of 2 blocks per request and group and 16 overall."""
-    return 16 + sum(
+    a margin of 2 blocks per request and group and 16 overall, and a static
+    sink's blocks (vLLM PR #28775 takes them off the free list)."""
+    return 16 + scenario.num_sink_blocks + sum(
         (
             r.prompt_tokens
             + scenario.decode_steps

@@ -524,6 +524,39 @@ def _state_violation(
     return None
 
 
+def ring_violations(
+    group: KVCacheGroup,
+    gid: int,
+    hit_tokens: int,
+    blocks: Sequence[BlockRecord | None],
+    sibling: int,
+    tokens: TokenView,
+) -> list[BlockViolation]:
+    """Violations of a circular buffer's lookup: any block at all.
+
+    A ring holds the raw keys of the token group a KV compressor has not
+    compressed yet, one block per request (vLLM ``CircularBufferSpec``); it is
+    not prefix-cacheable, ``HybridKVCacheCoordinator`` looks none of it up and
+    leaves its slot of the hit empty, and the new request claims a fresh
+    ring (``CircularBufferManager._claim_ring_block``). A ring block handed to
+    a hit would hold another request's open group. Arguments as
+    :func:`attention_violations`.
+    """
+    if not blocks:
+        return []
+    return [
+        BlockViolation(
+            ViolationKind.COUNT,
+            gid,
+            0,
+            blocks[0],
+            f"group {gid} ({group.kind.value}, block {group.block_size_tokens}) returned "
+            f"{len(blocks)} blocks for a hit of {hit_tokens} tokens: a circular buffer is not "
+            "prefix-cacheable and owes none",
+        )
+    ]
+
+
 GroupCheck = Callable[
     [KVCacheGroup, int, int, Sequence[BlockRecord | None], int, TokenView], list[BlockViolation]
 ]
@@ -535,8 +568,31 @@ GROUP_CHECKS: dict[GroupKind, GroupCheck] = {
     GroupKind.MLA: attention_violations,
     GroupKind.SLIDING_WINDOW_MLA: attention_violations,
     GroupKind.CHUNKED_LOCAL_ATTENTION: attention_violations,
+    GroupKind.CIRCULAR_BUFFER: ring_violations,
+    # SinkFullAttentionManager inherits FullAttentionManager's lookup; the
+    # sink is no request's prefix, so a hit owes exactly full attention's.
+    GroupKind.SINK_FULL_ATTENTION: attention_violations,
 }
 """The check for each group kind (a state kind: :func:`state_group_violations`)."""
+
+
+def _sink_write(sink_blocks: int) -> str:
+    """Why a write into a static sink's block is unsafe.
+
+    The sink is learned KV shared by every request and part of none's
+    prefix: ``create_static_sink_attention_backend``
+    (vllm/model_executor/layers/attention/static_sink_attention.py) prepends
+    the physical blocks ``1 .. sink_len / block_size`` to every block table
+    and ``StaticSinkAttention.populate_sink_kv`` writes the sink there once.
+    vLLM PR #28775 therefore takes those blocks off the free list
+    (``SinkFullAttentionManager``: ``free_block_queue.popleft_n``); a request
+    handed one writes its own KV over the sink every later step reads (every
+    group's layers alias the memory of a block id).
+    """
+    return (
+        f"one of the static sink's blocks (physical blocks 1-{sink_blocks}, which the "
+        "attention backend reads as the sink: never handed to a request, vLLM PR #28775)"
+    )
 
 
 def request_violations(
@@ -556,10 +612,13 @@ def request_violations(
     ):
         hit = obs.per_group_hit_tokens[gid] if divergent else obs.hit_tokens
         out += GROUP_CHECKS[group.kind](group, gid, hit, blocks, obs.index, tokens)
+    sink_blocks = scenario.num_sink_blocks
     for write in obs.unsafe_writes:
         why = (
             "the null block"
             if write.null
+            else _sink_write(sink_blocks)
+            if 1 <= write.block_id <= sink_blocks
             else f"whose prefix-cache entry is the state after {write.cached_state_tokens} "
             "tokens: a cached state changed after it was cached"
             if write.cached_state_tokens is not None

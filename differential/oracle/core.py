@@ -325,8 +325,9 @@ def _junction_rows(scenario: Scenario, model: DrafterModel) -> list[list[int]] |
     block past the divergence (a sliding-window block larger than full
     attention's, under the drop) makes the combined dense hit lower than the
     junction."""
+    # Its index among the prefix-cacheable groups, the ones a plan holds.
     first = next(
-        (i for i, g in enumerate(scenario.kv_cache_groups) if g.kind.full_attention_family),
+        (i for i, g in enumerate(scenario.cacheable_groups) if g.kind.full_attention_family),
         None,
     )
     if first is None:
@@ -396,6 +397,9 @@ def _dense_plan(
                     model.drop and hybrid and index not in drops,
                 )
                 for index, g in enumerate(scenario.kv_cache_groups)
+                # A circular buffer bounds no hit: HybridKVCacheCoordinator
+                # looks none up (CircularBufferSpec.prefix_cacheable).
+                if g.kind.prefix_cacheable
             ),
         )
     return plan

@@ -28,7 +28,14 @@ from differential.oracle import (
     state,
 )
 from differential.oracle.prefix import shared_prefixes
-from differential.scenario import ConnectorLoad, DraftGroups, DriveMode, KVEvents, Scenario
+from differential.scenario import (
+    ConnectorLoad,
+    DraftGroups,
+    DriveMode,
+    GroupKind,
+    KVEvents,
+    Scenario,
+)
 from differential.variant import FixScope
 
 __all__ = ["KNOWN_FIX_COSTS", "KNOWN_ISSUES", "KnownIssue", "label_fix_cost", "label_known"]
@@ -226,6 +233,20 @@ def _lookahead_index_error_without_full_attention(scenario: Scenario, finding: F
     if "[raised in " in finding.detail:
         return any(f"[raised in {name}" in finding.detail for name in _LOOKUP_FINDERS)
     return "get_computed_blocks" in finding.detail
+
+
+def _sink_manager_rejects_an_argument(scenario: Scenario, finding: Finding) -> bool:
+    """vLLM raised TypeError building ``SinkFullAttentionManager``: its
+    ``__init__`` names its parameters and takes no ``**kwargs``, and
+    ``KVCacheCoordinator.__init__`` passes one it lacks
+    (``needs_kv_cache_zeroing=`` on vLLM 0.31.0 to 0.33.0), on any layout
+    with a sink full attention group."""
+    return (
+        finding.kind is FindingKind.CRASH
+        and "TypeError: SinkFullAttentionManager.__init__() got an unexpected keyword argument"
+        in finding.detail
+        and any(g.kind is GroupKind.SINK_FULL_ATTENTION for g in scenario.kv_cache_groups)
+    )
 
 
 def _in_a_lookup(detail: str) -> bool:
@@ -908,6 +929,31 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "SlidingWindowManager.find_longest_cache_hit, MambaManager.find_longest_cache_hit",
         example="known-issues/single-swa-group-lookahead-hashes-index-error.json",
         matches=_lookahead_index_error_without_full_attention,
+    ),
+    KnownIssue(
+        name="sink-full-attention-manager-rejects-needs-kv-cache-zeroing",
+        summary=(
+            "Every model with static sink attention (openPangu with param_sink_number > 0: "
+            "StaticSinkAttention, SinkFullAttentionSpec) crashes while the scheduler's "
+            "KVCacheManager is built: KVCacheCoordinator.__init__ passes "
+            "needs_kv_cache_zeroing= to every single-type manager through "
+            "get_manager_for_kv_cache_spec, and SinkFullAttentionManager.__init__ names "
+            "its parameters with no **kwargs (TypeError: unexpected keyword argument "
+            "'needs_kv_cache_zeroing'; one sink_full_attention group of block 16 with a "
+            "32-token sink is enough). Also on vLLM 0.31.0 and 0.32.0. The same drift "
+            "with scheduler_block_size= was vLLM PR #44951, closed once PR #46384 added "
+            "that one argument without its **kwargs guard; vLLM PR #53696 (merged after "
+            "0.33.0) forwards needs_kv_cache_zeroing and tracks the sink's reserved "
+            "blocks. Once it builds, the manager takes no sink block off the free list "
+            "(the popleft_n of vLLM PR #28775 is gone) while "
+            "vllm/model_executor/layers/attention/static_sink_attention.py still "
+            "writes the sink into physical blocks 1 to sink_len / block_size."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "SinkFullAttentionManager.__init__ with vllm/v1/core/kv_cache_coordinator.py "
+        "KVCacheCoordinator.__init__",
+        example="known-issues/sink-full-attention-manager-rejects-needs-kv-cache-zeroing.json",
+        matches=_sink_manager_rejects_an_argument,
     ),
     KnownIssue(
         name="scheduler-stall-padded-draft-above-budget",

@@ -103,6 +103,8 @@ SPEC_KIND: dict[GroupKind, str] = {
     GroupKind.SLIDING_WINDOW_MLA: "sliding_window_mla",
     GroupKind.MAMBA: "mamba",
     GroupKind.CHUNKED_LOCAL_ATTENTION: "chunked_local_attention",
+    GroupKind.CIRCULAR_BUFFER: "unknown",  # get_kv_cache_spec_kind has no ring kind
+    GroupKind.SINK_FULL_ATTENTION: "sink_full_attention",
 }
 """Group kind -> the ``kv_cache_spec_kind`` its events carry (vLLM's
 ``KVCacheSpecKind`` of the group's spec, vllm/v1/kv_cache_interface.py)."""

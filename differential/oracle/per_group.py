@@ -46,15 +46,22 @@ from differential.scenario import Scenario
 __all__ = ["per_group_findings", "wrong_per_group_hit"]
 
 
-def wrong_per_group_hit(request: RequestObservation, alignment: int) -> tuple[int, int] | None:
+def wrong_per_group_hit(
+    request: RequestObservation, alignment: int, skipped: frozenset[int] = frozenset()
+) -> tuple[int, int] | None:
     """The first group whose own hit breaks the rule for ``request``, as
     ``(group index, its hit in tokens)``, or ``None``.
 
     Args:
         request: one request's observation (``per_group_hit_tokens``, ``hit_tokens``).
         alignment: the hit alignment ``A``, in tokens.
+        skipped: indices of groups that are not prefix-cacheable (circular
+            buffers): ``find_longest_cache_hit_per_group`` leaves their hit
+            at 0 and owes them nothing.
     """
     for gid, hit in enumerate(request.per_group_hit_tokens):
+        if gid in skipped:
+            continue
         # A per-group hit equal to a misaligned reconciled hit is that hit's
         # own ``misaligned`` finding, not a second one.
         if hit < request.hit_tokens or (hit % alignment and hit != request.hit_tokens):
@@ -79,11 +86,14 @@ def per_group_findings(
         label: prefixed to each finding's detail (``"dense cross-check run: "``).
     """
     alignment = scenario.effective_hit_alignment_tokens
+    skipped = frozenset(
+        i for i, g in enumerate(scenario.kv_cache_groups) if not g.kind.prefix_cacheable
+    )
     findings = []
     for r in run.requests:
         if r.connector is not None and r.connector.divergent_hit_kept:
             continue  # the full-attention hit, not the reconciled one (PR #50344)
-        wrong = wrong_per_group_hit(r, alignment)
+        wrong = wrong_per_group_hit(r, alignment, skipped)
         if wrong is None:
             continue
         gid, hit = wrong

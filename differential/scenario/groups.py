@@ -37,11 +37,42 @@ class GroupKind(StrEnum):
     #: ``ChunkedLocalAttentionManager``: a token attends only to the tokens of
     #: its own chunk, so blocks of earlier chunks are never needed for a hit.
     CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    #: A circular buffer (the ring of raw keys a KV compressor has not yet
+    #: compressed: DeepSeek-V4.1's ``DeepseekCompressor``,
+    #: vllm/models/deepseek_v41/compressor.py; GLM-5-next, Step-5, Qwen-4
+    #: experimental): vLLM's ``CircularBufferSpec`` driven by
+    #: ``CircularBufferManager``. One block per request for its whole life,
+    #: never prefix-cacheable (``CircularBufferSpec.prefix_cacheable`` is
+    #: false): ``HybridKVCacheCoordinator`` leaves it out of every lookup, so
+    #: it hits nothing and bounds no other group's hit. Its block size (the
+    #: ring's capacity, in tokens) still enters the scheduler block size
+    #: (``resolve_kv_cache_block_sizes`` takes the LCM of every group).
+    CIRCULAR_BUFFER = "circular_buffer"
+    #: Full attention with static sink KV (openPangu's ``StaticSinkAttention``
+    #: with ``param_sink_number > 0``, vllm/model_executor/models/openpangu.py):
+    #: vLLM's ``SinkFullAttentionSpec`` (a ``FullAttentionSpec`` with
+    #: ``sink_len`` tokens) driven by ``SinkFullAttentionManager``, a
+    #: ``FullAttentionManager`` subclass. The sink is learned KV shared by
+    #: every request and part of none's prefix: the attention backend
+    #: prepends the physical blocks ``1 .. sink_len / block_size`` to every
+    #: block table (``create_static_sink_attention_backend``,
+    #: vllm/model_executor/layers/attention/static_sink_attention.py), and
+    #: vLLM PR #28775 keeps those blocks out of the free list. For hits it
+    #: behaves exactly like full attention.
+    SINK_FULL_ATTENTION = "sink_full_attention"
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether the kind's groups take part in prefix caching (vLLM
+        ``KVCacheSpec.prefix_cacheable``; false for a circular buffer)."""
+        return self is not GroupKind.CIRCULAR_BUFFER
 
     @property
     def full_attention_family(self) -> bool:
-        """Driven by vLLM's ``FullAttentionManager`` (full attention, MLA)."""
-        return self in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
+        """Driven by vLLM's ``FullAttentionManager`` or a subclass of it (full
+        attention, MLA, sink full attention: the coordinators test
+        ``isinstance(spec, FullAttentionSpec)``)."""
+        return self in (GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.SINK_FULL_ATTENTION)
 
     @property
     def sliding_window_family(self) -> bool:
@@ -102,6 +133,10 @@ class KVCacheGroup:
         is_eagle_group: the group holds the drafter's own layers and takes the
             EAGLE block drop, as vLLM's planner sets
             ``KVCacheGroupSpec.is_eagle_group``. Written to JSON only when true.
+        sink_len_tokens: the static sink's length in tokens (sink full
+            attention only, vLLM's ``SinkFullAttentionSpec.sink_len``, a
+            positive multiple of the block size; ``None`` otherwise). Written
+            to JSON only when set.
     """
 
     kind: GroupKind
@@ -109,6 +144,14 @@ class KVCacheGroup:
     sliding_window_tokens: int | None = None
     attention_chunk_size_tokens: int | None = None
     is_eagle_group: bool = False
+    sink_len_tokens: int | None = None
+
+    @property
+    def num_sink_blocks(self) -> int:
+        """The sink's blocks, in blocks (0 without a sink): the physical
+        blocks ``1 .. num_sink_blocks`` hold it
+        (vllm/model_executor/layers/attention/static_sink_attention.py)."""
+        return (self.sink_len_tokens or 0) // self.block_size_tokens
 
     def validate(self, where: str) -> None:
         """The rules between the group's fields (its types and ranges are the
@@ -117,8 +160,9 @@ class KVCacheGroup:
         Raises:
             ScenarioError: naming ``where``: a window without a sliding-window
                 kind (or none with one), a chunk without chunked local
-                attention (or none with it), a Mamba group marked as a draft
-                group.
+                attention (or none with it), a sink length without sink full
+                attention (or none, or one not a multiple of the block, with
+                it), a Mamba or circular-buffer group marked as a draft group.
         """
         window = self.kind.sliding_window_family
         if window and self.sliding_window_tokens is None:
@@ -144,6 +188,16 @@ class KVCacheGroup:
                 self.attention_chunk_size_tokens,
                 f"null for a {self.kind.value} group",
             )
+        self._validate_sink(where)
+        if self.is_eagle_group and not self.kind.prefix_cacheable:
+            # verify_and_split_kv_cache_groups skips a group that is not
+            # prefix-cacheable before it reads the EAGLE mark.
+            raise ScenarioError(
+                f"{where}.is_eagle_group",
+                True,
+                f"false for a {self.kind.value} group (it takes no part in prefix caching, "
+                "so it has no EAGLE block to drop)",
+            )
         if self.is_eagle_group and self.kind is GroupKind.MAMBA:
             # HybridKVCacheCoordinator.find_longest_cache_hit: draft models
             # have no Mamba layers (the Mamba finder never drops).
@@ -153,9 +207,30 @@ class KVCacheGroup:
                 "false for a mamba group (a drafter has no Mamba layers)",
             )
 
+    def _validate_sink(self, where: str) -> None:
+        """A sink length exactly for sink full attention, a positive multiple
+        of the block (``SinkFullAttentionManager.__init__`` asserts
+        ``sink_len % block_size == 0``)."""
+        sink = self.kind is GroupKind.SINK_FULL_ATTENTION
+        if not sink:
+            if self.sink_len_tokens is not None:
+                raise ScenarioError(
+                    f"{where}.sink_len_tokens",
+                    self.sink_len_tokens,
+                    f"null for a {self.kind.value} group",
+                )
+            return
+        if self.sink_len_tokens is None or self.sink_len_tokens % self.block_size_tokens:
+            raise ScenarioError(
+                f"{where}.sink_len_tokens",
+                self.sink_len_tokens,
+                f"a positive multiple of the block size ({self.block_size_tokens}) for a "
+                f"{self.kind.value} group (SinkFullAttentionManager asserts it)",
+            )
+
     @property
     def spec_key(self) -> tuple[object, ...]:
-        """What makes two groups' vLLM specs equal (kind, block, window, chunk).
+        """What makes two groups' vLLM specs equal (kind, block, window, chunk, sink).
 
         ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` looks up
         groups of equal spec together and decides the EAGLE drop for all of
@@ -166,4 +241,5 @@ class KVCacheGroup:
             self.block_size_tokens,
             self.sliding_window_tokens,
             self.attention_chunk_size_tokens,
+            self.sink_len_tokens,
         )

@@ -109,6 +109,13 @@ class GroupDocument(BaseModel):
         description="The group holds the drafter's own layers and takes the EAGLE block drop "
         "(vLLM KVCacheGroupSpec.is_eagle_group). Written only when true.",
     )
+    sink_len_tokens: Size | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="vLLM's SinkFullAttentionSpec.sink_len, the static sink's length in tokens "
+        "(a multiple of the block size): sink_full_attention groups only. Written only when "
+        "set.",
+    )
 
     def value(self) -> KVCacheGroup:
         """The group as a value."""
@@ -118,6 +125,7 @@ class GroupDocument(BaseModel):
             sliding_window_tokens=self.sliding_window_tokens,
             attention_chunk_size_tokens=self.attention_chunk_size_tokens,
             is_eagle_group=self.is_eagle_group,
+            sink_len_tokens=self.sink_len_tokens,
         )
 
 

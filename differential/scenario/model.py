@@ -200,13 +200,15 @@ class Scenario:
 
     @cached_property
     def effective_hash_block_size_tokens(self) -> int:
-        """Hash block size in tokens: the given one, else the GCD of the group
-        block sizes (vLLM ``resolve_kv_cache_block_sizes``)."""
+        """Hash block size in tokens: the given one, else the GCD of the
+        prefix-cacheable groups' block sizes (vLLM
+        ``resolve_kv_cache_block_sizes``: a circular buffer's ring is no
+        hashing size)."""
         if self.hash_block_size_tokens is not None:
             return self.hash_block_size_tokens
         if len(self.kv_cache_groups) == 1:
             return self.kv_cache_groups[0].block_size_tokens
-        return math.gcd(*(g.block_size_tokens for g in self.kv_cache_groups))
+        return math.gcd(*(g.block_size_tokens for g in self.cacheable_groups))
 
     @cached_property
     def partial_hash_hits(self) -> bool:
@@ -218,7 +220,8 @@ class Scenario:
         decode context parallelism), and every other group
         either supports fine-grained lookup (full attention, MLA, Mamba:
         ``supports_fine_grained_hash_lookup``) or has a block equal to the hash
-        block (sliding window, sliding-window MLA, chunked local attention). A single
+        block (sliding window, sliding-window MLA, chunked local attention);
+        a circular buffer takes no part (it is not prefix-cacheable). A single
         group runs on ``UnitaryKVCacheCoordinator``, which never does.
         """
         if len(self.kv_cache_groups) < 2:
@@ -239,7 +242,7 @@ class Scenario:
             g.kind.full_attention_family
             or g.kind is GroupKind.MAMBA
             or g.block_size_tokens == hash_block
-            for g in self.kv_cache_groups
+            for g in self.cacheable_groups
         )
 
     @property
@@ -258,6 +261,20 @@ class Scenario:
         if self.partial_hash_hits:
             return self.effective_hash_block_size_tokens
         return self.scheduler_block_size_tokens
+
+    @property
+    def num_sink_blocks(self) -> int:
+        """The physical blocks after the null block that static sinks hold, in
+        blocks: the largest sink full attention group's ``sink_len /
+        block_size`` (0 without one). Every group's layers alias them: vLLM
+        PR #28775 takes them off the block pool's free list."""
+        return max((g.num_sink_blocks for g in self.kv_cache_groups), default=0)
+
+    @property
+    def cacheable_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The groups that take part in prefix caching, in order (all but
+        circular buffers: vLLM ``KVCacheConfig.prefix_cacheable_groups``)."""
+        return tuple(g for g in self.kv_cache_groups if g.kind.prefix_cacheable)
 
     @property
     def mamba_groups(self) -> tuple[KVCacheGroup, ...]:
@@ -325,14 +342,16 @@ class Scenario:
         Annotated: the ``is_eagle_group`` groups and, with several groups,
         every group whose spec equals one of theirs
         (``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` decides
-        the drop per spec). Fallback: every group. None: no group.
+        the drop per spec). Fallback: every group. None: no group. A group
+        that is not prefix-cacheable (a circular buffer) never drops:
+        ``verify_and_split_kv_cache_groups`` leaves it out of every lookup.
         """
         mode = self.draft_groups
         if mode is DraftGroups.NONE:
             return frozenset()
         groups = self.kv_cache_groups
         if mode is DraftGroups.FALLBACK:
-            return frozenset(range(len(groups)))
+            return frozenset(i for i, g in enumerate(groups) if g.kind.prefix_cacheable)
         keys = {g.spec_key for g in groups if g.is_eagle_group}
         return frozenset(i for i, g in enumerate(groups) if g.spec_key in keys)
 
@@ -364,9 +383,10 @@ class Scenario:
         type's own hit, and a layout whose full-attention groups skip the EAGLE
         drop that marked draft groups take reports full attention's undropped
         hit: kvfuzz promises neither (it owes less there, never more).
+        Circular buffers are no type (vLLM looks none of them up).
         """
         groups = self.kv_cache_groups
-        if len({g.spec_key for g in groups}) < 2:
+        if len({g.spec_key for g in self.cacheable_groups}) < 2:
             return False
         full = [i for i, g in enumerate(groups) if g.kind.full_attention_family]
         if self.drop_applies and any(i not in self.drop_group_indices for i in full):

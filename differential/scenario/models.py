@@ -247,6 +247,13 @@ class LayerSpec:
 
     def _check_kind(self, where: str) -> None:
         """The fields each kind needs, and those it must leave empty."""
+        if self.kind is GroupKind.SINK_FULL_ATTENTION:
+            raise ScenarioError(
+                f"{where}.kind",
+                self.kind.value,
+                "a kind other than sink_full_attention (a layer has no sink length here: "
+                "write the scenario's kv_cache_groups with sink_len_tokens instead)",
+            )
         if self.kind.sliding_window_family:
             if self.sliding_window_tokens is None:
                 raise ScenarioError(f"{where}.sliding_window_tokens", None, "an integer >= 1")

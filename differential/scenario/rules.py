@@ -109,12 +109,23 @@ def check_dcp(s: Scenario) -> None:
 
 
 def check_geometry(s: Scenario) -> None:
-    """The hash block size divides every group block (a single group: equals
-    it); a given hit alignment equals the derived one."""
+    """Some group is prefix-cacheable; the hash block size divides every
+    prefix-cacheable group's block (a single group: equals it); a given hit
+    alignment equals the derived one."""
     groups = s.kv_cache_groups
+    if not s.cacheable_groups:
+        # UnitaryKVCacheCoordinator asserts hash_block_size == block_size for
+        # a lone circular buffer; HybridKVCacheCoordinator asserts "requires
+        # at least one cacheable group" (vllm/v1/core/kv_cache_coordinator.py).
+        raise ScenarioError(
+            "kv_cache_groups",
+            s.group_mix,
+            "at least one prefix-cacheable group (a circular_buffer group takes no part "
+            "in prefix caching; vLLM's coordinators refuse a layout of rings alone)",
+        )
     hash_block = s.hash_block_size_tokens
     if hash_block is not None and (
-        any(g.block_size_tokens % hash_block for g in groups)
+        any(g.block_size_tokens % hash_block for g in s.cacheable_groups)
         or (len(groups) == 1 and hash_block != groups[0].block_size_tokens)
     ):
         # vLLM HybridKVCacheCoordinator.__init__ asserts divisibility;
@@ -123,8 +134,9 @@ def check_geometry(s: Scenario) -> None:
         raise ScenarioError(
             "hash_block_size_tokens",
             hash_block,
-            "null or a divisor of every group block size "
-            f"({[g.block_size_tokens for g in groups]}); with a single group, its block size",
+            "null or a divisor of every prefix-cacheable group block size "
+            f"({[g.block_size_tokens for g in s.cacheable_groups]}); with a single group, "
+            "its block size",
         )
     alignment = s.effective_hit_alignment_tokens
     if s.hit_alignment_tokens is not None and s.hit_alignment_tokens != alignment:

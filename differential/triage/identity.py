@@ -114,6 +114,9 @@ MANAGER_FUNCTION: dict[str, str] = {
     GroupKind.SLIDING_WINDOW.value: "SlidingWindowManager.find_longest_cache_hit",
     GroupKind.CHUNKED_LOCAL_ATTENTION.value: "ChunkedLocalAttentionManager.find_longest_cache_hit",
     GroupKind.MAMBA.value: "MambaManager.find_longest_cache_hit",
+    GroupKind.CIRCULAR_BUFFER.value: "CircularBufferManager.find_longest_cache_hit",
+    # SinkFullAttentionManager inherits the full-attention lookup.
+    GroupKind.SINK_FULL_ATTENTION.value: "FullAttentionManager.find_longest_cache_hit",
 }
 """Manager family -> the vLLM function a root cause names
 (``vllm/v1/core/single_type_kv_cache_manager.py``)."""
