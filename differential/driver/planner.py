@@ -239,8 +239,16 @@ _RING: tuple[tuple[type[KVCacheSpec], GroupKind], ...] = tuple(
     if cls is not None
 )
 
+# RSWASpec (vLLM 0.33.0), a FullAttentionSpec subclass: matched before it.
+_RSWA: tuple[tuple[type[KVCacheSpec], GroupKind], ...] = tuple(
+    (cls, GroupKind.RSWA)
+    for cls in (getattr(kv_cache_interface, "RSWASpec", None),)
+    if cls is not None
+)
+
 _KINDS: tuple[tuple[type[KVCacheSpec], GroupKind], ...] = (
     *_RING,
+    *_RSWA,
     (SlidingWindowMLASpec, GroupKind.SLIDING_WINDOW_MLA),
     (SlidingWindowSpec, GroupKind.SLIDING_WINDOW),
     (ChunkedLocalAttentionSpec, GroupKind.CHUNKED_LOCAL_ATTENTION),
@@ -265,7 +273,11 @@ def _scenario_group(group: KVCacheGroupSpec) -> KVCacheGroup:
     return KVCacheGroup(
         kind,
         spec.block_size,
-        getattr(layer, "sliding_window", None) if kind.sliding_window_family else None,
+        getattr(layer, "sliding_window", None)
+        if kind.sliding_window_family
+        else getattr(layer, "rswa_window", None)
+        if kind is GroupKind.RSWA
+        else None,
         getattr(layer, "attention_chunk_size", None)
         if kind is GroupKind.CHUNKED_LOCAL_ATTENTION
         else None,

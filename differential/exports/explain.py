@@ -310,6 +310,7 @@ def _group_kind_label(group: KVCacheGroup) -> str:
         GroupKind.SLIDING_WINDOW_MLA: "swmla",
         GroupKind.CHUNKED_LOCAL_ATTENTION: "chunk",
         GroupKind.CIRCULAR_BUFFER: "ring",
+        GroupKind.RSWA: "rswa",
     }.get(group.kind, "swa") + ("*" if group.is_eagle_group else "")
 
 

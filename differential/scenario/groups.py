@@ -48,6 +48,16 @@ class GroupKind(StrEnum):
     #: ring's capacity, in tokens) still enters the scheduler block size
     #: (``resolve_kv_cache_block_sizes`` takes the LCM of every group).
     CIRCULAR_BUFFER = "circular_buffer"
+    #: Reference sliding-window attention (R-SWA, vLLM PR #46564, Unlimited
+    #: OCR): vLLM's ``RSWASpec(rswa_window)``, a ``FullAttentionSpec``
+    #: subclass driven by ``RSWAManager`` (a ``FullAttentionManager``;
+    #: vllm/v1/core/single_type_kv_cache_manager.py). Prompt tokens stay
+    #: visible to every later token, so its hits are full attention's; only
+    #: the last ``rswa_window`` decoded tokens are attended, and
+    #: ``remove_skipped_blocks(num_prompt_tokens=...)`` frees the decode
+    #: blocks between the prompt's last block and that window. The window
+    #: rides in ``sliding_window_tokens``.
+    RSWA = "rswa"
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -57,8 +67,15 @@ class GroupKind(StrEnum):
 
     @property
     def full_attention_family(self) -> bool:
-        """Driven by vLLM's ``FullAttentionManager`` (full attention, MLA)."""
-        return self in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
+        """Driven by vLLM's ``FullAttentionManager`` (full attention, MLA;
+        R-SWA's ``RSWAManager`` is one, for hits)."""
+        return self in (GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.RSWA)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the kind's groups carry a window (``sliding_window_tokens``):
+        the sliding-window family, and R-SWA's ``rswa_window``."""
+        return self.sliding_window_family or self is GroupKind.RSWA
 
     @property
     def sliding_window_family(self) -> bool:
@@ -112,7 +129,8 @@ class KVCacheGroup:
         block_size_tokens: the group's block size, in tokens (for a Mamba
             group vLLM's ``mamba_block_size``: one state per block).
         sliding_window_tokens: the attention window in tokens (sliding-window
-            and sliding-window MLA groups only; ``None`` otherwise).
+            and sliding-window MLA groups; an R-SWA group's ``rswa_window``,
+            the decoded tokens it keeps; ``None`` otherwise).
         attention_chunk_size_tokens: the attention chunk in tokens (chunked
             local attention only, vLLM's ``attention_chunk_size``; ``None``
             otherwise). Written to JSON only when set.
@@ -137,7 +155,7 @@ class KVCacheGroup:
                 attention (or none with it), a Mamba or circular-buffer
                 group marked as a draft group.
         """
-        window = self.kind.sliding_window_family
+        window = self.kind.windowed
         if window and self.sliding_window_tokens is None:
             raise ScenarioError(
                 f"{where}.sliding_window_tokens", None, f"an integer >= 1 for a {self.kind} group"

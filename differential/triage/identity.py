@@ -115,6 +115,7 @@ MANAGER_FUNCTION: dict[str, str] = {
     GroupKind.CHUNKED_LOCAL_ATTENTION.value: "ChunkedLocalAttentionManager.find_longest_cache_hit",
     GroupKind.MAMBA.value: "MambaManager.find_longest_cache_hit",
     GroupKind.CIRCULAR_BUFFER.value: "CircularBufferManager.find_longest_cache_hit",
+    GroupKind.RSWA.value: "RSWAManager.find_longest_cache_hit",
 }
 """Manager family -> the vLLM function a root cause names
 (``vllm/v1/core/single_type_kv_cache_manager.py``)."""
