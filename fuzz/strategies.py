@@ -261,7 +261,8 @@ def _pin(groups: tuple[KVCacheGroup, ...], kinds: frozenset[GroupKind]) -> tuple
         kinds = kinds | {GroupKind.FULL_ATTENTION}
     added = []
     for kind in sorted(kinds - have - {GroupKind.MAMBA}):
-        window = 4 * block if kind.sliding_window_family else None
+        # An R-SWA window of one block: short decodes already free its gap.
+        window = block if kind is GroupKind.RSWA else 4 * block if kind.windowed else None
         chunk = 4 * block if kind is GroupKind.CHUNKED_LOCAL_ATTENTION else None
         sink = 2 * block if kind is GroupKind.SINK_FULL_ATTENTION else None
         added.append(KVCacheGroup(kind, block, window, chunk, sink_len_tokens=sink))

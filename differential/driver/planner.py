@@ -168,6 +168,44 @@ def layer_specs(model: ModelDescription, num_spec_tokens: int = 0) -> dict[str, 
     return specs
 
 
+def _check_mamba_page(model: ModelDescription, specs: Mapping[str, KVCacheSpec]) -> None:
+    """Refuse a hybrid whose attention page cannot hold a Mamba state.
+
+    vLLM never plans one: ``Platform._align_hybrid_block_size``
+    (vllm/platforms/interface.py) raises ``cache_config.block_size`` until
+    the target's attention page (its first attention layer at the cache
+    block size) covers the largest Mamba page, then pads the Mamba page to
+    it. A description names the block an engine runs with, so a smaller one
+    is refused here, naming the smallest block (in tokens) that covers the
+    state, not left to fail in ``unify_kv_cache_spec_page_size``.
+
+    Raises:
+        ScenarioError: naming ``model.block_size_tokens``.
+    """
+    mamba = [s.page_size_bytes for s in specs.values() if isinstance(s, MambaSpec)]
+    layer = next(
+        (
+            layer
+            for layer in model.layers
+            if not layer.draft
+            and layer.kind.full_attention_family
+            and layer.block_size_tokens is None
+        ),
+        None,
+    )
+    attention = None if layer is None else _layer_spec(model, layer, 0)
+    if not mamba or attention is None or attention.page_size_bytes >= max(mamba):
+        return
+    per_token = attention.page_size_bytes // model.block_size_tokens
+    raise ScenarioError(
+        "model.block_size_tokens",
+        model.block_size_tokens,
+        f"at least {-(-max(mamba) // per_token)} tokens: the attention page "
+        f"({per_token} bytes a token) must hold the largest Mamba state ({max(mamba)} bytes); "
+        "vLLM's _align_hybrid_block_size raises the block to a kernel-aligned size that does",
+    )
+
+
 def _vllm_config(model: ModelDescription, settings: Scenario) -> VllmConfig:
     cache = vllm_call(
         "CacheConfig",
@@ -201,8 +239,16 @@ _RING: tuple[tuple[type[KVCacheSpec], GroupKind], ...] = tuple(
     if cls is not None
 )
 
+# RSWASpec (vLLM 0.33.0), a FullAttentionSpec subclass: matched before it.
+_RSWA: tuple[tuple[type[KVCacheSpec], GroupKind], ...] = tuple(
+    (cls, GroupKind.RSWA)
+    for cls in (getattr(kv_cache_interface, "RSWASpec", None),)
+    if cls is not None
+)
+
 _KINDS: tuple[tuple[type[KVCacheSpec], GroupKind], ...] = (
     *_RING,
+    *_RSWA,
     (SlidingWindowMLASpec, GroupKind.SLIDING_WINDOW_MLA),
     (SlidingWindowSpec, GroupKind.SLIDING_WINDOW),
     (ChunkedLocalAttentionSpec, GroupKind.CHUNKED_LOCAL_ATTENTION),
@@ -227,7 +273,11 @@ def _scenario_group(group: KVCacheGroupSpec) -> KVCacheGroup:
     return KVCacheGroup(
         kind,
         spec.block_size,
-        getattr(layer, "sliding_window", None) if kind.sliding_window_family else None,
+        getattr(layer, "sliding_window", None)
+        if kind.sliding_window_family
+        else getattr(layer, "rswa_window", None)
+        if kind is GroupKind.RSWA
+        else None,
         getattr(layer, "attention_chunk_size", None)
         if kind is GroupKind.CHUNKED_LOCAL_ATTENTION
         else None,
@@ -252,10 +302,12 @@ def plan_model(model: ModelDescription, settings: Scenario) -> PlannedLayout:
     Raises:
         VllmCallError: one of vLLM's planning calls raised (vLLM refuses the
             model's layout), naming the call.
-        ScenarioError: a group holds a spec kvfuzz does not model.
+        ScenarioError: a group holds a spec kvfuzz does not model; a Mamba
+            hybrid's block too small for its state (``model.block_size_tokens``).
     """
     config = _vllm_config(model, settings)
     specs = layer_specs(model, settings.drafter.num_speculative_tokens)
+    _check_mamba_page(model, specs)
     groups = vllm_call("get_global_kv_cache_groups", get_global_kv_cache_groups, config, [specs])
     kv_config = vllm_call(
         "KVCacheConfig", KVCacheConfig, num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups

@@ -97,7 +97,8 @@ def spec_for_kind(
     ``FullAttentionSpec``, MLA ``MLAAttentionSpec``, sliding window
     ``SlidingWindowSpec``, sliding-window MLA ``SlidingWindowMLASpec``,
     chunked local attention ``ChunkedLocalAttentionSpec``, circular buffer
-    ``CircularBufferSpec``, sink full attention ``SinkFullAttentionSpec``)."""
+    ``CircularBufferSpec``, sink full attention ``SinkFullAttentionSpec``,
+    R-SWA ``RSWASpec`` with ``window`` as its ``rswa_window``)."""
     if kind.sliding_window_family:
         assert window is not None
         if kind is GroupKind.SLIDING_WINDOW_MLA:
@@ -108,6 +109,9 @@ def spec_for_kind(
         return _build_spec("ChunkedLocalAttentionSpec", attention_chunk_size=chunk, **common)
     if kind is GroupKind.MLA:
         return _build_spec("MLAAttentionSpec", **common)
+    if kind is GroupKind.RSWA:
+        assert window is not None
+        return _build_spec("RSWASpec", rswa_window=window, **common)
     if kind is GroupKind.CIRCULAR_BUFFER:
         # As DeepseekCompressor.get_kv_cache_spec builds the ring
         # (vllm/models/deepseek_v41/compressor.py): one KV head, no V.

@@ -311,6 +311,7 @@ def _group_kind_label(group: KVCacheGroup) -> str:
         GroupKind.CHUNKED_LOCAL_ATTENTION: "chunk",
         GroupKind.CIRCULAR_BUFFER: "ring",
         GroupKind.SINK_FULL_ATTENTION: "sink",
+        GroupKind.RSWA: "rswa",
     }.get(group.kind, "swa") + ("*" if group.is_eagle_group else "")
 
 

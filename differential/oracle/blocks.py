@@ -288,8 +288,26 @@ def _skipped_tokens(group: KVCacheGroup, processed_tokens: int, extra_retained: 
     return _window_start_tokens(group, processed_tokens)
 
 
+def _read_from_tokens(group: KVCacheGroup, start_tokens: int, prompt_tokens: int | None) -> int:
+    """The token from which a step starting at ``start_tokens`` needs every
+    block, in tokens (blocks wholly below it may be null).
+
+    An R-SWA group (``RSWAManager.remove_skipped_blocks`` with
+    ``num_prompt_tokens``) attends to the whole prompt and the last
+    ``rswa_window`` tokens: the gap between them, blocks wholly in
+    ``[prompt, start - rswa_window)``, may be null, the prompt's may not; the
+    table records only where its nulls end, so that end is bounded by the
+    window's start (a null prompt block below it is not seen here)."""
+    if group.kind is GroupKind.RSWA and prompt_tokens is not None:
+        return max(prompt_tokens, start_tokens - (group.sliding_window_tokens or 0))
+    return _window_start_tokens(group, start_tokens)
+
+
 def table_violations(
-    scenario: Scenario, tables: Sequence[StepTable], extra_retained_tokens: int
+    scenario: Scenario,
+    tables: Sequence[StepTable],
+    extra_retained_tokens: int,
+    prompt_tokens: int | None = None,
 ) -> tuple[list[BlockViolation], list[BlockViolation]]:
     """Rule 5 of the module docstring over one request's step tables.
 
@@ -299,6 +317,8 @@ def table_violations(
         extra_retained_tokens: tokens a sliding window keeps below itself
             (``max(0, num_prefill_lookahead_tokens - 1)``, as vLLM's planner
             sets ``SlidingWindowSpec.extra_retained_tokens``), in tokens.
+        prompt_tokens: the request's prompt length, in tokens (an R-SWA
+            group frees decoded blocks above it); ``None``: unknown.
 
     Returns:
         (null blocks where a step attends, real blocks kept below what every
@@ -331,7 +351,7 @@ def table_violations(
                     "back to the pool",
                 )
             )
-        read_from = _window_start_tokens(group, t.start_tokens) // size
+        read_from = _read_from_tokens(group, t.start_tokens, prompt_tokens) // size
         if t.null_end > read_from and t.group not in seen_freed:
             seen_freed.add(t.group)
             index = t.null_end - 1
@@ -572,6 +592,7 @@ GROUP_CHECKS: dict[GroupKind, GroupCheck] = {
     # SinkFullAttentionManager inherits FullAttentionManager's lookup; the
     # sink is no request's prefix, so a hit owes exactly full attention's.
     GroupKind.SINK_FULL_ATTENTION: attention_violations,
+    GroupKind.RSWA: attention_violations,
 }
 """The check for each group kind (a state kind: :func:`state_group_violations`)."""
 
@@ -680,7 +701,9 @@ def check_blocks(
     extra = _extra_retained(run.settings)
     for obs in run.requests:
         freed, kept = (
-            table_violations(scenario, obs.step_tables, extra) if extra is not None else ([], [])
+            table_violations(scenario, obs.step_tables, extra, len(scenario.prompts[obs.index]))
+            if extra is not None
+            else ([], [])
         )
         if kept:
             more = f" (+{len(kept) - 1} more group(s))" if len(kept) > 1 else ""

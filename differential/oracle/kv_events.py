@@ -105,6 +105,7 @@ SPEC_KIND: dict[GroupKind, str] = {
     GroupKind.CHUNKED_LOCAL_ATTENTION: "chunked_local_attention",
     GroupKind.CIRCULAR_BUFFER: "unknown",  # get_kv_cache_spec_kind has no ring kind
     GroupKind.SINK_FULL_ATTENTION: "sink_full_attention",
+    GroupKind.RSWA: "full_attention",  # an RSWASpec is a FullAttentionSpec
 }
 """Group kind -> the ``kv_cache_spec_kind`` its events carry (vLLM's
 ``KVCacheSpecKind`` of the group's spec, vllm/v1/kv_cache_interface.py)."""

@@ -60,6 +60,16 @@ class GroupKind(StrEnum):
     #: vLLM PR #28775 keeps those blocks out of the free list. For hits it
     #: behaves exactly like full attention.
     SINK_FULL_ATTENTION = "sink_full_attention"
+    #: Reference sliding-window attention (R-SWA, vLLM PR #46564, Unlimited
+    #: OCR): vLLM's ``RSWASpec(rswa_window)``, a ``FullAttentionSpec``
+    #: subclass driven by ``RSWAManager`` (a ``FullAttentionManager``;
+    #: vllm/v1/core/single_type_kv_cache_manager.py). Prompt tokens stay
+    #: visible to every later token, so its hits are full attention's; only
+    #: the last ``rswa_window`` decoded tokens are attended, and
+    #: ``remove_skipped_blocks(num_prompt_tokens=...)`` frees the decode
+    #: blocks between the prompt's last block and that window. The window
+    #: rides in ``sliding_window_tokens``.
+    RSWA = "rswa"
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -70,9 +80,20 @@ class GroupKind(StrEnum):
     @property
     def full_attention_family(self) -> bool:
         """Driven by vLLM's ``FullAttentionManager`` or a subclass of it (full
-        attention, MLA, sink full attention: the coordinators test
-        ``isinstance(spec, FullAttentionSpec)``)."""
-        return self in (GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.SINK_FULL_ATTENTION)
+        attention, MLA, sink full attention, R-SWA's ``RSWAManager``: the
+        coordinators test ``isinstance(spec, FullAttentionSpec)``)."""
+        return self in (
+            GroupKind.FULL_ATTENTION,
+            GroupKind.MLA,
+            GroupKind.SINK_FULL_ATTENTION,
+            GroupKind.RSWA,
+        )
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the kind's groups carry a window (``sliding_window_tokens``):
+        the sliding-window family, and R-SWA's ``rswa_window``."""
+        return self.sliding_window_family or self is GroupKind.RSWA
 
     @property
     def sliding_window_family(self) -> bool:
@@ -126,7 +147,8 @@ class KVCacheGroup:
         block_size_tokens: the group's block size, in tokens (for a Mamba
             group vLLM's ``mamba_block_size``: one state per block).
         sliding_window_tokens: the attention window in tokens (sliding-window
-            and sliding-window MLA groups only; ``None`` otherwise).
+            and sliding-window MLA groups; an R-SWA group's ``rswa_window``,
+            the decoded tokens it keeps; ``None`` otherwise).
         attention_chunk_size_tokens: the attention chunk in tokens (chunked
             local attention only, vLLM's ``attention_chunk_size``; ``None``
             otherwise). Written to JSON only when set.
@@ -164,7 +186,7 @@ class KVCacheGroup:
                 attention (or none, or one not a multiple of the block, with
                 it), a Mamba or circular-buffer group marked as a draft group.
         """
-        window = self.kind.sliding_window_family
+        window = self.kind.windowed
         if window and self.sliding_window_tokens is None:
             raise ScenarioError(
                 f"{where}.sliding_window_tokens", None, f"an integer >= 1 for a {self.kind} group"

@@ -95,7 +95,7 @@ class GroupDocument(BaseModel):
     sliding_window_tokens: Size | None = Field(
         default=None,
         description="The attention window, in tokens: sliding_window and sliding_window_mla "
-        "groups only, null otherwise.",
+        "groups; an rswa group's rswa_window (the decoded tokens it keeps); null otherwise.",
     )
     attention_chunk_size_tokens: Size | None = Field(
         default=None,

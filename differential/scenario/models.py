@@ -130,7 +130,8 @@ class LayerDocument(BaseModel):
     )
     dtype: _Dtype = Field(default="bfloat16", description="The KV cache dtype (torch name).")
     sliding_window_tokens: Size | None = Field(
-        default=None, description="The window, in tokens (sliding-window kinds only)."
+        default=None,
+        description="The window, in tokens (sliding-window kinds; rswa: its rswa_window).",
     )
     attention_chunk_size_tokens: Size | None = Field(
         default=None, description="The chunk, in tokens (chunked_local_attention only)."
@@ -254,7 +255,7 @@ class LayerSpec:
                 "a kind other than sink_full_attention (a layer has no sink length here: "
                 "write the scenario's kv_cache_groups with sink_len_tokens instead)",
             )
-        if self.kind.sliding_window_family:
+        if self.kind.windowed:
             if self.sliding_window_tokens is None:
                 raise ScenarioError(f"{where}.sliding_window_tokens", None, "an integer >= 1")
         elif self.sliding_window_tokens is not None:

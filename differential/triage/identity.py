@@ -117,6 +117,7 @@ MANAGER_FUNCTION: dict[str, str] = {
     GroupKind.CIRCULAR_BUFFER.value: "CircularBufferManager.find_longest_cache_hit",
     # SinkFullAttentionManager inherits the full-attention lookup.
     GroupKind.SINK_FULL_ATTENTION.value: "FullAttentionManager.find_longest_cache_hit",
+    GroupKind.RSWA.value: "RSWAManager.find_longest_cache_hit",
 }
 """Manager family -> the vLLM function a root cause names
 (``vllm/v1/core/single_type_kv_cache_manager.py``)."""

@@ -131,3 +131,69 @@ def test_a_model_scenario_refuses_decode_context_parallelism(tmp_path: Path) -> 
     proc = kvfuzz_cli("replay", str(path), cwd=ROOT, timeout=300)
     assert proc.returncode == 2
     assert "dcp_world_size = 2 is invalid: allowed 1 with a model" in proc.stderr
+
+
+def _kimi_k3_like(block: int) -> dict[str, object]:
+    """A Kimi-K3-like model-level scenario (inline description): 20 KDA
+    layers (vllm/models/kimi_k3/nvidia/kda.py: MambaSpec of
+    MambaStateShapeCalculator.kda_state_shape, 32 heads of 128, conv kernel
+    4 plus 3 speculative rows, bf16 conv and fp32 recurrent state), 7 MLA
+    layers (576-element latent, bf16) and 2 dense-MLA DSpark draft layers
+    (vllm/models/kimi_k3/nvidia/dspark_mla.py)."""
+    mla = {"kind": "mla", "num_kv_heads": 1, "head_size": 576, "dtype": "bfloat16"}
+    model = {
+        "format": "kvfuzz.model",
+        "version": 1,
+        "name": "kimi-k3-like-dspark",
+        "block_size_tokens": block,
+        "mamba_block_size_tokens": block,
+        "layers": [
+            {
+                "kind": "mamba",
+                "count": 20,
+                "mamba_state_shapes": [[6, 12288], [32, 128, 128]],
+                "mamba_state_dtypes": ["bfloat16", "float32"],
+            },
+            {**mla, "count": 7},
+            {**mla, "count": 2, "draft": True},
+        ],
+    }
+    return {
+        "format": "kvfuzz.scenario",
+        "version": 1,
+        "model": model,
+        "retention_interval_tokens": 4096,
+        "drafter": {"kind": "dspark", "num_speculative_tokens": 3},
+        "prefill_chunk_tokens": 2048,
+        "shared_prefix_tokens": 8192,
+        "requests": [
+            {"divergence_tokens": 8192, "suffix_tokens": 100},
+            {"divergence_tokens": 8192, "suffix_tokens": 100},
+            {"divergence_tokens": 5000, "suffix_tokens": 50},
+        ],
+    }
+
+
+def test_kimi_k3_like_kda_beside_mla_with_dspark_replays() -> None:
+    # vLLM's _align_hybrid_block_size makes an MLA hybrid's block a multiple
+    # of 128 covering the KDA state (2244608 bytes / 1152 a token: 2048).
+    from differential.driver.planner import resolve_model_scenario
+
+    scenario, plan = resolve_model_scenario(_kimi_k3_like(2048), ROOT)
+    got = [(g.kind, g.block_size_tokens, g.is_eagle_group) for g in scenario.kv_cache_groups]
+    assert got == [(K.MAMBA, 2048, False)] * 3 + [(K.MLA, 2048, False)]
+    assert plan.layers_per_group == (7, 7, 6, 9)  # the draft MLA layers join the target's
+    assert (plan.scheduler_block_size_tokens, plan.hash_block_size_tokens) == (2048, 2048)
+    assert plan.hit_alignment_tokens == 2048
+    result = compare_variants(scenario, parse_variants("unfixed,fixed"))
+    assert [list(r.run.hits) for r in result.results] == [[0, 8192, 4096]] * 2
+    assert result.findings == ()
+
+
+def test_a_hybrid_block_too_small_for_its_mamba_state_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "k3.json"
+    path.write_text(json.dumps(_kimi_k3_like(1920)))
+    proc = kvfuzz_cli("replay", str(path), cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    assert "model.block_size_tokens = 1920 is invalid: allowed at least 1949 tokens" in proc.stderr
+    assert "internal error" not in proc.stderr
