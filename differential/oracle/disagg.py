@@ -40,7 +40,10 @@ the decode instance with a :class:`~differential.observation.ConnectorLookup`:
   prefix, the loaded end ``e`` and ``L - 1``; a Mamba group only the state
   at ``e`` (a load brings the state at its end, ``allocate_external_computed_blocks``),
   so on a Mamba hybrid the later request is owed ``e`` itself when it
-  shares ``e`` tokens and ``e <= L - 1``, else nothing from that load. Judged
+  shares ``e`` tokens and ``e <= L - 1``, else nothing from that load.
+  Under the EAGLE drop (a KV connector turns lookahead hashes off) a lookup
+  gives back its last matched block: one alignment unit less on full
+  attention, and nothing judged on a Mamba hybrid. Judged
   where nothing was evicted (an evicted loaded block owes nothing), for
   loaders that had finished before the later request was admitted, whose
   load did not fail, and on lookups that did not diverge (vLLM's divergent
@@ -137,6 +140,13 @@ def local_owed(scenario: Scenario, run: RunObservation, r: RequestObservation) -
     prompts = scenario.prompts
     alignment = scenario.effective_hit_alignment_tokens
     limit = r.prompt_tokens - 1
+    # Under the EAGLE drop a lookup gives back its last matched block
+    # (vLLM's find_longest_cache_hit with use_eagle): one alignment unit
+    # below a full-attention match, and no Mamba state hit at the end of
+    # what was loaded, which proves no block past it.
+    drop = run.settings is not None and run.settings.use_eagle_block_drop
+    if drop and layout == "mamba":
+        return None
     best: LocalOwed | None = None
     for q in run.requests:
         d = q.connector
@@ -153,6 +163,7 @@ def local_owed(scenario: Scenario, run: RunObservation, r: RequestObservation) -
         shared = common_prefix_tokens(prompts[r.index], prompts[q.index])
         if layout == "attention":
             owed = min(shared, end, limit) // alignment * alignment
+            owed = max(0, owed - (alignment if drop else 0))
         else:
             owed = end if end <= min(shared, limit) else 0
         if owed and (best is None or owed > best.tokens):
