@@ -34,7 +34,10 @@ the decode instance with a :class:`~differential.observation.ConnectorLookup`:
   caches the loaded blocks ("Now that the blocks are ready, actually cache
   them"), so a later request sharing the loaded prefix hits it in the local
   prefix cache instead of loading it again; a synchronous load's blocks are
-  cached with the step's tokens. Per group as its manager keeps it: a
+  cached with the step's tokens (vLLM PR #44243, merged, on P/D with Mamba
+  hybrids: "the last state of Mamba will always be transfer, but full
+  attention will only transfer the prefix cache miss part"). Per group as
+  its manager keeps it: a
   full-attention-family group every loaded block, so the later request is
   owed the largest multiple of the hit alignment ``A`` within the common
   prefix, the loaded end ``e`` and ``L - 1``; a Mamba group only the state
