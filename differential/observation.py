@@ -605,6 +605,13 @@ class ConnectorLookup:
             reported it, ``workload.connector.failed_loads``): before this
             admission (the whole load: this is the lookup that rescheduled
             it) or after it (its last block).
+        prefill_hit_tokens: (disaggregated prefill and decode,
+            ``workload.connector.kv_role`` ``kv_consumer``) the prefill
+            instance's local prefix-cache hit for the request, in tokens;
+            ``None`` without a prefill instance.
+        prefill_tokens: the tokens the prefill instance had computed when
+            the request finished there (what its connector saved), in
+            tokens; ``None`` without a prefill instance.
     """
 
     local_hit_tokens: int
@@ -616,6 +623,8 @@ class ConnectorLookup:
     load_async: bool = False
     diverged: bool = False
     load_failed: bool = False
+    prefill_hit_tokens: int | None = None
+    prefill_tokens: int | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -648,7 +657,14 @@ class ConnectorLookup:
             "load_async": self.load_async,
             "diverged": self.diverged,
             "load_failed": self.load_failed,
-        }
+        } | (
+            {}
+            if self.prefill_tokens is None
+            else {
+                "prefill_hit_tokens": self.prefill_hit_tokens,
+                "prefill_tokens": self.prefill_tokens,
+            }
+        )
 
 
 @dataclass(frozen=True)

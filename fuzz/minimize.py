@@ -50,6 +50,7 @@ from differential.scenario import (
     GroupKind,
     KVEvents,
     KVEventsView,
+    KVRole,
     Scenario,
 )
 from differential.variants import Variant
@@ -160,9 +161,10 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
 
 
 def _connector_store(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
-    """(Scheduler mode) a plainer KV connector store: none at all, no failed
-    loads, synchronous loads, no divergent hybrid hits, prefix caching on,
-    no capacity, the default grid."""
+    """(Scheduler mode) a plainer KV connector store: none at all, one
+    engine instead of a prefill and a decode instance (``kv_role``
+    ``kv_both``), no failed loads, synchronous loads, no divergent hybrid
+    hits, prefix caching on, no capacity, the default grid."""
     w = s.workload
     store = w.connector
     if store is None:
@@ -173,6 +175,8 @@ def _connector_store(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         return _replace(s, workload=dataclasses.replace(w, connector=plainer))
 
     yield "no remote KV store", _replace(s, workload=dataclasses.replace(w, connector=None))
+    if store.disaggregated:
+        yield "one engine (no prefill instance)", with_store(kv_role=KVRole.KV_BOTH)
     for k in range(len(store.failed_loads) - 1, -1, -1):
         failed = store.failed_loads[:k] + store.failed_loads[k + 1 :]
         yield f"request {store.failed_loads[k]}'s load succeeds", with_store(failed_loads=failed)

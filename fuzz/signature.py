@@ -159,9 +159,11 @@ def coverage_keys(scenario: Scenario) -> tuple[str, ...]:
 def _store_class(scenario: Scenario) -> str:
     """A KV connector's remote store (``workload.connector``): ``none``,
     ``unbounded`` or ``bounded`` (a capacity, in chunks), ``+grid`` when it
-    keeps its own chunk grid (``chunk_tokens``)."""
+    keeps its own chunk grid (``chunk_tokens``), ``+disagg`` when a prefill
+    instance feeds it (``kv_role`` ``kv_consumer``)."""
     store = scenario.workload.connector
     if store is None:
         return "none"
     kind = "bounded" if store.bounded else "unbounded"
-    return kind + ("+grid" if store.chunk_tokens is not None else "")
+    kind += "+grid" if store.chunk_tokens is not None else ""
+    return kind + ("+disagg" if store.disaggregated else "")

@@ -31,6 +31,7 @@ from differential.scenario import (
     KVCacheGroup,
     KVEvents,
     KVEventsView,
+    KVRole,
     MambaPrefill,
     MultiModalInput,
     RequestSpec,
@@ -1045,9 +1046,23 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
             **mamba_options,
         )
         # Drawn last, so that every draw above reads the bytes it read before.
-        return _store_bounds(draw, scenario)
+        return _disaggregation(draw, _store_bounds(draw, scenario))
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the engine generator produced an invalid scenario: {exc}") from exc
+
+
+def _disaggregation(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """Disaggregated prefill and decode (``workload.connector.kv_role``
+    ``kv_consumer``: a prefill instance computes every request first) for
+    one unbounded store in three, its loads asynchronous (vLLM's P/D
+    connectors load between steps, ``WAITING_FOR_REMOTE_KVS``)."""
+    store = scenario.workload.connector
+    if store is None or store.bounded or draw(st.integers(0, 2)):
+        return scenario
+    consumer = dataclasses.replace(store, kv_role=KVRole.KV_CONSUMER, load=ConnectorLoad.ASYNC)
+    return dataclasses.replace(
+        scenario, workload=dataclasses.replace(scenario.workload, connector=consumer)
+    )
 
 
 def _store_bounds(draw: st.DrawFn, scenario: Scenario) -> Scenario:

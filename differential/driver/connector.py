@@ -247,6 +247,22 @@ class RemoteStoreConnector(EmptyRemoteConnector):
     only load less than a chunk, so skip."), loaded synchronously or
     asynchronously (``kv_connector_extra_config["load"]``).
 
+    **Roles** (``KVTransferConfig.kv_role``, vllm/config/kv_transfer.py):
+    ``kv_both`` saves and loads. In disaggregated prefill and decode the
+    prefill instance's connector (``kv_producer``) loads nothing and saves
+    (NIXL's scheduler side answers a lookup only for a request whose
+    ``kv_transfer_params`` say ``do_remote_prefill``,
+    vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py
+    ``get_num_new_matched_tokens``; the prefill instance's requests say
+    ``do_remote_decode``), and at a request's end returns the
+    ``kv_transfer_params`` the decode instance gets (``do_remote_prefill``
+    true, ``do_remote_decode`` false, as nixl/push_scheduler.py's
+    ``request_finished``); the decode instance's (``kv_consumer``) loads and
+    saves nothing, as LMCache's connector forces ``skip_save`` for a
+    ``kv_consumer`` (``build_connector_meta`` in
+    vllm/distributed/kv_transfer/kv_connector/v1/lmcache_integration/vllm_v1_adapter.py).
+    Both share one ``CPUOffloadingManager`` (:meth:`share_store`).
+
     Extra config (``KVTransferConfig.kv_connector_extra_config``): ``load``
     (``"sync"`` / ``"async"``), ``divergent_hybrid_hits`` (bool),
     ``lookup_unit_tokens`` (the hit alignment) and ``hash_block_tokens``
@@ -266,6 +282,11 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         chunk = extra.get("chunk_tokens")
         #: The lookup grid, in tokens: the store's chunk, else the hit alignment.
         self.unit_tokens: int = int(chunk or extra["lookup_unit_tokens"])
+        role = self._kv_transfer_config.kv_role
+        #: Loads from the store (every role but ``kv_producer``).
+        self.loads: bool = role != "kv_producer"
+        #: Saves to the store (every role but ``kv_consumer``).
+        self.saves: bool = role != "kv_consumer"
         capacity = extra.get("capacity_chunks")
         self.bounded = capacity is not None
         # The oracle's replay states the request-ranked policy of vLLM 0.33's
@@ -290,6 +311,13 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         self.queries: dict[str, list[StoreQuery]] = {}
         #: (bounded stores) every manager call and answer, with its request id.
         self.calls: list[tuple[str, StoreCall]] = []
+
+    def share_store(self, other: RemoteStoreConnector) -> None:
+        """Use ``other``'s store (the decode instance's): a prefill instance's
+        connector saves where the decode instance's loads (one store, two
+        schedulers; keys name the same chained block hashes)."""
+        self.store = other.store
+        self._key_ids = other._key_ids
 
     # ------------------------------------------------------------- properties
 
@@ -393,6 +421,8 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         self._context(request)
         # vLLM offers every chunk again after a lookup (next_stored_chunk_idx = 0).
         self._offered[request.request_id] = {}
+        if not self.loads:
+            return 0, False  # a prefill instance (kv_producer) loads nothing
         held = self.store_tokens(request)
         matched = held - num_computed_tokens
         if matched < self.unit_tokens:
@@ -458,7 +488,10 @@ class RemoteStoreConnector(EmptyRemoteConnector):
 
     def _save(self, request: Any, computed_tokens: int, at_once: bool) -> None:
         """Store the chunks of the request's first ``computed_tokens`` tokens
-        not offered yet (Mamba states come by hand-off)."""
+        not offered yet (Mamba states come by hand-off); nothing for a
+        decode instance (``kv_consumer``)."""
+        if not self.saves:
+            return
         offered = self._offered.setdefault(request.request_id, {})
         full = min(computed_tokens, len(request.block_hashes) * self.hash_block_tokens)
         keys: list[OffloadKey] = []
@@ -476,6 +509,8 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         """``prepare_store`` the keys (completed at once, or when the step's
         transfers are reported); false when the manager could not make room."""
         context = self._context(request)
+        if not self.saves:
+            return True  # a decode instance (kv_consumer) saves nothing
         out = self.store.prepare_store(keys, context)
         self._log(
             request.request_id,
@@ -557,12 +592,13 @@ class RemoteStoreConnector(EmptyRemoteConnector):
             self._store(request, keys, at_once=True)
         return False
 
-    def request_finished_all_groups(
+    def request_finished_all_groups(  # type: ignore[override]
         self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, None]:
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Keep everything the request computed, then commit its recency
         (``on_request_finished``); freed at once (the copy is synchronous in
-        this model)."""
+        this model). A prefill instance's request (``do_remote_decode``)
+        returns the ``kv_transfer_params`` its decode instance gets."""
         self._save(request, request.num_computed_tokens, at_once=True)
         context = self._context(request)
         self.store.on_request_finished(context)
@@ -570,6 +606,10 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         self._requests.pop(request.request_id, None)
         self._contexts.pop(request.request_id, None)
         self._offered.pop(request.request_id, None)
+        params = request.kv_transfer_params or {}
+        if self.saves and not self.loads and params.get("do_remote_decode"):
+            # NixlConnectorScheduler.request_finished's hand-over to the decode side.
+            return False, {"do_remote_prefill": True, "do_remote_decode": False}
         return False, None
 
     # ------------------------------------------------------------------- log

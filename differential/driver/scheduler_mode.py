@@ -87,6 +87,7 @@ import differential.driver.runner as runner
 from differential.capabilities import Unsupported
 from differential.driver import prefix_cache
 from differential.driver.block_ledger import BlockLedger
+from differential.driver.disagg import PrefillInstance
 from differential.driver.features import VllmCallError, classified_run, vllm_build, vllm_call
 from differential.driver.kv_events import EventRecorder
 from differential.driver.runner import UNSET, resolve_retention
@@ -178,12 +179,19 @@ def _validated_config(
 
 
 def _vllm_config(
-    scenario: Scenario, resolved: ResolvedDrafter, num_blocks: int, max_model_len: int
+    scenario: Scenario,
+    resolved: ResolvedDrafter,
+    num_blocks: int,
+    max_model_len: int,
+    prefill_instance: bool = False,
 ) -> Any:
     """A real ``VllmConfig`` for the scenario (see the module docstring): a
     deep copy of the layout's validated one (:func:`_validated_config`; a
     run's scheduler never sees another run's config), then set up as the
-    scheduler reads it."""
+    scheduler reads it. ``prefill_instance``: the config of a disaggregated
+    workload's prefill instance (:mod:`differential.driver.disagg`): its
+    connector's ``kv_role`` ``kv_producer``, synchronous scheduling, no KV
+    cache events."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm.config import KVEventsConfig
@@ -202,7 +210,7 @@ def _vllm_config(
             budget,
             workload.max_num_seqs or min(8, budget),
             max_model_len,
-            workload.async_scheduling,
+            workload.async_scheduling and not prefill_instance,
         )
     )
     # After validation (see the module docstring): what the scheduler reads.
@@ -213,7 +221,7 @@ def _vllm_config(
     # vLLM's own range check of the fraction (SchedulerConfig: 0 <= w < 1)
     # ran on the scenario's field (differential/scenario/json_form.py).
     config.scheduler_config.watermark = workload.watermark
-    if workload.kv_events is not KVEvents.OFF:
+    if workload.kv_events is not KVEvents.OFF and not prefill_instance:
         # Events on, published nowhere: the driver records each batch at the
         # scheduler's own publish call (_install_recorders).
         object.__setattr__(
@@ -227,7 +235,7 @@ def _vllm_config(
     # unless the workload asks for vLLM's AsyncScheduler, whichever platform
     # vLLM resolved in this process: with an unresolved one VllmConfig turns
     # async scheduling on.
-    config.scheduler_config.async_scheduling = workload.async_scheduling
+    config.scheduler_config.async_scheduling = workload.async_scheduling and not prefill_instance
     _set_drafter(config, scenario)
     store = workload.connector
     if scenario.kv_connector or store is not None:
@@ -241,7 +249,7 @@ def _vllm_config(
                 KVTransferConfig,
                 kv_connector="EmptyRemoteConnector" if store is None else "RemoteStoreConnector",
                 kv_connector_module_path="differential.driver.connector",
-                kv_role="kv_both",
+                kv_role=_kv_role(scenario, prefill_instance),
                 **_remote_store_settings(scenario),
             ),
         )
@@ -354,6 +362,15 @@ def _check_async_drafter(config: Any) -> None:
             "VllmConfig.__post_init__ refuses async scheduling with the V1 model runner "
             f"for {spec.method}-based speculative decoding (vllm/config/vllm.py)"
         )
+
+
+def _kv_role(scenario: Scenario, prefill_instance: bool) -> str:
+    """``KVTransferConfig.kv_role``: ``kv_producer`` for a prefill instance,
+    else the workload's store's (``kv_both`` without a store)."""
+    if prefill_instance:
+        return "kv_producer"
+    store = scenario.workload.connector
+    return "kv_both" if store is None else store.kv_role.value
 
 
 def _remote_store_settings(scenario: Scenario) -> dict[str, Any]:
@@ -960,22 +977,30 @@ def _arrive(
     added: int,
     step: int,
     phase: list[str],
+    prefill: Callable[[list[int]], None] | None = None,
 ) -> int:
     """Add the requests that arrive at ``step``: by their arrival step, or
     (``arrival_steps`` ``None``: sequential) the next one when the engine is
-    empty. Returns how many requests have been added in all."""
-    while added < len(requests):
+    empty, each first through ``prefill`` (a disaggregated workload's
+    prefill instance) when given. Returns how many requests have been added
+    in all."""
+    now = added
+    while now < len(requests):
         if arrival_steps is None:
             if scheduler.get_num_unfinished_requests():
                 break
-        elif arrival_steps[added] > step:
+        elif arrival_steps[now] > step:
             break
-        phase[0] = f"step {step}: add_request req-{added}"
-        vllm_call("Scheduler.add_request", scheduler.add_request, requests[added])
-        added += 1
+        now += 1
         if arrival_steps is None:
             break
-    return added
+    if prefill is not None and now > added:
+        phase[0] = f"step {step}: prefill instance, req-{added}..req-{now - 1}"
+        prefill(list(range(added, now)))
+    for i in range(added, now):
+        phase[0] = f"step {step}: add_request req-{i}"
+        vllm_call("Scheduler.add_request", scheduler.add_request, requests[i])
+    return now
 
 
 def _abort(
@@ -1293,6 +1318,7 @@ class _RunReport:
     # (request index, step, free blocks right after the admission)
     watermark_admissions: list[tuple[int, int, int]] = field(default_factory=list)
     store: Any = None  # the connector's store (RemoteStoreConnector), if any
+    prefill: PrefillInstance | None = None  # a disaggregated workload's prefill instance
     # (request index, step, (group, index) per block in the order freed)
     deferred_frees: list[tuple[int, int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
 
@@ -1326,13 +1352,19 @@ class _Progress:
 
 
 def _build_scheduler(
-    scenario: Scenario, retention: int | None, phase: list[str], report: _RunReport
+    scenario: Scenario,
+    retention: int | None,
+    phase: list[str],
+    report: _RunReport,
+    prefill_instance: bool = False,
 ) -> tuple[Any, ResolvedDrafter]:
     """vLLM's ``Scheduler`` configured for the scenario (see the module
     docstring): the drafter resolved, the pool (``report.pool``, in blocks),
     a context long enough for the longest request's tokens, decode steps and
     draft slots, and the KV cache groups of manager mode with the retention
-    interval (tokens). Returns it with the resolved drafter settings."""
+    interval (tokens); ``prefill_instance``: a disaggregated workload's
+    prefill instance (:func:`_vllm_config`). Returns it with the resolved
+    drafter settings."""
     from vllm.v1.structured_output import StructuredOutputManager
 
     resolved = resolve_drafter(scenario)
@@ -1346,7 +1378,7 @@ def _build_scheduler(
         + 2
     )
     phase[0] = "build VllmConfig"
-    config = _vllm_config(scenario, resolved, pool, max_model_len)
+    config = _vllm_config(scenario, resolved, pool, max_model_len, prefill_instance)
     phase[0] = "build Scheduler"
     kv_config = kv_cache_config(scenario, resolved, pool, retention)
     if scenario.dcp_world_size > 1:
@@ -1372,6 +1404,70 @@ def _build_scheduler(
     )
     _size_encoder_budget(scheduler, scenario)
     return scheduler, resolved
+
+
+def _prefill_instance(
+    scenario: Scenario, retention: int | None, phase: list[str], report: _RunReport
+) -> PrefillInstance:
+    """A disaggregated workload's prefill instance (:mod:`differential.driver.disagg`):
+    a second ``Scheduler`` of the same layout and pool, its connector a
+    ``kv_producer`` sharing the decode instance's store (``report.store``),
+    and the scenario's requests for it, each with ``max_tokens`` 1 and
+    ``kv_transfer_params`` ``{"do_remote_decode": True}``."""
+    scheduler, resolved = _build_scheduler(
+        scenario, retention, phase, _RunReport(), prefill_instance=True
+    )
+    scheduler.connector.share_store(report.store)
+    hasher = runner.block_hasher(scenario, resolved)
+    requests = []
+    for i, prompt in enumerate(scenario.prompts):
+        request = runner.make_request(scenario, i, prompt, hasher, 1)
+        request.kv_transfer_params = {"do_remote_decode": True}
+        requests.append(request)
+    return PrefillInstance(scheduler, requests, lambda i: scenario.output_token(i, 0))
+
+
+def _prefill_hook(
+    report: _RunReport, requests: list[Any], record_cache_map: bool
+) -> Callable[[list[int]], None] | None:
+    """What :func:`_arrive` calls before adding requests to a disaggregated
+    workload's decode instance: the prefill instance runs them to their end,
+    and each decode request takes the ``kv_transfer_params`` its prefill
+    returned (a timeline line with ``record_cache_map``); ``None`` without a
+    prefill instance."""
+    instance = report.prefill
+    if instance is None:
+        return None
+
+    def prefill(indices: list[int]) -> None:
+        line = instance.prefill(indices)
+        for i in indices:
+            requests[i].kv_transfer_params = instance.done[i].kv_transfer_params
+        if record_cache_map:
+            report.timeline.append(line)
+
+    return prefill
+
+
+def _with_prefills(
+    observed: list[RequestObservation], instance: PrefillInstance
+) -> list[RequestObservation]:
+    """The observations with what the prefill instance did with each request
+    set on its connector lookup (``prefill_hit_tokens``, ``prefill_tokens``)."""
+    out = []
+    for r in observed:
+        done = instance.done.get(r.index)
+        if r.connector is not None and done is not None:
+            r = replace(
+                r,
+                connector=replace(
+                    r.connector,
+                    prefill_hit_tokens=done.hit_tokens,
+                    prefill_tokens=done.computed_tokens,
+                ),
+            )
+        out.append(r)
+    return out
 
 
 def _fenced(scheduler: Any) -> Counter[int]:
@@ -1450,9 +1546,11 @@ def _arrivals(
     phase: list[str],
     *,
     in_flight: bool = False,
+    prefill: Callable[[list[int]], None] | None = None,
 ) -> tuple[range, list[int]]:
     """The requests that arrive and those aborted before the step's
-    ``schedule()`` (:func:`_arrive`, :func:`_abort`), as scenario indices;
+    ``schedule()`` (:func:`_arrive`, :func:`_abort`; ``prefill``: a
+    disaggregated workload's prefill instance), as scenario indices;
     with arrival steps, nothing to schedule and no batch ``in_flight``
     (async scheduling), ``step`` first jumps to the next arrival."""
     workload = scenario.workload
@@ -1462,7 +1560,7 @@ def _arrivals(
         step[0] = max(step[0], workload.arrival_steps[progress.added])
     arrived = progress.added
     progress.added = _arrive(
-        scheduler, requests, workload.arrival_steps, progress.added, step[0], phase
+        scheduler, requests, workload.arrival_steps, progress.added, step[0], phase, prefill
     )
     aborts = _abort(
         scheduler, requests, workload.abort_steps, progress.added, step[0], progress.aborted, phase
@@ -1774,7 +1872,14 @@ def _drive_steps(
     executed = 0  # steps run, not counting the idle gaps skipped to an arrival
     while progress.added < len(requests) or scheduler.has_requests() or queue:
         arrivals, aborts = _arrivals(
-            scheduler, scenario, requests, progress, step, phase, in_flight=bool(queue)
+            scheduler,
+            scenario,
+            requests,
+            progress,
+            step,
+            phase,
+            in_flight=bool(queue),
+            prefill=_prefill_hook(report, requests, record_cache_map),
         )
         phase[0] = f"step {step[0]}: schedule"
         if queue is None:
@@ -1917,6 +2022,9 @@ def run_scheduler_scenario(
             replace(resolved, use_eagle_block_drop=bool(scheduler.use_eagle_block_drop)),
         )
         recorders = _install_recorders(scenario, scheduler, resolved, record_cache_map, report)
+        store = scenario.workload.connector
+        if store is not None and store.disaggregated:
+            report.prefill = _prefill_instance(scenario, retention, phase, report)
         progress, model_runner = _drive_steps(
             scenario, scheduler, recorders, report, phase, record_cache_map
         )
@@ -1938,6 +2046,8 @@ def run_scheduler_scenario(
             model_runner.failed,
             report.ledger,
         )
+        if report.prefill is not None:
+            report.observed = _with_prefills(report.observed, report.prefill)
         phase[0] = "count unreachable cached blocks"
         report.unreachable, report.cached_blocks = (
             _unreachable(scenario, manager, report.requests) if scenario.prefix_caching else (0, 0)

@@ -48,6 +48,10 @@ Three rules on top of the per-lookup invariants of
   local hit and what the store holds past the block-aligned local hit, and
   on layouts of full attention and MLA at least what the store provably
   held; with prefix caching off no lookup is owed a local hit.
+* **Disaggregated prefill and decode** (:mod:`differential.oracle.disagg`,
+  ``workload.connector.kv_role`` ``kv_consumer``): the decode instance is
+  owed what the prefill instance computed and saved, and its local cache
+  owes later requests what it loaded.
 * **Async scheduling** (:mod:`differential.oracle.scheduling`): a run
   under vLLM's ``AsyncScheduler`` is judged on its own timeline by the
   rules above (a step's output is applied one step later, so a writer
@@ -82,6 +86,7 @@ from differential.oracle.core import (
     promise_policy,
     references,
 )
+from differential.oracle.disagg import disagg_findings
 from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import common_prefix_tokens, written_contents
@@ -491,6 +496,7 @@ def judge_engine_run(
     findings += kv_event_findings(scenario, run, policy)
     findings += watermark_findings(scenario, run, policy)
     findings += connector_findings(scenario, run, policy)
+    findings += disagg_findings(scenario, run, policy)
     findings += free_order_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return (), tuple(findings)

@@ -34,6 +34,7 @@ from differential.scenario.workload import (
     DriveMode,
     KVEvents,
     KVEventsView,
+    KVRole,
     MultiModalInput,
     RequestSpec,
     Workload,
@@ -275,6 +276,14 @@ class ConnectorDocument(BaseModel):
         "multiple of the scheduler block size; hits are whole chunks. null: a key per "
         "group block, hits on the hit alignment.",
     )
+    kv_role: KVRole = Field(
+        default=KVRole.KV_BOTH,
+        exclude_if=lambda v: v is KVRole.KV_BOTH,
+        description="KVTransferConfig.kv_role of the driven scheduler: 'kv_both' (one engine "
+        "saves and loads), or 'kv_consumer' (disaggregated prefill and decode: a prefill "
+        "instance, a kv_producer Scheduler, computes each request with max_tokens 1 and "
+        "saves it to the shared store; the driven decode instance loads it and decodes).",
+    )
 
     def value(self) -> ConnectorStore:
         """The store as a value."""
@@ -285,6 +294,7 @@ class ConnectorDocument(BaseModel):
             prefix_caching=self.prefix_caching,
             capacity_chunks=self.capacity_chunks,
             chunk_tokens=self.chunk_tokens,
+            kv_role=self.kv_role,
         )
 
 

@@ -358,6 +358,13 @@ def check_connector(s: Scenario) -> None:
             "true with mamba groups (vLLM's Mamba align mode needs prefix caching)",
         )
     check_store_grid(s)
+    if store.disaggregated and store.bounded:
+        raise ScenarioError(
+            "workload.connector.capacity_chunks",
+            store.capacity_chunks,
+            "null when kv_role is 'kv_consumer' (the prefill and decode instances share "
+            "one store; a bounded one's LRU replay follows a single scheduler's calls)",
+        )
 
 
 def check_store_grid(s: Scenario) -> None:

@@ -14,6 +14,7 @@ __all__ = [
     "ConnectorStore",
     "DriveMode",
     "KVEvents",
+    "KVRole",
     "MultiModalInput",
     "RequestSpec",
     "Workload",
@@ -173,6 +174,29 @@ class ConnectorLoad(StrEnum):
     ASYNC = "async"
 
 
+class KVRole(StrEnum):
+    """The KV connector's role on the scheduler kvfuzz drives
+    (``KVTransferConfig.kv_role``, vllm/config/kv_transfer.py).
+
+    ``KV_BOTH`` (the default): one engine saves to the store and loads from
+    it (a CPU-offload tier). ``KV_CONSUMER``: disaggregated prefill and
+    decode. The driven scheduler is the decode instance (``kv_consumer``); a
+    second vLLM ``Scheduler``, the prefill instance (``kv_producer``), shares
+    the store. Every request is first sent to the prefill instance with
+    ``max_tokens`` 1 and ``kv_transfer_params`` ``{"do_remote_decode":
+    true}``, as vLLM's P/D proxies send it
+    (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py); the prefill
+    instance computes the prompt and saves it to the store; the
+    ``kv_transfer_params`` its ``request_finished`` returns
+    (``do_remote_prefill``) go with the request to the decode instance,
+    which loads what the store holds and decodes. The decode instance saves
+    nothing (a consumer), the prefill instance loads nothing (a producer).
+    """
+
+    KV_BOTH = "kv_both"
+    KV_CONSUMER = "kv_consumer"
+
+
 @dataclass(frozen=True)
 class ConnectorStore:
     """(Scheduler mode) the KV connector's remote store and how it behaves.
@@ -212,6 +236,10 @@ class ConnectorStore:
             of each group's blocks) and a hit is a whole number of chunks.
             ``None``: each group keeps a key per block (vLLM's default,
             ``blocks_per_chunk`` 1) and hits land on the hit alignment.
+        kv_role: :class:`KVRole`: ``kv_both`` (one engine), or
+            ``kv_consumer``: the driven scheduler is a decode instance fed
+            by a prefill instance (a ``kv_producer`` scheduler) through the
+            store.
     """
 
     load: ConnectorLoad = ConnectorLoad.SYNC
@@ -220,6 +248,13 @@ class ConnectorStore:
     prefix_caching: bool = True
     capacity_chunks: int | None = None
     chunk_tokens: int | None = None
+    kv_role: KVRole = KVRole.KV_BOTH
+
+    @property
+    def disaggregated(self) -> bool:
+        """A prefill instance computes every request before the driven
+        (decode) scheduler sees it (``kv_role`` ``kv_consumer``)."""
+        return self.kv_role is KVRole.KV_CONSUMER
 
     @property
     def bounded(self) -> bool:

@@ -1,0 +1,190 @@
+"""Disaggregated prefill and decode through two real vLLM Schedulers
+(``workload.connector.kv_role`` ``kv_consumer``): a prefill instance
+(``kv_producer``) computes each request with ``max_tokens`` 1 and saves it to
+the shared store, the driven decode instance loads it asynchronously and
+decodes. Exact values from real runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+from differential.driver.scheduler_mode import run_scheduler_scenario
+from differential.observation import RunObservation
+from differential.oracle.connector import connector_findings
+from differential.oracle.disagg import disagg_findings, local_owed, prefill_owed
+from differential.scenario import KVRole, Scenario
+
+pytestmark = pytest.mark.vllm
+
+
+def _scenario(groups: list[dict[str, Any]], **fields: Any) -> Scenario:
+    """Three requests on the decode instance: a 100-token prompt of a
+    128-token prefix, a 148-token prompt of all of it and 20 more, a resend
+    of the first prompt's 100 tokens and 7 more; four decode steps each."""
+    data: dict[str, Any] = {
+        "format": "kvfuzz.scenario",
+        "version": 1,
+        "name": "disagg",
+        "kv_cache_groups": groups,
+        "retention_interval_tokens": None,
+        "drafter": {"kind": "none", "num_speculative_tokens": 0},
+        "kv_connector": True,
+        "prefill_chunk_tokens": 64,
+        "decode_steps": 4,
+        "shared_prefix_tokens": 128,
+        "requests": [
+            {"shares_with": None, "divergence_tokens": 100, "suffix_tokens": 0},
+            {"shares_with": None, "divergence_tokens": 128, "suffix_tokens": 20},
+            {"shares_with": 0, "divergence_tokens": 100, "suffix_tokens": 7},
+        ],
+        "workload": {
+            "mode": "scheduler",
+            "connector": {"load": "async", "kv_role": "kv_consumer"},
+        },
+    }
+    data.update(fields)
+    return Scenario.from_json(json.dumps(data))
+
+
+FA16 = {"kind": "full_attention", "block_size_tokens": 16, "sliding_window_tokens": None}
+MAMBA32 = {"kind": "mamba", "block_size_tokens": 32, "sliding_window_tokens": None}
+
+
+def _lookups(run: RunObservation) -> list[tuple[int | None, int | None, int, int, int, bool]]:
+    """Per request: (prefill instance's hit, tokens it computed, decode
+    instance's local hit, store held, external tokens loaded, async), in tokens."""
+    assert run.error is None
+    out = []
+    for r in run.requests:
+        c = r.connector
+        assert c is not None
+        out.append(
+            (
+                c.prefill_hit_tokens,
+                c.prefill_tokens,
+                c.local_hit_tokens,
+                c.store_tokens,
+                c.external_tokens,
+                c.load_async,
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("groups", [[FA16], [FA16, MAMBA32]], ids=["fa", "mamba-hybrid"])
+def test_decode_instance_loads_what_the_prefill_instance_computed(
+    groups: list[dict[str, Any]],
+) -> None:
+    s = _scenario(groups)
+    run = run_scheduler_scenario(s, "unfixed", record_cache_map=True)
+    # Request 0: the prefill instance computes 100 tokens, the store holds
+    # 96 (six 16-token hash blocks; on the hybrid the Mamba state at the
+    # prompt's checkpoint (100 - 1) // 16 * 16 = 96), the decode instance
+    # loads all 96 asynchronously. Request 1: the prefill instance hits 96
+    # in its own cache and computes 148; the decode instance hits the 96 it
+    # loaded for request 0 in its local cache and loads 48 more. Request 2:
+    # the 96 are local, the store holds nothing past them.
+    assert _lookups(run) == [
+        (0, 100, 0, 96, 96, True),
+        (96, 148, 96, 144, 48, True),
+        (96, 107, 96, 96, 0, False),
+    ]
+    assert [r.hit_tokens for r in run.requests] == [0, 96, 96]
+    assert run.timeline[0].startswith("prefill instance, steps 0..")
+    assert "req-0 (hit 0) computed 100" in run.timeline[0]
+    assert "req-0 loads [0, 96) async" in run.timeline[1]
+    # Both rules judge and are met: request 1 is owed 144 from the store and
+    # 96 locally from request 0's load; request 2 is owed 96 locally.
+    assert [prefill_owed(s, run, r) for r in run.requests] == [96, 144, None]
+    owed = [local_owed(s, run, r) for r in run.requests]
+    assert [(o.tokens, o.loader) if o else None for o in owed] == [None, (96, 0), (96, 0)]
+    assert disagg_findings(s, run) == []
+    assert connector_findings(s, run) == []
+
+
+def test_one_engine_loads_nothing_the_prefill_instance_would_have_saved() -> None:
+    """The same workload with kv_role kv_both (one engine, no prefill
+    instance): the store is empty at request 0 and holds only what the
+    engine computed itself, so nothing is loaded."""
+    s = _scenario([FA16, MAMBA32])
+    assert s.workload.connector is not None
+    both = dataclasses.replace(s.workload.connector, kv_role=KVRole.KV_BOTH)
+    s = dataclasses.replace(s, workload=dataclasses.replace(s.workload, connector=both))
+    run = run_scheduler_scenario(s, "unfixed")
+    assert [
+        (c.local_hit_tokens, c.store_tokens, c.external_tokens, c.prefill_tokens)
+        for c in (r.connector for r in run.requests)
+        if c is not None
+    ] == [
+        (0, 0, 0, None),
+        (96, 96, 0, None),
+        (96, 96, 0, None),
+    ]
+
+
+def test_eagle_drop_gives_back_a_block_of_what_was_loaded() -> None:
+    """Shrunk from a seed-71 campaign (full attention, block 4, MTP drafter:
+    a KV connector turns lookahead hashes off, so the EAGLE drop is on). The
+    decode instance loads 24 of request 0's 25 tokens; request 1 (request
+    0's prompt and 4 more) hits 20 locally, one block under the 24 loaded,
+    as vLLM's lookup with ``use_eagle`` gives back its last matched block,
+    and loads 8 more. The local rule owes 20, not 24."""
+    s = _scenario(
+        [{"kind": "full_attention", "block_size_tokens": 4, "sliding_window_tokens": None}],
+        drafter={"kind": "mtp", "num_speculative_tokens": 1},
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=8,
+        decode_steps=0,
+        shared_prefix_tokens=0,
+        requests=[
+            {"shares_with": None, "divergence_tokens": 0, "suffix_tokens": 25},
+            {"shares_with": 0, "divergence_tokens": 25, "suffix_tokens": 4},
+        ],
+        workload={
+            "mode": "scheduler",
+            "max_num_seqs": 1,
+            "connector": {"load": "async", "kv_role": "kv_consumer"},
+        },
+    )
+    run = run_scheduler_scenario(s, "unfixed")
+    assert _lookups(run) == [(0, 25, 0, 24, 24, True), (20, 29, 20, 28, 8, True)]
+    owed = local_owed(s, run, run.requests[1])
+    assert owed is not None and (owed.tokens, owed.loader, owed.loaded_tokens) == (20, 0, 24)
+    assert disagg_findings(s, run) == []
+
+
+def test_a_loaded_mamba_state_under_the_eagle_drop_serves_no_local_hit() -> None:
+    """Shrunk from a seed-71 campaign (full attention 8 + three Mamba groups
+    of 8, EAGLE drafter, divergent hybrid hits): two 17-token prompts
+    sharing 16 tokens. The prefill instance, which computed request 0
+    itself, hits 8 for request 1 (its state at 8 proves the block past it);
+    the decode instance loaded only the state at 16, which under the drop
+    proves nothing, so it hits 0 and loads [0, 16) again. Not judged."""
+    s = _scenario(
+        [
+            {"kind": "full_attention", "block_size_tokens": 8, "sliding_window_tokens": None},
+            *[{"kind": "mamba", "block_size_tokens": 8, "sliding_window_tokens": None}] * 3,
+        ],
+        drafter={"kind": "eagle", "num_speculative_tokens": 1},
+        disable_lookahead_block_hashes=True,
+        prefill_chunk_tokens=8,
+        decode_steps=0,
+        shared_prefix_tokens=16,
+        requests=[
+            {"shares_with": None, "divergence_tokens": 16, "suffix_tokens": 1},
+            {"shares_with": None, "divergence_tokens": 16, "suffix_tokens": 1},
+        ],
+        workload={
+            "mode": "scheduler",
+            "max_num_seqs": 1,
+            "connector": {"load": "async", "divergent_hybrid_hits": True, "kv_role": "kv_consumer"},
+        },
+    )
+    run = run_scheduler_scenario(s, "unfixed")
+    assert _lookups(run) == [(0, 17, 0, 16, 16, True), (8, 17, 0, 16, 16, True)]
+    assert local_owed(s, run, run.requests[1]) is None
+    assert disagg_findings(s, run) == []
