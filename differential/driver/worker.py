@@ -18,6 +18,8 @@ descriptor and file descriptor 1 is pointed at stderr, so a banner or any
 other print of vLLM (Python or C) cannot corrupt the protocol. The parent
 keeps the tail of stderr and shows it when the worker dies.
 
+A scenario with a model also has that vLLM plan the model's KV cache, as
+an engine start does (:func:`differential.driver.planner.with_kv_cache_plan`).
 Each run drives the scenario's own mode (``workload.mode``): vLLM's
 ``KVCacheManager`` (:func:`differential.driver.runner.run_scenario`) or its
 ``Scheduler`` (:func:`differential.driver.scheduler_mode.run_scheduler_scenario`),
@@ -59,6 +61,7 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
     import vllm
 
     from differential.capabilities import Unsupported, equivalent_scenario
+    from differential.driver.planner import with_kv_cache_plan
     from differential.driver.runner import run_scenario
     from differential.errors import InternalError
     from differential.observation import RunObservation
@@ -90,8 +93,10 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
         if mode == "scheduler" or (mode is None and scenario.workload.mode is DriveMode.SCHEDULER):
             from differential.driver.scheduler_mode import run_scheduler_scenario
 
-            return run_scheduler_scenario(scenario, request["variant"], **kwargs)
-        return run_scenario(scenario, request["variant"], **kwargs)
+            run = run_scheduler_scenario(scenario, request["variant"], **kwargs)
+        else:
+            run = run_scenario(scenario, request["variant"], **kwargs)
+        return with_kv_cache_plan(scenario, run)
 
     def handle(request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         if request["op"] == "hello":
