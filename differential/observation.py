@@ -899,12 +899,16 @@ class PlannedGroup:
         layers: the layer names the group holds, in vLLM's order.
         page_size_bytes: each layer's page (padded when vLLM pads it), in
             bytes, in the order of ``layers``.
+        extra_retained_tokens: (a sliding-window group) the tokens past the
+            window whose blocks the group also keeps
+            (``SlidingWindowSpec.extra_retained_tokens``); 0 otherwise.
     """
 
     spec: str
     block_size_tokens: int
     layers: tuple[str, ...]
     page_size_bytes: tuple[int, ...]
+    extra_retained_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -913,6 +917,7 @@ class PlannedGroup:
             "block_size_tokens": self.block_size_tokens,
             "layers": list(self.layers),
             "page_size_bytes": list(self.page_size_bytes),
+            "extra_retained_tokens": self.extra_retained_tokens,
         }
 
     @classmethod
@@ -923,6 +928,7 @@ class PlannedGroup:
             data["block_size_tokens"],
             tuple(data["layers"]),
             tuple(data["page_size_bytes"]),
+            data["extra_retained_tokens"],
         )
 
 

@@ -391,7 +391,13 @@ def _planned_group(group: KVCacheGroupSpec) -> PlannedGroup:
         else spec.page_size_bytes
         for name in group.layer_names
     )
-    return PlannedGroup(type(spec).__name__, spec.block_size, tuple(group.layer_names), pages)
+    return PlannedGroup(
+        type(spec).__name__,
+        spec.block_size,
+        tuple(group.layer_names),
+        pages,
+        getattr(spec, "extra_retained_tokens", 0),
+    )
 
 
 def observe_kv_cache_plan(scenario: Scenario) -> KVCachePlan | None:

@@ -190,6 +190,10 @@ def alignment_blowup(scenario: Scenario) -> Finding | None:
 #   layers i, i + groups, ... (``_get_kv_cache_groups_uniform_page_size``:
 #   "a model with 10 full attention layers and 20 sliding window attention
 #   layers ... 3 kv_cache_groups, each of which represents 10 layers");
+# * every sliding window keeps the drafter's re-prefillable tail past it,
+#   ``extra_retained_tokens`` = ``num_prefill_lookahead_tokens`` - 1
+#   (``get_global_kv_cache_groups``: multi-module MTP re-prefills its last
+#   tokens; :func:`differential.oracle.core.drafter_model`);
 # * the scheduler block is the LCM of the group blocks, the hash block their
 #   GCD; one group's are both the configured block
 #   (``resolve_kv_cache_block_sizes``, vllm/v1/core/kv_cache_utils.py);
@@ -266,12 +270,14 @@ def layer_page_bytes(layer: LayerSpec, block_tokens: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class OwedGroup:
     """A KV cache group first principles owe: its spec class, block (tokens),
-    layers, and each layer's page (bytes, padded)."""
+    layers, each layer's page (bytes, padded) and, for a sliding window, the
+    tokens kept past the window (``extra_retained_tokens``)."""
 
     spec: str
     block_size_tokens: int
     layers: tuple[str, ...]
     page_size_bytes: tuple[int, ...]
+    extra_retained_tokens: int = 0
 
 
 def _raw_layers(model: ModelDescription) -> list[_Layer] | None:
@@ -325,9 +331,12 @@ def _split(layers: list[_Layer]) -> list[list[_Layer]]:
     return groups
 
 
-def owed_groups(model: ModelDescription) -> tuple[OwedGroup, ...] | None:
-    """The KV cache groups first principles owe ``model`` (the rules above);
-    ``None`` for a model they do not judge."""
+def owed_groups(
+    model: ModelDescription, extra_retained_tokens: int = 0
+) -> tuple[OwedGroup, ...] | None:
+    """The KV cache groups first principles owe ``model`` (the rules above),
+    each sliding-window group keeping ``extra_retained_tokens`` tokens past
+    its window; ``None`` for a model they do not judge."""
     if model.kv_cache_layout.startswith("B"):
         return None
     layers = _raw_layers(model)
@@ -335,7 +344,7 @@ def owed_groups(model: ModelDescription) -> tuple[OwedGroup, ...] | None:
         return None
     first = layers[0]
     if all(layer.shape == first.shape for layer in layers):
-        return (_owed(first.spec.kind, [layers]),)
+        return (_owed(first.spec.kind, [layers], extra_retained_tokens),)
     attention = (
         GroupKind.FULL_ATTENTION,
         GroupKind.SLIDING_WINDOW,
@@ -350,20 +359,26 @@ def owed_groups(model: ModelDescription) -> tuple[OwedGroup, ...] | None:
     ):
         if first.spec.kind not in attention:
             return None
-        return (_owed(first.spec.kind, [layers], uniform_type=True),)
+        return (_owed(first.spec.kind, [layers], 0, uniform_type=True),)
     unified = _unified(layers)
     if unified is None:
         return None
-    return tuple(_owed(g[0].spec.kind, [g]) for g in _split(unified))
+    return tuple(_owed(g[0].spec.kind, [g], extra_retained_tokens) for g in _split(unified))
 
 
-def _owed(kind: GroupKind, groups: list[list[_Layer]], uniform_type: bool = False) -> OwedGroup:
+def _owed(
+    kind: GroupKind, groups: list[list[_Layer]], extra_retained: int, uniform_type: bool = False
+) -> OwedGroup:
+    """One owed group; a sliding window (MLA too: ``SlidingWindowMLASpec``
+    is a ``SlidingWindowSpec``) keeps ``extra_retained`` tokens past its
+    window; a group of mixed pages reports none of its own."""
     (layers,) = groups
     return OwedGroup(
         "UniformTypeKVCacheSpecs" if uniform_type else SPEC_CLASS[kind],
         layers[0].block_tokens,
         tuple(layer.name for layer in layers),
         tuple(layer.page_bytes for layer in layers),
+        extra_retained if kind.sliding_window_family and not uniform_type else 0,
     )
 
 
@@ -390,16 +405,21 @@ def _plan_problems(plan: KVCachePlan, groups: tuple[OwedGroup, ...], block: int)
     """What of ``plan`` differs from what ``groups`` owe (``block``: the
     configured block size, in tokens)."""
     problems = []
-    got = [OwedGroup(g.spec, g.block_size_tokens, g.layers, g.page_size_bytes) for g in plan.groups]
+    got = [
+        OwedGroup(g.spec, g.block_size_tokens, g.layers, g.page_size_bytes, g.extra_retained_tokens)
+        for g in plan.groups
+    ]
     if got != list(groups):
         for i, (owed, seen) in enumerate(zip(groups, got, strict=False)):
             if owed != seen:
                 problems.append(
                     f"group {i}: {seen.spec} block {seen.block_size_tokens} tokens, "
                     f"{len(seen.layers)} layer(s) from {seen.layers[:1]}, pages "
-                    f"{sorted(set(seen.page_size_bytes))} bytes; owed {owed.spec} block "
-                    f"{owed.block_size_tokens} tokens, {len(owed.layers)} layer(s) from "
-                    f"{owed.layers[:1]}, pages {sorted(set(owed.page_size_bytes))} bytes"
+                    f"{sorted(set(seen.page_size_bytes))} bytes, {seen.extra_retained_tokens} "
+                    f"extra retained tokens; owed {owed.spec} block {owed.block_size_tokens} "
+                    f"tokens, {len(owed.layers)} layer(s) from {owed.layers[:1]}, pages "
+                    f"{sorted(set(owed.page_size_bytes))} bytes, {owed.extra_retained_tokens} "
+                    "extra retained tokens"
                 )
                 break
         if len(got) != len(groups):
@@ -439,7 +459,7 @@ def kv_cache_plan_findings(scenario: Scenario, run: RunObservation) -> list[Find
     without a model or plan, or for a model the rules do not judge.
 
     The finding names every difference found: the first differing group
-    (spec, block in tokens, layers, pages in bytes), the scheduler and hash
+    (spec, block in tokens, layers, pages in bytes, extra retained tokens), the scheduler and hash
     block sizes (tokens), ``num_blocks`` against the pool (blocks), the first
     differing tensor (bytes, layers, offset and strides in bytes).
     """
@@ -450,7 +470,10 @@ def kv_cache_plan_findings(scenario: Scenario, run: RunObservation) -> list[Find
         return [
             Finding(FindingKind.CRASH, run.variant, None, f"planning the KV cache: {plan.error}")
         ]
-    groups = owed_groups(model)
+    # The drafter's re-prefillable tail (multi-module MTP) stays in every
+    # sliding window: get_global_kv_cache_groups tags each SlidingWindowSpec
+    # with num_prefill_lookahead_tokens - 1.
+    groups = owed_groups(model, drafter_model(scenario).reprefillable_tokens)
     if groups is None:
         return []
     problems = _plan_problems(plan, groups, model.block_size_tokens)

@@ -18,6 +18,7 @@ from differential.mutation.score import MutantStatus, run_mutation
 from differential.observation import KVCachePlan, RunObservation
 from differential.oracle.layout import kv_cache_plan_findings, owed_groups
 from differential.scenario import GroupKind, Scenario
+from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.models import LayerSpec, ModelDescription
 from tests.factories import CORPORA, ROOT
 
@@ -25,6 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("forked_tree_workers")]
 
 K = GroupKind
 MIMO = CORPORA / "cases" / "mimo-v2-unequal-pages.json"
+NAS = CORPORA / "cases" / "nemotron-nas-per-layer-kv-heads.json"
 
 
 def _findings(scenario: Scenario, plan: KVCachePlan | None) -> list[str]:
@@ -130,9 +132,41 @@ def test_real_plans_equal_what_the_pages_owe(name: str) -> None:
     assert _findings(scenario, plan) == []
 
 
+def test_one_type_with_three_pages_gets_three_tensors_end_to_end() -> None:
+    # 8, 4 and 2 KV heads of 128: pages 65536, 32768 and 16384 bytes, one
+    # block 3 x 65536 + 2 x 32768 + 16384 = 278528 bytes, 43 blocks.
+    scenario = load_entry(NAS).scenario
+    plan = observe_kv_cache_plan(scenario)
+    assert plan is not None and plan.num_blocks == 43
+    (group,) = plan.groups
+    assert (group.spec, group.block_size_tokens) == ("UniformTypeKVCacheSpecs", 16)
+    assert [
+        (t.size_bytes, t.layers, t.offset_bytes, t.layer_stride_bytes, t.block_stride_bytes)
+        for t in plan.tensors
+    ] == [
+        (11976704, ("model.layers.0", "model.layers.1", "model.layers.5"), 0, 2818048, 65536),
+        (11976704, ("model.layers.2", "model.layers.4"), 8454144, 1409024, 32768),
+        (11976704, ("model.layers.3",), 11272192, 704512, 16384),
+    ]
+    assert _findings(scenario, plan) == []
+
+
+def test_a_multi_module_mtp_tail_stays_in_every_sliding_window() -> None:
+    scenario = load_entry(MIMO).scenario
+    mtp = dataclasses.replace(scenario, drafter=Drafter(DrafterKind.MULTI_MODULE_MTP, 3))
+    plan = observe_kv_cache_plan(mtp)
+    assert plan is not None
+    assert [(g.spec, g.extra_retained_tokens) for g in plan.groups] == [
+        ("FullAttentionSpec", 0),
+        ("SlidingWindowSpec", 2),
+        ("SlidingWindowSpec", 2),
+    ]
+    assert _findings(mtp, plan) == []
+
+
 def test_every_shipped_model_scenario_plans_as_owed() -> None:
     judged = []
-    for path in [MIMO, *sorted((ROOT / "models" / "scenarios").glob("*.json"))]:
+    for path in [MIMO, NAS, *sorted((ROOT / "models" / "scenarios").glob("*.json"))]:
         scenario = load_entry(path).scenario
         assert scenario.model is not None
         assert _findings(scenario, observe_kv_cache_plan(scenario)) == [], path.name
@@ -141,6 +175,7 @@ def test_every_shipped_model_scenario_plans_as_owed() -> None:
     # DeepSeek-V4 packs its pages (a block-outermost layout): not judged.
     assert judged == [
         "mimo-v2-unequal-pages",
+        "nemotron-nas-per-layer-kv-heads",
         "gemma4-mtp",
         "gpt-oss-20b-eagle3",
         "llama4-scout",

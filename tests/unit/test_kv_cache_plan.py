@@ -19,6 +19,7 @@ from differential.oracle.layout import (
     owed_tensors,
 )
 from differential.scenario import GroupKind, Scenario
+from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.models import LayerSpec, ModelDescription
 
 K = GroupKind
@@ -61,6 +62,21 @@ def test_pages_by_kind() -> None:
 
 def test_a_smaller_page_gets_a_proportionally_larger_block() -> None:
     assert owed_groups(MIMO) == MIMO_GROUPS
+
+
+def test_sliding_windows_keep_a_multi_module_mtp_tail() -> None:
+    # Three MTP modules re-prefill the last 2 tokens: every sliding window
+    # keeps them (get_global_kv_cache_groups), full attention has no window.
+    owed = owed_groups(MIMO, extra_retained_tokens=2)
+    assert owed is not None
+    assert [g.extra_retained_tokens for g in owed] == [0, 2, 2]
+    mtp = dataclasses.replace(_scenario(), drafter=Drafter(DrafterKind.MULTI_MODULE_MTP, 3))
+    plan = _plan()  # planned as if no tail were kept
+    run = RunObservation("stock", "0.33.0", None, (), kv_cache_plan=plan)
+    (finding,) = kv_cache_plan_findings(mtp, run)
+    assert "group 1: SlidingWindowSpec block 16 tokens" in finding.detail
+    assert "0 extra retained tokens; owed SlidingWindowSpec" in finding.detail
+    assert finding.detail.endswith("2 extra retained tokens")
 
 
 @pytest.mark.parametrize(
