@@ -176,8 +176,10 @@ def alignment_blowup(scenario: Scenario) -> Finding | None:
 #   vllm/v1/kv_cache_interface.py);
 # * identical layers form one group (``_get_kv_cache_groups_uniform_spec``);
 #   layers of one attention type at one block size form one group of mixed
-#   pages (``UniformTypeKVCacheSpecs.from_specs``), one tensor per distinct
-#   layer (``get_kv_cache_config_from_groups``'s ``layers_by_spec``);
+#   pages (``UniformTypeKVCacheSpecs.from_specs``; MLA counts as full
+#   attention, sliding-window MLA beside a first sliding-window layer as
+#   sliding window), one tensor per distinct layer spec
+#   (``get_kv_cache_config_from_groups``'s ``layers_by_spec``);
 # * otherwise every page is unified to the largest, P
 #   (``unify_kv_cache_spec_page_size``): an attention layer whose page p
 #   divides P gets a block P/p times larger, in tokens; a Mamba layer's page,
@@ -209,7 +211,7 @@ def alignment_blowup(scenario: Scenario) -> Finding | None:
 # Not judged (no finding either way): block-outermost layouts (packed pages,
 # ``_get_packed_kv_cache_groups``), compressed MLA (``tokens_per_state`` > 1),
 # an MLA page that does not divide the largest (vLLM's full-allocation
-# fallback), and a uniform-type model other than plain attention kinds.
+# fallback), and Mamba layers of one block with mixed pages.
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1}
 
@@ -278,6 +280,9 @@ class OwedGroup:
     layers: tuple[str, ...]
     page_size_bytes: tuple[int, ...]
     extra_retained_tokens: int = 0
+    #: Per layer, what makes it one spec (:attr:`_Layer.shape`): layers of
+    #: one spec share a tensor. Not compared (vLLM reports pages, not specs).
+    layer_shapes: tuple[tuple[object, ...], ...] = dataclasses.field(default=(), compare=False)
 
 
 def _raw_layers(model: ModelDescription) -> list[_Layer] | None:
@@ -345,25 +350,46 @@ def owed_groups(
     first = layers[0]
     if all(layer.shape == first.shape for layer in layers):
         return (_owed(first.spec.kind, [layers], extra_retained_tokens),)
-    attention = (
-        GroupKind.FULL_ATTENTION,
-        GroupKind.SLIDING_WINDOW,
-        GroupKind.CHUNKED_LOCAL_ATTENTION,
-    )
-    if all(
-        layer.spec.kind is first.spec.kind
-        and layer.block_tokens == first.block_tokens
-        and layer.spec.sliding_window_tokens == first.spec.sliding_window_tokens
-        and layer.spec.attention_chunk_size_tokens == first.spec.attention_chunk_size_tokens
-        for layer in layers
-    ):
-        if first.spec.kind not in attention:
-            return None
+    uniform = _uniform_type(layers)
+    if uniform is None:
+        return None
+    if uniform:
         return (_owed(first.spec.kind, [layers], 0, uniform_type=True),)
     unified = _unified(layers)
     if unified is None:
         return None
     return tuple(_owed(g[0].spec.kind, [g], extra_retained_tokens) for g in _split(unified))
+
+
+#: The kinds one group of mixed pages may hold, by its first layer's kind
+#: (``is_uniform_with_collection`` of its spec, vllm/v1/kv_cache_interface.py:
+#: an MLA spec is a full-attention spec, a sliding-window MLA spec a
+#: sliding-window one, not the other way round).
+_UNIFORM_WITH = {
+    GroupKind.FULL_ATTENTION: (GroupKind.FULL_ATTENTION, GroupKind.MLA),
+    GroupKind.MLA: (GroupKind.FULL_ATTENTION, GroupKind.MLA),
+    GroupKind.SLIDING_WINDOW: (GroupKind.SLIDING_WINDOW, GroupKind.SLIDING_WINDOW_MLA),
+    GroupKind.SLIDING_WINDOW_MLA: (GroupKind.SLIDING_WINDOW_MLA,),
+    GroupKind.CHUNKED_LOCAL_ATTENTION: (GroupKind.CHUNKED_LOCAL_ATTENTION,),
+}
+
+
+def _uniform_type(layers: list[_Layer]) -> bool | None:
+    """Whether the layers make one group of mixed pages
+    (``UniformTypeKVCacheSpecs.from_specs``: one block size, and every layer
+    of the first layer's type, with its window or chunk); ``None`` for Mamba
+    layers of one block (not judged)."""
+    first = layers[0]
+    if any(layer.block_tokens != first.block_tokens for layer in layers):
+        return False
+    if first.spec.kind is GroupKind.MAMBA:
+        return None if all(layer.spec.kind is GroupKind.MAMBA for layer in layers) else False
+    return all(
+        layer.spec.kind in _UNIFORM_WITH[first.spec.kind]
+        and layer.spec.sliding_window_tokens == first.spec.sliding_window_tokens
+        and layer.spec.attention_chunk_size_tokens == first.spec.attention_chunk_size_tokens
+        for layer in layers
+    )
 
 
 def _owed(
@@ -379,21 +405,24 @@ def _owed(
         tuple(layer.name for layer in layers),
         tuple(layer.page_bytes for layer in layers),
         extra_retained if kind.sliding_window_family and not uniform_type else 0,
+        tuple(layer.shape for layer in layers),
     )
 
 
 def owed_tensors(groups: Sequence[OwedGroup], num_blocks: int) -> tuple[PlannedTensor, ...]:
     """The KV cache tensors a layer-outermost layout owes ``groups`` at
     ``num_blocks`` blocks (``get_kv_cache_config_from_groups``): one per
-    distinct page of a group, in the order of its first layer."""
+    distinct layer spec of a group (per distinct page when the group does
+    not say), in the order of its first layer."""
     per_block = max(sum(g.page_size_bytes) for g in groups)
     tensors = []
     for group in groups:
-        runs: dict[int, list[str]] = {}
-        for name, page in zip(group.layers, group.page_size_bytes, strict=True):
-            runs.setdefault(page, []).append(name)
+        runs: dict[object, tuple[int, list[str]]] = {}
+        shapes = group.layer_shapes or group.page_size_bytes
+        for name, page, shape in zip(group.layers, group.page_size_bytes, shapes, strict=True):
+            runs.setdefault(shape, (page, []))[1].append(name)
         offset = 0
-        for page, names in runs.items():
+        for page, names in runs.values():
             tensors.append(
                 PlannedTensor(num_blocks * per_block, tuple(names), offset, num_blocks * page, page)
             )

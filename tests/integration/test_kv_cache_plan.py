@@ -74,6 +74,14 @@ PLANS = {
         [("UniformTypeKVCacheSpecs", 16, (0, 1, 2, 3), (16384, 16384, 8192, 16384))],
         [(2293760, 0, 655360, 16384), (2293760, 1966080, 327680, 8192)],
     ),
+    # MLA is a full-attention spec: full attention and MLA at one block
+    # make one group of mixed pages (2 x 16 x 64 x 2 and 16 x 64 x 2 bytes).
+    "full-beside-mla": (
+        (LayerSpec(K.FULL_ATTENTION, head_size=64), LayerSpec(K.MLA, head_size=64)),
+        16,
+        [("UniformTypeKVCacheSpecs", 16, (0, 1), (4096, 2048))],
+        [(245760, 0, 163840, 4096), (245760, 163840, 81920, 2048)],
+    ),
     "mamba-padded": (
         (_MAMBA, LayerSpec(K.FULL_ATTENTION), LayerSpec(K.FULL_ATTENTION, draft=True)),
         64,

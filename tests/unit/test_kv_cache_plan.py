@@ -150,6 +150,26 @@ def test_one_attention_type_with_mixed_pages_is_one_group_with_a_tensor_per_page
     ]
 
 
+def test_mla_joins_full_attention_in_one_group_of_mixed_pages() -> None:
+    # An MLA spec is a full-attention spec (is_uniform_with_collection): at
+    # one block the two share a group; a sliding window does not join MLA.
+    model = _model(LayerSpec(K.FULL_ATTENTION, head_size=64), LayerSpec(K.MLA, head_size=64))
+    groups = owed_groups(model)
+    assert groups == (OwedGroup("UniformTypeKVCacheSpecs", 16, _names(0, 1), (4096, 2048)),)
+    assert [(t.layers, t.offset_bytes) for t in owed_tensors(groups, 40)] == [
+        (_names(0), 0),
+        (_names(1), 40 * 4096),
+    ]
+    swa = _model(
+        LayerSpec(K.SLIDING_WINDOW_MLA, head_size=64, sliding_window_tokens=64),
+        LayerSpec(K.SLIDING_WINDOW, head_size=64, sliding_window_tokens=64),
+    )
+    assert [(g.spec, g.block_size_tokens) for g in owed_groups(swa) or ()] == [
+        ("SlidingWindowMLASpec", 32),
+        ("SlidingWindowSpec", 16),
+    ]
+
+
 def test_tensors_of_the_mimo_layout() -> None:
     # Every group holds 2 pages of 16384 bytes: 32768 bytes a block, 153 blocks.
     tensors = owed_tensors(MIMO_GROUPS, 153)
@@ -164,9 +184,17 @@ def test_tensors_of_the_mimo_layout() -> None:
     [
         _model(LayerSpec(K.FULL_ATTENTION), layout="BLHNC"),  # packed pages
         _model(LayerSpec(K.MLA, tokens_per_state=4), LayerSpec(K.FULL_ATTENTION)),
-        # An MLA page of 16 x 3 x 2 = 96 bytes does not divide a full-attention
+        # An MLA page of 16 x 3 x 2 = 96 bytes does not divide a sliding-window
         # page of 2 x 16 x 2 x 2 = 128: vLLM's full-allocation fallback.
-        _model(LayerSpec(K.MLA, head_size=3), LayerSpec(K.FULL_ATTENTION, head_size=2)),
+        _model(
+            LayerSpec(K.MLA, head_size=3),
+            LayerSpec(K.SLIDING_WINDOW, head_size=2, sliding_window_tokens=64),
+        ),
+        # Mamba layers of one block with mixed pages.
+        _model(
+            LayerSpec(K.MAMBA, mamba_state_shapes=((4,),), mamba_state_dtypes=("bfloat16",)),
+            LayerSpec(K.MAMBA, mamba_state_shapes=((8,),), mamba_state_dtypes=("bfloat16",)),
+        ),
     ],
 )
 def test_what_the_rules_do_not_judge(model: ModelDescription) -> None:
