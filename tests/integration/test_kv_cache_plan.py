@@ -10,16 +10,18 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from differential.corpus import load_entry
 from differential.driver.planner import observe_kv_cache_plan
 from differential.mutation.mutants import MODULES, enumerate_mutants, installed_vllm
 from differential.mutation.score import MutantStatus, run_mutation
 from differential.observation import KVCachePlan, RunObservation
-from differential.oracle.layout import kv_cache_plan_findings, owed_groups
+from differential.oracle.layout import SPEC_CLASS, kv_cache_plan_findings, owed_groups
 from differential.scenario import GroupKind, Scenario
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.models import LayerSpec, ModelDescription
+from fuzz.strategies import scenarios
 from tests.factories import CORPORA, ROOT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("forked_tree_workers")]
@@ -232,3 +234,18 @@ def test_planning_mutants_are_killed_on_the_mimo_case(tmp_path: Path) -> None:
         f"crash on {MIMO.name}: planning the KV cache: get_kv_cache_configs: "
         "ZeroDivisionError: integer division or modulo by zero"
     )
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(scenarios())
+def test_drawn_models_plan_into_their_scenarios_groups(scenario: Scenario) -> None:
+    # The generator's models (fuzz.strategies.model_of): vLLM's own planner
+    # gives back exactly the drawn groups, and the plan is as owed.
+    if scenario.model is None:
+        return
+    plan = observe_kv_cache_plan(scenario)
+    assert plan is not None and plan.error is None
+    assert [(g.spec, g.block_size_tokens) for g in plan.groups] == [
+        (SPEC_CLASS[g.kind], g.block_size_tokens) for g in scenario.kv_cache_groups
+    ]
+    assert _findings(scenario, plan) == []

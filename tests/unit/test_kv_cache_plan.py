@@ -8,19 +8,22 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from differential.findings import FindingKind
 from differential.observation import KVCachePlan, PlannedGroup, RunObservation
 from differential.oracle.layout import (
+    SPEC_CLASS,
     OwedGroup,
     kv_cache_plan_findings,
     layer_page_bytes,
     owed_groups,
     owed_tensors,
 )
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import GroupKind, KVCacheGroup, Scenario
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.models import LayerSpec, ModelDescription
+from fuzz.strategies import model_of, scenarios
 
 K = GroupKind
 
@@ -263,3 +266,42 @@ def test_a_planning_error_is_a_crash() -> None:
     )
     assert kind is FindingKind.CRASH
     assert detail == "planning the KV cache: get_kv_cache_configs: ZeroDivisionError"
+
+
+def test_the_generator_builds_a_model_back_from_its_groups() -> None:
+    groups = (
+        KVCacheGroup(K.FULL_ATTENTION, 32),
+        KVCacheGroup(K.SLIDING_WINDOW, 16, 64),
+    )
+    model = model_of(groups)
+    assert model is not None and model.block_size_tokens == 16
+    # 256 x 32 / b bytes a token: heads of 64 and 128 elements, pages of 4096
+    # and 8192 bytes at 16 tokens, so the full-attention block doubles.
+    assert [(layer.kind, layer.head_size) for layer in model.layers] == [
+        (K.FULL_ATTENTION, 64),
+        (K.SLIDING_WINDOW, 128),
+    ]
+    assert [(g.spec, g.block_size_tokens) for g in owed_groups(model) or ()] == [
+        ("FullAttentionSpec", 32),
+        ("SlidingWindowSpec", 16),
+    ]
+    # One block size (equal pages), or full attention beside MLA (one group
+    # of mixed pages in vLLM): no model.
+    assert (
+        model_of((KVCacheGroup(K.FULL_ATTENTION, 16), KVCacheGroup(K.SLIDING_WINDOW, 16, 64)))
+        is None
+    )
+    assert model_of((KVCacheGroup(K.FULL_ATTENTION, 32), KVCacheGroup(K.MLA, 16))) is None
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(scenarios())
+def test_every_drawn_model_owes_its_scenarios_groups(scenario: Scenario) -> None:
+    if scenario.model is None:
+        return
+    owed = owed_groups(scenario.model)
+    assert owed is not None
+    assert [(g.spec, g.block_size_tokens) for g in owed] == [
+        (SPEC_CLASS[g.kind], g.block_size_tokens) for g in scenario.kv_cache_groups
+    ]
+    assert len({g.block_size_tokens for g in scenario.kv_cache_groups}) > 1  # unequal pages
