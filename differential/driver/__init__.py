@@ -110,8 +110,6 @@ def run_variant(
     Raises:
         InternalError: kvfuzz's driver failed (not vLLM).
     """
-    from differential.driver.planner import with_kv_cache_plan
-
     with _patch_factory(variant)():
         run = _run_variant(
             scenario,
@@ -121,6 +119,10 @@ def run_variant(
             mode=mode,
             name=variant.name,
         )
+        if scenario.model is None:
+            return run
+        from differential.driver.planner import with_kv_cache_plan
+
         return with_kv_cache_plan(scenario, run)
 
 

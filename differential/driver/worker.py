@@ -36,7 +36,7 @@ kvfuzz's own code is an ``internal_error``.
 from __future__ import annotations
 
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from differential.driver.protocol import (
     PARENT_ENV,
@@ -46,6 +46,10 @@ from differential.driver.protocol import (
     serve,
     take_protocol_stdout,
 )
+
+if TYPE_CHECKING:
+    from differential.observation import RunObservation
+    from differential.scenario import Scenario
 
 __all__ = ["PARENT_ENV", "PROTOCOL_VERSION", "capabilities", "main"]
 
@@ -61,7 +65,6 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
     import vllm
 
     from differential.capabilities import Unsupported, equivalent_scenario
-    from differential.driver.planner import with_kv_cache_plan
     from differential.driver.runner import run_scenario
     from differential.errors import InternalError
     from differential.observation import RunObservation
@@ -96,7 +99,7 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
             run = run_scheduler_scenario(scenario, request["variant"], **kwargs)
         else:
             run = run_scenario(scenario, request["variant"], **kwargs)
-        return with_kv_cache_plan(scenario, run)
+        return _with_plan(scenario, run)
 
     def handle(request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         if request["op"] == "hello":
@@ -113,6 +116,20 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
         )
 
     serve(stdin, stdout, handle, describe_failure=describe)
+
+
+def _with_plan(scenario: Scenario, run: RunObservation) -> RunObservation:
+    """``run`` with this tree's plan of ``scenario.model``
+    (:func:`differential.driver.planner.with_kv_cache_plan`); unchanged
+    without a model, or on a release whose planner kvfuzz cannot import
+    (vLLM before ``vllm/v1/core/kv_cache_planning.py``): no plan to judge."""
+    if scenario.model is None:
+        return run
+    try:
+        from differential.driver.planner import with_kv_cache_plan
+    except ImportError:
+        return run
+    return with_kv_cache_plan(scenario, run)
 
 
 def main() -> None:
