@@ -40,7 +40,7 @@ from differential.oracle.engine import (
     sequentially_judgeable,
 )
 from differential.oracle.known import label_fix_cost, label_known
-from differential.oracle.layout import alignment_blowup
+from differential.oracle.layout import alignment_blowup, kv_cache_plan_findings
 from differential.oracle.scheduling import async_cross_checkable, cross_check_scheduling
 from differential.scenario import DrafterKind, DriveMode, GroupKind, Scenario
 from differential.variants import FixScope, Variant, VariantRole
@@ -673,6 +673,14 @@ def no_partial_hits_reason(scenario: Scenario) -> str:
     )
 
 
+def _plan_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> tuple[Finding, ...]:
+    """What the KV cache plan a model-level scenario's run made owes
+    (:func:`differential.oracle.layout.kv_cache_plan_findings`), under ``policy``."""
+    return tuple(
+        dataclasses.replace(f, policy=policy) for f in kv_cache_plan_findings(scenario, run)
+    )
+
+
 def judge_variant(
     scenario: Scenario,
     variant: Variant,
@@ -724,6 +732,7 @@ def judge_variant(
         refs, findings = judge_engine_run(judged, run, policy)
     else:
         refs, findings = judge_run(judged, run, policy)
+    findings += _plan_findings(judged, run, policy)
     dense_run = None
     # A turn copying an earlier answer (shares_output) is cross-checked too:
     # the dense reference counts the decoded blocks its source cached.

@@ -91,6 +91,14 @@ class FindingKind(StrEnum):
     re-announces reused blocks other than the report mode says
     (:mod:`differential.oracle.kv_events`). A router rebuilding the cache
     from the stream misroutes requests."""
+    KV_CACHE_PLAN = "kv-cache-plan"
+    """(a scenario with a model) the ``KVCacheConfig`` the variant's vLLM
+    planned for the model departs from what the layers' page sizes owe: a
+    group's block size after page-size unification, which layers share a
+    group, the scheduler or hash block size, the pool's blocks, or a KV cache
+    tensor's size, layers or strides: the engine would allocate, or index,
+    other memory than the layers need
+    (:func:`differential.oracle.layout.kv_cache_plan_findings`)."""
     VARIANT_REGRESSION = "variant-regression"
     """A variant carrying the fix hits less than one without it."""
     POOL_REGRESSION = "pool-regression"

@@ -15,11 +15,14 @@ __all__ = [
     "BlockWrite",
     "ConnectorLookup",
     "GroupLookup",
+    "KVCachePlan",
     "KVEvent",
     "KVEventLog",
     "KVEventLookup",
     "KVEventStep",
     "ManagerSettings",
+    "PlannedGroup",
+    "PlannedTensor",
     "RequestObservation",
     "ResumedLookup",
     "RunObservation",
@@ -907,6 +910,145 @@ class RequestObservation:
 
 
 @dataclass(frozen=True)
+class PlannedGroup:
+    """One KV cache group of a planned ``KVCacheConfig``.
+
+    Attributes:
+        spec: the group spec's class name (``FullAttentionSpec``,
+            ``SlidingWindowSpec``, ``MambaSpec``, ``UniformTypeKVCacheSpecs``, ...).
+        block_size_tokens: the group's block size after page-size
+            unification, in tokens.
+        layers: the layer names the group holds, in vLLM's order.
+        page_size_bytes: each layer's page (padded when vLLM pads it), in
+            bytes, in the order of ``layers``.
+        extra_retained_tokens: (a sliding-window group) the tokens past the
+            window whose blocks the group also keeps
+            (``SlidingWindowSpec.extra_retained_tokens``); 0 otherwise.
+    """
+
+    spec: str
+    block_size_tokens: int
+    layers: tuple[str, ...]
+    page_size_bytes: tuple[int, ...]
+    extra_retained_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "spec": self.spec,
+            "block_size_tokens": self.block_size_tokens,
+            "layers": list(self.layers),
+            "page_size_bytes": list(self.page_size_bytes),
+            "extra_retained_tokens": self.extra_retained_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PlannedGroup:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            data["spec"],
+            data["block_size_tokens"],
+            tuple(data["layers"]),
+            tuple(data["page_size_bytes"]),
+            data["extra_retained_tokens"],
+        )
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One ``KVCacheTensor`` of a planned ``KVCacheConfig``.
+
+    Attributes:
+        size_bytes: the tensor's size, in bytes.
+        layers: the layers sharing it.
+        offset_bytes: where its first layer starts inside it, in bytes.
+        layer_stride_bytes: bytes from one layer's region to the next.
+        block_stride_bytes: bytes from one block to the next inside a layer.
+    """
+
+    size_bytes: int
+    layers: tuple[str, ...]
+    offset_bytes: int
+    layer_stride_bytes: int
+    block_stride_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "size_bytes": self.size_bytes,
+            "layers": list(self.layers),
+            "offset_bytes": self.offset_bytes,
+            "layer_stride_bytes": self.layer_stride_bytes,
+            "block_stride_bytes": self.block_stride_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PlannedTensor:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            data["size_bytes"],
+            tuple(data["layers"]),
+            data["offset_bytes"],
+            data["layer_stride_bytes"],
+            data["block_stride_bytes"],
+        )
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The ``KVCacheConfig`` a variant's vLLM planned for a model-level
+    scenario's model, as the engine core plans it at start-up
+    (``get_global_kv_cache_groups``, ``resolve_kv_cache_block_sizes``,
+    ``get_kv_cache_configs`` in vllm/v1/core/kv_cache_planning.py), for the
+    scenario's pool.
+
+    Attributes:
+        pool_blocks: the pool asked for (``CacheConfig.num_gpu_blocks_override``),
+            in blocks.
+        num_blocks: ``KVCacheConfig.num_blocks``, in blocks.
+        groups: the KV cache groups, in vLLM's order.
+        tensors: the KV cache tensors, in vLLM's order.
+        scheduler_block_size_tokens: the scheduler block size, in tokens.
+        hash_block_size_tokens: the hash block size, in tokens.
+        error: ``"<call>: <ExceptionType>: <message>"`` when a planning call
+            raised (the other fields are then empty).
+    """
+
+    pool_blocks: int
+    num_blocks: int = 0
+    groups: tuple[PlannedGroup, ...] = ()
+    tensors: tuple[PlannedTensor, ...] = ()
+    scheduler_block_size_tokens: int = 0
+    hash_block_size_tokens: int = 0
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "pool_blocks": self.pool_blocks,
+            "num_blocks": self.num_blocks,
+            "groups": [g.to_dict() for g in self.groups],
+            "tensors": [t.to_dict() for t in self.tensors],
+            "scheduler_block_size_tokens": self.scheduler_block_size_tokens,
+            "hash_block_size_tokens": self.hash_block_size_tokens,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVCachePlan:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            pool_blocks=data["pool_blocks"],
+            num_blocks=data["num_blocks"],
+            groups=tuple(PlannedGroup.from_dict(g) for g in data["groups"]),
+            tensors=tuple(PlannedTensor.from_dict(t) for t in data["tensors"]),
+            scheduler_block_size_tokens=data["scheduler_block_size_tokens"],
+            hash_block_size_tokens=data["hash_block_size_tokens"],
+            error=data["error"],
+        )
+
+
+@dataclass(frozen=True)
 class RunObservation:
     """A whole scenario run on one variant.
 
@@ -965,6 +1107,9 @@ class RunObservation:
         kv_events: the KV cache event stream and the cache beside it
             (:class:`KVEventLog`), recorded only when the scenario turns
             events on (``workload.kv_events``); ``None`` otherwise.
+        kv_cache_plan: (a scenario with a ``model``) the ``KVCacheConfig``
+            the variant's vLLM planned for it (:class:`KVCachePlan`);
+            ``None`` otherwise.
         crash_cache_map: (manager mode, recorded with the cache map) when vLLM
             raised, the cache map of the request it raised on, taken at that
             request's lookup (as :attr:`RequestObservation.cache_map`), so
@@ -994,6 +1139,7 @@ class RunObservation:
     watermark_admissions: tuple[tuple[int, int, int], ...] = ()
     store_calls: tuple[StoreCall, ...] = ()
     deferred_frees: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
+    kv_cache_plan: KVCachePlan | None = None
 
     @property
     def unreachable_share(self) -> float:
@@ -1035,6 +1181,9 @@ class RunObservation:
                 (i, step, tuple((g, k) for g, k in blocks))
                 for i, step, blocks in data.get("deferred_frees", ())
             ),
+            kv_cache_plan=None
+            if data.get("kv_cache_plan") is None
+            else KVCachePlan.from_dict(data["kv_cache_plan"]),
         )
 
     @property
@@ -1070,6 +1219,8 @@ class RunObservation:
             out["deferred_frees"] = [
                 [i, step, [list(b) for b in blocks]] for i, step, blocks in self.deferred_frees
             ]
+        if self.kv_cache_plan is not None:
+            out["kv_cache_plan"] = self.kv_cache_plan.to_dict()
         return out
 
     def _base_dict(self) -> dict[str, Any]:

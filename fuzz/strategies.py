@@ -38,8 +38,16 @@ from differential.scenario import (
     Scenario,
     Workload,
 )
+from differential.scenario.models import LayerSpec, ModelDescription
 
-__all__ = ["Scale", "engine_scenarios", "geometries", "mamba_geometries", "scenarios"]
+__all__ = [
+    "Scale",
+    "engine_scenarios",
+    "geometries",
+    "mamba_geometries",
+    "model_of",
+    "scenarios",
+]
 
 # KV cache events (workload.kv_events): off three times in four.
 _KV_EVENTS = (KVEvents.OFF,) * 6 + (KVEvents.INCREMENTAL, KVEvents.FULL)
@@ -605,6 +613,8 @@ def scenarios(
     groups, dcp = _decode_context_parallel(draw, groups, retention)
     # And after it the event stream's view, drawn only with events on.
     view = _kv_events_view(draw, events)
+    # Last, one eligible layout in three as a model vLLM's planner lays out.
+    model = model_of(groups) if dcp == 1 and draw(st.integers(0, 2)) == 0 else None
     try:
         return Scenario(
             kv_cache_groups=groups,
@@ -619,10 +629,92 @@ def scenarios(
             decode_steps=decode_steps,
             workload=Workload(kv_events=events, kv_events_view=view),
             dcp_world_size=dcp,
+            model=model,
             **mamba_options,  # type: ignore[arg-type]
         )
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the scenario generator produced an invalid scenario: {exc}") from exc
+
+
+# The kinds a first layer's spec takes into one group of mixed pages at one
+# block size (``is_uniform_with_collection``, vllm/v1/kv_cache_interface.py).
+_ONE_TYPE_WITH = {
+    GroupKind.FULL_ATTENTION: frozenset({GroupKind.FULL_ATTENTION, GroupKind.MLA}),
+    GroupKind.MLA: frozenset({GroupKind.FULL_ATTENTION, GroupKind.MLA}),
+    GroupKind.SLIDING_WINDOW: frozenset({GroupKind.SLIDING_WINDOW, GroupKind.SLIDING_WINDOW_MLA}),
+    GroupKind.SLIDING_WINDOW_MLA: frozenset({GroupKind.SLIDING_WINDOW_MLA}),
+    GroupKind.CHUNKED_LOCAL_ATTENTION: frozenset({GroupKind.CHUNKED_LOCAL_ATTENTION}),
+}
+
+#: Bytes per token of the group with the smallest block, per token of the
+#: blocks' LCM (bf16, one KV head): pages of 64-element heads and up.
+_PAGE_BYTES_PER_LCM_TOKEN = 256
+
+
+def model_of(groups: tuple[KVCacheGroup, ...]) -> ModelDescription | None:
+    """A model whose layers vLLM's planner lays out into exactly ``groups``
+    with unequal pages, or ``None`` when no such model is built here.
+
+    Built backwards from the groups: the configured block is the smallest
+    group block B; a group of block b gets layers of
+    ``256 x lcm / b`` bytes per token (one bf16 KV head: a head of
+    ``64 x lcm / b`` elements, twice that for MLA's single latent), so its
+    page at B is b / B times smaller than the largest and
+    ``unify_kv_cache_spec_page_size`` (vllm/v1/core/kv_cache_planning.py)
+    scales its block back to b. One layer per group, listed in the groups'
+    order, makes one bucket per group in that order
+    (``_get_kv_cache_groups_uniform_page_size``). Only attention groups
+    without a draft mark (draft layers are not drawn), of more than one
+    block size (unequal pages), each group its own spec, and not all of one
+    type at one block (vLLM would keep them in one group of mixed pages).
+    """
+    kinds = {g.kind for g in groups}
+    if (
+        len(groups) < 2
+        or GroupKind.MAMBA in kinds
+        or any(g.is_eagle_group for g in groups)
+        or len(
+            {
+                (
+                    g.kind,
+                    g.block_size_tokens,
+                    g.sliding_window_tokens,
+                    g.attention_chunk_size_tokens,
+                )
+                for g in groups
+            }
+        )
+        < len(groups)
+    ):
+        return None
+    first = groups[0]
+    if all(
+        g.kind in _ONE_TYPE_WITH[first.kind]
+        and g.sliding_window_tokens == first.sliding_window_tokens
+        and g.attention_chunk_size_tokens == first.attention_chunk_size_tokens
+        for g in groups
+    ):
+        return None
+    blocks = [g.block_size_tokens for g in groups]
+    smallest, lcm = min(blocks), math.lcm(*blocks)
+    if len(set(blocks)) < 2 or any(b % smallest for b in blocks):
+        return None
+    layers = []
+    for g in groups:
+        per_token = _PAGE_BYTES_PER_LCM_TOKEN * lcm // g.block_size_tokens
+        mla = g.kind in (GroupKind.MLA, GroupKind.SLIDING_WINDOW_MLA)
+        layers.append(
+            LayerSpec(
+                g.kind,
+                head_size=per_token // 2 if mla else per_token // 4,
+                sliding_window_tokens=g.sliding_window_tokens,
+                attention_chunk_size_tokens=g.attention_chunk_size_tokens,
+            )
+        )
+    try:
+        return ModelDescription("drawn", tuple(layers), block_size_tokens=smallest)
+    except ScenarioError:  # a head past MAX_HEADS elements: no such model
+        return None
 
 
 # Decode context parallel sizes drawn (ranks; DeepSeek-V3-class MLA serving

@@ -110,32 +110,56 @@ def run_variant(
     Raises:
         InternalError: kvfuzz's driver failed (not vLLM).
     """
+    with _patch_factory(variant)():
+        run = _run_variant(
+            scenario,
+            dense=dense,
+            record_cache_map=record_cache_map,
+            record_blocks=record_blocks,
+            mode=mode,
+            name=variant.name,
+        )
+        if scenario.model is None:
+            return run
+        from differential.driver.planner import with_kv_cache_plan
+
+        return with_kv_cache_plan(scenario, run)
+
+
+def _run_variant(
+    scenario: Scenario,
+    *,
+    dense: bool,
+    record_cache_map: bool,
+    record_blocks: bool,
+    mode: DriveMode | None,
+    name: str,
+) -> RunObservation:
+    """:func:`run_variant`'s run, under the variant's patches."""
     from differential.driver.runner import run_scenario
 
     if (mode or scenario.workload.mode) is DriveMode.SCHEDULER:
         from differential.driver.scheduler_mode import run_scheduler_scenario
 
-        with _patch_factory(variant)():
-            if dense:
-                return run_scheduler_scenario(
-                    scenario,
-                    variant.name,
-                    retention_interval_tokens=_DENSE,
-                    record_cache_map=record_cache_map,
-                )
-            return run_scheduler_scenario(scenario, variant.name, record_cache_map=record_cache_map)
-    with _patch_factory(variant)():
         if dense:
-            return run_scenario(
+            return run_scheduler_scenario(
                 scenario,
-                variant.name,
+                name,
                 retention_interval_tokens=_DENSE,
                 record_cache_map=record_cache_map,
-                record_blocks=record_blocks,
             )
+        return run_scheduler_scenario(scenario, name, record_cache_map=record_cache_map)
+    if dense:
         return run_scenario(
             scenario,
-            variant.name,
+            name,
+            retention_interval_tokens=_DENSE,
             record_cache_map=record_cache_map,
             record_blocks=record_blocks,
         )
+    return run_scenario(
+        scenario,
+        name,
+        record_cache_map=record_cache_map,
+        record_blocks=record_blocks,
+    )

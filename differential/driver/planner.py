@@ -46,7 +46,7 @@ import torch
 from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.v1 import kv_cache_interface
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -61,14 +61,22 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from differential.driver.features import vllm_call
-from differential.driver.settings import _kv_transfer_config, _speculative_config
-from differential.driver.specs import spec_for_kind
+from differential.driver.features import VllmCallError, vllm_call
+from differential.driver.settings import _kv_transfer_config, _speculative_config, resolve_drafter
+from differential.driver.specs import pool_blocks, spec_for_kind
 from differential.errors import InternalError, ScenarioError
+from differential.observation import KVCachePlan, PlannedGroup, PlannedTensor, RunObservation
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
 from differential.scenario.models import LayerSpec, ModelDescription, model_scenario_parts
 
-__all__ = ["PlannedLayout", "layer_specs", "plan_model", "resolve_model_scenario"]
+__all__ = [
+    "PlannedLayout",
+    "layer_specs",
+    "observe_kv_cache_plan",
+    "plan_model",
+    "resolve_model_scenario",
+    "with_kv_cache_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -154,18 +162,8 @@ def _layer_spec(model: ModelDescription, layer: LayerSpec, num_spec_tokens: int)
 def layer_specs(model: ModelDescription, num_spec_tokens: int = 0) -> dict[str, KVCacheSpec]:
     """Layer name -> spec for every layer (target ``model.layers.N``, drafter
     ``drafter.layers.N``), ``num_spec_tokens`` speculative Mamba blocks."""
-    specs: dict[str, KVCacheSpec] = {}
-    target = draft = 0
-    for layer in model.layers:
-        spec = _layer_spec(model, layer, num_spec_tokens)
-        for _ in range(layer.count):
-            if layer.draft:
-                specs[f"drafter.layers.{draft}"] = spec
-                draft += 1
-            else:
-                specs[f"model.layers.{target}"] = spec
-                target += 1
-    return specs
+    built = {id(layer): _layer_spec(model, layer, num_spec_tokens) for layer in model.layers}
+    return {name: built[id(layer)] for name, layer in model.named_layers()}
 
 
 def _check_mamba_page(model: ModelDescription, specs: Mapping[str, KVCacheSpec]) -> None:
@@ -413,7 +411,9 @@ def resolve_model_scenario(data: Mapping[str, Any], base: Path) -> tuple[Scenari
     )
     if plan.hash_block_size_tokens != derived_hash:
         body["hash_block_size_tokens"] = plan.hash_block_size_tokens
-    scenario = Scenario.from_dict({**body, "kv_cache_groups": groups})
+    # The model travels with the scenario: every run plans it again on the
+    # variant's own vLLM (observe_kv_cache_plan), and the oracle judges it.
+    scenario = replace(Scenario.from_dict({**body, "kv_cache_groups": groups}), model=model)
     if scenario.effective_hit_alignment_tokens != plan.hit_alignment_tokens:
         raise InternalError(
             f"model {model.name!r}: kvfuzz derives hit alignment "
@@ -421,3 +421,96 @@ def resolve_model_scenario(data: Mapping[str, Any], base: Path) -> tuple[Scenari
             f"{plan.hit_alignment_tokens}"
         )
     return scenario, plan
+
+
+def _engine_config(model: ModelDescription, scenario: Scenario, pool: int) -> VllmConfig:
+    """:func:`_vllm_config` as the engine core holds it when it sizes the KV
+    cache: ``num_gpu_blocks_override`` the pool (as engine mode starts vLLM,
+    :mod:`differential.driver.engine_mode`), ``max_model_len`` the longest
+    request (``get_kv_cache_configs`` checks the pool holds one), no HiSparse."""
+    config = _vllm_config(model, scenario)
+    config.cache_config.num_gpu_blocks_override = pool
+    longest = max(r.prompt_tokens for r in scenario.requests) + scenario.decode_steps
+    object.__setattr__(
+        config,
+        "model_config",
+        SimpleNamespace(
+            supports_kv_cache_grouping=False,
+            original_max_model_len=longest,
+            max_model_len=longest,
+        ),
+    )
+    object.__setattr__(config, "attention_config", SimpleNamespace(hisparse_config=None))
+    return config
+
+
+def _planned_group(group: KVCacheGroupSpec) -> PlannedGroup:
+    spec = group.kv_cache_spec
+    pages = tuple(
+        spec.kv_cache_specs[name].page_size_bytes
+        if isinstance(spec, UniformTypeKVCacheSpecs)
+        else spec.page_size_bytes
+        for name in group.layer_names
+    )
+    return PlannedGroup(
+        type(spec).__name__,
+        spec.block_size,
+        tuple(group.layer_names),
+        pages,
+        getattr(spec, "extra_retained_tokens", 0),
+    )
+
+
+def observe_kv_cache_plan(scenario: Scenario) -> KVCachePlan | None:
+    """The ``KVCacheConfig`` this vLLM plans for ``scenario.model``, as the
+    engine core plans it at start-up (``EngineCore._initialize_kv_caches``,
+    vllm/v1/engine/core.py): the layers' specs grouped by
+    ``get_global_kv_cache_groups``, then ``get_kv_cache_configs``
+    (vllm/v1/core/kv_cache_planning.py: the builder's
+    ``get_kv_cache_config_from_groups`` turns the groups and the memory
+    into ``num_blocks`` and tensors) for the scenario's pool
+    (``workload.pool_blocks``, else a pool where nothing is evicted, in
+    blocks, given as ``num_gpu_blocks_override``), and
+    ``resolve_kv_cache_block_sizes`` (vllm/v1/core/kv_cache_utils.py).
+
+    Returns:
+        ``None`` for a scenario without a model; a plan whose ``error``
+        names the call when one of vLLM's planning calls raised.
+    """
+    model = scenario.model
+    if model is None:
+        return None
+    pool = scenario.workload.pool_blocks or pool_blocks(scenario, resolve_drafter(scenario))
+    try:
+        config = _engine_config(model, scenario, pool)
+        specs = layer_specs(model, scenario.drafter.num_speculative_tokens)
+        groups = vllm_call(
+            "get_global_kv_cache_groups", get_global_kv_cache_groups, config, [specs]
+        )
+        (kv_config,) = vllm_call(
+            "get_kv_cache_configs", get_kv_cache_configs, config, [specs], [0], groups
+        )
+        scheduler_block, hash_block = vllm_call(
+            "resolve_kv_cache_block_sizes", resolve_kv_cache_block_sizes, kv_config, config
+        )
+    except VllmCallError as exc:
+        return KVCachePlan(pool_blocks=pool, error=str(exc))
+    return KVCachePlan(
+        pool_blocks=pool,
+        num_blocks=kv_config.num_blocks,
+        groups=tuple(_planned_group(g) for g in kv_config.kv_cache_groups),
+        tensors=tuple(
+            PlannedTensor(t.size, tuple(t.layers), t.offset, t.layer_stride, t.block_stride)
+            for t in kv_config.kv_cache_tensors
+        ),
+        scheduler_block_size_tokens=scheduler_block,
+        hash_block_size_tokens=hash_block,
+    )
+
+
+def with_kv_cache_plan(scenario: Scenario, run: RunObservation) -> RunObservation:
+    """``run`` with the plan of :func:`observe_kv_cache_plan` (unchanged
+    without a model, or when the run was not made)."""
+    if scenario.model is None or run.unsupported is not None:
+        return run
+    return replace(run, kv_cache_plan=observe_kv_cache_plan(scenario))

@@ -18,6 +18,8 @@ descriptor and file descriptor 1 is pointed at stderr, so a banner or any
 other print of vLLM (Python or C) cannot corrupt the protocol. The parent
 keeps the tail of stderr and shows it when the worker dies.
 
+A scenario with a model also has that vLLM plan the model's KV cache, as
+an engine start does (:func:`differential.driver.planner.with_kv_cache_plan`).
 Each run drives the scenario's own mode (``workload.mode``): vLLM's
 ``KVCacheManager`` (:func:`differential.driver.runner.run_scenario`) or its
 ``Scheduler`` (:func:`differential.driver.scheduler_mode.run_scheduler_scenario`),
@@ -34,7 +36,7 @@ kvfuzz's own code is an ``internal_error``.
 from __future__ import annotations
 
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from differential.driver.protocol import (
     PARENT_ENV,
@@ -44,6 +46,10 @@ from differential.driver.protocol import (
     serve,
     take_protocol_stdout,
 )
+
+if TYPE_CHECKING:
+    from differential.observation import RunObservation
+    from differential.scenario import Scenario
 
 __all__ = ["PARENT_ENV", "PROTOCOL_VERSION", "capabilities", "main"]
 
@@ -90,8 +96,10 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
         if mode == "scheduler" or (mode is None and scenario.workload.mode is DriveMode.SCHEDULER):
             from differential.driver.scheduler_mode import run_scheduler_scenario
 
-            return run_scheduler_scenario(scenario, request["variant"], **kwargs)
-        return run_scenario(scenario, request["variant"], **kwargs)
+            run = run_scheduler_scenario(scenario, request["variant"], **kwargs)
+        else:
+            run = run_scenario(scenario, request["variant"], **kwargs)
+        return _with_plan(scenario, run)
 
     def handle(request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         if request["op"] == "hello":
@@ -108,6 +116,20 @@ def _serve(stdin: IO[str], stdout: IO[str]) -> None:
         )
 
     serve(stdin, stdout, handle, describe_failure=describe)
+
+
+def _with_plan(scenario: Scenario, run: RunObservation) -> RunObservation:
+    """``run`` with this tree's plan of ``scenario.model``
+    (:func:`differential.driver.planner.with_kv_cache_plan`); unchanged
+    without a model, or on a release whose planner kvfuzz cannot import
+    (vLLM before ``vllm/v1/core/kv_cache_planning.py``): no plan to judge."""
+    if scenario.model is None:
+        return run
+    try:
+        from differential.driver.planner import with_kv_cache_plan
+    except ImportError:
+        return run
+    return with_kv_cache_plan(scenario, run)
 
 
 def main() -> None:

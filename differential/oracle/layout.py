@@ -27,14 +27,28 @@ what is at issue).
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 from differential.errors import ScenarioError
 from differential.findings import Finding, FindingKind
+from differential.observation import KVCachePlan, PlannedTensor, RunObservation
 from differential.oracle.core import dense_hit, drafter_model
 from differential.oracle.prefix import shared_prefixes
-from differential.scenario import Scenario
+from differential.scenario import GroupKind, Scenario
+from differential.scenario.models import LayerSpec, ModelDescription
 
-__all__ = ["LAYOUT_VARIANT", "alignment_blowup", "alignment_losses"]
+__all__ = [
+    "LAYOUT_VARIANT",
+    "SPEC_CLASS",
+    "OwedGroup",
+    "alignment_blowup",
+    "alignment_losses",
+    "kv_cache_plan_findings",
+    "layer_page_bytes",
+    "owed_groups",
+    "owed_tensors",
+]
 
 #: The ``variant`` of a layout finding: it belongs to the layout, not to a
 #: manager, so it is reported once per scenario.
@@ -147,3 +161,359 @@ def alignment_blowup(scenario: Scenario) -> Finding | None:
         expected_tokens=block,
         hit_tokens=alignment,
     )
+
+
+# ------------------------------------------------------------ the KV cache plan
+#
+# What vLLM's planner owes a model-level scenario's model, from the layers'
+# page sizes alone (nothing here imports vLLM). The rules, as vLLM 0.33.0
+# states them (vllm/v1/core/kv_cache_planning.py unless named):
+#
+# * a layer's page is the bytes one block of it holds: 2 (K and V) x block x
+#   KV heads x head size x dtype bytes for attention (``AttentionSpec``), the
+#   same without the 2 for MLA (one latent per token), the states' bytes for
+#   Mamba, whatever the block (``MambaSpec.page_size_bytes``,
+#   vllm/v1/kv_cache_interface.py);
+# * identical layers form one group (``_get_kv_cache_groups_uniform_spec``);
+#   layers of one attention type at one block size form one group of mixed
+#   pages (``UniformTypeKVCacheSpecs.from_specs``; MLA counts as full
+#   attention, sliding-window MLA beside a first sliding-window layer as
+#   sliding window), one tensor per distinct layer spec
+#   (``get_kv_cache_config_from_groups``'s ``layers_by_spec``);
+# * otherwise every page is unified to the largest, P
+#   (``unify_kv_cache_spec_page_size``): an attention layer whose page p
+#   divides P gets a block P/p times larger, in tokens; a Mamba layer's page,
+#   and an attention page that does not divide P, is padded to P, its block
+#   unchanged (vLLM PR #45207);
+# * equal (unified) layers form a bucket, in the order their first layer
+#   comes; all buckets are split into groups of one size, the smallest
+#   bucket's, or the largest's when it is under 1.5 times the smallest; a
+#   bucket of n layers makes ceil(n / size) groups, group i holding its
+#   layers i, i + groups, ... (``_get_kv_cache_groups_uniform_page_size``:
+#   "a model with 10 full attention layers and 20 sliding window attention
+#   layers ... 3 kv_cache_groups, each of which represents 10 layers");
+# * every sliding window keeps the drafter's re-prefillable tail past it,
+#   ``extra_retained_tokens`` = ``num_prefill_lookahead_tokens`` - 1
+#   (``get_global_kv_cache_groups``: multi-module MTP re-prefills its last
+#   tokens; :func:`differential.oracle.core.drafter_model`);
+# * the scheduler block is the LCM of the group blocks, the hash block their
+#   GCD; one group's are both the configured block
+#   (``resolve_kv_cache_block_sizes``, vllm/v1/core/kv_cache_utils.py);
+# * a layer-outermost layout gives each layer its own region of every tensor:
+#   one block of the pool costs the largest group's pages summed
+#   (``_get_kv_cache_bytes_per_block``), the pool holds
+#   ``num_gpu_blocks_override`` blocks (``may_override_num_blocks``), every
+#   tensor is num_blocks x that many bytes, each layer's blocks lie one page
+#   apart and its region num_blocks pages long, the layers of one spec side by
+#   side from the end of the previous spec's (vLLM PR #14079 made one tensor
+#   serve one layer of every group: groups alias from byte 0).
+#
+# Not judged (no finding either way): block-outermost layouts (packed pages,
+# ``_get_packed_kv_cache_groups``), compressed MLA (``tokens_per_state`` > 1),
+# an MLA page that does not divide the largest (vLLM's full-allocation
+# fallback), and Mamba layers of one block with mixed pages.
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1}
+
+#: vLLM's spec class per layer kind (vllm/v1/kv_cache_interface.py).
+SPEC_CLASS = {
+    GroupKind.FULL_ATTENTION: "FullAttentionSpec",
+    GroupKind.SLIDING_WINDOW: "SlidingWindowSpec",
+    GroupKind.CHUNKED_LOCAL_ATTENTION: "ChunkedLocalAttentionSpec",
+    GroupKind.MLA: "MLAAttentionSpec",
+    GroupKind.SLIDING_WINDOW_MLA: "SlidingWindowMLASpec",
+    GroupKind.MAMBA: "MambaSpec",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """One layer as the planner sees it: its block (tokens) and page (bytes)."""
+
+    name: str
+    spec: LayerSpec
+    block_tokens: int
+    page_bytes: int
+
+    @property
+    def shape(self) -> tuple[object, ...]:
+        """What makes two layers one spec (the draft mark does not:
+        ``KVCacheSpec.is_draft`` is ``compare=False``)."""
+        s = self.spec
+        return (
+            s.kind,
+            s.num_kv_heads,
+            s.head_size,
+            s.dtype,
+            s.sliding_window_tokens,
+            s.attention_chunk_size_tokens,
+            s.mamba_state_shapes,
+            s.mamba_state_dtypes,
+            self.block_tokens,
+            self.page_bytes,
+        )
+
+
+def layer_page_bytes(layer: LayerSpec, block_tokens: int) -> int:
+    """Bytes one block of ``layer`` holds at ``block_tokens`` tokens per block
+    (unpadded): K and V per token for attention, one latent for MLA, the
+    states for Mamba (whatever the block)."""
+    if layer.kind is GroupKind.MAMBA:
+        return sum(
+            math.prod(shape) * _DTYPE_BYTES[dtype]
+            for shape, dtype in zip(layer.mamba_state_shapes, layer.mamba_state_dtypes, strict=True)
+        )
+    per_token = layer.num_kv_heads * layer.head_size * _DTYPE_BYTES[layer.dtype]
+    if layer.kind in (GroupKind.MLA, GroupKind.SLIDING_WINDOW_MLA):
+        return block_tokens * per_token
+    return 2 * block_tokens * per_token
+
+
+@dataclasses.dataclass(frozen=True)
+class OwedGroup:
+    """A KV cache group first principles owe: its spec class, block (tokens),
+    layers, each layer's page (bytes, padded) and, for a sliding window, the
+    tokens kept past the window (``extra_retained_tokens``)."""
+
+    spec: str
+    block_size_tokens: int
+    layers: tuple[str, ...]
+    page_size_bytes: tuple[int, ...]
+    extra_retained_tokens: int = 0
+    #: Per layer, what makes it one spec (:attr:`_Layer.shape`): layers of
+    #: one spec share a tensor. Not compared (vLLM reports pages, not specs).
+    layer_shapes: tuple[tuple[object, ...], ...] = dataclasses.field(default=(), compare=False)
+
+
+def _raw_layers(model: ModelDescription) -> list[_Layer] | None:
+    layers = []
+    for name, spec in model.named_layers():
+        if spec.tokens_per_state != 1:
+            return None
+        block = spec.block_size_tokens or (
+            model.mamba_block_size_tokens or model.block_size_tokens
+            if spec.kind is GroupKind.MAMBA
+            else model.block_size_tokens
+        )
+        layers.append(_Layer(name, spec, block, layer_page_bytes(spec, block)))
+    return layers
+
+
+def _unified(layers: list[_Layer]) -> list[_Layer] | None:
+    """Every page made the largest (``unify_kv_cache_spec_page_size``);
+    ``None`` where vLLM falls back (an MLA page that does not divide it)."""
+    largest = max(layer.page_bytes for layer in layers)
+    out = []
+    for layer in layers:
+        if layer.page_bytes == largest or layer.spec.kind is GroupKind.MAMBA:
+            out.append(dataclasses.replace(layer, page_bytes=largest))
+        elif largest % layer.page_bytes == 0:
+            ratio = largest // layer.page_bytes
+            out.append(
+                dataclasses.replace(
+                    layer, block_tokens=layer.block_tokens * ratio, page_bytes=largest
+                )
+            )
+        elif layer.spec.kind in (GroupKind.MLA, GroupKind.SLIDING_WINDOW_MLA):
+            return None
+        else:
+            out.append(dataclasses.replace(layer, page_bytes=largest))
+    return out
+
+
+def _split(layers: list[_Layer]) -> list[list[_Layer]]:
+    """Buckets of equal layers split into groups of one size
+    (``_get_kv_cache_groups_uniform_page_size``)."""
+    buckets: dict[tuple[object, ...], list[_Layer]] = {}
+    for layer in layers:
+        buckets.setdefault(layer.shape, []).append(layer)
+    sizes = [len(b) for b in buckets.values()]
+    size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
+    groups = []
+    for bucket in buckets.values():
+        count = -(-len(bucket) // size)
+        groups += [bucket[i::count] for i in range(count)]
+    return groups
+
+
+def owed_groups(
+    model: ModelDescription, extra_retained_tokens: int = 0
+) -> tuple[OwedGroup, ...] | None:
+    """The KV cache groups first principles owe ``model`` (the rules above),
+    each sliding-window group keeping ``extra_retained_tokens`` tokens past
+    its window; ``None`` for a model they do not judge."""
+    if model.kv_cache_layout.startswith("B"):
+        return None
+    layers = _raw_layers(model)
+    if layers is None:
+        return None
+    first = layers[0]
+    if all(layer.shape == first.shape for layer in layers):
+        return (_owed(first.spec.kind, [layers], extra_retained_tokens),)
+    uniform = _uniform_type(layers)
+    if uniform is None:
+        return None
+    if uniform:
+        return (_owed(first.spec.kind, [layers], 0, uniform_type=True),)
+    unified = _unified(layers)
+    if unified is None:
+        return None
+    return tuple(_owed(g[0].spec.kind, [g], extra_retained_tokens) for g in _split(unified))
+
+
+#: The kinds one group of mixed pages may hold, by its first layer's kind
+#: (``is_uniform_with_collection`` of its spec, vllm/v1/kv_cache_interface.py:
+#: an MLA spec is a full-attention spec, a sliding-window MLA spec a
+#: sliding-window one, not the other way round).
+_UNIFORM_WITH = {
+    GroupKind.FULL_ATTENTION: (GroupKind.FULL_ATTENTION, GroupKind.MLA),
+    GroupKind.MLA: (GroupKind.FULL_ATTENTION, GroupKind.MLA),
+    GroupKind.SLIDING_WINDOW: (GroupKind.SLIDING_WINDOW, GroupKind.SLIDING_WINDOW_MLA),
+    GroupKind.SLIDING_WINDOW_MLA: (GroupKind.SLIDING_WINDOW_MLA,),
+    GroupKind.CHUNKED_LOCAL_ATTENTION: (GroupKind.CHUNKED_LOCAL_ATTENTION,),
+}
+
+
+def _uniform_type(layers: list[_Layer]) -> bool | None:
+    """Whether the layers make one group of mixed pages
+    (``UniformTypeKVCacheSpecs.from_specs``: one block size, and every layer
+    of the first layer's type, with its window or chunk); ``None`` for Mamba
+    layers of one block (not judged)."""
+    first = layers[0]
+    if any(layer.block_tokens != first.block_tokens for layer in layers):
+        return False
+    if first.spec.kind is GroupKind.MAMBA:
+        return None if all(layer.spec.kind is GroupKind.MAMBA for layer in layers) else False
+    return all(
+        layer.spec.kind in _UNIFORM_WITH[first.spec.kind]
+        and layer.spec.sliding_window_tokens == first.spec.sliding_window_tokens
+        and layer.spec.attention_chunk_size_tokens == first.spec.attention_chunk_size_tokens
+        for layer in layers
+    )
+
+
+def _owed(
+    kind: GroupKind, groups: list[list[_Layer]], extra_retained: int, uniform_type: bool = False
+) -> OwedGroup:
+    """One owed group; a sliding window (MLA too: ``SlidingWindowMLASpec``
+    is a ``SlidingWindowSpec``) keeps ``extra_retained`` tokens past its
+    window; a group of mixed pages reports none of its own."""
+    (layers,) = groups
+    return OwedGroup(
+        "UniformTypeKVCacheSpecs" if uniform_type else SPEC_CLASS[kind],
+        layers[0].block_tokens,
+        tuple(layer.name for layer in layers),
+        tuple(layer.page_bytes for layer in layers),
+        extra_retained if kind.sliding_window_family and not uniform_type else 0,
+        tuple(layer.shape for layer in layers),
+    )
+
+
+def owed_tensors(groups: Sequence[OwedGroup], num_blocks: int) -> tuple[PlannedTensor, ...]:
+    """The KV cache tensors a layer-outermost layout owes ``groups`` at
+    ``num_blocks`` blocks (``get_kv_cache_config_from_groups``): one per
+    distinct layer spec of a group (per distinct page when the group does
+    not say), in the order of its first layer."""
+    per_block = max(sum(g.page_size_bytes) for g in groups)
+    tensors = []
+    for group in groups:
+        runs: dict[object, tuple[int, list[str]]] = {}
+        shapes = group.layer_shapes or group.page_size_bytes
+        for name, page, shape in zip(group.layers, group.page_size_bytes, shapes, strict=True):
+            runs.setdefault(shape, (page, []))[1].append(name)
+        offset = 0
+        for page, names in runs.values():
+            tensors.append(
+                PlannedTensor(num_blocks * per_block, tuple(names), offset, num_blocks * page, page)
+            )
+            offset += len(names) * num_blocks * page
+    return tuple(tensors)
+
+
+def _plan_problems(plan: KVCachePlan, groups: tuple[OwedGroup, ...], block: int) -> list[str]:
+    """What of ``plan`` differs from what ``groups`` owe (``block``: the
+    configured block size, in tokens)."""
+    problems = []
+    got = [
+        OwedGroup(g.spec, g.block_size_tokens, g.layers, g.page_size_bytes, g.extra_retained_tokens)
+        for g in plan.groups
+    ]
+    if got != list(groups):
+        for i, (owed, seen) in enumerate(zip(groups, got, strict=False)):
+            if owed != seen:
+                problems.append(
+                    f"group {i}: {seen.spec} block {seen.block_size_tokens} tokens, "
+                    f"{len(seen.layers)} layer(s) from {seen.layers[:1]}, pages "
+                    f"{sorted(set(seen.page_size_bytes))} bytes, {seen.extra_retained_tokens} "
+                    f"extra retained tokens; owed {owed.spec} block {owed.block_size_tokens} "
+                    f"tokens, {len(owed.layers)} layer(s) from {owed.layers[:1]}, pages "
+                    f"{sorted(set(owed.page_size_bytes))} bytes, {owed.extra_retained_tokens} "
+                    "extra retained tokens"
+                )
+                break
+        if len(got) != len(groups):
+            problems.append(f"{len(got)} group(s); owed {len(groups)}")
+    blocks = [g.block_size_tokens for g in groups]
+    scheduler = math.lcm(*blocks) if len(blocks) > 1 else block
+    hashed = math.gcd(*blocks) if len(blocks) > 1 else block
+    if (plan.scheduler_block_size_tokens, plan.hash_block_size_tokens) != (scheduler, hashed):
+        problems.append(
+            f"scheduler block {plan.scheduler_block_size_tokens}, hash block "
+            f"{plan.hash_block_size_tokens} tokens; owed {scheduler} and {hashed}"
+        )
+    if plan.num_blocks != plan.pool_blocks:
+        problems.append(f"num_blocks {plan.num_blocks}; owed the pool's {plan.pool_blocks}")
+    tensors = owed_tensors(groups, plan.pool_blocks)
+    for i, (owed_t, seen_t) in enumerate(zip(tensors, plan.tensors, strict=False)):
+        if owed_t != seen_t:
+            problems.append(f"tensor {i}: {_tensor(seen_t)}; owed {_tensor(owed_t)}")
+            break
+    if len(plan.tensors) != len(tensors):
+        problems.append(f"{len(plan.tensors)} tensor(s); owed {len(tensors)}")
+    return problems
+
+
+def _tensor(t: PlannedTensor) -> str:
+    return (
+        f"{t.size_bytes} bytes, {len(t.layers)} layer(s) from {t.layers[:1]}, offset "
+        f"{t.offset_bytes}, layer stride {t.layer_stride_bytes}, block stride "
+        f"{t.block_stride_bytes}"
+    )
+
+
+def kv_cache_plan_findings(scenario: Scenario, run: RunObservation) -> list[Finding]:
+    """``kv-cache-plan`` when the ``KVCacheConfig`` the run's vLLM planned for
+    ``scenario.model`` (``run.kv_cache_plan``) departs from what first
+    principles owe (the rules above), a ``crash`` when planning raised; empty
+    without a model or plan, or for a model the rules do not judge.
+
+    The finding names every difference found: the first differing group
+    (spec, block in tokens, layers, pages in bytes, extra retained tokens), the scheduler and hash
+    block sizes (tokens), ``num_blocks`` against the pool (blocks), the first
+    differing tensor (bytes, layers, offset and strides in bytes).
+    """
+    plan, model = run.kv_cache_plan, scenario.model
+    if plan is None or model is None:
+        return []
+    if plan.error is not None:
+        return [
+            Finding(FindingKind.CRASH, run.variant, None, f"planning the KV cache: {plan.error}")
+        ]
+    # The drafter's re-prefillable tail (multi-module MTP) stays in every
+    # sliding window: get_global_kv_cache_groups tags each SlidingWindowSpec
+    # with num_prefill_lookahead_tokens - 1.
+    groups = owed_groups(model, drafter_model(scenario).reprefillable_tokens)
+    if groups is None:
+        return []
+    problems = _plan_problems(plan, groups, model.block_size_tokens)
+    if not problems:
+        return []
+    return [
+        Finding(
+            FindingKind.KV_CACHE_PLAN,
+            run.variant,
+            None,
+            f"vLLM planned model {model.name!r} for a pool of {plan.pool_blocks} blocks other "
+            "than its layers' pages owe: " + "; ".join(problems),
+        )
+    ]

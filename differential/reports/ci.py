@@ -162,6 +162,7 @@ _LEVEL = {
     FindingKind.PER_GROUP_HIT: "warning",
     FindingKind.KEPT_SKIPPED_BLOCK: "warning",
     FindingKind.KV_EVENTS: "warning",
+    FindingKind.KV_CACHE_PLAN: "error",
     FindingKind.WATERMARK: "warning",
     FindingKind.VARIANT_REGRESSION: "warning",
     FindingKind.POOL_REGRESSION: "warning",

@@ -27,7 +27,13 @@ from differential.scenario._errors import scenario_error
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.finding_form import FindingRecordDocument
 from differential.scenario.groups import GroupKind, KVCacheGroup, MambaPrefill
-from differential.scenario.models import FormatVersion, ModelDocument, Size, SizeOrZero
+from differential.scenario.models import (
+    FormatVersion,
+    ModelDescription,
+    ModelDocument,
+    Size,
+    SizeOrZero,
+)
 from differential.scenario.workload import (
     ConnectorLoad,
     ConnectorStore,
@@ -495,6 +501,13 @@ class ScenarioDocument(BaseModel):
         "block_size_tokens stays the tokens a block spans (per-rank block times this). "
         "Full attention, MLA and Mamba groups only. Written only when not 1.",
     )
+    model: ModelDocument | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="The model description the groups were planned from (a model-level "
+        "scenario resolved by vLLM's planner): each run plans it again, on the variant's "
+        "vLLM, and the oracle judges that plan. Written only when set.",
+    )
     # Documents that embed a scenario (corpus entries, campaign findings)
     # carry these; they are not part of the scenario value and are checked
     # by their readers (differential/corpus.py).
@@ -535,6 +548,7 @@ class ScenarioDocument(BaseModel):
             "mamba_prefill": self.mamba_prefill,
             "workload": self.workload.value(),
             "dcp_world_size": self.dcp_world_size,
+            "model": None if self.model is None else ModelDescription.from_document(self.model),
         }
 
 
@@ -585,9 +599,10 @@ class EngineDocument(BaseModel):
 
 
 class ScenarioFileDocument(ScenarioDocument):
-    """A kvfuzz scenario file: a scenario with either its KV cache groups or a
-    model description vLLM's planner lays out (``model``), and, in a corpus
-    entry or a campaign finding, what a replay must observe."""
+    """A kvfuzz scenario file: a scenario with its KV cache groups, a model
+    description vLLM's planner lays out (``model``), or both (a scenario
+    resolved from a model), and, in a corpus entry or a campaign finding,
+    what a replay must observe."""
 
     # The published schema's model only: scenario_fields parses with
     # ScenarioDocument; corpus.py reads expect and notes, and checks finding
@@ -597,24 +612,33 @@ class ScenarioFileDocument(ScenarioDocument):
         extra="forbid",
         frozen=True,
         title="kvfuzz scenario",
-        json_schema_extra={"oneOf": [{"required": ["kv_cache_groups"]}, {"required": ["model"]}]},
+        # Either or both: a scenario resolved from a model keeps its
+        # description (inline, never a path) beside the groups vLLM's planner
+        # gave it.
+        json_schema_extra={
+            "anyOf": [{"required": ["kv_cache_groups"]}, {"required": ["model"]}],
+            "if": {"required": ["kv_cache_groups", "model"]},
+            "then": {"properties": {"model": {"type": "object"}}},
+        },
     )
 
     # Widened from the parsed form's required groups: a model-level file names
-    # a model instead (the schema's oneOf), which the planner resolves.
+    # a model instead (the schema's anyOf), which the planner resolves.
     kv_cache_groups: Annotated[tuple[GroupDocument, ...], Field(min_length=1)] | None = Field(  # type: ignore[assignment]
         default=None,
         json_schema_extra=_absent_when_unused,
         description="The KV cache groups, any mix of kinds in any order: one group runs on "
         "vLLM's UnitaryKVCacheCoordinator, several on the HybridKVCacheCoordinator. Absent "
-        "with a model.",
+        "with a model's file path; beside an inline model, the groups vLLM's planner gave it.",
     )
-    model: Annotated[StrictStr, Field(min_length=1)] | ModelDocument | None = Field(
+    model: Annotated[StrictStr, Field(min_length=1)] | ModelDocument | None = Field(  # type: ignore[assignment]
         default=None,
         json_schema_extra=_absent_when_unused,
         description="Instead of kv_cache_groups: a model description (a file path relative "
         "to the scenario file, or the description itself) vLLM's planner lays out into "
-        "groups, block sizes and the hash block size.",
+        "groups, block sizes and the hash block size. Beside kv_cache_groups (an inline "
+        "description only): the model those groups were planned from; each run plans it "
+        "again on the variant's vLLM and the oracle judges that plan (kv-cache-plan).",
     )
     expect: ExpectDocument | None = Field(
         default=None, description="What a replay must observe (a corpus entry)."

@@ -34,6 +34,7 @@ from differential.scenario.json_form import (
     scenario_fields,
     scenario_to_dict,
 )
+from differential.scenario.models import ModelDescription
 from differential.scenario.multimodal import (
     MM_PLACEHOLDER_TOKEN_ID,
     ContentCoder,
@@ -145,6 +146,12 @@ class Scenario:
             ``block_size_tokens / dcp_world_size``. A Mamba group's state is
             not sharded. Only full attention, MLA and Mamba groups take it
             (:func:`.rules.check_dcp`). Written to JSON only when not 1.
+        model: the model description a model-level scenario's groups were
+            planned from (:mod:`.models`), or ``None``. Each run plans it
+            again on the variant's own vLLM, as an engine start does, and the
+            oracle judges that plan (``differential.oracle.layout``); the
+            groups above stay the ones the scenario runs. Written to JSON
+            only when set.
     """
 
     kv_cache_groups: tuple[KVCacheGroup, ...]
@@ -165,6 +172,7 @@ class Scenario:
     mamba_prefill: MambaPrefill = MambaPrefill.SCHEDULER
     workload: Workload = field(default_factory=Workload)
     dcp_world_size: int = 1
+    model: ModelDescription | None = None
 
     def __post_init__(self) -> None:
         self._document  # noqa: B018 - checks every field's type and range

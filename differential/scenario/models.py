@@ -330,6 +330,22 @@ class ModelDescription:
         """Total layers, target and drafter."""
         return sum(layer.count for layer in self.layers)
 
+    def named_layers(self) -> tuple[tuple[str, LayerSpec], ...]:
+        """Every layer with the name its KV cache spec is registered under,
+        in order: target layers ``model.layers.N``, drafter layers
+        ``drafter.layers.N`` (each counted from 0)."""
+        named: list[tuple[str, LayerSpec]] = []
+        target = draft = 0
+        for layer in self.layers:
+            for _ in range(layer.count):
+                if layer.draft:
+                    named.append((f"drafter.layers.{draft}", layer))
+                    draft += 1
+                else:
+                    named.append((f"model.layers.{target}", layer))
+                    target += 1
+        return tuple(named)
+
     @classmethod
     def from_dict(cls, data: object) -> ModelDescription:
         """Build a description from its JSON form.
@@ -343,6 +359,11 @@ class ModelDescription:
             doc = ModelDocument.model_validate(data)
         except ValidationError as exc:
             raise scenario_error(exc, model_schema(), prefix="model", root="model") from None
+        return cls.from_document(doc)
+
+    @classmethod
+    def from_document(cls, doc: ModelDocument) -> ModelDescription:
+        """The description a checked document gives."""
         return cls(
             name=doc.name,
             description=doc.description,

@@ -82,7 +82,8 @@ def test_every_shipped_file_validates() -> None:
         ({"prefill_chunk_tokens": 0}, ["prefill_chunk_tokens"]),
         ({"kv_connector": "yes"}, ["kv_connector"]),
         ({"requests": []}, ["requests"]),
-        ({"model": "../models/llama4-scout.json"}, []),  # beside kv_cache_groups
+        # A path beside kv_cache_groups (an inline description may be there).
+        ({"model": "../models/llama4-scout.json"}, ["model"]),
         ({"expect": {"hits": {"fixed": ["8"]}}}, ["expect", "hits", "fixed", 0]),
     ],
 )
@@ -160,3 +161,13 @@ def test_a_scenario_built_in_python_is_checked_field_by_field() -> None:
     as_list = [KVCacheGroup(GroupKind.FULL_ATTENTION, 16)]
     error = _error(lambda: dataclasses.replace(scenario, kv_cache_groups=as_list))
     assert (error.field, error.allowed) == ("kv_cache_groups", "a non-empty tuple")
+
+
+@pytest.mark.vllm  # the planner resolves the groups
+def test_a_resolved_model_scenario_keeps_its_inline_model_beside_the_groups() -> None:
+    from differential.corpus import load_entry
+
+    entry = load_entry(ROOT / "corpora" / "cases" / "mimo-v2-unequal-pages.json")
+    data = entry.scenario.to_dict()
+    assert data["kv_cache_groups"] and data["model"]["name"] == "mimo-v2-unequal-pages"
+    assert _validator("scenario.schema.json").is_valid(data)
