@@ -12,12 +12,25 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["FIX_COMPARISONS", "SEVERITY", "STALL_WORDS", "Finding", "FindingKind", "Policy"]
+__all__ = [
+    "FIX_COMPARISONS",
+    "RESERVED_WITHOUT_BLOCKS",
+    "SEVERITY",
+    "STALL_WORDS",
+    "Finding",
+    "FindingKind",
+    "Policy",
+]
 
 #: What a stall's crash detail says, in every driving mode and on the engine:
 #: vLLM's Scheduler scheduled no token for many steps with requests unfinished
 #: (differential/driver/scheduler_mode.py, differential/driver/engine_worker.py).
 STALL_WORDS = "scheduled nothing for"
+
+#: What a scheduler-mode stall's detail adds when waiting requests are still
+#: reserved as vLLM's in-flight prefills while holding no blocks
+#: (differential/driver/scheduler_mode.py).
+RESERVED_WITHOUT_BLOCKS = "in-flight prefill(s) holding no blocks"
 
 
 class Policy(StrEnum):

@@ -95,6 +95,7 @@ from differential.driver.settings import ResolvedDrafter, _speculative_config, r
 from differential.driver.specs import kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
 from differential.errors import InternalError
+from differential.findings import RESERVED_WITHOUT_BLOCKS
 from differential.observation import (
     BlockRecord,
     BlockWrite,
@@ -1835,6 +1836,27 @@ def _record_step(
     )
 
 
+def _reserved_without_blocks(scheduler: Any) -> str:
+    """What a stall message adds about vLLM's in-flight prefill reservations:
+    ``", N of them"`` and :data:`~differential.findings.RESERVED_WITHOUT_BLOCKS` when ``N``
+    waiting requests are still in ``Scheduler._inflight_prefills`` while no
+    KV cache group holds a block for them (a failed asynchronous load that
+    kept no token freed them: ``Scheduler._update_waiting_for_remote_kv``,
+    vllm/v1/core/sched/scheduler.py), so that the next admission reserves
+    their remaining blocks besides allocating them; ``""`` otherwise (and on
+    a release without in-flight prefill reservations)."""
+    from vllm.v1.request import RequestStatus
+
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    count = sum(
+        1
+        for request in getattr(scheduler, "_inflight_prefills", ())
+        if request.status != RequestStatus.RUNNING
+        and not any(m.req_to_blocks.get(request.request_id) for m in managers)
+    )
+    return f", {count} of them {RESERVED_WITHOUT_BLOCKS}" if count else ""
+
+
 def _drive_steps(
     scenario: Scenario,
     scheduler: Any,
@@ -1909,6 +1931,7 @@ def _drive_steps(
                 RuntimeError(
                     f"scheduled nothing for {_MAX_IDLE_STEPS} steps with "
                     f"{waiting} request(s) waiting (pool {report.pool} blocks)"
+                    + _reserved_without_blocks(scheduler)
                 ),
             )
         step[0] += 1

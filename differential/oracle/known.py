@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from differential.findings import STALL_WORDS, Finding, FindingKind, Policy
+from differential.findings import RESERVED_WITHOUT_BLOCKS, STALL_WORDS, Finding, FindingKind, Policy
 from differential.oracle import (
     checkpoints,
     dense_hit,
@@ -326,8 +326,12 @@ def _async_load_reservation_caps_window(scenario: Scenario, finding: Finding) ->
 
 def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
     """vLLM's Scheduler scheduled nothing for good (kvfuzz's stall crash) after
-    a KV connector's asynchronous load failed as a whole: with several KV
-    cache groups the failure is ``failed_recving``, after which
+    a KV connector's asynchronous load failed and kept no token, with a
+    waiting request still reserved as an in-flight prefill while holding no
+    blocks (the stall names it: ``RESERVED_WITHOUT_BLOCKS``). With several
+    KV cache groups the failure is ``failed_recving`` (the whole load lost);
+    with one it is the last loaded block in ``invalid_block_ids``, which
+    keeps no token where the load was that one block. Either way
     ``Scheduler._update_waiting_for_remote_kv`` frees the request's blocks
     but leaves it in ``Scheduler._inflight_prefills``, so its next async
     admission reserves its own remaining blocks besides allocating them
@@ -339,7 +343,7 @@ def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
         store is not None
         and store.load is ConnectorLoad.ASYNC
         and bool(store.failed_loads)
-        and len(scenario.kv_cache_groups) > 1
+        and RESERVED_WITHOUT_BLOCKS in finding.detail
     )
 
 
@@ -978,17 +982,19 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue(
         name="scheduler-stall-failed-load-reserves-itself",
         summary=(
-            "With a KV connector loading asynchronously on a model of several KV "
-            "cache groups, a load that fails as a whole (failed_recving, the "
-            "recompute policy) frees the request's blocks but leaves the request "
-            "among the scheduler's in-flight prefills. Looked up again, its next "
+            "With a KV connector loading asynchronously, a load that fails and "
+            "keeps no token (with several KV cache groups: failed_recving, the "
+            "recompute policy; with one: its only block in invalid_block_ids) "
+            "frees the request's blocks but leaves the request among the "
+            "scheduler's in-flight prefills. Looked up again, its next "
             "asynchronous load must leave the blocks every in-flight prefill still "
             "needs free, its own among them, besides allocating them: under a pool "
             "of less than twice what it needs it never fits, and the requests "
             "behind it never run: the engine stalls (full attention 4 + a sliding "
             "window of 8 in blocks of 4, prefix caching off, a 23-token prompt "
             "resent, pool 16: it takes 7 blocks and reserves its own 12, of 15 "
-            "free). Found by kvfuzz."
+            "free; one sliding window of 2 in blocks of 2, a load of one block "
+            "failing, pool 13). Found by kvfuzz."
         ),
         vllm_source="vllm/v1/core/sched/scheduler.py Scheduler._update_waiting_for_remote_kv "
         "(a failed load's free) with Scheduler._inflight_prefill_reserved_blocks",

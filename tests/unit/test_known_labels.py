@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from differential.findings import Finding, FindingKind, Policy
+from differential.findings import RESERVED_WITHOUT_BLOCKS, Finding, FindingKind, Policy
 from differential.observation import ManagerSettings
 from differential.oracle import judge_run
 from differential.oracle.known import label_known
@@ -677,16 +677,23 @@ def test_a_stall_after_a_whole_failed_async_load_is_the_self_reserving_retry() -
         KVCacheGroup(GroupKind.SLIDING_WINDOW, 4, 8),
     )
     failing = ConnectorStore(ConnectorLoad.ASYNC, failed_loads=(1,), prefix_caching=False)
-    stall = Finding(FindingKind.CRASH, "v", 0, STALL)
+    stall = Finding(FindingKind.CRASH, "v", 0, f"{STALL}, 1 of them {RESERVED_WITHOUT_BLOCKS}")
     assert label_known(stalling(failing, hybrid), [stall])[0].known_issue == (
         "scheduler-stall-failed-load-reserves-itself"
     )
-    # Near misses: no failed load; one KV cache group (a failure is then one
-    # block, the request keeps its blocks); a crash that is not the stall.
+    # One KV cache group: the failure is the last loaded block, and the
+    # request is reserved without blocks only where that block was the load.
+    single = (KVCacheGroup(GroupKind.FULL_ATTENTION, 4),)
+    assert label_known(stalling(failing, single), [stall])[0].known_issue == (
+        "scheduler-stall-failed-load-reserves-itself"
+    )
+    # Near misses: no failed load; no request reserved without blocks (the
+    # failed load kept its valid prefix); a crash that is not the stall.
     plain = ConnectorStore(ConnectorLoad.ASYNC, prefix_caching=False)
     assert label_known(stalling(plain, hybrid), [stall])[0].known_issue is None
-    single = (KVCacheGroup(GroupKind.FULL_ATTENTION, 4),)
-    assert label_known(stalling(failing, single), [stall])[0].known_issue is None
+    holding = Finding(FindingKind.CRASH, "v", 0, STALL)
+    assert label_known(stalling(failing, single), [holding])[0].known_issue is None
+    assert label_known(stalling(failing, hybrid), [holding])[0].known_issue is None
     other = Finding(FindingKind.CRASH, "v", 0, "request 0: lookup: ValueError: no")
     assert label_known(stalling(failing, hybrid), [other])[0].known_issue is None
     # Two requests holding KV stalled without a failed load: the reservation
@@ -696,7 +703,11 @@ def test_a_stall_after_a_whole_failed_async_load_is_the_self_reserving_retry() -
         "async-load-reservation-caps-the-window"
     )
     assert label_known(stalling(plain, single), [two])[0].known_issue is None
-    assert label_known(stalling(failing, hybrid), [two])[0].known_issue == (
+    assert label_known(stalling(failing, hybrid), [two])[0].known_issue is None
+    reserved = Finding(
+        FindingKind.CRASH, "v", 0, f"{two.detail}, 1 of them {RESERVED_WITHOUT_BLOCKS}"
+    )
+    assert label_known(stalling(failing, hybrid), [reserved])[0].known_issue == (
         "scheduler-stall-failed-load-reserves-itself"
     )
 
