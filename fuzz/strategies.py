@@ -1138,9 +1138,38 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
             **mamba_options,
         )
         # Drawn last, so that every draw above reads the bytes it read before.
-        return _disaggregation(draw, _store_bounds(draw, scenario))
+        return _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the engine generator produced an invalid scenario: {exc}") from exc
+
+
+def _undriven_managers(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One attention layout in ten (no Mamba, chunked local attention or
+    decode context parallelism) gains a circular buffer group
+    (``CircularBufferManager``, at the layout's smallest block, as
+    :func:`_pin` adds it: DeepSeek-V4.1's compressor ring beside its
+    prefix-cached groups); the pool grows by the blocks it needs for every
+    request at once. Two kinds with managers of their own are drawn only
+    when ``--groups`` pins them: R-SWA, whose one model in vLLM 0.33.0 turns
+    prefix caching off (``UnlimitedOCRForCausalLMConfig``,
+    vllm/model_executor/models/config.py: its decode-phase KV "cannot be
+    safely reused"), and sink full attention, whose manager no release
+    kvfuzz drives can build (known issue
+    ``sink-full-attention-manager-rejects-needs-kv-cache-zeroing``)."""
+    kinds = {g.kind for g in scenario.kv_cache_groups}
+    if draw(st.integers(0, 9)) != 1 or GroupKind.CIRCULAR_BUFFER in kinds:
+        return scenario
+    if kinds & {GroupKind.MAMBA, GroupKind.CHUNKED_LOCAL_ATTENTION} or scenario.dcp_world_size > 1:
+        return scenario
+    groups = _pin(scenario.kv_cache_groups, frozenset({GroupKind.CIRCULAR_BUFFER}))
+    lengths = [r.prompt_tokens for r in scenario.requests]
+    reserve = scenario.decode_steps + 2 * scenario.drafter.num_speculative_tokens + 2
+    spec = scenario.drafter.num_speculative_tokens
+    before = _pool_bounds(scenario.kv_cache_groups, lengths, len(lengths), reserve, spec)
+    after = _pool_bounds(groups, lengths, len(lengths), reserve, spec)
+    pool = max(after[0], (scenario.workload.pool_blocks or 0) + after[1] - before[1])
+    workload = dataclasses.replace(scenario.workload, pool_blocks=pool)
+    return dataclasses.replace(scenario, kv_cache_groups=groups, workload=workload)
 
 
 def _disaggregation(draw: st.DrawFn, scenario: Scenario) -> Scenario:

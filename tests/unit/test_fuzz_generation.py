@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from differential.findings import Finding, FindingKind
 from differential.scenario import DrafterKind, GroupKind, Scenario
 from fuzz.signature import signature_of
-from fuzz.strategies import scenarios
+from fuzz.strategies import engine_scenarios, scenarios
 from tests.factories import reach, triton
 
 
@@ -138,3 +138,25 @@ def test_mamba_hybrids_draw_no_one_token_window() -> None:
         settings=search,
     )
     assert hash_block == 1 and min(windows((groups, hash_block))) >= 2
+
+
+def test_the_scheduler_generator_draws_a_circular_buffer_unpinned() -> None:
+    from fuzz.signature import coverage_keys
+
+    kind = GroupKind.CIRCULAR_BUFFER
+    drawn = reach(lambda s: any(g.kind is kind for g in s.kv_cache_groups), engine_scenarios())
+    # Beside attention groups only, and counted in the coverage table.
+    assert not drawn.mamba_groups and drawn.dcp_world_size == 1
+    assert any(g.kind.prefix_cacheable and g.kind is not kind for g in drawn.kv_cache_groups)
+    assert kind.value in dict(k.split(":", 1) for k in coverage_keys(drawn))["group-mix"]
+
+
+@settings(
+    max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+@given(engine_scenarios())
+def test_the_scheduler_generator_never_draws_a_sink_or_rswa_unpinned(s: Scenario) -> None:
+    # Every release kvfuzz drives fails to build SinkFullAttentionManager, and
+    # vLLM's one R-SWA model turns prefix caching off.
+    unpinned = (GroupKind.SINK_FULL_ATTENTION, GroupKind.RSWA)
+    assert all(g.kind not in unpinned for g in s.kv_cache_groups)
