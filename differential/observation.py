@@ -542,6 +542,13 @@ class ResumedLookup:
             was preempted, in tokens: under async scheduling a token sampled
             by a step still in flight arrives after the preemption's free
             (``None``: not recorded; ``known_tokens`` stands for it).
+        preempted_in_flight_tokens: its ``Request.num_in_flight_tokens`` when
+            it was preempted, in tokens: under async scheduling the tokens
+            steps still in flight compute (``None``: not recorded).
+        scheduled_known_tokens: its tokens (``Request.num_tokens``) when
+            ``KVCacheManager.allocate_slots`` last scheduled it before the
+            preemption, in tokens: what that call could cache
+            (``None``: not recorded).
     """
 
     step: int
@@ -552,6 +559,8 @@ class ResumedLookup:
     freed_queue_removals: int | None
     lookup_queue_removals: int | None
     preempted_known_tokens: int | None = None
+    preempted_in_flight_tokens: int | None = None
+    scheduled_known_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ResumedLookup:
@@ -568,11 +577,15 @@ class ResumedLookup:
             "freed_queue_blocks": self.freed_queue_blocks,
             "freed_queue_removals": self.freed_queue_removals,
             "lookup_queue_removals": self.lookup_queue_removals,
-            **(
-                {}
-                if self.preempted_known_tokens is None
-                else {"preempted_known_tokens": self.preempted_known_tokens}
-            ),
+            **{
+                name: value
+                for name, value in (
+                    ("preempted_known_tokens", self.preempted_known_tokens),
+                    ("preempted_in_flight_tokens", self.preempted_in_flight_tokens),
+                    ("scheduled_known_tokens", self.scheduled_known_tokens),
+                )
+                if value is not None
+            },
         }
 
 

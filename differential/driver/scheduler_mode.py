@@ -765,7 +765,9 @@ class _FreeQueueClock:
     used). A ``KVCacheManager.free`` of a request that has not finished is
     vLLM's ``Scheduler._preempt_request``: ``preempted`` keeps, per request,
     (its lookups so far, its ``num_computed_tokens``, the queue's length,
-    the removal count) as the free begins. The oracle reads them in
+    the removal count, its ``num_tokens``, its ``num_in_flight_tokens`` and
+    its ``num_tokens`` when ``allocate_slots`` last scheduled it,
+    ``scheduled_known``) as the free begins. The oracle reads them in
     :func:`differential.oracle.engine.timeline_writers` and
     :func:`differential.oracle.engine.resumed_findings`.
 
@@ -791,6 +793,7 @@ class _FreeQueueClock:
         "num_free",
         "preempted",
         "removals",
+        "scheduled_known",
         "step",
         "unattributed",
     )
@@ -801,7 +804,8 @@ class _FreeQueueClock:
         self.first_free: dict[str, tuple[int, int]] = {}
         self.unattributed = False
         self.lookups = lookups
-        self.preempted: dict[str, tuple[int, int, int, int, int]] = {}
+        self.preempted: dict[str, tuple[int, int, int, int, int, int, int | None]] = {}
+        self.scheduled_known: dict[str, int] = {}
         self.step = step if step is not None else [0]
         self.deferred: dict[int, tuple[str, bool, int, int]] = {}
         self.drained: list[tuple[str, int, tuple[tuple[int, int], ...]]] = []
@@ -863,6 +867,8 @@ class _FreeQueueClock:
                     num_free(),
                     self.removals,
                     request.num_tokens,
+                    getattr(request, "num_in_flight_tokens", 0),
+                    self.scheduled_known.get(rid),
                 )
             outer, self.current = self.current, rid
             try:
@@ -875,10 +881,28 @@ class _FreeQueueClock:
                 self.first_free.pop(rid, None)
 
         manager.free = attributed_free
+        self._record_scheduled(manager)
         self._attribute(
             manager, "remove_skipped_blocks", lambda a, k: a[0] if a else k["request_id"]
         )
         self._record_pops(manager)
+
+    def _record_scheduled(self, manager: Any) -> None:
+        """Wrap ``manager.allocate_slots`` so ``scheduled_known`` keeps, per
+        request, its ``num_tokens`` (in tokens) at its last successful call:
+        ``KVCacheManager.allocate_slots`` (vllm/v1/core/kv_cache_manager.py)
+        caches ``min(computed + new, request.num_tokens)`` tokens, never an
+        output placeholder."""
+        real = manager.allocate_slots
+
+        def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+            result = real(*args, **kwargs)
+            if result is not None:
+                request = args[0] if args else kwargs["request"]
+                self.scheduled_known[request.request_id] = request.num_tokens
+            return result
+
+        manager.allocate_slots = allocate_slots
 
     def _record_pops(self, manager: Any) -> None:
         """Wrap ``manager.pop_blocks_for_free`` (the deferred-free path,
@@ -950,7 +974,7 @@ class _FreeQueueClock:
             return None
         del self.preempted[request_id]
         lookup = made[-1]
-        _, computed, queued, removals, known = mark
+        _, computed, queued, removals, known, in_flight, scheduled = mark
         recorded = not self.unattributed
         return ResumedLookup(
             step=step,
@@ -961,6 +985,8 @@ class _FreeQueueClock:
             freed_queue_removals=removals if recorded else None,
             lookup_queue_removals=lookup.queue_removals if recorded else None,
             preempted_known_tokens=known,
+            preempted_in_flight_tokens=in_flight,
+            scheduled_known_tokens=scheduled,
         )
 
     def freed(self, request_id: str) -> tuple[int | None, int | None]:

@@ -289,7 +289,11 @@ def resumed_owed_tokens(scenario: Scenario, model: DrafterModel, lookup: Resumed
     preemption (``preempted_known_tokens``; under async scheduling the token
     a step still in flight samples is appended after the free, so its
     block's hash did not exist when the blocks were cached; ``known_tokens``
-    where not recorded). ``KVCacheManager.free``
+    where not recorded). Under async scheduling a step still in flight
+    also computes tokens that were output placeholders when it was
+    scheduled; their blocks are cached only when its output is applied,
+    which the preemption prevents, so ``C`` is read as the tokens cached
+    (:func:`_resumed_cached_tokens`). ``KVCacheManager.free``
     hands them to vLLM's free queue tail block first
     (vllm/v1/core/block_pool.py ``BlockPool.free_blocks``; vllm/v1/core/kv_cache_utils.py
     ``FreeKVCacheBlockQueue``), behind the ``Q`` blocks queued; a request
@@ -313,8 +317,7 @@ def resumed_owed_tokens(scenario: Scenario, model: DrafterModel, lookup: Resumed
     queued = lookup.freed_queue_blocks
     removed = lookup.lookup_queue_removals - lookup.freed_queue_removals
     known = lookup.known_tokens
-    at_free = known if lookup.preempted_known_tokens is None else lookup.preempted_known_tokens
-    computed = min(lookup.preempted_computed_tokens, at_free - model.hash_lookahead_tokens)
+    computed = _resumed_cached_tokens(lookup, model.hash_lookahead_tokens)
     drops = scenario.drop_group_indices if model.drop else frozenset()
     limit = known - 1
     for index, group in enumerate(scenario.kv_cache_groups):
@@ -324,6 +327,41 @@ def resumed_owed_tokens(scenario: Scenario, model: DrafterModel, lookup: Resumed
         limit = min(limit, surviving * block - (block if index in drops else 0))
     alignment = scenario.effective_hit_alignment_tokens
     return max(0, limit) // alignment * alignment
+
+
+def _resumed_cached_tokens(lookup: ResumedLookup, lookahead: int) -> int:
+    """The tokens of a preempted request whose blocks vLLM had cached when
+    ``Scheduler._preempt_request`` freed them (vllm/v1/core/sched/scheduler.py),
+    in tokens (:func:`resumed_owed_tokens`), ``lookahead`` the hash lookahead
+    in tokens (a block's hash needs that many tokens past it).
+
+    Two calls cache a running request's blocks, each within the block
+    hashes its known tokens make: ``KVCacheManager.allocate_slots``
+    (vllm/v1/core/kv_cache_manager.py) when a step is scheduled, up to
+    ``min(computed + new, request.num_tokens)``, "only 'finalized' tokens",
+    never an output placeholder; and, under async scheduling or with
+    drafts, ``Scheduler.update_from_output`` when a step's output is
+    applied, up to ``num_computed_tokens - num_in_flight_tokens``: the
+    tokens of the steps processed. A token that a step still in flight at
+    the preemption computes, and that was a placeholder when that step was
+    scheduled, is cached by neither: the preemption makes the step's output
+    stale, and stale output caches nothing. With ``C`` computed tokens,
+    ``F`` of them in flight, ``T_p`` tokens known at the free and ``T_s``
+    when ``allocate_slots`` last scheduled the request, the cached tokens
+    are ``max(min(C - F, T_p - k), min(C, T_s - k))``; where ``F`` and
+    ``T_s`` were not recorded, ``min(C, T_p - k)`` (``T_p`` the tokens at
+    the lookup where that was not recorded either).
+    """
+    computed = lookup.preempted_computed_tokens
+    at_free = (
+        lookup.known_tokens
+        if lookup.preempted_known_tokens is None
+        else lookup.preempted_known_tokens
+    )
+    if lookup.preempted_in_flight_tokens is None or lookup.scheduled_known_tokens is None:
+        return min(computed, at_free - lookahead)
+    processed = min(computed - lookup.preempted_in_flight_tokens, at_free - lookahead)
+    return max(processed, min(computed, lookup.scheduled_known_tokens - lookahead))
 
 
 def resumed_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> list[Finding]:

@@ -3,7 +3,9 @@
 Exact hits from real runs: the seed corpus and a one-at-a-time chat with
 drafts give the synchronous run's hits; a decoded block still in flight is
 not cached yet; a deferred free hands a two-group request's blocks back in
-another order than the immediate free (vLLM issue #48489).
+another order than the immediate free (vLLM issue #48489); a preempted
+request is owed only the blocks cached at its free, not those a step still
+in flight computes.
 """
 
 from __future__ import annotations
@@ -175,10 +177,94 @@ def test_a_preempted_request_is_owed_the_blocks_hashed_before_its_token_in_fligh
         resumed.known_tokens,
         resumed.preempted_computed_tokens,
         resumed.preempted_known_tokens,
-    ) == (16, 21, 23, 20)
+        resumed.preempted_in_flight_tokens,
+        resumed.scheduled_known_tokens,
+    ) == (16, 21, 23, 20, 4, 19)
     model = drafter_model(entry.scenario)
     assert model.hash_lookahead_tokens == 1
     assert resumed_owed_tokens(entry.scenario, model, resumed) == 16
-    stale = dataclasses.replace(resumed, preempted_known_tokens=None)
+    # The tokens known at the free bound it alone (19 processed, 18 hashed
+    # when last scheduled, 20 - 1 hashed at the free: [16, 20) uncached).
+    hashed = dataclasses.replace(
+        resumed, preempted_in_flight_tokens=None, scheduled_known_tokens=None
+    )
+    assert resumed_owed_tokens(entry.scenario, model, hashed) == 16
+    stale = dataclasses.replace(hashed, preempted_known_tokens=None)
     assert resumed_owed_tokens(entry.scenario, model, stale) == 20
     assert result.findings == ()
+
+
+def _preempted_with_a_decode_step_in_flight() -> Scenario:
+    """Full attention, block 16, a 10-block pool: request 1 (29-token
+    prompt) decodes beside request 0 (119 tokens) until the pool runs out
+    and step 12 preempts it (shrunk from a seed-91 campaign's three false
+    fallbacks, on FA 4, MLA 4 and FA 16)."""
+    return Scenario.from_dict(
+        {
+            "format": "kvfuzz.scenario",
+            "version": 1,
+            "name": "async-preempted-decode-step-in-flight",
+            "kv_cache_groups": [
+                {"kind": "full_attention", "block_size_tokens": 16, "sliding_window_tokens": None}
+            ],
+            "prefill_chunk_tokens": 16,
+            "decode_steps": 6,
+            "shared_prefix_tokens": 16,
+            "requests": [
+                {"name": "s0t1", "shares_with": None, "divergence_tokens": 0, "suffix_tokens": 103},
+                {"name": "s1t1", "shares_with": None, "divergence_tokens": 16, "suffix_tokens": 13},
+            ],
+            "workload": {
+                "mode": "scheduler",
+                "pool_blocks": 10,
+                "arrival_steps": [0, 0],
+                "max_num_seqs": 4,
+                "async_scheduling": True,
+            },
+        }
+    )
+
+
+def test_a_preempted_request_is_owed_no_block_its_decode_step_in_flight_completes() -> None:
+    # Step 11 computes request 1's position 31 while step 10, which samples
+    # its token, is in flight: a placeholder when allocate_slots ran (31
+    # tokens known), so block [16, 32) was left for update_from_output to
+    # cache once step 11's output is applied (num_computed_tokens -
+    # num_in_flight_tokens). Step 12 preempts request 1 first (32 tokens
+    # computed, 1 in flight, 32 known); step 11's output is then stale and
+    # caches nothing. The resumed lookup hits 16, which is owed; counting
+    # the in-flight token as cached would owe 32.
+    from differential.oracle.core import drafter_model
+    from differential.oracle.engine import resumed_owed_tokens
+
+    scenario = _preempted_with_a_decode_step_in_flight()
+    result = compare_variants(scenario, UNFIXED)
+    run = result.results[0].run
+    assert (run.hits, run.evicted_blocks, run.preemptions) == ((0, 0), 0, 1)
+    (resumed,) = run.requests[1].resumed
+    assert (
+        resumed.step,
+        resumed.hit_tokens,
+        resumed.known_tokens,
+        resumed.preempted_computed_tokens,
+        resumed.preempted_in_flight_tokens,
+        resumed.preempted_known_tokens,
+        resumed.scheduled_known_tokens,
+    ) == (14, 16, 33, 32, 1, 32, 31)
+    model = drafter_model(scenario)
+    assert resumed_owed_tokens(scenario, model, resumed) == 16
+    unrecorded = dataclasses.replace(resumed, preempted_in_flight_tokens=None)
+    assert resumed_owed_tokens(scenario, model, unrecorded) == 32
+    assert result.findings == ()
+    # The synchronous Scheduler preempts it too, with no step in
+    # flight: position 31's token was known when its step was scheduled, so
+    # allocate_slots cached [16, 32) and the resumed lookup hits 32.
+    sync = run_variant(synchronous(scenario), STOCK)
+    (again,) = sync.requests[1].resumed
+    assert (
+        again.hit_tokens,
+        again.preempted_computed_tokens,
+        again.preempted_in_flight_tokens,
+        again.scheduled_known_tokens,
+    ) == (32, 32, 0, 32)
+    assert resumed_owed_tokens(scenario, model, again) == 32
