@@ -60,11 +60,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.observation import RequestObservation, RunObservation
+from differential.observation import ConnectorLookup, RequestObservation, RunObservation
 from differential.oracle.prefix import common_prefix_tokens
 from differential.scenario import GroupKind, Scenario
 
-__all__ = ["LocalOwed", "disagg_findings", "local_owed", "prefill_owed"]
+__all__ = [
+    "EQUAL_TAIL_DROPPED",
+    "LocalOwed",
+    "disagg_findings",
+    "equal_tail_dropped",
+    "local_owed",
+    "prefill_owed",
+]
+
+#: What a store-rule shortfall's detail adds when vLLM dropped the store's
+#: answer because it ended exactly where a diverged local hit did
+#: (:func:`equal_tail_dropped`).
+EQUAL_TAIL_DROPPED = "the store's answer ending where the diverged local hit does was dropped"
 
 
 def _layout(scenario: Scenario) -> str | None:
@@ -108,6 +120,19 @@ def prefill_owed(scenario: Scenario, run: RunObservation, r: RequestObservation)
         # hit is judged by the scheduler-mode rules.
         return None
     return held
+
+
+def equal_tail_dropped(c: ConnectorLookup) -> bool:
+    """Whether vLLM dropped the store's answer to a diverged lookup because it
+    ended exactly at the local hit: ``get_computed_blocks_for_connector``
+    (vllm/v1/core/kv_cache_manager.py) reported the full-attention hit ``h``
+    past a lagging Mamba group, the connector answered ``m`` equal to the
+    sub-block tail ``h - a`` past the shown ``a``, ``Scheduler.schedule``
+    (vllm/v1/core/sched/scheduler.py) keeps a local tail unless the remote
+    hit strictly exceeds it (so no external tokens), and then reconciles the
+    diverged hit to what every group holds."""
+    tail = c.local_hit_tokens - c.presented_tokens
+    return c.diverged and c.external_tokens == 0 and tail > 0 and c.matched_tokens == tail
 
 
 @dataclass(frozen=True)
@@ -199,7 +224,13 @@ def disagg_findings(
                     f"disaggregated: starts with {c.computed_tokens} computed tokens "
                     f"({c.local_tokens} local + {c.external_tokens} external), owed {owed} "
                     f"the prefill instance computed ({c.prefill_tokens} tokens) and saved; "
-                    f"the store held {c.store_tokens}",
+                    f"the store held {c.store_tokens}"
+                    + (
+                        f" ({EQUAL_TAIL_DROPPED}: local hit {c.local_hit_tokens}, "
+                        f"{c.matched_tokens} past {c.presented_tokens})"
+                        if equal_tail_dropped(c)
+                        else ""
+                    ),
                     divergence_tokens=r.prompt_tokens,
                     hit_tokens=c.computed_tokens,
                     expected_tokens=owed,
