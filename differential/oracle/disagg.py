@@ -27,7 +27,11 @@ the decode instance with a :class:`~differential.observation.ConnectorLookup`:
   local hit when that is less than a grid unit (``_lookup_complete_chunks``).
   A Mamba hybrid is owed ``c`` only when ``c`` is on the grid (off it the
   store keeps no key for the state); layouts with sliding-window or other
-  groups are not judged here.
+  groups are not judged here. A divergent hybrid hit is judged too:
+  ``get_computed_blocks_for_connector`` reports it because the connector
+  supplies the lagging Mamba state, so a shortfall where vLLM dropped a
+  store answer ending exactly at that hit (:func:`equal_tail_dropped`)
+  names it (:data:`EQUAL_TAIL_DROPPED`).
 * **The decode instance's local cache owes later requests what it loaded**
   (:func:`local_owed`). After an asynchronous load completes,
   ``Scheduler._update_waiting_for_remote_kv`` (vllm/v1/core/sched/scheduler.py)
