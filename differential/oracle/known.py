@@ -1100,7 +1100,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "engine stalls (full attention 16 + Mamba 16, hash block 2, two 3-token "
             "prompts each loading 2 tokens, pool 5: each load takes 2 of the 4 free "
             "blocks, then the first needs 1 and finds 0). Disaggregated decode "
-            "instances load every request this way. Also on vLLM 0.32.0. Found by "
+            "instances load every request this way. Also on vLLM 0.31.0 and 0.32.0. Found by "
             "kvfuzz (seed 91)."
         ),
         vllm_source="vllm/v1/core/sched/scheduler.py Scheduler._request_remaining_blocks "
@@ -1126,7 +1126,8 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "store held (a disaggregated decode instance, full attention 16 + Mamba "
             "16, hash block 4: local hit 44 with the Mamba group at 16, the store "
             "answers 12 past 32, the request starts at 16 of the 44 the prefill "
-            "instance saved). Also on vLLM 0.32.0. Found by kvfuzz (seed 91)."
+            "instance saved; 0.31.0 reconciles to 20). Also on vLLM 0.31.0 and 0.32.0. Found "
+            "by kvfuzz (seed 91)."
         ),
         vllm_source="vllm/v1/core/sched/scheduler.py Scheduler.schedule (the partial-tail "
         "branch after get_num_new_matched_tokens, then the hit_diverged reconcile) with "
