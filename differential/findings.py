@@ -17,6 +17,7 @@ __all__ = [
     "RESERVED_WITHOUT_BLOCKS",
     "SEVERITY",
     "STALL_WORDS",
+    "UNRESERVED_PARTIAL_TAIL_COPY",
     "Finding",
     "FindingKind",
     "Policy",
@@ -31,6 +32,12 @@ STALL_WORDS = "scheduled nothing for"
 #: reserved as vLLM's in-flight prefills while holding no blocks
 #: (differential/driver/scheduler_mode.py).
 RESERVED_WITHOUT_BLOCKS = "in-flight prefill(s) holding no blocks"
+
+#: What a scheduler-mode stall's detail adds when waiting requests whose
+#: asynchronous load has arrived owe a Mamba group a copy-on-write block for
+#: the partial tail that caching the load keyed, a block the in-flight
+#: reservation did not count (differential/driver/scheduler_mode.py).
+UNRESERVED_PARTIAL_TAIL_COPY = "loaded request(s) owing a Mamba partial-tail copy"
 
 
 class Policy(StrEnum):

@@ -95,7 +95,7 @@ from differential.driver.settings import ResolvedDrafter, _speculative_config, r
 from differential.driver.specs import kv_cache_config, pool_blocks
 from differential.driver.trace import trace_lookups
 from differential.errors import InternalError
-from differential.findings import RESERVED_WITHOUT_BLOCKS
+from differential.findings import RESERVED_WITHOUT_BLOCKS, UNRESERVED_PARTIAL_TAIL_COPY
 from differential.observation import (
     BlockRecord,
     BlockWrite,
@@ -1883,6 +1883,36 @@ def _reserved_without_blocks(scheduler: Any) -> str:
     return f", {count} of them {RESERVED_WITHOUT_BLOCKS}" if count else ""
 
 
+def _unreserved_partial_tail_copies(scheduler: Any) -> str:
+    """What a stall message adds about Mamba partial tails: ``", N of them"``
+    and :data:`~differential.findings.UNRESERVED_PARTIAL_TAIL_COPY` when ``N``
+    waiting requests in ``Scheduler._inflight_prefills`` have had their
+    asynchronous load arrive (``WAITING`` or ``PREEMPTED`` again) and a Mamba
+    group (align mode) holds them in ``_partial_hit_reqs``: caching the load
+    (``Scheduler._update_waiting_for_remote_kv``, vllm/v1/core/sched/scheduler.py)
+    keyed the prompt's checkpoint inside a block
+    (``MambaManager._cache_partial_tail_block``,
+    vllm/v1/core/single_type_kv_cache_manager.py), whose state the next step
+    overwrites, so ``MambaManager.get_num_blocks_to_allocate`` now asks one
+    block more for its copy: a block ``Scheduler._request_remaining_blocks``
+    did not count while the load was in flight. ``""`` otherwise."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+    from vllm.v1.request import RequestStatus
+
+    managers = [
+        m
+        for m in scheduler.kv_cache_manager.coordinator.single_type_managers
+        if isinstance(m, MambaManager)
+    ]
+    count = sum(
+        1
+        for request in getattr(scheduler, "_inflight_prefills", ())
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        and any(request.request_id in getattr(m, "_partial_hit_reqs", {}) for m in managers)
+    )
+    return f", {count} of them {UNRESERVED_PARTIAL_TAIL_COPY}" if count else ""
+
+
 def _drive_steps(
     scenario: Scenario,
     scheduler: Any,
@@ -1958,6 +1988,7 @@ def _drive_steps(
                     f"scheduled nothing for {_MAX_IDLE_STEPS} steps with "
                     f"{waiting} request(s) waiting (pool {report.pool} blocks)"
                     + _reserved_without_blocks(scheduler)
+                    + _unreserved_partial_tail_copies(scheduler)
                 ),
             )
         step[0] += 1

@@ -27,7 +27,11 @@ the decode instance with a :class:`~differential.observation.ConnectorLookup`:
   local hit when that is less than a grid unit (``_lookup_complete_chunks``).
   A Mamba hybrid is owed ``c`` only when ``c`` is on the grid (off it the
   store keeps no key for the state); layouts with sliding-window or other
-  groups are not judged here.
+  groups are not judged here. A divergent hybrid hit is judged too:
+  ``get_computed_blocks_for_connector`` reports it because the connector
+  supplies the lagging Mamba state, so a shortfall where vLLM dropped a
+  store answer ending exactly at that hit (:func:`equal_tail_dropped`)
+  names it (:data:`EQUAL_TAIL_DROPPED`).
 * **The decode instance's local cache owes later requests what it loaded**
   (:func:`local_owed`). After an asynchronous load completes,
   ``Scheduler._update_waiting_for_remote_kv`` (vllm/v1/core/sched/scheduler.py)
@@ -60,11 +64,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.observation import RequestObservation, RunObservation
+from differential.observation import ConnectorLookup, RequestObservation, RunObservation
 from differential.oracle.prefix import common_prefix_tokens
 from differential.scenario import GroupKind, Scenario
 
-__all__ = ["LocalOwed", "disagg_findings", "local_owed", "prefill_owed"]
+__all__ = [
+    "EQUAL_TAIL_DROPPED",
+    "LocalOwed",
+    "disagg_findings",
+    "equal_tail_dropped",
+    "local_owed",
+    "prefill_owed",
+]
+
+#: What a store-rule shortfall's detail adds when vLLM dropped the store's
+#: answer because it ended exactly where a diverged local hit did
+#: (:func:`equal_tail_dropped`).
+EQUAL_TAIL_DROPPED = "the store's answer ending where the diverged local hit does was dropped"
 
 
 def _layout(scenario: Scenario) -> str | None:
@@ -108,6 +124,19 @@ def prefill_owed(scenario: Scenario, run: RunObservation, r: RequestObservation)
         # hit is judged by the scheduler-mode rules.
         return None
     return held
+
+
+def equal_tail_dropped(c: ConnectorLookup) -> bool:
+    """Whether vLLM dropped the store's answer to a diverged lookup because it
+    ended exactly at the local hit: ``get_computed_blocks_for_connector``
+    (vllm/v1/core/kv_cache_manager.py) reported the full-attention hit ``h``
+    past a lagging Mamba group, the connector answered ``m`` equal to the
+    sub-block tail ``h - a`` past the shown ``a``, ``Scheduler.schedule``
+    (vllm/v1/core/sched/scheduler.py) keeps a local tail unless the remote
+    hit strictly exceeds it (so no external tokens), and then reconciles the
+    diverged hit to what every group holds."""
+    tail = c.local_hit_tokens - c.presented_tokens
+    return c.diverged and c.external_tokens == 0 and tail > 0 and c.matched_tokens == tail
 
 
 @dataclass(frozen=True)
@@ -199,7 +228,13 @@ def disagg_findings(
                     f"disaggregated: starts with {c.computed_tokens} computed tokens "
                     f"({c.local_tokens} local + {c.external_tokens} external), owed {owed} "
                     f"the prefill instance computed ({c.prefill_tokens} tokens) and saved; "
-                    f"the store held {c.store_tokens}",
+                    f"the store held {c.store_tokens}"
+                    + (
+                        f" ({EQUAL_TAIL_DROPPED}: local hit {c.local_hit_tokens}, "
+                        f"{c.matched_tokens} past {c.presented_tokens})"
+                        if equal_tail_dropped(c)
+                        else ""
+                    ),
                     divergence_tokens=r.prompt_tokens,
                     hit_tokens=c.computed_tokens,
                     expected_tokens=owed,

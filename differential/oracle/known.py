@@ -18,7 +18,14 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from differential.findings import RESERVED_WITHOUT_BLOCKS, STALL_WORDS, Finding, FindingKind, Policy
+from differential.findings import (
+    RESERVED_WITHOUT_BLOCKS,
+    STALL_WORDS,
+    UNRESERVED_PARTIAL_TAIL_COPY,
+    Finding,
+    FindingKind,
+    Policy,
+)
 from differential.oracle import (
     checkpoints,
     dense_hit,
@@ -27,6 +34,7 @@ from differential.oracle import (
     replay_boundaries,
     state,
 )
+from differential.oracle.disagg import EQUAL_TAIL_DROPPED
 from differential.oracle.prefix import shared_prefixes
 from differential.scenario import (
     ConnectorLoad,
@@ -321,6 +329,50 @@ def _async_load_reservation_caps_window(scenario: Scenario, finding: Finding) ->
         and store.load is ConnectorLoad.ASYNC
         and not store.failed_loads
         and bool(scenario.sliding_window_groups)
+    )
+
+
+def _async_load_reservation_misses_partial_tail(scenario: Scenario, finding: Finding) -> bool:
+    """vLLM's Scheduler scheduled nothing for good (kvfuzz's stall crash) with
+    a KV connector loading asynchronously, no load failing, on a Mamba hybrid,
+    with a loaded request owing a Mamba partial-tail copy (the stall names it:
+    ``UNRESERVED_PARTIAL_TAIL_COPY``): caching the arrived load
+    (``Scheduler._update_waiting_for_remote_kv``) keyed the prompt's
+    checkpoint inside a Mamba block (``MambaManager._cache_partial_tail_block``),
+    so its allocation asks one block more per Mamba group for the
+    copy-on-write, which the in-flight reservation
+    (``Scheduler._request_remaining_blocks``) did not count while the load
+    was in flight; a second load admitted against that reservation leaves the
+    first too few blocks, and neither can be preempted."""
+    if finding.kind is not FindingKind.CRASH or STALL_WORDS not in finding.detail:
+        return False
+    store = scenario.workload.connector
+    return (
+        store is not None
+        and store.load is ConnectorLoad.ASYNC
+        and not store.failed_loads
+        and bool(scenario.mamba_groups)
+        and UNRESERVED_PARTIAL_TAIL_COPY in finding.detail
+    )
+
+
+def _divergent_hit_drops_equal_remote_tail(scenario: Scenario, finding: Finding) -> bool:
+    """A disaggregated decode request short of what the prefill instance
+    saved (:mod:`differential.oracle.disagg`'s store rule) because vLLM
+    dropped the store's answer to a diverged lookup that ended exactly at the
+    local hit (the finding names it: ``EQUAL_TAIL_DROPPED``):
+    ``Scheduler.schedule`` keeps a local sub-block tail unless the remote hit
+    strictly exceeds it, then reconciles the diverged hit (no external
+    tokens) to what every group holds, though the store held the lagging
+    Mamba group's state at the hit (vllm/v1/core/sched/scheduler.py)."""
+    store = scenario.workload.connector
+    return (
+        finding.kind is FindingKind.FALLBACK
+        and finding.detail.startswith("disaggregated: ")
+        and EQUAL_TAIL_DROPPED in finding.detail
+        and store is not None
+        and store.divergent_hybrid_hits
+        and bool(scenario.mamba_groups)
     )
 
 
@@ -1026,6 +1078,62 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "SlidingWindowManager.get_num_blocks_to_allocate",
         example="known-issues/connector-async-load-reservation-caps-the-window-stalls.json",
         matches=_async_load_reservation_caps_window,
+    ),
+    KnownIssue(
+        name="async-load-reservation-misses-mamba-partial-tail",
+        summary=(
+            "With a KV connector loading asynchronously on a Mamba hybrid (align "
+            "mode), vLLM admits a second load only if it fits beside what the "
+            "in-flight prefills still need (Scheduler._inflight_prefill_reserved_blocks: "
+            "'to avoid deadlock'). While a load is in flight its request holds every "
+            "block its prompt needs, so Scheduler._request_remaining_blocks counts 0; "
+            "but when the load arrives, Scheduler._update_waiting_for_remote_kv caches "
+            "it, and MambaManager._cache_partial_tail_block keys the prompt's "
+            "checkpoint inside a Mamba block (a hash block smaller than the Mamba "
+            "block) and records the request in _partial_hit_reqs: the next step "
+            "overwrites that state, so MambaManager.get_num_blocks_to_allocate now "
+            "asks one more block per Mamba group for its copy-on-write. A second load "
+            "admitted against the 0 reservation can take the blocks that copy needs; "
+            "the first request then never fits (allocate_slots, the full sequence "
+            "must fit), it heads the queue of requests holding KV, the second waits "
+            "behind it with its load arrived, neither can be preempted, and the "
+            "engine stalls (full attention 16 + Mamba 16, hash block 2, two 3-token "
+            "prompts each loading 2 tokens, pool 5: each load takes 2 of the 4 free "
+            "blocks, then the first needs 1 and finds 0). Disaggregated decode "
+            "instances load every request this way. Also on vLLM 0.31.0 and 0.32.0. Found by "
+            "kvfuzz (seed 91)."
+        ),
+        vllm_source="vllm/v1/core/sched/scheduler.py Scheduler._request_remaining_blocks "
+        "and Scheduler._update_waiting_for_remote_kv with "
+        "vllm/v1/core/single_type_kv_cache_manager.py "
+        "MambaManager._cache_partial_tail_block and MambaManager.get_num_blocks_to_allocate",
+        example="known-issues/connector-async-load-reservation-misses-mamba-partial-tail-stalls.json",
+        matches=_async_load_reservation_misses_partial_tail,
+    ),
+    KnownIssue(
+        name="divergent-hit-drops-equal-remote-tail",
+        summary=(
+            "A KV connector declaring supports_divergent_local_hybrid_hits on a Mamba "
+            "hybrid: KVCacheManager.get_computed_blocks_for_connector reports the "
+            "full-attention hit past a lagging Mamba group ('Such a hit only has a "
+            "valid Mamba state at its boundary if the connector supplies it'), and "
+            "Scheduler.schedule shows the connector that hit rounded down to the "
+            "block. When the connector's answer ends exactly at the hit (equal to "
+            "the sub-block tail), Scheduler.schedule keeps the local tail and "
+            "loads nothing ('Remote does not exceed the full local hit'), and then, "
+            "the hit diverged with no external tokens, reconciles it to what every "
+            "group holds: the request recomputes tokens whose KV and Mamba state the "
+            "store held (a disaggregated decode instance, full attention 16 + Mamba "
+            "16, hash block 4: local hit 44 with the Mamba group at 16, the store "
+            "answers 12 past 32, the request starts at 16 of the 44 the prefill "
+            "instance saved; 0.31.0 reconciles to 20). Also on vLLM 0.31.0 and 0.32.0. Found "
+            "by kvfuzz (seed 91)."
+        ),
+        vllm_source="vllm/v1/core/sched/scheduler.py Scheduler.schedule (the partial-tail "
+        "branch after get_num_new_matched_tokens, then the hit_diverged reconcile) with "
+        "vllm/v1/core/kv_cache_manager.py KVCacheManager.get_computed_blocks_for_connector",
+        example="known-issues/connector-divergent-hit-drops-equal-remote-tail.json",
+        matches=_divergent_hit_drops_equal_remote_tail,
     ),
     KnownIssue(
         name="divergent-hit-truncates-lagging-window",

@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 
+from differential.corpus import load_entry
 from differential.driver.scheduler_mode import run_scheduler_scenario
 from differential.observation import RunObservation
 from differential.oracle.connector import connector_findings
 from differential.oracle.disagg import disagg_findings, local_owed, prefill_owed
 from differential.scenario import KVRole, Scenario
+from tests.factories import ROOT
 
 pytestmark = pytest.mark.vllm
 
@@ -188,3 +190,56 @@ def test_a_loaded_mamba_state_under_the_eagle_drop_serves_no_local_hit() -> None
     assert _lookups(run) == [(0, 17, 0, 16, 16, True), (8, 17, 0, 16, 16, True)]
     assert local_owed(s, run, run.requests[1]) is None
     assert disagg_findings(s, run) == []
+
+
+def test_a_loaded_mamba_partial_tail_stalls_the_decode_instance() -> None:
+    # known-issues/...-misses-mamba-partial-tail-stalls.json: FA 16 + Mamba 16,
+    # hash block 2, two 3-token prompts each loading 2 tokens. The decode
+    # instance stalls (the prefill instance finished both): each load takes 2
+    # of the 4 free blocks, and once request 0's load is cached it owes its
+    # Mamba group a copy of the state keyed at 2 inside the block, with 0 free.
+    entry = load_entry(
+        ROOT / "known-issues/connector-async-load-reservation-misses-mamba-partial-tail-stalls.json"
+    )
+    run = run_scheduler_scenario(entry.scenario, "unfixed")
+    assert run.error == (
+        "step 64: update_from_output: Scheduler.schedule: RuntimeError: scheduled nothing for "
+        "64 steps with 2 request(s) waiting (pool 5 blocks), 1 of them loaded request(s) "
+        "owing a Mamba partial-tail copy"
+    )
+    # One block more (the copy's) and both loads run to their end.
+    roomy = dataclasses.replace(
+        entry.scenario, workload=dataclasses.replace(entry.scenario.workload, pool_blocks=6)
+    )
+    run = run_scheduler_scenario(roomy, "unfixed")
+    assert run.error is None
+    assert [(r.connector.local_tokens, r.connector.external_tokens) for r in run.requests] == [
+        (0, 2),
+        (0, 2),
+    ]
+
+
+def test_a_store_answer_ending_at_a_diverged_hit_is_dropped() -> None:
+    # known-issues/connector-divergent-hit-drops-equal-remote-tail.json: the
+    # third request resends the first's 45 tokens; the decode instance's
+    # lookup diverges at 44 (full attention) past 16 (Mamba), the store
+    # answers 12 past 32, exactly the tail, and vLLM starts it at 16.
+    entry = load_entry(ROOT / "known-issues/connector-divergent-hit-drops-equal-remote-tail.json")
+    run = run_scheduler_scenario(entry.scenario, "unfixed")
+    assert run.error is None
+    assert run.hits == (0, 0, 16)
+    c = run.requests[2].connector
+    assert c is not None
+    assert (c.local_hit_tokens, c.presented_tokens, c.matched_tokens, c.store_tokens) == (
+        44,
+        32,
+        12,
+        44,
+    )
+    assert (c.local_tokens, c.external_tokens, c.diverged, c.prefill_tokens) == (16, 0, True, 45)
+    assert [prefill_owed(entry.scenario, run, r) for r in run.requests] == [44, None, 44]
+    assert [f.detail for f in disagg_findings(entry.scenario, run)] == [
+        "disaggregated: starts with 16 computed tokens (16 local + 0 external), owed 44 the "
+        "prefill instance computed (45 tokens) and saved; the store held 44 (the store's "
+        "answer ending where the diverged local hit does was dropped: local hit 44, 12 past 32)"
+    ]

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from differential.findings import RESERVED_WITHOUT_BLOCKS, Finding, FindingKind, Policy
+from differential.findings import (
+    RESERVED_WITHOUT_BLOCKS,
+    UNRESERVED_PARTIAL_TAIL_COPY,
+    Finding,
+    FindingKind,
+    Policy,
+)
 from differential.observation import ManagerSettings
 from differential.oracle import judge_run
 from differential.oracle.known import label_known
@@ -940,3 +946,90 @@ def test_a_replay_says_a_known_cost_is_the_fixs_own_price() -> None:
         "(unit-below-retained-boundary-falls-back) and known costs of the fix "
         "(candidate-pool-cost)); 2 of them recorded in no expect block that held"
     )
+
+
+def test_a_stall_owing_an_unreserved_mamba_partial_tail_copy() -> None:
+    # known-issues/connector-async-load-reservation-misses-mamba-partial-tail-stalls.json:
+    # FA 16 + Mamba 16, hash block 2, two 3-token prompts loading 2 tokens
+    # each on a disaggregated decode instance, pool 5.
+    from differential.scenario import ConnectorLoad, ConnectorStore, DriveMode, KVRole, Workload
+
+    def stalling(store: ConnectorStore, groups: tuple[KVCacheGroup, ...]) -> Scenario:
+        return Scenario(
+            kv_cache_groups=groups,
+            requests=(RequestSpec(0, 3), RequestSpec(2, 1)),
+            shared_prefix_tokens=2,
+            hash_block_size_tokens=2 if len(groups) > 1 else None,
+            kv_connector=True,
+            workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=5, connector=store),
+        )
+
+    mamba = (KVCacheGroup(GroupKind.FULL_ATTENTION, 16), KVCacheGroup(GroupKind.MAMBA, 16))
+    consumer = ConnectorStore(ConnectorLoad.ASYNC, kv_role=KVRole.KV_CONSUMER)
+    real = (
+        "step 64: update_from_output: Scheduler.schedule: RuntimeError: scheduled nothing for "
+        "64 steps with 2 request(s) waiting (pool 5 blocks), 1 of them "
+        f"{UNRESERVED_PARTIAL_TAIL_COPY}"
+    )
+    stall = Finding(FindingKind.CRASH, "v", 0, real)
+    name = "async-load-reservation-misses-mamba-partial-tail"
+    assert label_known(stalling(consumer, mamba), [stall])[0].known_issue == name
+    # One engine's asynchronous loads owe the same copy.
+    both = ConnectorStore(ConnectorLoad.ASYNC)
+    assert label_known(stalling(both, mamba), [stall])[0].known_issue == name
+    # Near misses: the stall without a loaded request owing the copy (the
+    # driver found none in a Mamba group's _partial_hit_reqs); synchronous
+    # loads; a failed load; no Mamba group; a crash that is not the stall.
+    plain = Finding(FindingKind.CRASH, "v", 0, real.split(", 1 of them")[0])
+    assert label_known(stalling(consumer, mamba), [plain])[0].known_issue is None
+    sync = ConnectorStore(ConnectorLoad.SYNC, kv_role=KVRole.KV_CONSUMER)
+    assert label_known(stalling(sync, mamba), [stall])[0].known_issue is None
+    failing = ConnectorStore(ConnectorLoad.ASYNC, failed_loads=(1,), kv_role=KVRole.KV_CONSUMER)
+    assert label_known(stalling(failing, mamba), [stall])[0].known_issue is None
+    attention = (KVCacheGroup(GroupKind.FULL_ATTENTION, 16),)
+    assert label_known(stalling(consumer, attention), [stall])[0].known_issue is None
+    other = Finding(FindingKind.CRASH, "v", 0, "request 0: lookup: ValueError: no")
+    assert label_known(stalling(consumer, mamba), [other])[0].known_issue is None
+
+
+def test_a_dropped_equal_remote_tail_on_a_diverged_hit() -> None:
+    # known-issues/connector-divergent-hit-drops-equal-remote-tail.json: FA 16
+    # + Mamba 16, hash block 4, a disaggregated decode instance whose
+    # connector declares divergent hybrid hits.
+    from differential.oracle.disagg import EQUAL_TAIL_DROPPED
+    from differential.scenario import ConnectorStore, DriveMode, KVRole, Workload
+
+    def decode(store: ConnectorStore, groups: tuple[KVCacheGroup, ...]) -> Scenario:
+        return Scenario(
+            kv_cache_groups=groups,
+            requests=(
+                RequestSpec(16, 29),
+                RequestSpec(20, 0, shares_with=0),
+                RequestSpec(45, 0, shares_with=0),
+            ),
+            shared_prefix_tokens=16,
+            hash_block_size_tokens=4 if len(groups) > 1 else None,
+            kv_connector=True,
+            workload=Workload(mode=DriveMode.SCHEDULER, pool_blocks=13, connector=store),
+        )
+
+    mamba = (KVCacheGroup(GroupKind.FULL_ATTENTION, 16), KVCacheGroup(GroupKind.MAMBA, 16))
+    divergent = ConnectorStore(divergent_hybrid_hits=True, kv_role=KVRole.KV_CONSUMER)
+    base = (
+        "disaggregated: starts with 16 computed tokens (16 local + 0 external), owed 44 the "
+        "prefill instance computed (45 tokens) and saved; the store held 44"
+    )
+    dropped = Finding(
+        FindingKind.FALLBACK, "v", 2, f"{base} ({EQUAL_TAIL_DROPPED}: local hit 44, 12 past 32)"
+    )
+    name = "divergent-hit-drops-equal-remote-tail"
+    assert label_known(decode(divergent, mamba), [dropped])[0].known_issue == name
+    # Near misses: a shortfall whose answer was not dropped for ending at the
+    # hit; a connector without divergent hits (which a Mamba hybrid alone may
+    # declare); another kind.
+    short = Finding(FindingKind.FALLBACK, "v", 2, base)
+    assert label_known(decode(divergent, mamba), [short])[0].known_issue is None
+    plain = ConnectorStore(kv_role=KVRole.KV_CONSUMER)
+    assert label_known(decode(plain, mamba), [dropped])[0].known_issue is None
+    over = Finding(FindingKind.OVER_HIT, "v", 2, dropped.detail)
+    assert label_known(decode(divergent, mamba), [over])[0].known_issue is None
