@@ -138,13 +138,10 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     from differential.corpus import iter_scenario_files, load_entry
-
-    # Bad paths and bad files are usage errors, now (not skipped later); JSON
-    # that is no scenario is left out (the campaign reports skipped files).
-    for path in iter_scenario_files([str(p) for p in known], skipped=None):
-        load_entry(path)
     from differential.reports.outputs import check_output_file, check_output_folder
 
+    # Output paths first: a known corpus with model-level files imports vLLM
+    # (its planner resolves their groups).
     check_output_folder(args.out, "--out")
     for sub in ("findings", "hypothesis-db", "pictures", "earlier-runs", "shrunk"):
         check_output_folder(args.out / sub, f"--out ({sub}/)")
@@ -152,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
     for option, path in reports:
         check_output_file(path, option)
     check_ci_outputs(args, others=reports)
+    # Bad paths and bad files are usage errors, now (not skipped later); JSON
+    # that is no scenario is left out (the campaign reports skipped files).
+    for path in iter_scenario_files([str(p) for p in known], skipped=None):
+        load_entry(path)
     lock = _lock_out(args.out)
     try:
         _keep_earlier_run(args.out)
