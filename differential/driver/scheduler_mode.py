@@ -1874,13 +1874,22 @@ def _reserved_without_blocks(scheduler: Any) -> str:
     from vllm.v1.request import RequestStatus
 
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    count = sum(
-        1
-        for request in getattr(scheduler, "_inflight_prefills", ())
-        if request.status != RequestStatus.RUNNING
-        and not any(m.req_to_blocks.get(request.request_id) for m in managers)
+    return _inflight_prefills_named(
+        scheduler,
+        RESERVED_WITHOUT_BLOCKS,
+        lambda request: (
+            request.status != RequestStatus.RUNNING
+            and not any(m.req_to_blocks.get(request.request_id) for m in managers)
+        ),
     )
-    return f", {count} of them {RESERVED_WITHOUT_BLOCKS}" if count else ""
+
+
+def _inflight_prefills_named(scheduler: Any, phrase: str, holds: Callable[[Any], bool]) -> str:
+    """``", N of them PHRASE"`` for the ``N`` requests of vLLM's
+    ``Scheduler._inflight_prefills`` that ``holds`` (a stall message's
+    addition), ``""`` when none does or the release keeps no such set."""
+    count = sum(1 for request in getattr(scheduler, "_inflight_prefills", ()) if holds(request))
+    return f", {count} of them {phrase}" if count else ""
 
 
 def _unreserved_partial_tail_copies(scheduler: Any) -> str:
@@ -1904,13 +1913,14 @@ def _unreserved_partial_tail_copies(scheduler: Any) -> str:
         for m in scheduler.kv_cache_manager.coordinator.single_type_managers
         if isinstance(m, MambaManager)
     ]
-    count = sum(
-        1
-        for request in getattr(scheduler, "_inflight_prefills", ())
-        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        and any(request.request_id in getattr(m, "_partial_hit_reqs", {}) for m in managers)
+    return _inflight_prefills_named(
+        scheduler,
+        UNRESERVED_PARTIAL_TAIL_COPY,
+        lambda request: (
+            request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            and any(request.request_id in getattr(m, "_partial_hit_reqs", {}) for m in managers)
+        ),
     )
-    return f", {count} of them {UNRESERVED_PARTIAL_TAIL_COPY}" if count else ""
 
 
 def _drive_steps(

@@ -38,6 +38,7 @@ from differential.oracle.disagg import EQUAL_TAIL_DROPPED
 from differential.oracle.prefix import shared_prefixes
 from differential.scenario import (
     ConnectorLoad,
+    ConnectorStore,
     DraftGroups,
     DriveMode,
     GroupKind,
@@ -307,6 +308,16 @@ def _padded_draft_above_step_budget(scenario: Scenario, finding: Finding) -> boo
     return spec > 0 and 1 + spec > scenario.step_budget_tokens
 
 
+def _async_store_stall(scenario: Scenario, finding: Finding) -> ConnectorStore | None:
+    """The scenario's KV connector store when ``finding`` is kvfuzz's stall
+    crash (vLLM's Scheduler scheduled nothing for good) and the store loads
+    asynchronously; ``None`` otherwise."""
+    store = scenario.workload.connector
+    if finding.kind is not FindingKind.CRASH or STALL_WORDS not in finding.detail:
+        return None
+    return store if store is not None and store.load is ConnectorLoad.ASYNC else None
+
+
 def _async_load_reservation_caps_window(scenario: Scenario, finding: Finding) -> bool:
     """vLLM's Scheduler scheduled nothing for good (kvfuzz's stall crash) with
     a KV connector loading asynchronously, no load failing, on a layout with
@@ -318,15 +329,12 @@ def _async_load_reservation_caps_window(scenario: Scenario, finding: Finding) ->
     that reservation leaves the first too few blocks; neither can be
     preempted (vllm/v1/core/sched/scheduler.py). Two requests at least wait
     when the stall is named (the one that cannot fit and one behind it)."""
-    if finding.kind is not FindingKind.CRASH or STALL_WORDS not in finding.detail:
-        return False
+    store = _async_store_stall(scenario, finding)
     waiting = re.search(r"with (\d+) request\(s\) waiting", finding.detail)
-    store = scenario.workload.connector
     return (
-        waiting is not None
+        store is not None
+        and waiting is not None
         and int(waiting.group(1)) >= 2
-        and store is not None
-        and store.load is ConnectorLoad.ASYNC
         and not store.failed_loads
         and bool(scenario.sliding_window_groups)
     )
@@ -344,12 +352,9 @@ def _async_load_reservation_misses_partial_tail(scenario: Scenario, finding: Fin
     (``Scheduler._request_remaining_blocks``) did not count while the load
     was in flight; a second load admitted against that reservation leaves the
     first too few blocks, and neither can be preempted."""
-    if finding.kind is not FindingKind.CRASH or STALL_WORDS not in finding.detail:
-        return False
-    store = scenario.workload.connector
+    store = _async_store_stall(scenario, finding)
     return (
         store is not None
-        and store.load is ConnectorLoad.ASYNC
         and not store.failed_loads
         and bool(scenario.mamba_groups)
         and UNRESERVED_PARTIAL_TAIL_COPY in finding.detail
@@ -388,12 +393,9 @@ def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
     but leaves it in ``Scheduler._inflight_prefills``, so its next async
     admission reserves its own remaining blocks besides allocating them
     (``_inflight_prefill_reserved_blocks``, vllm/v1/core/sched/scheduler.py)."""
-    if finding.kind is not FindingKind.CRASH or STALL_WORDS not in finding.detail:
-        return False
-    store = scenario.workload.connector
+    store = _async_store_stall(scenario, finding)
     return (
         store is not None
-        and store.load is ConnectorLoad.ASYNC
         and bool(store.failed_loads)
         and RESERVED_WITHOUT_BLOCKS in finding.detail
     )
