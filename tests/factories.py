@@ -29,6 +29,24 @@ ROOT = Path(__file__).resolve().parent.parent
 CORPORA = ROOT / "corpora"
 
 
+def layout_scenario(
+    *groups: KVCacheGroup,
+    drafter: Drafter | None = None,
+    requests: tuple[RequestSpec, ...] = (RequestSpec(64, 4), RequestSpec(50, 4)),
+    **kwargs: object,
+) -> Scenario:
+    """A scenario of ``groups`` for layout tests: a 68-token writer and a
+    sibling sharing 50 of its 64-token shared prefix (unless ``requests``
+    says otherwise), no drafter unless ``drafter``."""
+    return Scenario(
+        kv_cache_groups=groups,
+        requests=requests,
+        shared_prefix_tokens=64,
+        drafter=drafter or Drafter(),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
 def hybrid(
     full_block: int,
     swa_block: int,

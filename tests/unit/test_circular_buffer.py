@@ -20,19 +20,14 @@ from differential.scenario import (
     RequestSpec,
     Scenario,
 )
+from tests.factories import layout_scenario
 
 K = GroupKind
 G = KVCacheGroup
 MTP = Drafter(DrafterKind.MTP, 1)
 
 
-def scenario(*groups: KVCacheGroup, **kwargs: object) -> Scenario:
-    return Scenario(
-        kv_cache_groups=groups,
-        requests=kwargs.pop("requests", (RequestSpec(64, 4), RequestSpec(50, 4))),  # type: ignore[arg-type]
-        shared_prefix_tokens=64,
-        **kwargs,  # type: ignore[arg-type]
-    )
+scenario = layout_scenario
 
 
 def test_the_ring_is_no_hashing_size_but_enters_the_scheduler_block() -> None:

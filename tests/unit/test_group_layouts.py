@@ -18,25 +18,14 @@ from differential.scenario import (
     RequestSpec,
     Scenario,
 )
+from tests.factories import layout_scenario
 
 K = GroupKind
 G = KVCacheGroup
 NO_DRAFTER = Drafter()
 
 
-def scenario(
-    *groups: KVCacheGroup,
-    drafter: Drafter = NO_DRAFTER,
-    requests: tuple[RequestSpec, ...] = (RequestSpec(64, 4), RequestSpec(50, 4)),
-    **kwargs: object,
-) -> Scenario:
-    return Scenario(
-        kv_cache_groups=groups,
-        requests=requests,
-        shared_prefix_tokens=64,
-        drafter=drafter,
-        **kwargs,  # type: ignore[arg-type]
-    )
+scenario = layout_scenario
 
 
 EAGLE = Drafter(DrafterKind.EAGLE3, 1)

@@ -22,6 +22,7 @@ from differential.scenario import (
     RequestSpec,
     Scenario,
 )
+from tests.factories import layout_scenario
 
 K = GroupKind
 G = KVCacheGroup
@@ -34,13 +35,7 @@ CRASH = (
 )
 
 
-def scenario(*groups: KVCacheGroup, **kwargs: object) -> Scenario:
-    return Scenario(
-        kv_cache_groups=groups,
-        requests=kwargs.pop("requests", (RequestSpec(64, 4), RequestSpec(50, 4))),  # type: ignore[arg-type]
-        shared_prefix_tokens=64,
-        **kwargs,  # type: ignore[arg-type]
-    )
+scenario = layout_scenario
 
 
 def test_the_sink_is_full_attention_with_its_own_blocks() -> None:
