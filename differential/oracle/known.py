@@ -553,8 +553,10 @@ def _unit_below_retained_state(
     #57610; local-inference-lab/vllm PR #556 keeps a state below each
     boundary under EAGLE). ``b`` is a periodic checkpoint, a replay boundary
     or a pinned junction of the writer (a periodic ``b`` may lie past the
-    writer's prompt: ``b - A`` is owed all the same), and the owed position
-    is no retained boundary itself; the states are the writer's own
+    writer's prompt, and past its last state: ``b - A`` is owed all the same
+    wherever the sibling reaches it, and the state owed is the highest at or
+    below it, a decoded one in a chat), and the owed position is no retained
+    boundary itself; the states are the writer's own
     (:func:`_writer_states`)."""
     if not _mamba_fallback(scenario, finding) or finding.request is None:
         return False
@@ -569,7 +571,10 @@ def _unit_below_retained_state(
         own = {*replay_boundaries(scenario, model, writer), junction}
         boundaries = {b for b in own if b >= writer_hit and b > 0}
         if retention > 0:
-            boundaries.update(range(retention, max(states, default=0) + alignment + 1, retention))
+            # The oracle's periodic boundaries reach one unit past what the
+            # sibling shares (differential.oracle.core.checkpoints).
+            reach = max(max(states, default=0), finding.divergence_tokens or 0)
+            boundaries.update(range(retention, reach + alignment + 1, retention))
         if expected in boundaries:
             continue  # owed a retained boundary itself: some other mechanism
         if any(
