@@ -166,7 +166,8 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
     rest), so it does not cache what a writer that computed them would.
 
     A writer ``i`` counts for request ``j`` when ``i < j``, ``i`` finished
-    (``finished_step``) before the step that admitted ``j``
+    (``finished_step``, by itself: an aborted request promises nothing,
+    :func:`_aborted`) before the step that admitted ``j``
     (``scheduled_step``), and no request admitted before ``i`` and unfinished
     at ``i``'s admission shares a prefix with ``i`` (with ``i``'s prompt
     continuing its content, its answer included in a multi-turn chat:
@@ -204,6 +205,7 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
             q
             for q in requests
             if q.finished_step is not None
+            and not _aborted(scenario, q)
             and r.scheduled_step is not None
             and q.finished_step < r.scheduled_step
         ]
@@ -245,6 +247,22 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
         )
         for r in requests
     ]
+
+
+def _aborted(scenario: Scenario, request: RequestObservation) -> bool:
+    """Whether ``request``'s client aborted it (``workload.abort_steps``)
+    before it finished by itself: it finished at or after its abort step.
+
+    An aborted request computed only part of its prompt or answer, so it
+    promises nothing (:func:`timeline_writers`), under either scheduler.
+    The synchronous ``Scheduler`` frees it inside ``finish_requests``, so it
+    never finishes in a step; under async scheduling the output of its step
+    in flight is applied after the abort, and the step that applies it
+    records the finish (``finished_step``), which alone would count it as a
+    writer of its whole prompt."""
+    aborts = scenario.workload.abort_steps
+    due = None if aborts is None else aborts[request.index]
+    return due is not None and request.finished_step is not None and due <= request.finished_step
 
 
 def _timeline_promises(scenario: Scenario, run: RunObservation) -> bool:

@@ -268,3 +268,59 @@ def test_a_preempted_request_is_owed_no_block_its_decode_step_in_flight_complete
         again.scheduled_known_tokens,
     ) == (32, 32, 0, 32)
     assert resumed_owed_tokens(scenario, model, again) == 32
+
+
+def _resend_of_an_aborted_prompt(abort_steps: list[int | None] | None) -> Scenario:
+    """Full attention, block 2, 2-token chunks: request 0 (13 tokens) is
+    aborted from step 5, when it has computed 10; request 1 resends it
+    (shrunk from a seed-92 campaign's false fallback, on FA 2 with EAGLE-3
+    and a bounded store)."""
+    return Scenario.from_dict(
+        {
+            "format": "kvfuzz.scenario",
+            "version": 1,
+            "name": "async-resend-of-an-aborted-prompt",
+            "kv_cache_groups": [
+                {"kind": "full_attention", "block_size_tokens": 2, "sliding_window_tokens": None}
+            ],
+            "prefill_chunk_tokens": 2,
+            "shared_prefix_tokens": 8,
+            "requests": [
+                {"name": "s0t1", "shares_with": None, "divergence_tokens": 8, "suffix_tokens": 5},
+                {"name": "s0t2", "shares_with": 0, "divergence_tokens": 13, "suffix_tokens": 0},
+            ],
+            "workload": {
+                "mode": "scheduler",
+                "pool_blocks": 44,
+                "max_num_seqs": 1,
+                "abort_steps": abort_steps,
+                "async_scheduling": True,
+            },
+        }
+    )
+
+
+def test_an_aborted_request_promises_nothing_under_async_scheduling() -> None:
+    # Under async scheduling the output of request 0's step 4 is applied
+    # after the abort, so the step that applies it records a finish (step
+    # 5); the request computed 10 of its 13 tokens and the resend hits 10.
+    # Counted as a writer it would owe its whole prompt less a token, 12.
+    from differential.oracle.engine import timeline_writers
+
+    scenario = _resend_of_an_aborted_prompt([5, None])
+    result = compare_variants(scenario, UNFIXED)
+    run = result.results[0].run
+    assert run.hits == (0, 10)
+    assert [r.finished_step for r in run.requests] == [5, 8]
+    assert timeline_writers(scenario, run) == [frozenset(), frozenset()]
+    assert result.findings == ()
+    # The synchronous Scheduler frees it inside finish_requests: no step
+    # finishes it, and the resend hits the same 10.
+    sync = run_variant(synchronous(scenario), STOCK)
+    assert sync.hits == (0, 10)
+    assert sync.requests[0].finished_step is None
+    # Near miss: never aborted, request 0 is a writer and owes 12, hit.
+    whole = _resend_of_an_aborted_prompt(None)
+    run = compare_variants(whole, UNFIXED).results[0].run
+    assert run.hits == (0, 12)
+    assert timeline_writers(whole, run) == [frozenset(), frozenset({0})]
