@@ -303,6 +303,24 @@ def _read_from_tokens(group: KVCacheGroup, start_tokens: int, prompt_tokens: int
     return _window_start_tokens(group, start_tokens)
 
 
+def _rswa_gap_end(group: KVCacheGroup, processed_tokens: int, prompt_tokens: int | None) -> int:
+    """One past the last block of an R-SWA group's decode gap after a step
+    that had ``processed_tokens`` processed, in blocks; 0 when the gap holds
+    no whole block (or the group is no R-SWA group, or the prompt is unknown).
+
+    vLLM ``RSWAManager.remove_skipped_blocks``
+    (vllm/v1/core/single_type_kv_cache_manager.py) frees the blocks wholly
+    in ``[ceil(L / B) * B, max(L, p - rswa_window))``, which "bounds
+    per-request KV memory at O(prefix_len + rswa_window) instead of growing
+    linearly with decode length" (vLLM PR #46564)."""
+    if group.kind is not GroupKind.RSWA or prompt_tokens is None:
+        return 0
+    size = group.block_size_tokens
+    window = group.sliding_window_tokens or 0
+    end = max(prompt_tokens, processed_tokens - window) // size
+    return end if end > -(-prompt_tokens // size) else 0
+
+
 def table_violations(
     scenario: Scenario,
     tables: Sequence[StepTable],
@@ -322,7 +340,8 @@ def table_violations(
 
     Returns:
         (null blocks where a step attends, real blocks kept below what every
-        later step skips): the first of each per group, in step order.
+        later step skips, or at the top of an R-SWA group's decode gap,
+        :func:`_rswa_gap_end`): the first of each per group, in step order.
     """
     freed: list[BlockViolation] = []
     kept: list[BlockViolation] = []
@@ -349,6 +368,23 @@ def table_violations(
                     f"{t.first_real * size}..{(t.first_real + 1) * size}); no later step "
                     f"attends below token {skipped}, so blocks 0..{freed_below - 1} are due "
                     "back to the pool",
+                )
+            )
+        gap_end = _rswa_gap_end(group, t.processed_tokens, prompt_tokens)
+        if gap_end and t.null_end < min(gap_end, t.num_blocks) and t.group not in seen_kept:
+            seen_kept.add(t.group)
+            index = min(gap_end, t.num_blocks) - 1
+            kept.append(
+                BlockViolation(
+                    ViolationKind.KEPT_SKIPPED,
+                    t.group,
+                    index,
+                    None,
+                    f"after the step at {t.processed_tokens} processed tokens R-SWA group "
+                    f"{t.group} still holds a real block at block index {index} (tokens "
+                    f"{index * size}..{(index + 1) * size}), in the decode gap between the "
+                    f"{prompt_tokens}-token prompt and the last {group.sliding_window_tokens} "
+                    "tokens, which no later step attends to",
                 )
             )
         read_from = _read_from_tokens(group, t.start_tokens, prompt_tokens) // size

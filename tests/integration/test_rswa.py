@@ -76,6 +76,22 @@ def test_a_null_prompt_block_or_window_block_is_still_wrong_kv() -> None:
     assert [(v.group, v.block_index) for v in freed] == [(1, 4)]
 
 
+def test_a_decode_gap_block_still_held_is_a_kept_skipped_block() -> None:
+    from differential.observation import StepTable
+
+    s = _scenario("rswa", "manager")
+    # Prompt 40 tokens, 99 processed: the gap is blocks 3 and 4 (tokens
+    # 48..80, below max(40, 99 - 16) = 83); its top block must be null.
+    assert table_violations(s, [StepTable(99, 100, 1, 7, 0, 5)], 0, 40) == ([], [])
+    _, kept = table_violations(s, [StepTable(99, 100, 1, 7, 0, 4)], 0, 40)
+    assert [(v.group, v.block_index) for v in kept] == [(1, 4)]
+    # The gap's first whole block, 3 (tokens 48..64; blocks 0..2 hold the
+    # prompt), is owed back once 80 are processed (64 = 80 - 16), not at 79.
+    _, kept = table_violations(s, [StepTable(80, 81, 1, 6, 0, 0)], 0, 40)
+    assert [(v.group, v.block_index) for v in kept] == [(1, 3)]
+    assert table_violations(s, [StepTable(79, 80, 1, 5, 0, 0)], 0, 40) == ([], [])
+
+
 def test_rswa_manager_mode_hits() -> None:
     result = compare_variants(_scenario("rswa", "manager"), parse_variants("unfixed,fixed"))
     assert [list(r.run.hits) for r in result.results] == [[0, 32]] * 2
