@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("forked_tree_workers")]
 K = GroupKind
 MIMO = CORPORA / "cases" / "mimo-v2-unequal-pages.json"
 NAS = CORPORA / "cases" / "nemotron-nas-per-layer-kv-heads.json"
+NEAR = CORPORA / "cases" / "near-equal-layer-counts-pad-to-the-larger.json"
 
 
 def _findings(scenario: Scenario, plan: KVCachePlan | None) -> list[str]:
@@ -176,7 +177,7 @@ def test_a_multi_module_mtp_tail_stays_in_every_sliding_window() -> None:
 
 def test_every_shipped_model_scenario_plans_as_owed() -> None:
     judged = []
-    for path in [MIMO, NAS, *sorted((ROOT / "models" / "scenarios").glob("*.json"))]:
+    for path in [MIMO, NAS, NEAR, *sorted((ROOT / "models" / "scenarios").glob("*.json"))]:
         scenario = load_entry(path).scenario
         assert scenario.model is not None
         assert _findings(scenario, observe_kv_cache_plan(scenario)) == [], path.name
@@ -186,6 +187,7 @@ def test_every_shipped_model_scenario_plans_as_owed() -> None:
     assert judged == [
         "mimo-v2-unequal-pages",
         "nemotron-nas-per-layer-kv-heads",
+        "near-equal-layer-counts-pad-to-the-larger",
         "gemma4-mtp",
         "gpt-oss-20b-eagle3",
         "llama4-scout",
@@ -197,6 +199,7 @@ def test_every_shipped_model_scenario_plans_as_owed() -> None:
 # Identities in vLLM 0.33.0; the diffs are checked too.
 UNIFY = "kv_cache_planning:ReplaceBinaryOperator_FloorDiv_Pow:1"
 CONFIG = "kv_cache_planning:ReplaceBinaryOperator_Mul_Mod:3"
+GROUPING = "kv_cache_planning:NumberReplacer:35"
 
 
 def test_planning_mutants_are_killed_on_the_mimo_case(tmp_path: Path) -> None:
@@ -234,6 +237,30 @@ def test_planning_mutants_are_killed_on_the_mimo_case(tmp_path: Path) -> None:
         f"crash on {MIMO.name}: planning the KV cache: get_kv_cache_configs: "
         "ZeroDivisionError: integer division or modulo by zero"
     )
+
+
+def test_the_grouping_mutant_is_killed_on_near_equal_layer_counts(tmp_path: Path) -> None:
+    # 4 full-attention and 3 sliding-window layers: vLLM groups by the
+    # larger count (4 < 3 * 1.5); at 0.5 it groups by 3 and splits full
+    # attention in two, which the plan's judge refuses.
+    root = installed_vllm()
+    (planning,) = [m for m in MODULES if m.path.endswith("kv_cache_planning.py")]
+    pool = enumerate_mutants(root, [planning], operators=["core/NumberReplacer"])
+    by_id = {m.ident: m for m in pool[planning.path]}
+    run = run_mutation(
+        [by_id[GROUPING]],
+        [(NEAR.name, load_entry(NEAR).scenario)],
+        vllm_root=root,
+        work=tmp_path,
+        seed=0,
+        generated={planning.path: len(pool[planning.path])},
+        timeout_s=60.0,
+        modules=[planning],
+    )
+    (grouping,) = run.outcomes
+    assert "+    if max_num_layers < min_num_layers * 0.5:" in grouping.diff
+    assert grouping.status is MutantStatus.KILLED
+    assert grouping.evidence == f"new finding(s) kv-cache-plan@run on {NEAR.name}"
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
