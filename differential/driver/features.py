@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
@@ -106,6 +107,19 @@ def vllm_call(call: str, function: Callable[P, T], *args: P.args, **kwargs: P.kw
         raise
     except Exception as exc:
         raise VllmCallError(call, exc) from exc
+
+
+def quiet_vllm_logging() -> None:
+    """Keep vLLM's log lines below errors off kvfuzz's stderr.
+
+    vLLM's notices (the CPU backend, the model runner's choice, the
+    planner's "Add N padding layers" from
+    ``_get_kv_cache_groups_uniform_page_size``) say nothing about the
+    scenario, and a command's stderr is its one-line errors. Setting the
+    ``vllm`` logger's level clears every logger's cache, so it is done once."""
+    vllm_logger = logging.getLogger("vllm")
+    if vllm_logger.level != logging.ERROR:
+        vllm_logger.setLevel(logging.ERROR)
 
 
 #: What a vLLM constructor raises to refuse a configuration it does not

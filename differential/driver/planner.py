@@ -61,7 +61,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from differential.driver.features import VllmCallError, vllm_call
+from differential.driver.features import VllmCallError, quiet_vllm_logging, vllm_call
 from differential.driver.settings import _kv_transfer_config, _speculative_config, resolve_drafter
 from differential.driver.specs import pool_blocks, spec_for_kind
 from differential.errors import InternalError, ScenarioError
@@ -303,6 +303,7 @@ def plan_model(model: ModelDescription, settings: Scenario) -> PlannedLayout:
         ScenarioError: a group holds a spec kvfuzz does not model; a Mamba
             hybrid's block too small for its state (``model.block_size_tokens``).
     """
+    quiet_vllm_logging()
     config = _vllm_config(model, settings)
     specs = layer_specs(model, settings.drafter.num_speculative_tokens)
     _check_mamba_page(model, specs)
@@ -480,6 +481,7 @@ def observe_kv_cache_plan(scenario: Scenario) -> KVCachePlan | None:
     model = scenario.model
     if model is None:
         return None
+    quiet_vllm_logging()
     pool = scenario.workload.pool_blocks or pool_blocks(scenario, resolve_drafter(scenario))
     try:
         config = _engine_config(model, scenario, pool)

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import logging
 import os
 from collections import Counter, deque
 from collections.abc import Callable
@@ -88,7 +87,13 @@ from differential.capabilities import Unsupported
 from differential.driver import prefix_cache
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.disagg import PrefillInstance
-from differential.driver.features import VllmCallError, classified_run, vllm_build, vllm_call
+from differential.driver.features import (
+    VllmCallError,
+    classified_run,
+    quiet_vllm_logging,
+    vllm_build,
+    vllm_call,
+)
 from differential.driver.kv_events import EventRecorder
 from differential.driver.runner import UNSET, resolve_retention
 from differential.driver.settings import ResolvedDrafter, _speculative_config, resolve_drafter
@@ -200,11 +205,7 @@ def _vllm_config(
 
     workload = scenario.workload
     budget = scenario.step_budget_tokens
-    # vLLM's config notices (CPU backend, model runner choice) say nothing
-    # about the scenario: keep them off kvfuzz's stderr.
-    vllm_logger = logging.getLogger("vllm")
-    if vllm_logger.level != logging.ERROR:
-        vllm_logger.setLevel(logging.ERROR)  # clears every logger's cache: once
+    quiet_vllm_logging()
     config = copy.deepcopy(
         _validated_config(
             scenario.scheduler_block_size_tokens,
