@@ -381,6 +381,30 @@ def _divergent_hit_drops_equal_remote_tail(scenario: Scenario, finding: Finding)
     )
 
 
+def _sync_load_mamba_tail_not_cached(scenario: Scenario, finding: Finding) -> bool:
+    """A disaggregated decode request's local hit short of what an earlier
+    synchronous load brought in (:mod:`differential.oracle.disagg`'s local
+    rule), on a Mamba hybrid whose loaded end lies off the Mamba block grid:
+    the state there is a partial tail, which
+    ``MambaManager._cache_partial_tail_block``
+    (vllm/v1/core/single_type_kv_cache_manager.py) keys only when
+    ``cache_blocks`` is called with exactly that many tokens; an
+    asynchronous load is cached at its end
+    (``Scheduler._update_waiting_for_remote_kv``), a synchronous one only
+    with the step's token after it (``KVCacheManager.allocate_slots``), so
+    the loaded state is never keyed."""
+    store = scenario.workload.connector
+    owed = finding.expected_tokens or 0
+    return (
+        finding.kind is FindingKind.FALLBACK
+        and finding.detail.startswith("disaggregated: local hit ")
+        and store is not None
+        and store.load is ConnectorLoad.SYNC
+        and bool(scenario.mamba_groups)
+        and any(owed % g.block_size_tokens for g in scenario.mamba_groups)
+    )
+
+
 def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
     """vLLM's Scheduler scheduled nothing for good (kvfuzz's stall crash) after
     a KV connector's asynchronous load failed and kept no token, with a
@@ -1141,6 +1165,29 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "vllm/v1/core/kv_cache_manager.py KVCacheManager.get_computed_blocks_for_connector",
         example="known-issues/connector-divergent-hit-drops-equal-remote-tail.json",
         matches=_divergent_hit_drops_equal_remote_tail,
+    ),
+    KnownIssue(
+        name="sync-load-mamba-tail-not-cached",
+        summary=(
+            "A disaggregated decode instance (kv_consumer) whose KV connector loads "
+            "synchronously, on a Mamba hybrid (align mode) with hash blocks finer than "
+            "the Mamba block: a load ending off the Mamba block grid brings the state "
+            "at its end as a partial tail, which MambaManager._cache_partial_tail_block "
+            "keys only when cache_blocks is called with exactly the loaded length. "
+            "An asynchronous load is cached there (Scheduler._update_waiting_for_remote_kv); "
+            "a synchronous one is cached by KVCacheManager.allocate_slots together with "
+            "the step's next token, one past it, so the loaded state is never keyed and a "
+            "later request sharing the prefix finds no local Mamba hit and loads it "
+            "again (full attention 8 + Mamba 8, hash block 4: a 13-token prompt loads "
+            "12, its resend hits 0 locally where an asynchronous load gives 12; a "
+            "17-token prompt's load of 16, on the grid, hits 16). The local-cache "
+            "promise of vLLM PR #44243. Also on vLLM 0.31.0 and 0.32.0. Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "MambaManager._cache_partial_tail_block, reached from "
+        "vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots",
+        example="known-issues/connector-sync-load-mamba-tail-not-cached.json",
+        matches=_sync_load_mamba_tail_not_cached,
     ),
     KnownIssue(
         name="divergent-hit-truncates-lagging-window",

@@ -17,7 +17,7 @@ from differential.driver.scheduler_mode import run_scheduler_scenario
 from differential.observation import RunObservation
 from differential.oracle.connector import connector_findings
 from differential.oracle.disagg import disagg_findings, local_owed, prefill_owed
-from differential.scenario import KVRole, Scenario
+from differential.scenario import ConnectorLoad, KVRole, Scenario
 from tests.factories import ROOT
 
 pytestmark = pytest.mark.vllm
@@ -243,3 +243,37 @@ def test_a_store_answer_ending_at_a_diverged_hit_is_dropped() -> None:
         "prefill instance computed (45 tokens) and saved; the store held 44 (the store's "
         "answer ending where the diverged local hit does was dropped: local hit 44, 12 past 32)"
     ]
+
+
+def test_a_synchronous_load_leaves_its_mamba_tail_unkeyed() -> None:
+    # sync-load-mamba-tail-not-cached: FA 8 + Mamba 8, hash block 4, a
+    # 13-token prompt loads 12 synchronously; the resend's Mamba group hits
+    # nothing locally (full attention 12), so it loads the 12 again.
+    path = ROOT / "known-issues/connector-sync-load-mamba-tail-not-cached.json"
+    s = load_entry(path).scenario
+    run = run_scheduler_scenario(s, "unfixed")
+    assert [(c.local_tokens, c.external_tokens) for c in _connectors(run)] == [(0, 12), (0, 12)]
+    assert run.requests[1].per_group_hit_tokens == (12, 0)
+    assert [(f.request, f.expected_tokens, f.hit_tokens) for f in disagg_findings(s, run)] == [
+        (1, 12, 0)
+    ]
+    # Near misses on real runs: an asynchronous load is cached at its end,
+    # and a load ending on the Mamba block grid (a 17-token prompt) is a
+    # full block's state.
+    store = dataclasses.replace(s.workload.connector, load=ConnectorLoad.ASYNC)
+    loaded_async = dataclasses.replace(s, workload=dataclasses.replace(s.workload, connector=store))
+    run = run_scheduler_scenario(loaded_async, "unfixed")
+    assert [(c.local_tokens, c.external_tokens) for c in _connectors(run)] == [(0, 12), (12, 0)]
+    longer = dataclasses.replace(
+        s,
+        shared_prefix_tokens=17,
+        requests=tuple(dataclasses.replace(q, divergence_tokens=17) for q in s.requests),
+    )
+    run = run_scheduler_scenario(longer, "unfixed")
+    assert [(c.local_tokens, c.external_tokens) for c in _connectors(run)] == [(0, 16), (16, 0)]
+    assert disagg_findings(longer, run) == []
+
+
+def _connectors(run: RunObservation) -> list[Any]:
+    """Per request, its connector lookup (every request of these runs has one)."""
+    return [r.connector for r in run.requests]

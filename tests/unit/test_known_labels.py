@@ -1057,3 +1057,53 @@ def test_a_dropped_equal_remote_tail_on_a_diverged_hit() -> None:
     assert label_known(decode(plain, mamba), [dropped])[0].known_issue is None
     over = Finding(FindingKind.OVER_HIT, "v", 2, dropped.detail)
     assert label_known(decode(divergent, mamba), [over])[0].known_issue is None
+
+
+def test_a_synchronous_load_whose_mamba_tail_is_not_keyed() -> None:
+    # known-issues/connector-sync-load-mamba-tail-not-cached.json: FA 8 +
+    # Mamba 8, hash block 4, a disaggregated decode instance loading
+    # synchronously; the resend is owed the 12 loaded tokens and hits 0.
+    from differential.scenario import ConnectorLoad, ConnectorStore, DriveMode, KVRole, Workload
+
+    def decode(store: ConnectorStore, prompt: int) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(
+                KVCacheGroup(GroupKind.FULL_ATTENTION, 8),
+                KVCacheGroup(GroupKind.MAMBA, 8),
+            ),
+            requests=(RequestSpec(prompt, 0), RequestSpec(prompt, 0, shares_with=0)),
+            shared_prefix_tokens=prompt,
+            hash_block_size_tokens=4,
+            kv_connector=True,
+            workload=Workload(mode=DriveMode.SCHEDULER, max_num_seqs=1, connector=store),
+        )
+
+    def local(owed: int) -> Finding:
+        return Finding(
+            FindingKind.FALLBACK,
+            "v",
+            1,
+            f"disaggregated: local hit 0, owed {owed} of the {owed} tokens request 0 loaded into "
+            f"the decode instance's prefix cache (then loaded {owed} from the store)",
+            expected_tokens=owed,
+            hit_tokens=0,
+        )
+
+    sync = ConnectorStore(load=ConnectorLoad.SYNC, kv_role=KVRole.KV_CONSUMER)
+    name = "sync-load-mamba-tail-not-cached"
+    assert label_known(decode(sync, 13), [local(12)])[0].known_issue == name
+    # Near misses: an asynchronous load (cached at its end), a loaded end on
+    # the Mamba block grid (a full block's state), the store rule's shortfall.
+    loaded_async = ConnectorStore(load=ConnectorLoad.ASYNC, kv_role=KVRole.KV_CONSUMER)
+    assert label_known(decode(loaded_async, 13), [local(12)])[0].known_issue is None
+    assert label_known(decode(sync, 17), [local(16)])[0].known_issue is None
+    store_rule = Finding(
+        FindingKind.FALLBACK,
+        "v",
+        1,
+        "disaggregated: starts with 0 computed tokens (0 local + 0 external), owed 12 the "
+        "prefill instance computed (13 tokens) and saved; the store held 12",
+        expected_tokens=12,
+        hit_tokens=0,
+    )
+    assert label_known(decode(sync, 13), [store_rule])[0].known_issue is None
