@@ -894,10 +894,16 @@ def _connector_stores(
     )
 
 
-def _engine_geometry(draw: st.DrawFn) -> tuple[tuple[KVCacheGroup, ...], int | None, bool]:
+def _engine_geometry(
+    draw: st.DrawFn, kinds: frozenset[GroupKind] = frozenset()
+) -> tuple[tuple[KVCacheGroup, ...], int | None, bool]:
     """A toy engine layout's KV cache groups, its hash block size (tokens;
     ``None`` but on Mamba hybrids with attention groups) and whether it is
-    a Mamba hybrid (one layout in four)."""
+    a Mamba hybrid (one layout in four; with ``kinds`` pinned, as the
+    manager-mode generator pins them: :func:`_scenario_geometry`)."""
+    if kinds:
+        groups, hash_block, mamba = _scenario_geometry(draw, "toy", kinds, any_scale=False)
+        return groups, None if len(groups) == 1 else hash_block, mamba
     hash_block: int | None = None
     mamba = draw(st.integers(0, 3)) == 0
     if mamba:
@@ -1043,7 +1049,9 @@ def _scheduling_and_events(
 
 
 @st.composite
-def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
+def engine_scenarios(
+    draw: st.DrawFn, scale: Scale = "toy", kinds: frozenset[GroupKind] = frozenset()
+) -> Scenario:
     """A scheduler-mode scenario: chat sessions through vLLM's ``Scheduler``.
 
     One to four sessions of one to three turns fired round robin (vLLM issue
@@ -1060,10 +1068,13 @@ def engine_scenarios(draw: st.DrawFn, scale: Scale = "toy") -> Scenario:
     with a remote store (:func:`_connector_stores`; its grid and capacity:
     :func:`_store_bounds`), and one of those in four a client aborting one
     request a few steps in; async scheduling and KV cache events
-    (:func:`_scheduling_and_events`). ``scale`` is ``toy`` (the only scale).
+    (:func:`_scheduling_and_events`). ``scale`` is ``toy`` (the only scale);
+    ``kinds`` pins KV cache group kinds every scenario contains (``kvfuzz
+    fuzz --mode scheduler --groups``; empty: any layout, drawn from the same
+    bytes as before).
     """
     del scale  # toy scale first
-    groups, hash_block, mamba = _engine_geometry(draw)
+    groups, hash_block, mamba = _engine_geometry(draw, kinds)
     chunked = any(g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION for g in groups)
     alignment = math.lcm(*(g.block_size_tokens for g in groups))
     # Retention is a multiple of the scheduler block, whatever the hash block.

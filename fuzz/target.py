@@ -78,8 +78,8 @@ def build_target(
         kinds: KV cache group kinds every generated scenario contains
             (``kvfuzz fuzz --groups``; empty: any layout).
         mode: ``scheduler`` draws engine workloads
-            (:func:`fuzz.strategies.engine_scenarios`; ``kinds`` does not
-            apply) run through vLLM's ``Scheduler``.
+            (:func:`fuzz.strategies.engine_scenarios`, ``kinds`` pinned as
+            there) run through vLLM's ``Scheduler``.
     """
     extra: dict[str, Any] = {} if phases is None else {"phases": tuple(phases)}
 
@@ -90,7 +90,9 @@ def build_target(
         report_multiple_bugs=True,
         **extra,
     )
-    @given(engine_scenarios() if mode is DriveMode.SCHEDULER else scenarios(kinds=kinds))
+    @given(
+        engine_scenarios(kinds=kinds) if mode is DriveMode.SCHEDULER else scenarios(kinds=kinds)
+    )
     def kvfuzz_target(scenario: Scenario) -> None:
         result = compare_variants(
             scenario, variants, policy=policy, dense_cross_check=dense_cross_check

@@ -160,3 +160,26 @@ def test_the_scheduler_generator_never_draws_a_sink_or_rswa_unpinned(s: Scenario
     # vLLM's one R-SWA model turns prefix caching off.
     unpinned = (GroupKind.SINK_FULL_ATTENTION, GroupKind.RSWA)
     assert all(g.kind not in unpinned for g in s.kv_cache_groups)
+
+
+PINNED_IN_SCHEDULER_MODE = (
+    frozenset({GroupKind.RSWA}),
+    frozenset({GroupKind.SINK_FULL_ATTENTION}),
+    frozenset({GroupKind.CIRCULAR_BUFFER}),
+    frozenset({GroupKind.MAMBA, GroupKind.SLIDING_WINDOW}),
+    frozenset({GroupKind.CHUNKED_LOCAL_ATTENTION}),
+)
+
+
+@pytest.mark.parametrize("kinds", PINNED_IN_SCHEDULER_MODE, ids=lambda k: "+".join(sorted(k)))
+def test_the_scheduler_generator_pins_the_groups_it_is_given(kinds: frozenset[GroupKind]) -> None:
+    # kvfuzz fuzz --mode scheduler --groups KINDS: every scenario holds them
+    # (they were silently ignored in scheduler mode).
+    @settings(
+        max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+    @given(engine_scenarios(kinds=kinds))
+    def every_scenario_holds(s: Scenario) -> None:
+        assert kinds <= {g.kind for g in s.kv_cache_groups}
+
+    every_scenario_holds()
