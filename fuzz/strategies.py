@@ -902,8 +902,8 @@ def _engine_geometry(
     a Mamba hybrid (one layout in four; with ``kinds`` pinned, as the
     manager-mode generator pins them: :func:`_scenario_geometry`)."""
     if kinds:
-        groups, hash_block, mamba = _scenario_geometry(draw, "toy", kinds, any_scale=False)
-        return groups, None if len(groups) == 1 else hash_block, mamba
+        groups, pinned_hash_block, mamba = _scenario_geometry(draw, "toy", kinds, any_scale=False)
+        return groups, None if len(groups) == 1 else pinned_hash_block, mamba
     hash_block: int | None = None
     mamba = draw(st.integers(0, 3)) == 0
     if mamba:
