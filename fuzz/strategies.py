@@ -1048,6 +1048,14 @@ def _scheduling_and_events(
     )
 
 
+def _engine_mamba_options(mamba: bool, hash_block: int | None) -> dict[str, Any]:
+    """A Mamba hybrid's scenario fields in scheduler mode: its hash block
+    (tokens) and vLLM's Scheduler's own prefill chunking; none otherwise."""
+    if not mamba:
+        return {}
+    return {"hash_block_size_tokens": hash_block, "mamba_prefill": MambaPrefill.SCHEDULER}
+
+
 @st.composite
 def engine_scenarios(
     draw: st.DrawFn, scale: Scale = "toy", kinds: frozenset[GroupKind] = frozenset()
@@ -1120,12 +1128,6 @@ def engine_scenarios(
         connector=store,
         abort_steps=aborts,
     )
-    mamba_options: dict[str, Any] = {}
-    if mamba:
-        mamba_options = {
-            "hash_block_size_tokens": hash_block,
-            "mamba_prefill": MambaPrefill.SCHEDULER,  # what vLLM's Scheduler does
-        }
     # Drawn last, so that every draw above reads the bytes it read before.
     # (Sharded attention blocks hold more tokens: the pool still suffices.)
     groups, dcp = _decode_context_parallel(draw, groups, retention)
@@ -1146,7 +1148,7 @@ def engine_scenarios(
             workload=workload,
             dcp_world_size=dcp,
             kv_connector=store is not None,
-            **mamba_options,
+            **_engine_mamba_options(mamba, hash_block),
         )
         # Drawn last, so that every draw above reads the bytes it read before.
         return _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
