@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from differential.corpus import load_entry
 from differential.driver.planner import observe_kv_cache_plan
 from differential.mutation.mutants import MODULES, enumerate_mutants, installed_vllm
-from differential.mutation.score import MutantStatus, run_mutation
+from differential.mutation.score import MutantOutcome, MutantStatus, run_mutation
 from differential.observation import KVCachePlan, RunObservation
 from differential.oracle.layout import SPEC_CLASS, kv_cache_plan_findings, owed_groups
 from differential.scenario import GroupKind, Scenario
@@ -202,26 +202,31 @@ CONFIG = "kv_cache_planning:ReplaceBinaryOperator_Mul_Mod:3"
 GROUPING = "kv_cache_planning:NumberReplacer:35"
 
 
-def test_planning_mutants_are_killed_on_the_mimo_case(tmp_path: Path) -> None:
+def _planning_outcomes(
+    work: Path, idents: list[str], operators: list[str], path: Path
+) -> list[MutantOutcome]:
+    """The outcomes of ``kv_cache_planning`` mutants ``idents`` (drawn from
+    ``operators``) on the scenario file ``path``, as ``kvfuzz mutate`` runs them."""
     root = installed_vllm()
     (planning,) = [m for m in MODULES if m.path.endswith("kv_cache_planning.py")]
-    pool = enumerate_mutants(
-        root,
-        [planning],
-        operators=["core/ReplaceBinaryOperator_FloorDiv_Pow", "core/ReplaceBinaryOperator_Mul_Mod"],
-    )
+    pool = enumerate_mutants(root, [planning], operators=operators)
     by_id = {m.ident: m for m in pool[planning.path]}
     run = run_mutation(
-        [by_id[UNIFY], by_id[CONFIG]],
-        [(MIMO.name, load_entry(MIMO).scenario)],
+        [by_id[ident] for ident in idents],
+        [(path.name, load_entry(path).scenario)],
         vllm_root=root,
-        work=tmp_path,
+        work=work,
         seed=0,
         generated={planning.path: len(pool[planning.path])},
         timeout_s=60.0,
         modules=[planning],
     )
-    unify, config = run.outcomes
+    return list(run.outcomes)
+
+
+def test_planning_mutants_are_killed_on_the_mimo_case(tmp_path: Path) -> None:
+    operators = ["core/ReplaceBinaryOperator_FloorDiv_Pow", "core/ReplaceBinaryOperator_Mul_Mod"]
+    unify, config = _planning_outcomes(tmp_path, [UNIFY, CONFIG], operators, MIMO)
     assert "+                ratio = max_page_size ** layer_page_size" in unify.diff
     assert "+    size = bytes_per_block % num_blocks" in config.diff
     assert (unify.status, config.status) == (MutantStatus.KILLED, MutantStatus.KILLED)
@@ -243,21 +248,7 @@ def test_the_grouping_mutant_is_killed_on_near_equal_layer_counts(tmp_path: Path
     # 4 full-attention and 3 sliding-window layers: vLLM groups by the
     # larger count (4 < 3 * 1.5); at 0.5 it groups by 3 and splits full
     # attention in two, which the plan's judge refuses.
-    root = installed_vllm()
-    (planning,) = [m for m in MODULES if m.path.endswith("kv_cache_planning.py")]
-    pool = enumerate_mutants(root, [planning], operators=["core/NumberReplacer"])
-    by_id = {m.ident: m for m in pool[planning.path]}
-    run = run_mutation(
-        [by_id[GROUPING]],
-        [(NEAR.name, load_entry(NEAR).scenario)],
-        vllm_root=root,
-        work=tmp_path,
-        seed=0,
-        generated={planning.path: len(pool[planning.path])},
-        timeout_s=60.0,
-        modules=[planning],
-    )
-    (grouping,) = run.outcomes
+    (grouping,) = _planning_outcomes(tmp_path, [GROUPING], ["core/NumberReplacer"], NEAR)
     assert "+    if max_num_layers < min_num_layers * 0.5:" in grouping.diff
     assert grouping.status is MutantStatus.KILLED
     assert grouping.evidence == f"new finding(s) kv-cache-plan@run on {NEAR.name}"
