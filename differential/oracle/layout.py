@@ -288,7 +288,9 @@ class OwedGroup:
 def _raw_layers(model: ModelDescription) -> list[_Layer] | None:
     layers = []
     for name, spec in model.named_layers():
-        if spec.tokens_per_state != 1:
+        # Hidden-state caches, and kinds whose specs these rules do not model
+        # (R-SWA, a circular buffer, a static sink): not judged.
+        if spec.tokens_per_state != 1 or spec.kind not in SPEC_CLASS:
             return None
         block = spec.block_size_tokens or (
             model.mamba_block_size_tokens or model.block_size_tokens
@@ -341,7 +343,8 @@ def owed_groups(
 ) -> tuple[OwedGroup, ...] | None:
     """The KV cache groups first principles owe ``model`` (the rules above),
     each sliding-window group keeping ``extra_retained_tokens`` tokens past
-    its window; ``None`` for a model they do not judge."""
+    its window; ``None`` for a model they do not judge (packed pages,
+    hidden-state caches, layers of a kind outside :data:`SPEC_CLASS`)."""
     if model.kv_cache_layout.startswith("B"):
         return None
     layers = _raw_layers(model)

@@ -198,6 +198,10 @@ def test_tensors_of_the_mimo_layout() -> None:
             LayerSpec(K.MAMBA, mamba_state_shapes=((4,),), mamba_state_dtypes=("bfloat16",)),
             LayerSpec(K.MAMBA, mamba_state_shapes=((8,),), mamba_state_dtypes=("bfloat16",)),
         ),
+        # Kinds whose specs the rules do not model (a model the manager-mode
+        # generator built from an R-SWA layout raised KeyError here, exit 3).
+        _model(LayerSpec(K.FULL_ATTENTION), LayerSpec(K.RSWA, sliding_window_tokens=16)),
+        _model(LayerSpec(K.FULL_ATTENTION), LayerSpec(K.CIRCULAR_BUFFER)),
     ],
 )
 def test_what_the_rules_do_not_judge(model: ModelDescription) -> None:
