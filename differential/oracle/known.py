@@ -342,9 +342,11 @@ def _async_load_reservation_caps_window(scenario: Scenario, finding: Finding) ->
 
 def _async_load_reservation_misses_partial_tail(scenario: Scenario, finding: Finding) -> bool:
     """vLLM's Scheduler scheduled nothing for good (kvfuzz's stall crash) with
-    a KV connector loading asynchronously, no load failing, on a Mamba hybrid,
-    with a loaded request owing a Mamba partial-tail copy (the stall names it:
-    ``UNRESERVED_PARTIAL_TAIL_COPY``): caching the arrived load
+    a KV connector loading asynchronously on a Mamba hybrid, with a loaded
+    request owing a Mamba partial-tail copy (the stall names it:
+    ``UNRESERVED_PARTIAL_TAIL_COPY``) and no in-flight prefill holding no
+    blocks (``RESERVED_WITHOUT_BLOCKS``: a failed load's own stall, another
+    issue; a failed load of some other request does not matter): caching the arrived load
     (``Scheduler._update_waiting_for_remote_kv``) keyed the prompt's
     checkpoint inside a Mamba block (``MambaManager._cache_partial_tail_block``),
     so its allocation asks one block more per Mamba group for the
@@ -355,9 +357,9 @@ def _async_load_reservation_misses_partial_tail(scenario: Scenario, finding: Fin
     store = _async_store_stall(scenario, finding)
     return (
         store is not None
-        and not store.failed_loads
         and bool(scenario.mamba_groups)
         and UNRESERVED_PARTIAL_TAIL_COPY in finding.detail
+        and RESERVED_WITHOUT_BLOCKS not in finding.detail
     )
 
 

@@ -1001,15 +1001,21 @@ def test_a_stall_owing_an_unreserved_mamba_partial_tail_copy() -> None:
     # One engine's asynchronous loads owe the same copy.
     both = ConnectorStore(ConnectorLoad.ASYNC)
     assert label_known(stalling(both, mamba), [stall])[0].known_issue == name
+    # Another request's failed load changes nothing (a seed-94 campaign's
+    # stall, shrunk with request 3's load failing, was this one).
+    failing = ConnectorStore(ConnectorLoad.ASYNC, failed_loads=(1,), kv_role=KVRole.KV_CONSUMER)
+    assert label_known(stalling(failing, mamba), [stall])[0].known_issue == name
     # Near misses: the stall without a loaded request owing the copy (the
     # driver found none in a Mamba group's _partial_hit_reqs); synchronous
-    # loads; a failed load; no Mamba group; a crash that is not the stall.
+    # loads; a stall that also names an in-flight prefill holding no blocks
+    # (a failed load reserving itself); no Mamba group; a crash that is not
+    # the stall.
     plain = Finding(FindingKind.CRASH, "v", 0, real.split(", 1 of them")[0])
     assert label_known(stalling(consumer, mamba), [plain])[0].known_issue is None
     sync = ConnectorStore(ConnectorLoad.SYNC, kv_role=KVRole.KV_CONSUMER)
     assert label_known(stalling(sync, mamba), [stall])[0].known_issue is None
-    failing = ConnectorStore(ConnectorLoad.ASYNC, failed_loads=(1,), kv_role=KVRole.KV_CONSUMER)
-    assert label_known(stalling(failing, mamba), [stall])[0].known_issue is None
+    both_named = Finding(FindingKind.CRASH, "v", 0, f"{real}, 1 of them {RESERVED_WITHOUT_BLOCKS}")
+    assert label_known(stalling(failing, mamba), [both_named])[0].known_issue != name
     attention = (KVCacheGroup(GroupKind.FULL_ATTENTION, 16),)
     assert label_known(stalling(consumer, attention), [stall])[0].known_issue is None
     other = Finding(FindingKind.CRASH, "v", 0, "request 0: lookup: ValueError: no")
