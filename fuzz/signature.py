@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from differential.findings import Finding
 from differential.oracle import drafter_model
-from differential.scenario import DrafterKind, DriveMode, KVEvents, Scenario
+from differential.scenario import ConnectorLoad, DrafterKind, DriveMode, KVEvents, Scenario
 from differential.variants import file_label
 
 __all__ = ["Signature", "coverage_keys", "signature_of"]
@@ -160,10 +160,13 @@ def _store_class(scenario: Scenario) -> str:
     """A KV connector's remote store (``workload.connector``): ``none``,
     ``unbounded`` or ``bounded`` (a capacity, in chunks), ``+grid`` when it
     keeps its own chunk grid (``chunk_tokens``), ``+disagg`` when a prefill
-    instance feeds it (``kv_role`` ``kv_consumer``)."""
+    instance feeds it (``kv_role`` ``kv_consumer``), ``+disagg+sync`` when
+    that decode instance loads synchronously."""
     store = scenario.workload.connector
     if store is None:
         return "none"
     kind = "bounded" if store.bounded else "unbounded"
     kind += "+grid" if store.chunk_tokens is not None else ""
-    return kind + ("+disagg" if store.disaggregated else "")
+    if not store.disaggregated:
+        return kind
+    return kind + ("+disagg+sync" if store.load is ConnectorLoad.SYNC else "+disagg")

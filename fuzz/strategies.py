@@ -1189,11 +1189,17 @@ def _disaggregation(draw: st.DrawFn, scenario: Scenario) -> Scenario:
     """Disaggregated prefill and decode (``workload.connector.kv_role``
     ``kv_consumer``: a prefill instance computes every request first) for
     one unbounded store in three, its loads asynchronous (vLLM's P/D
-    connectors load between steps, ``WAITING_FOR_REMOTE_KVS``)."""
+    connectors load between steps, ``WAITING_FOR_REMOTE_KVS``), or, one in
+    four without failed loads, synchronous (a connector's
+    ``get_num_new_matched_tokens`` says which: the load then runs in the
+    admitting step's forward pass)."""
     store = scenario.workload.connector
     if store is None or store.bounded or draw(st.integers(0, 2)):
         return scenario
-    consumer = dataclasses.replace(store, kv_role=KVRole.KV_CONSUMER, load=ConnectorLoad.ASYNC)
+    load = ConnectorLoad.ASYNC
+    if not store.failed_loads and draw(st.integers(0, 3)) == 0:
+        load = ConnectorLoad.SYNC
+    consumer = dataclasses.replace(store, kv_role=KVRole.KV_CONSUMER, load=load)
     return dataclasses.replace(
         scenario, workload=dataclasses.replace(scenario.workload, connector=consumer)
     )

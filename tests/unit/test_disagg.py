@@ -71,6 +71,9 @@ def test_the_shrinker_tries_one_engine() -> None:
 def test_coverage_counts_disaggregated_stores() -> None:
     keys = [k for k in coverage_keys(_scenario(CONSUMER)) if k.startswith("connector-store:")]
     assert keys == ["connector-store:unbounded+disagg"]
+    sync = ConnectorStore(load=ConnectorLoad.SYNC, kv_role=KVRole.KV_CONSUMER)
+    keys = [k for k in coverage_keys(_scenario(sync)) if k.startswith("connector-store:")]
+    assert keys == ["connector-store:unbounded+disagg+sync"]
 
 
 @st.composite
@@ -86,6 +89,22 @@ def test_the_generator_leaves_a_bounded_store_to_one_engine(bounded: Scenario) -
 
 @settings(max_examples=30, suppress_health_check=list(HealthCheck), deadline=None)
 @given(drawn=_disaggregated(_scenario(ConnectorStore())))
-def test_the_generator_loads_a_decode_instance_asynchronously(drawn: Scenario) -> None:
+def test_the_generator_loads_a_decode_instance_either_way(drawn: Scenario) -> None:
+    # Asynchronously as vLLM's P/D connectors do, or synchronously.
     store = drawn.workload.connector
-    assert store in (ConnectorStore(), CONSUMER)
+    sync = ConnectorStore(load=ConnectorLoad.SYNC, kv_role=KVRole.KV_CONSUMER)
+    assert store in (ConnectorStore(), CONSUMER, sync)
+
+
+FAILING = ConnectorStore(load=ConnectorLoad.ASYNC, failed_loads=(0,))
+
+
+@settings(max_examples=30, suppress_health_check=list(HealthCheck), deadline=None)
+@given(drawn=_disaggregated(_scenario(FAILING)))
+def test_a_decode_instance_with_failed_loads_loads_asynchronously(drawn: Scenario) -> None:
+    # A failed load is an asynchronous load's (failed_recving).
+    store = drawn.workload.connector
+    assert store in (
+        FAILING,
+        ConnectorStore(load=ConnectorLoad.ASYNC, failed_loads=(0,), kv_role=KVRole.KV_CONSUMER),
+    )
