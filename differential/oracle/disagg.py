@@ -70,6 +70,7 @@ from differential.scenario import GroupKind, Scenario
 
 __all__ = [
     "EQUAL_TAIL_DROPPED",
+    "LOCAL_SHORTFALL",
     "LocalOwed",
     "disagg_findings",
     "equal_tail_dropped",
@@ -81,6 +82,10 @@ __all__ = [
 #: answer because it ended exactly where a diverged local hit did
 #: (:func:`equal_tail_dropped`).
 EQUAL_TAIL_DROPPED = "the store's answer ending where the diverged local hit does was dropped"
+
+#: How a local-rule shortfall's detail begins (:func:`local_owed`: a later
+#: request's local hit short of what an earlier request loaded).
+LOCAL_SHORTFALL = "disaggregated: local hit"
 
 
 def _layout(scenario: Scenario) -> str | None:
@@ -249,7 +254,7 @@ def disagg_findings(
                     FindingKind.FALLBACK,
                     run.variant,
                     r.index,
-                    f"disaggregated: local hit {c.local_hit_tokens}, owed {local.tokens} of the "
+                    f"{LOCAL_SHORTFALL} {c.local_hit_tokens}, owed {local.tokens} of the "
                     f"{local.loaded_tokens} tokens request {local.loader} loaded into the decode "
                     f"instance's prefix cache (then loaded {c.external_tokens} from the store)",
                     divergence_tokens=local.tokens,

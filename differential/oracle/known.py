@@ -34,7 +34,7 @@ from differential.oracle import (
     replay_boundaries,
     state,
 )
-from differential.oracle.disagg import EQUAL_TAIL_DROPPED
+from differential.oracle.disagg import EQUAL_TAIL_DROPPED, LOCAL_SHORTFALL
 from differential.oracle.prefix import shared_prefixes
 from differential.scenario import (
     ConnectorLoad,
@@ -399,7 +399,7 @@ def _sync_load_mamba_tail_not_cached(scenario: Scenario, finding: Finding) -> bo
     owed = finding.expected_tokens or 0
     return (
         finding.kind is FindingKind.FALLBACK
-        and finding.detail.startswith("disaggregated: local hit ")
+        and finding.detail.startswith(f"{LOCAL_SHORTFALL} ")
         and store is not None
         and store.load is ConnectorLoad.SYNC
         and bool(scenario.mamba_groups)
