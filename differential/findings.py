@@ -101,7 +101,10 @@ class FindingKind(StrEnum):
     to: vLLM's ``remove_skipped_blocks`` frees such blocks at the step (vLLM
     PR #14097), and admission caps a request at its window's blocks
     (``max_admission_blocks_per_request``) on that promise, so the pool is
-    over-committed (:func:`differential.oracle.blocks.table_violations`)."""
+    over-committed (:func:`differential.oracle.blocks.table_violations`).
+    Likewise an R-SWA group's decode gap, and a Mamba group's state block
+    holding no cache entry below the state the next step reads (align mode
+    keeps only the last computed token's state, vLLM PR #30877)."""
     KV_EVENTS = "kv-events"
     """The KV cache event stream (``BlockStored``, ``BlockRemoved``,
     ``AllBlocksCleared``) disagrees with the prefix cache it describes:

@@ -351,8 +351,9 @@ class KVEventLog:
 
 @dataclass(frozen=True)
 class StepTable:
-    """One attention group's block table for a request right after one of its
-    ``allocate_slots`` steps: where its null blocks are.
+    """One group's block table for a request right after one of its
+    ``allocate_slots`` steps: where its null blocks are (an attention group,
+    or a Mamba state group in align mode).
 
     vLLM's ``KVCacheManager.allocate_slots`` first frees the blocks no later
     step attends to (``SingleTypeKVCacheManager.remove_skipped_blocks``,
@@ -374,6 +375,10 @@ class StepTable:
             (``num_blocks`` when it holds none).
         null_end: one past the index of its last null block, in blocks (0
             when it holds none).
+        first_unregistered: a state group's only: index of its first real
+            block holding no prefix-cache entry (``block_hash`` ``None``), in
+            blocks (``num_blocks`` when it holds none); ``None`` for an
+            attention group.
     """
 
     processed_tokens: int
@@ -382,6 +387,7 @@ class StepTable:
     num_blocks: int
     first_real: int
     null_end: int
+    first_unregistered: int | None = None
 
     @classmethod
     def from_list(cls, data: list[int]) -> StepTable:
@@ -390,8 +396,9 @@ class StepTable:
 
     def to_list(self) -> list[int]:
         """Compact JSON form ``[processed_tokens, start_tokens, group, num_blocks,
-        first_real, null_end]``."""
-        return [
+        first_real, null_end]``, with ``first_unregistered`` appended for a
+        state group."""
+        out = [
             self.processed_tokens,
             self.start_tokens,
             self.group,
@@ -399,6 +406,9 @@ class StepTable:
             self.first_real,
             self.null_end,
         ]
+        if self.first_unregistered is not None:
+            out.append(self.first_unregistered)
+        return out
 
 
 @dataclass(frozen=True)

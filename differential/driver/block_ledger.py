@@ -269,8 +269,10 @@ class BlockLedger:
         self, request_index: int, request_id: str, processed_tokens: int, start_tokens: int
     ) -> None:
         """Where each attention group's table for ``request_id`` holds the null
-        block now (:class:`StepTable`). Null entries are one shared object, so
-        they are found by identity at C speed: a step costs O(table length)."""
+        block now (:class:`StepTable`), and each align-mode state group's, with
+        its first real block holding no prefix-cache entry. Null entries are
+        one shared object, so they are found by identity at C speed: a step
+        costs O(table length)."""
         null_id = self._null_id
         tables = self._tables.setdefault(request_index, [])
         for gid, manager, _size in self._attention:
@@ -288,6 +290,23 @@ class BlockLedger:
                     ids.reverse()
                     first_real = next(i for i, b in enumerate(ids) if b != null_id)
             tables.append(StepTable(processed_tokens, start_tokens, gid, n, first_real, null_end))
+        for gid, manager, _size in self._state:
+            table = manager.req_to_blocks.get(request_id, ())
+            real = [i for i, b in enumerate(table) if id(b) != null_id]
+            unregistered = next((i for i in real if table[i].block_hash is None), len(table))
+            first_real = real[0] if real else len(table)
+            null_end = max((i + 1 for i, b in enumerate(table) if id(b) == null_id), default=0)
+            tables.append(
+                StepTable(
+                    processed_tokens,
+                    start_tokens,
+                    gid,
+                    len(table),
+                    first_real,
+                    null_end,
+                    unregistered,
+                )
+            )
 
     def after_step(
         self,

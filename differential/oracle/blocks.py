@@ -41,6 +41,12 @@ size ``B``, with hit ``h`` tokens:
    "would re-introduce the deadlock from issue #39734 or, worse,
    mid-prefill OOM"). A block kept below ``s`` is a ``kept-skipped-block``
    finding; the null block where the step attends, a ``wrong-kv`` one.
+   A Mamba group's table (align mode) owes back every state block below
+   index ``(p - 1) // B``, the state the next step reads
+   (``MambaManager.get_num_skipped_tokens`` is ``p - 1``: align mode, vLLM
+   PR #30877, keeps "the state of the last computed token"), judged on the
+   blocks holding no cache entry (:func:`_kept_state`; vLLM PR #57253
+   proposes keeping cache-registered states).
 
 A state group (Mamba) is checked by :func:`state_group_violations`: the
 count, the state at the hit a real block, nothing past the hit, and the
@@ -353,6 +359,11 @@ def table_violations(
             continue
         group = groups[t.group]
         size = group.block_size_tokens
+        if t.first_unregistered is not None:
+            if t.group not in seen_kept and (bad := _kept_state(t, size)) is not None:
+                seen_kept.add(t.group)
+                kept.append(bad)
+            continue
         skipped = _skipped_tokens(group, t.processed_tokens, extra_retained_tokens)
         freed_below = min(skipped // size, t.num_blocks)
         if t.first_real < freed_below and t.group not in seen_kept:
@@ -403,6 +414,29 @@ def table_violations(
                 )
             )
     return freed, kept
+
+
+def _kept_state(table: StepTable, size: int) -> BlockViolation | None:
+    """Rule 5 for a state group's table: after a step that leaves ``p``
+    processed tokens, the next step reads only the state after ``p`` tokens,
+    in the block at index ``(p - 1) // B`` (``MambaManager.get_num_skipped_tokens``
+    is ``p - 1``), so a real block below it that holds no prefix-cache entry
+    is due back to the pool. A block that does hold one is not judged: vLLM
+    PR #57253 proposes keeping cache-registered states out of retirement."""
+    due = max(0, table.processed_tokens - 1) // size
+    index = table.first_unregistered
+    if index is None or index >= min(due, table.num_blocks):
+        return None
+    return BlockViolation(
+        ViolationKind.KEPT_SKIPPED,
+        table.group,
+        index,
+        None,
+        f"after the step at {table.processed_tokens} processed tokens Mamba group "
+        f"{table.group} still holds a state block with no cache entry at block index {index} "
+        f"(tokens {index * size}..{(index + 1) * size}); the next step reads only the state "
+        f"at block index {due}, so the states below it are due back to the pool",
+    )
 
 
 def _extra_retained(settings: ManagerSettings | None) -> int | None:

@@ -309,6 +309,47 @@ def test_table_chunked_local_attention() -> None:
     )
 
 
+MAMBA = Scenario(
+    kv_cache_groups=(
+        KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
+        KVCacheGroup(GroupKind.MAMBA, 4),
+    ),
+    requests=(RequestSpec(0, 40),),
+    shared_prefix_tokens=0,
+    retention_interval_tokens=16,
+)
+
+
+def test_table_mamba_states_below_the_one_read_are_due_uncached() -> None:
+    # After the step at 24 processed tokens the next step reads the state
+    # after 24 tokens, block index (24 - 1) // 4 = 5; a state below it that
+    # holds no cache entry is due back to the pool.
+    def kept(table: StepTable) -> list[tuple[ViolationKind, int, int]]:
+        freed, kept = table_violations(MAMBA, (table,), 0)
+        assert freed == []  # a state group owes no real block where the step "attends"
+        return [(v.kind, v.group, v.block_index) for v in kept]
+
+    assert kept(StepTable(24, 32, 1, 9, 5, 7, 5)) == []
+    assert kept(StepTable(24, 32, 1, 9, 1, 7, 1)) == [(ViolationKind.KEPT_SKIPPED, 1, 1)]
+    # A state below that holds a cache entry (the retention checkpoint after
+    # 16 tokens, index 3) is not judged (vLLM PR #57253 would keep it).
+    assert kept(StepTable(24, 32, 1, 9, 3, 7, 5)) == []
+    # Before anything is processed no state is due: nulls where the
+    # attention rule would owe real blocks are no finding either.
+    assert kept(StepTable(0, 8, 1, 4, 3, 3, 3)) == []
+    # An attention group's table of the same shape is judged by the window.
+    assert table_violations(MAMBA, (StepTable(24, 32, 0, 9, 1, 1),), 0)[0] != []
+
+
+def test_step_table_round_trips_with_and_without_the_state_field() -> None:
+    state = StepTable(24, 32, 1, 9, 5, 7, 5)
+    attention = StepTable(24, 32, 0, 9, 0, 0)
+    assert state.to_list() == [24, 32, 1, 9, 5, 7, 5]
+    assert attention.to_list() == [24, 32, 0, 9, 0, 0]
+    assert StepTable.from_list(state.to_list()) == state
+    assert StepTable.from_list(attention.to_list()) == attention
+
+
 def test_kept_skipped_block_finding_round_trips() -> None:
     base = run_with(good_lookup())
     tables = (StepTable(48, 48, 0, 7, 0, 0), StepTable(48, 48, 1, 13, 0, 8))
