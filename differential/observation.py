@@ -189,6 +189,9 @@ class KVEvent:
             ``KVCacheManager.get_computed_blocks`` call that emitted the event
             (the reused blocks a ``"full"`` report re-announces); ``None``
             for an event any other call emitted.
+        lookahead: (stored) ``lookahead_token_ids``: per block hash, the
+            token ids past its block that the hash covers; ``None`` when the
+            event carries none (lookahead hashing off).
     """
 
     kind: str
@@ -200,6 +203,7 @@ class KVEvent:
     spec_kind: str | None = None
     sliding_window: int | None = None
     lookup: int | None = None
+    lookahead: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVEvent:
@@ -214,6 +218,9 @@ class KVEvent:
             spec_kind=data.get("spec_kind"),
             sliding_window=data.get("sliding_window"),
             lookup=data.get("lookup"),
+            lookahead=None
+            if data.get("lookahead") is None
+            else tuple(tuple(ids) for ids in data["lookahead"]),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,6 +236,8 @@ class KVEvent:
             out["sliding_window"] = self.sliding_window
         if self.lookup is not None:
             out["lookup"] = self.lookup
+        if self.lookahead is not None:
+            out["lookahead"] = [list(ids) for ids in self.lookahead]
         return out
 
 

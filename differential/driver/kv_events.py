@@ -172,6 +172,9 @@ class EventRecorder:
                 spec_kind=getattr(event, "kv_cache_spec_kind", None),
                 sliding_window=getattr(event, "kv_cache_spec_sliding_window", None),
                 lookup=lookup,
+                lookahead=None
+                if (ahead := getattr(event, "lookahead_token_ids", None)) is None
+                else tuple(tuple(ids) for ids in ahead),
             )
         if name == "BlockRemoved":
             return KVEvent(

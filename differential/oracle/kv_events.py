@@ -58,7 +58,11 @@ The contract, rule by rule, judged after every drain of the event queue
     fine-grained boundary). ``group_idx`` names a KV cache group and
     ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` are that
     group's spec kind and window (vLLM PR #40984: consumers "classify and
-    filter groups as they are learned").
+    filter groups as they are learned"). With ``k`` lookahead hash tokens
+    (``num_hash_lookahead_tokens``) its ``lookahead_token_ids`` hold, per
+    block hash, the ``k`` tokens past that block the hash covers ("Tokens
+    beyond each block used in its hash", vllm/distributed/kv_events.py), so
+    a consumer can recompute it; with none, no list.
 ``removed``
     A ``BlockRemoved`` removes only a block stored before in that group (the
     replay holds the hash), and names a KV cache group.
@@ -123,6 +127,9 @@ class _Judge:
     scenario: Scenario
     log: KVEventLog
     sequences: list[tuple[int, ...]]
+    # Tokens past a block its hash covers (``num_hash_lookahead_tokens``);
+    # ``None``: not recorded (the lookahead ids are not judged).
+    lookahead_tokens: int | None = None
     breaches: dict[str, list[tuple[int | None, str]]] = field(
         default_factory=lambda: {rule: [] for rule in RULES}
     )
@@ -237,6 +244,42 @@ class _Judge:
                 f"{where}: {len(event.hashes)} block hashes for {len(ends)} blocks of "
                 f"{size} tokens (a full-attention group skips no block)",
             )
+            return
+        wrong = self.lookahead_ids(where, event)
+        if wrong:
+            self.breach("stored", owner, wrong)
+
+    def lookahead_ids(self, where: str, event: KVEvent) -> str | None:
+        """The ``stored`` rule's lookahead part: with ``k`` lookahead tokens
+        each block hash covers the ``k`` tokens past its block, and the event
+        carries them, one list per hash, so a consumer can recompute the hash
+        (``BlockStored.lookahead_token_ids``, vllm/distributed/kv_events.py:
+        "Tokens beyond each block used in its hash"); without lookahead
+        hashing it carries none. The hashes are already known to name their
+        prefixes (:meth:`stored`)."""
+        k = self.lookahead_tokens
+        if k is None:
+            return None
+        if k == 0:
+            if event.lookahead is not None:
+                return f"{where} carries lookahead token ids; lookahead hashing is off"
+            return None
+        ahead = event.lookahead or ()
+        if len(ahead) != len(event.hashes):
+            return (
+                f"{where} carries {len(ahead)} lookahead token id lists for "
+                f"{len(event.hashes)} block hashes of {k} lookahead tokens each"
+            )
+        for n, (label, ids) in enumerate(zip(event.hashes, ahead, strict=True)):
+            request, boundary = self.log.prefixes[label]
+            due = self.sequences[request][boundary : boundary + k]
+            if tuple(ids) != tuple(due):
+                return (
+                    f"{where}: block hash {n}'s lookahead token ids are {list(ids)}; its "
+                    f"hash covers the {k} tokens past its block at {boundary} tokens, "
+                    f"{list(due)}"
+                )
+        return None
 
     def lookup(self, step: int, lookup: KVEventLookup, emitted: list[KVEvent]) -> None:
         """The ``lookup`` rule for one ``get_computed_blocks`` call."""
@@ -425,7 +468,8 @@ def kv_event_findings(
             scenario.prompts[i] + scenario.sampled_tokens(i) for i in range(len(scenario.requests))
         ]
         known = memo["kv_event_sequences"] = (sequences, pairwise_common_prefix_tokens(sequences))
-    judge = _Judge(scenario, log, known[0], common=known[1])
+    lookahead = None if run.settings is None else run.settings.num_hash_lookahead_tokens
+    judge = _Judge(scenario, log, known[0], lookahead_tokens=lookahead, common=known[1])
     judge.run()
     findings = []
     for rule in RULES:

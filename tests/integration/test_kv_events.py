@@ -195,3 +195,34 @@ def test_engine_mode_plans_events_and_refuses_the_watermark_naming_why() -> None
     )
     with pytest.raises(EngineUnsupported, match=r"^workload\.watermark: not mapped"):
         engine_plan(held)
+
+
+def test_lookahead_token_ids_are_the_tokens_each_hash_covers() -> None:
+    scenario, run = _run("kv-events-lookahead-token-ids")
+    assert run.hits == (0, 48, 0, 48)
+    assert run.settings is not None and run.settings.num_hash_lookahead_tokens == 1
+    stored = [e for e in _events(run) if e.kind == "stored"]
+    # Request 0's first two chunks: blocks 0 and 1 (token ids 1..32), then
+    # block 2 (33..48); each hash covers the one token past its block.
+    assert [(e.tokens, e.lookahead) for e in stored[:2]] == [
+        (((1, 32),), ((17,), (33,))),
+        (((33, 16),), ((49,),)),
+    ]
+    assert kv_event_findings(scenario, run) == []
+    # One id off in the second list: the stored rule names the block and the due ids.
+    shifted = [
+        dataclasses.replace(e, lookahead=((50,),)) if e is stored[1] else e
+        for e in _events(run)
+    ]
+    assert shifted != _events(run)
+    steps = []
+    events = iter(shifted)
+    for step in run.kv_events.steps:
+        steps.append(dataclasses.replace(step, events=tuple(next(events) for _ in step.events)))
+    bad = dataclasses.replace(run, kv_events=dataclasses.replace(run.kv_events, steps=tuple(steps)))
+    (finding,) = kv_event_findings(scenario, bad)
+    assert kv_event_rule(finding) == "stored"
+    assert finding.detail == (
+        "stored: step 1: BlockStored of group 0: block hash 0's lookahead token ids are "
+        "[50]; its hash covers the 1 tokens past its block at 48 tokens, [49]"
+    )

@@ -255,6 +255,11 @@ def test_the_log_round_trips_through_json() -> None:
     assert runs_of([5, 6, 7, 9, 1]) == ((5, 3), (9, 1), (1, 1))
     # A run without events writes no key (older observations unchanged).
     assert "kv_events" not in RunObservation("v", "test", None, ()).to_dict()
+    # Lookahead token ids, per block hash, only where the event carries them.
+    ahead = KVEvent("stored", 0, (1, 2), None, 16, ((1, 32),), lookahead=((17,), (33,)))
+    assert ahead.to_dict()["lookahead"] == [[17], [33]]
+    assert KVEvent.from_dict(ahead.to_dict()) == ahead
+    assert "lookahead" not in KVEvent("stored", 0, (1,), None, 16, ((1, 16),)).to_dict()
 
 
 def watermarked(watermark: float = 0.3) -> Scenario:
