@@ -8,6 +8,7 @@ A new group kind adds its spec here; both driving modes build from it.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +21,7 @@ from differential.capabilities import Feature, Unsupported
 from differential.driver.features import UnsupportedFeature, has, vllm_build, vllm_call
 from differential.driver.settings import ResolvedDrafter
 from differential.errors import InternalError
-from differential.scenario import GroupKind, Scenario
+from differential.scenario import GroupKind, MambaPrefill, Scenario
 
 __all__ = [
     "attention_spec",
@@ -160,7 +161,10 @@ def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSp
     """
     g = scenario.kv_cache_groups[index]
     if g.kind is GroupKind.MAMBA:
-        return mamba_spec(g.block_size_tokens, scenario.drafter.num_speculative_tokens)
+        spec = mamba_spec(g.block_size_tokens, scenario.drafter.num_speculative_tokens)
+        if scenario.mamba_prefill is MambaPrefill.CHECKPOINT:
+            spec = replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
+        return spec
     dcp = scenario.dcp_world_size
     spec = attention_spec(
         g.block_size_tokens // dcp,

@@ -329,6 +329,9 @@ def _groups(scenario: Scenario) -> str:
                 'mamba_cache_mode="align"',
                 f"num_speculative_blocks={scenario.drafter.num_speculative_tokens}",
             ]
+            if scenario.mamba_prefill is MambaPrefill.CHECKPOINT:
+                # As MambaMixer2.get_kv_cache_spec declares them.
+                args += ["num_prefill_checkpoint_blocks=1", "prefill_checkpoint_alignment=1"]
         else:
             cls, args = "FullAttentionSpec", common
         spec = "".join(f"                {a},\n" for a in args)
@@ -813,8 +816,8 @@ def _mamba_chunk(manager: KVCacheManager, request: Request, num_new: int, local_
         mamba_shared_prefix_checkpoint={shared_checkpoint},
         use_eagle_block_drop=manager.use_eagle,
         num_hash_lookahead_tokens=manager.block_pool.num_hash_lookahead_tokens,
-        mamba_has_prefill_checkpoint_blocks=False,
-        mamba_prefill_checkpoint_alignment=None,
+        mamba_has_prefill_checkpoint_blocks={checkpoint},
+        mamba_prefill_checkpoint_alignment={checkpoint_alignment},
         max_num_scheduled_tokens={chunk},
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
     )
@@ -850,6 +853,8 @@ def _with_mamba_steps(source: str, scenario: Scenario) -> str:
         partial=partial,
         shared_checkpoint="manager.mamba_shared_prefix_checkpoint" if partial else False,
         chunk=scenario.prefill_chunk_tokens,
+        checkpoint=scenario.mamba_prefill is MambaPrefill.CHECKPOINT,
+        checkpoint_alignment=1 if scenario.mamba_prefill is MambaPrefill.CHECKPOINT else None,
     )
     chunk_line = (
         f"            num_new = min({scenario.prefill_chunk_tokens}, len(prompt) - computed)\n"

@@ -455,12 +455,13 @@ def mode_cross_checkable(scenario: Scenario) -> bool:
     """Whether both modes must give the same hits: a sequential workload,
     synchronous scheduling (an async run is compared with the synchronous
     Scheduler's instead: :func:`differential.oracle.scheduling.cross_check_scheduling`)
-    and vLLM's own prefill chunking (a block-carved Mamba prefill,
-    ``mamba_prefill: block``, is not what the scheduler does)."""
+    and vLLM's own prefill chunking, with or without internal checkpoints (a
+    block-carved Mamba prefill, ``mamba_prefill: block``, is not what the
+    scheduler does)."""
     return (
         scenario.workload.sequential
         and not scenario.workload.async_scheduling
-        and scenario.mamba_prefill is MambaPrefill.SCHEDULER
+        and scenario.mamba_prefill is not MambaPrefill.BLOCK
     )
 
 

@@ -27,7 +27,15 @@ attention group serves every position up to what it proves. The rules:
    steps on the block grid, and must stop at the block grid's resume
    position, at the EAGLE resume position and at the junction
    (floored to the block grid without the option), since a state skipped
-   there can never be recovered.
+   there can never be recovered. ``checkpoint`` (a Mamba layer that exports
+   the prompt's checkpoint state from inside a step: one prefill checkpoint
+   block, as vLLM 0.33.0's ``MambaMixer2`` and, on the prefix-cache grid,
+   the GDN layers declare, vllm/model_executor/layers/mamba/) chunks as
+   ``scheduler`` does, except that a final step able to export the
+   checkpoint (:func:`_exports_checkpoint`) need not stop at it: it keeps
+   the state there from inside, and runs on to the prompt's end ("The
+   block-boundary state can be exported from inside one forward pass, so
+   the scheduler need not split the prefill", ``MambaMixer2.get_kv_cache_spec``).
 2. **What a sibling is owed**: the highest position every group can serve.
    Attention groups prove a prefix (:func:`attention_dense_hit`: the dense
    reference over attention groups, with fine-grained hits proving per hash
@@ -57,6 +65,7 @@ one position).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from differential.findings import Policy
@@ -194,7 +203,8 @@ def _step_ends(
     prefill_lookahead_tokens: int,
     option: bool,
 ) -> list[int]:
-    """Positions where the writer's prefill steps end, in tokens (rule 1)."""
+    """Positions where the writer's prefill steps end, in tokens (rule 1),
+    and a final step's exported checkpoint (``MambaPrefill.CHECKPOINT``)."""
     block = scenario.mamba_groups[0].block_size_tokens
     # Both drivers schedule prefill chunks of the step budget
     # (workload.max_num_batched_tokens when set, else prefill_chunk_tokens).
@@ -213,9 +223,18 @@ def _step_ends(
         if scenario.partial_hash_hits
         else 0
     )
+    # The prompt's checkpoint the Scheduler splits against, at the hit
+    # granularity (the hash block with partial hash hits, else the Mamba block).
+    checkpoint = tail if scenario.partial_hash_hits else grid_resume
+    hash_block = scenario.effective_hash_block_size_tokens
     ends: list[int] = []
     while start < length:
         end = min(start + budget, length)
+        internal = (
+            scenario.mamba_prefill is MambaPrefill.CHECKPOINT
+            and end >= length
+            and _exports_checkpoint(start, end, checkpoint, hash_block, block)
+        )
         if end < length and (end // block * block > start or block <= budget):
             end = end // block * block
         junction_stop = (
@@ -224,9 +243,9 @@ def _step_ends(
             else start + (junction - start) // block * block
         )
         stops = (
-            (start // block + 1) * block if start % block else 0,
-            grid_resume,
-            tail if grid_resume < tail < length else 0,
+            (start // block + 1) * block if start % block and not internal else 0,
+            0 if internal else grid_resume,
+            tail if not internal and grid_resume < tail < length else 0,
             junction_stop if start < junction < end else 0,
         )
         end = min((s for s in stops if start < s < end), default=end)
@@ -235,9 +254,35 @@ def _step_ends(
             end -= prefill_lookahead_tokens - remaining
         if end <= start:
             break
+        if scenario.mamba_prefill is MambaPrefill.CHECKPOINT and (
+            end >= length or scenario.retention_interval_tokens != 0
+        ):
+            exported = _resume_position(end, alignment, drop, hash_lookahead_tokens)
+            if _exports_checkpoint(start, end, exported, hash_block, block):
+                ends.append(exported)
         ends.append(end)
         start = end
     return ends
+
+
+def _exports_checkpoint(
+    start: int, end: int, checkpoint: int, hash_block: int, block: int
+) -> bool:
+    """Whether a final prefill step over tokens ``[start, end)`` exports the
+    state at ``checkpoint`` from inside itself (``MambaPrefill.CHECKPOINT``:
+    a Mamba layer with one prefill checkpoint block at alignment 1, as
+    ``MambaMixer2.get_kv_cache_spec`` gives it, vllm/model_executor/layers/
+    mamba/mamba_mixer2.py): the step starts on the hash grid, the checkpoint
+    lies strictly inside it at least one hash block past its start, and the
+    step spans a Mamba block column past the one its initial state is in
+    (``is_mamba_prefill_checkpoint_valid``, vllm/v1/kv_cache_interface.py).
+    All in tokens."""
+    return (
+        start % hash_block == 0
+        and -(-end // block) - 2 > (start - 1) // block
+        and start + hash_block <= checkpoint
+        and start < checkpoint < end
+    )
 
 
 def state_positions(
@@ -317,6 +362,30 @@ def state_positions(
         kept.update(decode_states(scenario, writer, hash_lookahead_tokens, reprefillable_tokens))
     positions = memo[key] = tuple(sorted(p for p in kept if p > 0))
     return positions
+
+
+def _dense_run_states(
+    scenario: Scenario, states: tuple[int, ...], args: tuple[int, int, int, bool, int, int, int]
+) -> tuple[int, ...]:
+    """The states the writer materializes in the dense-retention run, in
+    tokens: ``states`` (:func:`state_positions` of ``scenario`` with
+    ``args``), except that checkpoint-exporting Mamba layers under
+    ``retention_interval_tokens`` 0 export only the final prefill step's
+    checkpoint, where under dense retention every step publishes one
+    (``KVCacheCoordinator.get_num_blocks_to_allocate``'s ``prefill_end``,
+    vllm/v1/core/kv_cache_coordinator.py: "under dense retention every chunk
+    publishes a state")."""
+    if scenario.mamba_prefill is not MambaPrefill.CHECKPOINT or (
+        scenario.retention_interval_tokens != 0
+    ):
+        return states
+    memo = scenario_memo(scenario)
+    dense = memo.get("dense_retention_scenario")
+    if dense is None:
+        dense = memo["dense_retention_scenario"] = dataclasses.replace(
+            scenario, retention_interval_tokens=None
+        )
+    return state_positions(dense, *args)
 
 
 def _late_state_kept(
@@ -533,7 +602,22 @@ def state_references(
                 prefill_lookahead_tokens,
             )
             cap = min(attention, shared[i] - hash_lookahead_tokens)
-            dense = floor_state(states, cap)
+            dense = floor_state(
+                _dense_run_states(
+                    scenario,
+                    states,
+                    (
+                        i,
+                        observed_hits[i],
+                        junction,
+                        drop,
+                        hash_lookahead_tokens,
+                        reprefillable_tokens,
+                        prefill_lookahead_tokens,
+                    ),
+                ),
+                cap,
+            )
             best_dense = max(best_dense, dense)
             # A boundary's SWA tail (and its peek block under the drop) is the
             # writer's own: it serves only as far as the writer alone proves.

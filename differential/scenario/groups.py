@@ -131,11 +131,18 @@ class MambaPrefill(StrEnum):
     block-carved prefill: a step ends at every Mamba block boundary and at the
     prompt end, with no other stop; it is how vLLM's own manager tests feed
     ``allocate_slots`` and how the upstream measurements of vLLM PR #57444
-    were taken.
+    were taken. ``CHECKPOINT`` is vLLM's own chunking for a Mamba layer that
+    exports the prompt's checkpoint state from inside a step (one prefill
+    checkpoint block at alignment 1, ``MambaSpec.num_prefill_checkpoint_blocks``,
+    as vLLM 0.33.0's ``MambaMixer2.get_kv_cache_spec`` declares it,
+    vllm/model_executor/layers/mamba/mamba_mixer2.py): the final step need
+    not stop at the checkpoint (``Scheduler._mamba_block_aligned_split``'s
+    internal checkpoint; ``MambaManager`` keeps it in a checkpoint block).
     """
 
     SCHEDULER = "scheduler"
     BLOCK = "block"
+    CHECKPOINT = "checkpoint"
 
 
 @dataclass(frozen=True)

@@ -485,8 +485,9 @@ class ScenarioDocument(BaseModel):
         default=MambaPrefill.SCHEDULER,
         exclude_if=lambda v: v is MambaPrefill.SCHEDULER,
         description="Where prefill steps end with mamba groups: 'scheduler' (vLLM's own "
-        "chunking) or 'block' (at every Mamba block boundary). Written only when not "
-        "'scheduler'.",
+        "chunking), 'block' (at every Mamba block boundary) or 'checkpoint' (vLLM's own "
+        "chunking for a Mamba layer that exports the prompt's checkpoint from inside a "
+        "step, as MambaMixer2 does). Written only when not 'scheduler'.",
     )
     workload: WorkloadDocument = Field(
         default_factory=WorkloadDocument,

@@ -173,6 +173,37 @@ def test_states_exist_where_steps_ended() -> None:
     assert state_positions(s, 0, 0, 80, True, 0, 0) == (80, 128, 176, 192)
 
 
+def test_states_exist_where_a_checkpoint_exporting_step_keeps_one() -> None:
+    # mamba_prefill: checkpoint (MambaMixer2's one prefill checkpoint block):
+    # the 200-token writer's one step 0..200 spans Mamba columns 0..3, starts
+    # on the hash grid and holds the fine-grained EAGLE resume position
+    # 200 // 16 * 16 - 16 = 176 strictly inside, at least a hash block past
+    # its start: the state at 176 is exported from inside the step, which
+    # runs on to 200 (no state kept there, off the grid). Split, the
+    # scheduler's prefill keeps 128, 176 and 192.
+    s = fa_mamba(200, prefill=MambaPrefill.CHECKPOINT)
+    assert state_positions(s, 0, 0, 0, True, 0, 0) == (176,)
+    # Without the drop the checkpoint is 199 // 16 * 16 = 192, on the grid.
+    assert state_positions(s, 0, 0, 0, False, 0, 0) == (192,)
+    # 100-token chunks: 0..100 ends on the grid at 64 and 64..164 at 128
+    # (not final steps: they stop as the scheduler's do); the final step
+    # 128..200 exports 176.
+    s = fa_mamba(200, prefill=MambaPrefill.CHECKPOINT, prefill_chunk_tokens=100)
+    assert state_positions(s, 0, 0, 0, True, 0, 0) == (64, 128, 176)
+    # 192-token chunks: the first step stops at the block grid's resume
+    # position 200 // 64 * 64 - 64 = 128 (it is not final), the final one
+    # 128..200 exports 176.
+    s = fa_mamba(200, prefill=MambaPrefill.CHECKPOINT, prefill_chunk_tokens=192)
+    assert state_positions(s, 0, 0, 0, True, 0, 0) == (128, 176)
+    # A final step that cannot hold the checkpoint strictly inside exports
+    # nothing (64-token steps: the last, 192..200, starts at the checkpoint
+    # 199 // 64 * 64 = 192): one-block steps keep the scheduler's states.
+    s = fa_mamba(200, prefill=MambaPrefill.CHECKPOINT, prefill_chunk_tokens=64, hash_block=None)
+    split = dataclasses.replace(s, mamba_prefill=MambaPrefill.SCHEDULER)
+    assert state_positions(s, 0, 0, 0, False, 0, 0) == state_positions(split, 0, 0, 0, False, 0, 0)
+    assert state_positions(s, 0, 0, 0, False, 0, 0) == (64, 128, 192)
+
+
 def test_states_exist_where_steps_of_the_step_budget_ended() -> None:
     # FA 4 + Mamba 4, no drafter, a 24-token writer whose chunks are the
     # workload's max_num_batched_tokens (16), not prefill_chunk_tokens (8):

@@ -140,7 +140,7 @@ def test_errors_name_the_path_and_the_schemas_allowed_values() -> None:
         "null or an integer 1..16777216",
     )
     error = _error(lambda: Scenario.from_dict({**data, "mamba_prefill": "step"}))
-    assert error.allowed == "one of 'scheduler', 'block'"
+    assert error.allowed == "one of 'scheduler', 'block', 'checkpoint'"
     error = _error(lambda: Scenario.from_dict({**data, "workload": {"accepted_drafts": [-1]}}))
     assert (error.field, error.allowed) == ("workload.accepted_drafts[0]", "an integer >= 0")
     error = _error(lambda: Scenario.from_dict({**data, "version": 2}))
