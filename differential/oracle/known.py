@@ -43,6 +43,7 @@ from differential.scenario import (
     DriveMode,
     GroupKind,
     KVEvents,
+    MambaPrefill,
     Scenario,
 )
 from differential.variant import FixScope
@@ -610,6 +611,36 @@ def _unit_below_retained_state(
         ):
             return True
     return False
+
+
+def _checkpoint_step_skips_junction_state(
+    scenario: Scenario, finding: Finding, hits: Sequence[int] | None = None
+) -> bool:
+    """A fallback (or the dense run's mismatch) below a state an earlier
+    writer materialized at the shared-prefix junction it pinned, the state
+    the request is owed, on Mamba layers that export prefill checkpoints
+    (``mamba_prefill: checkpoint``) with the shared-prefix checkpoint option
+    under dense or periodic retention, where every prefill step publishes a
+    checkpoint: ``MambaManager._cache_partial_tail_block`` handles the step's
+    checkpoint and returns before keying the junction's state (a dense-run
+    mismatch under any retention: the dense cross-check run is dense)."""
+    if finding.kind not in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
+        return False
+    if (
+        finding.request is None
+        or scenario.mamba_prefill is not MambaPrefill.CHECKPOINT
+        or not scenario.enable_mamba_shared_prefix_checkpoint
+    ):
+        return False
+    if finding.kind is FindingKind.FALLBACK and scenario.retention_interval_tokens == 0:
+        return False  # retention 0: only the final step publishes (the dense run is dense)
+    expected, hit = finding.expected_tokens, finding.hit_tokens
+    if expected is None or hit is None or hit >= expected:
+        return False
+    return any(
+        junction == expected and junction in states
+        for _, junction, states in _writer_states(scenario, finding.request, hits)
+    )
 
 
 def _mamba_finder_ignores_drop(scenario: Scenario, finding: Finding) -> bool:
@@ -1190,6 +1221,31 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots",
         example="known-issues/connector-sync-load-mamba-tail-not-cached.json",
         matches=_sync_load_mamba_tail_not_cached,
+    ),
+    KnownIssue(
+        name="checkpoint-step-skips-junction-state",
+        summary=(
+            "Mamba layers that export prefill checkpoints (one prefill checkpoint "
+            "block: vLLM 0.33.0's MambaMixer2, so every Mamba2 model, and the GDN "
+            "layers on the prefix-cache grid) with enable_mamba_shared_prefix_checkpoint "
+            "under dense or periodic retention: a prefill step that ends at a request's "
+            "shared-prefix junction also publishes the checkpoint just below its end "
+            "(under those retentions every step does: "
+            "KVCacheCoordinator.get_num_blocks_to_allocate), and "
+            "MambaManager._cache_partial_tail_block, handling that checkpoint first, "
+            "discards it (neither the prompt's checkpoint nor retained nor the junction) "
+            "and returns before its junction branch, so the state at the junction, which "
+            "the step computed, is never keyed and a later request sharing the prefix "
+            "falls back (FA 32 + Mamba 32, hash block 4, EAGLE, dense retention: a "
+            "97-token request pins its junction at 60, and the next request sharing 92 "
+            "tokens with it hits 0 where the scheduler's split prefill, or retention 0, "
+            "gives 60). vLLM 0.32.0 has it too; 0.31.0 hits 60. Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "MambaManager._cache_partial_tail_block",
+        example="known-issues/mamba-checkpoint-step-skips-junction-state.json",
+        matches=_checkpoint_step_skips_junction_state,
+        uses_hits=True,
     ),
     KnownIssue(
         name="divergent-hit-truncates-lagging-window",

@@ -252,3 +252,62 @@ def test_dcp_mamba_hybrid_full_attention_looks_up_once(name: str, dense_hits: li
     for vr in result.results:
         assert vr.dense_run is not None and list(vr.dense_run.hits) == dense_hits
         assert [r.dense_tokens for r in vr.references] == dense_hits
+
+
+def test_a_checkpoint_step_leaves_the_junction_state_unkeyed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """checkpoint-step-skips-junction-state on vLLM 0.33.0's real managers:
+    request 1 pins its junction at 60 and its first prefill step ends there,
+    but the state is never keyed, so request 2 (92 tokens shared with it)
+    hits 0. The split prefill and retention 0 key it (60), and so does a
+    ``MambaManager._cache_partial_tail_block`` that goes on to the junction
+    after discarding the step's checkpoint: the cause is that early return."""
+    import dataclasses
+
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    from differential.scenario import MambaPrefill
+
+    scenario = load_entry(ROOT / "known-issues/mamba-checkpoint-step-skips-junction-state.json")
+    s = scenario.scenario
+    result = compare_variants(s, parse_variants("unfixed"))
+    assert result.results[0].run.hits == (0, 0, 0)
+    assert {(f.kind.value, f.request, f.known_issue) for f in result.findings} == {
+        ("fallback", 2, "checkpoint-step-skips-junction-state"),
+        ("dense-mismatch", 2, "checkpoint-step-skips-junction-state"),
+    }
+    split = compare_variants(
+        dataclasses.replace(s, mamba_prefill=MambaPrefill.SCHEDULER), parse_variants("unfixed")
+    )
+    assert split.results[0].run.hits == (0, 0, 60)
+    assert split.findings == ()
+    # Retention 0: only the final step publishes a checkpoint, so the
+    # junction's state is keyed (60); the dense cross-check run still loses it.
+    zero = compare_variants(
+        dataclasses.replace(s, retention_interval_tokens=0), parse_variants("unfixed")
+    )
+    assert zero.results[0].run.hits == (0, 0, 60)
+    assert [(f.kind.value, f.known_issue) for f in zero.findings] == [
+        ("dense-mismatch", "checkpoint-step-skips-junction-state")
+    ]
+    real = MambaManager._cache_partial_tail_block
+
+    def on_to_the_junction(self: MambaManager, request, num_tokens, retention_interval):  # type: ignore[no-untyped-def]
+        keyed = real(self, request, num_tokens, retention_interval)
+        checkpoint = self._checkpoints.get(request.request_id)
+        if (
+            keyed is None
+            and checkpoint is not None
+            and num_tokens == request.shared_prefix_boundary
+        ):
+            del self._checkpoints[request.request_id]
+            try:
+                keyed = real(self, request, num_tokens, retention_interval)
+            finally:
+                self._checkpoints[request.request_id] = checkpoint
+        return keyed
+
+    monkeypatch.setattr(MambaManager, "_cache_partial_tail_block", on_to_the_junction)
+    mended = compare_variants(s, parse_variants("unfixed"))
+    assert mended.results[0].run.hits == (0, 0, 60)

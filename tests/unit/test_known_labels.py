@@ -1113,3 +1113,62 @@ def test_a_synchronous_load_whose_mamba_tail_is_not_keyed() -> None:
         hit_tokens=0,
     )
     assert label_known(decode(sync, 13), [store_rule])[0].known_issue is None
+
+
+def test_a_checkpoint_step_that_skips_the_junction_state() -> None:
+    # known-issues/mamba-checkpoint-step-skips-junction-state.json: FA 32 +
+    # Mamba 32, hash block 4, EAGLE, checkpoint-exporting Mamba layers, the
+    # shared-prefix checkpoint option, dense retention. Request 1 (97
+    # tokens, 92 shared with the 96-token writer) pins its junction at 60 and
+    # materializes the state there; request 2, sharing 92 with it, is owed 60.
+    from differential.scenario import DrafterKind, MambaPrefill
+
+    def scenario(prefill: MambaPrefill, retention: int | None, option: bool = True) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(
+                KVCacheGroup(GroupKind.FULL_ATTENTION, 32, is_eagle_group=True),
+                KVCacheGroup(GroupKind.MAMBA, 32),
+            ),
+            requests=(
+                RequestSpec(96, 0),
+                RequestSpec(92, 5, shares_with=0),
+                RequestSpec(92, 0, shares_with=1),
+            ),
+            shared_prefix_tokens=96,
+            hash_block_size_tokens=4,
+            retention_interval_tokens=retention,
+            drafter=Drafter(DrafterKind.EAGLE, 1),
+            kv_connector=True,  # lookahead block hashes off
+            prefill_chunk_tokens=64,
+            enable_mamba_shared_prefix_checkpoint=option,
+            mamba_prefill=prefill,
+        )
+
+    def short(kind: FindingKind) -> Finding:
+        return Finding(kind, "v", 2, "x", expected_tokens=60, hit_tokens=0)
+
+    name = "checkpoint-step-skips-junction-state"
+    checkpoint = scenario(MambaPrefill.CHECKPOINT, None)
+    hits = (0, 0, 0)
+    for kind in (FindingKind.FALLBACK, FindingKind.DENSE_MISMATCH):
+        assert label_known(checkpoint, [short(kind)], hits=hits)[0].known_issue == name
+    assert (
+        label_known(
+            scenario(MambaPrefill.CHECKPOINT, 256), [short(FindingKind.FALLBACK)], hits=hits
+        )[0].known_issue
+        == name
+    )
+    # Near misses: the scheduler's split prefill, retention 0 (only the final
+    # step publishes a checkpoint), the option off, and a shortfall to below
+    # some other state (owed 64, no junction there).
+    for near in (
+        scenario(MambaPrefill.SCHEDULER, None),
+        scenario(MambaPrefill.CHECKPOINT, 0),
+        scenario(MambaPrefill.CHECKPOINT, None, option=False),
+    ):
+        assert label_known(near, [short(FindingKind.FALLBACK)], hits=hits)[0].known_issue != name
+    # Under retention 0 the dense cross-check run still has it.
+    zero = scenario(MambaPrefill.CHECKPOINT, 0)
+    assert label_known(zero, [short(FindingKind.DENSE_MISMATCH)], hits=hits)[0].known_issue == name
+    other = Finding(FindingKind.FALLBACK, "v", 2, "x", expected_tokens=64, hit_tokens=0)
+    assert label_known(checkpoint, [other], hits=hits)[0].known_issue != name
