@@ -643,6 +643,31 @@ def _checkpoint_step_skips_junction_state(
     )
 
 
+def _checkpoint_retention_ignores_replay_boundaries(
+    scenario: Scenario, finding: Finding, hits: Sequence[int] | None = None
+) -> bool:
+    """A fallback below a state an earlier writer materialized at one of its
+    replay boundaries, off the retention grid, on Mamba layers that export
+    prefill checkpoints (``mamba_prefill: checkpoint``) under periodic
+    retention: a step's checkpoint is kept only if the retention test of
+    ``MambaManager._cache_partial_tail_block`` keeps it, and that test
+    (``reachable_block_mask`` over the checkpoint's block) is given no
+    reachable boundaries."""
+    if finding.kind is not FindingKind.FALLBACK or finding.request is None:
+        return False
+    retention = scenario.retention_interval_tokens
+    if scenario.mamba_prefill is not MambaPrefill.CHECKPOINT or not retention:
+        return False
+    expected, hit = finding.expected_tokens, finding.hit_tokens
+    if expected is None or hit is None or hit >= expected or expected % retention == 0:
+        return False
+    model = drafter_model(scenario)
+    return any(
+        expected in states and expected in replay_boundaries(scenario, model, writer)
+        for writer, _, states in _writer_states(scenario, finding.request, hits)
+    )
+
+
 def _mamba_finder_ignores_drop(scenario: Scenario, finding: Finding) -> bool:
     """An over-hit on a model whose only group is Mamba, under the EAGLE drop:
     no attention group bounds the hit, and ``MambaManager.find_longest_cache_hit``
@@ -1245,6 +1270,30 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "MambaManager._cache_partial_tail_block",
         example="known-issues/mamba-checkpoint-step-skips-junction-state.json",
         matches=_checkpoint_step_skips_junction_state,
+        uses_hits=True,
+    ),
+    KnownIssue(
+        name="checkpoint-retention-ignores-replay-boundaries",
+        summary=(
+            "Mamba layers that export prefill checkpoints (vLLM 0.33.0's MambaMixer2, "
+            "so every Mamba2 model) under periodic retention: a prefill step's "
+            "checkpoint, the state just below its end, is kept only if the retention "
+            "test of MambaManager._cache_partial_tail_block keeps it (or it is the "
+            "prompt's own checkpoint), and that test, reachable_block_mask over the "
+            "checkpoint's one block, is given no reachable boundaries, so a checkpoint "
+            "at one of the request's replay boundaries is discarded unless it ends a "
+            "retention segment (FA 4 + Mamba 4, MTP with the drop, 8-token chunks, "
+            "retention 8: the 28-token writer's step 16..24 exports the state at 20, "
+            "its replay boundary one unit below 24; a sibling sharing 24 tokens is "
+            "owed 20 and hits 16, where dense retention gives 20). The scheduler's "
+            "split prefill makes no state at 20. Also on vLLM 0.31.0 and 0.32.0. "
+            "Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/single_type_kv_cache_manager.py "
+        "MambaManager._cache_partial_tail_block (reachable_block_mask without "
+        "reachable_boundaries)",
+        example="known-issues/mamba-checkpoint-retention-ignores-replay-boundaries.json",
+        matches=_checkpoint_retention_ignores_replay_boundaries,
         uses_hits=True,
     ),
     KnownIssue(

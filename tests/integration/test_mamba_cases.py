@@ -311,3 +311,30 @@ def test_a_checkpoint_step_leaves_the_junction_state_unkeyed(
     monkeypatch.setattr(MambaManager, "_cache_partial_tail_block", on_to_the_junction)
     mended = compare_variants(s, parse_variants("unfixed"))
     assert mended.results[0].run.hits == (0, 0, 60)
+
+
+def test_a_checkpoint_at_a_replay_boundary_is_discarded_under_periodic_retention() -> None:
+    """checkpoint-retention-ignores-replay-boundaries on vLLM 0.33.0's real
+    managers: the writer's step 16..24 exports the state at 20 (its replay
+    boundary below 24); under retention 8 it is discarded and the sibling
+    hits 16, under dense retention it is kept (20), and the scheduler's split
+    prefill makes no state at 20 (16, owed 16)."""
+    import dataclasses
+
+    from differential.scenario import MambaPrefill
+
+    path = ROOT / "known-issues/mamba-checkpoint-retention-ignores-replay-boundaries.json"
+    s = load_entry(path).scenario
+    result = compare_variants(s, parse_variants("unfixed"))
+    assert result.results[0].run.hits == (0, 16)
+    assert [(f.kind.value, f.expected_tokens, f.known_issue) for f in result.findings] == [
+        ("fallback", 20, "checkpoint-retention-ignores-replay-boundaries")
+    ]
+    dense = compare_variants(
+        dataclasses.replace(s, retention_interval_tokens=None), parse_variants("unfixed")
+    )
+    assert dense.results[0].run.hits == (0, 20) and dense.findings == ()
+    split = compare_variants(
+        dataclasses.replace(s, mamba_prefill=MambaPrefill.SCHEDULER), parse_variants("unfixed")
+    )
+    assert split.results[0].run.hits == (0, 16) and split.findings == ()

@@ -1172,3 +1172,50 @@ def test_a_checkpoint_step_that_skips_the_junction_state() -> None:
     assert label_known(zero, [short(FindingKind.DENSE_MISMATCH)], hits=hits)[0].known_issue == name
     other = Finding(FindingKind.FALLBACK, "v", 2, "x", expected_tokens=64, hit_tokens=0)
     assert label_known(checkpoint, [other], hits=hits)[0].known_issue != name
+
+
+def test_a_checkpoint_at_a_replay_boundary_discarded_under_periodic_retention() -> None:
+    # known-issues/mamba-checkpoint-retention-ignores-replay-boundaries.json:
+    # FA 4 + Mamba 4, MTP (the drop), retention 8, 8-token chunks; the
+    # 28-token writer's step 16..24 exports the state at 20, a replay
+    # boundary of the writer (24 less one unit), and the sibling sharing 24
+    # is owed it.
+    from differential.scenario import DrafterKind, MambaPrefill
+
+    def scenario(prefill: MambaPrefill, retention: int | None) -> Scenario:
+        return Scenario(
+            kv_cache_groups=(
+                KVCacheGroup(GroupKind.FULL_ATTENTION, 4),
+                KVCacheGroup(GroupKind.MAMBA, 4),
+            ),
+            requests=(RequestSpec(24, 4), RequestSpec(24, 0)),
+            shared_prefix_tokens=24,
+            retention_interval_tokens=retention,
+            drafter=Drafter(DrafterKind.MTP, 1),
+            kv_connector=True,
+            prefill_chunk_tokens=8,
+            mamba_prefill=prefill,
+        )
+
+    def short(expected: int) -> Finding:
+        return Finding(FindingKind.FALLBACK, "v", 1, "x", expected_tokens=expected, hit_tokens=16)
+
+    name = "checkpoint-retention-ignores-replay-boundaries"
+    hits = (0, 16)
+    assert (
+        label_known(scenario(MambaPrefill.CHECKPOINT, 8), [short(20)], hits=hits)[0].known_issue
+        == name
+    )
+    # Near misses: the split prefill, dense retention, retention 0 (no
+    # periodic test), a position on the retention grid, and a dense-run mismatch.
+    for near, finding in (
+        (scenario(MambaPrefill.SCHEDULER, 8), short(20)),
+        (scenario(MambaPrefill.CHECKPOINT, None), short(20)),
+        (scenario(MambaPrefill.CHECKPOINT, 0), short(20)),
+        (scenario(MambaPrefill.CHECKPOINT, 8), short(24)),
+    ):
+        assert label_known(near, [finding], hits=hits)[0].known_issue != name
+    dense = Finding(FindingKind.DENSE_MISMATCH, "v", 1, "x", expected_tokens=20, hit_tokens=16)
+    assert (
+        label_known(scenario(MambaPrefill.CHECKPOINT, 8), [dense], hits=hits)[0].known_issue != name
+    )
