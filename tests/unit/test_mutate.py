@@ -485,12 +485,15 @@ def test_a_scenario_digest_changes_with_the_scenario() -> None:
     assert scenario_digest(other) != scenario_digest(scenario)
 
 
-@pytest.mark.parametrize("record", ["mutation-run.json", "mutation-side-by-side-run.json"])
+@pytest.mark.parametrize(
+    "record", ["mutation-run.json", "mutation-side-by-side-run.json", "mutation-cache-run.json"]
+)
 def test_the_recorded_run_draws_the_scenarios_its_command_draws_today(
     monkeypatch: pytest.MonkeyPatch, record: str
 ) -> None:
-    """docs/mutation-run.json (the 60-mutant score) and
+    """docs/mutation-run.json (the 60-mutant score),
     docs/mutation-side-by-side-run.json (the 120 mutants beside vLLM's tests)
+    and docs/mutation-cache-run.json (the 480 mutants of the cache scope)
     must be the runs their documented commands make on today's code: the same
     corpus files and campaign scenarios, byte for byte (by digest), and the
     same mutants, drawn from the same scope. A corpus, generator or scope
