@@ -591,8 +591,7 @@ def state_references(
             # (Scenario.pins_junctions).
             pins = scenario.pins_junctions and observed_hits[i] < attention_by_request[i]
             junction = attention_by_request[i] if pins else 0
-            states = state_positions(
-                scenario,
+            writer = (
                 i,
                 observed_hits[i],
                 junction,
@@ -601,23 +600,9 @@ def state_references(
                 reprefillable_tokens,
                 prefill_lookahead_tokens,
             )
+            states = state_positions(scenario, *writer)
             cap = min(attention, shared[i] - hash_lookahead_tokens)
-            dense = floor_state(
-                _dense_run_states(
-                    scenario,
-                    states,
-                    (
-                        i,
-                        observed_hits[i],
-                        junction,
-                        drop,
-                        hash_lookahead_tokens,
-                        reprefillable_tokens,
-                        prefill_lookahead_tokens,
-                    ),
-                ),
-                cap,
-            )
+            dense = floor_state(_dense_run_states(scenario, states, writer), cap)
             best_dense = max(best_dense, dense)
             # A boundary's SWA tail (and its peek block under the drop) is the
             # writer's own: it serves only as far as the writer alone proves.
