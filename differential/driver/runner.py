@@ -163,9 +163,10 @@ def _mamba_scheduler_view(
     ``cache_config.block_size`` is the Mamba block size (vLLM sets
     ``mamba_block_size = cache_config.block_size`` in align mode);
     ``max_num_scheduled_tokens`` is the scenario's ``step_budget_tokens``
-    budget and ``long_prefill_token_threshold`` is 0. The base Mamba spec
-    has no internal prefill checkpoint blocks, so
-    ``mamba_has_prefill_checkpoint_blocks`` is off.
+    budget and ``long_prefill_token_threshold`` is 0.
+    ``mamba_has_prefill_checkpoint_blocks`` (alignment 1) is on exactly when
+    the scenario's Mamba layers export prefill checkpoints
+    (``mamba_prefill: checkpoint``, :func:`differential.driver.specs.group_spec`).
     """
     if not scenario.mamba_groups:
         return None

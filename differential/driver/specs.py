@@ -148,7 +148,10 @@ def mamba_spec(block_size: int, num_speculative_blocks: int) -> KVCacheSpec:
 
 def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSpec:
     """The spec of group ``index``: attention groups via :func:`attention_spec`, Mamba
-    groups via :func:`mamba_spec`.
+    groups via :func:`mamba_spec`, with one prefill checkpoint block at
+    alignment 1 under ``mamba_prefill: checkpoint`` (as
+    ``MambaMixer2.get_kv_cache_spec`` declares it,
+    vllm/model_executor/layers/mamba/mamba_mixer2.py).
 
     Under decode context parallelism (``Scenario.dcp_world_size`` ``D > 1``) an
     attention spec holds the per-rank block, ``block_size_tokens / D`` tokens
