@@ -668,6 +668,29 @@ def _checkpoint_retention_ignores_replay_boundaries(
     )
 
 
+def _checkpoint_step_keys_start_state(
+    scenario: Scenario, finding: Finding, hits: Sequence[int] | None = None
+) -> bool:
+    """An over-hit (or the dense run's mismatch) to a Mamba block boundary
+    ``h`` on checkpoint-exporting Mamba layers (``mamba_prefill:
+    checkpoint``), where an earlier writer had a step end strictly inside the
+    block ending at ``h`` (its pinned junction): the next step, exporting its
+    checkpoint from inside, runs past ``h`` without stopping there, so the
+    block holds the state at the junction, yet it is keyed as the state at ``h``."""
+    if finding.kind not in (FindingKind.OVER_HIT, FindingKind.DENSE_MISMATCH):
+        return False
+    if finding.request is None or scenario.mamba_prefill is not MambaPrefill.CHECKPOINT:
+        return False
+    hit = finding.hit_tokens
+    block = scenario.mamba_groups[0].block_size_tokens
+    if hit is None or hit <= 0 or hit % block or (finding.expected_tokens or 0) >= hit:
+        return False
+    return any(
+        hit - block < junction < hit and junction in states
+        for _, junction, states in _writer_states(scenario, finding.request, hits)
+    )
+
+
 def _mamba_finder_ignores_drop(scenario: Scenario, finding: Finding) -> bool:
     """An over-hit on a model whose only group is Mamba, under the EAGLE drop:
     no attention group bounds the hit, and ``MambaManager.find_longest_cache_hit``
@@ -1294,6 +1317,32 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "reachable_boundaries)",
         example="known-issues/mamba-checkpoint-retention-ignores-replay-boundaries.json",
         matches=_checkpoint_retention_ignores_replay_boundaries,
+        uses_hits=True,
+    ),
+    KnownIssue(
+        name="checkpoint-step-keys-start-state",
+        summary=(
+            "Mamba layers that export prefill checkpoints (vLLM's MambaMixer2, so "
+            "every Mamba2 model): a request whose prefill step ended mid-block (at its "
+            "shared-prefix junction, with enable_mamba_shared_prefix_checkpoint) runs "
+            "its final step in one go when that step can export the prompt's "
+            "checkpoint: Scheduler._mamba_block_aligned_split drops the stop at the "
+            "next block boundary (\"a chunk starting mid-block stops at the boundary\") "
+            "for an internal checkpoint, but the worker writes only that checkpoint and "
+            "the step's end (compute_mamba_prefill_checkpoints, one per row). The block "
+            "ending at the boundary keeps the state at the junction and is keyed as the "
+            "state at the boundary (a replay boundary there), so a later request hits "
+            "it: one token's state missing, served silently (FA 4 + sliding window 1 + "
+            "two Mamba 4 groups, MTP, retention 0: a 17-token request stops at its "
+            "junction 11 and runs 11..17; the block of tokens 8..12 is hit as the state "
+            "after 12 by a request owed 11; the scheduler's split prefill writes the "
+            "state at 12 first). vLLM 0.31.0 and 0.32.0 too. Found by kvfuzz."
+        ),
+        vllm_source="vllm/v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split "
+        "(next_block_boundary dropped for use_internal_checkpoint) with "
+        "vllm/model_executor/layers/mamba/checkpoint.py compute_mamba_prefill_checkpoints",
+        example="known-issues/mamba-checkpoint-step-keys-start-state.json",
+        matches=_checkpoint_step_keys_start_state,
         uses_hits=True,
     ),
     KnownIssue(

@@ -338,3 +338,34 @@ def test_a_checkpoint_at_a_replay_boundary_is_discarded_under_periodic_retention
         dataclasses.replace(s, mamba_prefill=MambaPrefill.SCHEDULER), parse_variants("unfixed")
     )
     assert split.results[0].run.hits == (0, 16) and split.findings == ()
+
+
+def test_a_checkpoint_step_keys_the_block_it_started_in() -> None:
+    """checkpoint-step-keys-start-state on vLLM 0.33.0's real managers:
+    request 1 stops at its junction 11, then runs 11..17 in one
+    checkpoint-exporting step; request 2's hit of 12 adopts, in both Mamba
+    groups, request 1's block index 2 (tokens 8..12), which only the step
+    ending at 11 wrote. With the scheduler's split prefill the step stops at
+    12 first, and request 2 hits 28 (request 0's state), no finding."""
+    import dataclasses
+
+    from differential.scenario import MambaPrefill
+
+    s = load_entry(ROOT / "known-issues/mamba-checkpoint-step-keys-start-state.json").scenario
+    result = compare_variants(s, parse_variants("unfixed"))
+    run = result.results[0].run
+    assert run.hits == (0, 0, 12)
+    assert {(f.kind.value, f.known_issue) for f in result.findings} == {
+        ("over-hit", "checkpoint-step-keys-start-state"),
+        ("dense-mismatch", "checkpoint-step-keys-start-state"),
+    }
+    mamba = [g for g, group in enumerate(s.kv_cache_groups) if group.kind.value == "mamba"]
+    adopted = [run.requests[2].lookup_blocks[g][-1] for g in mamba]
+    assert [(b.writer, b.writer_block_index) for b in adopted] == [(1, 2), (1, 2)]
+    # Request 1's steps: to its junction 11, then 11..17 in one.
+    starts = sorted({t.start_tokens for t in run.requests[1].step_tables})
+    assert starts == [0, 11]
+    split = compare_variants(
+        dataclasses.replace(s, mamba_prefill=MambaPrefill.SCHEDULER), parse_variants("unfixed")
+    )
+    assert split.results[0].run.hits == (0, 0, 28) and split.findings == ()

@@ -1219,3 +1219,30 @@ def test_a_checkpoint_at_a_replay_boundary_discarded_under_periodic_retention() 
     assert (
         label_known(scenario(MambaPrefill.CHECKPOINT, 8), [dense], hits=hits)[0].known_issue != name
     )
+
+
+def test_a_checkpoint_step_that_keys_the_block_it_started_in() -> None:
+    # known-issues/mamba-checkpoint-step-keys-start-state.json: request 1
+    # stops at its junction 11 (mid-block, Mamba block 4) and runs on in one
+    # checkpoint step; request 2 hits 12, the boundary above the junction.
+    import dataclasses
+    from pathlib import Path
+
+    from differential.corpus import load_entry
+    from differential.scenario import MambaPrefill
+
+    path = Path(__file__).parents[2] / "known-issues/mamba-checkpoint-step-keys-start-state.json"
+    s = load_entry(path).scenario
+    name = "checkpoint-step-keys-start-state"
+    hits = (0, 0, 12)
+
+    def over(hit: int, expected: int = 11) -> Finding:
+        return Finding(FindingKind.OVER_HIT, "v", 2, "x", expected_tokens=expected, hit_tokens=hit)
+
+    assert label_known(s, [over(12)], hits=hits)[0].known_issue == name
+    # Near misses: the scheduler's split prefill, a hit off the block grid, a
+    # boundary with no junction inside the block below it.
+    split = dataclasses.replace(s, mamba_prefill=MambaPrefill.SCHEDULER)
+    assert label_known(split, [over(12)], hits=hits)[0].known_issue != name
+    assert label_known(s, [over(13)], hits=hits)[0].known_issue != name
+    assert label_known(s, [over(8, 7)], hits=hits)[0].known_issue != name
