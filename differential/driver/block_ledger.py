@@ -292,10 +292,15 @@ class BlockLedger:
             tables.append(StepTable(processed_tokens, start_tokens, gid, n, first_real, null_end))
         for gid, manager, _size in self._state:
             table = manager.req_to_blocks.get(request_id, ())
-            real = [i for i, b in enumerate(table) if id(b) != null_id]
-            unregistered = next((i for i in real if table[i].block_hash is None), len(table))
-            first_real = real[0] if real else len(table)
-            null_end = max((i + 1 for i, b in enumerate(table) if id(b) == null_id), default=0)
+            first_real = unregistered = len(table)
+            null_end = 0
+            for i, block in enumerate(table):
+                if id(block) == null_id:
+                    null_end = i + 1
+                else:
+                    first_real = min(first_real, i)
+                    if block.block_hash is None:
+                        unregistered = min(unregistered, i)
             tables.append(
                 StepTable(
                     processed_tokens,

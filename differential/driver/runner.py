@@ -177,6 +177,7 @@ def _mamba_scheduler_view(
     partial = hash_block < scenario.scheduler_block_size_tokens and bool(
         getattr(manager.coordinator, "enable_partial_hash_hits", False)
     )
+    checkpoints = scenario.mamba_prefill is MambaPrefill.CHECKPOINT
     return SimpleNamespace(
         cache_config=SimpleNamespace(block_size=block),
         block_size=scenario.scheduler_block_size_tokens,
@@ -186,10 +187,8 @@ def _mamba_scheduler_view(
         and bool(getattr(manager, "mamba_shared_prefix_checkpoint", False)),
         use_eagle_block_drop=resolved.use_eagle_block_drop,
         num_hash_lookahead_tokens=resolved.num_hash_lookahead_tokens,
-        mamba_has_prefill_checkpoint_blocks=scenario.mamba_prefill is MambaPrefill.CHECKPOINT,
-        mamba_prefill_checkpoint_alignment=1
-        if scenario.mamba_prefill is MambaPrefill.CHECKPOINT
-        else None,
+        mamba_has_prefill_checkpoint_blocks=checkpoints,
+        mamba_prefill_checkpoint_alignment=1 if checkpoints else None,
         max_num_scheduled_tokens=scenario.step_budget_tokens,
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
         num_prefill_lookahead=resolved.num_prefill_lookahead_tokens,
