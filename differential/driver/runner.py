@@ -215,9 +215,27 @@ def _new_step(manager: KVCacheManager) -> None:
 
 
 def _begin_step(d: _Driver) -> None:
-    """A scheduler step begins (:func:`_new_step`), counted for the event log."""
+    """A scheduler step begins (:func:`_new_step`), counted for the event log;
+    the previous step's copy-on-write copies have run (:func:`_release_cow_copies`)."""
+    _release_cow_copies(d)
     _new_step(d.manager)
     d.steps_begun += 1
+
+
+def _release_cow_copies(d: _Driver) -> None:
+    """Free the blocks a step's copy-on-write copies retained, as the
+    synchronous ``Scheduler.schedule`` does right after its allocations
+    (``KVCacheManager.take_kv_cache_block_copies``, then
+    ``Scheduler._free_cow_retained_blocks``, vllm/v1/core/sched/scheduler.py):
+    the worker runs the copies with the step, so nothing holds them after.
+    Called when the next step begins (and after the run), once the block
+    ledger has read the step's copies."""
+    take = getattr(d.manager, "take_kv_cache_block_copies", None)
+    if take is None:
+        return
+    _, retained = vllm_call("KVCacheManager.take_kv_cache_block_copies", take)
+    if retained:
+        d.manager.block_pool.free_blocks(retained)
 
 
 def _drain_events(d: _Driver) -> None:
@@ -864,6 +882,7 @@ def run_scenario(
             phase[0] = f"request {index}: free"
             observed.append(_free(d, index, found, unsafe_writes))
             d.pending_cache_map = ()
+        _release_cow_copies(d)
     if outcome.unsupported is not None:
         return RunObservation(
             variant=variant,
