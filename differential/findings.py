@@ -161,6 +161,12 @@ class FindingKind(StrEnum):
     others were scheduled and left fewer free blocks than the KV cache
     watermark (``SchedulerConfig.watermark``, vLLM PR #44594) keeps
     (:mod:`differential.oracle.watermark`)."""
+    CACHE_METRICS = "cache-metrics"
+    """What vLLM reports about its cache is wrong: the prefix-cache
+    statistics of a hit-rate dashboard (issues #43736, #25780), the KV cache
+    usage, or ``reset_prefix_cache`` (refused with nothing running, granted
+    while requests hold blocks, or leaving cached blocks behind)
+    (:mod:`differential.oracle.metrics`)."""
     FREE_ORDER = "free-order"
     """(scheduler mode, async scheduling with a KV consumer connector) a
     request's deferred free (``Scheduler._drain_deferred_frees``) returned

@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "BlockRecord",
     "BlockWrite",
+    "CacheMetrics",
     "ConnectorLookup",
     "GroupLookup",
     "KVCachePlan",
@@ -23,7 +24,9 @@ __all__ = [
     "ManagerSettings",
     "PlannedGroup",
     "PlannedTensor",
+    "PrefixCacheCounts",
     "RequestObservation",
+    "ResetCall",
     "ResumedLookup",
     "RunObservation",
     "StepTable",
@@ -609,6 +612,129 @@ class ResumedLookup:
 
 
 @dataclass(frozen=True)
+class PrefixCacheCounts:
+    """vLLM's prefix-cache statistics summed over a run
+    (``PrefixCacheStats``, vllm/v1/metrics/stats.py, read through
+    ``Scheduler.make_stats`` or ``KVCacheManager.make_prefix_cache_stats``).
+
+    Attributes:
+        requests: lookups of requests never preempted (``requests``).
+        queries: the tokens those lookups queried (``queries``), in tokens.
+        hits: the tokens they hit (``hits``), in tokens.
+        preempted_requests: lookups of preempted requests taken up again
+            (``preempted_requests``).
+        preempted_queries: the tokens those queried, in tokens.
+        preempted_hits: the tokens those hit, in tokens.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def __add__(self, other: PrefixCacheCounts) -> PrefixCacheCounts:
+        return PrefixCacheCounts(
+            *(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True))
+        )
+
+    def as_tuple(self) -> tuple[int, int, int, int, int, int]:
+        """The six counts, in field order."""
+        return (
+            self.requests,
+            self.queries,
+            self.hits,
+            self.preempted_requests,
+            self.preempted_queries,
+            self.preempted_hits,
+        )
+
+
+@dataclass(frozen=True)
+class ResetCall:
+    """One call of ``reset_prefix_cache`` the driver made (``Scheduler.reset_prefix_cache()``
+    in scheduler mode, ``KVCacheManager.reset_prefix_cache()`` in manager mode).
+
+    Attributes:
+        step: the scheduler step after which it was called; ``None``: after
+            the run, every request finished.
+        holding: requests admitted and not finished at the call, by the
+            driver's own count (they hold KV blocks).
+        returned: what the call returned.
+        cached_after: cached block entries the pool held right after it
+            (``BlockPool.cached_block_hash_to_block``), in blocks.
+        flagged: the ``reset`` flag of the prefix-cache statistics read next
+            (``None``: not read).
+    """
+
+    step: int | None
+    holding: int
+    returned: bool
+    cached_after: int
+    flagged: bool | None = None
+
+    def to_list(self) -> list[Any]:
+        """JSON-ready form: the fields in order."""
+        return [self.step, self.holding, self.returned, self.cached_after, self.flagged]
+
+
+@dataclass(frozen=True)
+class CacheMetrics:
+    """What vLLM reported about its own cache in a run: prefix-cache
+    statistics, KV cache usage and prefix-cache resets.
+
+    Attributes:
+        stats: the prefix-cache statistics summed over every read
+            (:class:`PrefixCacheCounts`).
+        connector_stats: (scheduler mode, a KV connector) the connector's
+            prefix-cache statistics summed likewise
+            (``SchedulerStats.connector_prefix_cache_stats``: queries are the
+            tokens past the local hit, hits the tokens the store supplied);
+            ``None`` without a connector.
+        usage_min: the lowest ``KVCacheManager.usage`` read after a step
+            (0.0 to 1.0: the share of the pool's blocks, the null block
+            aside, that are not free).
+        usage_max: the highest.
+        usage_end: the usage once every request had finished, before any
+            reset (``None``: not read, a run vLLM ended early).
+        resets: the ``reset_prefix_cache`` calls made (:class:`ResetCall`).
+    """
+
+    stats: PrefixCacheCounts = field(default_factory=PrefixCacheCounts)
+    connector_stats: PrefixCacheCounts | None = None
+    usage_min: float = 0.0
+    usage_max: float = 0.0
+    usage_end: float | None = None
+    resets: tuple[ResetCall, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheMetrics:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            stats=PrefixCacheCounts(*data["stats"]),
+            connector_stats=None
+            if data.get("connector_stats") is None
+            else PrefixCacheCounts(*data["connector_stats"]),
+            usage_min=data["usage"][0],
+            usage_max=data["usage"][1],
+            usage_end=data["usage"][2],
+            resets=tuple(ResetCall(*r) for r in data.get("resets", ())),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        out: dict[str, Any] = {
+            "stats": list(self.stats.as_tuple()),
+            "usage": [self.usage_min, self.usage_max, self.usage_end],
+            "resets": [r.to_list() for r in self.resets],
+        }
+        if self.connector_stats is not None:
+            out["connector_stats"] = list(self.connector_stats.as_tuple())
+        return out
+
+
+@dataclass(frozen=True)
 class ConnectorLookup:
     """(Scheduler mode, ``workload.connector``) what the KV connector's remote
     store was asked at a request's admitting lookup and what vLLM adopted.
@@ -1142,6 +1268,9 @@ class RunObservation:
         kv_cache_plan: (a scenario with a ``model``) the ``KVCacheConfig``
             the variant's vLLM planned for it (:class:`KVCachePlan`);
             ``None`` otherwise.
+        metrics: vLLM's prefix-cache statistics, KV cache usage and the
+            driver's ``reset_prefix_cache`` calls (:class:`CacheMetrics`;
+            ``None``: not recorded, as in engine mode).
         crash_cache_map: (manager mode, recorded with the cache map) when vLLM
             raised, the cache map of the request it raised on, taken at that
             request's lookup (as :attr:`RequestObservation.cache_map`), so
@@ -1172,6 +1301,7 @@ class RunObservation:
     store_calls: tuple[StoreCall, ...] = ()
     deferred_frees: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
     kv_cache_plan: KVCachePlan | None = None
+    metrics: CacheMetrics | None = None
 
     @property
     def unreachable_share(self) -> float:
@@ -1216,6 +1346,9 @@ class RunObservation:
             kv_cache_plan=None
             if data.get("kv_cache_plan") is None
             else KVCachePlan.from_dict(data["kv_cache_plan"]),
+            metrics=None
+            if data.get("metrics") is None
+            else CacheMetrics.from_dict(data["metrics"]),
         )
 
     @property
@@ -1253,6 +1386,8 @@ class RunObservation:
             ]
         if self.kv_cache_plan is not None:
             out["kv_cache_plan"] = self.kv_cache_plan.to_dict()
+        if self.metrics is not None:
+            out["metrics"] = self.metrics.to_dict()
         return out
 
     def _base_dict(self) -> dict[str, Any]:

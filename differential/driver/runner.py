@@ -69,6 +69,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from differential.capabilities import Feature, Unsupported
 from differential.driver.block_ledger import BlockLedger
+from differential.driver.cache_metrics import MetricsRecorder
 from differential.driver.features import (
     UnsupportedFeature,
     VllmCallError,
@@ -321,6 +322,8 @@ class _Driver:
     record_cache_map: bool
     # The KV cache event recorder (None: events off, nothing recorded).
     events: EventRecorder | None = None
+    # Prefix-cache statistics and resets (None: a release without log_stats).
+    metrics: MetricsRecorder | None = None
     steps_begun: int = 0
     # vLLM's requests made so far, in order (their hashes name the events').
     made: list[Request] = field(default_factory=list)
@@ -537,6 +540,8 @@ def _build(
         optional["enable_mamba_shared_prefix_checkpoint"] = True
     if scenario.workload.kv_events is not KVEvents.OFF:
         optional["enable_kv_cache_events"] = True
+    if "log_stats" in _MANAGER_PARAMETERS:
+        optional["log_stats"] = True
     config = kv_cache_config(
         scenario,
         resolved,
@@ -581,6 +586,7 @@ def _build(
         else EventRecorder(
             manager, scenario.workload.kv_events.value, scenario.effective_hash_block_size_tokens
         ),
+        metrics=MetricsRecorder(manager) if "log_stats" in _MANAGER_PARAMETERS else None,
     )
 
 
@@ -611,6 +617,15 @@ def _lookup(d: _Driver, index: int, prompt: Sequence[int]) -> _Lookup:
     blocks, hit, junction = (*lookup, 0) if len(lookup) == 2 else lookup
     if d.events is not None:
         d.events.lookup(index, hit, blocks, queue_start)
+    if hasattr(manager, "record_prefix_cache_stats"):
+        # The scheduler records the lookup once it admits the request
+        # (Scheduler.schedule); releases before it record inside the lookup.
+        vllm_call(
+            "KVCacheManager.record_prefix_cache_stats",
+            manager.record_prefix_cache_stats,
+            request,
+            hit,
+        )
     request.shared_prefix_boundary = junction
     lookup_blocks = d.ledger.lookup(blocks.blocks) if d.ledger is not None else ()
     if not per_group:
@@ -875,6 +890,15 @@ def run_scenario(
             phase[0] = f"request {index}: lookup"
             found = _lookup(d, index, prompt)
             unsafe_writes = _prefill(d, index, spec.prompt_tokens, found, phase)
+            if d.metrics is not None and not d.metrics.resets:
+                # The request holds its blocks: a reset must be refused.
+                phase[0] = f"request {index}: reset_prefix_cache while it runs"
+                vllm_call(
+                    "KVCacheManager.reset_prefix_cache",
+                    d.metrics.reset,
+                    max(0, d.steps_begun - 1),
+                    1,
+                )
             unsafe_writes += _decode(d, index, found.request, phase)
             phase[0] = f"request {index}: last sampled token"
             _sample(d, index, scenario.decode_steps, found.request)
@@ -883,6 +907,10 @@ def run_scenario(
             observed.append(_free(d, index, found, unsafe_writes))
             d.pending_cache_map = ()
         _release_cow_copies(d)
+        if d.metrics is not None:
+            phase[0] = "after the run: prefix-cache statistics"
+            vllm_call("KVCacheManager.reset_prefix_cache", d.metrics.finish)
+            _drain_events(d)
     if outcome.unsupported is not None:
         return RunObservation(
             variant=variant,
@@ -903,4 +931,5 @@ def run_scenario(
         blocks_recorded=d is not None and d.ledger is not None,
         crash_cache_map=d.pending_cache_map if d is not None and outcome.error else (),
         kv_events=d.events.log(d.made) if d is not None and d.events is not None else None,
+        metrics=None if d is None or d.metrics is None else d.metrics.metrics(),
     )

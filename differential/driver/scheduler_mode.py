@@ -86,6 +86,7 @@ import differential.driver.runner as runner
 from differential.capabilities import Unsupported
 from differential.driver import prefix_cache
 from differential.driver.block_ledger import BlockLedger
+from differential.driver.cache_metrics import MetricsRecorder
 from differential.driver.disagg import PrefillInstance
 from differential.driver.features import (
     VllmCallError,
@@ -1349,6 +1350,7 @@ class _RunReport:
     prefill: PrefillInstance | None = None  # a disaggregated workload's prefill instance
     # (request index, step, (group, index) per block in the order freed)
     deferred_frees: list[tuple[int, int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
+    metrics: MetricsRecorder | None = None  # prefix-cache statistics and resets
 
 
 @dataclass
@@ -1429,6 +1431,9 @@ def _build_scheduler(
         ),
         block_size=scenario.scheduler_block_size_tokens,
         hash_block_size=scenario.effective_hash_block_size_tokens,
+        # As the engine builds it unless --disable-log-stats: the prefix-cache
+        # statistics are kept (differential.driver.cache_metrics).
+        log_stats=True,
     )
     _size_encoder_budget(scheduler, scenario)
     return scheduler, resolved
@@ -1526,6 +1531,7 @@ def _install_recorders(
     failures: list[BaseException] = []
     ledger = report.ledger = BlockLedger.for_manager(manager, scenario.num_sink_blocks)
     clock = _FreeQueueClock(lookups, step)
+    report.metrics = MetricsRecorder(manager, scheduler)
     if workload.kv_events is not KVEvents.OFF:
         report.recorder = EventRecorder(
             manager, workload.kv_events.value, scenario.effective_hash_block_size_tokens
@@ -1986,6 +1992,7 @@ def _drive_steps(
             model_runner,
             record_cache_map,
         )
+        _probe_metrics(report, done, progress, step[0], phase)
         scheduled = done.out is not None and bool(done.out.num_scheduled_tokens)
         idle = 0 if scheduled else idle + 1
         if idle > _MAX_IDLE_STEPS:
@@ -2011,6 +2018,36 @@ def _drive_steps(
                 f"pool {report.pool} blocks)"
             )
     return progress, model_runner
+
+
+def _probe_metrics(
+    report: _RunReport, done: _Step, progress: _Progress, step: int, phase: list[str]
+) -> None:
+    """After a step: drain the prefix-cache statistics and, the first time a
+    request admitted in the step still runs (it holds KV blocks), call
+    ``Scheduler.reset_prefix_cache()``, which must refuse
+    (:mod:`differential.driver.cache_metrics`)."""
+    metrics = report.metrics
+    if metrics is None:
+        return
+    phase[0] = f"step {step}: Scheduler.make_stats"
+    vllm_call("Scheduler.make_stats", metrics.drain)
+    holding = [i for i in done.admitted if i not in progress.finished_step]
+    if holding and not metrics.resets:
+        phase[0] = f"step {step}: Scheduler.reset_prefix_cache with requests running"
+        vllm_call("Scheduler.reset_prefix_cache", metrics.reset, step, len(holding))
+
+
+def _finish_metrics(report: _RunReport, phase: list[str]) -> None:
+    """After the run, every request finished: the statistics' last drain,
+    the final usage, then ``Scheduler.reset_prefix_cache()``, and the KV
+    cache events it queued drained (:mod:`differential.driver.cache_metrics`)."""
+    if report.metrics is None:
+        return
+    phase[0] = "after the run: Scheduler.make_stats and Scheduler.reset_prefix_cache"
+    vllm_call("Scheduler.reset_prefix_cache", report.metrics.finish)
+    if report.recorder is not None:
+        report.recorder.drain(report.steps, report.recorder.take())
 
 
 def _run_observation(
@@ -2059,6 +2096,7 @@ def _run_observation(
         watermark_admissions=tuple(report.watermark_admissions),
         store_calls=_store_calls(report),
         deferred_frees=tuple(report.deferred_frees),
+        metrics=None if report.metrics is None else report.metrics.metrics(),
     )
 
 
@@ -2143,6 +2181,7 @@ def run_scheduler_scenario(
         report.unreachable, report.cached_blocks = (
             _unreachable(scenario, manager, report.requests) if scenario.prefix_caching else (0, 0)
         )
+        _finish_metrics(report, phase)
     return _run_observation(
         variant,
         retention,

@@ -50,6 +50,7 @@ from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
 from differential.oracle.blocks import check_blocks
 from differential.oracle.kv_events import kv_event_findings
+from differential.oracle.metrics import metrics_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import (
     common_prefix_tokens,
@@ -965,6 +966,7 @@ def judge_run(
             findings.append(_design_gap_finding(scenario, model, name, ref, vref, hit, common))
     findings += per_group_findings(scenario, run, policy)
     findings += kv_event_findings(scenario, run, policy)
+    findings += metrics_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
     return refs, tuple(findings)
 

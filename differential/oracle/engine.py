@@ -88,6 +88,7 @@ from differential.oracle.core import (
 )
 from differential.oracle.disagg import disagg_findings
 from differential.oracle.kv_events import kv_event_findings
+from differential.oracle.metrics import metrics_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import common_prefix_tokens, written_contents
 from differential.oracle.scheduling import free_order_findings
@@ -552,6 +553,7 @@ def judge_engine_run(
         findings += per_group_findings(scenario, run, policy)
     findings += kv_event_findings(scenario, run, policy)
     findings += watermark_findings(scenario, run, policy)
+    findings += metrics_findings(scenario, run, policy)
     findings += connector_findings(scenario, run, policy)
     findings += disagg_findings(scenario, run, policy)
     findings += free_order_findings(scenario, run, policy)

@@ -1,0 +1,141 @@
+"""Record what vLLM reports about its own cache: statistics, usage, resets.
+
+Both drivers build vLLM with ``log_stats=True`` (the engine's default unless
+``--disable-log-stats``), so the prefix-cache statistics an operator's hit-rate
+dashboard reads are kept (``PrefixCacheStats``, vllm/v1/metrics/stats.py).
+After each scheduler step (manager mode: after the run) the recorder drains
+them as vLLM's engine core does (``Scheduler.make_stats``, or
+``KVCacheManager.make_prefix_cache_stats``), sums them and reads
+``KVCacheManager.usage``. It also calls ``reset_prefix_cache`` as an RLHF
+weight update does: once while requests hold KV blocks (scheduler mode, the
+first step after which one does), which must be refused and change nothing,
+and once after the run, which must empty the prefix cache. The oracle judges
+it all (:mod:`differential.oracle.metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from differential.driver.prefix_cache import cached_blocks
+from differential.observation import CacheMetrics, PrefixCacheCounts, ResetCall
+
+__all__ = ["MetricsRecorder"]
+
+# The loggers of vLLM's reset path: a refused reset warns ("Failed to reset
+# prefix cache because some blocks ... are not freed yet"), a granted one
+# informs; both are the probe's expected answers, not news for the console.
+_RESET_LOGGERS = ("vllm.v1.core.block_pool", "vllm.v1.core.sched.scheduler")
+
+
+def _counts(stats: Any) -> PrefixCacheCounts:
+    """A ``PrefixCacheStats`` as plain counts (an absent one: zeros)."""
+    if stats is None:
+        return PrefixCacheCounts()
+    return PrefixCacheCounts(
+        stats.requests,
+        stats.queries,
+        stats.hits,
+        getattr(stats, "preempted_requests", 0),
+        getattr(stats, "preempted_queries", 0),
+        getattr(stats, "preempted_hits", 0),
+    )
+
+
+class MetricsRecorder:
+    """Drains the prefix-cache statistics and probes ``reset_prefix_cache``
+    (see the module docstring).
+
+    Args:
+        manager: vLLM's ``KVCacheManager`` (built with ``log_stats=True``).
+        scheduler: vLLM's ``Scheduler`` driving it, or ``None`` (manager mode).
+    """
+
+    def __init__(self, manager: Any, scheduler: Any = None) -> None:
+        self.manager = manager
+        self.scheduler = scheduler
+        self.stats = PrefixCacheCounts()
+        # The KV connector's statistics (Scheduler.connector_prefix_cache_stats),
+        # None without a connector.
+        self.connector_stats: PrefixCacheCounts | None = None
+        self.usage: list[float] = []
+        self.usage_end: float | None = None
+        self.resets: list[ResetCall] = []
+        self._pending_flag: list[int] = []  # indices of resets whose flag is read next
+        if scheduler is not None:
+            # update_from_output drains the statistics itself, into the
+            # outputs it returns (EngineCoreOutputs.scheduler_stats): every
+            # make_stats call is counted, the driver's own and vLLM's.
+            make_stats = scheduler.make_stats
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                made = make_stats(*args, **kwargs)
+                self._add(None if made is None else made.prefix_cache_stats)
+                connector = getattr(made, "connector_prefix_cache_stats", None)
+                if connector is not None:
+                    self.connector_stats = (self.connector_stats or PrefixCacheCounts()) + _counts(
+                        connector
+                    )
+                return made
+
+            scheduler.make_stats = counted
+
+    def _add(self, stats: Any) -> None:
+        """Sum one read of the statistics; the first read after a reset
+        carries its flag."""
+        self.stats += _counts(stats)
+        if self._pending_flag:
+            flagged = None if stats is None else bool(stats.reset)
+            for k in self._pending_flag:
+                call = self.resets[k]
+                self.resets[k] = ResetCall(
+                    call.step, call.holding, call.returned, call.cached_after, flagged
+                )
+            self._pending_flag.clear()
+
+    def drain(self) -> None:
+        """Read and sum the statistics since the last read (vLLM resets them
+        on each read), and the usage."""
+        if self.scheduler is not None:
+            self.scheduler.make_stats()
+        else:
+            self._add(self.manager.make_prefix_cache_stats())
+        self.usage.append(float(self.manager.usage))
+
+    def reset(self, step: int | None, holding: int) -> None:
+        """Call ``reset_prefix_cache`` (the scheduler's, else the manager's)
+        and record what it returned and the cache it left; ``holding``: the
+        requests holding KV blocks by the driver's count."""
+        owner = self.scheduler if self.scheduler is not None else self.manager
+        loggers = [logging.getLogger(name) for name in _RESET_LOGGERS]
+        disabled = [logger.disabled for logger in loggers]
+        for logger in loggers:
+            logger.disabled = True
+        try:
+            returned = bool(owner.reset_prefix_cache())
+        finally:
+            for logger, was in zip(loggers, disabled, strict=True):
+                logger.disabled = was
+        cached = sum(cached_blocks(self.manager).values())
+        self.resets.append(ResetCall(step, holding, returned, cached))
+        self._pending_flag.append(len(self.resets) - 1)
+        self.drain()
+
+    def finish(self) -> None:
+        """After the run, every request finished: drain, read the final
+        usage, then reset the prefix cache."""
+        self.drain()
+        self.usage_end = self.usage[-1]
+        self.reset(None, 0)
+
+    def metrics(self) -> CacheMetrics:
+        """What was recorded (:class:`~differential.observation.CacheMetrics`)."""
+        return CacheMetrics(
+            stats=self.stats,
+            connector_stats=self.connector_stats,
+            usage_min=min(self.usage, default=0.0),
+            usage_max=max(self.usage, default=0.0),
+            usage_end=self.usage_end,
+            resets=tuple(self.resets),
+        )

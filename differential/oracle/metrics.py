@@ -1,0 +1,211 @@
+"""What vLLM reports about its cache: hit-rate statistics, usage, resets.
+
+Operators read vLLM's prefix-cache hit rate (``vllm:prefix_cache_hits`` over
+``vllm:prefix_cache_queries``) and KV cache usage off the statistics
+``Scheduler.make_stats`` builds (``PrefixCacheStats``,
+vllm/v1/metrics/stats.py), and RLHF loops call ``reset_prefix_cache`` after
+each weight update so that no request hits KV computed with the old
+weights. The driver records all three (:class:`~differential.observation.CacheMetrics`,
+:mod:`differential.driver.cache_metrics`); the rules, judged on runs that
+finished (nothing here imports vLLM):
+
+``stats``
+    Every admission's lookup is counted once, with its own tokens and hit
+    (issue #43736, "a request that takes N attempts to schedule is counted N
+    times", fixed by recording at admission: ``Scheduler.schedule``'s
+    ``record_prefix_cache_stats``), and a preempted request's lookup apart
+    from the others (issue #25780, PR #25787: "Do not count preempted tokens
+    in prefix cache hit rate"). So, summed over the run: ``requests`` is the
+    number of requests admitted, ``queries`` their prompt tokens and
+    ``hits`` their hits (tokens); ``preempted_requests`` the lookups that
+    took a preempted request up again, ``preempted_queries`` their tokens
+    (``ResumedLookup.known_tokens``) and ``preempted_hits`` their hits.
+    With a KV connector the hits are the tokens adopted from the local
+    cache, and the connector's own statistics
+    (``connector_prefix_cache_stats``, kept since vLLM PR #26245's external
+    prefix-cache metrics) count, per admission that asks the store about
+    tokens past its local hit, those tokens and what the store supplied
+    (not judged once a request is preempted). Judged with prefix caching
+    on and no failed load (a failed load reschedules its request from
+    scratch: one more lookup).
+``usage``
+    ``KVCacheManager.usage`` is a share, 0.0 to 1.0 (``BlockPool.get_usage``:
+    "The KV cache usage (between 0.0 and 1.0)"), and 0.0 once every request
+    has finished: a cached block no request holds is free (evictable), so
+    it is not in use ("The KV cache utilization measurement includes only
+    KVs with active requests running", a maintainer in vLLM issue #5176).
+``reset``
+    ``Scheduler.reset_prefix_cache()`` resets the prefix cache "only ... when
+    there is no running requests taking KV cache" (its docstring,
+    vllm/v1/core/sched/scheduler.py; ``BlockPool.reset_prefix_cache``:
+    "Failed to reset prefix cache because some blocks ... are not freed
+    yet"). Called while requests hold blocks it returns false and leaves
+    the cache as it was; called after the run it returns true, leaves no
+    cached block (so that, after a weight update, nothing is hit) and sets
+    the statistics' ``reset`` flag. Manager mode calls
+    ``KVCacheManager.reset_prefix_cache()`` the same way, the first request
+    still holding its blocks, then after the run.
+"""
+
+from __future__ import annotations
+
+from differential.findings import Finding, FindingKind, Policy
+from differential.observation import PrefixCacheCounts, RequestObservation, RunObservation
+from differential.scenario import Scenario
+
+__all__ = ["expected_connector_counts", "expected_counts", "metrics_findings"]
+
+_NAMES = (
+    "requests",
+    "queries",
+    "hits",
+    "preempted_requests",
+    "preempted_queries",
+    "preempted_hits",
+)
+
+
+def _admitted(run: RunObservation) -> list[RequestObservation]:
+    # Scheduler mode observes a request aborted before its admission too.
+    return [r for r in run.requests if run.mode != "scheduler" or r.scheduled_step is not None]
+
+
+def expected_counts(run: RunObservation) -> PrefixCacheCounts:
+    """The prefix-cache statistics a run owes (rule ``stats``): one count
+    per admission, prompt tokens and local hit (tokens; with a KV connector
+    the tokens adopted from the local cache) per first admission, known
+    tokens and hit per resumed one."""
+    admitted = _admitted(run)
+    resumed = [r for request in admitted for r in request.resumed]
+    return PrefixCacheCounts(
+        requests=len(admitted),
+        queries=sum(r.prompt_tokens for r in admitted),
+        hits=sum(
+            r.hit_tokens if r.connector is None else r.connector.local_tokens for r in admitted
+        ),
+        preempted_requests=len(resumed),
+        preempted_queries=sum(r.known_tokens for r in resumed),
+        preempted_hits=sum(r.hit_tokens for r in resumed),
+    )
+
+
+def expected_connector_counts(run: RunObservation) -> PrefixCacheCounts:
+    """The KV connector's prefix-cache statistics a run owes (rule
+    ``connector-stats``): per admission that asked the store about tokens
+    past its local hit, one count, those tokens (prompt minus local, in
+    tokens) and the tokens the store supplied."""
+    asked = [
+        (r.prompt_tokens - r.connector.local_tokens, r.connector.external_tokens)
+        for r in _admitted(run)
+        if r.connector is not None and r.prompt_tokens > r.connector.local_tokens
+    ]
+    return PrefixCacheCounts(
+        requests=len(asked),
+        queries=sum(q for q, _ in asked),
+        hits=sum(h for _, h in asked),
+    )
+
+
+def _finding(run: RunObservation, detail: str, policy: Policy) -> Finding:
+    return Finding(FindingKind.CACHE_METRICS, run.variant, None, detail, policy=policy)
+
+
+def _counts_finding(
+    run: RunObservation, what: str, got: PrefixCacheCounts, owed: PrefixCacheCounts, policy: Policy
+) -> list[Finding]:
+    wrong = [
+        f"{name} {g} (owed {w})"
+        for name, g, w in zip(_NAMES, got.as_tuple(), owed.as_tuple(), strict=True)
+        if g != w
+    ]
+    if not wrong:
+        return []
+    return [_finding(run, f"{what} summed over the run: " + ", ".join(wrong), policy)]
+
+
+def _stats_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> list[Finding]:
+    metrics = run.metrics
+    assert metrics is not None
+    store = scenario.workload.connector
+    if not scenario.prefix_caching or (store is not None and store.failed_loads):
+        # A failed load reschedules the request from scratch: one more lookup.
+        return []
+    findings = _counts_finding(
+        run, "prefix-cache statistics", metrics.stats, expected_counts(run), policy
+    )
+    preempted = any(r.resumed for r in run.requests)
+    if store is not None and metrics.connector_stats is not None and not preempted:
+        findings += _counts_finding(
+            run,
+            "KV connector prefix-cache statistics",
+            metrics.connector_stats,
+            expected_connector_counts(run),
+            policy,
+        )
+    return findings
+
+
+def _usage_findings(run: RunObservation, policy: Policy) -> list[Finding]:
+    metrics = run.metrics
+    assert metrics is not None
+    problems = []
+    if metrics.usage_min < 0.0 or metrics.usage_max > 1.0:
+        problems.append(
+            f"KV cache usage read {metrics.usage_min:g} to {metrics.usage_max:g}, "
+            "outside 0.0 to 1.0"
+        )
+    if metrics.usage_end is not None and metrics.usage_end != 0.0:
+        problems.append(
+            f"KV cache usage {metrics.usage_end:g} once every request had finished (owed 0.0)"
+        )
+    return [_finding(run, problem, policy) for problem in problems]
+
+
+def _reset_findings(run: RunObservation, policy: Policy) -> list[Finding]:
+    metrics = run.metrics
+    assert metrics is not None
+    problems = []
+    for call in metrics.resets:
+        when = "after the run" if call.step is None else f"after step {call.step}"
+        if call.holding and call.returned:
+            problems.append(
+                f"reset_prefix_cache() {when} succeeded while {call.holding} "
+                "request(s) held KV blocks (owed a refusal)"
+            )
+        elif not call.holding and not call.returned:
+            problems.append(
+                f"reset_prefix_cache() {when} refused with no request holding "
+                f"KV blocks ({call.cached_after} cached blocks kept)"
+            )
+        elif call.returned and call.cached_after:
+            problems.append(
+                f"reset_prefix_cache() {when} returned true and left "
+                f"{call.cached_after} cached blocks (owed none)"
+            )
+        elif call.returned and call.flagged is False:
+            problems.append(
+                f"reset_prefix_cache() {when} returned true, but the prefix-cache "
+                "statistics read next do not carry the reset flag"
+            )
+    return [_finding(run, problem, policy) for problem in problems]
+
+
+def metrics_findings(
+    scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
+) -> list[Finding]:
+    """``cache-metrics`` findings of a run (see the module docstring); none
+    for a run that did not finish (vLLM raised, or it timed out) or recorded
+    no metrics (engine mode, a release without ``log_stats``).
+
+    Args:
+        scenario: the scenario (its connector and prefix caching).
+        run: the run (its ``metrics``, requests and mode).
+        policy: the policy recorded on the findings (the rules hold under all).
+    """
+    if run.metrics is None or run.error is not None or run.timed_out:
+        return []
+    return (
+        _stats_findings(scenario, run, policy)
+        + _usage_findings(run, policy)
+        + _reset_findings(run, policy)
+    )

@@ -1,0 +1,104 @@
+"""The cache-metrics rules on vLLM 0.33.0's real Scheduler and managers.
+
+Both drivers build vLLM with ``log_stats=True``, sum the prefix-cache
+statistics every ``make_stats`` drains, read ``KVCacheManager.usage`` and
+call ``reset_prefix_cache`` twice: while the first request holds its blocks
+(refused) and after the run (the cache emptied). Stock vLLM keeps every
+rule; a statistics recorder that counts a lookup twice, a usage read as a
+ratio of free blocks, and a reset that never succeeds are each caught as
+``cache-metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from differential.compare import compare_variants
+from differential.corpus import load_entry
+from differential.findings import FindingKind
+from differential.observation import PrefixCacheCounts, ResetCall
+from differential.variants import parse_variants
+from tests.factories import CORPORA
+
+pytestmark = pytest.mark.vllm
+
+PREEMPTING = CORPORA / "cases" / "circular-buffer-preemption-pool12.json"
+SEQUENTIAL = CORPORA / "cases" / "extension-of-aligned-prompt.json"
+
+
+def _run(path: Any) -> Any:
+    return compare_variants(load_entry(path).scenario, parse_variants("unfixed")).results[0]
+
+
+def _metrics_details(result: Any) -> list[str]:
+    return [f.detail for f in result.findings if f.kind is FindingKind.CACHE_METRICS]
+
+
+def test_the_scheduler_counts_each_admission_and_the_preempted_one_apart() -> None:
+    result = _run(PREEMPTING)
+    metrics = result.run.metrics
+    # Three requests (184 prompt tokens, 64 hit); request 2 is preempted and
+    # taken up again at 96 known tokens, hitting 64.
+    assert metrics.stats == PrefixCacheCounts(3, 184, 64, 1, 96, 64)
+    assert metrics.usage_end == 0.0
+    assert metrics.resets == (
+        ResetCall(0, 1, False, 2, False),
+        ResetCall(None, 0, True, 0, True),
+    )
+    assert _metrics_details(result) == []
+
+
+def test_manager_mode_records_the_statistics_and_both_resets() -> None:
+    result = _run(SEQUENTIAL)
+    metrics = result.run.metrics
+    assert metrics.stats == PrefixCacheCounts(2, 222, 88, 0, 0, 0)
+    assert metrics.resets == (
+        ResetCall(2, 1, False, 17, False),
+        ResetCall(None, 0, True, 0, True),
+    )
+    assert _metrics_details(result) == []
+
+
+def test_a_lookup_counted_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    record = KVCacheManager.record_prefix_cache_stats
+
+    def twice(self: Any, request: Any, num_hits: int) -> None:
+        record(self, request, num_hits)
+        record(self, request, num_hits)
+
+    monkeypatch.setattr(KVCacheManager, "record_prefix_cache_stats", twice)
+    assert _metrics_details(_run(PREEMPTING)) == [
+        "prefix-cache statistics summed over the run: requests 6 (owed 3), queries 368 "
+        "(owed 184), hits 128 (owed 64), preempted_requests 2 (owed 1), "
+        "preempted_queries 192 (owed 96), preempted_hits 128 (owed 64)"
+    ]
+
+
+def test_usage_read_as_a_ratio_of_free_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def ratio(self: Any) -> float:
+        # A refactor's slip: 1.0 / share free instead of 1.0 - share free.
+        return float(1.0 / (self.get_num_free_blocks() / (self.num_gpu_blocks - 1)))
+
+    monkeypatch.setattr(BlockPool, "get_usage", ratio)
+    details = _metrics_details(_run(SEQUENTIAL))
+    # 47 blocks besides the null block: 35 free while the first request ran
+    # (47 / 35), all 47 after the run.
+    assert details == [
+        "KV cache usage read 1 to 1.34286, outside 0.0 to 1.0",
+        "KV cache usage 1 once every request had finished (owed 0.0)",
+    ]
+
+
+def test_a_reset_that_never_succeeds_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(BlockPool, "reset_prefix_cache", lambda self: False)
+    result = _run(PREEMPTING)
+    # The cache the run left, as the driver counted it before the reset.
+    assert result.run.cached_blocks == 8
+    assert _metrics_details(result) == [
+        "reset_prefix_cache() after the run refused with no request holding KV blocks "
+        "(8 cached blocks kept)"
+    ]
