@@ -673,10 +673,13 @@ def _checkpoint_step_keys_start_state(
 ) -> bool:
     """An over-hit (or the dense run's mismatch) to a Mamba block boundary
     ``h`` on checkpoint-exporting Mamba layers (``mamba_prefill:
-    checkpoint``), where an earlier writer had a step end strictly inside the
-    block ending at ``h`` (its pinned junction): the next step, exporting its
-    checkpoint from inside, runs past ``h`` without stopping there, so the
-    block holds the state at the junction, yet it is keyed as the state at ``h``."""
+    checkpoint``), where an earlier writer started a prefill step strictly
+    inside the block ending at ``h``: after a step that ended at its pinned
+    junction there, or at its own fine-grained hit there. The step, split as
+    one that exports its checkpoint from inside, runs past ``h`` without
+    stopping there, so the block holds the state the step started from, yet
+    it is keyed as the state at ``h`` (the step exports nothing when a later
+    stop, its junction, makes it no longer the prompt's final step)."""
     if finding.kind not in (FindingKind.OVER_HIT, FindingKind.DENSE_MISMATCH):
         return False
     if finding.request is None or scenario.mamba_prefill is not MambaPrefill.CHECKPOINT:
@@ -686,8 +689,9 @@ def _checkpoint_step_keys_start_state(
     if hit is None or hit <= 0 or hit % block or (finding.expected_tokens or 0) >= hit:
         return False
     return any(
-        hit - block < junction < hit and junction in states
-        for _, junction, states in _writer_states(scenario, finding.request, hits)
+        (hit - block < junction < hit and junction in states)
+        or (hits is not None and hit - block < hits[writer] < hit)
+        for writer, junction, states in _writer_states(scenario, finding.request, hits)
     )
 
 
@@ -1324,9 +1328,10 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         summary=(
             "Mamba layers that export prefill checkpoints (vLLM's MambaMixer2, so "
             "every Mamba2 model): a request whose prefill step ended mid-block (at its "
-            "shared-prefix junction, with enable_mamba_shared_prefix_checkpoint) runs "
-            "its final step in one go when that step can export the prompt's "
-            "checkpoint: Scheduler._mamba_block_aligned_split drops the stop at the "
+            "shared-prefix junction, with enable_mamba_shared_prefix_checkpoint), or "
+            "whose fine-grained hit did, runs its next step past the block boundary "
+            "when the rest of the prompt can export the prompt's checkpoint: "
+            "Scheduler._mamba_block_aligned_split drops the stop at the "
             "next block boundary (\"a chunk starting mid-block stops at the boundary\") "
             "for an internal checkpoint, but the worker writes only that checkpoint and "
             "the step's end (compute_mamba_prefill_checkpoints, one per row). The block "
@@ -1336,7 +1341,11 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "two Mamba 4 groups, MTP, retention 0: a 17-token request stops at its "
             "junction 11 and runs 11..17; the block of tokens 8..12 is hit as the state "
             "after 12 by a request owed 11; the scheduler's split prefill writes the "
-            "state at 12 first). vLLM 0.31.0 and 0.32.0 too. Found by kvfuzz."
+            "state at 12 first). A step cut short by a later stop (the junction) is no "
+            "longer the final one and exports nothing: FA 64 + Mamba 64, hash block 16, "
+            "MTP, retention 64, a request hitting 16 runs 16..80 and its block of "
+            "tokens 0..64, still the state at 16, is hit as the state after 64. vLLM "
+            "0.31.0 and 0.32.0 too. Found by kvfuzz."
         ),
         vllm_source="vllm/v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split "
         "(next_block_boundary dropped for use_internal_checkpoint) with "

@@ -1246,3 +1246,46 @@ def test_a_checkpoint_step_that_keys_the_block_it_started_in() -> None:
     assert label_known(split, [over(12)], hits=hits)[0].known_issue != name
     assert label_known(s, [over(13)], hits=hits)[0].known_issue != name
     assert label_known(s, [over(8, 7)], hits=hits)[0].known_issue != name
+
+
+def test_checkpoint_step_keys_start_state_after_a_fine_grained_hit() -> None:
+    # A campaign's over-hit (manager mode, seed 7): request 3 hits 16 (hash
+    # block 16, Mamba block 64) and its next stop is its junction 112 cut to
+    # the block grid from its start, 80; the step 16..80 is split as one that
+    # exports the prompt's checkpoint (no stop at 64), yet is no longer the
+    # final step and exports nothing. Request 4 (request 3's first 128
+    # tokens) hits the block of tokens 0..64, keyed as the state at 64.
+    s = Scenario.from_dict(SCENARIO_FINE_HIT)
+    name = "checkpoint-step-keys-start-state"
+    hits = (0, 0, 0, 16, 64)
+
+    def over(hit: int, expected: int = 16) -> Finding:
+        return Finding(FindingKind.OVER_HIT, "v", 4, "x", expected_tokens=expected, hit_tokens=hit)
+
+    assert label_known(s, [over(64)], hits=hits)[0].known_issue == name
+    # Near misses: no earlier step started inside the block below 128; the
+    # sibling's hit on the block grid (0) starts no step mid-block.
+    assert label_known(s, [over(128, 64)], hits=hits)[0].known_issue != name
+    assert label_known(s, [over(64)], hits=(0, 0, 0, 0, 64))[0].known_issue != name
+
+
+SCENARIO_FINE_HIT = {
+    "kv_cache_groups": [
+        {"kind": "full_attention", "block_size_tokens": 64, "is_eagle_group": True},
+        {"kind": "mamba", "block_size_tokens": 64},
+    ],
+    "hash_block_size_tokens": 16,
+    "retention_interval_tokens": 64,
+    "drafter": {"kind": "mtp", "num_speculative_tokens": 1},
+    "kv_connector": True,
+    "prefill_chunk_tokens": 2048,
+    "shared_prefix_tokens": 128,
+    "requests": [
+        {"name": "writer", "divergence_tokens": 128, "suffix_tokens": 21},
+        {"divergence_tokens": 64, "suffix_tokens": 0, "cache_salt": "tenant-a"},
+        {"shares_with": 1, "divergence_tokens": 16, "suffix_tokens": 27},
+        {"divergence_tokens": 128, "suffix_tokens": 17},
+        {"name": "image swapped", "shares_with": 3, "divergence_tokens": 128, "suffix_tokens": 0},
+    ],
+    "mamba_prefill": "checkpoint",
+}
