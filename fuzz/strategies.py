@@ -616,7 +616,7 @@ def scenarios(
     # Last, one eligible layout in three as a model vLLM's planner lays out.
     model = model_of(groups) if dcp == 1 and draw(st.integers(0, 2)) == 0 else None
     try:
-        return Scenario(
+        scenario = Scenario(
             kv_cache_groups=groups,
             requests=tuple(requests),
             shared_prefix_tokens=prefix,
@@ -632,6 +632,8 @@ def scenarios(
             model=model,
             **mamba_options,  # type: ignore[arg-type]
         )
+        # Drawn last, so that every draw above reads the bytes it read before.
+        return _prefill_checkpoints(draw, scenario)
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the scenario generator produced an invalid scenario: {exc}") from exc
 
@@ -1151,9 +1153,25 @@ def engine_scenarios(
             **_engine_mamba_options(mamba, hash_block),
         )
         # Drawn last, so that every draw above reads the bytes it read before.
-        return _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
+        scenario = _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
+        return _prefill_checkpoints(draw, scenario)
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the engine generator produced an invalid scenario: {exc}") from exc
+
+
+def _prefill_checkpoints(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One Mamba layout in two that vLLM's own chunking prefills
+    (``mamba_prefill: scheduler``), not laid out from a model, gets Mamba
+    layers that export the prompt's checkpoint from inside a step
+    (``mamba_prefill: checkpoint``: one prefill checkpoint block at alignment
+    1, as every Mamba2 layer of vLLM 0.33.0 declares it,
+    ``MambaMixer2.get_kv_cache_spec``). Drawn only for those, and last, so
+    every other scenario keeps its bytes."""
+    if not scenario.mamba_groups or scenario.model is not None:
+        return scenario
+    if scenario.mamba_prefill is not MambaPrefill.SCHEDULER or not draw(st.booleans()):
+        return scenario
+    return dataclasses.replace(scenario, mamba_prefill=MambaPrefill.CHECKPOINT)
 
 
 def _undriven_managers(draw: st.DrawFn, scenario: Scenario) -> Scenario:
