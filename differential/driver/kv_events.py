@@ -117,6 +117,13 @@ class EventRecorder:
             )
         self.lookups, self.spans = [], []
 
+    def drain_after_run(self) -> None:
+        """Record what vLLM's queue holds after the run (the final
+        ``reset_prefix_cache``'s ``AllBlocksCleared``) as one drain past the
+        last recorded one, numbered alike in both modes."""
+        step = self.steps[-1].step + 1 if self.steps else 0
+        self.drain(step, self.take())
+
     def snapshot(self) -> tuple[tuple[int, int, int], ...]:
         """The cache's entries whose block count changed since the last
         snapshot, as ``(group, label, blocks)``, in sorted order."""

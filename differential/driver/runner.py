@@ -910,7 +910,8 @@ def run_scenario(
         if d.metrics is not None:
             phase[0] = "after the run: prefix-cache statistics"
             vllm_call("KVCacheManager.reset_prefix_cache", d.metrics.finish)
-            _drain_events(d)
+            if d.events is not None:
+                d.events.drain_after_run()
     if outcome.unsupported is not None:
         return RunObservation(
             variant=variant,

@@ -2047,7 +2047,7 @@ def _finish_metrics(report: _RunReport, phase: list[str]) -> None:
     phase[0] = "after the run: Scheduler.make_stats and Scheduler.reset_prefix_cache"
     vllm_call("Scheduler.reset_prefix_cache", report.metrics.finish)
     if report.recorder is not None:
-        report.recorder.drain(report.steps, report.recorder.take())
+        report.recorder.drain_after_run()
 
 
 def _run_observation(
