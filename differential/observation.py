@@ -773,6 +773,10 @@ class ConnectorLookup:
         prefill_tokens: the tokens the prefill instance had computed when
             the request finished there (what its connector saved), in
             tokens; ``None`` without a prefill instance.
+        load_targets: the blocks the store's tokens are loaded into, per KV
+            cache group (``KVCacheBlocks.get_unhashed_block_ids_all_groups``
+            at ``update_state_after_alloc``): ``(block id, null, cached)``
+            each; ``None``: no load, or a release without the call.
     """
 
     local_hit_tokens: int
@@ -786,6 +790,7 @@ class ConnectorLookup:
     load_failed: bool = False
     prefill_hit_tokens: int | None = None
     prefill_tokens: int | None = None
+    load_targets: tuple[tuple[tuple[int, bool, bool], ...], ...] | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -804,7 +809,13 @@ class ConnectorLookup:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ConnectorLookup:
         """Inverse of :meth:`to_dict`."""
-        return cls(**data)
+        targets = data.get("load_targets")
+        return cls(
+            **{k: v for k, v in data.items() if k != "load_targets"},
+            load_targets=None
+            if targets is None
+            else tuple(tuple((i, n, c) for i, n, c in group) for group in targets),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -825,6 +836,10 @@ class ConnectorLookup:
                 "prefill_hit_tokens": self.prefill_hit_tokens,
                 "prefill_tokens": self.prefill_tokens,
             }
+        ) | (
+            {}
+            if self.load_targets is None
+            else {"load_targets": [[list(t) for t in group] for group in self.load_targets]}
         )
 
 

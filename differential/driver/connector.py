@@ -311,6 +311,9 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         self.queries: dict[str, list[StoreQuery]] = {}
         #: (bounded stores) every manager call and answer, with its request id.
         self.calls: list[tuple[str, StoreCall]] = []
+        #: Per request id, the blocks its last load would fill, per KV cache
+        #: group: ``(block id, null, cached)`` (:meth:`_load_targets`).
+        self.load_targets: dict[str, tuple[tuple[tuple[int, bool, bool], ...], ...]] = {}
 
     def share_store(self, other: RemoteStoreConnector) -> None:
         """Use ``other``'s store (the decode instance's): a prefill instance's
@@ -441,6 +444,7 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         (``prepare_load``)."""
         if num_external_tokens <= 0:
             return
+        self._load_targets(request, blocks)
         query = self.queries[request.request_id][-1]
         start = query.presented_tokens
         end = start + num_external_tokens
@@ -543,6 +547,25 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         ):
             return []
         return [self._key(request, group, boundary_tokens)]
+
+    def _load_targets(self, request: Any, blocks: Any) -> None:
+        """Record the blocks a pulling connector loads the store's tokens
+        into: ``KVCacheBlocks.get_unhashed_block_ids_all_groups`` (vLLM's
+        NIXL and Mooncake connectors pass it to their transfers:
+        "Get unhashed blocks to pull from remote",
+        vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py),
+        each id with whether it names the null block or a cached block."""
+        targets = getattr(blocks, "get_unhashed_block_ids_all_groups", None)
+        if targets is None:
+            return
+        by_id = {b.block_id: b for group in blocks.blocks for b in group}
+        self.load_targets[request.request_id] = tuple(
+            tuple(
+                (i, bool(by_id[i].is_null), by_id[i].block_hash is not None)
+                for i in group
+            )
+            for group in targets()
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """Store the boundary states handed off this step and what the

@@ -1249,13 +1249,16 @@ def _observations(
     resumed: dict[int, list[ResumedLookup]],
     failed_loads: set[int],
     ledger: BlockLedger | None = None,
+    store: Any = None,
 ) -> list[RequestObservation]:
     """One observation per admitted request, in scenario order: its admitting
     lookup (with what its blocks held), the unsafe writes and block tables of
     its steps (``ledger``), the
     blocks per group it left cached (at its finish, or at the end of the
-    run: ``seen``) and the free queue's counters (:class:`_FreeQueueClock`)."""
+    run: ``seen``) and the free queue's counters (:class:`_FreeQueueClock`);
+    ``store``: the connector whose load targets the lookups carry."""
     num_groups = len(scenario.kv_cache_groups)
+    targets = getattr(store, "load_targets", {})
     order = sorted(admitted, key=lambda i: (admitted[i].step, i))
     observed = []
     for i in sorted(admitted):
@@ -1300,15 +1303,22 @@ def _observations(
                     else u
                     for u in resumed.get(i, ())
                 ),
-                connector=_connector_lookup(a, i in failed_loads),
+                connector=_connector_lookup(
+                    a, i in failed_loads, targets.get(request_ids[i])
+                ),
             )
         )
     return observed
 
 
-def _connector_lookup(admission: _Admission, load_failed: bool) -> ConnectorLookup | None:
+def _connector_lookup(
+    admission: _Admission,
+    load_failed: bool,
+    load_targets: tuple[tuple[tuple[int, bool, bool], ...], ...] | None = None,
+) -> ConnectorLookup | None:
     """What the connector's store was asked and what vLLM adopted at the
-    admitting lookup (``None`` without a store's answer)."""
+    admitting lookup (``None`` without a store's answer), with the blocks
+    its load fills (``load_targets``)."""
     query = admission.query
     if query is None or admission.adopted is None:
         return None
@@ -1323,6 +1333,7 @@ def _connector_lookup(admission: _Admission, load_failed: bool) -> ConnectorLook
         load_async=query.load_async,
         diverged=admission.diverged,
         load_failed=load_failed,
+        load_targets=load_targets if external else None,
     )
 
 
@@ -2174,6 +2185,7 @@ def run_scheduler_scenario(
             progress.resumed,
             model_runner.failed,
             report.ledger,
+            report.store,
         )
         if report.prefill is not None:
             report.observed = _with_prefills(report.observed, report.prefill)

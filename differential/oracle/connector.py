@@ -49,6 +49,15 @@ Three rules, per admitted request with a :class:`~differential.observation.Conne
 * **A bounded store** (``capacity_chunks``, any layout): owed exactly what
   LRU over its capacity keeps (:mod:`differential.oracle.offload_lru`); the
   store rule's promise of finished writers is not made for it.
+* **Load targets** (any layout). The blocks vLLM names for a load
+  (``KVCacheBlocks.get_unhashed_block_ids_all_groups``, which pulling
+  connectors hand their transfers: "Get unhashed blocks to pull from
+  remote", vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py)
+  are the request's own blocks past its local hit: never the null block
+  ("Skip padding blocks", its docstring) and never a cached block, whose
+  KV other requests read (a block holding a prefix-cache entry is the
+  local hit's, already computed). A load into either is a ``wrong-kv``
+  naming the group and block.
 
 Nothing here imports vLLM.
 """
@@ -149,6 +158,34 @@ def store_grid_tokens(scenario: Scenario) -> int:
     return scenario.effective_hit_alignment_tokens
 
 
+def _load_target_findings(
+    run: RunObservation, index: int, c: ConnectorLookup, policy: Policy
+) -> list[Finding]:
+    """``wrong-kv`` per KV cache group whose load targets name the null block
+    or a cached block (the rule *load targets* above)."""
+    findings = []
+    for group, targets in enumerate(c.load_targets or ()):
+        bad = [
+            f"block {block_id} ({'the null block' if null else 'a cached block'})"
+            for block_id, null, cached in targets
+            if null or cached
+        ]
+        if bad:
+            named = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            findings.append(
+                Finding(
+                    FindingKind.WRONG_KV,
+                    run.variant,
+                    index,
+                    f"connector: group {group}: the store's {c.external_tokens} tokens are "
+                    f"loaded into {named} (get_unhashed_block_ids_all_groups names only "
+                    "the request's own uncached blocks)",
+                    policy=policy,
+                )
+            )
+    return findings
+
+
 def connector_findings(
     scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
 ) -> list[Finding]:
@@ -165,6 +202,7 @@ def connector_findings(
         c = r.connector
         if c is None:
             continue
+        findings += _load_target_findings(run, r.index, c, policy)
         computed = c.computed_tokens
         adopted = adoption_owed(c, block)
         stored = owed_by_store.get(r.index, StoreOwed(0, None, 0))

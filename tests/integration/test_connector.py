@@ -184,3 +184,40 @@ def test_a_mamba_load_failing_at_its_last_block_is_zeroed_and_recomputed(
         "step 17: admit req-2 (hit 0); run req-2 +64 (prefill)",
         "step 18: run req-2 +50; finish req-2; 1 cached blocks evicted",
     )
+
+
+def test_a_load_is_planned_into_the_requests_own_uncached_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """connector-bounded-lru-evicts-writer-tail: request 2 loads 128 store
+    tokens into its 8 fresh blocks, none null or cached; a
+    get_unhashed_block_ids_all_groups that keeps hashed blocks (``or`` for
+    ``and``) names request 3's local hit blocks of
+    connector-divergent-hybrid-hit-truncated as load targets: a wrong-kv."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import trim_null_head
+
+    from differential.findings import FindingKind
+
+    scenario = load_entry(CASES / "connector-bounded-lru-evicts-writer-tail.json").scenario
+    run = run_scheduler_scenario(scenario, "unfixed")
+    targets = run.requests[2].connector.load_targets
+    assert targets == (tuple((i, False, False) for i in range(1, 9)),)
+
+    def keeps_hashed(self: KVCacheBlocks) -> list[list[int]]:
+        return [
+            [b.block_id for b in trim_null_head(g) if b.block_hash is None or not b.is_null]
+            for g in self.blocks
+        ]
+
+    truncated = load_entry(CASES / "connector-divergent-hybrid-hit-truncated.json").scenario
+    (stock,) = compare_variants(truncated, parse_variants("unfixed")).results
+    assert not [f for f in stock.findings if f.kind is FindingKind.WRONG_KV]
+    monkeypatch.setattr(KVCacheBlocks, "get_unhashed_block_ids_all_groups", keeps_hashed)
+    (broken,) = compare_variants(truncated, parse_variants("unfixed")).results
+    wrong = [f.detail for f in broken.findings if f.kind is FindingKind.WRONG_KV]
+    assert wrong[0].startswith(
+        "connector: group 0: the store's 64 tokens are loaded into block 1 (a cached "
+        "block), block 2 (a cached block), block 3 (a cached block) and "
+    )
+    assert {f.request for f in broken.findings if f.kind is FindingKind.WRONG_KV} == {3}

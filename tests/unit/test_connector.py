@@ -246,6 +246,25 @@ def test_adopting_more_or_less_than_the_answer_is_judged() -> None:
     assert "the larger of its local hit and what the store holds" in short.detail
 
 
+def test_a_load_into_the_null_block_or_a_cached_block_is_wrong_kv() -> None:
+    s = _store_scenario()
+    # The writer's 96 tokens loaded into the reader's blocks 5..10 (16 tokens each).
+    own = tuple((i, False, False) for i in range(5, 11))
+    right = dataclasses.replace(_lookup(0, 0, 96, 96, 0, 96), load_targets=(own,))
+    assert connector_findings(s, _store_run(right)) == []
+    # Block 0 is the null block; block 3 holds a prefix-cache entry.
+    bad = (*own[:4], (0, True, False), (3, False, True))
+    wrong = dataclasses.replace(right, load_targets=(bad,))
+    (finding,) = connector_findings(s, _store_run(wrong))
+    assert finding.kind is FindingKind.WRONG_KV and finding.request == 1
+    assert finding.detail == (
+        "connector: group 0: the store's 96 tokens are loaded into block 0 (the null "
+        "block), block 3 (a cached block) (get_unhashed_block_ids_all_groups names only "
+        "the request's own uncached blocks)"
+    )
+    assert ConnectorLookup.from_dict(wrong.to_dict()) == wrong
+
+
 def test_no_connector_rule_without_a_store() -> None:
     s = dataclasses.replace(_store_scenario(), workload=Workload(mode=DriveMode.SCHEDULER))
     assert connector_findings(s, _store_run(_lookup(0, 0, 0, 0, 0, 96))) == []
