@@ -7,9 +7,10 @@ After each scheduler step (manager mode: after the run) the recorder drains
 them as vLLM's engine core does (``Scheduler.make_stats``, or
 ``KVCacheManager.make_prefix_cache_stats``), sums them and reads
 ``KVCacheManager.usage``. It also calls ``reset_prefix_cache`` as an RLHF
-weight update does: once while requests hold KV blocks (scheduler mode, the
-first step after which one does), which must be refused and change nothing,
-and once after the run, which must empty the prefix cache. The oracle judges
+weight update does: once while requests hold KV blocks (scheduler mode: after
+the first step that admits a request still running after it; manager mode:
+after the first request's prefill), which must be refused and change
+nothing, and once after the run, which must empty the prefix cache. The oracle judges
 it all (:mod:`differential.oracle.metrics`).
 """
 
