@@ -11,9 +11,9 @@ finished (nothing here imports vLLM):
 
 ``stats``
     Every admission's lookup is counted once, with its own tokens and hit
-    (issue #43736, "a request that takes N attempts to schedule is counted N
-    times", fixed by recording at admission: ``Scheduler.schedule``'s
-    ``record_prefix_cache_stats``), and a preempted request's lookup apart
+    (issue #43736; "A request that takes N attempts to schedule is counted N
+    times", PR #45202's account of it; fixed by recording at admission:
+    ``Scheduler.schedule``'s ``record_prefix_cache_stats``), and a preempted request's lookup apart
     from the others (issue #25780, PR #25787: "Do not count preempted tokens
     in prefix cache hit rate"). So, summed over the run: ``requests`` is the
     number of requests admitted, ``queries`` their prompt tokens and
