@@ -2041,12 +2041,16 @@ def _probe_metrics(
     metrics = report.metrics
     if metrics is None:
         return
+    # The step's own phase is restored after: a stall raised later in the
+    # step names the step's calls, not these reads.
+    previous = phase[0]
     phase[0] = f"step {step}: Scheduler.make_stats"
     vllm_call("Scheduler.make_stats", metrics.drain)
     holding = [i for i in done.admitted if i not in progress.finished_step]
     if holding and not metrics.resets:
         phase[0] = f"step {step}: Scheduler.reset_prefix_cache with requests running"
         vllm_call("Scheduler.reset_prefix_cache", metrics.reset, step, len(holding))
+    phase[0] = previous
 
 
 def _finish_metrics(report: _RunReport, phase: list[str]) -> None:
