@@ -21,6 +21,7 @@ __all__ = [
     "KVEventLog",
     "KVEventLookup",
     "KVEventStep",
+    "LoadTargets",
     "ManagerSettings",
     "PlannedGroup",
     "PlannedTensor",
@@ -734,6 +735,11 @@ class CacheMetrics:
         return out
 
 
+#: Per KV cache group, the blocks a connector's load fills:
+#: ``(block id, null, cached)`` each (:attr:`ConnectorLookup.load_targets`).
+LoadTargets = tuple[tuple[tuple[int, bool, bool], ...], ...]
+
+
 @dataclass(frozen=True)
 class ConnectorLookup:
     """(Scheduler mode, ``workload.connector``) what the KV connector's remote
@@ -790,7 +796,7 @@ class ConnectorLookup:
     load_failed: bool = False
     prefill_hit_tokens: int | None = None
     prefill_tokens: int | None = None
-    load_targets: tuple[tuple[tuple[int, bool, bool], ...], ...] | None = None
+    load_targets: LoadTargets | None = None
 
     @property
     def computed_tokens(self) -> int:

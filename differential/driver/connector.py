@@ -49,7 +49,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from differential.observation import StoreCall
+from differential.observation import LoadTargets, StoreCall
 
 __all__ = ["EmptyRemoteConnector", "RemoteStoreConnector", "StoreLoad", "StoreQuery"]
 
@@ -313,7 +313,7 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         self.calls: list[tuple[str, StoreCall]] = []
         #: Per request id, the blocks its last load would fill, per KV cache
         #: group: ``(block id, null, cached)`` (:meth:`_load_targets`).
-        self.load_targets: dict[str, tuple[tuple[tuple[int, bool, bool], ...], ...]] = {}
+        self.load_targets: dict[str, LoadTargets] = {}
 
     def share_store(self, other: RemoteStoreConnector) -> None:
         """Use ``other``'s store (the decode instance's): a prefill instance's

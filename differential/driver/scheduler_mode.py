@@ -106,6 +106,7 @@ from differential.observation import (
     BlockRecord,
     BlockWrite,
     ConnectorLookup,
+    LoadTargets,
     ManagerSettings,
     RequestObservation,
     ResumedLookup,
@@ -1314,7 +1315,7 @@ def _observations(
 def _connector_lookup(
     admission: _Admission,
     load_failed: bool,
-    load_targets: tuple[tuple[tuple[int, bool, bool], ...], ...] | None = None,
+    load_targets: LoadTargets | None = None,
 ) -> ConnectorLookup | None:
     """What the connector's store was asked and what vLLM adopted at the
     admitting lookup (``None`` without a store's answer), with the blocks
