@@ -3,10 +3,11 @@
 Both drivers build vLLM with ``log_stats=True`` (the engine's default unless
 ``--disable-log-stats``), so the prefix-cache statistics an operator's hit-rate
 dashboard reads are kept (``PrefixCacheStats``, vllm/v1/metrics/stats.py).
-After each scheduler step (manager mode: after the run) the recorder drains
-them as vLLM's engine core does (``Scheduler.make_stats``, or
-``KVCacheManager.make_prefix_cache_stats``), sums them and reads
-``KVCacheManager.usage``. It also calls ``reset_prefix_cache`` as an RLHF
+The recorder sums every drain of them (``Scheduler.make_stats``, which
+vLLM's own ``update_from_output`` calls each step, or
+``KVCacheManager.make_prefix_cache_stats``), drains them itself at each
+reset and after the run, and reads ``KVCacheManager.usage`` after each
+scheduler step. It also calls ``reset_prefix_cache`` as an RLHF
 weight update does: once while requests hold KV blocks (scheduler mode: after
 the first step that admits a request still running after it; manager mode:
 after the first request's prefill), which must be refused and change
@@ -95,6 +96,12 @@ class MetricsRecorder:
                 )
             self._pending_flag.clear()
 
+    def read_usage(self) -> None:
+        """Read ``KVCacheManager.usage`` (after a step: in scheduler mode
+        vLLM's own ``update_from_output`` drains the statistics, counted by
+        the wrapped ``make_stats``)."""
+        self.usage.append(float(self.manager.usage))
+
     def drain(self) -> None:
         """Read and sum the statistics since the last read (vLLM resets them
         on each read), and the usage."""
@@ -102,7 +109,7 @@ class MetricsRecorder:
             self.scheduler.make_stats()
         else:
             self._add(self.manager.make_prefix_cache_stats())
-        self.usage.append(float(self.manager.usage))
+        self.read_usage()
 
     def reset(self, step: int | None, holding: int) -> None:
         """Call ``reset_prefix_cache`` (the scheduler's, else the manager's)

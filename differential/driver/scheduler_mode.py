@@ -2035,18 +2035,19 @@ def _drive_steps(
 def _probe_metrics(
     report: _RunReport, done: _Step, progress: _Progress, step: int, phase: list[str]
 ) -> None:
-    """After a step: drain the prefix-cache statistics and, the first time a
-    request admitted in the step still runs (it holds KV blocks), call
+    """After a step: read the KV cache usage and, the first time a request
+    admitted in the step still runs (it holds KV blocks), call
     ``Scheduler.reset_prefix_cache()``, which must refuse
-    (:mod:`differential.driver.cache_metrics`)."""
+    (:mod:`differential.driver.cache_metrics`; the step's
+    ``update_from_output`` drained the statistics)."""
     metrics = report.metrics
     if metrics is None:
         return
     # The step's own phase is restored after: a stall raised later in the
     # step names the step's calls, not these reads.
     previous = phase[0]
-    phase[0] = f"step {step}: Scheduler.make_stats"
-    vllm_call("Scheduler.make_stats", metrics.drain)
+    phase[0] = f"step {step}: KVCacheManager.usage"
+    vllm_call("KVCacheManager.usage", metrics.read_usage)
     holding = [i for i in done.admitted if i not in progress.finished_step]
     if holding and not metrics.resets:
         phase[0] = f"step {step}: Scheduler.reset_prefix_cache with requests running"
