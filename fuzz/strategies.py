@@ -667,8 +667,10 @@ def model_of(groups: tuple[KVCacheGroup, ...]) -> ModelDescription | None:
     order, makes one bucket per group in that order
     (``_get_kv_cache_groups_uniform_page_size``). Only attention groups
     without a draft mark (draft layers are not drawn), of more than one
-    block size (unequal pages), each group its own spec, and not all of one
-    type at one block (vLLM would keep them in one group of mixed pages).
+    block size (unequal pages), each group its own spec, not all of one
+    type at one block (vLLM would keep them in one group of mixed pages), and
+    sliding-window MLA groups of one window side by side (vLLM's buckets fill
+    first-fit by ``merge``).
     """
     kinds = {g.kind for g in groups}
     if (
@@ -696,6 +698,14 @@ def model_of(groups: tuple[KVCacheGroup, ...]) -> ModelDescription | None:
         and g.attention_chunk_size_tokens == first.attention_chunk_size_tokens
         for g in groups
     ):
+        return None
+    # vLLM buckets sliding-window MLA layers of one window together whatever
+    # their blocks (``SlidingWindowMLASpec.merge`` takes its first spec's),
+    # so its plan puts groups of one such window side by side.
+    windows = [
+        g.sliding_window_tokens if g.kind is GroupKind.SLIDING_WINDOW_MLA else 0 for g in groups
+    ]
+    if any(w and w in windows[: i - 1] and windows[i - 1] != w for i, w in enumerate(windows) if i):
         return None
     blocks = [g.block_size_tokens for g in groups]
     smallest, lcm = min(blocks), math.lcm(*blocks)

@@ -30,6 +30,7 @@ from differential.oracle import (
     checkpoints,
     dense_hit,
     drafter_model,
+    layout,
     references,
     replay_boundaries,
     state,
@@ -422,9 +423,7 @@ def _failed_load_reserves_itself(scenario: Scenario, finding: Finding) -> bool:
     (``_inflight_prefill_reserved_blocks``, vllm/v1/core/sched/scheduler.py)."""
     store = _async_store_stall(scenario, finding)
     return (
-        store is not None
-        and bool(store.failed_loads)
-        and RESERVED_WITHOUT_BLOCKS in finding.detail
+        store is not None and bool(store.failed_loads) and RESERVED_WITHOUT_BLOCKS in finding.detail
     )
 
 
@@ -805,6 +804,18 @@ def _alignment_blowup(scenario: Scenario, finding: Finding) -> bool:
     return finding.kind is FindingKind.ALIGNMENT_BLOWUP
 
 
+def _swmla_merge_mixes_blocks(scenario: Scenario, finding: Finding) -> bool:
+    """A KV cache plan whose first differing group is sliding-window MLA, on
+    a model whose sliding-window MLA layers of one window differ in block or
+    head size (``SlidingWindowMLASpec.merge`` buckets them together)."""
+    return (
+        finding.kind is FindingKind.KV_CACHE_PLAN
+        and scenario.model is not None
+        and ": SlidingWindowMLASpec block" in finding.detail
+        and layout.merges_unequal_layers(scenario.model)
+    )
+
+
 def _draft_drop_shorter_than_lookahead(scenario: Scenario, finding: Finding) -> bool:
     """An over-hit under multi-module MTP with the drafter's groups marked
     ``is_eagle_group``, every dropping group's block smaller than the
@@ -893,6 +904,28 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         "vllm/v1/core/kv_cache_coordinator.py HybridKVCacheCoordinator._cache_hit_alignment_tokens",
         example="known-issues/alignment-blowup-1536-3456.json",
         matches=_alignment_blowup,
+    ),
+    KnownIssue(
+        name="swmla-merge-mixes-block-sizes",
+        summary=(
+            "Sliding-window MLA layers of one window whose pages differ (head 256 "
+            "beside head 128, bf16) get blocks of 16 and 32 tokens once "
+            "unify_kv_cache_spec_page_size evens their pages, yet "
+            "_get_kv_cache_groups_uniform_page_size fills its buckets first-fit "
+            "with SlidingWindowMLASpec.merge, which compares the dtype, window, "
+            "tokens per state and replay policy but takes the block and head sizes "
+            "from its first spec. Two layers of each make one bucket of four, split "
+            "into groups [2, 4] and [3, 5]: each pairs a 16-token layer with a "
+            "32-token one under one 16-token spec (the scheduler block is 16 where "
+            "32 is owed), against the planner's own assumption that layers of a "
+            "group share the block size and create_kv_cache_group_specs' that they "
+            "share the spec. Found by kvfuzz; not run on an engine (vLLM's CPU build "
+            "turns the prefix cache off for MLA models)."
+        ),
+        vllm_source="vllm/v1/kv_cache_interface.py SlidingWindowMLASpec.merge with "
+        "vllm/v1/core/kv_cache_planning.py _get_kv_cache_groups_uniform_page_size",
+        example="known-issues/swmla-merge-mixes-block-sizes.json",
+        matches=_swmla_merge_mixes_blocks,
     ),
     KnownIssue(
         name="draft-group-drop-shorter-than-lookahead",
@@ -1332,7 +1365,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             "whose fine-grained hit did, runs its next step past the block boundary "
             "when the rest of the prompt can export the prompt's checkpoint: "
             "Scheduler._mamba_block_aligned_split drops the stop at the "
-            "next block boundary (\"a chunk starting mid-block stops at the boundary\") "
+            'next block boundary ("a chunk starting mid-block stops at the boundary") '
             "for an internal checkpoint, but the worker writes only that checkpoint and "
             "the step's end (compute_mamba_prefill_checkpoints, one per row). The block "
             "ending at the boundary keeps the state at the junction and is keyed as the "

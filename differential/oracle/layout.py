@@ -46,6 +46,7 @@ __all__ = [
     "alignment_losses",
     "kv_cache_plan_findings",
     "layer_page_bytes",
+    "merges_unequal_layers",
     "owed_groups",
     "owed_tensors",
 ]
@@ -323,12 +324,39 @@ def _unified(layers: list[_Layer]) -> list[_Layer] | None:
     return out
 
 
+def _merge_key(layer: _Layer) -> tuple[object, ...]:
+    """What vLLM's ``merge`` of the layer's spec compares: every field of an
+    attention spec for full attention and MLA (``FullAttentionSpec.merge``,
+    ``MLAAttentionSpec.merge``), equality for the other kinds
+    (``KVCacheSpec.merge``), but for sliding-window MLA only the dtype, the
+    window and the tokens per state (``SlidingWindowMLASpec.merge`` takes the
+    block and head sizes from its first spec)."""
+    s = layer.spec
+    if s.kind is GroupKind.SLIDING_WINDOW_MLA:
+        return (s.kind, s.dtype, s.sliding_window_tokens, s.tokens_per_state)
+    return layer.shape
+
+
 def _split(layers: list[_Layer]) -> list[list[_Layer]]:
     """Buckets of equal layers split into groups of one size
-    (``_get_kv_cache_groups_uniform_page_size``)."""
-    buckets: dict[tuple[object, ...], list[_Layer]] = {}
+    (``_get_kv_cache_groups_uniform_page_size``).
+
+    vLLM fills its buckets first-fit, a layer joining the first bucket whose
+    specs ``merge`` with its own: buckets come in the order of vLLM's, a
+    bucket right after the first one it would merge with. Their layers stay
+    apart (the function's own assumption 2: "within each KV cache group, all
+    layers must share the same block size"), so a group mixing them is a
+    finding."""
+    exact: dict[tuple[object, ...], list[_Layer]] = {}
     for layer in layers:
-        buckets.setdefault(layer.shape, []).append(layer)
+        exact.setdefault(layer.shape, []).append(layer)
+    merged: list[tuple[object, ...]] = []
+    for bucket in exact.values():
+        key = _merge_key(bucket[0])
+        if key not in merged:
+            merged.append(key)
+    order = sorted(exact, key=lambda shape: merged.index(_merge_key(exact[shape][0])))
+    buckets = {shape: exact[shape] for shape in order}
     sizes = [len(b) for b in buckets.values()]
     size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
     groups = []
@@ -336,6 +364,23 @@ def _split(layers: list[_Layer]) -> list[list[_Layer]]:
         count = -(-len(bucket) // size)
         groups += [bucket[i::count] for i in range(count)]
     return groups
+
+
+def merges_unequal_layers(model: ModelDescription) -> bool:
+    """Whether vLLM's first-fit ``merge`` puts layers of different shapes
+    (sliding-window MLA of different blocks or head sizes once pages are
+    unified) into one bucket (:func:`_merge_key`), which its split may then
+    mix into one group."""
+    if model.kv_cache_layout.startswith("B"):
+        return False
+    layers = _raw_layers(model)
+    unified = _unified(layers) if layers else None
+    if not unified:
+        return False
+    shapes: dict[tuple[object, ...], set[tuple[object, ...]]] = {}
+    for layer in unified:
+        shapes.setdefault(_merge_key(layer), set()).add(layer.shape)
+    return any(len(found) > 1 for found in shapes.values())
 
 
 def owed_groups(
@@ -446,10 +491,10 @@ def _plan_problems(plan: KVCachePlan, groups: tuple[OwedGroup, ...], block: int)
             if owed != seen:
                 problems.append(
                     f"group {i}: {seen.spec} block {seen.block_size_tokens} tokens, "
-                    f"{len(seen.layers)} layer(s) from {seen.layers[:1]}, pages "
+                    f"layers {_names(seen.layers)}, pages "
                     f"{sorted(set(seen.page_size_bytes))} bytes, {seen.extra_retained_tokens} "
                     f"extra retained tokens; owed {owed.spec} block {owed.block_size_tokens} "
-                    f"tokens, {len(owed.layers)} layer(s) from {owed.layers[:1]}, pages "
+                    f"tokens, layers {_names(owed.layers)}, pages "
                     f"{sorted(set(owed.page_size_bytes))} bytes, {owed.extra_retained_tokens} "
                     "extra retained tokens"
                 )
@@ -476,9 +521,16 @@ def _plan_problems(plan: KVCachePlan, groups: tuple[OwedGroup, ...], block: int)
     return problems
 
 
+def _names(layers: Sequence[str]) -> str:
+    """Layer names, all of them up to six, else the first three and a count."""
+    if len(layers) <= 6:
+        return "[" + ", ".join(layers) + "]"
+    return "[" + ", ".join(layers[:3]) + f", ... {len(layers)} in all]"
+
+
 def _tensor(t: PlannedTensor) -> str:
     return (
-        f"{t.size_bytes} bytes, {len(t.layers)} layer(s) from {t.layers[:1]}, offset "
+        f"{t.size_bytes} bytes, layers {_names(t.layers)}, offset "
         f"{t.offset_bytes}, layer stride {t.layer_stride_bytes}, block stride "
         f"{t.block_stride_bytes}"
     )

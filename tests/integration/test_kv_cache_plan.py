@@ -119,7 +119,37 @@ PLANS = {
         ],
         [(2949120, 0, 1474560, 36864)] * 2,
     ),
+    # vLLM fills its buckets first-fit by SlidingWindowMLASpec.merge, which
+    # ignores block and head sizes: the two sliding-window MLA layers (blocks
+    # 16 and 32 once pages are unified) share a bucket and come before MLA.
+    # One layer each, they still split into two groups.
+    "sliding-window-mla-in-merge-order": (
+        (
+            LayerSpec(K.SLIDING_WINDOW, sliding_window_tokens=32),
+            LayerSpec(K.FULL_ATTENTION),
+            LayerSpec(K.SLIDING_WINDOW_MLA, head_size=256, sliding_window_tokens=64),
+            LayerSpec(K.MLA, head_size=256),
+            LayerSpec(K.SLIDING_WINDOW_MLA, sliding_window_tokens=64),
+        ),
+        16,
+        [
+            ("SlidingWindowSpec", 16, (0,), (8192,)),
+            ("FullAttentionSpec", 16, (1,), (8192,)),
+            ("SlidingWindowMLASpec", 16, (2,), (8192,)),
+            ("SlidingWindowMLASpec", 32, (4,), (8192,)),
+            ("MLAAttentionSpec", 16, (3,), (8192,)),
+        ],
+        [(327680, 0, 327680, 8192)] * 5,
+    ),
 }
+
+#: Two sliding-window MLA layers of head 256 (block 16) and two of head 128
+#: (page 4096 at 16 tokens: block 32 once unified to the 8192-byte page).
+SWMLA_MIXED = (
+    LayerSpec(K.FULL_ATTENTION, 2),
+    LayerSpec(K.SLIDING_WINDOW_MLA, 2, head_size=256, sliding_window_tokens=64),
+    LayerSpec(K.SLIDING_WINDOW_MLA, 2, sliding_window_tokens=64),
+)
 
 
 def _layer(name: int | str) -> str:
@@ -141,6 +171,35 @@ def test_real_plans_equal_what_the_pages_owe(name: str) -> None:
     ] == tensors
     assert owed_groups(model) is not None
     assert _findings(scenario, plan) == []
+
+
+def test_sliding_window_mla_groups_mixing_block_sizes_are_a_finding() -> None:
+    # SlidingWindowMLASpec.merge takes the block and head sizes of its first
+    # spec: vLLM's one bucket of four layers is split 2 and 2, each group
+    # pairing a 16-token layer with a 32-token one under a 16-token spec.
+    model = ModelDescription("swmla-mixed", SWMLA_MIXED, block_size_tokens=16)
+    scenario = dataclasses.replace(Scenario.from_dict(_BASE), model=model)
+    plan = observe_kv_cache_plan(scenario)
+    assert plan is not None and plan.error is None
+    assert [(g.spec, g.block_size_tokens, g.layers) for g in plan.groups] == [
+        ("FullAttentionSpec", 16, ("model.layers.0", "model.layers.1")),
+        ("SlidingWindowMLASpec", 16, ("model.layers.2", "model.layers.4")),
+        ("SlidingWindowMLASpec", 16, ("model.layers.3", "model.layers.5")),
+    ]
+    owed = owed_groups(model)
+    assert owed is not None
+    assert [(g.spec, g.block_size_tokens, g.layers) for g in owed] == [
+        ("FullAttentionSpec", 16, ("model.layers.0", "model.layers.1")),
+        ("SlidingWindowMLASpec", 16, ("model.layers.2", "model.layers.3")),
+        ("SlidingWindowMLASpec", 32, ("model.layers.4", "model.layers.5")),
+    ]
+    (detail,) = _findings(scenario, plan)
+    assert (
+        "group 1: SlidingWindowMLASpec block 16 tokens, layers [model.layers.2, "
+        "model.layers.4], pages [8192] bytes, 0 extra retained tokens; owed "
+        "SlidingWindowMLASpec block 16 tokens, layers [model.layers.2, model.layers.3]"
+    ) in detail
+    assert "scheduler block 16, hash block 16 tokens; owed 32 and 16" in detail
 
 
 def test_one_type_with_three_pages_gets_three_tensors_end_to_end() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from differential.findings import (
@@ -22,6 +24,7 @@ from differential.scenario import (
     RequestSpec,
     Scenario,
 )
+from differential.scenario.models import LayerSpec, ModelDescription
 from tests.factories import hybrid
 from tests.unit.test_oracle import run
 
@@ -1289,3 +1292,48 @@ SCENARIO_FINE_HIT = {
     ],
     "mamba_prefill": "checkpoint",
 }
+
+
+def _swmla_model(head_sizes: tuple[int, int]) -> Scenario:
+    """known-issues/swmla-merge-mixes-block-sizes.json's model: two full-attention
+    layers and two sliding-window MLA layers of each head size."""
+    layers = (
+        LayerSpec(GroupKind.FULL_ATTENTION, 2),
+        *(
+            LayerSpec(GroupKind.SLIDING_WINDOW_MLA, 2, head_size=h, sliding_window_tokens=64)
+            for h in head_sizes
+        ),
+    )
+    model = ModelDescription("swmla-two-head-sizes", layers, block_size_tokens=16)
+    return dataclasses.replace(
+        hybrid(
+            16,
+            16,
+            64,
+            prefix=128,
+            requests=(RequestSpec(128, 8), RequestSpec(100, 20)),
+            retention=None,
+        ),
+        model=model,
+    )
+
+
+def test_a_sliding_window_mla_plan_mixing_block_sizes() -> None:
+    scenario = _swmla_model((256, 128))
+    plan = Finding(
+        FindingKind.KV_CACHE_PLAN,
+        "unfixed",
+        None,
+        "vLLM planned model 'swmla-two-head-sizes' for a pool of 60 blocks other than its "
+        "layers' pages owe: group 1: SlidingWindowMLASpec block 16 tokens, layers "
+        "[model.layers.2, model.layers.4], ...",
+    )
+    (labelled,) = label_known(scenario, [plan])
+    assert labelled.known_issue == "swmla-merge-mixes-block-sizes"
+    # One head size: the same finding is something else.
+    (other,) = label_known(_swmla_model((128, 128)), [plan])
+    assert other.known_issue is None
+    # Nor is a plan finding about another group.
+    full = dataclasses.replace(plan, detail="... group 0: FullAttentionSpec block 16 tokens, ...")
+    (unlabelled,) = label_known(scenario, [full])
+    assert unlabelled.known_issue is None
