@@ -38,7 +38,7 @@ from differential.scenario import (
     Scenario,
     Workload,
 )
-from differential.scenario.models import LayerSpec, ModelDescription
+from differential.scenario.models import MAX_HEADS, LayerSpec, ModelDescription
 
 __all__ = [
     "Scale",
@@ -633,7 +633,7 @@ def scenarios(
             **mamba_options,  # type: ignore[arg-type]
         )
         # Drawn last, so that every draw above reads the bytes it read before.
-        return _prefill_checkpoints(draw, scenario)
+        return _hidden_state_layer(draw, _prefill_checkpoints(draw, scenario))
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the scenario generator produced an invalid scenario: {exc}") from exc
 
@@ -1182,6 +1182,50 @@ def _prefill_checkpoints(draw: st.DrawFn, scenario: Scenario) -> Scenario:
     if scenario.mamba_prefill is not MambaPrefill.SCHEDULER or not draw(st.booleans()):
         return scenario
     return dataclasses.replace(scenario, mamba_prefill=MambaPrefill.CHECKPOINT)
+
+
+def _hidden_state_layer(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One model-level scenario in three gains a hidden-state cache layer
+    (vLLM's hidden-state extraction: a ``HiddenStateCacheSpec``, which
+    ``get_kv_cache_groups``, vllm/v1/core/kv_cache_planning.py, plans in a
+    group of its own at the largest block that divides every other group's
+    and whose entries fit the common page) and the MLA group vLLM plans for
+    it (``FullAttentionManager`` manages both). The group's block ``h`` is
+    drawn among the divisors of the groups' GCD, and the layer built for it:
+    an entry of P / h bytes, P = 256 x the blocks' LCM the common page of a
+    :func:`model_of` model, bf16. Draws nothing without a model."""
+    model = scenario.model
+    if model is None or draw(st.integers(0, 2)) != 0:
+        return scenario
+    groups = scenario.kv_cache_groups
+    blocks = [g.block_size_tokens for g in groups]
+    common, lcm = math.gcd(*blocks), math.lcm(*blocks)
+    block = draw(st.sampled_from([d for d in range(1, common + 1) if common % d == 0]))
+    # 128 x lcm / h elements a token (2 bytes each), split into at most 128
+    # heads of at most MAX_HEADS elements (128 divides the count).
+    elements = _PAGE_BYTES_PER_LCM_TOKEN * lcm // block // 2
+    heads = next((h for h in (1, 2, 4, 8, 16, 32, 64, 128) if elements // h <= MAX_HEADS), None)
+    if heads is None:
+        return scenario
+    layer = LayerSpec(
+        GroupKind.MLA, num_kv_heads=heads, head_size=elements // heads, hidden_state=True
+    )
+    grown = (*groups, KVCacheGroup(GroupKind.MLA, block))
+    workload = scenario.workload
+    if workload.pool_blocks is not None:
+        lengths = [r.prompt_tokens for r in scenario.requests]
+        reserve = scenario.decode_steps + 2 * scenario.drafter.num_speculative_tokens + 2
+        spec = scenario.drafter.num_speculative_tokens
+        before = _pool_bounds(groups, lengths, len(lengths), reserve, spec)
+        after = _pool_bounds(grown, lengths, len(lengths), reserve, spec)
+        pool = max(after[0], workload.pool_blocks + after[1] - before[1])
+        workload = dataclasses.replace(workload, pool_blocks=pool)
+    return dataclasses.replace(
+        scenario,
+        kv_cache_groups=grown,
+        model=dataclasses.replace(model, layers=(*model.layers, layer)),
+        workload=workload,
+    )
 
 
 def _undriven_managers(draw: st.DrawFn, scenario: Scenario) -> Scenario:

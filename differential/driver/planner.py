@@ -5,7 +5,9 @@ instead of listing KV cache groups. Here each layer becomes the
 ``KVCacheSpec`` its attention layer would report
 (``AttentionLayerBase.get_kv_cache_spec``: ``FullAttentionSpec``,
 ``SlidingWindowSpec``, ``ChunkedLocalAttentionSpec``, ``MLAAttentionSpec``,
-``SlidingWindowMLASpec``, ``MambaSpec``; draft layers with ``is_draft``), and
+``SlidingWindowMLASpec``, ``MambaSpec``; draft layers with ``is_draft``;
+hidden-state layers ``HiddenStateCacheSpec``, planned as MLA groups of their
+own, which vLLM manages as full attention), and
 vLLM's planner, called as the engine core calls it, decides the layout:
 
 * ``get_global_kv_cache_groups`` (vllm/v1/core/kv_cache_planning.py) merges
@@ -151,6 +153,15 @@ def _layer_spec(model: ModelDescription, layer: LayerSpec, num_spec_tokens: int)
     }
     if layer.tokens_per_state != 1:
         common["tokens_per_state"] = layer.tokens_per_state
+    if layer.hidden_state:
+        # CacheOnlyAttentionLayer.get_kv_cache_spec
+        # (vllm/model_executor/models/extract_hidden_states.py).
+        hidden = getattr(kv_cache_interface, "HiddenStateCacheSpec", None)
+        if hidden is None:
+            raise ScenarioError(
+                "model.layers.hidden_state", True, "false (this vLLM has no HiddenStateCacheSpec)"
+            )
+        return vllm_call("HiddenStateCacheSpec", hidden, **common)
     return spec_for_kind(
         layer.kind,
         window=layer.sliding_window_tokens,
@@ -186,6 +197,7 @@ def _check_mamba_page(model: ModelDescription, specs: Mapping[str, KVCacheSpec])
             layer
             for layer in model.layers
             if not layer.draft
+            and not layer.hidden_state
             and layer.kind.full_attention_family
             and layer.block_size_tokens is None
         ),

@@ -193,6 +193,16 @@ def alignment_blowup(scenario: Scenario) -> Finding | None:
 #   layers i, i + groups, ... (``_get_kv_cache_groups_uniform_page_size``:
 #   "a model with 10 full attention layers and 20 sliding window attention
 #   layers ... 3 kv_cache_groups, each of which represents 10 layers");
+# * hidden-state layers (``HiddenStateCacheSpec``, vLLM's hidden-state
+#   extraction) join no bucket ("Hidden-state layers use their own block
+#   table and must not be absorbed into a compatible attention bucket",
+#   ``get_kv_cache_groups``): after the split each makes a group of its own,
+#   its page padded to the common page P ("page aligned to the common page")
+#   and its block the largest that divides every other group's block and
+#   whose entries fit in P (one token's entry at least: when one does not fit,
+#   every group's block and P are first scaled by the smallest integer that
+#   makes it, ``_ensure_min_page_size``); among layers of one type and one
+#   block, or all alike, a hidden-state layer counts as MLA;
 # * every sliding window keeps the drafter's re-prefillable tail past it,
 #   ``extra_retained_tokens`` = ``num_prefill_lookahead_tokens`` - 1
 #   (``get_global_kv_cache_groups``: multi-module MTP re-prefills its last
@@ -209,10 +219,15 @@ def alignment_blowup(scenario: Scenario) -> Finding | None:
 #   side from the end of the previous spec's (vLLM PR #14079 made one tensor
 #   serve one layer of every group: groups alias from byte 0).
 #
+# * an MLA page that does not divide the largest cannot be unified: MLA,
+#   full-attention and sliding-window layers then make one group of mixed
+#   pages at the full-attention block, the windows allocated as full
+#   attention (``_try_get_full_allocation_fallback_groups``).
+#
 # Not judged (no finding either way): block-outermost layouts (packed pages,
 # ``_get_packed_kv_cache_groups``), compressed MLA (``tokens_per_state`` > 1),
-# an MLA page that does not divide the largest (vLLM's full-allocation
-# fallback), and Mamba layers of one block with mixed pages.
+# an MLA page that does not divide the largest beside other kinds, and Mamba
+# layers of one block with mixed pages.
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1}
 
@@ -250,6 +265,7 @@ class _Layer:
             s.attention_chunk_size_tokens,
             s.mamba_state_shapes,
             s.mamba_state_dtypes,
+            s.hidden_state,
             self.block_tokens,
             self.page_bytes,
         )
@@ -289,7 +305,7 @@ class OwedGroup:
 def _raw_layers(model: ModelDescription) -> list[_Layer] | None:
     layers = []
     for name, spec in model.named_layers():
-        # Hidden-state caches, and kinds whose specs these rules do not model
+        # Compressed states, and kinds whose specs these rules do not model
         # (R-SWA, a circular buffer, a static sink): not judged.
         if spec.tokens_per_state != 1 or spec.kind not in SPEC_CLASS:
             return None
@@ -374,7 +390,8 @@ def merges_unequal_layers(model: ModelDescription) -> bool:
     if model.kv_cache_layout.startswith("B"):
         return False
     layers = _raw_layers(model)
-    unified = _unified(layers) if layers else None
+    kv = [layer for layer in layers or () if not layer.spec.hidden_state]
+    unified = _unified(kv) if kv else None
     if not unified:
         return False
     shapes: dict[tuple[object, ...], set[tuple[object, ...]]] = {}
@@ -389,7 +406,8 @@ def owed_groups(
     """The KV cache groups first principles owe ``model`` (the rules above),
     each sliding-window group keeping ``extra_retained_tokens`` tokens past
     its window; ``None`` for a model they do not judge (packed pages,
-    hidden-state caches, layers of a kind outside :data:`SPEC_CLASS`)."""
+    compressed states, layers of a kind outside :data:`SPEC_CLASS`, a model
+    of hidden-state layers of different blocks alone)."""
     if model.kv_cache_layout.startswith("B"):
         return None
     layers = _raw_layers(model)
@@ -403,10 +421,77 @@ def owed_groups(
         return None
     if uniform:
         return (_owed(first.spec.kind, [layers], 0, uniform_type=True),)
-    unified = _unified(layers)
+    hidden = [layer for layer in layers if layer.spec.hidden_state]
+    kv = [layer for layer in layers if not layer.spec.hidden_state]
+    unified = _unified(kv) if kv else None
     if unified is None:
+        fallback = None if hidden else _full_allocation(layers)
+        return None if fallback is None else (fallback,)
+    groups = [_owed(g[0].spec.kind, [g], extra_retained_tokens) for g in _split(unified)]
+    return tuple(_with_hidden_state_groups(groups, hidden) if hidden else groups)
+
+
+def _full_allocation(layers: list[_Layer]) -> OwedGroup | None:
+    """vLLM's allocation-only fallback when an MLA page does not divide the
+    largest (``_try_get_full_allocation_fallback_groups``: "treating
+    sliding-window layers as full attention for cache allocation"): MLA,
+    full-attention and sliding-window layers, none hidden-state, make one
+    group of mixed pages at the full-attention block, every sliding window
+    allocated as full attention (``_promote_local_kv_cache_specs``); ``None``
+    for other layers, or full-attention blocks that differ."""
+    kinds = {layer.spec.kind for layer in layers}
+    window = GroupKind.SLIDING_WINDOW
+    if not {GroupKind.MLA, window} <= kinds <= {GroupKind.FULL_ATTENTION, GroupKind.MLA, window}:
         return None
-    return tuple(_owed(g[0].spec.kind, [g], extra_retained_tokens) for g in _split(unified))
+    blocks = {layer.block_tokens for layer in layers if layer.spec.kind is not window}
+    if len(blocks) != 1:
+        return None
+    (block,) = blocks
+    promoted = [
+        dataclasses.replace(
+            layer, block_tokens=block, page_bytes=layer_page_bytes(layer.spec, block)
+        )
+        for layer in layers
+    ]
+    return _owed(layers[0].spec.kind, [promoted], 0, uniform_type=True)
+
+
+def _with_hidden_state_groups(groups: list[OwedGroup], hidden: list[_Layer]) -> list[OwedGroup]:
+    """``groups`` (one page P, bytes), scaled when a hidden-state layer's
+    token entry exceeds P, then one group per hidden-state layer: its block
+    the largest dividing every group block whose entries fit in P, its page
+    padded to P (``get_kv_cache_groups``, ``_ensure_min_page_size`` and
+    ``_largest_divisor_at_most``, vllm/v1/core/kv_cache_planning.py)."""
+    page = groups[0].page_size_bytes[0]
+    entries = [layer_page_bytes(layer.spec, 1) for layer in hidden]
+    scale = -(-max(entries) // page)
+    if scale > 1:
+        page *= scale
+        groups = [
+            dataclasses.replace(
+                g,
+                block_size_tokens=g.block_size_tokens * scale,
+                # The layer shapes stay: they only tell layer specs apart.
+                page_size_bytes=tuple(p * scale for p in g.page_size_bytes),
+            )
+            for g in groups
+        ]
+    common = math.gcd(*(g.block_size_tokens for g in groups))
+    out = list(groups)
+    for layer, entry in zip(hidden, entries, strict=True):
+        fits = max(page // entry, 1)
+        block = max(d for d in range(1, min(common, fits) + 1) if common % d == 0)
+        out.append(
+            OwedGroup(
+                "HiddenStateCacheSpec",
+                block,
+                (layer.name,),
+                (page,),
+                0,
+                (dataclasses.replace(layer, block_tokens=block, page_bytes=page).shape,),
+            )
+        )
+    return out
 
 
 #: The kinds one group of mixed pages may hold, by its first layer's kind
@@ -447,8 +532,9 @@ def _owed(
     is a ``SlidingWindowSpec``) keeps ``extra_retained`` tokens past its
     window; a group of mixed pages reports none of its own."""
     (layers,) = groups
+    spec = "HiddenStateCacheSpec" if layers[0].spec.hidden_state else SPEC_CLASS[kind]
     return OwedGroup(
-        "UniformTypeKVCacheSpecs" if uniform_type else SPEC_CLASS[kind],
+        "UniformTypeKVCacheSpecs" if uniform_type else spec,
         layers[0].block_tokens,
         tuple(layer.name for layer in layers),
         tuple(layer.page_bytes for layer in layers),

@@ -153,6 +153,12 @@ class LayerDocument(BaseModel):
     draft: StrictBool = Field(
         default=False, description="The layers belong to the drafter (vLLM KVCacheSpec.is_draft)."
     )
+    hidden_state: StrictBool = Field(
+        default=False,
+        description="The layers cache hidden states, not KV (vLLM's extract_hidden_states: "
+        "HiddenStateCacheSpec, one num_kv_heads x head_size entry per token, planned in a "
+        "group of its own); mla only.",
+    )
 
 
 class ModelDocument(BaseModel):
@@ -218,6 +224,12 @@ class LayerSpec:
             (Mamba only).
         mamba_state_dtypes: one dtype name per state (Mamba only).
         draft: the layer belongs to the drafter (vLLM ``KVCacheSpec.is_draft``).
+        hidden_state: the layer caches hidden states for vLLM's hidden-state
+            extraction (``CacheOnlyAttentionLayer``,
+            vllm/model_executor/models/extract_hidden_states.py: a
+            ``HiddenStateCacheSpec``, an MLA spec of ``num_kv_heads`` (the
+            layers extracted) x ``head_size`` (the hidden size) elements a
+            token); ``kind`` must be MLA.
     """
 
     kind: GroupKind
@@ -232,6 +244,7 @@ class LayerSpec:
     mamba_state_shapes: tuple[tuple[int, ...], ...] = ()
     mamba_state_dtypes: tuple[str, ...] = ()
     draft: bool = False
+    hidden_state: bool = False
 
     def validate(self, where: str) -> None:
         """Check the layer: each field's type and range (:class:`LayerDocument`),
@@ -268,6 +281,13 @@ class LayerSpec:
         elif self.attention_chunk_size_tokens is not None:
             raise ScenarioError(
                 f"{where}.attention_chunk_size_tokens", self.attention_chunk_size_tokens, "null"
+            )
+        if self.hidden_state and (self.kind is not GroupKind.MLA or self.tokens_per_state != 1):
+            raise ScenarioError(
+                f"{where}.hidden_state",
+                True,
+                "false, or true on an mla layer with tokens_per_state 1 (vLLM's "
+                "HiddenStateCacheSpec is an MLA spec)",
             )
         if self.kind is GroupKind.MAMBA:
             if not self.mamba_state_shapes or len(self.mamba_state_shapes) != len(

@@ -30,6 +30,9 @@ K = GroupKind
 MIMO = CORPORA / "cases" / "mimo-v2-unequal-pages.json"
 NAS = CORPORA / "cases" / "nemotron-nas-per-layer-kv-heads.json"
 NEAR = CORPORA / "cases" / "near-equal-layer-counts-pad-to-the-larger.json"
+HIDDEN = CORPORA / "cases" / "hidden-state-layer-gets-its-own-block.json"
+HIDDEN_SCALED = CORPORA / "cases" / "hidden-state-layer-scales-every-block.json"
+FALLBACK = CORPORA / "cases" / "mla-page-not-dividing-full-allocation-fallback.json"
 
 
 def _findings(scenario: Scenario, plan: KVCachePlan | None) -> list[str]:
@@ -141,6 +144,35 @@ PLANS = {
         ],
         [(327680, 0, 327680, 8192)] * 5,
     ),
+    # A hidden-state cache layer (1 x 512 elements, bf16: 1024 bytes a token)
+    # gets a group of its own, its page padded to the common 8192 bytes and
+    # its block the largest divisor of 16 whose entries fit: 8.
+    "hidden-state-own-block": (
+        (
+            LayerSpec(K.FULL_ATTENTION),
+            LayerSpec(K.SLIDING_WINDOW, sliding_window_tokens=64),
+            LayerSpec(K.MLA, head_size=512, hidden_state=True),
+        ),
+        16,
+        [
+            ("FullAttentionSpec", 16, (0,), (8192,)),
+            ("SlidingWindowSpec", 16, (1,), (8192,)),
+            ("HiddenStateCacheSpec", 8, (2,), (8192,)),
+        ],
+        [(327680, 0, 327680, 8192)] * 3,
+    ),
+    # An MLA page (96 elements: 3072 bytes) that does not divide 8192: the
+    # allocation-only fallback, one group of mixed pages, the windows
+    # allocated as full attention.
+    "mla-page-not-dividing-fallback": (
+        (
+            LayerSpec(K.MLA, 2, head_size=96),
+            LayerSpec(K.SLIDING_WINDOW, 2, sliding_window_tokens=32),
+        ),
+        16,
+        [("UniformTypeKVCacheSpecs", 16, (0, 1, 2, 3), (3072, 3072, 8192, 8192))],
+        [(901120, 0, 122880, 3072), (901120, 245760, 327680, 8192)],
+    ),
 }
 
 #: Two sliding-window MLA layers of head 256 (block 16) and two of head 128
@@ -202,6 +234,26 @@ def test_sliding_window_mla_groups_mixing_block_sizes_are_a_finding() -> None:
     assert "scheduler block 16, hash block 16 tokens; owed 32 and 16" in detail
 
 
+def test_a_hidden_state_layer_too_wide_for_the_page_scales_every_block() -> None:
+    # 8 x 2048 bf16 elements a token (32768 bytes) against an 8192-byte page:
+    # every block and page x 4, the hidden-state block 1 token.
+    scenario = load_entry(HIDDEN_SCALED).scenario
+    plan = observe_kv_cache_plan(scenario)
+    assert plan is not None and plan.error is None
+    assert [(g.spec, g.block_size_tokens, g.page_size_bytes) for g in plan.groups] == [
+        ("FullAttentionSpec", 64, (32768,)),
+        ("SlidingWindowSpec", 64, (32768,)),
+        ("HiddenStateCacheSpec", 1, (32768,)),
+    ]
+    assert (plan.scheduler_block_size_tokens, plan.hash_block_size_tokens) == (64, 1)
+    assert [(g.kind, g.block_size_tokens) for g in scenario.kv_cache_groups] == [
+        (K.FULL_ATTENTION, 64),
+        (K.SLIDING_WINDOW, 64),
+        (K.MLA, 1),
+    ]
+    assert _findings(scenario, plan) == []
+
+
 def test_one_type_with_three_pages_gets_three_tensors_end_to_end() -> None:
     # 8, 4 and 2 KV heads of 128: pages 65536, 32768 and 16384 bytes, one
     # block 3 x 65536 + 2 x 32768 + 16384 = 278528 bytes, 43 blocks.
@@ -236,7 +288,8 @@ def test_a_multi_module_mtp_tail_stays_in_every_sliding_window() -> None:
 
 def test_every_shipped_model_scenario_plans_as_owed() -> None:
     judged = []
-    for path in [MIMO, NAS, NEAR, *sorted((ROOT / "models" / "scenarios").glob("*.json"))]:
+    shipped = [MIMO, NAS, NEAR, HIDDEN, HIDDEN_SCALED, FALLBACK]
+    for path in [*shipped, *sorted((ROOT / "models" / "scenarios").glob("*.json"))]:
         scenario = load_entry(path).scenario
         assert scenario.model is not None
         assert _findings(scenario, observe_kv_cache_plan(scenario)) == [], path.name
@@ -247,6 +300,9 @@ def test_every_shipped_model_scenario_plans_as_owed() -> None:
         "mimo-v2-unequal-pages",
         "nemotron-nas-per-layer-kv-heads",
         "near-equal-layer-counts-pad-to-the-larger",
+        "hidden-state-layer-gets-its-own-block",
+        "hidden-state-layer-scales-every-block",
+        "mla-page-not-dividing-full-allocation-fallback",
         "gemma4-mtp",
         "gpt-oss-20b-eagle3",
         "llama4-scout",
@@ -322,7 +378,14 @@ def test_drawn_models_plan_into_their_scenarios_groups(scenario: Scenario) -> No
         return
     plan = observe_kv_cache_plan(scenario)
     assert plan is not None and plan.error is None
+    # A drawn hidden-state layer comes last, planned in an MLA group.
+    hidden = scenario.model.layers[-1].hidden_state
+    last = len(scenario.kv_cache_groups) - 1
     assert [(g.spec, g.block_size_tokens) for g in plan.groups] == [
-        (SPEC_CLASS[g.kind], g.block_size_tokens) for g in scenario.kv_cache_groups
+        (
+            "HiddenStateCacheSpec" if hidden and i == last else SPEC_CLASS[g.kind],
+            g.block_size_tokens,
+        )
+        for i, g in enumerate(scenario.kv_cache_groups)
     ]
     assert _findings(scenario, plan) == []

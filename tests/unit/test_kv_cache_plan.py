@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from differential.errors import ScenarioError
 from differential.findings import FindingKind
 from differential.observation import KVCachePlan, PlannedGroup, RunObservation
 from differential.oracle.layout import (
@@ -187,11 +188,12 @@ def test_tensors_of_the_mimo_layout() -> None:
     [
         _model(LayerSpec(K.FULL_ATTENTION), layout="BLHNC"),  # packed pages
         _model(LayerSpec(K.MLA, tokens_per_state=4), LayerSpec(K.FULL_ATTENTION)),
-        # An MLA page of 16 x 3 x 2 = 96 bytes does not divide a sliding-window
-        # page of 2 x 16 x 2 x 2 = 128: vLLM's full-allocation fallback.
+        # An MLA page that does not divide the largest beside Mamba: no
+        # fallback either (vLLM raises).
         _model(
             LayerSpec(K.MLA, head_size=3),
             LayerSpec(K.SLIDING_WINDOW, head_size=2, sliding_window_tokens=64),
+            LayerSpec(K.MAMBA, mamba_state_shapes=((64,),), mamba_state_dtypes=("bfloat16",)),
         ),
         # Mamba layers of one block with mixed pages.
         _model(
@@ -206,6 +208,79 @@ def test_tensors_of_the_mimo_layout() -> None:
 )
 def test_what_the_rules_do_not_judge(model: ModelDescription) -> None:
     assert owed_groups(model) is None
+
+
+def test_an_mla_page_not_dividing_the_largest_takes_the_full_allocation_fallback() -> None:
+    # An MLA page of 16 x 3 x 2 = 96 bytes does not divide a sliding-window
+    # page of 2 x 16 x 2 x 2 = 128: one group of mixed pages at 16 tokens,
+    # the window allocated as full attention (its page unchanged at 16).
+    model = _model(
+        LayerSpec(K.MLA, head_size=3),
+        LayerSpec(K.SLIDING_WINDOW, head_size=2, sliding_window_tokens=64),
+    )
+    assert owed_groups(model, extra_retained_tokens=2) == (
+        OwedGroup("UniformTypeKVCacheSpecs", 16, _names(0, 1), (96, 128)),
+    )
+
+
+# Full attention and a sliding window of 1 KV head of 128 at 16 tokens:
+# pages of 2 x 16 x 128 x 2 = 8192 bytes.
+_FA = LayerSpec(K.FULL_ATTENTION)
+_SW = LayerSpec(K.SLIDING_WINDOW, sliding_window_tokens=64)
+
+
+@pytest.mark.parametrize(
+    ("others", "heads", "hidden", "blocks", "page"),
+    [
+        # 2 x 512 x 2 = 2048 bytes a token: 4 tokens fit 8192, and 4 divides 16.
+        ((_FA, _SW), 2, 512, (16, 16, 4), 8192),
+        # 1 x 1280 x 2 = 2560 bytes: 3 tokens fit, 3 does not divide 16: 2.
+        ((_FA, _SW), 1, 1280, (16, 16, 2), 8192),
+        # 1 x 256 x 2 = 512 bytes: 16 fit, and the block is 16.
+        ((_FA, _SW), 1, 256, (16, 16, 16), 8192),
+        # A full-attention page of 4096 at 16 tokens (head 64) doubles its
+        # block to 32: the hidden-state block divides their GCD, 16: 8.
+        ((LayerSpec(K.FULL_ATTENTION, head_size=64), _SW), 1, 512, (32, 16, 8), 8192),
+        # 8 x 2048 x 2 = 32768 bytes: one entry needs every page x 4, the
+        # blocks x 4, and 1 token fits.
+        ((_FA, _SW), 8, 2048, (64, 64, 1), 32768),
+        # 3 x 2048 x 2 = 12288 bytes: pages x 2 (16384), 1 token fits.
+        ((_FA, _SW), 3, 2048, (32, 32, 1), 16384),
+    ],
+)
+def test_a_hidden_state_layer_gets_a_group_and_block_of_its_own(
+    others: tuple[LayerSpec, ...],
+    heads: int,
+    hidden: int,
+    blocks: tuple[int, ...],
+    page: int,
+) -> None:
+    layer = LayerSpec(K.MLA, num_kv_heads=heads, head_size=hidden, hidden_state=True)
+    owed = owed_groups(_model(*others, layer))
+    assert owed is not None
+    assert [(g.spec, g.block_size_tokens, g.layers, g.page_size_bytes) for g in owed] == [
+        ("FullAttentionSpec", blocks[0], _names(0), (page,)),
+        ("SlidingWindowSpec", blocks[1], _names(1), (page,)),
+        ("HiddenStateCacheSpec", blocks[2], _names(2), (page,)),
+    ]
+
+
+def test_a_hidden_state_layer_beside_one_attention_type_joins_its_group() -> None:
+    # All full-attention-family specs at one block: one group of mixed
+    # pages (UniformTypeKVCacheSpecs), the hidden-state layer in it.
+    hidden = LayerSpec(K.MLA, num_kv_heads=2, head_size=256, hidden_state=True)
+    owed = owed_groups(_model(_FA, _FA, hidden))
+    assert owed == (OwedGroup("UniformTypeKVCacheSpecs", 16, _names(0, 1, 2), (8192, 8192, 16384)),)
+    # Hidden-state layers alone, all alike: one HiddenStateCacheSpec group.
+    assert owed_groups(_model(dataclasses.replace(hidden, count=2))) == (
+        OwedGroup("HiddenStateCacheSpec", 16, _names(0, 1), (16384, 16384)),
+    )
+
+
+def test_hidden_state_is_an_mla_layer_only() -> None:
+    with pytest.raises(ScenarioError) as raised:
+        _model(LayerSpec(K.FULL_ATTENTION, hidden_state=True))
+    assert raised.value.field == "model.layers[0].hidden_state"
 
 
 def _scenario() -> Scenario:
@@ -305,7 +380,13 @@ def test_every_drawn_model_owes_its_scenarios_groups(scenario: Scenario) -> None
         return
     owed = owed_groups(scenario.model)
     assert owed is not None
+    # A drawn hidden-state layer comes last, as vLLM plans its group.
+    hidden = scenario.model.layers[-1].hidden_state
     assert [(g.spec, g.block_size_tokens) for g in owed] == [
-        (SPEC_CLASS[g.kind], g.block_size_tokens) for g in scenario.kv_cache_groups
+        (
+            "HiddenStateCacheSpec" if hidden and i == len(owed) - 1 else SPEC_CLASS[g.kind],
+            g.block_size_tokens,
+        )
+        for i, g in enumerate(scenario.kv_cache_groups)
     ]
     assert len({g.block_size_tokens for g in scenario.kv_cache_groups}) > 1  # unequal pages
