@@ -32,6 +32,7 @@ __all__ = [
     "RunObservation",
     "StepTable",
     "StoreCall",
+    "event_extra_keys",
     "runs_of",
     "tokens_of",
 ]
@@ -196,6 +197,11 @@ class KVEvent:
         lookahead: (stored) ``lookahead_token_ids``: per block hash, the
             token ids past its block that the hash covers; ``None`` when the
             event carries none (lookahead hashing off).
+        extra_keys: (stored) ``extra_keys``: per block hash, the untagged
+            keys its hash covers besides the token ids (an image's
+            ``(identifier, offset in the block's tokens)`` pair, a cache
+            salt), ``None`` for a block with none; ``None`` when the event
+            carries no list.
     """
 
     kind: str
@@ -208,6 +214,7 @@ class KVEvent:
     sliding_window: int | None = None
     lookup: int | None = None
     lookahead: tuple[tuple[int, ...], ...] | None = None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVEvent:
@@ -225,6 +232,7 @@ class KVEvent:
             lookahead=None
             if data.get("lookahead") is None
             else tuple(tuple(ids) for ids in data["lookahead"]),
+            extra_keys=event_extra_keys(data.get("extra_keys")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -242,7 +250,26 @@ class KVEvent:
             out["lookup"] = self.lookup
         if self.lookahead is not None:
             out["lookahead"] = [list(ids) for ids in self.lookahead]
+        if self.extra_keys is not None:
+            out["extra_keys"] = [
+                None if keys is None else [list(k) if isinstance(k, tuple) else k for k in keys]
+                for keys in self.extra_keys
+            ]
         return out
+
+
+def event_extra_keys(keys: Any) -> tuple[tuple[Any, ...] | None, ...] | None:
+    """A ``BlockStored.extra_keys`` list (or its JSON form) as tuples: per
+    block ``None`` or a tuple of keys, each an ``(identifier, offset)`` pair
+    as a tuple or a bare value (a cache salt)."""
+    if keys is None:
+        return None
+    return tuple(
+        None
+        if block is None
+        else tuple(tuple(k) if isinstance(k, (list, tuple)) else k for k in block)
+        for block in keys
+    )
 
 
 @dataclass(frozen=True)
@@ -332,11 +359,15 @@ class KVEventLog:
             is the chained block hash vLLM's hasher gave that request's first
             ``tokens`` tokens (``Request.block_hashes``, at the hash block
             size); a label naming no request's prefix is absent.
+        extra_keys: whether the events' ``extra_keys`` were recorded
+            (:attr:`KVEvent.extra_keys`); a log written before they were is
+            not judged on them.
     """
 
     report_mode: str
     steps: tuple[KVEventStep, ...] = ()
     prefixes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    extra_keys: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVEventLog:
@@ -345,6 +376,7 @@ class KVEventLog:
             report_mode=data["report_mode"],
             steps=tuple(KVEventStep.from_dict(s) for s in data.get("steps", ())),
             prefixes={int(k): (v[0], v[1]) for k, v in data.get("prefixes", {}).items()},
+            extra_keys=bool(data.get("extra_keys", False)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -353,6 +385,7 @@ class KVEventLog:
             "report_mode": self.report_mode,
             "steps": [s.to_dict() for s in self.steps],
             "prefixes": {str(k): list(v) for k, v in sorted(self.prefixes.items())},
+            **({"extra_keys": True} if self.extra_keys else {}),
         }
 
     @property
@@ -825,27 +858,31 @@ class ConnectorLookup:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {
-            "local_hit_tokens": self.local_hit_tokens,
-            "presented_tokens": self.presented_tokens,
-            "matched_tokens": self.matched_tokens,
-            "store_tokens": self.store_tokens,
-            "local_tokens": self.local_tokens,
-            "external_tokens": self.external_tokens,
-            "load_async": self.load_async,
-            "diverged": self.diverged,
-            "load_failed": self.load_failed,
-        } | (
-            {}
-            if self.prefill_tokens is None
-            else {
-                "prefill_hit_tokens": self.prefill_hit_tokens,
-                "prefill_tokens": self.prefill_tokens,
+        return (
+            {
+                "local_hit_tokens": self.local_hit_tokens,
+                "presented_tokens": self.presented_tokens,
+                "matched_tokens": self.matched_tokens,
+                "store_tokens": self.store_tokens,
+                "local_tokens": self.local_tokens,
+                "external_tokens": self.external_tokens,
+                "load_async": self.load_async,
+                "diverged": self.diverged,
+                "load_failed": self.load_failed,
             }
-        ) | (
-            {}
-            if self.load_targets is None
-            else {"load_targets": [[list(t) for t in group] for group in self.load_targets]}
+            | (
+                {}
+                if self.prefill_tokens is None
+                else {
+                    "prefill_hit_tokens": self.prefill_hit_tokens,
+                    "prefill_tokens": self.prefill_tokens,
+                }
+            )
+            | (
+                {}
+                if self.load_targets is None
+                else {"load_targets": [[list(t) for t in group] for group in self.load_targets]}
+            )
         )
 
 

@@ -32,6 +32,7 @@ from differential.observation import (
     KVEventLog,
     KVEventLookup,
     KVEventStep,
+    event_extra_keys,
     runs_of,
 )
 
@@ -182,6 +183,7 @@ class EventRecorder:
                 lookahead=None
                 if (ahead := getattr(event, "lookahead_token_ids", None)) is None
                 else tuple(tuple(ids) for ids in ahead),
+                extra_keys=event_extra_keys(getattr(event, "extra_keys", None)),
             )
         if name == "BlockRemoved":
             return KVEvent(
@@ -205,4 +207,9 @@ class EventRecorder:
                 label = self.labels.get(maybe_convert_block_hash(block_hash))
                 if label is not None and label not in prefixes:
                     prefixes[label] = (index, (k + 1) * self.hash_block_size)
-        return KVEventLog(report_mode=self.report_mode, steps=tuple(self.steps), prefixes=prefixes)
+        return KVEventLog(
+            report_mode=self.report_mode,
+            steps=tuple(self.steps),
+            prefixes=prefixes,
+            extra_keys=True,
+        )

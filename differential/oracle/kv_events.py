@@ -62,7 +62,18 @@ The contract, rule by rule, judged after every drain of the event queue
     (``num_hash_lookahead_tokens``) its ``lookahead_token_ids`` hold, per
     block hash, the ``k`` tokens past that block the hash covers ("Tokens
     beyond each block used in its hash", vllm/distributed/kv_events.py), so
-    a consumer can recompute it; with none, no list.
+    a consumer can recompute it; with none, no list. Its ``extra_keys`` hold,
+    per block hash, the untagged keys that hash covers besides the token ids
+    ("Extra keys used in block hash computation, one entry per block in
+    block_hashes ... ``(mm_identifier, offset)`` pairs, the cache_salt
+    string", ``BlockStored``; ``to_event_extra_keys`` in
+    vllm/v1/core/kv_cache_utils.py, whose external consumers parse that
+    shape): an ``(identifier, offset)`` pair for every image whose
+    placeholder tokens overlap the block or its lookahead tokens, the offset
+    counted from the block's first token (negative for an image begun in an
+    earlier block), in prompt order, then the request's cache salt on the
+    block starting at token 0; ``None`` for a block with none. A list of
+    ``None`` may be left out (no block has keys).
 ``removed``
     A ``BlockRemoved`` removes only a block stored before in that group (the
     replay holds the hash), and names a KV cache group.
@@ -89,11 +100,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import KVEvent, KVEventLog, KVEventLookup, RunObservation, tokens_of
 from differential.oracle.prefix import pairwise_common_prefix_tokens, scenario_memo
 from differential.scenario import GroupKind, KVCacheGroup, KVEventsView, Scenario
+from differential.scenario.multimodal import PlacedInput, placed_inputs
 
 __all__ = ["RULES", "SPEC_KIND", "kv_event_findings", "kv_event_rule"]
 
@@ -135,6 +148,8 @@ class _Judge:
     )
     # Row j: the common prefix of sequence j and each earlier one, in tokens.
     common: list[list[int]] = field(default_factory=list)
+    # Per request, its images in prompt order (placed_inputs).
+    images: tuple[tuple[PlacedInput, ...], ...] = ()
 
     def breach(self, rule: str, request: int | None, what: str) -> None:
         self.breaches[rule].append((request, what))
@@ -245,9 +260,54 @@ class _Judge:
                 f"{size} tokens (a full-attention group skips no block)",
             )
             return
-        wrong = self.lookahead_ids(where, event)
+        wrong = self.lookahead_ids(where, event) or self.extra_keys(where, event)
         if wrong:
             self.breach("stored", owner, wrong)
+
+    def extra_keys(self, where: str, event: KVEvent) -> str | None:
+        """The ``stored`` rule's extra-keys part: per block hash, the images
+        overlapping the tokens it covers, as ``(identifier, offset from the
+        block's first token)``, then the cache salt on a block starting at
+        token 0 (module docstring). Judged when the log recorded them and
+        the lookahead is known; the hashes are already known to name their
+        prefixes (:meth:`stored`)."""
+        if not self.log.extra_keys or self.lookahead_tokens is None:
+            return None
+        owed = [
+            self.owed_extra_keys(*self.log.prefixes[label], event.block_size)
+            for label in event.hashes
+        ]
+        if event.extra_keys is None and not any(owed):
+            return None
+        got = event.extra_keys or ()
+        if len(got) != len(owed):
+            return (
+                f"{where} carries {len(got)} extra-key entries for {len(owed)} block hashes "
+                f"(owed {[_keys(k) for k in owed]})"
+            )
+        for n, (label, keys, due) in enumerate(zip(event.hashes, got, owed, strict=True)):
+            if keys != due:
+                request, boundary = self.log.prefixes[label]
+                return (
+                    f"{where}: block hash {n}'s extra keys are {_keys(keys)}; request "
+                    f"{request}'s block [{boundary - event.block_size}, {boundary}) owes "
+                    f"{_keys(due)}"
+                )
+        return None
+
+    def owed_extra_keys(self, request: int, boundary: int, size: int) -> tuple[Any, ...] | None:
+        """The untagged extra keys of ``request``'s block of ``size`` tokens
+        ending at ``boundary`` (tokens), its lookahead tokens included."""
+        start, end = boundary - size, boundary + (self.lookahead_tokens or 0)
+        keys: list[Any] = [
+            (image.identifier, image.offset_tokens - start)
+            for image in self.images[request]
+            if image.offset_tokens < end and image.offset_tokens + image.length_tokens > start
+        ]
+        salt = self.scenario.requests[request].cache_salt
+        if start == 0 and salt:
+            keys.append(salt)
+        return tuple(keys) or None
 
     def lookahead_ids(self, where: str, event: KVEvent) -> str | None:
         """The ``stored`` rule's lookahead part: with ``k`` lookahead tokens
@@ -469,7 +529,14 @@ def kv_event_findings(
         ]
         known = memo["kv_event_sequences"] = (sequences, pairwise_common_prefix_tokens(sequences))
     lookahead = None if run.settings is None else run.settings.num_hash_lookahead_tokens
-    judge = _Judge(scenario, log, known[0], lookahead_tokens=lookahead, common=known[1])
+    judge = _Judge(
+        scenario,
+        log,
+        known[0],
+        lookahead_tokens=lookahead,
+        common=known[1],
+        images=placed_inputs(scenario.requests),
+    )
     judge.run()
     findings = []
     for rule in RULES:
@@ -488,6 +555,11 @@ def kv_event_findings(
             )
         )
     return findings
+
+
+def _keys(keys: tuple[Any, ...] | None) -> str:
+    """One block's extra keys as a finding names them."""
+    return "none" if keys is None else "[" + ", ".join(repr(k) for k in keys) + "]"
 
 
 def kv_event_rule(finding: Finding) -> str:

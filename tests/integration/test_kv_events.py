@@ -213,8 +213,7 @@ def test_lookahead_token_ids_are_the_tokens_each_hash_covers() -> None:
     assert kv_event_findings(scenario, run) == []
     # One id off in the second list: the stored rule names the block and the due ids.
     shifted = [
-        dataclasses.replace(e, lookahead=((50,),)) if e is stored[1] else e
-        for e in _events(run)
+        dataclasses.replace(e, lookahead=((50,),)) if e is stored[1] else e for e in _events(run)
     ]
     assert shifted != _events(run)
     steps = []
@@ -228,3 +227,48 @@ def test_lookahead_token_ids_are_the_tokens_each_hash_covers() -> None:
         "stored: step 1: BlockStored of group 0: block hash 0's lookahead token ids are "
         "[50]; its hash covers the 1 tokens past its block at 48 tokens, [49]"
     )
+
+
+@pytest.mark.parametrize("mode", [None, DriveMode.SCHEDULER])
+def test_extra_keys_carry_each_blocks_image_offsets_and_the_salt(mode: DriveMode | None) -> None:
+    scenario, run = _run("kv-events-extra-keys-image-and-salt", mode)
+    assert run.hits == (0, 0, 96, 0, 96)
+    stored = [e for e in _events(run) if e.kind == "stored"]
+    # Tenant a's six blocks: the salt on block 0, the image (tokens 24..63)
+    # at offsets 8, -8 and -24 from the first tokens of blocks 1, 2 and 3.
+    assert stored[0].extra_keys == (
+        ("tenant-a",),
+        (("scan", 8),),
+        (("scan", -8),),
+        (("scan", -24),),
+        None,
+        None,
+    )
+    # The unsalted request's first block has no key.
+    assert stored[2].extra_keys is not None and stored[2].extra_keys[0] is None
+    assert kv_event_findings(scenario, run) == []
+    # Offsets counted from token 0 instead: the stored rule names the block.
+    wrong = dataclasses.replace(
+        stored[0], extra_keys=(("tenant-a",), (("scan", 24),), *stored[0].extra_keys[2:])
+    )
+    steps = tuple(
+        dataclasses.replace(step, events=tuple(wrong if e is stored[0] else e for e in step.events))
+        for step in run.kv_events.steps
+    )
+    bad = dataclasses.replace(run, kv_events=dataclasses.replace(run.kv_events, steps=steps))
+    (finding,) = kv_event_findings(scenario, bad)
+    assert finding.detail == (
+        "stored: step 0: BlockStored of group 0: block hash 1's extra keys are "
+        "[('scan', 24)]; request 0's block [16, 32) owes [('scan', 8)]"
+    )
+    # No list at all where keys are owed.
+    bare = dataclasses.replace(stored[0], extra_keys=None)
+    steps = tuple(
+        dataclasses.replace(step, events=tuple(bare if e is stored[0] else e for e in step.events))
+        for step in run.kv_events.steps
+    )
+    (finding,) = kv_event_findings(
+        scenario,
+        dataclasses.replace(run, kv_events=dataclasses.replace(run.kv_events, steps=steps)),
+    )
+    assert "carries 0 extra-key entries for 6 block hashes" in finding.detail

@@ -260,6 +260,16 @@ def test_the_log_round_trips_through_json() -> None:
     assert ahead.to_dict()["lookahead"] == [[17], [33]]
     assert KVEvent.from_dict(ahead.to_dict()) == ahead
     assert "lookahead" not in KVEvent("stored", 0, (1,), None, 16, ((1, 16),)).to_dict()
+    # Extra keys: a salt, an image's (identifier, offset) pair, or none.
+    keyed = KVEvent(
+        "stored", 0, (1, 2, 3), None, 16, ((1, 48),), extra_keys=(("s",), (("img", -8),), None)
+    )
+    assert keyed.to_dict()["extra_keys"] == [["s"], [["img", -8]], None]
+    assert KVEvent.from_dict(json.loads(json.dumps(keyed.to_dict()))) == keyed
+    recorded = KVEventLog("incremental", (FIRST,), dict(PREFIXES), extra_keys=True)
+    assert KVEventLog.from_dict(json.loads(json.dumps(recorded.to_dict()))) == recorded
+    # A log written before extra keys were recorded reads as not recording them.
+    assert KVEventLog.from_dict(KVEventLog("full", (FIRST,)).to_dict()).extra_keys is False
 
 
 def watermarked(watermark: float = 0.3) -> Scenario:
@@ -367,8 +377,9 @@ def test_the_scheduler_mode_generator_reaches_the_router_view() -> None:
     from tests.factories import reach
 
     found = reach(
-        lambda s: s.workload.kv_events_view is KVEventsView.ROUTER
-        and s.workload.pool_blocks is not None,
+        lambda s: (
+            s.workload.kv_events_view is KVEventsView.ROUTER and s.workload.pool_blocks is not None
+        ),
         engine_scenarios(),
     )
     assert found.workload.mode is DriveMode.SCHEDULER
