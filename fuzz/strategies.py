@@ -1213,13 +1213,7 @@ def _hidden_state_layer(draw: st.DrawFn, scenario: Scenario) -> Scenario:
     grown = (*groups, KVCacheGroup(GroupKind.MLA, block))
     workload = scenario.workload
     if workload.pool_blocks is not None:
-        lengths = [r.prompt_tokens for r in scenario.requests]
-        reserve = scenario.decode_steps + 2 * scenario.drafter.num_speculative_tokens + 2
-        spec = scenario.drafter.num_speculative_tokens
-        before = _pool_bounds(groups, lengths, len(lengths), reserve, spec)
-        after = _pool_bounds(grown, lengths, len(lengths), reserve, spec)
-        pool = max(after[0], workload.pool_blocks + after[1] - before[1])
-        workload = dataclasses.replace(workload, pool_blocks=pool)
+        workload = dataclasses.replace(workload, pool_blocks=_grown_pool(scenario, grown))
     return dataclasses.replace(
         scenario,
         kv_cache_groups=grown,
@@ -1247,14 +1241,20 @@ def _undriven_managers(draw: st.DrawFn, scenario: Scenario) -> Scenario:
     if kinds & {GroupKind.MAMBA, GroupKind.CHUNKED_LOCAL_ATTENTION} or scenario.dcp_world_size > 1:
         return scenario
     groups = _pin(scenario.kv_cache_groups, frozenset({GroupKind.CIRCULAR_BUFFER}))
+    workload = dataclasses.replace(scenario.workload, pool_blocks=_grown_pool(scenario, groups))
+    return dataclasses.replace(scenario, kv_cache_groups=groups, workload=workload)
+
+
+def _grown_pool(scenario: Scenario, groups: tuple[KVCacheGroup, ...]) -> int:
+    """The pool, in blocks, once ``scenario``'s groups become ``groups``:
+    its blocks (none when unset) grown by the working set the new groups
+    add, and at least the fewest blocks they need (:func:`_pool_bounds`)."""
     lengths = [r.prompt_tokens for r in scenario.requests]
     reserve = scenario.decode_steps + 2 * scenario.drafter.num_speculative_tokens + 2
     spec = scenario.drafter.num_speculative_tokens
     before = _pool_bounds(scenario.kv_cache_groups, lengths, len(lengths), reserve, spec)
     after = _pool_bounds(groups, lengths, len(lengths), reserve, spec)
-    pool = max(after[0], (scenario.workload.pool_blocks or 0) + after[1] - before[1])
-    workload = dataclasses.replace(scenario.workload, pool_blocks=pool)
-    return dataclasses.replace(scenario, kv_cache_groups=groups, workload=workload)
+    return max(after[0], (scenario.workload.pool_blocks or 0) + after[1] - before[1])
 
 
 def _disaggregation(draw: st.DrawFn, scenario: Scenario) -> Scenario:

@@ -519,15 +519,19 @@ def kv_event_findings(
     log = run.kv_events
     if log is None:
         return []
-    # The requests' token sequences and their pairwise common prefixes depend
-    # on the scenario alone: computed once for all its runs.
+    # The requests' token sequences, their pairwise common prefixes and their
+    # images depend on the scenario alone: computed once for all its runs.
     memo = scenario_memo(scenario)
     known = memo.get("kv_event_sequences")
     if known is None:
         sequences = [
             scenario.prompts[i] + scenario.sampled_tokens(i) for i in range(len(scenario.requests))
         ]
-        known = memo["kv_event_sequences"] = (sequences, pairwise_common_prefix_tokens(sequences))
+        known = memo["kv_event_sequences"] = (
+            sequences,
+            pairwise_common_prefix_tokens(sequences),
+            placed_inputs(scenario.requests),
+        )
     lookahead = None if run.settings is None else run.settings.num_hash_lookahead_tokens
     judge = _Judge(
         scenario,
@@ -535,7 +539,7 @@ def kv_event_findings(
         known[0],
         lookahead_tokens=lookahead,
         common=known[1],
-        images=placed_inputs(scenario.requests),
+        images=known[2],
     )
     judge.run()
     findings = []

@@ -35,6 +35,15 @@ def _events(run):
     return [e for step in run.kv_events.steps for e in step.events]
 
 
+def _replaced(run, old, new):
+    """``run`` with its event ``old`` (the very object) replaced by ``new``."""
+    steps = tuple(
+        dataclasses.replace(step, events=tuple(new if e is old else e for e in step.events))
+        for step in run.kv_events.steps
+    )
+    return dataclasses.replace(run, kv_events=dataclasses.replace(run.kv_events, steps=steps))
+
+
 def test_full_report_mode_reannounces_reused_blocks_in_both_modes() -> None:
     scenario, manager = _run("kv-events-full-swa-reannounced")
     assert manager.hits == (0, 64, 32)
@@ -251,24 +260,12 @@ def test_extra_keys_carry_each_blocks_image_offsets_and_the_salt(mode: DriveMode
     wrong = dataclasses.replace(
         stored[0], extra_keys=(("tenant-a",), (("scan", 24),), *stored[0].extra_keys[2:])
     )
-    steps = tuple(
-        dataclasses.replace(step, events=tuple(wrong if e is stored[0] else e for e in step.events))
-        for step in run.kv_events.steps
-    )
-    bad = dataclasses.replace(run, kv_events=dataclasses.replace(run.kv_events, steps=steps))
-    (finding,) = kv_event_findings(scenario, bad)
+    (finding,) = kv_event_findings(scenario, _replaced(run, stored[0], wrong))
     assert finding.detail == (
         "stored: step 0: BlockStored of group 0: block hash 1's extra keys are "
         "[('scan', 24)]; request 0's block [16, 32) owes [('scan', 8)]"
     )
     # No list at all where keys are owed.
     bare = dataclasses.replace(stored[0], extra_keys=None)
-    steps = tuple(
-        dataclasses.replace(step, events=tuple(bare if e is stored[0] else e for e in step.events))
-        for step in run.kv_events.steps
-    )
-    (finding,) = kv_event_findings(
-        scenario,
-        dataclasses.replace(run, kv_events=dataclasses.replace(run.kv_events, steps=steps)),
-    )
+    (finding,) = kv_event_findings(scenario, _replaced(run, stored[0], bare))
     assert "carries 0 extra-key entries for 6 block hashes" in finding.detail
