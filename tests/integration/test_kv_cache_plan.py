@@ -17,12 +17,13 @@ from differential.driver.planner import observe_kv_cache_plan
 from differential.mutation.mutants import MODULES, enumerate_mutants, installed_vllm
 from differential.mutation.score import MutantOutcome, MutantStatus, run_mutation
 from differential.observation import KVCachePlan, RunObservation
-from differential.oracle.layout import SPEC_CLASS, kv_cache_plan_findings, owed_groups
+from differential.oracle.layout import kv_cache_plan_findings, owed_groups
 from differential.scenario import GroupKind, Scenario
 from differential.scenario.drafter import Drafter, DrafterKind
 from differential.scenario.models import LayerSpec, ModelDescription
 from fuzz.strategies import scenarios
 from tests.factories import CORPORA, ROOT
+from tests.unit.test_kv_cache_plan import drawn_specs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("forked_tree_workers")]
 
@@ -378,14 +379,5 @@ def test_drawn_models_plan_into_their_scenarios_groups(scenario: Scenario) -> No
         return
     plan = observe_kv_cache_plan(scenario)
     assert plan is not None and plan.error is None
-    # A drawn hidden-state layer comes last, planned in an MLA group.
-    hidden = scenario.model.layers[-1].hidden_state
-    last = len(scenario.kv_cache_groups) - 1
-    assert [(g.spec, g.block_size_tokens) for g in plan.groups] == [
-        (
-            "HiddenStateCacheSpec" if hidden and i == last else SPEC_CLASS[g.kind],
-            g.block_size_tokens,
-        )
-        for i, g in enumerate(scenario.kv_cache_groups)
-    ]
+    assert [(g.spec, g.block_size_tokens) for g in plan.groups] == drawn_specs(scenario)
     assert _findings(scenario, plan) == []

@@ -373,6 +373,22 @@ def test_the_generator_builds_a_model_back_from_its_groups() -> None:
     assert model_of((KVCacheGroup(K.FULL_ATTENTION, 32), KVCacheGroup(K.MLA, 16))) is None
 
 
+def drawn_specs(scenario: Scenario) -> list[tuple[str, int]]:
+    """Per group of a drawn model-level scenario, the spec class and block
+    (tokens) its model's plan gives it: a drawn hidden-state layer comes last,
+    in a ``HiddenStateCacheSpec`` group (an MLA group in the scenario)."""
+    assert scenario.model is not None
+    hidden = scenario.model.layers[-1].hidden_state
+    last = len(scenario.kv_cache_groups) - 1
+    return [
+        (
+            "HiddenStateCacheSpec" if hidden and i == last else SPEC_CLASS[g.kind],
+            g.block_size_tokens,
+        )
+        for i, g in enumerate(scenario.kv_cache_groups)
+    ]
+
+
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(scenarios())
 def test_every_drawn_model_owes_its_scenarios_groups(scenario: Scenario) -> None:
@@ -380,13 +396,5 @@ def test_every_drawn_model_owes_its_scenarios_groups(scenario: Scenario) -> None
         return
     owed = owed_groups(scenario.model)
     assert owed is not None
-    # A drawn hidden-state layer comes last, as vLLM plans its group.
-    hidden = scenario.model.layers[-1].hidden_state
-    assert [(g.spec, g.block_size_tokens) for g in owed] == [
-        (
-            "HiddenStateCacheSpec" if hidden and i == len(owed) - 1 else SPEC_CLASS[g.kind],
-            g.block_size_tokens,
-        )
-        for i, g in enumerate(scenario.kv_cache_groups)
-    ]
+    assert [(g.spec, g.block_size_tokens) for g in owed] == drawn_specs(scenario)
     assert len({g.block_size_tokens for g in scenario.kv_cache_groups}) > 1  # unequal pages
