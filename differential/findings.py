@@ -161,6 +161,12 @@ class FindingKind(StrEnum):
     others were scheduled and left fewer free blocks than the KV cache
     watermark (``SchedulerConfig.watermark``, vLLM PR #44594) keeps
     (:mod:`differential.oracle.watermark`)."""
+    REPLAY = "replay"
+    """(scheduler mode, a bounded-replay group) a request was first
+    scheduled with other computed tokens or another ``replay_start`` than
+    its hit owes: the hit's last window recomputed, a hit no longer than the
+    window not adopted (DeepSeek-V4.1's SWA bounded replay, vLLM PR #56227;
+    :mod:`differential.oracle.replay`)."""
     CACHE_METRICS = "cache-metrics"
     """What vLLM reports about its cache is wrong: the prefix-cache
     statistics of a hit-rate dashboard (issues #43736, #25780), the KV cache

@@ -1024,6 +1024,11 @@ class RequestObservation:
         connector: (scheduler mode with a connector's remote store) what the
             store was asked at the admitting lookup and what vLLM adopted
             (:class:`ConnectorLookup`); ``None`` otherwise.
+        replay: (scheduler mode, a model with a bounded-replay group) what the
+            worker is told when the request is first scheduled (vLLM's
+            ``NewRequestData``, vllm/v1/core/sched/output.py):
+            ``(num_computed_tokens, replay_start)``, in tokens; ``None``
+            otherwise.
     """
 
     index: int
@@ -1045,6 +1050,7 @@ class RequestObservation:
     resumed: tuple[ResumedLookup, ...] = ()
     step_tables: tuple[StepTable, ...] = ()
     connector: ConnectorLookup | None = None
+    replay: tuple[int, int] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
@@ -1076,6 +1082,7 @@ class RequestObservation:
                 if data.get("connector") is None
                 else ConnectorLookup.from_dict(data["connector"])
             ),
+            replay=None if data.get("replay") is None else tuple(data["replay"]),
         )
 
     @property
@@ -1110,6 +1117,8 @@ class RequestObservation:
             out["step_tables"] = [t.to_list() for t in self.step_tables]
         if self.connector is not None:
             out["connector"] = self.connector.to_dict()
+        if self.replay is not None:
+            out["replay"] = list(self.replay)
         return out
 
     def _base_dict(self) -> dict[str, Any]:
@@ -1312,6 +1321,12 @@ class RunObservation:
             requests were scheduled (its ``has_scheduled_reqs``), as
             ``(request index, step, free blocks right after the call)``, the
             free blocks in blocks (``BlockPool.get_num_free_blocks``).
+        uncovered_steps: (scheduler mode) every scheduled step after which a
+            request had computed more tokens than an attention group's block
+            table holds slots for, as ``(request index, step, group, tokens
+            computed, tokens the table holds)``, in tokens (Mamba and
+            circular-buffer groups are not attention tables); empty when
+            every step's tokens had slots.
         deferred_frees: (scheduler mode, async scheduling with a KV consumer
             connector) every deferred return of a finished or preempted
             request's blocks to the block pool (``Scheduler._drain_deferred_frees``,
@@ -1356,6 +1371,7 @@ class RunObservation:
     newly_cached_blocks_per_group: tuple[int, ...] = ()
     kv_events: KVEventLog | None = None
     watermark_admissions: tuple[tuple[int, int, int], ...] = ()
+    uncovered_steps: tuple[tuple[int, int, int, int, int], ...] = ()
     store_calls: tuple[StoreCall, ...] = ()
     deferred_frees: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
     kv_cache_plan: KVCachePlan | None = None
@@ -1395,6 +1411,10 @@ class RunObservation:
             else KVEventLog.from_dict(data["kv_events"]),
             watermark_admissions=tuple(
                 (i, step, free) for i, step, free in data.get("watermark_admissions", ())
+            ),
+            uncovered_steps=tuple(
+                (i, step, g, computed, held)
+                for i, step, g, computed, held in data.get("uncovered_steps", ())
             ),
             store_calls=tuple(StoreCall.from_dict(c) for c in data.get("store_calls", ())),
             deferred_frees=tuple(
@@ -1436,6 +1456,8 @@ class RunObservation:
             out["kv_events"] = self.kv_events.to_dict()
         if self.watermark_admissions:
             out["watermark_admissions"] = [list(a) for a in self.watermark_admissions]
+        if self.uncovered_steps:
+            out["uncovered_steps"] = [list(u) for u in self.uncovered_steps]
         if self.store_calls:
             out["store_calls"] = [c.to_dict() for c in self.store_calls]
         if self.deferred_frees:

@@ -1164,9 +1164,32 @@ def engine_scenarios(
         )
         # Drawn last, so that every draw above reads the bytes it read before.
         scenario = _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
-        return _prefill_checkpoints(draw, scenario)
+        return _bounded_replay(draw, _prefill_checkpoints(draw, scenario))
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the engine generator produced an invalid scenario: {exc}") from exc
+
+
+def _bounded_replay(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One layout in four with sliding-window MLA groups, not laid out from
+    a model, runs them as DeepSeek-V4.1 does (vLLM PR #56227): the groups of
+    the first one's window take bounded replay (``bounded_replay``: out of
+    prefix caching, a hit's last window recomputed), draft groups and a
+    layout left without a prefix-cacheable group excepted. Drawn only for
+    those, and last, so every other scenario keeps its bytes."""
+    groups = scenario.kv_cache_groups
+    swmla = [g for g in groups if g.kind is GroupKind.SLIDING_WINDOW_MLA and not g.is_eagle_group]
+    if not swmla or scenario.model is not None or draw(st.integers(0, 3)) != 0:
+        return scenario
+    window = swmla[0].sliding_window_tokens
+    replayed = tuple(
+        dataclasses.replace(g, bounded_replay=True)
+        if g in swmla and g.sliding_window_tokens == window
+        else g
+        for g in groups
+    )
+    if not any(g.prefix_cacheable for g in replayed):
+        return scenario
+    return dataclasses.replace(scenario, kv_cache_groups=replayed)
 
 
 def _prefill_checkpoints(draw: st.DrawFn, scenario: Scenario) -> Scenario:

@@ -177,14 +177,14 @@ def _store_groups(kv_cache_config: Any, chunk_tokens: int | None, hash_block: in
     groups: list[_Group] = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
+        if not spec.prefix_cacheable:
+            continue
         if isinstance(spec, MambaSpec):
             kind, own = "state", hash_block
         elif isinstance(spec, SlidingWindowSpec):
             kind, own = "window", spec.block_size
-        elif spec.prefix_cacheable:
-            kind, own = "attention", hash_block
         else:
-            continue
+            kind, own = "attention", hash_block
         groups.append(_Group(gid, kind, chunk_tokens or own, spec))
     return groups
 
@@ -560,10 +560,7 @@ class RemoteStoreConnector(EmptyRemoteConnector):
             return
         by_id = {b.block_id: b for group in blocks.blocks for b in group}
         self.load_targets[request.request_id] = tuple(
-            tuple(
-                (i, bool(by_id[i].is_null), by_id[i].block_hash is not None)
-                for i in group
-            )
+            tuple((i, bool(by_id[i].is_null), by_id[i].block_hash is not None) for i in group)
             for group in targets()
         )
 

@@ -113,7 +113,7 @@ from differential.observation import (
     RunObservation,
     StoreCall,
 )
-from differential.scenario import KVEvents, Scenario
+from differential.scenario import GroupKind, KVEvents, Scenario
 
 __all__ = ["run_scheduler_scenario"]
 
@@ -447,6 +447,9 @@ class _Admission:
     # external tokens adopted, and the connector's answer to this lookup.
     adopted: tuple[int, int] | None = None
     query: Any = None
+    # Set when the request is first scheduled (_admit): NewRequestData's
+    # (num_computed_tokens, replay_start), in tokens.
+    replay: tuple[int, int] | None = None
 
 
 def _record_lookups(
@@ -601,6 +604,7 @@ def _record_writes(
     index_of: dict[str, int],
     writes: dict[int, list[BlockWrite]],
     failures: list[BaseException],
+    replay_tokens: int = 0,
 ) -> None:
     """Wrap this manager's ``allocate_slots`` (an instance attribute, as in
     :func:`_record_lookups`) so the ledger records every step's write: the
@@ -614,6 +618,14 @@ def _record_writes(
 
     Under the FCFS policy the scheduler only preempts requests not yet
     scheduled in the step, so every successful call is a step's write.
+
+    ``replay_tokens``: the window ``W`` of the model's bounded-replay groups
+    (vLLM PR #56227), 0 without one. The Scheduler rewinds a hit's computed
+    count by the window (``Request.replay_start = H - W``, set afresh at
+    every admission and after every remote load), and the steps that
+    recompute the replayed tokens rebuild only that group ("the replayed
+    tokens keep their cached KV in every other group"): what a step writes
+    starts no lower than ``replay_start + W``.
     """
     real = manager.allocate_slots
     # Bound by name: the parameters' order differs between releases.
@@ -635,6 +647,13 @@ def _record_writes(
                 min(start + loaded, getattr(manager, "max_model_len", start + loaded))
                 - getattr(request, "num_in_flight_tokens", 0),
             )
+            replay_start = getattr(request, "replay_start", 0) if replay_tokens else 0
+            if replay_start and not loaded:
+                # (An admission's load ends at the hit: the floor itself.)
+                floor = replay_start + replay_tokens
+                if start < floor:
+                    # A step inside the replayed range: nothing cached is rewritten.
+                    start, end = floor, max(end, floor)
             blocks = given.get("new_computed_blocks")
             adopted = blocks.blocks if blocks is not None else None
             rid = request.request_id
@@ -1304,9 +1323,8 @@ def _observations(
                     else u
                     for u in resumed.get(i, ())
                 ),
-                connector=_connector_lookup(
-                    a, i in failed_loads, targets.get(request_ids[i])
-                ),
+                connector=_connector_lookup(a, i in failed_loads, targets.get(request_ids[i])),
+                replay=a.replay if scenario.prefix_replay_tokens else None,
             )
         )
     return observed
@@ -1363,6 +1381,8 @@ class _RunReport:
     # (request index, step, (group, index) per block in the order freed)
     deferred_frees: list[tuple[int, int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
     metrics: MetricsRecorder | None = None  # prefix-cache statistics and resets
+    # (request index, step, group, tokens computed after the step, tokens its table holds)
+    uncovered: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -1376,6 +1396,8 @@ class _Recorders:
     clock: _FreeQueueClock
     index_of: dict[str, int]  # request id -> scenario index
     writes: dict[int, list[BlockWrite]]  # request index -> its unsafe writes
+    # The groups whose tables are no attention table (Mamba, circular buffer).
+    untabled: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -1571,7 +1593,7 @@ def _install_recorders(
     index_of.update({r.request_id: i for i, r in enumerate(report.requests)})
     writes: dict[int, list[BlockWrite]] = {}
     if ledger is not None:
-        _record_writes(manager, ledger, index_of, writes, failures)
+        _record_writes(manager, ledger, index_of, writes, failures, scenario.prefix_replay_tokens)
         if getattr(scheduler, "defer_block_free", False):
             ledger.hold_deferred(lambda: _fenced(scheduler))
     store = scheduler.connector if workload.connector is not None else None
@@ -1580,7 +1602,12 @@ def _install_recorders(
     clock.install(manager)
     if workload.watermark:
         _record_watermark_admissions(manager, index_of, step, report.watermark_admissions, failures)
-    return _Recorders(step, lookups, failures, clock, index_of, writes)
+    untabled = frozenset(
+        i
+        for i, g in enumerate(scenario.kv_cache_groups)
+        if g.kind in (GroupKind.MAMBA, GroupKind.CIRCULAR_BUFFER)
+    )
+    return _Recorders(step, lookups, failures, clock, index_of, writes, untabled)
 
 
 def _arrivals(
@@ -1617,16 +1644,21 @@ def _arrivals(
 def _admit(out: Any, recorders: _Recorders, progress: _Progress) -> list[int]:
     """The requests ``out`` (a ``SchedulerOutput``) schedules for the first
     time, by scenario index, their admitting lookup kept in
-    ``progress.admitted``; a preempted request's lookup when it is
+    ``progress.admitted`` (with what ``NewRequestData`` tells the worker of
+    its computed tokens and replay start); a preempted request's lookup when it is
     rescheduled goes to ``progress.resumed``."""
     step = recorders.step[0]
     lookups = recorders.lookups
     clock = recorders.clock
     admitted_now = []
+    new = {data.req_id: data for data in out.scheduled_new_reqs}
     for rid in out.num_scheduled_tokens:
         i = recorders.index_of[rid]
         if i not in progress.admitted and lookups.get(rid):
-            progress.admitted[i] = lookups[rid][-1]
+            progress.admitted[i] = admission = lookups[rid][-1]
+            if rid in new:
+                data = new[rid]
+                admission.replay = (data.num_computed_tokens, getattr(data, "replay_start", 0))
             admitted_now.append(i)
         elif rid in clock.preempted and (again := clock.resumed(rid, step)):
             progress.resumed.setdefault(i, []).append(again)
@@ -1766,7 +1798,40 @@ def _schedule(
         )
     admitted_now = _admit(out, recorders, progress)
     report.preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
+    _record_uncovered(scheduler, out, recorders, report.uncovered)
     return out, admitted_now
+
+
+def _record_uncovered(
+    scheduler: Any, out: Any, recorders: _Recorders, uncovered: list[tuple[int, int, int, int, int]]
+) -> None:
+    """The scheduled requests (``out``, a ``SchedulerOutput``) whose block
+    table in an attention group holds fewer tokens than the request will
+    have computed once the step is done, as ``(request index, step, group,
+    tokens computed, tokens the table holds)``, appended to ``uncovered``.
+
+    ``Scheduler.schedule`` advances each scheduled request's
+    ``num_computed_tokens`` by its scheduled tokens before returning
+    (``_update_after_schedule``), and ``KVCacheManager.allocate_slots`` must
+    have given every group's table a slot for each of them ("Allocate new
+    blocks for tokens to be computed (`new + lookahead`)", its docstring).
+    Tables are read off the single-type managers (``req_to_blocks``; nulls
+    below a window count, as the table's length is what a token's slot
+    indexes). Mamba groups (a state per block) and circular buffers (one
+    ring) are not attention tables and are skipped."""
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    step = recorders.step[0]
+    for rid, scheduled in out.num_scheduled_tokens.items():
+        request = scheduler.requests.get(rid)
+        if not scheduled or request is None or rid not in recorders.index_of:
+            continue
+        computed = request.num_computed_tokens
+        for gid, manager in enumerate(managers):
+            if gid in recorders.untabled:
+                continue
+            held = len(manager.req_to_blocks.get(rid, ())) * manager.block_size
+            if held < computed:
+                uncovered.append((recorders.index_of[rid], step, gid, computed, held))
 
 
 def _sync_step(
@@ -2111,6 +2176,7 @@ def _run_observation(
         newly_cached_blocks_per_group=tuple(report.newly_cached),
         kv_events=report.recorder.log(report.requests) if report.recorder is not None else None,
         watermark_admissions=tuple(report.watermark_admissions),
+        uncovered_steps=tuple(report.uncovered),
         store_calls=_store_calls(report),
         deferred_frees=tuple(report.deferred_frees),
         metrics=None if report.metrics is None else report.metrics.metrics(),

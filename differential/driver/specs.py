@@ -8,7 +8,7 @@ A new group kind adds its spec here; both driving modes build from it.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -151,7 +151,8 @@ def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSp
     groups via :func:`mamba_spec`, with one prefill checkpoint block at
     alignment 1 under ``mamba_prefill: checkpoint`` (as
     ``MambaMixer2.get_kv_cache_spec`` declares it,
-    vllm/model_executor/layers/mamba/mamba_mixer2.py).
+    vllm/model_executor/layers/mamba/mamba_mixer2.py). A bounded-replay
+    group's ``SlidingWindowMLASpec`` has ``bounded_replay=True``.
 
     Under decode context parallelism (``Scenario.dcp_world_size`` ``D > 1``) an
     attention spec holds the per-rank block, ``block_size_tokens / D`` tokens
@@ -177,6 +178,12 @@ def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSp
         g.attention_chunk_size_tokens,
         g.sink_len_tokens,
     )
+    if g.bounded_replay:
+        # DeepSeek-V4.1's SWA bounded replay (vLLM PR #56227): the same
+        # SlidingWindowMLASpec, out of prefix caching, its window replayed.
+        if "bounded_replay" not in {f.name for f in fields(spec)}:
+            raise Unsupported(f"SlidingWindowMLASpec.bounded_replay ({_SOURCE})")
+        spec = replace(spec, bounded_replay=True)
     if dcp > 1:
         resolve = getattr(kv_cache_utils, "resolve_dcp_kv_block_size", None)
         if resolve is None:

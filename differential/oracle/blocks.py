@@ -47,6 +47,14 @@ size ``B``, with hit ``h`` tokens:
    PR #30877, keeps "the state of the last computed token"), judged on the
    blocks holding no cache entry (:func:`_kept_state`; vLLM PR #57253
    proposes keeping cache-registered states).
+6. **Slots** (:func:`uncovered_findings`, scheduler mode): once a step is
+   scheduled, every attention group's block table holds a slot for each
+   token the request will then have computed: ``KVCacheManager.allocate_slots``
+   is asked for the step's tokens before the step runs ("Allocate new
+   blocks for tokens to be computed (`new + lookahead`)", its docstring),
+   and the worker writes each token's KV at its slot. A token without a
+   slot has its KV written nowhere, or where the table's length says
+   another block's slot is: a ``wrong-kv`` finding.
 
 A state group (Mamba) is checked by :func:`state_group_violations`: the
 count, the state at the hit a real block, nothing past the hit, and the
@@ -93,6 +101,7 @@ __all__ = [
     "render_blocks",
     "state_group_violations",
     "table_violations",
+    "uncovered_findings",
 ]
 
 
@@ -622,15 +631,18 @@ def ring_violations(
     sibling: int,
     tokens: TokenView,
 ) -> list[BlockViolation]:
-    """Violations of a circular buffer's lookup: any block at all.
+    """Violations of a lookup of a group that is not prefix-cacheable (a
+    circular buffer, a bounded-replay sliding-window MLA group): any block
+    at all.
 
     A ring holds the raw keys of the token group a KV compressor has not
     compressed yet, one block per request (vLLM ``CircularBufferSpec``); it is
     not prefix-cacheable, ``HybridKVCacheCoordinator`` looks none of it up and
     leaves its slot of the hit empty, and the new request claims a fresh
     ring (``CircularBufferManager._claim_ring_block``). A ring block handed to
-    a hit would hold another request's open group. Arguments as
-    :func:`attention_violations`.
+    a hit would hold another request's open group. A bounded-replay group
+    (vLLM PR #56227) is rebuilt by replaying the hit's last window, never
+    adopted. Arguments as :func:`attention_violations`.
     """
     if not blocks:
         return []
@@ -641,7 +653,8 @@ def ring_violations(
             0,
             blocks[0],
             f"group {gid} ({group.kind.value}, block {group.block_size_tokens}) returned "
-            f"{len(blocks)} blocks for a hit of {hit_tokens} tokens: a circular buffer is not "
+            f"{len(blocks)} blocks for a hit of {hit_tokens} tokens: a "
+            f"{'bounded-replay group' if group.bounded_replay else 'circular buffer'} is not "
             "prefix-cacheable and owes none",
         )
     ]
@@ -702,7 +715,8 @@ def request_violations(
         zip(scenario.kv_cache_groups, obs.lookup_blocks, strict=False)
     ):
         hit = obs.per_group_hit_tokens[gid] if divergent else obs.hit_tokens
-        out += GROUP_CHECKS[group.kind](group, gid, hit, blocks, obs.index, tokens)
+        check = GROUP_CHECKS[group.kind] if group.prefix_cacheable else ring_violations
+        out += check(group, gid, hit, blocks, obs.index, tokens)
     sink_blocks = scenario.num_sink_blocks
     for write in obs.unsafe_writes:
         why = (
@@ -734,6 +748,40 @@ def request_violations(
     named = {(v.group, v.block_index) for v in out}
     out += [v for v in freed_early if (v.group, v.block_index) not in named]
     return out
+
+
+def uncovered_findings(
+    scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
+) -> list[Finding]:
+    """Rule 6 of the module docstring: one ``wrong-kv`` finding per request
+    with a step whose tokens an attention group's table holds no slot for
+    (``RunObservation.uncovered_steps``), naming the first such step and
+    group; the rest are counted."""
+    if run.unsupported is not None:
+        return []
+    first: dict[int, tuple[int, int, int, int]] = {}
+    count: dict[int, int] = {}
+    for request, step, group, computed, held in run.uncovered_steps:
+        if computed <= held:
+            continue
+        first.setdefault(request, (step, group, computed, held))
+        count[request] = count.get(request, 0) + 1
+    findings = []
+    for request, (step, group, computed, held) in sorted(first.items()):
+        g = scenario.kv_cache_groups[group]
+        more = f" (+{count[request] - 1} more)" if count[request] > 1 else ""
+        findings.append(
+            Finding(
+                FindingKind.WRONG_KV,
+                run.variant,
+                request,
+                f"step {step} computes the request up to {computed} tokens, but group {group} "
+                f"({g.kind.value}, block {g.block_size_tokens}) holds slots for {held}: "
+                f"allocate_slots gave the step's tokens no block{more}",
+                policy=policy,
+            )
+        )
+    return findings
 
 
 def check_blocks(

@@ -21,10 +21,13 @@ Three rules, per admitted request with a :class:`~differential.observation.Conne
   even where a Mamba group hit less; when the connector adds nothing the
   scheduler reconciles to the hit every group holds, without asking the
   connector again (vLLM PR #50344, "an external miss ... uses a locally
-  consistent boundary", after issue #46453 and PR #48425). Prefix replay
-  (``prefix_replay_tokens``, DeepSeek-V4's bounded sliding-window replay),
-  the other trim, is off on every layout kvfuzz builds. Fewer tokens is a
-  ``fallback``, more an ``over-hit`` (KV nobody holds).
+  consistent boundary", after issue #46453 and PR #48425). With a
+  bounded-replay group (DeepSeek-V4.1's SWA bounded replay, vLLM PR
+  #56227: ``prefix_replay_tokens``, the window ``W``) the store's answer is
+  taken in whole blocks, since a store of prefix-cache blocks restores no
+  window ("Hits end on a block boundary"), and a computed count of at most
+  ``W`` is not adopted at all (:mod:`differential.oracle.replay`). Fewer
+  tokens is a ``fallback``, more an ``over-hit`` (KV nobody holds).
 * **The store** (:func:`store_owed`, layouts of full attention and MLA only).
   The store keeps the KV of every token a request computed
   (:class:`differential.driver.connector.RemoteStoreConnector`) and, without
@@ -76,7 +79,9 @@ from differential.scenario import Scenario
 __all__ = ["StoreOwed", "adoption_owed", "connector_findings", "store_grid_tokens", "store_owed"]
 
 
-def adoption_owed(connector: ConnectorLookup, block_tokens: int) -> int | None:
+def adoption_owed(
+    connector: ConnectorLookup, block_tokens: int, replay_tokens: int = 0
+) -> int | None:
     """The computed tokens, local and external, vLLM owes a request for the
     store's answer (see the module docstring); ``None`` where the policy's
     divergent-hit reconcile applies (not judged).
@@ -84,17 +89,26 @@ def adoption_owed(connector: ConnectorLookup, block_tokens: int) -> int | None:
     Args:
         connector: what the connector was asked and answered.
         block_tokens: the scheduler block ``B``, in tokens.
+        replay_tokens: the bounded-replay window ``W``, in tokens (0:
+            none). A store of prefix-cache blocks restores no window, so
+            vLLM takes its answer in whole blocks ("Hits end on a block
+            boundary") and adopts no hit of at most ``W`` tokens ("hits no
+            longer than the window are not adopted", vLLM PR #56227).
     """
     h = connector.local_hit_tokens
     m = connector.matched_tokens
     if connector.diverged and connector.external_tokens == 0:
         return None
+    if replay_tokens:
+        m -= m % block_tokens
     tail = h % block_tokens
     if tail and m > tail:
-        return h - tail + m
-    if tail:
-        return h
-    return h + m
+        total = h - tail + m
+    elif tail:
+        total = h
+    else:
+        total = h + m
+    return 0 if 0 < total <= replay_tokens else total
 
 
 @dataclass(frozen=True)
@@ -204,8 +218,11 @@ def connector_findings(
             continue
         findings += _load_target_findings(run, r.index, c, policy)
         computed = c.computed_tokens
-        adopted = adoption_owed(c, block)
+        adopted = adoption_owed(c, block, scenario.prefix_replay_tokens)
         stored = owed_by_store.get(r.index, StoreOwed(0, None, 0))
+        if 0 < stored.tokens <= scenario.prefix_replay_tokens:
+            # A hit no longer than the bounded-replay window is not adopted.
+            stored = StoreOwed(0, None, stored.shared_tokens)
         if not owed_answer(stored.tokens, c.presented_tokens, grid):
             # Less than a chunk past the shown hit is not loaded (owed_answer).
             stored = StoreOwed(0, None, stored.shared_tokens)

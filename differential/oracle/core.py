@@ -48,7 +48,7 @@ from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ManagerSettings, RunObservation
-from differential.oracle.blocks import check_blocks
+from differential.oracle.blocks import check_blocks, uncovered_findings
 from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.metrics import metrics_findings
 from differential.oracle.per_group import per_group_findings
@@ -57,6 +57,7 @@ from differential.oracle.prefix import (
     scenario_memo,
     shared_prefixes,
 )
+from differential.oracle.replay import replay_findings
 from differential.oracle.state import state_references
 from differential.scenario import DrafterKind, GroupKind, Scenario
 
@@ -398,9 +399,9 @@ def _dense_plan(
                     model.drop and hybrid and index not in drops,
                 )
                 for index, g in enumerate(scenario.kv_cache_groups)
-                # A circular buffer bounds no hit: HybridKVCacheCoordinator
-                # looks none up (CircularBufferSpec.prefix_cacheable).
-                if g.kind.prefix_cacheable
+                # A circular buffer or a bounded-replay group bounds no hit:
+                # HybridKVCacheCoordinator looks none up (KVCacheSpec.prefix_cacheable).
+                if g.prefix_cacheable
             ),
         )
     return plan
@@ -537,7 +538,7 @@ def checkpoints(
     tails = [
         i
         for i, g in enumerate(scenario.kv_cache_groups)
-        if g.kind.sliding_window_family or g.kind is GroupKind.MAMBA
+        if (g.kind.sliding_window_family and g.prefix_cacheable) or g.kind is GroupKind.MAMBA
     ]
     drops = scenario.drop_group_indices
     tail_drop = model.drop and all(i in drops for i in tails)
@@ -967,7 +968,9 @@ def judge_run(
     findings += per_group_findings(scenario, run, policy)
     findings += kv_event_findings(scenario, run, policy)
     findings += metrics_findings(scenario, run, policy)
+    findings += replay_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
+    findings += uncovered_findings(scenario, run, policy)
     return refs, tuple(findings)
 
 

@@ -74,7 +74,7 @@ from typing import Any
 
 from differential.findings import Finding, FindingKind, Policy
 from differential.observation import RequestObservation, ResumedLookup, RunObservation
-from differential.oracle.blocks import check_blocks
+from differential.oracle.blocks import check_blocks, uncovered_findings
 from differential.oracle.connector import connector_findings
 from differential.oracle.core import (
     DrafterModel,
@@ -91,6 +91,7 @@ from differential.oracle.kv_events import kv_event_findings
 from differential.oracle.metrics import metrics_findings
 from differential.oracle.per_group import per_group_findings
 from differential.oracle.prefix import common_prefix_tokens, written_contents
+from differential.oracle.replay import replay_findings
 from differential.oracle.scheduling import free_order_findings
 from differential.oracle.watermark import watermark_findings
 from differential.scenario import MambaPrefill, Scenario
@@ -553,11 +554,13 @@ def judge_engine_run(
         findings += per_group_findings(scenario, run, policy)
     findings += kv_event_findings(scenario, run, policy)
     findings += watermark_findings(scenario, run, policy)
+    findings += replay_findings(scenario, run, policy)
     findings += metrics_findings(scenario, run, policy)
     findings += connector_findings(scenario, run, policy)
     findings += disagg_findings(scenario, run, policy)
     findings += free_order_findings(scenario, run, policy)
     findings += check_blocks(scenario, run, policy)
+    findings += uncovered_findings(scenario, run, policy)
     return (), tuple(findings)
 
 

@@ -17,7 +17,9 @@ finished (nothing here imports vLLM):
     from the others (issue #25780, PR #25787: "Do not count preempted tokens
     in prefix cache hit rate"). So, summed over the run: ``requests`` is the
     number of requests admitted, ``queries`` their prompt tokens and
-    ``hits`` their hits (tokens); ``preempted_requests`` the lookups that
+    ``hits`` their hits (tokens; in scheduler mode a hit no longer than a
+    bounded-replay window is not adopted, so it counts none: vLLM PR
+    #56227); ``preempted_requests`` the lookups that
     took a preempted request up again, ``preempted_queries`` their tokens
     (``ResumedLookup.known_tokens``) and ``preempted_hits`` their hits.
     With a KV connector the hits are the tokens adopted from the local
@@ -27,7 +29,10 @@ finished (nothing here imports vLLM):
     tokens past its local hit, those tokens and what the store supplied
     (not judged once a request is preempted). Judged with prefix caching
     on and no failed load (a failed load reschedules its request from
-    scratch: one more lookup).
+    scratch: one more lookup), and not when a client abort meets
+    asynchronous loads (a request aborted while its load is in flight was
+    admitted, its lookup counted, but never scheduled, so the driver
+    observes no admission for it).
 ``usage``
     ``KVCacheManager.usage`` is a share, 0.0 to 1.0 (``BlockPool.get_usage``:
     "The KV cache usage (between 0.0 and 1.0)"), and 0.0 once every request
@@ -50,8 +55,14 @@ finished (nothing here imports vLLM):
 from __future__ import annotations
 
 from differential.findings import Finding, FindingKind, Policy
-from differential.observation import PrefixCacheCounts, RequestObservation, RunObservation
-from differential.scenario import Scenario
+from differential.observation import (
+    ConnectorLookup,
+    PrefixCacheCounts,
+    RequestObservation,
+    RunObservation,
+)
+from differential.oracle.replay import adopted_hit_tokens
+from differential.scenario import ConnectorLoad, Scenario
 
 __all__ = ["expected_connector_counts", "expected_counts", "metrics_findings"]
 
@@ -70,34 +81,61 @@ def _admitted(run: RunObservation) -> list[RequestObservation]:
     return [r for r in run.requests if run.mode != "scheduler" or r.scheduled_step is not None]
 
 
-def expected_counts(run: RunObservation) -> PrefixCacheCounts:
+def expected_counts(run: RunObservation, scenario: Scenario | None = None) -> PrefixCacheCounts:
     """The prefix-cache statistics a run owes (rule ``stats``): one count
     per admission, prompt tokens and local hit (tokens; with a KV connector
     the tokens adopted from the local cache) per first admission, known
-    tokens and hit per resumed one."""
+    tokens and hit per resumed one. Given the ``scenario`` of a
+    scheduler-mode run, a hit its bounded replay does not adopt counts none
+    (:func:`differential.oracle.replay.adopted_hit_tokens`)."""
     admitted = _admitted(run)
     resumed = [r for request in admitted for r in request.resumed]
+
+    def adopted(hit_tokens: int) -> int:
+        if scenario is None or run.mode != "scheduler":
+            return hit_tokens
+        return adopted_hit_tokens(scenario, hit_tokens)
+
     return PrefixCacheCounts(
         requests=len(admitted),
         queries=sum(r.prompt_tokens for r in admitted),
         hits=sum(
-            r.hit_tokens if r.connector is None else r.connector.local_tokens for r in admitted
+            adopted(r.hit_tokens) if r.connector is None else r.connector.local_tokens
+            for r in admitted
         ),
         preempted_requests=len(resumed),
         preempted_queries=sum(r.known_tokens for r in resumed),
-        preempted_hits=sum(r.hit_tokens for r in resumed),
+        preempted_hits=sum(adopted(r.hit_tokens) for r in resumed),
     )
 
 
-def expected_connector_counts(run: RunObservation) -> PrefixCacheCounts:
+def _queried_local(connector: ConnectorLookup, scenario: Scenario | None) -> int:
+    """The local tokens the store was asked past, in tokens: those adopted,
+    or, for a hit the bounded replay then drops (nothing adopted, vLLM PR
+    #56227), the local part it had: vLLM counts the connector's query
+    before it drops the hit (``Scheduler.schedule``)."""
+    replay = 0 if scenario is None else scenario.prefix_replay_tokens
+    if not replay or connector.computed_tokens:
+        return connector.local_tokens
+    block = scenario.scheduler_block_size_tokens if scenario is not None else 1
+    matched = connector.matched_tokens - connector.matched_tokens % block
+    tail = connector.local_hit_tokens % block
+    return connector.local_hit_tokens - (tail if tail and matched > tail else 0)
+
+
+def expected_connector_counts(
+    run: RunObservation, scenario: Scenario | None = None
+) -> PrefixCacheCounts:
     """The KV connector's prefix-cache statistics a run owes (rule
     ``connector-stats``): per admission that asked the store about tokens
     past its local hit, one count, those tokens (prompt minus local, in
-    tokens) and the tokens the store supplied."""
+    tokens) and the tokens the store supplied. Given the ``scenario``, a hit
+    its bounded replay drops is counted as asked (:func:`_queried_local`)."""
     asked = [
-        (r.prompt_tokens - r.connector.local_tokens, r.connector.external_tokens)
+        (r.prompt_tokens - local, r.connector.external_tokens)
         for r in _admitted(run)
-        if r.connector is not None and r.prompt_tokens > r.connector.local_tokens
+        if r.connector is not None
+        and r.prompt_tokens > (local := _queried_local(r.connector, scenario))
     ]
     return PrefixCacheCounts(
         requests=len(asked),
@@ -130,8 +168,14 @@ def _stats_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> 
     if not scenario.prefix_caching or (store is not None and store.failed_loads):
         # A failed load reschedules the request from scratch: one more lookup.
         return []
+    aborted = any(step is not None for step in scenario.workload.abort_steps or ())
+    if store is not None and store.load is ConnectorLoad.ASYNC and aborted:
+        # A request aborted while its load is in flight was admitted (its
+        # lookup counted at admission) but never scheduled: the driver
+        # observes no admission for it.
+        return []
     findings = _counts_finding(
-        run, "prefix-cache statistics", metrics.stats, expected_counts(run), policy
+        run, "prefix-cache statistics", metrics.stats, expected_counts(run, scenario), policy
     )
     preempted = any(r.resumed for r in run.requests)
     if store is not None and metrics.connector_stats is not None and not preempted:
@@ -139,7 +183,7 @@ def _stats_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> 
             run,
             "KV connector prefix-cache statistics",
             metrics.connector_stats,
-            expected_connector_counts(run),
+            expected_connector_counts(run, scenario),
             policy,
         )
     return findings

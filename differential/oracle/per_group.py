@@ -86,9 +86,7 @@ def per_group_findings(
         label: prefixed to each finding's detail (``"dense cross-check run: "``).
     """
     alignment = scenario.effective_hit_alignment_tokens
-    skipped = frozenset(
-        i for i, g in enumerate(scenario.kv_cache_groups) if not g.kind.prefix_cacheable
-    )
+    skipped = frozenset(i for i, g in enumerate(scenario.kv_cache_groups) if not g.prefix_cacheable)
     findings = []
     for r in run.requests:
         if r.connector is not None and r.connector.divergent_hit_kept:

@@ -164,6 +164,7 @@ _LEVEL = {
     FindingKind.KV_EVENTS: "warning",
     FindingKind.KV_CACHE_PLAN: "error",
     FindingKind.WATERMARK: "warning",
+    FindingKind.REPLAY: "error",
     FindingKind.CACHE_METRICS: "warning",
     FindingKind.VARIANT_REGRESSION: "warning",
     FindingKind.POOL_REGRESSION: "warning",

@@ -166,6 +166,14 @@ class KVCacheGroup:
             attention only, vLLM's ``SinkFullAttentionSpec.sink_len``, a
             positive multiple of the block size; ``None`` otherwise). Written
             to JSON only when set.
+        bounded_replay: DeepSeek-V4.1's SWA bounded replay (vLLM PR #56227,
+            ``SlidingWindowMLASpec(bounded_replay=True)``; sliding-window MLA
+            only): the group leaves prefix caching (``prefix_cacheable`` is
+            false, so no lookup reads it) and after a hit ending at ``H``
+            tokens the Scheduler recomputes the hit's last window
+            ``[H - window, H)`` to rebuild it
+            (``Scheduler._mark_prefix_replay``). Written to JSON only when
+            true.
     """
 
     kind: GroupKind
@@ -174,6 +182,21 @@ class KVCacheGroup:
     attention_chunk_size_tokens: int | None = None
     is_eagle_group: bool = False
     sink_len_tokens: int | None = None
+    bounded_replay: bool = False
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether the group takes part in prefix caching (vLLM
+        ``KVCacheSpec.prefix_cacheable``): false for a circular buffer and
+        for a bounded-replay sliding-window MLA group."""
+        return self.kind.prefix_cacheable and not self.bounded_replay
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        """The tokens a hit replays for this group, in tokens (vLLM
+        ``KVCacheSpec.prefix_replay_tokens``): the window of a bounded-replay
+        group, 0 otherwise."""
+        return (self.sliding_window_tokens or 0) if self.bounded_replay else 0
 
     @property
     def num_sink_blocks(self) -> int:
@@ -191,7 +214,8 @@ class KVCacheGroup:
                 kind (or none with one), a chunk without chunked local
                 attention (or none with it), a sink length without sink full
                 attention (or none, or one not a multiple of the block, with
-                it), a Mamba or circular-buffer group marked as a draft group.
+                it), a Mamba or circular-buffer group marked as a draft group,
+                bounded replay on a group that is not sliding-window MLA.
         """
         window = self.kind.windowed
         if window and self.sliding_window_tokens is None:
@@ -218,7 +242,14 @@ class KVCacheGroup:
                 f"null for a {self.kind.value} group",
             )
         self._validate_sink(where)
-        if self.is_eagle_group and not self.kind.prefix_cacheable:
+        if self.bounded_replay and self.kind is not GroupKind.SLIDING_WINDOW_MLA:
+            # SlidingWindowMLASpec is the only spec with the field.
+            raise ScenarioError(
+                f"{where}.bounded_replay",
+                True,
+                f"false for a {self.kind.value} group (only sliding_window_mla groups replay)",
+            )
+        if self.is_eagle_group and not self.prefix_cacheable:
             # verify_and_split_kv_cache_groups skips a group that is not
             # prefix-cacheable before it reads the EAGLE mark.
             raise ScenarioError(
@@ -259,7 +290,8 @@ class KVCacheGroup:
 
     @property
     def spec_key(self) -> tuple[object, ...]:
-        """What makes two groups' vLLM specs equal (kind, block, window, chunk, sink).
+        """What makes two groups' vLLM specs equal (kind, block, window, chunk,
+        sink, bounded replay).
 
         ``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` looks up
         groups of equal spec together and decides the EAGLE drop for all of
@@ -271,4 +303,5 @@ class KVCacheGroup:
             self.sliding_window_tokens,
             self.attention_chunk_size_tokens,
             self.sink_len_tokens,
+            self.bounded_replay,
         )

@@ -123,6 +123,13 @@ class GroupDocument(BaseModel):
         "(a multiple of the block size): sink_full_attention groups only. Written only when "
         "set.",
     )
+    bounded_replay: StrictBool = Field(
+        default=False,
+        exclude_if=_is_false,
+        description="vLLM's SlidingWindowMLASpec.bounded_replay (DeepSeek-V4.1's SWA bounded "
+        "replay, vLLM PR #56227): the group leaves prefix caching and a hit's last window is "
+        "recomputed. sliding_window_mla groups only. Written only when true.",
+    )
 
     def value(self) -> KVCacheGroup:
         """The group as a value."""
@@ -133,6 +140,7 @@ class GroupDocument(BaseModel):
             attention_chunk_size_tokens=self.attention_chunk_size_tokens,
             is_eagle_group=self.is_eagle_group,
             sink_len_tokens=self.sink_len_tokens,
+            bounded_replay=self.bounded_replay,
         )
 
 

@@ -284,7 +284,14 @@ class Scenario:
     def cacheable_groups(self) -> tuple[KVCacheGroup, ...]:
         """The groups that take part in prefix caching, in order (all but
         circular buffers: vLLM ``KVCacheConfig.prefix_cacheable_groups``)."""
-        return tuple(g for g in self.kv_cache_groups if g.kind.prefix_cacheable)
+        return tuple(g for g in self.kv_cache_groups if g.prefix_cacheable)
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        """The window a hit replays, in tokens: the bounded-replay groups'
+        window (vLLM ``Scheduler.prefix_replay_tokens``; the groups' windows
+        agree), 0 without one."""
+        return max((g.prefix_replay_tokens for g in self.kv_cache_groups), default=0)
 
     @property
     def mamba_groups(self) -> tuple[KVCacheGroup, ...]:
@@ -302,9 +309,13 @@ class Scenario:
 
     @property
     def sliding_window_groups(self) -> tuple[KVCacheGroup, ...]:
-        """The sliding-window-family groups (sliding window, sliding-window
-        MLA: both run on ``SlidingWindowManager``), in order."""
-        return tuple(g for g in self.kv_cache_groups if g.kind.sliding_window_family)
+        """The prefix-cacheable sliding-window-family groups (sliding window,
+        sliding-window MLA: both run on ``SlidingWindowManager``), in order:
+        a bounded-replay group (:attr:`KVCacheGroup.bounded_replay`) takes no
+        part in any lookup, so no hit rule reads it."""
+        return tuple(
+            g for g in self.kv_cache_groups if g.kind.sliding_window_family and g.prefix_cacheable
+        )
 
     @property
     def group_mix(self) -> str:
@@ -361,7 +372,7 @@ class Scenario:
             return frozenset()
         groups = self.kv_cache_groups
         if mode is DraftGroups.FALLBACK:
-            return frozenset(i for i, g in enumerate(groups) if g.kind.prefix_cacheable)
+            return frozenset(i for i, g in enumerate(groups) if g.prefix_cacheable)
         keys = {g.spec_key for g in groups if g.is_eagle_group}
         return frozenset(i for i, g in enumerate(groups) if g.spec_key in keys)
 

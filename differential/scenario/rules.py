@@ -53,6 +53,7 @@ def check_scenario(s: Scenario) -> None:
     check_mamba(s)
     check_geometry(s)
     check_retention(s)
+    check_replay(s)
     check_drafter(s)
     check_draft_groups(s)
     check_workload(s)
@@ -120,8 +121,8 @@ def check_geometry(s: Scenario) -> None:
         raise ScenarioError(
             "kv_cache_groups",
             s.group_mix,
-            "at least one prefix-cacheable group (a circular_buffer group takes no part "
-            "in prefix caching; vLLM's coordinators refuse a layout of rings alone)",
+            "at least one prefix-cacheable group (circular_buffer and bounded_replay groups "
+            "take no part in prefix caching; vLLM's coordinators refuse a layout of them alone)",
         )
     hash_block = s.hash_block_size_tokens
     if hash_block is not None and (
@@ -163,13 +164,32 @@ def check_retention(s: Scenario) -> None:
             r,
             f"null, 0, or a positive multiple of the scheduler block size {sbs}",
         )
-    if r > 0 and not s.sliding_window_groups and not s.mamba_groups:
+    windowed = any(g.kind.sliding_window_family for g in s.kv_cache_groups)
+    if r > 0 and not windowed and not s.mamba_groups:
         raise ScenarioError(
             "retention_interval_tokens",
             r,
             "null or 0 for a model without sliding_window or mamba groups "
             "(retention only applies to sliding-window and Mamba groups)",
         )
+
+
+def check_replay(s: Scenario) -> None:
+    """vLLM ``Scheduler.__init__`` asserts that the bounded-replay groups'
+    windows agree ("Prefix replay windows should agree": one rewind for
+    every group's allocation)."""
+    replayed = [(i, g) for i, g in enumerate(s.kv_cache_groups) if g.bounded_replay]
+    if not replayed:
+        return
+    first = replayed[0][1].sliding_window_tokens
+    for i, g in replayed[1:]:
+        if g.sliding_window_tokens != first:
+            raise ScenarioError(
+                f"kv_cache_groups[{i}].sliding_window_tokens",
+                g.sliding_window_tokens,
+                f"{first}, the window of every bounded_replay group (vLLM's Scheduler "
+                "asserts that prefix replay windows agree)",
+            )
 
 
 def check_drafter(s: Scenario) -> None:

@@ -131,7 +131,7 @@ def test_errors_name_the_path_and_the_schemas_allowed_values() -> None:
     assert error.field == "kv_cache_groups[0].block_size"
     assert error.allowed == (
         "no such field; known fields: attention_chunk_size_tokens, block_size_tokens, "
-        "is_eagle_group, kind, sink_len_tokens, sliding_window_tokens"
+        "bounded_replay, is_eagle_group, kind, sink_len_tokens, sliding_window_tokens"
     )
     error = _error(lambda: Scenario.from_dict({**data, "hash_block_size_tokens": "8"}))
     assert (error.field, error.value, error.allowed) == (
