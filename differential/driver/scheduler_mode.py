@@ -1219,12 +1219,22 @@ class _ModelRunner:
         return sampled, drafts, events
 
 
+def _admission_note(admission: _Admission) -> str:
+    """``hit H``, and where the request starts when it starts below its hit
+    (a bounded-replay group's replay, vLLM PR #56227: ``starts at H - W``,
+    or at 0 for a hit the replay does not adopt)."""
+    note = f"hit {admission.hit_tokens}"
+    if admission.replay is not None and admission.replay[0] < admission.hit_tokens:
+        note += f", starts at {admission.replay[0]}"
+    return note
+
+
 def _timeline_line(
     step: int,
     *,
     arrivals: range,
     aborts: list[int],
-    admitted: dict[int, int],
+    admitted: dict[int, str],
     events: list[str],
     loads: list[str],
     preempted: list[int],
@@ -1233,7 +1243,7 @@ def _timeline_line(
     applied: int | None = None,
 ) -> str:
     """One step of ``kvfuzz explain``'s timeline; ``admitted`` maps each
-    request admitted this step to its hit, in tokens; ``lost`` counts
+    request admitted this step to its note (:func:`_admission_note`); ``lost`` counts
     evicted cached blocks; ``applied`` (async scheduling) names the step
     whose model output this step applied."""
     line = f"step {step}:"
@@ -1242,7 +1252,7 @@ def _timeline_line(
     if aborts:
         line += f" abort {', '.join(f'req-{k}' for k in aborts)};"
     if admitted:
-        line += f" admit {', '.join(f'req-{i} (hit {h})' for i, h in admitted.items())};"
+        line += f" admit {', '.join(f'req-{i} ({note})' for i, note in admitted.items())};"
     if loads:
         line += f" {'; '.join(loads)};"
     line += f" run {', '.join(events) or 'nothing'}"
@@ -1931,7 +1941,7 @@ def _record_step(
             step,
             arrivals=arrivals,
             aborts=aborts,
-            admitted={i: progress.admitted[i].hit_tokens for i in done.admitted},
+            admitted={i: _admission_note(progress.admitted[i]) for i in done.admitted},
             events=done.events,
             loads=model_runner.load_events(out, index_of, done.lost_loads)
             if out is not None

@@ -303,6 +303,10 @@ def _column_tokens(scenario: Scenario) -> int:
 
 
 def _group_kind_label(group: KVCacheGroup) -> str:
+    """A group's row label: its kind, ``+r`` for bounded replay, ``*`` for a
+    draft group."""
+    if group.bounded_replay:
+        return "swmla+r"
     return {
         GroupKind.FULL_ATTENTION: "full",
         GroupKind.MAMBA: "mamba",
@@ -335,7 +339,14 @@ def render_text(exp: Explanation) -> str:
     ref = exp.reference
     column = _column_tokens(scenario)
     width = max(1, (exp.end_tokens - exp.start_tokens) // column)
-    label_width = max(len(r.variant) for r in exp.rows) + 12
+    label_width = max(
+        max(len(r.variant) for r in exp.rows) + 12,
+        *(
+            len(f"{r.variant} g{gid} {_group_kind_label(g)}{g.block_size_tokens}") + 1
+            for r in exp.rows
+            for gid, g in enumerate(scenario.kv_cache_groups)
+        ),
+    )
     lines = [
         f"request {exp.request}: divergence point {ref.divergence_tokens}, expected checkpoint "
         f"{ref.expected_tokens}, dense reference {ref.dense_tokens} "
@@ -372,7 +383,12 @@ def render_text(exp: Explanation) -> str:
         + ("  ◆ Mamba state cached (ends in that column)" if scenario.mamba_groups else "")
         + (
             "  ring: a circular buffer, never cached (one block per request)"
-            if len(scenario.cacheable_groups) < len(scenario.kv_cache_groups)
+            if any(g.kind is GroupKind.CIRCULAR_BUFFER for g in scenario.kv_cache_groups)
+            else ""
+        )
+        + (
+            "  swmla+r: bounded replay, never cached (a hit's last window is recomputed)"
+            if scenario.prefix_replay_tokens
             else ""
         )
         + "".join(

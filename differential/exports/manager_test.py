@@ -312,6 +312,7 @@ def _groups(scenario: Scenario) -> str:
                 *common,
                 f"sliding_window={g.sliding_window_tokens}",
                 "extra_retained_tokens=extra_retained",
+                *(["bounded_replay=True"] if g.bounded_replay else []),
             ]
         elif g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
             cls = "ChunkedLocalAttentionSpec"

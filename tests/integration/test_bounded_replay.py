@@ -13,7 +13,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from differential.compare import compare_variants
 from differential.corpus import finding_tag, load_entry
 from differential.variants import parse_variants
-from tests.factories import CORPORA
+from tests.factories import CORPORA, kvfuzz_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -89,3 +89,15 @@ def test_a_step_without_slots_is_wrong_kv(monkeypatch: pytest.MonkeyPatch) -> No
         "step 3 computes the request up to 370 tokens, but group 0 (mla, block 64) holds "
         "slots for 320: allocate_slots gave the step's tokens no block (+1 more)"
     )
+
+
+def test_explain_shows_where_each_request_starts() -> None:
+    done = kvfuzz_cli("explain", str(LOCAL), "--request", "1", "--variants", "unfixed")
+    assert done.returncode == 0, done.stderr
+    admits = [line.strip() for line in done.stdout.splitlines() if "admit" in line]
+    assert admits[1:] == [
+        "step 11: arrive req-1; admit req-1 (hit 512, starts at 384); run req-1 +64 (prefill)",
+        "step 16: arrive req-2; admit req-2 (hit 64, starts at 0); run req-2 +64 (prefill)",
+        "step 21: arrive req-3; admit req-3 (hit 256, starts at 128); run req-3 +64 (prefill)",
+    ]
+    assert "unfixed g1 swmla+r64 ····  hit 512; ok" in done.stdout
