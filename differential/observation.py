@@ -1321,12 +1321,12 @@ class RunObservation:
             requests were scheduled (its ``has_scheduled_reqs``), as
             ``(request index, step, free blocks right after the call)``, the
             free blocks in blocks (``BlockPool.get_num_free_blocks``).
-        uncovered_steps: (scheduler mode) every scheduled step after which a
-            request had computed more tokens than an attention group's block
-            table holds slots for, as ``(request index, step, group, tokens
-            computed, tokens the table holds)``, in tokens (Mamba and
-            circular-buffer groups are not attention tables); empty when
-            every step's tokens had slots.
+        uncovered_steps: every step (in scheduler mode, every scheduled
+            step) after which a request had computed more tokens than an
+            attention group's block table holds slots for, as ``(request
+            index, step, group, tokens computed, tokens the table holds)``,
+            in tokens (Mamba and circular-buffer groups are not attention
+            tables); empty when every step's tokens had slots.
         deferred_frees: (scheduler mode, async scheduling with a KV consumer
             connector) every deferred return of a finished or preempted
             request's blocks to the block pool (``Scheduler._drain_deferred_frees``,

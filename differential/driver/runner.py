@@ -335,6 +335,9 @@ class _Driver:
     evicted: int = 0
     # The cache map of the request being driven, from its lookup until freed.
     pending_cache_map: tuple[str, ...] = ()
+    # (request index, step, group, tokens computed after the step, tokens its
+    # table holds): the steps whose tokens an attention table held no slot for.
+    uncovered: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -722,6 +725,7 @@ def _prefill(
             )
         if allocated is None:
             raise _pool_ran_out(d.scenario, f"at {computed} tokens of request {index}")
+        _check_slots(d, index, request, computed + num_new)
         _drain_events(d)
         if ledger is not None:
             unsafe_writes += ledger.after_step(
@@ -730,6 +734,23 @@ def _prefill(
         computed += num_new
         request.num_computed_tokens = computed
     return unsafe_writes
+
+
+def _check_slots(d: _Driver, index: int, request: Request, computed_tokens: int) -> None:
+    """After a step's ``allocate_slots``: every attention group's table of
+    ``request`` holds a slot for each of the ``computed_tokens`` the request
+    will have computed (``allocate_slots``: "Allocate new blocks for tokens
+    to be computed"); a shortfall goes to ``d.uncovered`` (Mamba and
+    circular-buffer groups are not attention tables). The scheduler-mode
+    driver's ``_record_uncovered`` is the same check after ``schedule()``."""
+    groups = d.scenario.kv_cache_groups
+    managers = d.manager.coordinator.single_type_managers
+    for gid, (group, manager) in enumerate(zip(groups, managers, strict=False)):
+        if group.kind in (GroupKind.MAMBA, GroupKind.CIRCULAR_BUFFER):
+            continue
+        held = len(manager.req_to_blocks.get(request.request_id, ())) * manager.block_size
+        if held < computed_tokens:
+            d.uncovered.append((index, d.steps_begun, gid, computed_tokens, held))
 
 
 def _pool_ran_out(scenario: Scenario, where: str) -> Exception:
@@ -792,6 +813,7 @@ def _decode(d: _Driver, index: int, request: Request, phase: list[str]) -> list[
         )
         if allocated is None:
             raise _pool_ran_out(d.scenario, f"at decode step {step} of request {index}")
+        _check_slots(d, index, request, computed + 1)
         _drain_events(d)
         if ledger is not None:
             unsafe_writes += ledger.after_step(
@@ -933,4 +955,5 @@ def run_scenario(
         crash_cache_map=d.pending_cache_map if d is not None and outcome.error else (),
         kv_events=d.events.log(d.made) if d is not None and d.events is not None else None,
         metrics=None if d is None or d.metrics is None else d.metrics.metrics(),
+        uncovered_steps=() if d is None else tuple(d.uncovered),
     )

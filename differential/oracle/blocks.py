@@ -47,9 +47,9 @@ size ``B``, with hit ``h`` tokens:
    PR #30877, keeps "the state of the last computed token"), judged on the
    blocks holding no cache entry (:func:`_kept_state`; vLLM PR #57253
    proposes keeping cache-registered states).
-6. **Slots** (:func:`uncovered_findings`, scheduler mode): once a step is
-   scheduled, every attention group's block table holds a slot for each
-   token the request will then have computed: ``KVCacheManager.allocate_slots``
+6. **Slots** (:func:`uncovered_findings`): once a step is allocated (in
+   scheduler mode, scheduled), every attention group's block table holds a
+   slot for each token the request will then have computed: ``KVCacheManager.allocate_slots``
    is asked for the step's tokens before the step runs ("Allocate new
    blocks for tokens to be computed (`new + lookahead`)", its docstring),
    and the worker writes each token's KV at its slot. A token without a

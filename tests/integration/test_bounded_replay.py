@@ -51,7 +51,7 @@ def test_a_replay_start_left_at_zero_is_a_finding(monkeypatch: pytest.MonkeyPatc
     real = Scheduler._mark_prefix_replay
 
     def forgets_the_start(self: Any, request: Any, *args: Any, **kwargs: Any) -> int:
-        replayed = real(self, request, *args, **kwargs)
+        replayed: int = real(self, request, *args, **kwargs)
         request.replay_start = 0
         return replayed
 
