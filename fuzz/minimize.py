@@ -417,6 +417,11 @@ def _multimodal(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
             yield f"request {index} without images", with_request(index, mm_inputs=())
         if r.cache_salt is not None:
             yield f"request {index} without a cache salt", with_request(index, cache_salt=None)
+        if r.skip_reading_prefix_cache:
+            yield (
+                f"request {index} reading the prefix cache",
+                with_request(index, skip_reading_prefix_cache=False),
+            )
     for index, r in enumerate(s.requests):
         if len(r.mm_inputs) > 1:
             for k in range(len(r.mm_inputs)):
@@ -454,7 +459,10 @@ def _size(s: Scenario) -> tuple[int, ...]:
         s.workload.async_scheduling,
         _EVENTS_RANK[s.workload.kv_events],
         s.workload.kv_events_view is not KVEventsView.PER_COPY,
-        sum(len(r.mm_inputs) + (r.cache_salt is not None) for r in s.requests),
+        sum(
+            len(r.mm_inputs) + (r.cache_salt is not None) + r.skip_reading_prefix_cache
+            for r in s.requests
+        ),
         s.dcp_world_size,
     )
 

@@ -633,7 +633,7 @@ def scenarios(
             **mamba_options,  # type: ignore[arg-type]
         )
         # Drawn last, so that every draw above reads the bytes it read before.
-        return _hidden_state_layer(draw, _prefill_checkpoints(draw, scenario))
+        return _skipped_read(draw, _hidden_state_layer(draw, _prefill_checkpoints(draw, scenario)))
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the scenario generator produced an invalid scenario: {exc}") from exc
 
@@ -1164,9 +1164,24 @@ def engine_scenarios(
         )
         # Drawn last, so that every draw above reads the bytes it read before.
         scenario = _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
-        return _bounded_replay(draw, _prefill_checkpoints(draw, scenario))
+        return _skipped_read(draw, _bounded_replay(draw, _prefill_checkpoints(draw, scenario)))
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the engine generator produced an invalid scenario: {exc}") from exc
+
+
+def _skipped_read(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One scenario in eight of two requests or more has a later request
+    that skips reading the prefix cache, as a ``prompt_logprobs`` request
+    does (``skip_reading_prefix_cache``, vLLM PR #28194): owed no hit, its
+    blocks still cached. Drawn last, so every other scenario keeps its
+    bytes."""
+    count = len(scenario.requests)
+    if count < 2 or draw(st.integers(0, 7)) != 0:
+        return scenario
+    index = draw(st.integers(1, count - 1))
+    requests = list(scenario.requests)
+    requests[index] = dataclasses.replace(requests[index], skip_reading_prefix_cache=True)
+    return dataclasses.replace(scenario, requests=tuple(requests))
 
 
 def _bounded_replay(draw: st.DrawFn, scenario: Scenario) -> Scenario:

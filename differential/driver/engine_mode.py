@@ -392,7 +392,8 @@ def _max_model_len(scenario: Scenario, longest: int, block: int) -> int:
 
 
 def _refuse_inputs(scenario: Scenario) -> None:
-    """Refuse what the engine worker cannot send: images, cache salts, several DCP ranks.
+    """Refuse what the engine worker cannot send: images, cache salts,
+    requests that skip reading the prefix cache, several DCP ranks.
 
     Raises:
         EngineUnsupported: naming the input.
@@ -406,6 +407,11 @@ def _refuse_inputs(scenario: Scenario) -> None:
     if scenario.has_cache_salts:
         raise EngineUnsupported(
             "cache_salt: the engine worker sends each prompt as token ids alone, without a salt"
+        )
+    if any(r.skip_reading_prefix_cache for r in scenario.requests):
+        raise EngineUnsupported(
+            "skip_reading_prefix_cache: the engine worker sends every request with the same "
+            "sampling parameters"
         )
     if scenario.dcp_world_size > 1:
         raise EngineUnsupported(

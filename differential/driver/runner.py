@@ -71,6 +71,7 @@ from differential.capabilities import Feature, Unsupported
 from differential.driver.block_ledger import BlockLedger
 from differential.driver.cache_metrics import MetricsRecorder
 from differential.driver.features import (
+    RunEnd,
     UnsupportedFeature,
     VllmCallError,
     classified_run,
@@ -123,6 +124,8 @@ with contextlib.suppress(Exception):
 _MANAGER_PARAMETERS = parameters(KVCacheManager.__init__)
 _HASHER_PARAMETERS = parameters(get_request_block_hasher)
 _REQUEST_PARAMETERS = parameters(Request.__init__)
+#: SamplingParams is a msgspec Struct: its fields, as its constructor takes them.
+_SAMPLING_PARAMETERS = frozenset(getattr(SamplingParams, "__struct_fields__", ()))
 
 #: Marks "no override": the scenario's own retention interval applies.
 UNSET = object()
@@ -489,13 +492,22 @@ def make_request(
 
     Raises:
         Unsupported: the request has images or a cache salt and the running
-            vLLM's ``Request`` takes no ``mm_features`` or ``cache_salt``.
+            vLLM's ``Request`` takes no ``mm_features`` or ``cache_salt``, or
+            skips reading the prefix cache and its ``SamplingParams`` takes
+            no ``skip_reading_prefix_cache``.
     """
     spec = scenario.requests[index]
     sampling: dict[str, Any] = {"max_tokens": max_tokens}
     if scenario.workload.kv_events is KVEvents.FULL:
         # vllm/v1/request.py reads the report mode from the sampling params.
         sampling["extra_args"] = {"kv_cache_report_mode": "full"}
+    if spec.skip_reading_prefix_cache:
+        # As a prompt_logprobs request sets it (vllm/sampling_params.py).
+        if "skip_reading_prefix_cache" not in _SAMPLING_PARAMETERS:
+            raise Unsupported(
+                "SamplingParams(skip_reading_prefix_cache=) (vllm/sampling_params.py)"
+            )
+        sampling["skip_reading_prefix_cache"] = True
     request_args = {
         "request_id": f"req-{index}",
         "prompt_token_ids": list(prompt),
@@ -507,6 +519,7 @@ def make_request(
         request_args["mm_features"] = mm_features(scenario, index)
     if spec.cache_salt is not None:
         request_args["cache_salt"] = spec.cache_salt
+
     for name in ("mm_features", "cache_salt"):
         if name in request_args and name not in _REQUEST_PARAMETERS:
             raise Unsupported(f"Request({name}=) (vllm/v1/request.py)")
@@ -934,6 +947,19 @@ def run_scenario(
             vllm_call("KVCacheManager.reset_prefix_cache", d.metrics.finish)
             if d.events is not None:
                 d.events.drain_after_run()
+    return _observation(variant, retention, d, outcome, observed)
+
+
+def _observation(
+    variant: str,
+    retention: int | None,
+    d: _Driver | None,
+    outcome: RunEnd,
+    observed: list[RequestObservation],
+) -> RunObservation:
+    """The run as observed: nothing but why when vLLM refused the scenario
+    (``outcome.unsupported``), else every request observed and what the
+    driver recorded, with the error that ended the run early, if any."""
     if outcome.unsupported is not None:
         return RunObservation(
             variant=variant,

@@ -26,8 +26,12 @@ Three rules, per admitted request with a :class:`~differential.observation.Conne
   #56227: ``prefix_replay_tokens``, the window ``W``) the store's answer is
   taken in whole blocks, since a store of prefix-cache blocks restores no
   window ("Hits end on a block boundary"), and a computed count of at most
-  ``W`` is not adopted at all (:mod:`differential.oracle.replay`). Fewer
-  tokens is a ``fallback``, more an ``over-hit`` (KV nobody holds).
+  ``W`` is not adopted at all (:mod:`differential.oracle.replay`). A request
+  that skips reading the prefix cache (``skip_reading_prefix_cache``) is owed
+  nothing from either: vLLM PR #57269, "Honor skip_reading_prefix_cache for
+  KV connector hits", made it mean "compute every prompt token in this
+  request". Fewer tokens is a ``fallback``, more an ``over-hit`` (KV nobody
+  holds).
 * **The store** (:func:`store_owed`, layouts of full attention and MLA only).
   The store keeps the KV of every token a request computed
   (:class:`differential.driver.connector.RemoteStoreConnector`) and, without
@@ -220,6 +224,9 @@ def connector_findings(
         computed = c.computed_tokens
         adopted = adoption_owed(c, block, scenario.prefix_replay_tokens)
         stored = owed_by_store.get(r.index, StoreOwed(0, None, 0))
+        if not scenario.reads_prefix_cache(r.index):
+            # It reads neither the local cache nor the store (vLLM PR #57269).
+            adopted, stored = 0, StoreOwed(0, None, stored.shared_tokens)
         if 0 < stored.tokens <= scenario.prefix_replay_tokens:
             # A hit no longer than the bounded-replay window is not adopted.
             stored = StoreOwed(0, None, stored.shared_tokens)

@@ -617,6 +617,24 @@ class _Promised(dict[tuple[int, int, int, int], tuple[int, ...]]):
         return points
 
 
+def _reading_writers(
+    scenario: Scenario, writers: Sequence[frozenset[int]] | None, count: int
+) -> Sequence[frozenset[int]] | None:
+    """``writers`` (``None``: every earlier request) with none for a request
+    that skips reading the prefix cache (``skip_reading_prefix_cache``): it
+    takes nothing from any writer."""
+    if all(scenario.reads_prefix_cache(j) for j in range(count)):
+        return writers
+    return [
+        frozenset()
+        if not scenario.reads_prefix_cache(j)
+        else frozenset(range(j))
+        if writers is None
+        else writers[j]
+        for j in range(count)
+    ]
+
+
 def references(
     scenario: Scenario,
     model: DrafterModel,
@@ -634,10 +652,14 @@ def references(
     default: every earlier one, a sequential run) limits whose cached blocks
     a request is owed. A scenario with state groups (Mamba) is judged by
     :func:`differential.oracle.state.state_references` (sequential only).
+    A request that skips reading the prefix cache (``skip_reading_prefix_cache``,
+    vLLM PR #28194) has no writer: it is owed nothing and pins no junction,
+    while its own blocks serve later requests.
     """
     if scenario.mamba_groups:
         assert writers is None, "state groups are judged for sequential runs only"
         return _state_group_references(scenario, model, observed_hits, policy)
+    writers = _reading_writers(scenario, writers, len(observed_hits))
     # Scenario-only quantities come from the per-scenario memo; checkpoints()
     # reads its writer only through the writer's prompt length, so writers
     # alike in (length, junction, dense hit, own hit) share one evaluation
@@ -824,6 +846,12 @@ def _unjudged_run_findings(run: RunObservation, policy: Policy) -> tuple[list[Fi
     return findings, True
 
 
+_SKIPPED_READ = (
+    "hit {hit}, but the request skips reading the prefix cache "
+    "(skip_reading_prefix_cache, vLLM PR #28194): it computes every prompt token"
+)
+
+
 def _over_hit_ceilings(
     scenario: Scenario,
     run: RunObservation,
@@ -939,13 +967,17 @@ def judge_run(
                     FindingKind.OVER_HIT,
                     name,
                     ref.index,
-                    f"hit {hit} exceeds what may be reused: dense reference "
-                    f"{dense}, divergence point {ref.divergence_tokens}"
-                    + (
-                        f" minus {model.dependency_tokens} drafter-dependent token(s)"
-                        if model.dependency_tokens
-                        else ""
-                    ),
+                    (
+                        f"hit {hit} exceeds what may be reused: dense reference "
+                        f"{dense}, divergence point {ref.divergence_tokens}"
+                        + (
+                            f" minus {model.dependency_tokens} drafter-dependent token(s)"
+                            if model.dependency_tokens
+                            else ""
+                        )
+                    )
+                    if scenario.reads_prefix_cache(ref.index)
+                    else _SKIPPED_READ.format(hit=hit),
                     expected_tokens=ceiling,
                     **common,
                 )

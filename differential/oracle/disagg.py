@@ -221,7 +221,9 @@ def disagg_findings(
     findings: list[Finding] = []
     for r in run.requests:
         c = r.connector
-        if c is None:
+        if c is None or not scenario.reads_prefix_cache(r.index):
+            # A request skipping the prefix cache loads nothing (vLLM PR
+            # #57269); the connector rules owe it nothing.
             continue
         owed = prefill_owed(scenario, run, r)
         if owed is not None and c.computed_tokens < owed:

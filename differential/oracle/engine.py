@@ -405,6 +405,8 @@ def resumed_findings(scenario: Scenario, run: RunObservation, policy: Policy) ->
         return []
     findings: list[Finding] = []
     for r in run.requests:
+        if not scenario.reads_prefix_cache(r.index):
+            continue  # it recomputes every token, after a preemption too
         for k, lookup in enumerate(r.resumed):
             owed = resumed_owed_tokens(scenario, model, lookup)
             if lookup.hit_tokens >= owed:
@@ -520,7 +522,20 @@ def judge_engine_run(
             "hit_tokens": r.hit_tokens,
             "policy": policy,
         }
-        if r.hit_tokens > ceiling:
+        if not scenario.reads_prefix_cache(r.index) and r.hit_tokens:
+            findings.append(
+                Finding(
+                    FindingKind.OVER_HIT,
+                    run.variant,
+                    r.index,
+                    f"hit {r.hit_tokens}, but the request skips reading the prefix cache "
+                    "(skip_reading_prefix_cache, vLLM PR #28194): it computes every prompt "
+                    "token",
+                    expected_tokens=0,
+                    **common,
+                )
+            )
+        elif r.hit_tokens > ceiling:
             findings.append(
                 Finding(
                     FindingKind.OVER_HIT,

@@ -17,7 +17,8 @@ finished (nothing here imports vLLM):
     from the others (issue #25780, PR #25787: "Do not count preempted tokens
     in prefix cache hit rate"). So, summed over the run: ``requests`` is the
     number of requests admitted, ``queries`` their prompt tokens and
-    ``hits`` their hits (tokens; in scheduler mode a hit no longer than a
+    ``hits`` their hits (tokens; a request that skips reading the prefix
+    cache is not counted, vLLM PR #17251; in scheduler mode a hit no longer than a
     bounded-replay window is not adopted, so it counts none: vLLM PR
     #56227); ``preempted_requests`` the lookups that
     took a preempted request up again, ``preempted_queries`` their tokens
@@ -88,7 +89,11 @@ def expected_counts(run: RunObservation, scenario: Scenario | None = None) -> Pr
     tokens and hit per resumed one. Given the ``scenario`` of a
     scheduler-mode run, a hit its bounded replay does not adopt counts none
     (:func:`differential.oracle.replay.adopted_hit_tokens`)."""
-    admitted = _admitted(run)
+    # A request skipping the prefix cache is not counted ("Don't count a
+    # request that skipped the cache lookup", KVCacheManager.record_prefix_cache_stats).
+    admitted = [
+        r for r in _admitted(run) if scenario is None or scenario.reads_prefix_cache(r.index)
+    ]
     resumed = [r for request in admitted for r in request.resumed]
 
     def adopted(hit_tokens: int) -> int:

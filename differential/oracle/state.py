@@ -265,9 +265,7 @@ def _step_ends(
     return ends
 
 
-def _exports_checkpoint(
-    start: int, end: int, checkpoint: int, hash_block: int, block: int
-) -> bool:
+def _exports_checkpoint(start: int, end: int, checkpoint: int, hash_block: int, block: int) -> bool:
     """Whether a final prefill step over tokens ``[start, end)`` exports the
     state at ``checkpoint`` from inside itself (``MambaPrefill.CHECKPOINT``:
     a Mamba layer with one prefill checkpoint block at alignment 1, as
@@ -589,7 +587,13 @@ def state_references(
         for i in range(j):
             # Only layouts with a lagging attention type pin junctions
             # (Scenario.pins_junctions).
-            pins = scenario.pins_junctions and observed_hits[i] < attention_by_request[i]
+            # A request that skips reading the prefix cache looks nothing
+            # up, so pins nothing (vLLM PR #28194).
+            pins = (
+                scenario.pins_junctions
+                and scenario.reads_prefix_cache(i)
+                and observed_hits[i] < attention_by_request[i]
+            )
             junction = attention_by_request[i] if pins else 0
             writer = (
                 i,
@@ -624,6 +628,9 @@ def state_references(
                 owed = max(mapped)
             if owed > best_expected or best_writer is None:
                 best_expected, best_writer = owed, i
+        if not scenario.reads_prefix_cache(j):
+            # Skipping the prefix cache (vLLM PR #28194): owed nothing.
+            best_dense, best_expected, best_writer, points = 0, 0, None, {0}
         out.append(
             (max(shared, default=0), best_dense, best_expected, best_writer, tuple(sorted(points)))
         )

@@ -230,6 +230,14 @@ class RequestDocument(BaseModel):
         description="vLLM's per-request cache_salt, which the first block's hash includes: "
         "requests of different salts share no KV. Written only when set.",
     )
+    skip_reading_prefix_cache: StrictBool = Field(
+        default=False,
+        exclude_if=_is_false,
+        description="vLLM's SamplingParams.skip_reading_prefix_cache (set for prompt_logprobs "
+        "requests): the request computes every prompt token, reading neither the prefix "
+        "cache nor a KV connector's store, and its blocks are still cached. Written only "
+        "when true.",
+    )
 
     def value(self) -> RequestSpec:
         """The request as a value."""
@@ -241,6 +249,7 @@ class RequestDocument(BaseModel):
             rejoin_tokens=self.rejoin_tokens,
             mm_inputs=tuple(m.value() for m in self.mm_inputs),
             cache_salt=self.cache_salt,
+            skip_reading_prefix_cache=self.skip_reading_prefix_cache,
         )
 
 

@@ -286,6 +286,12 @@ class Scenario:
         circular buffers: vLLM ``KVCacheConfig.prefix_cacheable_groups``)."""
         return tuple(g for g in self.kv_cache_groups if g.prefix_cacheable)
 
+    def reads_prefix_cache(self, index: int) -> bool:
+        """Whether request ``index`` reads the prefix cache (and a KV
+        connector's store): not when it sets ``skip_reading_prefix_cache``
+        (vLLM ``KVCacheManager.prefix_cache_lookup_enabled``)."""
+        return not self.requests[index].skip_reading_prefix_cache
+
     @property
     def prefix_replay_tokens(self) -> int:
         """The window a hit replays, in tokens: the bounded-replay groups'

@@ -82,6 +82,12 @@ class RequestSpec:
             the first block's hash includes
             (``generate_block_hash_extra_keys``): requests of different salts
             share no KV, requests of the same salt share as if unsalted.
+        skip_reading_prefix_cache: vLLM's per-request
+            ``SamplingParams.skip_reading_prefix_cache`` (set for
+            ``prompt_logprobs`` requests, vLLM PR #28194): the request
+            computes every prompt token, reading neither the local prefix
+            cache nor a KV connector's store (PR #57269), while its own
+            blocks are still cached for later requests.
     """
 
     divergence_tokens: int
@@ -91,6 +97,7 @@ class RequestSpec:
     rejoin_tokens: int = 0
     mm_inputs: tuple[MultiModalInput, ...] = ()
     cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
 
     @property
     def prompt_tokens(self) -> int:
