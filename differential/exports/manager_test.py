@@ -664,7 +664,7 @@ def _with_scenario_features(source: str, scenario: Scenario) -> str:
             after_prompt="        prompts.append(base[:divergence]",
             index="index",
         )
-    return source
+    return with_skipped_reads(source, scenario, index="index")
 
 
 def _answer_decode(scenario: Scenario) -> str:
@@ -743,6 +743,29 @@ def _mm_features(images: list[tuple[int, int, str]]) -> list[MultiModalFeatureSp
         for offset, length, identifier in images
     ] or None
 '''
+
+
+def with_skipped_reads(source: str, scenario: Scenario, *, index: str) -> str:
+    """``source`` (an exported test) building each ``Request`` whose scenario
+    request skips reading the prefix cache with
+    ``SamplingParams(skip_reading_prefix_cache=True)``, as kvfuzz's driver
+    does (differential/driver/runner.py ``make_request``); ``index`` names
+    the request's index where ``Request`` is built.
+
+    Raises:
+        ValueError: if the template no longer has the line this edits.
+    """
+    skips = [i for i, r in enumerate(scenario.requests) if r.skip_reading_prefix_cache]
+    if not skips:
+        return source
+    line = "SamplingParams(max_tokens="
+    if source.count(line) != 1:
+        raise ValueError("export template changed: cannot place skip_reading_prefix_cache")
+    return source.replace(
+        line,
+        f"SamplingParams(skip_reading_prefix_cache={index} in {literal(skips, column=60)}, "
+        "max_tokens=",
+    )
 
 
 def with_mm_inputs(

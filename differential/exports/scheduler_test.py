@@ -30,6 +30,7 @@ from differential.exports.manager_test import (
     hit_check,
     with_imports,
     with_mm_inputs,
+    with_skipped_reads,
 )
 from differential.findings import Finding, FindingKind
 from differential.scenario import Scenario
@@ -360,6 +361,7 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         source = with_mm_inputs(
             source, scenario, before="    prompts = [_tokens(runs)", after_prompt=None, index="i"
         )
+    source = with_skipped_reads(source, scenario, index="i")
     if scenario.has_mm_inputs:
         image_tokens = sum(p.length_tokens for placed in scenario.mm_placements for p in placed)
         budget_line = "    manager = scheduler.kv_cache_manager\n"
