@@ -759,7 +759,7 @@ def _check_slots(d: _Driver, index: int, request: Request, computed_tokens: int)
     groups = d.scenario.kv_cache_groups
     managers = d.manager.coordinator.single_type_managers
     for gid, (group, manager) in enumerate(zip(groups, managers, strict=False)):
-        if group.kind in (GroupKind.MAMBA, GroupKind.CIRCULAR_BUFFER):
+        if not group.kind.slot_table:
             continue
         held = len(manager.req_to_blocks.get(request.request_id, ())) * manager.block_size
         if held < computed_tokens:

@@ -113,7 +113,7 @@ from differential.observation import (
     RunObservation,
     StoreCall,
 )
-from differential.scenario import GroupKind, KVEvents, Scenario
+from differential.scenario import KVEvents, Scenario
 
 __all__ = ["run_scheduler_scenario"]
 
@@ -1612,11 +1612,7 @@ def _install_recorders(
     clock.install(manager)
     if workload.watermark:
         _record_watermark_admissions(manager, index_of, step, report.watermark_admissions, failures)
-    untabled = frozenset(
-        i
-        for i, g in enumerate(scenario.kv_cache_groups)
-        if g.kind in (GroupKind.MAMBA, GroupKind.CIRCULAR_BUFFER)
-    )
+    untabled = frozenset(i for i, g in enumerate(scenario.kv_cache_groups) if not g.kind.slot_table)
     return _Recorders(step, lookups, failures, clock, index_of, writes, untabled)
 
 

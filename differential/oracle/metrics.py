@@ -18,8 +18,8 @@ finished (nothing here imports vLLM):
     in prefix cache hit rate"). So, summed over the run: ``requests`` is the
     number of requests admitted, ``queries`` their prompt tokens and
     ``hits`` their hits (tokens; a request that skips reading the prefix
-    cache is not counted, vLLM PR #17251; in scheduler mode a hit no longer than a
-    bounded-replay window is not adopted, so it counts none: vLLM PR
+    cache is not counted, vLLM PR #17251; in scheduler mode a hit no longer
+    than a bounded-replay window is not adopted, so it counts none: vLLM PR
     #56227); ``preempted_requests`` the lookups that
     took a preempted request up again, ``preempted_queries`` their tokens
     (``ResumedLookup.known_tokens``) and ``preempted_hits`` their hits.
@@ -119,10 +119,9 @@ def _queried_local(connector: ConnectorLookup, scenario: Scenario | None) -> int
     or, for a hit the bounded replay then drops (nothing adopted, vLLM PR
     #56227), the local part it had: vLLM counts the connector's query
     before it drops the hit (``Scheduler.schedule``)."""
-    replay = 0 if scenario is None else scenario.prefix_replay_tokens
-    if not replay or connector.computed_tokens:
+    if scenario is None or not scenario.prefix_replay_tokens or connector.computed_tokens:
         return connector.local_tokens
-    block = scenario.scheduler_block_size_tokens if scenario is not None else 1
+    block = scenario.scheduler_block_size_tokens
     matched = connector.matched_tokens - connector.matched_tokens % block
     tail = connector.local_hit_tokens % block
     return connector.local_hit_tokens - (tail if tail and matched > tail else 0)

@@ -78,6 +78,14 @@ class GroupKind(StrEnum):
         return self is not GroupKind.CIRCULAR_BUFFER
 
     @property
+    def slot_table(self) -> bool:
+        """Whether a request's block table in the kind's groups holds a slot
+        per token (its length in blocks times the block covers every token
+        computed): every attention kind, not a Mamba group (a state per
+        block) nor a circular buffer (one ring)."""
+        return self not in (GroupKind.MAMBA, GroupKind.CIRCULAR_BUFFER)
+
+    @property
     def full_attention_family(self) -> bool:
         """Driven by vLLM's ``FullAttentionManager`` or a subclass of it (full
         attention, MLA, sink full attention, R-SWA's ``RSWAManager``: the
