@@ -145,13 +145,13 @@ def test_a_known_issue_is_one_cause_with_dense_mismatch_as_facet() -> None:
 ONE_UNIT = "shortfall | known:unit-below-retained-boundary-falls-back"
 
 
-def _fuzz(out: Path, *extra: str) -> tuple[int, dict]:
+def _fuzz(out: Path, *extra: str, seed: int = 11) -> tuple[int, dict]:
     proc = kvfuzz_cli(
         "fuzz",
         "--variants",
         "unfixed,fixed",
         "--seed",
-        "11",
+        str(seed),
         "--max-examples",
         "60",
         "--no-dense-check",
@@ -214,8 +214,11 @@ def test_fail_on_new_is_clean_when_every_root_cause_is_known(tmp_path: Path) -> 
     # corpora/regressions/) and Gemma-4 MTP's needless protection (first
     # shown by vLLM #53670's workload, ahead of the Gemma-4 seed), known-issues/
     # the one-unit class: on attention layouts (Mamba hybrids still have causes
-    # kvfuzz has not explained) every cause is known.
-    code, summary = _fuzz(tmp_path, "--no-shrink", "--fail-on", "new", "--groups", "full_attention")
+    # kvfuzz has not explained) every cause is known. Seed 12's 60 scenarios
+    # reach all three.
+    code, summary = _fuzz(
+        tmp_path, "--no-shrink", "--fail-on", "new", "--groups", "full_attention", seed=12
+    )
     assert code == 0, [c["root_cause"] for c in summary["root_causes"]]
     causes = {c["reproducer"]: c["status"] for c in summary["root_causes"]}
     assert set(causes.values()) == {"known"}
