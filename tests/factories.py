@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import resource
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from differential import forkserver
+from differential.observation import RequestObservation, RunObservation
 from differential.scenario import (
     Drafter,
     DrafterKind,
@@ -258,3 +260,13 @@ def kvfuzz_cli(*args: str, cwd: Path = ROOT, **kwargs: object) -> subprocess.Com
     """Run the ``kvfuzz`` command line (``python -m differential.cli``): see
     :func:`python_module`."""
     return python_module("differential.cli", *args, cwd=cwd, **kwargs)  # type: ignore[arg-type]
+
+
+def scheduler_run(*requests: RequestObservation, **changes: object) -> RunObservation:
+    """A scheduler-mode run of stock vLLM 0.33.0 (``unfixed``) observing
+    ``requests``, with ``changes`` to its other fields, for hand-worked
+    oracle cases."""
+    run = RunObservation(
+        variant="unfixed", vllm_version="0.33.0", settings=None, requests=requests, mode="scheduler"
+    )
+    return dataclasses.replace(run, **changes)  # type: ignore[arg-type]

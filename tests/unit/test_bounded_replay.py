@@ -14,7 +14,6 @@ from differential.findings import FindingKind
 from differential.observation import (
     ConnectorLookup,
     RequestObservation,
-    RunObservation,
 )
 from differential.oracle.blocks import uncovered_findings
 from differential.oracle.connector import adoption_owed
@@ -28,7 +27,7 @@ from differential.scenario import (
     Scenario,
     Workload,
 )
-from tests.factories import layout_scenario
+from tests.factories import layout_scenario, scheduler_run
 
 K = GroupKind
 G = KVCacheGroup
@@ -107,19 +106,14 @@ def observed(index: int, hit: int, replay: tuple[int, int]) -> RequestObservatio
     )
 
 
-def run_of(*requests: RequestObservation, **changes: object) -> RunObservation:
-    run = RunObservation(
-        variant="unfixed", vllm_version="0.33.0", settings=None, requests=requests, mode="scheduler"
-    )
-    return dataclasses.replace(run, **changes)  # type: ignore[arg-type]
-
-
 def test_the_replay_rule_names_what_the_worker_was_told() -> None:
     s = replay_scenario()
-    clean = run_of(observed(0, 0, (0, 0)), observed(1, 512, (384, 384)), observed(2, 64, (0, 0)))
+    clean = scheduler_run(
+        observed(0, 0, (0, 0)), observed(1, 512, (384, 384)), observed(2, 64, (0, 0))
+    )
     assert replay_findings(s, clean) == []
     # A replay start left at the hit's start, and a short hit adopted.
-    wrong = run_of(observed(1, 512, (384, 0)), observed(2, 64, (0, 64)))
+    wrong = scheduler_run(observed(1, 512, (384, 0)), observed(2, 64, (0, 64)))
     found = replay_findings(s, wrong)
     assert [(f.kind, f.request, f.expected_tokens) for f in found] == [
         (FindingKind.REPLAY, 1, 384),
@@ -140,7 +134,7 @@ def test_the_replay_rule_names_what_the_worker_was_told() -> None:
 
 def test_statistics_count_no_hit_the_replay_does_not_adopt() -> None:
     s = replay_scenario()
-    run = run_of(
+    run = scheduler_run(
         observed(0, 0, (0, 0)),
         observed(1, 512, (384, 384)),
         observed(2, 64, (0, 0)),
@@ -170,11 +164,13 @@ def test_the_connector_answer_is_taken_in_whole_blocks_under_replay() -> None:
 def test_a_step_without_slots_is_wrong_kv() -> None:
     s = replay_scenario()
     # Step 3 computes request 1 to 448 tokens, but its MLA table holds 384.
-    run = run_of(uncovered_steps=((1, 3, 0, 448, 384), (1, 4, 0, 512, 384), (2, 5, 1, 64, 64)))
+    run = scheduler_run(
+        uncovered_steps=((1, 3, 0, 448, 384), (1, 4, 0, 512, 384), (2, 5, 1, 64, 64))
+    )
     found = uncovered_findings(s, run)
     assert [(f.kind, f.request) for f in found] == [(FindingKind.WRONG_KV, 1)]
     assert found[0].detail == (
         "step 3 computes the request up to 448 tokens, but group 0 (mla, block 64) holds "
         "slots for 384: allocate_slots gave the step's tokens no block (+1 more)"
     )
-    assert uncovered_findings(s, run_of()) == []
+    assert uncovered_findings(s, scheduler_run()) == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from differential.findings import FindingKind
-from differential.observation import ConnectorLookup, RequestObservation, RunObservation
+from differential.observation import ConnectorLookup, RequestObservation
 from differential.oracle import drafter_model, references
 from differential.oracle.connector import connector_findings
 from differential.oracle.metrics import expected_counts
@@ -21,6 +21,7 @@ from differential.scenario import (
     Scenario,
     Workload,
 )
+from tests.factories import scheduler_run
 
 FULL = KVCacheGroup(GroupKind.FULL_ATTENTION, 16)
 REQUESTS = (
@@ -80,15 +81,9 @@ def observed(index: int, prompt: int, hit: int, **kwargs: object) -> RequestObse
     )
 
 
-def run_of(*requests: RequestObservation) -> RunObservation:
-    return RunObservation(
-        variant="unfixed", vllm_version="0.33.0", settings=None, requests=requests, mode="scheduler"
-    )
-
-
 def test_its_lookup_is_not_counted_in_the_statistics() -> None:
     s = scenario(workload=Workload(mode=DriveMode.SCHEDULER))
-    run = run_of(observed(0, 148, 0), observed(1, 188, 0), observed(2, 190, 176))
+    run = scheduler_run(observed(0, 148, 0), observed(1, 188, 0), observed(2, 190, 176))
     # "Don't count a request that skipped the cache lookup"
     # (KVCacheManager.record_prefix_cache_stats): 2 requests, 148 + 190 tokens.
     counts = expected_counts(run, s)
@@ -108,8 +103,8 @@ def test_a_store_answer_it_adopts_is_an_over_hit() -> None:
         local_tokens=0,
         external_tokens=0,
     )
-    clean = run_of(observed(1, 188, 0, connector=answered))
+    clean = scheduler_run(observed(1, 188, 0, connector=answered))
     assert connector_findings(s, clean) == []
     adopted = dataclasses.replace(answered, external_tokens=128)
-    (finding,) = connector_findings(s, run_of(observed(1, 188, 0, connector=adopted)))
+    (finding,) = connector_findings(s, scheduler_run(observed(1, 188, 0, connector=adopted)))
     assert (finding.kind, finding.request, finding.expected_tokens) == (FindingKind.OVER_HIT, 1, 0)
