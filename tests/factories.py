@@ -27,6 +27,8 @@ from differential.scenario import (
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
 
+    from differential.compare import VariantResult
+
 ROOT = Path(__file__).resolve().parent.parent
 CORPORA = ROOT / "corpora"
 
@@ -270,3 +272,13 @@ def scheduler_run(*requests: RequestObservation, **changes: object) -> RunObserv
         variant="unfixed", vllm_version="0.33.0", settings=None, requests=requests, mode="scheduler"
     )
     return dataclasses.replace(run, **changes)  # type: ignore[arg-type]
+
+
+def stock_result(path: Path) -> VariantResult:
+    """The scenario file at ``path`` run and judged on stock vLLM alone
+    (``unfixed``): its run, its findings (vLLM is imported on first use)."""
+    from differential.compare import compare_variants
+    from differential.corpus import load_entry
+    from differential.variants import parse_variants
+
+    return compare_variants(load_entry(path).scenario, parse_variants("unfixed")).results[0]

@@ -10,10 +10,8 @@ import pytest
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from differential.compare import compare_variants
-from differential.corpus import finding_tag, load_entry
-from differential.variants import parse_variants
-from tests.factories import CORPORA, kvfuzz_cli
+from differential.corpus import finding_tag
+from tests.factories import CORPORA, kvfuzz_cli, stock_result
 
 pytestmark = pytest.mark.vllm
 
@@ -21,12 +19,8 @@ LOCAL = CORPORA / "cases" / "dsv41-bounded-replay--scheduler.json"
 STORE = CORPORA / "cases" / "dsv41-bounded-replay-connector-store.json"
 
 
-def _run(path: Any) -> Any:
-    return compare_variants(load_entry(path).scenario, parse_variants("unfixed")).results[0]
-
-
 def test_a_local_hit_replays_its_last_window() -> None:
-    result = _run(LOCAL)
+    result = stock_result(LOCAL)
     run = result.run
     assert list(run.hits) == [0, 512, 64, 256]
     # 512 -> 384 (its last 128 recomputed); 64, no longer than the window, not
@@ -38,7 +32,7 @@ def test_a_local_hit_replays_its_last_window() -> None:
 
 
 def test_a_store_answer_replays_its_last_window() -> None:
-    run = _run(STORE).run
+    run = stock_result(STORE).run
     assert [r.replay for r in run.requests] == [(0, 0), (192, 192), (0, 0)]
     assert [(c.matched_tokens, c.external_tokens) for c in (r.connector for r in run.requests)] == [
         (0, 0),
@@ -56,7 +50,7 @@ def test_a_replay_start_left_at_zero_is_a_finding(monkeypatch: pytest.MonkeyPatc
         return replayed
 
     monkeypatch.setattr(Scheduler, "_mark_prefix_replay", forgets_the_start)
-    result = _run(LOCAL)
+    result = stock_result(LOCAL)
     # The worker, told of no replay, also rewrites the hit's cached KV.
     assert sorted(finding_tag(f) for f in result.findings) == [
         "replay@1",
@@ -82,7 +76,7 @@ def test_a_step_without_slots_is_wrong_kv(monkeypatch: pytest.MonkeyPatch) -> No
         return real(self, request, num_new_tokens, *args, **kwargs)
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", short)
-    result = _run(STORE)
+    result = stock_result(STORE)
     assert result.run.uncovered_steps == ((1, 3, 0, 370, 320), (1, 3, 1, 370, 320))
     (detail,) = [f.detail for f in result.findings if finding_tag(f) == "wrong-kv@1"]
     assert detail == (

@@ -17,12 +17,9 @@ import pytest
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-from differential.compare import compare_variants
-from differential.corpus import load_entry
 from differential.findings import FindingKind
 from differential.observation import PrefixCacheCounts, ResetCall
-from differential.variants import parse_variants
-from tests.factories import CORPORA
+from tests.factories import CORPORA, stock_result
 
 pytestmark = pytest.mark.vllm
 
@@ -30,16 +27,12 @@ PREEMPTING = CORPORA / "cases" / "circular-buffer-preemption-pool12.json"
 SEQUENTIAL = CORPORA / "cases" / "extension-of-aligned-prompt.json"
 
 
-def _run(path: Any) -> Any:
-    return compare_variants(load_entry(path).scenario, parse_variants("unfixed")).results[0]
-
-
 def _metrics_details(result: Any) -> list[str]:
     return [f.detail for f in result.findings if f.kind is FindingKind.CACHE_METRICS]
 
 
 def test_the_scheduler_counts_each_admission_and_the_preempted_one_apart() -> None:
-    result = _run(PREEMPTING)
+    result = stock_result(PREEMPTING)
     metrics = result.run.metrics
     # Three requests (184 prompt tokens, 64 hit); request 2 is preempted and
     # taken up again at 96 known tokens, hitting 64.
@@ -53,7 +46,7 @@ def test_the_scheduler_counts_each_admission_and_the_preempted_one_apart() -> No
 
 
 def test_manager_mode_records_the_statistics_and_both_resets() -> None:
-    result = _run(SEQUENTIAL)
+    result = stock_result(SEQUENTIAL)
     metrics = result.run.metrics
     assert metrics.stats == PrefixCacheCounts(2, 222, 88, 0, 0, 0)
     assert metrics.resets == (
@@ -71,7 +64,7 @@ def test_a_lookup_counted_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
         record(self, request, num_hits)
 
     monkeypatch.setattr(KVCacheManager, "record_prefix_cache_stats", twice)
-    assert _metrics_details(_run(PREEMPTING)) == [
+    assert _metrics_details(stock_result(PREEMPTING)) == [
         "prefix-cache statistics summed over the run: requests 6 (owed 3), queries 368 "
         "(owed 184), hits 128 (owed 64), preempted_requests 2 (owed 1), "
         "preempted_queries 192 (owed 96), preempted_hits 128 (owed 64)"
@@ -84,7 +77,7 @@ def test_usage_read_as_a_ratio_of_free_blocks_is_caught(monkeypatch: pytest.Monk
         return float(1.0 / (self.get_num_free_blocks() / (self.num_gpu_blocks - 1)))
 
     monkeypatch.setattr(BlockPool, "get_usage", ratio)
-    details = _metrics_details(_run(SEQUENTIAL))
+    details = _metrics_details(stock_result(SEQUENTIAL))
     # 47 blocks besides the null block: 35 free while the first request ran
     # (47 / 35), all 47 after the run.
     assert details == [
@@ -95,7 +88,7 @@ def test_usage_read_as_a_ratio_of_free_blocks_is_caught(monkeypatch: pytest.Monk
 
 def test_a_reset_that_never_succeeds_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(BlockPool, "reset_prefix_cache", lambda self: False)
-    result = _run(PREEMPTING)
+    result = stock_result(PREEMPTING)
     # The cache the run left, as the driver counted it before the reset.
     assert result.run.cached_blocks == 8
     assert _metrics_details(result) == [

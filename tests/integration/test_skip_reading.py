@@ -5,15 +5,11 @@ lookup that ignores the flag caught."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-from differential.compare import compare_variants
-from differential.corpus import finding_tag, load_entry
-from differential.variants import parse_variants
-from tests.factories import CORPORA
+from differential.corpus import finding_tag
+from tests.factories import CORPORA, stock_result
 
 pytestmark = pytest.mark.vllm
 
@@ -21,12 +17,8 @@ LOCAL = CORPORA / "cases" / "prompt-logprobs-skips-reading-the-cache.json"
 STORE = CORPORA / "cases" / "prompt-logprobs-skips-the-store--scheduler.json"
 
 
-def _run(path: Any) -> Any:
-    return compare_variants(load_entry(path).scenario, parse_variants("unfixed")).results[0]
-
-
 def test_it_hits_nothing_and_its_blocks_serve_the_next_request() -> None:
-    result = _run(LOCAL)
+    result = stock_result(LOCAL)
     assert list(result.run.hits) == [0, 0, 176]
     # Two lookups counted (148 + 190 tokens queried): not the skipping one.
     stats = result.run.metrics.stats
@@ -35,7 +27,7 @@ def test_it_hits_nothing_and_its_blocks_serve_the_next_request() -> None:
 
 
 def test_the_store_answers_but_nothing_is_adopted() -> None:
-    run = _run(STORE).run
+    run = stock_result(STORE).run
     assert list(run.hits) == [0, 0, 176]
     lookups = [r.connector for r in run.requests]
     assert [(c.matched_tokens, c.local_tokens, c.external_tokens) for c in lookups] == [
@@ -51,7 +43,7 @@ def test_a_lookup_ignoring_the_flag_is_caught(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(
         KVCacheManager, "prefix_cache_lookup_enabled", lambda self, request: self.enable_caching
     )
-    result = _run(LOCAL)
+    result = stock_result(LOCAL)
     assert list(result.run.hits) == [0, 128, 176]
     assert sorted(finding_tag(f) for f in result.findings) == [
         "cache-metrics@run",

@@ -12,10 +12,8 @@ from typing import Any
 import pytest
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-from differential.compare import compare_variants
-from differential.corpus import finding_tag, load_entry
-from differential.variants import parse_variants
-from tests.factories import CORPORA
+from differential.corpus import finding_tag
+from tests.factories import CORPORA, stock_result
 
 pytestmark = pytest.mark.vllm
 
@@ -37,7 +35,7 @@ def test_an_allocation_short_of_the_step_is_wrong_kv(monkeypatch: pytest.MonkeyP
         )
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", short)
-    run = compare_variants(load_entry(CASE).scenario, parse_variants("unfixed")).results[0]
+    run = stock_result(CASE)
     assert run.run.uncovered_steps[:3] == ((0, 1, 0, 32, 16), (0, 1, 1, 32, 16), (0, 2, 0, 64, 48))
     details = [f.detail for f in run.findings if finding_tag(f) == "wrong-kv@0"]
     assert details[0] == (
@@ -47,6 +45,6 @@ def test_an_allocation_short_of_the_step_is_wrong_kv(monkeypatch: pytest.MonkeyP
 
 
 def test_stock_allocations_cover_every_step() -> None:
-    run = compare_variants(load_entry(CASE).scenario, parse_variants("unfixed")).results[0]
+    run = stock_result(CASE)
     assert run.run.uncovered_steps == ()
     assert run.findings == ()
