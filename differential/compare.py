@@ -27,7 +27,6 @@ from differential.oracle import (
     SiblingReference,
     cross_check_dense,
     divergence_points,
-    judge_run,
     model_from_settings,
     replay_boundaries,
 )
@@ -35,7 +34,7 @@ from differential.oracle.engine import (
     collapse_applies,
     cross_check_modes,
     eviction_collapse,
-    judge_engine_run,
+    judge_observed_run,
     mode_cross_checkable,
     sequentially_judgeable,
 )
@@ -726,12 +725,7 @@ def judge_variant(
 
         judged = scenario_as_run(variant.name, scenario)
     engine = scenario.workload.mode is DriveMode.SCHEDULER
-    if engine or scenario.workload.shares_output:
-        # A sequential run without evictions is judged by judge_run there
-        # too; an evicting manager-mode chat keeps the per-lookup bounds.
-        refs, findings = judge_engine_run(judged, run, policy)
-    else:
-        refs, findings = judge_run(judged, run, policy)
+    refs, findings = judge_observed_run(judged, run, policy)
     findings += _plan_findings(judged, run, policy)
     dense_run = None
     # A turn copying an earlier answer (shares_output) is cross-checked too:

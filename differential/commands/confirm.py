@@ -465,14 +465,11 @@ def release_runs(
 def _release_findings(
     scenario: Scenario, run: RunObservation, policy: Policy
 ) -> tuple[Finding, ...]:
-    from differential.oracle import judge_run
-    from differential.oracle.engine import judge_engine_run
+    from differential.oracle.engine import judge_observed_run
     from differential.variants.tree import scenario_as_run
 
     judged = scenario_as_run(run.variant, scenario)
-    if run.mode == "scheduler":
-        return judge_engine_run(judged, run, policy)[1]
-    return judge_run(judged, run, policy)[1]
+    return judge_observed_run(judged, run, policy)[1]
 
 
 def _one_prefixes_the_other(a: Sequence[int], b: Sequence[int]) -> bool:

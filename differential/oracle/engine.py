@@ -101,6 +101,7 @@ __all__ = [
     "cross_check_modes",
     "eviction_collapse",
     "judge_engine_run",
+    "judge_observed_run",
     "lru_survived",
     "mode_cross_checkable",
     "repeated_requests",
@@ -484,6 +485,29 @@ def session_hits(scenario: Scenario, run: RunObservation) -> dict[int, list[int]
     for r in run.requests:
         out.setdefault(session_of(scenario, r.index), []).append(r.hit_tokens)
     return out
+
+
+def judge_observed_run(
+    scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
+) -> tuple[tuple[SiblingReference, ...], tuple[Finding, ...]]:
+    """Judge one run on its own, as every command judges it.
+
+    A scheduler-mode run (``run.mode == "scheduler"``) and a chat
+    (``workload.shares_output``: a turn copies its source's answer, in either
+    mode) are judged by :func:`judge_engine_run`, which judges a sequential
+    run without evictions by :func:`differential.oracle.judge_run` and any
+    other on its own timeline; a manager-mode run of prompts alone by
+    :func:`differential.oracle.judge_run`. The one place that choice is
+    made, so that a verdict re-judged elsewhere (triage judging a run with
+    the protection it used, ``confirm`` judging a release's run) is the
+    verdict the run was first given.
+
+    Returns:
+        The references and the findings, as :func:`judge_engine_run`.
+    """
+    if run.mode == "scheduler" or scenario.workload.shares_output:
+        return judge_engine_run(scenario, run, policy)
+    return judge_run(scenario, run, policy)
 
 
 def judge_engine_run(

@@ -73,7 +73,8 @@ from differential.compare import ScenarioResult, VariantResult
 from differential.errors import ScenarioError
 from differential.findings import SEVERITY, Finding, FindingKind, Policy
 from differential.observation import GroupLookup, RequestObservation, RunObservation
-from differential.oracle import DrafterModel, drafter_model, judge_run, replay_boundaries
+from differential.oracle import DrafterModel, drafter_model, replay_boundaries
+from differential.oracle.engine import judge_observed_run
 from differential.oracle.known import label_known
 from differential.oracle.kv_events import kv_event_rule
 from differential.oracle.per_group import wrong_per_group_hit
@@ -519,11 +520,17 @@ def _own_shortfalls(
     scenario: Scenario, vr: VariantResult, policy: Policy
 ) -> tuple[Scenario | None, dict[tuple[FindingKind, int | None], Finding]]:
     """The shortfalls ``vr``'s run shows judged with the protection it used
-    (:func:`protected_as_run`), labelled with known issues, by kind and request."""
+    (:func:`protected_as_run`), labelled with known issues, by kind and request.
+
+    Judged as the run was first judged
+    (:func:`differential.oracle.engine.judge_observed_run`): a scheduler-mode
+    run or a chat on its own timeline, where a turn that arrived while its
+    source still ran is owed only what was cached when it looked up.
+    """
     as_run = protected_as_run(scenario, vr.run)
     if as_run is None or vr.run.error is not None:
         return None, {}
-    _, findings = judge_run(as_run, vr.run, policy)
+    _, findings = judge_observed_run(as_run, vr.run, policy)
     labelled = label_known(as_run, findings, hits=vr.run.hits)
     return as_run, {(f.kind, f.request): f for f in labelled if f.kind in _NEEDLESS_FACETS}
 

@@ -12,7 +12,9 @@ from differential.compare import compare_variants
 from differential.corpus import load_entry
 from differential.findings import FindingKind
 from differential.observation import GroupLookup
-from differential.triage.identity import Role, RootCause, triage
+from differential.oracle.engine import judge_observed_run
+from differential.scenario import DrafterKind, Scenario
+from differential.triage.identity import Role, RootCause, protected_as_run, triage
 from differential.variants import parse_variants
 from tests.factories import CORPORA, ROOT, kvfuzz_cli
 
@@ -115,6 +117,77 @@ def test_the_false_over_hit_of_needless_lookahead_hashes_is_clean() -> None:
     # needless protection (which costs 16 -> 8 only).
     causes = {t.root_cause.text for t in triage(result) if t.owner == "unfixed"}
     assert causes == {"shortfall | known:unit-below-retained-state-discarded"}
+
+
+# A scheduler-mode chat from a seed-12 campaign: Gemma-4 MTP (which needs no
+# EAGLE drop), FA 8 + SWA 4 (window 4) + a circular buffer, three sessions of
+# turns arriving over three steps while earlier turns still decode.
+_GEMMA4_CHAT = {
+    "format": "kvfuzz.scenario",
+    "version": 1,
+    "name": "gemma4-mtp-chat-needless-drop--scheduler",
+    "kv_cache_groups": [
+        {"kind": "full_attention", "block_size_tokens": 8, "sliding_window_tokens": None},
+        {"kind": "sliding_window", "block_size_tokens": 4, "sliding_window_tokens": 4},
+        {"kind": "circular_buffer", "block_size_tokens": 4, "sliding_window_tokens": None},
+    ],
+    "hash_block_size_tokens": None,
+    "hit_alignment_tokens": None,
+    "retention_interval_tokens": None,
+    "drafter": {"kind": "gemma4_mtp", "num_speculative_tokens": 3},
+    "kv_connector": False,
+    "disable_lookahead_block_hashes": True,
+    "disable_eagle_block_drop": False,
+    "prefill_chunk_tokens": 16,
+    "decode_steps": 6,
+    "shared_prefix_tokens": 0,
+    "requests": [
+        {"name": "s0t1", "shares_with": None, "divergence_tokens": 0, "suffix_tokens": 52},
+        {"name": "s1t1", "shares_with": None, "divergence_tokens": 0, "suffix_tokens": 1},
+        {"name": "s2t1", "shares_with": None, "divergence_tokens": 0, "suffix_tokens": 21},
+        {"name": "s0t2", "shares_with": 0, "divergence_tokens": 59, "suffix_tokens": 9},
+        {"name": "s1t2", "shares_with": 1, "divergence_tokens": 8, "suffix_tokens": 0},
+        {"name": "s2t2", "shares_with": 2, "divergence_tokens": 28, "suffix_tokens": 0},
+        {"name": "s0t3", "shares_with": 3, "divergence_tokens": 72, "suffix_tokens": 9},
+        {"name": "s2t3", "shares_with": 5, "divergence_tokens": 32, "suffix_tokens": 0},
+    ],
+    "workload": {
+        "mode": "scheduler",
+        "pool_blocks": 162,
+        "arrival_steps": [0, 0, 0, 1, 1, 1, 2, 2],
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 32,
+        "shares_output": True,
+        "accepted_drafts": [0, 1],
+    },
+}
+
+
+def test_a_needless_drop_on_a_scheduler_timeline_is_triaged_on_that_timeline() -> None:
+    # vLLM drops the last matched block for Gemma-4 MTP, which needs no drop:
+    # turn s2t3 hits 16 where 24 is owed. Judged with the drop the run used,
+    # on the run's own timeline (as every verdict of a scheduler-mode run is
+    # given), 16 is owed: the needless protection is the whole cause. Judged
+    # as a sequential manager-mode run, turns that arrived while their
+    # source still decoded looked short, and a campaign reported the fallback
+    # as a new full-attention shortfall.
+    result = compare_variants(Scenario.from_dict(_GEMMA4_CHAT), parse_variants("unfixed,fixed"))
+    unfixed, fixed = result.results
+    assert list(unfixed.run.hits) == [0, 0, 0, 40, 0, 8, 56, 16]
+    assert sorted((f.kind.value, f.request) for f in unfixed.findings) == [
+        ("fallback", 7),
+        ("needless-drop", None),
+    ]
+    assert fixed.findings == ()
+    assert {
+        (t.finding.kind, t.finding.request, t.role, t.root_cause.text) for t in triage(result)
+    } == {
+        (FindingKind.NEEDLESS_DROP, None, Role.PRIMARY, "needless-protection | drafter gemma4_mtp"),
+        (FindingKind.FALLBACK, 7, Role.FACET, "needless-protection | drafter gemma4_mtp"),
+    }
+    as_run = protected_as_run(result.scenario, unfixed.run)
+    assert as_run is not None and as_run.drafter.kind is DrafterKind.MTP
+    assert judge_observed_run(as_run, unfixed.run)[1] == ()
 
 
 def test_the_driver_traces_each_groups_lookup() -> None:
