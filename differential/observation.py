@@ -62,6 +62,12 @@ class BlockRecord:
             step with draft tokens wrote, whose position the drafts'
             acceptance decides). See
             :class:`~differential.driver.block_ledger.BlockLedger`.
+        written_in_step_by: for a state group's block, the request whose step
+            in the lookup's own scheduler step writes the block's state: that
+            forward runs together with the one reading the block, so the
+            lookup reads what the block held before, which the other
+            fields describe (``None``: no step of the lookup's scheduler step
+            writes it).
     """
 
     block_id: int
@@ -70,6 +76,7 @@ class BlockRecord:
     writer_block_index: int | None
     filled_tokens: int
     state_tokens: int | None = None
+    written_in_step_by: int | None = None
 
     @classmethod
     def from_list(cls, data: list[Any] | None) -> BlockRecord | None:
@@ -78,10 +85,14 @@ class BlockRecord:
 
     def to_list(self) -> list[Any]:
         """Compact JSON form ``[block_id, group, writer, writer_block_index,
-        filled_tokens]``, with ``state_tokens`` last when it is set."""
+        filled_tokens]``, with ``state_tokens`` next when it or
+        ``written_in_step_by`` is set, and ``written_in_step_by`` last when
+        it is set."""
         out = [self.block_id, self.group, self.writer, self.writer_block_index, self.filled_tokens]
-        if self.state_tokens is not None:
+        if self.state_tokens is not None or self.written_in_step_by is not None:
             out.append(self.state_tokens)
+        if self.written_in_step_by is not None:
+            out.append(self.written_in_step_by)
         return out
 
 

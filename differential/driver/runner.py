@@ -223,6 +223,8 @@ def _begin_step(d: _Driver) -> None:
     the previous step's copy-on-write copies have run (:func:`_release_cow_copies`)."""
     _release_cow_copies(d)
     _new_step(d.manager)
+    if d.ledger is not None:
+        d.ledger.new_step()
     d.steps_begun += 1
 
 

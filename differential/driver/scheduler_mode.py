@@ -1790,11 +1790,16 @@ def _schedule(
     scheduler: Any, recorders: _Recorders, report: _RunReport, progress: _Progress
 ) -> tuple[Any, list[int]]:
     """``Scheduler.schedule()`` for the step, then the requests it admitted
-    (:func:`_admit`) and its preemptions counted (``report``).
+    (:func:`_admit`) and its preemptions counted (``report``). The block
+    ledger learns a step begins (``BlockLedger.new_step``): the forwards of
+    the steps scheduled before run before this one's, under async
+    scheduling too.
 
     Raises:
         InternalError: a recorder failed during the call.
     """
+    if report.ledger is not None:
+        report.ledger.new_step()
     out = vllm_call("Scheduler.schedule", scheduler.schedule)
     failures = recorders.failures
     if failures:

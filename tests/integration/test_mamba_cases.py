@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from differential.compare import compare_variants
-from differential.corpus import load_entry
+from differential.corpus import finding_tag, load_entry
 from differential.findings import Policy
 from differential.variants import parse_variants
-from tests.factories import ROOT
+from tests.factories import CORPORA, ROOT, stock_result
 
 pytestmark = pytest.mark.vllm
 
@@ -369,3 +371,44 @@ def test_a_checkpoint_step_keys_the_block_it_started_in() -> None:
         dataclasses.replace(s, mamba_prefill=MambaPrefill.SCHEDULER), parse_variants("unfixed")
     )
     assert split.results[0].run.hits == (0, 0, 28) and split.findings == ()
+
+
+SAME_STEP = CORPORA / "cases" / "mamba-same-step-state-deferred--scheduler.json"
+
+
+def test_a_state_cached_in_the_current_step_defers_the_hit() -> None:
+    # FA 16 + Mamba 16, both requests at step 0: request 0 caches its states
+    # at 48 (step 0) and 64 (step 1); request 1 waits for a step after each.
+    result = stock_result(SAME_STEP)
+    assert list(result.run.hits) == [0, 64]
+    assert [r.scheduled_step for r in result.run.requests] == [0, 2]
+    assert result.findings == ()
+
+
+def test_a_hit_on_a_state_the_same_step_writes_is_wrong_kv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM without its deferral: the hit's last Mamba block, cached this step,
+    # is no longer found in cached_blocks_this_step.
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    real = MambaManager.get_num_blocks_to_allocate
+
+    def undeferred(self: Any, *args: Any, **kwargs: Any) -> int:
+        cached, self.cached_blocks_this_step = self.cached_blocks_this_step, set()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            self.cached_blocks_this_step = cached
+
+    monkeypatch.setattr(MambaManager, "get_num_blocks_to_allocate", undeferred)
+    result = stock_result(SAME_STEP)
+    assert list(result.run.hits) == [0, 48]
+    assert [r.scheduled_step for r in result.run.requests] == [0, 0]
+    (state,) = result.run.requests[1].lookup_blocks[1][-1:]
+    assert state is not None and state.written_in_step_by == 0 and state.writer is None
+    assert [finding_tag(f) for f in result.findings] == ["wrong-kv@1"]
+    assert result.findings[0].detail.startswith(
+        "group 1 block index 2 is block 4, never written in this run (request 0's step in "
+        "the same scheduler step writes its state"
+    )

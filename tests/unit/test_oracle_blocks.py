@@ -224,6 +224,11 @@ def test_state_group(blocks: tuple[str | None, ...], expected: list) -> None:
         # Never written in the run; written at a position the driver does not follow.
         (BlockRecord(305, None, None, None, 0), [ViolationKind.UNWRITTEN]),
         (BlockRecord(305, 0, 0, 5, 0, None), []),
+        # Request 0's step in the lookup's own scheduler step writes it: what
+        # the block held before is what the lookup reads.
+        (BlockRecord(305, None, None, None, 0, None, 0), [ViolationKind.UNWRITTEN]),
+        (BlockRecord(305, 0, 0, 4, 0, 40, 0), [ViolationKind.FOREIGN]),
+        (BlockRecord(305, 0, 0, 5, 0, 48, 0), []),
     ],
 )
 def test_state_group_contents(record: BlockRecord, expected: list[ViolationKind]) -> None:
@@ -241,6 +246,21 @@ def test_state_record_round_trips() -> None:
     attention = BlockRecord(7, 0, 0, 5, 8)
     assert attention.to_list() == [7, 0, 0, 5, 8]
     assert BlockRecord.from_list(attention.to_list()) == attention
+    unrun = BlockRecord(7, None, None, None, 0, None, 2)
+    assert unrun.to_list() == [7, None, None, None, 0, None, 2]
+    assert BlockRecord.from_list(unrun.to_list()) == unrun
+
+
+def test_a_state_the_same_step_writes_says_so() -> None:
+    group = KVCacheGroup(GroupKind.MAMBA, 8)
+    records = (None,) * 5 + (BlockRecord(305, None, None, None, 0, None, 0),)
+    (got,) = state_group_violations(group, 1, HIT, records, 1, TokenView(SCENARIO))
+    assert got.detail == (
+        "group 1 block index 5 is block 305, never written in this run (request 0's step in "
+        "the same scheduler step writes its state: that forward runs with the one reading it, "
+        "so the lookup reads the block as it was before); a hit of 48 tokens needs the state "
+        "after them"
+    )
 
 
 def test_render_blocks() -> None:
