@@ -353,6 +353,7 @@ class BlockLedger:
         processed_tokens: int | None = None,
         loaded_tokens: int = 0,
         draft_tokens: int = 0,
+        adopted: Sequence[Sequence[Any]] | None = None,
     ) -> list[BlockWrite]:
         """Record the tokens ``[start, end)`` the step wrote and where each
         attention group's table holds null blocks (:meth:`take_tables`);
@@ -375,6 +376,13 @@ class BlockLedger:
             draft_tokens: how many of the step's tokens are draft tokens
                 (``Request.spec_token_ids`` scheduled): the states such a
                 step leaves are not followed.
+            adopted: the lookup's blocks the step adopts, per group (its
+                first step), else ``None``. With a connector's load, an
+                attention group whose own hit is shorter than ``start``
+                (a divergent hybrid hit, vLLM PR #50344: the store loads a
+                lagging group's blocks below the local hit, its window's
+                for a sliding window) is written by the load from its own
+                hit on.
         """
         # The step computes from past the connector's load.
         computed_from = start_tokens + loaded_tokens
@@ -391,13 +399,17 @@ class BlockLedger:
         for gid, manager, size in self._attention:
             table = manager.req_to_blocks.get(request_id)
             if table:
+                own_start = start_tokens
+                if loaded_tokens and adopted is not None and gid < len(adopted):
+                    # A lagging group's blocks below the local hit are loaded too.
+                    own_start = min(start_tokens, len(adopted[gid]) * size)
                 self._record_group_writes(
                     gid,
                     manager,
                     size,
                     table,
                     request_index,
-                    start_tokens,
+                    own_start,
                     end_tokens,
                     computed_from,
                     cached_before,

@@ -680,6 +680,7 @@ def _record_writes(
                         processed_tokens=processed,
                         loaded_tokens=loaded,
                         draft_tokens=drafts,
+                        adopted=adopted,
                     )
                 )
             except Exception as exc:  # kvfuzz's own failure

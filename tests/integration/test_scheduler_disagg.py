@@ -17,6 +17,7 @@ from differential.driver.scheduler_mode import run_scheduler_scenario
 from differential.observation import RunObservation
 from differential.oracle.connector import connector_findings
 from differential.oracle.disagg import disagg_findings, local_owed, prefill_owed
+from differential.oracle.engine import judge_observed_run
 from differential.scenario import ConnectorLoad, KVRole, Scenario
 from tests.factories import ROOT
 
@@ -277,3 +278,66 @@ def test_a_synchronous_load_leaves_its_mamba_tail_unkeyed() -> None:
 def _connectors(run: RunObservation) -> list[Any]:
     """Per request, its connector lookup (every request of these runs has one)."""
     return [r.connector for r in run.requests]
+
+
+def test_a_divergent_load_fills_the_lagging_windows_blocks_below_the_hit() -> None:
+    # FA 2 + SWA 1 (window 3) + Mamba 2 on the decode instance, MTP 1, divergent
+    # hybrid hits. Turn 2 hits 8 locally in full attention and Mamba but 0 in
+    # the sliding window: the store loads the window's blocks below the hit
+    # (vLLM PR #50344) besides token 8. Turn 3 then hits 8 through those
+    # blocks; the ledger once recorded only the tokens past the local hit,
+    # and read turn 3's window block as a freed Mamba state block (a false
+    # wrong-kv found by a seed-21 Mamba campaign).
+    scenario = Scenario.from_dict(
+        {
+            "format": "kvfuzz.scenario",
+            "version": 1,
+            "name": "divergent-load-fills-the-window",
+            "kv_cache_groups": [
+                {"kind": "full_attention", "block_size_tokens": 2, "sliding_window_tokens": None},
+                {"kind": "sliding_window", "block_size_tokens": 1, "sliding_window_tokens": 3},
+                {"kind": "mamba", "block_size_tokens": 2, "sliding_window_tokens": None},
+            ],
+            "hash_block_size_tokens": None,
+            "hit_alignment_tokens": None,
+            "retention_interval_tokens": 0,
+            "drafter": {"kind": "mtp", "num_speculative_tokens": 1},
+            "kv_connector": True,
+            "disable_lookahead_block_hashes": True,
+            "disable_eagle_block_drop": False,
+            "prefill_chunk_tokens": 1,
+            "decode_steps": 0,
+            "shared_prefix_tokens": 4,
+            "requests": [
+                {"name": "t1", "shares_with": None, "divergence_tokens": 4, "suffix_tokens": 5},
+                {"name": "t2", "shares_with": 0, "divergence_tokens": 9, "suffix_tokens": 1},
+                {"name": "t3", "shares_with": 1, "divergence_tokens": 10, "suffix_tokens": 0},
+            ],
+            "workload": {
+                "mode": "scheduler",
+                "pool_blocks": 94,
+                "max_num_seqs": 1,
+                "max_num_batched_tokens": 2,
+                "shares_output": True,
+                "connector": {
+                    "load": "async",
+                    "divergent_hybrid_hits": True,
+                    "kv_role": "kv_consumer",
+                },
+            },
+        }
+    )
+    run = run_scheduler_scenario(scenario, "unfixed")
+    turn2, turn3 = run.requests[1], run.requests[2]
+    assert list(run.hits) == [0, 8, 8]
+    assert turn2.per_group_hit_tokens == (8, 0, 8)
+    assert turn2.connector is not None and turn2.connector.diverged
+    assert turn2.connector.load_targets is not None
+    loaded_window = [block for block, null, _ in turn2.connector.load_targets[1] if not null]
+    # Turn 3's window: token 6 (turn 1's own block) and token 7, loaded for turn 2.
+    window = turn3.lookup_blocks[1]
+    assert window[:6] == (None,) * 6
+    assert window[6] is not None and (window[6].writer, window[6].group) == (0, 1)
+    assert window[7] is not None and window[7].block_id in loaded_window
+    assert (window[7].writer, window[7].group, window[7].writer_block_index) == (1, 1, 7)
+    assert judge_observed_run(scenario, run)[1] == ()
