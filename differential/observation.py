@@ -823,6 +823,8 @@ class ConnectorLookup:
         prefill_tokens: the tokens the prefill instance had computed when
             the request finished there (what its connector saved), in
             tokens; ``None`` without a prefill instance.
+        prefill_preemptions: how often the prefill instance preempted the
+            request (``Request.num_preemptions`` when it finished there).
         load_targets: the blocks the store's tokens are loaded into, per KV
             cache group (``KVCacheBlocks.get_unhashed_block_ids_all_groups``
             at ``update_state_after_alloc``): ``(block id, null, cached)``
@@ -841,6 +843,7 @@ class ConnectorLookup:
     prefill_hit_tokens: int | None = None
     prefill_tokens: int | None = None
     load_targets: LoadTargets | None = None
+    prefill_preemptions: int = 0
 
     @property
     def computed_tokens(self) -> int:
@@ -893,6 +896,11 @@ class ConnectorLookup:
                 {}
                 if self.load_targets is None
                 else {"load_targets": [[list(t) for t in group] for group in self.load_targets]}
+            )
+            | (
+                {"prefill_preemptions": self.prefill_preemptions}
+                if self.prefill_preemptions
+                else {}
             )
         )
 

@@ -51,11 +51,14 @@ class Prefill:
         kv_transfer_params: what its ``Scheduler.update_from_output`` returned
             for the request (``EngineCoreOutput.kv_transfer_params``), for
             the decode instance.
+        preemptions: how often the prefill instance preempted it
+            (``Request.num_preemptions``).
     """
 
     hit_tokens: int
     computed_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    preemptions: int = 0
 
 
 class PrefillInstance:
@@ -134,7 +137,12 @@ class PrefillInstance:
         words = []
         for i in indices:
             request = self.requests[i]
-            self.done[i] = Prefill(hits.get(i, 0), request.num_computed_tokens, params.get(i))
+            self.done[i] = Prefill(
+                hits.get(i, 0),
+                request.num_computed_tokens,
+                params.get(i),
+                getattr(request, "num_preemptions", 0),
+            )
             words.append(
                 f"req-{i} (hit {self.done[i].hit_tokens}) computed {request.num_computed_tokens}"
             )

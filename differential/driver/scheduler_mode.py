@@ -1531,7 +1531,8 @@ def _with_prefills(
     observed: list[RequestObservation], instance: PrefillInstance
 ) -> list[RequestObservation]:
     """The observations with what the prefill instance did with each request
-    set on its connector lookup (``prefill_hit_tokens``, ``prefill_tokens``)."""
+    set on its connector lookup (``prefill_hit_tokens``, ``prefill_tokens``,
+    ``prefill_preemptions``)."""
     out = []
     for r in observed:
         done = instance.done.get(r.index)
@@ -1542,6 +1543,7 @@ def _with_prefills(
                     r.connector,
                     prefill_hit_tokens=done.hit_tokens,
                     prefill_tokens=done.computed_tokens,
+                    prefill_preemptions=done.preemptions,
                 ),
             )
         out.append(r)

@@ -26,8 +26,13 @@ the decode instance with a :class:`~differential.observation.ConnectorLookup`:
   to compute, vLLM PR #43494) and within those, or nothing past its shown
   local hit when that is less than a grid unit (``_lookup_complete_chunks``).
   A Mamba hybrid is owed ``c`` only when ``c`` is on the grid (off it the
-  store keeps no key for the state); layouts with sliding-window or other
-  groups are not judged here. A divergent hybrid hit is judged too:
+  store keeps no key for the state), and not for a request the prefill
+  instance preempted (``ConnectorLookup.prefill_preemptions``):
+  ``MambaManager.pop_blocks_for_free`` drops the boundary states a freed
+  request had pending for hand-off (the blocks may be reused before the
+  copy), and the resumed request hits them locally, which hands nothing
+  off; layouts with sliding-window or other groups are not judged here.
+  A divergent hybrid hit is judged too:
   ``get_computed_blocks_for_connector`` reports it because the connector
   supplies the lagging Mamba state, so a shortfall where vLLM dropped a
   store answer ending exactly at that hit (:func:`equal_tail_dropped`)
@@ -120,6 +125,10 @@ def prefill_owed(scenario: Scenario, run: RunObservation, r: RequestObservation)
     length = r.prompt_tokens
     held = min(c.prefill_tokens // hash_block * hash_block, length - 1) // grid * grid
     if layout == "mamba":
+        if c.prefill_preemptions:
+            # The states handed off before a preemption are dropped with the
+            # freed blocks, and the resumed request hands off none it hit.
+            return None
         drop = run.settings is not None and run.settings.use_eagle_block_drop
         proof = length if drop else length - 1
         checkpoint = max(0, proof // hash_block * hash_block - (hash_block if drop else 0))

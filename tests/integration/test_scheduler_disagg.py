@@ -341,3 +341,52 @@ def test_a_divergent_load_fills_the_lagging_windows_blocks_below_the_hit() -> No
     assert window[7] is not None and window[7].block_id in loaded_window
     assert (window[7].writer, window[7].group, window[7].writer_block_index) == (1, 1, 7)
     assert judge_observed_run(scenario, run)[1] == ()
+
+
+def test_a_mamba_state_the_prefill_instance_preempted_is_not_owed() -> None:
+    # FA 32 + three Mamba 32, hash block 2, a 12-block pool on both instances.
+    # The prefill instance runs both requests in step 0 (10 and 6 tokens),
+    # preempts request 1 at step 1, and resumes it with a local hit of 6:
+    # the state at 6 it had pending for hand-off went with the freed blocks
+    # (MambaManager.pop_blocks_for_free), and the resumed request hands off
+    # none it hit. The decode instance finds nothing in the store for it.
+    scenario = Scenario.from_dict(
+        {
+            "format": "kvfuzz.scenario",
+            "version": 1,
+            "name": "prefill-instance-preempts-a-mamba-request",
+            "kv_cache_groups": [
+                {"kind": "full_attention", "block_size_tokens": 32, "sliding_window_tokens": None}
+            ]
+            + [{"kind": "mamba", "block_size_tokens": 32, "sliding_window_tokens": None}] * 3,
+            "hash_block_size_tokens": 2,
+            "hit_alignment_tokens": None,
+            "retention_interval_tokens": 32,
+            "drafter": {"kind": "none", "num_speculative_tokens": 0},
+            "kv_connector": True,
+            "prefill_chunk_tokens": 16,
+            "decode_steps": 0,
+            "shared_prefix_tokens": 8,
+            "requests": [
+                {"name": "a", "shares_with": None, "divergence_tokens": 8, "suffix_tokens": 3},
+                {"name": "b", "shares_with": None, "divergence_tokens": 8, "suffix_tokens": 0},
+            ],
+            "workload": {
+                "mode": "scheduler",
+                "pool_blocks": 12,
+                "arrival_steps": [0, 0],
+                "max_num_seqs": 4,
+                "max_num_batched_tokens": 32,
+                "connector": {"kv_role": "kv_consumer"},
+            },
+        }
+    )
+    run = run_scheduler_scenario(scenario, "unfixed")
+    a, b = (r.connector for r in run.requests)
+    assert a is not None and b is not None
+    assert (a.prefill_tokens, a.prefill_preemptions, a.external_tokens) == (11, 0, 10)
+    assert (b.prefill_tokens, b.prefill_preemptions, b.store_tokens) == (8, 1, 0)
+    assert type(b).from_dict(b.to_dict()) == b
+    assert prefill_owed(scenario, run, run.requests[0]) == 10
+    assert prefill_owed(scenario, run, run.requests[1]) is None
+    assert judge_observed_run(scenario, run)[1] == ()
