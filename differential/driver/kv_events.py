@@ -13,10 +13,12 @@ vllm/v1/core/block_pool.py). The oracle judges the stream against the cache
 (:mod:`differential.oracle.kv_events`).
 
 Block hashes are recorded as labels (numbered in order of first appearance:
-deterministic for a deterministic run), converted first as vLLM converts
-them for events (``maybe_convert_block_hash``); the log names the token
-prefix each label's hash stands for, read off vLLM's own
-``Request.block_hashes`` at the end of the run.
+deterministic for a deterministic run). The cache's and the requests' hashes
+are put in the events' wire form by kvfuzz itself (:func:`wire_block_hash`),
+not by vLLM's ``maybe_convert_block_hash``, so an event whose hash is in
+another form names no prefix; the log names the token prefix each label's
+hash stands for, read off vLLM's own ``Request.block_hashes`` at the end of
+the run.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+import vllm.envs
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
 from differential.driver.prefix_cache import cached_blocks, changed_counts
 from differential.observation import (
@@ -36,7 +39,22 @@ from differential.observation import (
     runs_of,
 )
 
-__all__ = ["EventRecorder"]
+__all__ = ["EventRecorder", "wire_block_hash"]
+
+
+def wire_block_hash(block_hash: bytes) -> int | bytes:
+    """A block hash as vLLM's KV cache events carry it (``ExternalBlockHash``,
+    vllm/distributed/kv_events.py): the low 64 bits of its bytes read
+    big-endian, an int, unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is 0,
+    then the bytes themselves. vLLM PR #23673 moved block hashes to raw
+    bytes and kept the events' int hashes for their consumers (routers and
+    KV indexes that compute the same value from the same block: the wire
+    form is a contract, which ``maybe_convert_block_hash`` in
+    vllm/v1/core/kv_cache_utils.py implements). Only the flag is read from
+    vLLM (``vllm.envs``, default 1)."""
+    if not vllm.envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        return bytes(block_hash)
+    return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
 
 
 class EventRecorder:
@@ -136,7 +154,7 @@ class EventRecorder:
         keys = self._keys
         fresh = [key for key, _, _ in moved if key not in keys]
         if fresh:
-            converted = {key: maybe_convert_block_hash(get_block_hash(key)) for key in fresh}
+            converted = {key: wire_block_hash(get_block_hash(key)) for key in fresh}
             unlabelled = {key for key, hashed in converted.items() if hashed not in self.labels}
             if len(unlabelled) > 1:
                 # New labels are numbered in the cache's order, as a full scan
@@ -204,7 +222,7 @@ class EventRecorder:
                 if block_hash in seen:
                     continue
                 seen.add(block_hash)
-                label = self.labels.get(maybe_convert_block_hash(block_hash))
+                label = self.labels.get(wire_block_hash(block_hash))
                 if label is not None and label not in prefixes:
                     prefixes[label] = (index, (k + 1) * self.hash_block_size)
         return KVEventLog(

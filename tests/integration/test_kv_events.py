@@ -269,3 +269,30 @@ def test_extra_keys_carry_each_blocks_image_offsets_and_the_salt(mode: DriveMode
     bare = dataclasses.replace(stored[0], extra_keys=None)
     (finding,) = kv_event_findings(scenario, _replaced(run, stored[0], bare))
     assert "carries 0 extra-key entries for 6 block hashes" in finding.detail
+
+
+def test_event_hashes_are_the_wire_form_kvfuzz_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The events carry each block hash's low 64 bits as an int (vLLM PR
+    # #23673's compatibility form, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
+    # kvfuzz puts the cache's and the requests' hashes in that form itself:
+    # a vLLM whose events carry another form names no request's prefix.
+    from vllm.v1.core import block_pool
+
+    from differential.driver.kv_events import wire_block_hash
+
+    assert wire_block_hash(bytes(range(40))) == int.from_bytes(bytes(range(32, 40)), "big")
+    scenario, run = _run("kv-events-evicted-duplicate-block")
+    assert judge_engine_run(scenario, run)[1] == ()
+    monkeypatch.setattr(block_pool, "maybe_convert_block_hash", lambda h: h)
+    scenario, raw = _run("kv-events-evicted-duplicate-block")
+    assert raw.hits == run.hits
+    breaches = {
+        kv_event_rule(f): f.detail
+        for f in judge_engine_run(scenario, raw)[1]
+        if f.kind.value == "kv-events"
+    }
+    assert set(breaches) == {"stored", "replay"}
+    assert breaches["stored"].startswith(
+        "stored: step 0: BlockStored of group 0: block hash 0 of 2 is not the hash of "
+        "request 0's prefix ending on a block boundary"
+    )
