@@ -172,11 +172,17 @@ class BlockLedger:
             return None
         return cls(manager, sink_blocks)
 
-    def lookup(self, blocks: Sequence[Sequence[Any]]) -> tuple[tuple[BlockRecord | None, ...], ...]:
+    def lookup(
+        self, blocks: Sequence[Sequence[Any]], *, after_step: bool = False
+    ) -> tuple[tuple[BlockRecord | None, ...], ...]:
         """Per group, what each block a lookup returned held (``None``: the null block).
 
         Args:
             blocks: ``KVCacheBlocks.blocks`` as ``get_computed_blocks`` returned it.
+            after_step: read a state block a step of the current scheduler
+                step writes as that step's forward leaves it (for a request
+                whose first forward comes in a later step) instead of as it
+                was before.
         """
         out = []
         filled = self._filled
@@ -188,7 +194,7 @@ class BlockLedger:
                     row.append(None)
                     continue
                 block_id = block.block_id
-                unrun = self._unrun.get(block_id)
+                unrun = None if after_step else self._unrun.get(block_id)
                 if unrun is not None and filled.get(block_id) is unrun[2]:
                     # Its state is this scheduler step's: the block as before.
                     row.append(_record(block_id, unrun[0], unrun[1]))

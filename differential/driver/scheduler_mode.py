@@ -439,6 +439,10 @@ class _Admission:
     before: Counter[bytes] = field(default_factory=Counter)
     step: int = -1
     blocks: tuple[tuple[BlockRecord | None, ...], ...] = ()
+    # The blocks as the step's own forward leaves them, when the lookup
+    # read a state that forward writes (BlockRecord.written_in_step_by):
+    # what a request first scheduled in a later step reads (an async load).
+    blocks_after_step: tuple[tuple[BlockRecord | None, ...], ...] | None = None
     queue_removals: int | None = None
     known_tokens: int = 0
     diverged: bool = False
@@ -512,8 +516,13 @@ def _record_lookups(
             # vLLM's reconcile after a divergent hit the connector added nothing
             # to (Scheduler.schedule): the same admission's lookup, redone.
             diverged, shown = True, made[-1].shown_tokens
+        after: tuple[tuple[BlockRecord | None, ...], ...] | None = None
         try:
             blocks = ledger.lookup(result[0].blocks) if ledger is not None else ()
+            if ledger is not None and any(
+                b is not None and b.written_in_step_by is not None for row in blocks for b in row
+            ):
+                after = ledger.lookup(result[0].blocks, after_step=True)
         except Exception as exc:  # kvfuzz's own failure
             failures.append(exc)
             blocks = ()
@@ -527,6 +536,7 @@ def _record_lookups(
                 before=before,
                 step=step[0],
                 blocks=blocks,
+                blocks_after_step=after,
                 queue_removals=None if clock is None else clock.removals,
                 known_tokens=request.num_tokens,
                 diverged=diverged,
@@ -1665,6 +1675,10 @@ def _admit(out: Any, recorders: _Recorders, progress: _Progress) -> list[int]:
         i = recorders.index_of[rid]
         if i not in progress.admitted and lookups.get(rid):
             progress.admitted[i] = admission = lookups[rid][-1]
+            if admission.step != step and admission.blocks_after_step is not None:
+                # First scheduled after its lookup's step (an asynchronous
+                # load): that step's forward has run before its own.
+                admission.blocks = admission.blocks_after_step
             if rid in new:
                 data = new[rid]
                 admission.replay = (data.num_computed_tokens, getattr(data, "replay_start", 0))

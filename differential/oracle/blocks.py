@@ -543,7 +543,9 @@ def state_group_violations(
     ledger follows where the model runner keeps each step's state
     (:class:`~differential.driver.block_ledger.BlockLedger`); a state it does
     not follow (``state_tokens`` ``None`` with a writer: a step with drafts)
-    is not judged, and a state never written in the run is ``unwritten``.
+    is not judged, and a state never written in the run is ``unwritten``; a
+    block whose last write was another group's (attention KV, or another
+    state group's state) is ``foreign`` whatever it held.
     A state the lookup's own scheduler step writes is not there yet
     (``BlockRecord.written_in_step_by``: the forward that writes it also
     reads it; vLLM's ``MambaManager.get_num_blocks_to_allocate`` defers such
@@ -617,7 +619,7 @@ def _state_violation(
             f"group {gid} block index {index} is {_describe(held)}{same_step}; a hit of "
             f"{hit_tokens} tokens needs the state after them",
         )
-    if held.state_tokens is None:
+    if held.state_tokens is None and held.group == gid:
         return None  # a state the driver does not follow
     if (
         held.group != gid

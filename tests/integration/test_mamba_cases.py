@@ -412,3 +412,67 @@ def test_a_hit_on_a_state_the_same_step_writes_is_wrong_kv(
         "group 1 block index 2 is block 4, never written in this run (request 0's step in "
         "the same scheduler step writes its state"
     )
+
+
+_ASYNC_LOAD = {
+    "format": "kvfuzz.scenario",
+    "version": 1,
+    "name": "same-step-state-read-after-an-async-load",
+    "description": "",
+    "kv_cache_groups": [
+        {"kind": "full_attention", "block_size_tokens": 16, "sliding_window_tokens": None},
+        {"kind": "mamba", "block_size_tokens": 16, "sliding_window_tokens": None},
+    ],
+    "hash_block_size_tokens": 4,
+    "hit_alignment_tokens": None,
+    "retention_interval_tokens": None,
+    "drafter": {"kind": "none", "num_speculative_tokens": 0},
+    "kv_connector": True,
+    "disable_lookahead_block_hashes": False,
+    "disable_eagle_block_drop": False,
+    "prefill_chunk_tokens": 32,
+    "decode_steps": 3,
+    "shared_prefix_tokens": 0,
+    "requests": [
+        {"name": "s0t1", "shares_with": None, "divergence_tokens": 0, "suffix_tokens": 24},
+        {"name": "s0t2", "shares_with": 0, "divergence_tokens": 28, "suffix_tokens": 8},
+    ],
+    "mamba_prefill": "checkpoint",
+    "workload": {
+        "mode": "scheduler",
+        "pool_blocks": 26,
+        "arrival_steps": [0, 0],
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": None,
+        "shares_output": True,
+        "accepted_drafts": [],
+        "connector": {
+            "load": "async",
+            "divergent_hybrid_hits": True,
+            "chunk_tokens": 16,
+            "kv_role": "kv_consumer",
+        },
+    },
+}
+
+
+def test_a_state_of_the_lookups_step_is_there_for_a_request_that_loads_first() -> None:
+    # FA 16 + Mamba 16 (hash block 4, checkpoint-exporting layers) on a
+    # decode instance with asynchronous loads. Request 1 looks up at step 0
+    # and hits the state at 20 that request 0's step 0 exports, then waits
+    # for its load and first runs at step 1, after step 0's forward: vLLM
+    # need not defer it, and the block holds the state by then.
+    from differential.driver.scheduler_mode import run_scheduler_scenario
+    from differential.oracle.engine import judge_observed_run
+    from differential.scenario import Scenario
+
+    scenario = Scenario.from_dict(_ASYNC_LOAD)
+    run = run_scheduler_scenario(scenario, "unfixed")
+    assert list(run.hits) == [0, 20]
+    assert run.requests[1].connector is not None and run.requests[1].connector.load_async
+    (state,) = run.requests[1].lookup_blocks[1][-1:]
+    assert state is not None and state.written_in_step_by is None
+    # Request 0's step 0 wrote it (checkpoint-exporting layers: at a
+    # position the ledger does not follow).
+    assert (state.writer, state.group, state.state_tokens) == (0, 1, None)
+    assert judge_observed_run(scenario, run)[1] == ()

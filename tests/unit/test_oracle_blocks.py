@@ -224,6 +224,9 @@ def test_state_group(blocks: tuple[str | None, ...], expected: list) -> None:
         # Never written in the run; written at a position the driver does not follow.
         (BlockRecord(305, None, None, None, 0), [ViolationKind.UNWRITTEN]),
         (BlockRecord(305, 0, 0, 5, 0, None), []),
+        # Another group's last write: attention KV, or a state not followed.
+        (BlockRecord(305, 1, 0, 5, 8), [ViolationKind.FOREIGN]),
+        (BlockRecord(305, 1, 0, 5, 0, None), [ViolationKind.FOREIGN]),
         # Request 0's step in the lookup's own scheduler step writes it: what
         # the block held before is what the lookup reads.
         (BlockRecord(305, None, None, None, 0, None, 0), [ViolationKind.UNWRITTEN]),
