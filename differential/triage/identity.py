@@ -73,7 +73,12 @@ from differential.compare import ScenarioResult, VariantResult
 from differential.errors import ScenarioError
 from differential.findings import SEVERITY, Finding, FindingKind, Policy
 from differential.observation import GroupLookup, RequestObservation, RunObservation
-from differential.oracle import DrafterModel, drafter_model, replay_boundaries
+from differential.oracle import (
+    DrafterModel,
+    cross_check_dense,
+    drafter_model,
+    replay_boundaries,
+)
 from differential.oracle.engine import judge_observed_run
 from differential.oracle.known import label_known
 from differential.oracle.kv_events import kv_event_rule
@@ -107,7 +112,9 @@ _SHORTFALL = frozenset(
 # Shortfalls judged against the oracle's drafter model: a needless drop or
 # lookahead hash explains them. The dense cross-check judges with the
 # protection the run used, so a dense mismatch is never one of them.
-_NEEDLESS_FACETS = frozenset({FindingKind.FALLBACK, FindingKind.DESIGN_GAP})
+_NEEDLESS_FACETS = frozenset(
+    {FindingKind.FALLBACK, FindingKind.DESIGN_GAP, FindingKind.DENSE_MISMATCH}
+)
 
 
 MANAGER_FUNCTION: dict[str, str] = {
@@ -525,14 +532,31 @@ def _own_shortfalls(
     Judged as the run was first judged
     (:func:`differential.oracle.engine.judge_observed_run`): a scheduler-mode
     run or a chat on its own timeline, where a turn that arrived while its
-    source still ran is owed only what was cached when it looked up.
+    source still ran is owed only what was cached when it looked up. The
+    dense cross-check is made again as :func:`differential.compare.judge_variant`
+    makes it (on the dense run, or on the run itself under dense retention),
+    so a ``dense-mismatch`` the protection explains is its facet too.
     """
     as_run = protected_as_run(scenario, vr.run)
     if as_run is None or vr.run.error is not None:
         return None, {}
     _, findings = judge_observed_run(as_run, vr.run, policy)
+    dense = _dense_run(as_run, vr)
+    if dense is not None:
+        findings += cross_check_dense(as_run, dense)
     labelled = label_known(as_run, findings, hits=vr.run.hits)
     return as_run, {(f.kind, f.request): f for f in labelled if f.kind in _NEEDLESS_FACETS}
+
+
+def _dense_run(scenario: Scenario, vr: VariantResult) -> RunObservation | None:
+    """The run a ``dense-mismatch`` of ``vr`` was found on: its dense
+    cross-check run, or, under dense retention, the run itself (sequential
+    workloads only, as :func:`differential.compare.judge_variant`)."""
+    if not scenario.workload.sequential:
+        return None
+    if vr.dense_run is not None:
+        return vr.dense_run
+    return vr.run if scenario.retention_interval_tokens is None else None
 
 
 def _needless_cause(scenario: Scenario) -> RootCause:
@@ -599,7 +623,10 @@ def _variant_triage(scenario: Scenario, vr: VariantResult) -> list[Triaged]:
             and request not in primary_by_request
         ):
             # Short even with the protection the run used: a cause of its own.
-            cause, passes, units = _shortfall(as_run, vr.run, mine)
+            judged_on = vr.run
+            if finding.kind is FindingKind.DENSE_MISMATCH:
+                judged_on = _dense_run(as_run, vr) or vr.run
+            cause, passes, units = _shortfall(as_run, judged_on, mine)
             primary_by_request[request] = cause
             out.append(Triaged(finding, cause, Role.PRIMARY, name, passes, units))
             continue
