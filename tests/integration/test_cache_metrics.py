@@ -95,3 +95,67 @@ def test_a_reset_that_never_succeeds_is_caught(monkeypatch: pytest.MonkeyPatch) 
         "reset_prefix_cache() after the run refused with no request holding KV blocks "
         "(8 cached blocks kept)"
     ]
+
+
+_RESUMED_WITH_A_STORE = {
+    "format": "kvfuzz.scenario",
+    "version": 1,
+    "name": "decode-instance-resumes-a-preempted-request",
+    "description": "",
+    "kv_cache_groups": [
+        {"kind": "full_attention", "block_size_tokens": 64, "sliding_window_tokens": None},
+        {"kind": "mamba", "block_size_tokens": 64, "sliding_window_tokens": None},
+        {"kind": "mamba", "block_size_tokens": 64, "sliding_window_tokens": None},
+        {"kind": "mamba", "block_size_tokens": 64, "sliding_window_tokens": None},
+    ],
+    "hash_block_size_tokens": 2,
+    "hit_alignment_tokens": None,
+    "retention_interval_tokens": None,
+    "drafter": {"kind": "mtp", "num_speculative_tokens": 1},
+    "kv_connector": True,
+    "disable_lookahead_block_hashes": True,
+    "disable_eagle_block_drop": False,
+    "prefill_chunk_tokens": 2,
+    "decode_steps": 6,
+    "shared_prefix_tokens": 8,
+    "requests": [
+        {"name": "s0t1", "shares_with": None, "divergence_tokens": 8, "suffix_tokens": 11},
+        {
+            "name": "s0t2",
+            "shares_with": 0,
+            "divergence_tokens": 26,
+            "suffix_tokens": 4,
+            "skip_reading_prefix_cache": True,
+        },
+        {"name": "s0t3", "shares_with": 1, "divergence_tokens": 36, "suffix_tokens": 0},
+    ],
+    "workload": {
+        "mode": "scheduler",
+        "pool_blocks": 15,
+        "arrival_steps": [0, 0, 0],
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 4,
+        "shares_output": True,
+        "accepted_drafts": [],
+        "connector": {"kv_role": "kv_consumer"},
+    },
+}
+
+
+def test_a_resumed_admission_beside_a_store_is_not_owed_its_local_hit() -> None:
+    # FA 64 + three Mamba 64 on a decode instance, a 15-block pool: request 2
+    # is preempted and resumed, its lookup hitting 28 locally, but vLLM
+    # counts what the admission adopts from the local cache beside the
+    # store's answer (num_new_local_computed_tokens), which the driver does
+    # not observe: preempted_hits is not judged with a store.
+    from differential.compare import compare_variants
+    from differential.scenario import Scenario
+    from differential.variants import parse_variants
+
+    result = compare_variants(
+        Scenario.from_dict(_RESUMED_WITH_A_STORE), parse_variants("unfixed")
+    ).results[0]
+    (resumed,) = result.run.requests[2].resumed
+    assert resumed.hit_tokens == 28
+    assert result.run.metrics is not None and result.run.metrics.stats.preempted_hits == 0
+    assert _metrics_details(result) == []
