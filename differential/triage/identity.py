@@ -646,9 +646,9 @@ def _variant_triage(scenario: Scenario, vr: VariantResult) -> list[Triaged]:
             out.append(Triaged(finding, seen, Role.FACET, name))
             continue
         if finding.kind in _SHORTFALL:
-            run = vr.dense_run if finding.kind is FindingKind.DENSE_MISMATCH else vr.run
-            if run is None:
-                run = vr.run  # a dense scenario cross-checks its own run
+            run = vr.run
+            if finding.kind is FindingKind.DENSE_MISMATCH:
+                run = _dense_run(scenario, vr) or vr.run
             cause, passes, units = _shortfall(scenario, run, finding)
             primary_by_request[request] = cause
             out.append(Triaged(finding, cause, Role.PRIMARY, name, passes, units))
