@@ -456,6 +456,22 @@ class _Admission:
     replay: tuple[int, int] | None = None
 
 
+def _looked_up(
+    ledger: BlockLedger | None, blocks: Any
+) -> tuple[
+    tuple[tuple[BlockRecord | None, ...], ...], tuple[tuple[BlockRecord | None, ...], ...] | None
+]:
+    """What a lookup's ``blocks`` (``KVCacheBlocks.blocks``) held as the
+    ledger knows them, and, when one is a state its own scheduler step
+    writes, as that step's forward leaves them (``None`` otherwise)."""
+    if ledger is None:
+        return (), None
+    held = ledger.lookup(blocks)
+    if any(b is not None and b.written_in_step_by is not None for row in held for b in row):
+        return held, ledger.lookup(blocks, after_step=True)
+    return held, None
+
+
 def _record_lookups(
     scenario: Scenario,
     manager: Any,
@@ -516,16 +532,11 @@ def _record_lookups(
             # vLLM's reconcile after a divergent hit the connector added nothing
             # to (Scheduler.schedule): the same admission's lookup, redone.
             diverged, shown = True, made[-1].shown_tokens
-        after: tuple[tuple[BlockRecord | None, ...], ...] | None = None
         try:
-            blocks = ledger.lookup(result[0].blocks) if ledger is not None else ()
-            if ledger is not None and any(
-                b is not None and b.written_in_step_by is not None for row in blocks for b in row
-            ):
-                after = ledger.lookup(result[0].blocks, after_step=True)
+            blocks, after = _looked_up(ledger, result[0].blocks)
         except Exception as exc:  # kvfuzz's own failure
             failures.append(exc)
-            blocks = ()
+            blocks, after = (), None
         lookups.setdefault(request.request_id, []).append(
             _Admission(
                 hit_tokens=hit,
