@@ -201,15 +201,7 @@ class BlockLedger:
                     continue
                 record = records.get(block_id)
                 if record is None:
-                    rec = filled.get(block_id)
-                    if rec is None:
-                        record = BlockRecord(block_id, None, None, None, 0)
-                    elif len(rec) > 4:
-                        state = rec[4] if rec[4] >= 0 else None
-                        record = BlockRecord(block_id, rec[0], rec[1], rec[2], rec[3], state)
-                    else:
-                        record = BlockRecord(block_id, rec[0], rec[1], rec[2], rec[3])
-                    records[block_id] = record
+                    record = records[block_id] = _record(block_id, filled.get(block_id))
                 row.append(record)
             out.append(tuple(row))
         return tuple(out)
@@ -738,9 +730,11 @@ class BlockLedger:
             self._filled[block_id] = [gid, request_index, k, stop - begin]
 
 
-def _record(block_id: int, rec: list[int] | None, written_by: int) -> BlockRecord:
-    """The record of a state block a step of the lookup's own scheduler step
-    writes: what it held before (``rec``, the ledger's entry), and who writes it."""
+def _record(block_id: int, rec: list[int] | None, written_by: int | None = None) -> BlockRecord:
+    """The record a lookup returns for block ``block_id`` from the ledger's
+    entry ``rec`` (``None``: never written); ``written_by``: the request whose
+    step in the lookup's own scheduler step writes its state, ``rec`` being
+    what the block held before."""
     if rec is None:
         return BlockRecord(block_id, None, None, None, 0, None, written_by)
     state = rec[4] if len(rec) > 4 and rec[4] >= 0 else None
