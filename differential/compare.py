@@ -496,6 +496,12 @@ def _run_shared(
     return run if run.variant == variant.name else dataclasses.replace(run, variant=variant.name)
 
 
+def _store_run(scenario: Scenario, result: VariantResult) -> bool:
+    """Whether ``result`` ran through the scheduler with a KV connector's
+    remote store (``workload.connector``)."""
+    return scenario.workload.connector is not None and result.run.mode == "scheduler"
+
+
 def compare_unlabelled(
     scenario: Scenario, a: VariantResult, b: VariantResult, *, costs: bool = True
 ) -> list[Finding]:
@@ -893,26 +899,23 @@ def compare_results(
                     # The candidate's extra tails cost pool space: its known price.
                     comparison += label_fix_cost(scenario, [regression], fixed.variant.fix_scope)
     if not any(r.variant.role is VariantRole.FIXED for r in supported):
-        # A KV connector's store makes a run unjudgeable sequentially, but its
-        # hits, hand-offs and what vLLM adopts are deterministic and what a
-        # connector sees: such runs are compared too, on those (the blocks
-        # they keep under pool pressure are not what a fix claims).
-        judged = {id(r) for r in supported}
-        stored = {
-            id(r)
-            for r in results
-            if r.run.unsupported is None
-            and scenario.workload.connector is not None
-            and r.run.mode == "scheduler"
-        }
+        # Two baselines (a pull request's base and head, one release and the
+        # next, stock and a mutant) are compared on every run, those the
+        # oracle judges only per variant included: a run through the
+        # scheduler with concurrency, drafts, evictions or a KV connector's
+        # store is deterministic, so a sibling's hit that differs is a change
+        # of behaviour even where the oracle owes neither side. Blocks kept
+        # are compared too, but not those of a run whose connector store
+        # answers (what its requests keep under pool pressure follows the
+        # store's answers, which the store comparison names already).
         baselines = [
             r
             for r in results
-            if id(r) in judged | stored and r.variant.role is VariantRole.BASELINE
+            if r.run.unsupported is None and r.variant.role is VariantRole.BASELINE
         ]
         for i, a in enumerate(baselines):
             for b in baselines[i + 1 :]:
-                kept = id(a) in judged and id(b) in judged
+                kept = not any(_store_run(scenario, r) for r in (a, b))
                 comparison += compare_unlabelled(scenario, a, b, costs=kept)
     return ScenarioResult(
         scenario=scenario,

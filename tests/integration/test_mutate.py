@@ -21,6 +21,7 @@ import pytest
 from differential import forkserver
 from differential.corpus import load_entry
 from differential.mutation.mutants import MANAGER_MODULES as MODULES
+from differential.mutation.mutants import MODULES as ALL_MODULES
 from differential.mutation.mutants import enumerate_mutants, installed_vllm
 from differential.mutation.score import (
     ExcludedScenario,
@@ -120,6 +121,47 @@ def test_a_per_group_lookup_below_the_reconciled_hit_kills_its_mutant(tmp_path: 
     assert outcome.status is MutantStatus.KILLED
     assert outcome.evidence == (
         f"new finding(s) per-group-hit@1, per-group-hit@2, per-group-hit@3 on {seed.name}"
+    )
+
+
+# Scheduler.update_from_output caching `num_computed | num_in_flight`
+# tokens under async scheduling (vLLM 0.33.0).
+ASYNC_CACHE = "scheduler:ReplaceBinaryOperator_Sub_BitOr:32"
+
+
+def test_a_mutant_is_told_apart_on_a_run_the_oracle_judges_only_per_variant(
+    tmp_path: Path,
+) -> None:
+    # Two requests in flight at once under async scheduling: the oracle judges
+    # each run on its own timeline, never one against the other, yet the run
+    # is deterministic, so the blocks a sibling keeps are compared.
+    root = installed_vllm()
+    scheduler = next(m for m in ALL_MODULES if m.path.endswith("sched/scheduler.py"))
+    pool = enumerate_mutants(root, [scheduler], operators=["core/ReplaceBinaryOperator_Sub_BitOr"])
+    mutant = next(m for m in pool[scheduler.path] if m.ident == ASYNC_CACHE)
+    assert mutant.function == "Scheduler.update_from_output"
+    case = CORPORA / "cases" / "async-in-flight-decoded-block.json"
+    scenario = load_entry(case).scenario
+    assert not scenario.workload.sequential
+    run = run_mutation(
+        [mutant],
+        [(case.name, scenario)],
+        vllm_root=root,
+        work=tmp_path,
+        seed=0,
+        generated={m: len(v) for m, v in pool.items()},
+        timeout_s=60.0,
+    )
+    (outcome,) = run.outcomes
+    assert (
+        "+                        request.num_computed_tokens | request.num_in_flight_tokens,"
+        in (outcome.diff)
+    )
+    # Stock's writer keeps 7 blocks; the mutant caches one block fewer.
+    assert outcome.status is MutantStatus.KILLED
+    assert outcome.evidence == (
+        f"cost-change@0 on {case.name}: same hit 0; blocks kept per group [7] on unfixed, "
+        "[6] on mutant (difference per periodic checkpoint tail: [1.0])"
     )
 
 
