@@ -17,7 +17,9 @@ repeated until nothing more can be removed or the time budget is spent:
    each divergence point to the nearest alignment boundary;
 6. a simpler workload: (scheduler mode) requests one at a time, no accepted
    drafts, one running sequence, no aborts (a dropped request takes its
-   arrival step, abort step and failed load with it), no watermark; KV
+   arrival step, abort step and failed load with it), no watermark,
+   vLLM's default prefill policy (no long-prefill cap, prefill on every
+   step), then a fixed cap rather than an adaptive one; KV
    cache events reported incrementally rather than in full, then off; then
    a plainer KV connector store: none, fewer failed loads, synchronous
    loads, no divergent hybrid hits, prefix caching on, an unbounded store,
@@ -152,6 +154,26 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         )
     if w.abort_steps is not None:
         yield "no aborts", _replace(s, workload=dataclasses.replace(w, abort_steps=None))
+    if w.long_prefill_token_threshold or w.prefill_schedule_interval != 1:
+        yield (
+            "vLLM's default prefill policy",
+            _replace(
+                s,
+                workload=dataclasses.replace(
+                    w,
+                    long_prefill_token_threshold=0,
+                    long_prefill_token_threshold_adaptive=False,
+                    prefill_schedule_interval=1,
+                ),
+            ),
+        )
+    if w.long_prefill_token_threshold_adaptive:
+        yield (
+            "a fixed long-prefill cap",
+            _replace(
+                s, workload=dataclasses.replace(w, long_prefill_token_threshold_adaptive=False)
+            ),
+        )
     if w.async_scheduling:
         yield (
             "synchronous scheduling",
@@ -457,6 +479,9 @@ def _size(s: Scenario) -> tuple[int, ...]:
         s.workload.max_num_seqs or 8,
         round(s.workload.watermark * 1000),
         s.workload.async_scheduling,
+        s.workload.long_prefill_token_threshold > 0,
+        s.workload.long_prefill_token_threshold_adaptive,
+        s.workload.prefill_schedule_interval,
         _EVENTS_RANK[s.workload.kv_events],
         s.workload.kv_events_view is not KVEventsView.PER_COPY,
         sum(

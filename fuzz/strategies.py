@@ -1060,6 +1060,24 @@ def _scheduling_and_events(
     )
 
 
+def _prefill_policy(draw: st.DrawFn, workload: Workload, longest: int) -> Workload:
+    """``workload`` with the Scheduler's prefill policy: one workload in four
+    a long-prefill cap of 8 to 48 tokens (at most ``longest``, the longest
+    prompt, in tokens), half of those floored at a fair share of the budget;
+    one in four a local prefill cadence of 2, 4 or 8 steps."""
+    cap = 0
+    if draw(st.integers(0, 3)) == 0:
+        cap = min(longest, draw(st.sampled_from((8, 16, 24, 48))))
+    adaptive = cap > 0 and draw(st.booleans())
+    interval = draw(st.sampled_from((2, 4, 8))) if draw(st.integers(0, 3)) == 0 else 1
+    return dataclasses.replace(
+        workload,
+        long_prefill_token_threshold=cap,
+        long_prefill_token_threshold_adaptive=adaptive,
+        prefill_schedule_interval=interval,
+    )
+
+
 def _engine_mamba_options(mamba: bool, hash_block: int | None) -> dict[str, Any]:
     """A Mamba hybrid's scenario fields in scheduler mode: its hash block
     (tokens) and vLLM's Scheduler's own prefill chunking; none otherwise."""
@@ -1088,7 +1106,8 @@ def engine_scenarios(
     with a remote store (:func:`_connector_stores`; its grid and capacity:
     :func:`_store_bounds`), and one of those in four a client aborting one
     request a few steps in; async scheduling and KV cache events
-    (:func:`_scheduling_and_events`). ``scale`` is ``toy`` (the only scale);
+    (:func:`_scheduling_and_events`); the Scheduler's prefill policy
+    (:func:`_prefill_policy`). ``scale`` is ``toy`` (the only scale);
     ``kinds`` pins KV cache group kinds every scenario contains (``kvfuzz
     fuzz --mode scheduler --groups``; empty: any layout, drawn from the same
     bytes as before).
@@ -1144,6 +1163,7 @@ def engine_scenarios(
     # (Sharded attention blocks hold more tokens: the pool still suffices.)
     groups, dcp = _decode_context_parallel(draw, groups, retention)
     workload = _scheduling_and_events(draw, workload, kind, mamba)
+    workload = _prefill_policy(draw, workload, max(lengths))
     try:
         scenario = Scenario(
             kv_cache_groups=groups,

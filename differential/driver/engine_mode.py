@@ -675,8 +675,8 @@ def _refuse_chunked_local(scenario: Scenario) -> None:
 
 def _refuse_workload(scenario: Scenario) -> None:
     """Refuse workload parts engine mode does not map: connectors, aborts, answers
-    rejoined, the Mamba shared-prefix checkpoint, the watermark, async
-    scheduling, drafters kvfuzz builds no tiny model for.
+    rejoined, the Mamba shared-prefix checkpoint, the watermark, the
+    Scheduler's prefill policy, async scheduling, drafters kvfuzz builds no tiny model for.
 
     Raises:
         EngineUnsupported: naming the part.
@@ -704,6 +704,12 @@ def _refuse_workload(scenario: Scenario) -> None:
         raise EngineUnsupported("enable_mamba_shared_prefix_checkpoint: not mapped to the engine")
     if scenario.workload.watermark:
         raise EngineUnsupported("workload.watermark: not mapped to the engine")
+    w = scenario.workload
+    if (w.long_prefill_token_threshold, w.prefill_schedule_interval) != (0, 1):
+        raise EngineUnsupported(
+            "workload.long_prefill_token_threshold / prefill_schedule_interval: the "
+            "Scheduler's prefill policy is not mapped to the engine"
+        )
     if scenario.workload.async_scheduling:
         raise EngineUnsupported(
             "workload.async_scheduling: not mapped to the engine (engine mode compares "

@@ -221,7 +221,14 @@ def _vllm_config(
     _set_cache_layout(config, scenario, num_blocks)
     config.scheduler_config.max_num_batched_tokens = budget
     config.scheduler_config.max_num_scheduled_tokens = None
-    config.scheduler_config.long_prefill_token_threshold = 0
+    # The prefill policy (vLLM's defaults unless the workload sets it): read
+    # by Scheduler.__init__ and schedule(); the cap's range was checked on the
+    # scenario (differential/scenario/rules.py).
+    config.scheduler_config.long_prefill_token_threshold = workload.long_prefill_token_threshold
+    config.scheduler_config.long_prefill_token_threshold_adaptive = (
+        workload.long_prefill_token_threshold_adaptive
+    )
+    config.scheduler_config.prefill_schedule_interval = workload.prefill_schedule_interval
     # vLLM's own range check of the fraction (SchedulerConfig: 0 <= w < 1)
     # ran on the scenario's field (differential/scenario/json_form.py).
     config.scheduler_config.watermark = workload.watermark

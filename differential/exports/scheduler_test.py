@@ -283,6 +283,18 @@ def check_exportable(scenario: Scenario) -> None:
         )
 
 
+def _pool(scenario: Scenario) -> int:
+    """The pool in blocks: the workload's, else the one kvfuzz's scheduler
+    mode sizes so that nothing is evicted (``pool_blocks`` in
+    differential/driver/specs.py, which imports vLLM)."""
+    if scenario.workload.pool_blocks is not None:
+        return scenario.workload.pool_blocks
+    from differential.driver.settings import resolve_drafter
+    from differential.driver.specs import pool_blocks
+
+    return pool_blocks(scenario, resolve_drafter(scenario))
+
+
 def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, name: str) -> str:
     """The pytest source asserting ``finding``'s expectation through vLLM's
     ``Scheduler`` (see the module docstring).
@@ -298,10 +310,11 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         longest + scenario.decode_steps + 3 * scenario.drafter.num_speculative_tokens + 2
     )
     w = scenario.workload
+    pool = _pool(scenario)
     geometry = (
         f"{_layout_text(scenario)}; retention {scenario.retention_interval_tokens}; drafter "
         f"{scenario.drafter.kind.value} x{scenario.drafter.num_speculative_tokens}; pool "
-        f"{w.pool_blocks} blocks; {len(scenario.requests)} requests"
+        f"{pool} blocks; {len(scenario.requests)} requests"
     )
     total = sum(r.prompt_tokens for r in scenario.requests)
     budget = scenario.step_budget_tokens
@@ -326,6 +339,17 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
     watermark_config = (  # SchedulerConfig.watermark (0: vLLM's default, no line)
         f"    config.scheduler_config.watermark = {w.watermark!r}\n" if w.watermark else ""
     )
+    # The prefill policy (vLLM's defaults: no line; the template sets no cap).
+    policy = (
+        ("long_prefill_token_threshold", w.long_prefill_token_threshold, 0),
+        ("long_prefill_token_threshold_adaptive", w.long_prefill_token_threshold_adaptive, False),
+        ("prefill_schedule_interval", w.prefill_schedule_interval, 1),
+    )
+    watermark_config += "".join(
+        f"    config.scheduler_config.{field} = {value!r}\n"
+        for field, value, default in policy
+        if value != default
+    )
     source = _TEMPLATE.format(
         extra_retained=extra_retained,
         title=f"Engine-level prefix-cache regression: {finding.kind.value}.",
@@ -347,7 +371,7 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         hash_block_size=scenario.effective_hash_block_size_tokens,
         budget=budget,
         max_num_seqs=w.max_num_seqs or min(8, budget),
-        pool=w.pool_blocks,
+        pool=pool,
         groups=_groups(scenario),
         retention=scenario.retention_interval_tokens,
         prompts=literal([_runs(p) for p in scenario.prompts], column=41),

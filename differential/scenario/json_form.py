@@ -411,6 +411,34 @@ class WorkloadDocument(BaseModel):
         "Written only when true.",
     )
 
+    long_prefill_token_threshold: _Count = Field(
+        default=0,
+        exclude_if=lambda v: v == 0,
+        description="SchedulerConfig.long_prefill_token_threshold, in tokens: while more "
+        "than one request runs or waits, a request gets at most this many tokens per step, "
+        "and a Mamba prefill may advance by less than a block when the cap is below the "
+        "Mamba block size; 0: no cap. At most the model's length. Scheduler mode only. "
+        "Written only when not 0.",
+    )
+
+    long_prefill_token_threshold_adaptive: StrictBool = Field(
+        default=False,
+        exclude_if=_is_false,
+        description="SchedulerConfig.long_prefill_token_threshold_adaptive: the cap is "
+        "floored at the step's token budget divided by the requests running and waiting. "
+        "Needs a nonzero long_prefill_token_threshold. Scheduler mode only. Written only "
+        "when true.",
+    )
+
+    prefill_schedule_interval: _Positive = Field(
+        default=1,
+        exclude_if=lambda v: v == 1,
+        description="SchedulerConfig.prefill_schedule_interval, in scheduler steps: while a "
+        "request decodes, prefill runs only once this many executed steps have passed since "
+        "the last step that carried prefill; 1: every step. Scheduler mode only. Written "
+        "only when not 1.",
+    )
+
     def value(self) -> Workload:
         """The workload as a value."""
         return Workload(
@@ -427,6 +455,9 @@ class WorkloadDocument(BaseModel):
             connector=None if self.connector is None else self.connector.value(),
             abort_steps=self.abort_steps,
             async_scheduling=self.async_scheduling,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
+            prefill_schedule_interval=self.prefill_schedule_interval,
         )
 
 

@@ -306,6 +306,7 @@ def check_workload(s: Scenario) -> None:
             "false in manager mode (a batch in flight needs vLLM's scheduler steps: "
             "workload.mode 'scheduler')",
         )
+    _check_prefill_policy(s)
     if w.mode is DriveMode.MANAGER and not w.sequential:
         raise ScenarioError(
             "workload.mode",
@@ -705,4 +706,43 @@ def check_mamba(s: Scenario) -> None:
             "mamba groups that share one block size equal to the scheduler block "
             f"size {s.scheduler_block_size_tokens}{per_rank} (vLLM sets mamba_block_size "
             "to the cache block size in align mode)",
+        )
+
+
+def _check_prefill_policy(s: Scenario) -> None:
+    """The Scheduler's prefill policy (``workload.long_prefill_token_threshold``,
+    its adaptive floor and ``prefill_schedule_interval``): scheduler mode
+    only, a cap no longer than the longest prompt (a larger one caps nothing
+    kvfuzz sends; vLLM's ``SchedulerConfig`` refuses one past the model's
+    length), and the adaptive floor only beside a cap.
+
+    Raises:
+        ScenarioError: naming the field and the values allowed.
+    """
+    w = s.workload
+    fields = (
+        ("long_prefill_token_threshold", w.long_prefill_token_threshold, 0),
+        ("long_prefill_token_threshold_adaptive", w.long_prefill_token_threshold_adaptive, False),
+        ("prefill_schedule_interval", w.prefill_schedule_interval, 1),
+    )
+    for name, value, default in fields:
+        if w.mode is DriveMode.MANAGER and value != default:
+            raise ScenarioError(
+                f"workload.{name}",
+                value,
+                f"{str(default).lower()} in manager mode (the Scheduler's prefill policy "
+                "needs its steps: workload.mode 'scheduler')",
+            )
+    longest = max(r.prompt_tokens for r in s.requests)
+    if w.long_prefill_token_threshold > longest:
+        raise ScenarioError(
+            "workload.long_prefill_token_threshold",
+            w.long_prefill_token_threshold,
+            f"0 to the longest prompt ({longest} tokens; a larger cap caps nothing)",
+        )
+    if w.long_prefill_token_threshold_adaptive and not w.long_prefill_token_threshold:
+        raise ScenarioError(
+            "workload.long_prefill_token_threshold_adaptive",
+            True,
+            "false when long_prefill_token_threshold is 0 (the floor applies to a cap)",
         )

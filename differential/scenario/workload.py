@@ -328,6 +328,26 @@ class Workload:
             output reaches the scheduler one step later. ``False`` (the
             default): the synchronous ``Scheduler``, each step's output
             applied before the next ``schedule()``. Scheduler mode only.
+        long_prefill_token_threshold: ``SchedulerConfig.long_prefill_token_threshold``,
+            in tokens: while more than one request is running or waiting,
+            ``Scheduler.schedule`` gives a request at most this many tokens
+            per step, and ``Scheduler._mamba_block_aligned_split`` lets a
+            Mamba prefill advance by less than a block when the cap is below
+            the Mamba block size. ``0`` (vLLM's default) sets no cap. At most
+            the model's length (``SchedulerConfig`` validation). Scheduler
+            mode only.
+        long_prefill_token_threshold_adaptive:
+            ``SchedulerConfig.long_prefill_token_threshold_adaptive``: the cap
+            is floored at a fair share of the step's token budget (the
+            budget divided by the requests running and waiting). Only with a
+            nonzero ``long_prefill_token_threshold``. Scheduler mode only.
+        prefill_schedule_interval: ``SchedulerConfig.prefill_schedule_interval``,
+            in scheduler steps: while a request decodes, prefill (admissions
+            and chunks of admitted prompts alike) runs only once this many
+            executed steps have passed since the last step that carried
+            prefill (``Scheduler.schedule``'s local prefill cadence). ``1``
+            (vLLM's default) admits prefill on every step. Scheduler mode
+            only.
     """
 
     mode: DriveMode = DriveMode.MANAGER
@@ -343,6 +363,9 @@ class Workload:
     connector: ConnectorStore | None = None
     abort_steps: tuple[int | None, ...] | None = None
     async_scheduling: bool = False
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
+    prefill_schedule_interval: int = 1
 
     @property
     def sequential(self) -> bool:
