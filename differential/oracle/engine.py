@@ -9,7 +9,9 @@ Three rules on top of the per-lookup invariants of
   is judged against what could have been cached when it was *scheduled*
   (admitted), not when it arrived: it may not exceed, in tokens, the longest
   common prefix of its prompt with the tokens (prompt + sampled tokens) of a
-  request admitted before it, less the drafter-dependent tokens, nor
+  request admitted before it (or aborted before its admission was recorded,
+  having arrived by then: :func:`_unobserved_before`), less the
+  drafter-dependent tokens, nor
   ``L - 1``; and it must be a multiple of the hit alignment.
 * **Owed at every lookup, from the timeline** (:func:`timeline_writers`).
   A request is owed what the writers that had *finished* before its lookup
@@ -510,6 +512,33 @@ def judge_observed_run(
     return judge_run(scenario, run, policy)
 
 
+def _unobserved_before(
+    scenario: Scenario, run: RunObservation, r: RequestObservation
+) -> list[int]:
+    """The requests with no observation in ``run`` (a client aborted them
+    before their admission was recorded, ``workload.abort_steps``) that may
+    have written before ``r``'s lookup: those that arrived by ``r``'s
+    admitting step (``arrival_steps``; one at a time: those before ``r``).
+    Such a request may have been looked up all the same: an asynchronous
+    KV connector load is scheduled whatever else holds its prefill back
+    (``Scheduler.schedule``'s ``load_kv_async`` branch), and the blocks it
+    loaded are cached when the load completes
+    (``Scheduler._update_waiting_for_remote_kv``), so a later request may
+    hit them. The bound on a hit counts them; nothing is owed from them."""
+    observed = {q.index for q in run.requests}
+    arrivals = scenario.workload.arrival_steps
+    return [
+        k
+        for k in range(len(scenario.requests))
+        if k not in observed
+        and (
+            k < r.index
+            if arrivals is None or r.scheduled_step is None
+            else arrivals[k] <= r.scheduled_step
+        )
+    ]
+
+
 def judge_engine_run(
     scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
 ) -> tuple[tuple[SiblingReference, ...], tuple[Finding, ...]]:
@@ -536,6 +565,7 @@ def judge_engine_run(
     }
     for r in run.requests:
         earlier = [k for k, rank in order.items() if rank < order[r.index]]
+        earlier += _unobserved_before(scenario, run, r)
         shared = max(
             (common_prefix_tokens(prompts[r.index], tokens[k]) for k in earlier), default=0
         )

@@ -89,3 +89,15 @@ def test_an_exported_scheduler_test_sets_the_prefill_policy(tmp_path) -> None:
         exec(compile(source, "exported.py", "exec"), namespace)
         namespace["test_kvfuzz_policy"](tmp_path)  # type: ignore[operator]
 
+
+def test_a_load_of_a_request_aborted_before_its_admission_may_serve_a_later_turn() -> None:
+    # The cadence holds request 1's prefill after its asynchronous load has
+    # cached its blocks; its client aborts it before any step of its own.
+    scenario = _case("connector-aborted-load-serves-a-later-turn--scheduler")
+    (unfixed,) = parse_variants("unfixed")
+    run = run_variant(scenario, unfixed)
+    assert [r.index for r in run.requests] == [0, 2, 3, 4]
+    late = run.requests[2]
+    assert (late.index, late.hit_tokens, late.scheduled_step) == (3, 4, 17)
+    assert late.connector is not None and late.connector.local_tokens == 4
+    assert judge_engine_run(scenario, run)[1] == ()
