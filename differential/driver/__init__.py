@@ -14,6 +14,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+from differential.errors import VariantError
 from differential.observation import RunObservation
 from differential.scenario import DriveMode, Scenario
 from differential.variant import Variant
@@ -109,7 +110,15 @@ def run_variant(
 
     Raises:
         InternalError: kvfuzz's driver failed (not vLLM).
+        VariantError: ``variant`` is a tree variant, which runs in its own
+            worker process (``differential.compare.run_any``), never here:
+            this process's vLLM is the installed one.
     """
+    if variant.tree is not None:
+        raise VariantError(
+            f"variant {variant.name!r} is a tree: it runs in its worker process "
+            "(differential.compare.run_any), not in this one"
+        )
     with _patch_factory(variant)():
         run = _run_variant(
             scenario,

@@ -358,3 +358,14 @@ def test_a_variant_that_cannot_start_leaves_the_others_results_written(
         "sets the limit)"
     )
     assert verdict == "no differences"
+
+
+def test_the_in_process_driver_refuses_a_tree_variant_rather_than_run_stock(trees) -> None:
+    # run_variant drives this process's (installed) vLLM; a tree runs only in
+    # its worker (differential.compare.run_any).
+    from differential.driver import run_variant
+
+    (tree,) = parse_variants(f"tree:{trees['stock']}")
+    scenario = load_entry(CORPORA / "cases" / "watermark-admission-pool10.json").scenario
+    with pytest.raises(VariantError, match="is a tree: it runs in its worker process"):
+        run_variant(scenario, tree)
