@@ -496,15 +496,7 @@ def _run_shared(
     return run if run.variant == variant.name else dataclasses.replace(run, variant=variant.name)
 
 
-def _store_run(scenario: Scenario, result: VariantResult) -> bool:
-    """Whether ``result`` ran through the scheduler with a KV connector's
-    remote store (``workload.connector``)."""
-    return scenario.workload.connector is not None and result.run.mode == "scheduler"
-
-
-def compare_unlabelled(
-    scenario: Scenario, a: VariantResult, b: VariantResult, *, costs: bool = True
-) -> list[Finding]:
+def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -> list[Finding]:
     """Compare two variants neither of which is labelled fixed.
 
     Every sibling where the hits differ is a ``disagreement`` saying which
@@ -512,7 +504,7 @@ def compare_unlabelled(
     is one whose hits agree but whose KV connector store started it with
     other local and external tokens, or held another prefix of it
     (:func:`_connector_difference`); where the hits agree but the blocks kept
-    differ, a ``cost-change`` (unless ``costs`` is false). Both give the
+    differ, a ``cost-change``. Both give the
     blocks each side kept per group and per periodic checkpoint tail.
     """
     pair = f"{a.variant.name} vs {b.variant.name}"
@@ -573,7 +565,7 @@ def compare_unlabelled(
                     divergence_tokens=divergence[j],
                 )
             )
-        elif costs and ra.retained_blocks_per_group != rb.retained_blocks_per_group:
+        elif ra.retained_blocks_per_group != rb.retained_blocks_per_group:
             findings.append(
                 Finding(
                     FindingKind.COST_CHANGE,
@@ -903,11 +895,9 @@ def compare_results(
         # next, stock and a mutant) are compared on every run, those the
         # oracle judges only per variant included: a run through the
         # scheduler with concurrency, drafts, evictions or a KV connector's
-        # store is deterministic, so a sibling's hit that differs is a change
-        # of behaviour even where the oracle owes neither side. Blocks kept
-        # are compared too, but not those of a run whose connector store
-        # answers (what its requests keep under pool pressure follows the
-        # store's answers, which the store comparison names already).
+        # store is deterministic, so a sibling's hit, what the store started
+        # it with or held, or the blocks it kept that differ are a change of
+        # behaviour even where the oracle owes neither side.
         baselines = [
             r
             for r in results
@@ -915,8 +905,7 @@ def compare_results(
         ]
         for i, a in enumerate(baselines):
             for b in baselines[i + 1 :]:
-                kept = not any(_store_run(scenario, r) for r in (a, b))
-                comparison += compare_unlabelled(scenario, a, b, costs=kept)
+                comparison += compare_unlabelled(scenario, a, b)
     return ScenarioResult(
         scenario=scenario,
         source=source,

@@ -124,28 +124,50 @@ def test_a_per_group_lookup_below_the_reconciled_hit_kills_its_mutant(tmp_path: 
     )
 
 
-# Scheduler.update_from_output caching `num_computed | num_in_flight`
-# tokens under async scheduling (vLLM 0.33.0).
-ASYNC_CACHE = "scheduler:ReplaceBinaryOperator_Sub_BitOr:32"
+# Per-variant runs, told apart by comparing the two trees (vLLM 0.33.0):
+# Scheduler.update_from_output caching `num_computed | num_in_flight` tokens
+# under async scheduling, two requests in flight; and an external load's
+# skipped range from `num_local_computed % num_external` tokens beside a
+# KV connector's store (the store's answers unchanged, the blocks kept not).
+PER_VARIANT = [
+    (
+        "scheduler:ReplaceBinaryOperator_Sub_BitOr:32",
+        "Scheduler.update_from_output",
+        "+                        request.num_computed_tokens | request.num_in_flight_tokens,",
+        "async-in-flight-decoded-block.json",
+        "cost-change@0 on {case}: same hit 0; blocks kept per group [7] on unfixed, [6] on "
+        "mutant (difference per periodic checkpoint tail: [1.0])",
+    ),
+    (
+        "single_type_kv_cache_manager:ReplaceBinaryOperator_Add_Mod:3",
+        "SingleTypeKVCacheManager.allocate_external_computed_blocks",
+        "+            num_local_computed_tokens % num_external_computed_tokens",
+        "connector-divergent-hybrid-hit-reconciled--plain-connector.json",
+        "cost-change@3 on {case}: same hit 0; blocks kept per group [0, -2] on unfixed, "
+        "[1, -3] on mutant (difference per periodic checkpoint tail: [-1.0, 1.0])",
+    ),
+]
 
 
+@pytest.mark.parametrize(("ident", "function", "line", "case", "evidence"), PER_VARIANT)
 def test_a_mutant_is_told_apart_on_a_run_the_oracle_judges_only_per_variant(
-    tmp_path: Path,
+    tmp_path: Path, ident: str, function: str, line: str, case: str, evidence: str
 ) -> None:
-    # Two requests in flight at once under async scheduling: the oracle judges
-    # each run on its own timeline, never one against the other, yet the run
-    # is deterministic, so the blocks a sibling keeps are compared.
+    # The oracle judges each such run on its own (concurrency, a store), never
+    # one against the other, yet the run is deterministic, so the blocks a
+    # sibling keeps are compared.
     root = installed_vllm()
-    scheduler = next(m for m in ALL_MODULES if m.path.endswith("sched/scheduler.py"))
-    pool = enumerate_mutants(root, [scheduler], operators=["core/ReplaceBinaryOperator_Sub_BitOr"])
-    mutant = next(m for m in pool[scheduler.path] if m.ident == ASYNC_CACHE)
-    assert mutant.function == "Scheduler.update_from_output"
-    case = CORPORA / "cases" / "async-in-flight-decoded-block.json"
-    scenario = load_entry(case).scenario
+    stem, operator, _ = ident.split(":")
+    module = next(m for m in ALL_MODULES if m.path.endswith(f"{stem}.py"))
+    pool = enumerate_mutants(root, [module], operators=[f"core/{operator}"])
+    mutant = next(m for m in pool[module.path] if m.ident == ident)
+    assert mutant.function == function
+    path = CORPORA / "cases" / case
+    scenario = load_entry(path).scenario
     assert not scenario.workload.sequential
     run = run_mutation(
         [mutant],
-        [(case.name, scenario)],
+        [(path.name, scenario)],
         vllm_root=root,
         work=tmp_path,
         seed=0,
@@ -153,16 +175,9 @@ def test_a_mutant_is_told_apart_on_a_run_the_oracle_judges_only_per_variant(
         timeout_s=60.0,
     )
     (outcome,) = run.outcomes
-    assert (
-        "+                        request.num_computed_tokens | request.num_in_flight_tokens,"
-        in (outcome.diff)
-    )
-    # Stock's writer keeps 7 blocks; the mutant caches one block fewer.
+    assert line in outcome.diff
     assert outcome.status is MutantStatus.KILLED
-    assert outcome.evidence == (
-        f"cost-change@0 on {case.name}: same hit 0; blocks kept per group [7] on unfixed, "
-        "[6] on mutant (difference per periodic checkpoint tail: [1.0])"
-    )
+    assert outcome.evidence == evidence.format(case=path.name)
 
 
 def test_an_unmutated_tree_equals_stock_on_every_corpus_file_and_known_issue(
