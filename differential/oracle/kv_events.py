@@ -86,7 +86,10 @@ The contract, rule by rule, judged after every drain of the event queue
     it returned blocks for, in group order, one ``BlockStored`` of those
     blocks: no parent, the request's first ``n * block_size`` tokens for its
     ``n`` blocks, their hashes in order, the group's block size and spec
-    annotation; a lookup that misses publishes nothing. The blocks counted
+    annotation, and the lookahead token ids and extra keys ``stored`` owes
+    a newly cached block (``BlockPool.emit_cached_block_events`` builds them
+    per block as ``cache_full_blocks`` does); a lookup that misses publishes
+    nothing. The blocks counted
     are the lookup's own (a sliding window's null blocks below its window
     included, as vLLM 0.33.0 announces them; PR #57358, open, would skip
     them).
@@ -389,6 +392,14 @@ class _Judge:
                     f"{len(tokens_of(event.tokens))} token ids, parent "
                     f"{'none' if event.parent is None else 'set'})"
                 )
+            # A re-announced block carries what a newly stored one does
+            # (BlockPool.emit_cached_block_events builds its lookahead token
+            # ids and extra keys as cache_full_blocks does).
+            wrong = (
+                wrong
+                or self.lookahead_ids(f"{where}: its BlockStored", event)
+                or self.extra_keys(f"{where}: its BlockStored", event)
+            )
             if wrong:
                 self.breach("lookup", r, wrong)
                 return

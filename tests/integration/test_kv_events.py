@@ -238,6 +238,27 @@ def test_lookahead_token_ids_are_the_tokens_each_hash_covers() -> None:
     )
 
 
+def test_a_reannounced_block_carries_the_lookahead_token_ids_of_a_stored_one() -> None:
+    scenario, run = _run("kv-events-full-lookahead-token-ids")
+    assert run.hits == (0, 48, 0, 48)
+    again = [e for e in _events(run) if e.lookup is not None]
+    # Requests 1 and 3 hit 48 and re-announce blocks 0..2 (token ids 1..48).
+    assert [(e.tokens, e.lookahead) for e in again] == [
+        (((1, 48),), ((17,), (33,), (49,))),
+        (((1, 48),), ((17,), (33,), (49,))),
+    ]
+    assert kv_event_findings(scenario, run) == []
+    # The third list off by one: the lookup rule names the block and the due ids.
+    first = again[0]
+    wrong = dataclasses.replace(first, lookahead=((17,), (33,), (50,)))
+    (finding,) = kv_event_findings(scenario, _replaced(run, first, wrong))
+    assert kv_event_rule(finding) == "lookup"
+    assert finding.detail.endswith(
+        "its BlockStored: block hash 2's lookahead token ids are [50]; its hash covers the 1 "
+        "tokens past its block at 48 tokens, [49]"
+    )
+
+
 @pytest.mark.parametrize("mode", [None, DriveMode.SCHEDULER])
 def test_extra_keys_carry_each_blocks_image_offsets_and_the_salt(mode: DriveMode | None) -> None:
     scenario, run = _run("kv-events-extra-keys-image-and-salt", mode)
