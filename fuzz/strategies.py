@@ -1106,11 +1106,10 @@ def engine_scenarios(
     with a remote store (:func:`_connector_stores`; its grid and capacity:
     :func:`_store_bounds`), and one of those in four a client aborting one
     request a few steps in; async scheduling and KV cache events
-    (:func:`_scheduling_and_events`); the Scheduler's prefill policy
-    (:func:`_prefill_policy`). ``scale`` is ``toy`` (the only scale);
-    ``kinds`` pins KV cache group kinds every scenario contains (``kvfuzz
-    fuzz --mode scheduler --groups``; empty: any layout, drawn from the same
-    bytes as before).
+    (:func:`_scheduling_and_events`), then the prefill policy
+    (:func:`_prefill_policy`). ``scale``: ``toy`` (the only scale); ``kinds``
+    pins KV cache group kinds every scenario contains (``kvfuzz fuzz --mode
+    scheduler --groups``; empty: any layout).
     """
     del scale  # toy scale first
     groups, hash_block, mamba = _engine_geometry(draw, kinds)
@@ -1159,11 +1158,11 @@ def engine_scenarios(
         connector=store,
         abort_steps=aborts,
     )
-    # Drawn last, so that every draw above reads the bytes it read before.
-    # (Sharded attention blocks hold more tokens: the pool still suffices.)
+    # Sharded attention blocks hold more tokens: the pool still suffices.
     groups, dcp = _decode_context_parallel(draw, groups, retention)
-    workload = _scheduling_and_events(draw, workload, kind, mamba)
-    workload = _prefill_policy(draw, workload, max(lengths))
+    workload = _prefill_policy(
+        draw, _scheduling_and_events(draw, workload, kind, mamba), max(lengths)
+    )
     try:
         scenario = Scenario(
             kv_cache_groups=groups,

@@ -283,6 +283,24 @@ def check_exportable(scenario: Scenario) -> None:
         )
 
 
+def _scheduler_settings(scenario: Scenario) -> str:
+    """The exported test's lines setting the workload's ``SchedulerConfig``
+    fields that are not vLLM's defaults (the watermark, the prefill policy);
+    none for a default (the template sets no long-prefill cap)."""
+    w = scenario.workload
+    fields = (
+        ("watermark", w.watermark, 0.0),
+        ("long_prefill_token_threshold", w.long_prefill_token_threshold, 0),
+        ("long_prefill_token_threshold_adaptive", w.long_prefill_token_threshold_adaptive, False),
+        ("prefill_schedule_interval", w.prefill_schedule_interval, 1),
+    )
+    return "".join(
+        f"    config.scheduler_config.{field} = {value!r}\n"
+        for field, value, default in fields
+        if value != default
+    )
+
+
 def _pool(scenario: Scenario) -> int:
     """The pool in blocks: the workload's, else the one kvfuzz's scheduler
     mode sizes so that nothing is evicted (``pool_blocks`` in
@@ -336,20 +354,7 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         if scenario.sliding_window_groups
         else ""
     )
-    watermark_config = (  # SchedulerConfig.watermark (0: vLLM's default, no line)
-        f"    config.scheduler_config.watermark = {w.watermark!r}\n" if w.watermark else ""
-    )
-    # The prefill policy (vLLM's defaults: no line; the template sets no cap).
-    policy = (
-        ("long_prefill_token_threshold", w.long_prefill_token_threshold, 0),
-        ("long_prefill_token_threshold_adaptive", w.long_prefill_token_threshold_adaptive, False),
-        ("prefill_schedule_interval", w.prefill_schedule_interval, 1),
-    )
-    watermark_config += "".join(
-        f"    config.scheduler_config.{field} = {value!r}\n"
-        for field, value, default in policy
-        if value != default
-    )
+    watermark_config = _scheduler_settings(scenario)
     source = _TEMPLATE.format(
         extra_retained=extra_retained,
         title=f"Engine-level prefix-cache regression: {finding.kind.value}.",
