@@ -512,9 +512,7 @@ def judge_observed_run(
     return judge_run(scenario, run, policy)
 
 
-def _unobserved_before(
-    scenario: Scenario, run: RunObservation, r: RequestObservation
-) -> list[int]:
+def _unobserved_before(scenario: Scenario, run: RunObservation, r: RequestObservation) -> list[int]:
     """The requests with no observation in ``run`` (a client aborted them
     before their admission was recorded, ``workload.abort_steps``) that may
     have written before ``r``'s lookup: those that arrived by ``r``'s
