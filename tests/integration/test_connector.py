@@ -71,6 +71,14 @@ ADOPTED = {
         (0, 0, 0, 0, 0, False, False, False),
         (80, 80, 16, 80, 0, False, False, False),
     ],
+    # Request 1, aborted before its admission was recorded, has no row; the
+    # late turn (request 3) hits 4 of the blocks its load cached.
+    "connector-aborted-load-serves-a-later-turn--scheduler": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 8, 8, 0, 8, True, False, False),
+        (4, 8, 4, 4, 4, True, False, True),
+        (12, 12, 0, 12, 0, False, False, False),
+    ],
 }
 
 
