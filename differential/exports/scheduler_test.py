@@ -354,7 +354,7 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         if scenario.sliding_window_groups
         else ""
     )
-    watermark_config = _scheduler_settings(scenario)
+    scheduler_settings = _scheduler_settings(scenario)
     source = _TEMPLATE.format(
         extra_retained=extra_retained,
         title=f"Engine-level prefix-cache regression: {finding.kind.value}.",
@@ -363,7 +363,7 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
             f"Geometry: {geometry}.",
             f"Expected: {expectation}",
         ),
-        mamba_config=watermark_config + mamba_config,
+        mamba_config=scheduler_settings + mamba_config,
         speculative_config=_speculative_config_source(scenario),
         num_spec=(
             f"{scenario.drafter.num_speculative_tokens} if accepted else 0"

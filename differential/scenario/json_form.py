@@ -417,7 +417,7 @@ class WorkloadDocument(BaseModel):
         description="SchedulerConfig.long_prefill_token_threshold, in tokens: while more "
         "than one request runs or waits, a request gets at most this many tokens per step, "
         "and a Mamba prefill may advance by less than a block when the cap is below the "
-        "Mamba block size; 0: no cap. At most the model's length. Scheduler mode only. "
+        "Mamba block size; 0: no cap. At most the longest prompt. Scheduler mode only. "
         "Written only when not 0.",
     )
 

@@ -334,8 +334,9 @@ class Workload:
             per step, and ``Scheduler._mamba_block_aligned_split`` lets a
             Mamba prefill advance by less than a block when the cap is below
             the Mamba block size. ``0`` (vLLM's default) sets no cap. At most
-            the model's length (``SchedulerConfig`` validation). Scheduler
-            mode only.
+            the longest prompt, in tokens (a larger cap caps nothing; vLLM's
+            ``SchedulerConfig`` refuses one past the model's length).
+            Scheduler mode only.
         long_prefill_token_threshold_adaptive:
             ``SchedulerConfig.long_prefill_token_threshold_adaptive``: the cap
             is floored at a fair share of the step's token budget (the
