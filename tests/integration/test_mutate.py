@@ -14,7 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,15 +24,17 @@ from differential import forkserver
 from differential.corpus import load_entry
 from differential.mutation.mutants import MANAGER_MODULES as MODULES
 from differential.mutation.mutants import MODULES as ALL_MODULES
-from differential.mutation.mutants import enumerate_mutants, installed_vllm
+from differential.mutation.mutants import Mutant, enumerate_mutants, installed_vllm
 from differential.mutation.score import (
     ExcludedScenario,
     MutantStatus,
+    MutationRun,
     check_unmutated,
     draw_scenarios,
     judge_stock,
     run_mutation,
 )
+from differential.scenario import Scenario
 from tests.factories import CORPORA, ROOT, alive, kvfuzz_cli, still_alive
 from tests.trees import SEED_FIX, SPECULATIVE
 
@@ -51,6 +55,28 @@ EXCLUDED_GEMMA = (
 )
 
 
+def _run_mutants(
+    mutants: Sequence[Mutant],
+    scenarios: Sequence[tuple[str, Scenario]],
+    root: Path,
+    pool: Mapping[str, Sequence[Mutant]],
+    work: Path,
+    **kwargs: Any,
+) -> MutationRun:
+    """``run_mutation`` as every test here calls it: sampling seed 0, the
+    generated counts of ``pool``, a 60 s per-scenario timeout."""
+    return run_mutation(
+        mutants,
+        scenarios,
+        vllm_root=root,
+        work=work,
+        seed=0,
+        generated={m: len(v) for m, v in pool.items()},
+        timeout_s=60.0,
+        **kwargs,
+    )
+
+
 def test_a_real_mutant_is_killed_and_an_equivalent_one_survives(tmp_path: Path) -> None:
     root = installed_vllm()
     pool = enumerate_mutants(
@@ -64,15 +90,7 @@ def test_a_real_mutant_is_killed_and_an_equivalent_one_survives(tmp_path: Path) 
     assert mutants[1].function == "KVCacheCoordinator.get_num_blocks_to_allocate"
     seed = CORPORA / "seeds" / "dense-retention-mtp3-swa16-fa32.json"
     scenarios = [(seed.name, load_entry(seed).scenario)]
-    run = run_mutation(
-        mutants,
-        scenarios,
-        vllm_root=root,
-        work=tmp_path,
-        seed=0,
-        generated={m: len(v) for m, v in pool.items()},
-        timeout_s=60.0,
-    )
+    run = _run_mutants(mutants, scenarios, root, pool, tmp_path)
     killed, equivalent = run.outcomes
     assert "-                and len(computed_blocks[0]) * block_size % alignment_tokens" in (
         killed.diff
@@ -104,15 +122,7 @@ def test_a_per_group_lookup_below_the_reconciled_hit_kills_its_mutant(tmp_path: 
     mutant = next(m for m in pool[MODULES[1].path] if m.ident == PER_GROUP)
     assert mutant.function == "HybridKVCacheCoordinator.find_longest_cache_hit_per_group"
     seed = CORPORA / "seeds" / "toy-mtp1-swa4-fa8-r64.json"
-    run = run_mutation(
-        [mutant],
-        [(seed.name, load_entry(seed).scenario)],
-        vllm_root=root,
-        work=tmp_path,
-        seed=0,
-        generated={m: len(v) for m, v in pool.items()},
-        timeout_s=60.0,
-    )
+    run = _run_mutants([mutant], [(seed.name, load_entry(seed).scenario)], root, pool, tmp_path)
     (outcome,) = run.outcomes
     assert "+        for spec, group_ids, manager_cls, use_eagle in []:" in outcome.diff
     # Stock's per-group hits on the toy seed are (248, 192), (248, 248) and
@@ -165,15 +175,7 @@ def test_a_mutant_is_told_apart_on_a_run_the_oracle_judges_only_per_variant(
     path = CORPORA / "cases" / case
     scenario = load_entry(path).scenario
     assert not scenario.workload.sequential
-    run = run_mutation(
-        [mutant],
-        [(path.name, scenario)],
-        vllm_root=root,
-        work=tmp_path,
-        seed=0,
-        generated={m: len(v) for m, v in pool.items()},
-        timeout_s=60.0,
-    )
+    run = _run_mutants([mutant], [(path.name, scenario)], root, pool, tmp_path)
     (outcome,) = run.outcomes
     assert line in outcome.diff
     assert outcome.status is MutantStatus.KILLED
@@ -220,16 +222,7 @@ def test_a_scenario_a_tree_changes_without_a_mutation_is_excluded_not_a_kill(
     dense = CORPORA / "seeds" / "dense-retention-mtp3-swa16-fa32.json"
     scenarios = [(p.name, load_entry(p).scenario) for p in (gemma, dense)]
     seen: list[ExcludedScenario] = []
-    run = run_mutation(
-        [mutant],
-        scenarios,
-        vllm_root=root,
-        work=tmp_path / "work",
-        seed=0,
-        generated={m: len(v) for m, v in pool.items()},
-        timeout_s=60.0,
-        on_excluded=seen.append,
-    )
+    run = _run_mutants([mutant], scenarios, root, pool, tmp_path / "work", on_excluded=seen.append)
     (excluded,) = run.excluded
     assert seen == [excluded]
     assert excluded.name == gemma.name and excluded.module == MODULES[0].path
