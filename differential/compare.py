@@ -505,7 +505,13 @@ def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -
     other local and external tokens, or held another prefix of it
     (:func:`_connector_difference`); where the hits agree but the blocks kept
     differ, a ``cost-change``. Both give the
-    blocks each side kept per group and per periodic checkpoint tail.
+    blocks each side kept per group and per periodic checkpoint tail. For a
+    scenario with a model, a ``kv-cache-plan`` (no request) when the two
+    vLLMs planned its ``KVCacheConfig`` otherwise
+    (:meth:`~differential.observation.KVCachePlan.difference`): the groups,
+    block sizes, ``num_blocks`` or tensors of
+    vllm/v1/core/kv_cache_planning.py's ``get_kv_cache_configs``, which the
+    oracle judges from first principles only for layer-outer layouts.
     """
     pair = f"{a.variant.name} vs {b.variant.name}"
     divergence = divergence_points(scenario)
@@ -573,6 +579,20 @@ def compare_unlabelled(scenario: Scenario, a: VariantResult, b: VariantResult) -
                     j,
                     f"same hit {ra.hit_tokens}; {cost}",
                     divergence_tokens=divergence[j],
+                )
+            )
+    plan_a, plan_b = a.run.kv_cache_plan, b.run.kv_cache_plan
+    if plan_a is not None and plan_b is not None and scenario.model is not None:
+        change = plan_a.difference(plan_b)
+        if change is not None:
+            findings.append(
+                Finding(
+                    FindingKind.KV_CACHE_PLAN,
+                    pair,
+                    None,
+                    f"model {scenario.model.name!r} planned otherwise for a pool of "
+                    f"{plan_a.pool_blocks} blocks ({a.variant.name} vs {b.variant.name}): "
+                    f"{change}",
                 )
             )
     return findings

@@ -121,7 +121,9 @@ class FindingKind(StrEnum):
     group, the scheduler or hash block size, the pool's blocks, or a KV cache
     tensor's size, layers or strides: the engine would allocate, or index,
     other memory than the layers need
-    (:func:`differential.oracle.layout.kv_cache_plan_findings`)."""
+    (:func:`differential.oracle.layout.kv_cache_plan_findings`). Between two
+    variants neither labelled fixed (no request): their vLLMs planned the
+    model otherwise (:func:`differential.compare.compare_unlabelled`)."""
     VARIANT_REGRESSION = "variant-regression"
     """A variant carrying the fix hits less than one without it."""
     POOL_REGRESSION = "pool-regression"

@@ -1291,6 +1291,59 @@ class KVCachePlan:
             error=data["error"],
         )
 
+    def difference(self, other: KVCachePlan) -> str | None:
+        """The first way ``other`` (another variant's plan of the same model
+        for the same pool) departs from this plan, in words, or ``None``
+        when the two are equal: a planning error, ``num_blocks`` (blocks),
+        the scheduler and hash block sizes (tokens), the first differing
+        group (spec, block in tokens, layers, pages in bytes, extra retained
+        tokens), the group count, the first differing tensor (bytes, layers,
+        offset and strides in bytes), the tensor count."""
+        if self == other:
+            return None
+        if self.error != other.error:
+            return f"planning raised {self.error or 'nothing'} vs {other.error or 'nothing'}"
+        if self.num_blocks != other.num_blocks:
+            return f"num_blocks {self.num_blocks} vs {other.num_blocks}"
+        blocks = (self.scheduler_block_size_tokens, self.hash_block_size_tokens)
+        others = (other.scheduler_block_size_tokens, other.hash_block_size_tokens)
+        if blocks != others:
+            return (
+                f"scheduler and hash block sizes {blocks[0]} and {blocks[1]} tokens vs "
+                f"{others[0]} and {others[1]}"
+            )
+        for i, (g, h) in enumerate(zip(self.groups, other.groups, strict=False)):
+            if g != h:
+                return f"group {i}: {_planned_group_text(g)} vs {_planned_group_text(h)}"
+        if len(self.groups) != len(other.groups):
+            return f"{len(self.groups)} group(s) vs {len(other.groups)}"
+        for i, (t, u) in enumerate(zip(self.tensors, other.tensors, strict=False)):
+            if t != u:
+                return f"tensor {i}: {_planned_tensor_text(t)} vs {_planned_tensor_text(u)}"
+        return f"{len(self.tensors)} tensor(s) vs {len(other.tensors)}"
+
+
+def _layer_names_text(layers: tuple[str, ...]) -> str:
+    """Layer names, all of them up to six, else the first three and a count."""
+    if len(layers) <= 6:
+        return "[" + ", ".join(layers) + "]"
+    return "[" + ", ".join(layers[:3]) + f", ... {len(layers)} in all]"
+
+
+def _planned_group_text(g: PlannedGroup) -> str:
+    return (
+        f"{g.spec} block {g.block_size_tokens} tokens, layers {_layer_names_text(g.layers)}, "
+        f"pages {sorted(set(g.page_size_bytes))} bytes, {g.extra_retained_tokens} extra "
+        "retained tokens"
+    )
+
+
+def _planned_tensor_text(t: PlannedTensor) -> str:
+    return (
+        f"{t.size_bytes} bytes, layers {_layer_names_text(t.layers)}, offset {t.offset_bytes}, "
+        f"layer stride {t.layer_stride_bytes}, block stride {t.block_stride_bytes}"
+    )
+
 
 @dataclass(frozen=True)
 class RunObservation:

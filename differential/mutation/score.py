@@ -5,7 +5,8 @@ as a tree variant (:mod:`differential.variants.tree`) next to the installed, sto
 (``unfixed``) on the corpus and on the first scenarios of a seeded campaign,
 and kvfuzz's own pairwise comparison decides: a mutant is **killed** when any
 finding appears on it that stock does not have, or any ``disagreement``,
-``cost-change`` or ``crash`` between the two; **timed out** when its worker
+``cost-change``, ``kv-cache-plan`` (a model planned otherwise) or ``crash``
+between the two; **timed out** when its worker
 stops answering on a scenario twice in a row (the worker restarted
 between). A mutant that is never told apart **survived**, and is sorted
 further by what the stock runs tell:
@@ -494,6 +495,12 @@ _RUNS = (
 )
 
 
+#: What :func:`differential.compare.compare_unlabelled` finds between two
+#: trees: hits or a store's answers (``disagreement``), blocks kept
+#: (``cost-change``), the KV cache plan of a model (``kv-cache-plan``).
+_COMPARED = (FindingKind.DISAGREEMENT, FindingKind.COST_CHANGE, FindingKind.KV_CACHE_PLAN)
+
+
 def _kill_evidence(
     name: str, stock: Any, other: Any, comparison: Sequence[Finding], label: str = "mutant"
 ) -> tuple[MutantStatus, str] | None:
@@ -503,7 +510,8 @@ def _kill_evidence(
 
     Reads what a kill is decided by: a timed-out run, a run unsupported on
     the tree only, a finding on one side only, and the ``disagreement`` /
-    ``cost-change`` between the two (``comparison``).
+    ``cost-change`` / ``kv-cache-plan`` between the two (``comparison``,
+    :data:`_COMPARED`).
     """
     runs = [getattr(other, attr) for attr, _ in _RUNS if getattr(other, attr) is not None]
     if any(r.timed_out for r in runs):
@@ -512,9 +520,7 @@ def _kill_evidence(
         return MutantStatus.KILLED, f"unsupported ({other.run.unsupported}) on {name}"
     new = sorted(_tags(other.findings) - _tags(stock.findings))
     gone = sorted(_tags(stock.findings) - _tags(other.findings))
-    compared = [
-        f for f in comparison if f.kind in (FindingKind.DISAGREEMENT, FindingKind.COST_CHANGE)
-    ]
+    compared = [f for f in comparison if f.kind in _COMPARED]
     if not (new or gone or compared):
         return None
 
@@ -556,7 +562,8 @@ def stock_difference(
 
     Equal means: every verdict a mutant's kill is decided by
     (:func:`_kill_evidence`: timeouts, unsupported runs, the findings of
-    each side, the ``disagreement`` / ``cost-change`` between the two) and
+    each side, the ``disagreement`` / ``cost-change`` / ``kv-cache-plan``
+    between the two) and
     every raw observation a survivor is sorted by (settings, hits, per-group
     hits, junctions, blocks kept, evictions, errors of the retention, dense,
     manager-mode and retention-0 runs), plus the driving mode and whether

@@ -9,6 +9,9 @@ differs by root cause:
   settings) and the oracle's blame (which side it flags, with the finding kind);
 * **cost** -- the same hits, different blocks kept (per group, summed);
 * **findings** -- an oracle finding on one side only, for the same sibling;
+* **plan** -- (a scenario with a model) the two vLLMs planned its KV cache
+  otherwise: groups, block sizes, ``num_blocks`` or tensors
+  (:meth:`differential.observation.KVCachePlan.difference`);
 * **unsupported** -- scenarios one side cannot run, by missing feature.
 
 Both variants take part as baselines (neither is labelled fixed), so
@@ -50,6 +53,7 @@ class ChangeKind(StrEnum):
     HITS = "hits"
     COST = "cost"
     FINDINGS = "findings"
+    PLAN = "plan"
     UNSUPPORTED = "unsupported"
 
 
@@ -57,6 +61,7 @@ _TITLES = {
     ChangeKind.HITS: "hits that differ",
     ChangeKind.COST: "blocks kept that differ (same hits)",
     ChangeKind.FINDINGS: "oracle findings on one side only (same hits)",
+    ChangeKind.PLAN: "KV cache plans that differ (a model's groups, block sizes or tensors)",
     ChangeKind.UNSUPPORTED: "scenarios one side cannot run",
 }
 
@@ -137,10 +142,11 @@ class DiffReport:
             if kind is not current:
                 total = sum(1 for c in self.changes if c.kind is kind)
                 scenarios = len({c.scenario for c in self.changes if c.kind is kind})
-                unit = "scenario(s)" if kind is ChangeKind.UNSUPPORTED else "sibling(s)"
+                whole = kind in (ChangeKind.UNSUPPORTED, ChangeKind.PLAN)
+                unit = "scenario(s)" if whole else "sibling(s)"
                 count = (
                     f"{scenarios} {unit}"
-                    if kind is ChangeKind.UNSUPPORTED
+                    if whole
                     else (f"{total} {unit} in {scenarios} scenario(s)")
                 )
                 lines.append(f"{_TITLES[kind]}: {count}")
@@ -255,9 +261,7 @@ def ranked_groups(
     buckets: dict[tuple[_Order, str], list[_Item]] = {}
     for part, cause, item in keyed:
         buckets.setdefault((part, cause), []).append(item)
-    ranked = sorted(
-        buckets.items(), key=lambda kv: (order.index(kv[0][0]), -len(kv[1]), kv[0][1])
-    )
+    ranked = sorted(buckets.items(), key=lambda kv: (order.index(kv[0][0]), -len(kv[1]), kv[0][1]))
     return [(part, cause, items) for (part, cause), items in ranked]
 
 
@@ -351,6 +355,20 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
                     label,
                     j,
                     f"hit {xa.hit_tokens} tokens on both; {setting_text(scenario)}",
+                    drafter,
+                )
+            )
+    plans = ra.run.kv_cache_plan, rb.run.kv_cache_plan
+    if scenario.model is not None and plans[0] is not None and plans[1] is not None:
+        change = plans[0].difference(plans[1])
+        if change is not None:
+            out.append(
+                Change(
+                    ChangeKind.PLAN,
+                    f"model {scenario.model.name!r} ({scenario.model.kv_cache_layout} layout)",
+                    label,
+                    None,
+                    f"pool of {plans[0].pool_blocks} blocks; {a} vs {b}: {change}",
                     drafter,
                 )
             )

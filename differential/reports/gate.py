@@ -55,6 +55,7 @@ class Section(StrEnum):
     BOTH = "both"
     HITS = "hits"
     COST = "cost"
+    PLAN = "plan"
     UNSUPPORTED = "unsupported"
 
 
@@ -64,6 +65,7 @@ _TITLES = {
     Section.BOTH: "still on both (known vLLM issues and findings the base already had)",
     Section.HITS: "hits that differ (the oracle's verdict the same on both)",
     Section.COST: "blocks kept that differ (same hits)",
+    Section.PLAN: "KV cache plans that differ (a model's groups, block sizes or tensors)",
     Section.UNSUPPORTED: "scenarios one side cannot run",
 }
 
@@ -203,6 +205,19 @@ def gate_items(result: ScenarioResult, label: str) -> list[GateItem]:
                     extra_blocks=extra,
                 )
             )
+    plans = base.run.kv_cache_plan, head.run.kv_cache_plan
+    if scenario.model is not None and plans[0] is not None and plans[1] is not None:
+        change = plans[0].difference(plans[1])
+        if change is not None:
+            items.append(
+                GateItem(
+                    Section.PLAN,
+                    f"model {scenario.model.name!r} ({scenario.model.kv_cache_layout} layout)",
+                    label,
+                    None,
+                    f"pool of {plans[0].pool_blocks} blocks; base vs head: {change}",
+                )
+            )
     return items
 
 
@@ -282,6 +297,7 @@ class GateReport:
                 (Section.RESOLVED, "finding(s) resolved"),
                 (Section.HITS, "hit change(s) the oracle accepts"),
                 (Section.COST, "cost change(s)"),
+                (Section.PLAN, "KV cache plan change(s)"),
                 (Section.UNSUPPORTED, "scenario(s) only the head runs"),
             )
             if counts[s]

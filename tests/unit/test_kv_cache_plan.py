@@ -347,6 +347,66 @@ def test_a_planning_error_is_a_crash() -> None:
     assert detail == "planning the KV cache: get_kv_cache_configs: ZeroDivisionError"
 
 
+def test_two_plans_are_told_apart_by_their_first_difference() -> None:
+    owed = _plan()
+    assert owed.difference(_plan()) is None
+    assert owed.difference(_plan(num_blocks=152)) == "num_blocks 153 vs 152"
+    assert owed.difference(_plan(hash_block_size_tokens=32)) == (
+        "scheduler and hash block sizes 32 and 16 tokens vs 32 and 32"
+    )
+    merged = dataclasses.replace(owed.groups[1], layers=_names(1, 2, 4, 5))
+    assert owed.difference(_plan(groups=(owed.groups[0], merged))) == (
+        "group 1: SlidingWindowSpec block 16 tokens, layers [model.layers.1, "
+        "model.layers.4], pages [16384] bytes, 0 extra retained tokens vs "
+        "SlidingWindowSpec block 16 tokens, layers [model.layers.1, model.layers.2, "
+        "model.layers.4, model.layers.5], pages [16384] bytes, 0 extra retained tokens"
+    )
+    assert owed.difference(_plan(groups=owed.groups[:2])) == "3 group(s) vs 2"
+    shifted = dataclasses.replace(owed.tensors[1], offset_bytes=8192)
+    assert owed.difference(_plan(tensors=(owed.tensors[0], shifted, *owed.tensors[2:]))) == (
+        "tensor 1: 5013504 bytes, layers [model.layers.1, model.layers.4], offset 0, "
+        "layer stride 2506752, block stride 16384 vs 5013504 bytes, layers "
+        "[model.layers.1, model.layers.4], offset 8192, layer stride 2506752, block stride 16384"
+    )
+    assert owed.difference(_plan(error="get_kv_cache_configs: TypeError")) == (
+        "planning raised nothing vs get_kv_cache_configs: TypeError"
+    )
+
+
+def test_two_trees_planning_a_model_otherwise_is_a_kv_cache_plan_between_them() -> None:
+    from differential.compare import ScenarioResult, VariantResult, compare_unlabelled
+    from differential.findings import Policy
+    from differential.reports.diff import ChangeKind, changes_of
+    from differential.variants import parse_variants
+
+    a, b = parse_variants("unfixed,fixed")
+
+    def result(variant: object, plan: KVCachePlan) -> VariantResult:
+        name = variant.name  # type: ignore[attr-defined]
+        run = RunObservation(name, "0.33.0", None, (), kv_cache_plan=plan)
+        return VariantResult(variant, run, None, (), (), 0.0)  # type: ignore[arg-type]
+
+    assert compare_unlabelled(_scenario(), result(a, _plan()), result(b, _plan())) == []
+    results = result(a, _plan()), result(b, _plan(num_blocks=152))
+    (finding,) = compare_unlabelled(_scenario(), *results)
+    assert (finding.kind, finding.variant, finding.request) == (
+        FindingKind.KV_CACHE_PLAN,
+        "unfixed vs fixed",
+        None,
+    )
+    assert finding.detail == (
+        "model 'm' planned otherwise for a pool of 153 blocks (unfixed vs fixed): "
+        "num_blocks 153 vs 152"
+    )
+    (change,) = changes_of(ScenarioResult(_scenario(), None, Policy.VLLM, results), "s.json")
+    assert (change.kind, change.cause, change.request) == (
+        ChangeKind.PLAN,
+        "model 'm' (LBNHC layout)",
+        None,
+    )
+    assert change.detail == "pool of 153 blocks; unfixed vs fixed: num_blocks 153 vs 152"
+
+
 def test_the_generator_builds_a_model_back_from_its_groups() -> None:
     groups = (
         KVCacheGroup(K.FULL_ATTENTION, 32),
