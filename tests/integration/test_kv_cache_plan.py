@@ -34,6 +34,10 @@ NEAR = CORPORA / "cases" / "near-equal-layer-counts-pad-to-the-larger.json"
 HIDDEN = CORPORA / "cases" / "hidden-state-layer-gets-its-own-block.json"
 HIDDEN_SCALED = CORPORA / "cases" / "hidden-state-layer-scales-every-block.json"
 FALLBACK = CORPORA / "cases" / "mla-page-not-dividing-full-allocation-fallback.json"
+MIMO_MTP = CORPORA / "cases" / "mimo-v2-multi-module-mtp-tail-in-every-window.json"
+PACKED_SPLIT = CORPORA / "cases" / "block-outermost-window-states-split-to-fit-the-block.json"
+PACKED_TWO = CORPORA / "cases" / "block-outermost-repeat-pattern-two-per-group.json"
+PACKED_ONE = CORPORA / "cases" / "block-outermost-one-repeat-per-group.json"
 
 
 def _findings(scenario: Scenario, plan: KVCachePlan | None) -> list[str]:
@@ -287,9 +291,56 @@ def test_a_multi_module_mtp_tail_stays_in_every_sliding_window() -> None:
     assert _findings(mtp, plan) == []
 
 
+# Block-outermost packing (_get_packed_kv_cache_groups): every group at the
+# configured 16-token block; per group (layers, page bytes), per tensor
+# (layers, offset, layer stride, block stride) in bytes. A KV head of 64 bf16
+# elements is 2 x 16 x 64 x 2 = 4096 bytes a page.
+PACKED = {
+    PACKED_SPLIT.name: (
+        [((0, 1, 2, 3), (4096,)), ((4, 6), (8192,)), ((5, 7), (8192,))],
+        [((0, 1, 2, 3), 0, 4096), ((4, 6), 0, 8192), ((5, 7), 0, 8192)],
+        16384,
+    ),
+    PACKED_TWO.name: (
+        [((0, 1, 2, 3), (4096, 8192)), ((4, 6), (4096,)), ((5, 7), (4096,))],
+        [((0, 2), 0, 8192), ((1, 3), 16384, 4096), ((4, 6), 0, 4096), ((5, 7), 0, 4096)],
+        24576,
+    ),
+    PACKED_ONE.name: (
+        [((0, 1), (4096, 8192)), ((2,), (4096,)), ((3,), (4096,)), ((4,), (4096,))],
+        [((0,), 0, 8192), ((1,), 8192, 4096), ((2,), 0, 4096), ((3,), 0, 4096), ((4,), 0, 4096)],
+        12288,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PACKED))
+def test_a_block_outermost_layout_packs_its_groups_at_the_configured_block(name: str) -> None:
+    groups, tensors, block_bytes = PACKED[name]
+    scenario = load_entry(CORPORA / "cases" / name).scenario
+    assert scenario.model is not None and owed_groups(scenario.model) is None  # not judged
+    plan = observe_kv_cache_plan(scenario)
+    assert plan is not None and plan.error is None
+    assert {g.spec for g in plan.groups} == {"UniformTypeKVCacheSpecs"}
+    assert {g.block_size_tokens for g in plan.groups} == {16}
+    assert [(g.layers, tuple(sorted(set(g.page_size_bytes)))) for g in plan.groups] == [
+        (tuple(f"model.layers.{i}" for i in layers), pages) for layers, pages in groups
+    ]
+    assert [
+        (t.layers, t.offset_bytes, t.layer_stride_bytes, t.block_stride_bytes) for t in plan.tensors
+    ] == [
+        (tuple(f"model.layers.{i}" for i in layers), offset, stride, block_bytes)
+        for layers, offset, stride in tensors
+    ]
+    assert {t.size_bytes for t in plan.tensors} == {plan.num_blocks * block_bytes}
+    # The scenario runs the groups vLLM planned: full attention, then windows.
+    kinds = [g.kind for g in scenario.kv_cache_groups]
+    assert kinds == [K.FULL_ATTENTION] + [K.SLIDING_WINDOW] * (len(groups) - 1)
+
+
 def test_every_shipped_model_scenario_plans_as_owed() -> None:
     judged = []
-    shipped = [MIMO, NAS, NEAR, HIDDEN, HIDDEN_SCALED, FALLBACK]
+    shipped = [MIMO, NAS, NEAR, HIDDEN, HIDDEN_SCALED, FALLBACK, MIMO_MTP, PACKED_SPLIT]
     for path in [*shipped, *sorted((ROOT / "models" / "scenarios").glob("*.json"))]:
         scenario = load_entry(path).scenario
         assert scenario.model is not None
@@ -304,6 +355,7 @@ def test_every_shipped_model_scenario_plans_as_owed() -> None:
         "hidden-state-layer-gets-its-own-block",
         "hidden-state-layer-scales-every-block",
         "mla-page-not-dividing-full-allocation-fallback",
+        "mimo-v2-multi-module-mtp-tail-in-every-window",
         "gemma4-mtp",
         "gpt-oss-20b-eagle3",
         "llama4-scout",

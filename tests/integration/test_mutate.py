@@ -182,6 +182,31 @@ def test_a_mutant_is_told_apart_on_a_run_the_oracle_judges_only_per_variant(
     assert outcome.evidence == evidence.format(case=path.name)
 
 
+def test_a_planning_mutant_is_told_apart_by_the_plan_of_a_block_outermost_model(
+    tmp_path: Path,
+) -> None:
+    # _approximate_gcd searching from 2 repeats instead of 1: on a full-attention
+    # pattern repeated once beside 3 sliding-window layers, 1 and 3 repeats pad
+    # 2 layers each at 2 or more, and the tie goes to 3: one sliding-window
+    # group of 3 layers where stock plans three of 1. The oracle owes no plan
+    # to a block-outermost layout; the plans of the two trees differ.
+    root = installed_vllm()
+    module = next(m for m in ALL_MODULES if m.path.endswith("kv_cache_planning.py"))
+    pool = enumerate_mutants(root, [module], operators=["core/NumberReplacer"])
+    mutant = next(m for m in pool[module.path] if m.ident == "kv_cache_planning:NumberReplacer:54")
+    assert mutant.function == "_approximate_gcd"
+    path = CORPORA / "cases" / "block-outermost-one-repeat-per-group.json"
+    run = _run_mutants([mutant], [(path.name, load_entry(path).scenario)], root, pool, tmp_path)
+    (outcome,) = run.outcomes
+    assert "+    min_d = max( 2, lower_bound if lower_bound is not None else 1)" in outcome.diff
+    assert outcome.status is MutantStatus.KILLED
+    assert outcome.evidence == (
+        f"kv-cache-plan@None on {path.name}: model 'block-outermost-one-repeat-per-group' "
+        "planned otherwise for a pool of 77 blocks (unfixed vs mutant): group 1: "
+        "UniformTypeKVCacheSpecs block 16 tokens, la"
+    )
+
+
 def test_an_unmutated_tree_equals_stock_on_every_corpus_file_and_known_issue(
     tmp_path: Path,
 ) -> None:
