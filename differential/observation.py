@@ -1256,6 +1256,12 @@ class KVCachePlan:
         hash_block_size_tokens: the hash block size, in tokens.
         error: ``"<call>: <ExceptionType>: <message>"`` when a planning call
             raised (the other fields are then empty).
+        smallest_pool_blocks: the smallest ``num_gpu_blocks_override`` at
+            which ``get_kv_cache_configs`` accepts the model for a
+            ``max_model_len`` of the longest request (its start-up check that
+            one such request fits, ``_check_enough_kv_cache_memory``), in
+            blocks, the null block included; ``None`` when not probed (a
+            planning error).
     """
 
     pool_blocks: int
@@ -1265,6 +1271,7 @@ class KVCachePlan:
     scheduler_block_size_tokens: int = 0
     hash_block_size_tokens: int = 0
     error: str | None = None
+    smallest_pool_blocks: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -1276,6 +1283,7 @@ class KVCachePlan:
             "scheduler_block_size_tokens": self.scheduler_block_size_tokens,
             "hash_block_size_tokens": self.hash_block_size_tokens,
             "error": self.error,
+            "smallest_pool_blocks": self.smallest_pool_blocks,
         }
 
     @classmethod
@@ -1289,6 +1297,7 @@ class KVCachePlan:
             scheduler_block_size_tokens=data["scheduler_block_size_tokens"],
             hash_block_size_tokens=data["hash_block_size_tokens"],
             error=data["error"],
+            smallest_pool_blocks=data.get("smallest_pool_blocks"),
         )
 
     def difference(self, other: KVCachePlan) -> str | None:
@@ -1298,7 +1307,8 @@ class KVCachePlan:
         the scheduler and hash block sizes (tokens), the first differing
         group (spec, block in tokens, layers, pages in bytes, extra retained
         tokens), the group count, the first differing tensor (bytes, layers,
-        offset and strides in bytes), the tensor count."""
+        offset and strides in bytes), the tensor count, the smallest pool
+        accepted (blocks)."""
         if self == other:
             return None
         if self.error != other.error:
@@ -1320,7 +1330,12 @@ class KVCachePlan:
         for i, (t, u) in enumerate(zip(self.tensors, other.tensors, strict=False)):
             if t != u:
                 return f"tensor {i}: {_planned_tensor_text(t)} vs {_planned_tensor_text(u)}"
-        return f"{len(self.tensors)} tensor(s) vs {len(other.tensors)}"
+        if len(self.tensors) != len(other.tensors):
+            return f"{len(self.tensors)} tensor(s) vs {len(other.tensors)}"
+        return (
+            f"smallest pool accepted {self.smallest_pool_blocks} vs "
+            f"{other.smallest_pool_blocks} blocks"
+        )
 
 
 def _layer_names_text(layers: tuple[str, ...]) -> str:

@@ -484,7 +484,9 @@ def observe_kv_cache_plan(scenario: Scenario) -> KVCachePlan | None:
     into ``num_blocks`` and tensors) for the scenario's pool
     (``workload.pool_blocks``, else a pool where nothing is evicted, in
     blocks, given as ``num_gpu_blocks_override``), and
-    ``resolve_kv_cache_block_sizes`` (vllm/v1/core/kv_cache_utils.py).
+    ``resolve_kv_cache_block_sizes`` (vllm/v1/core/kv_cache_utils.py); then
+    the smallest pool ``get_kv_cache_configs`` accepts
+    (:func:`_smallest_accepted_pool`).
 
     Returns:
         ``None`` for a scenario without a model; a plan whose ``error``
@@ -509,7 +511,7 @@ def observe_kv_cache_plan(scenario: Scenario) -> KVCachePlan | None:
         )
     except VllmCallError as exc:
         return KVCachePlan(pool_blocks=pool, error=str(exc))
-    return KVCachePlan(
+    plan = KVCachePlan(
         pool_blocks=pool,
         num_blocks=kv_config.num_blocks,
         groups=tuple(_planned_group(g) for g in kv_config.kv_cache_groups),
@@ -520,6 +522,42 @@ def observe_kv_cache_plan(scenario: Scenario) -> KVCachePlan | None:
         scheduler_block_size_tokens=scheduler_block,
         hash_block_size_tokens=hash_block,
     )
+    smallest = _smallest_accepted_pool(model, scenario, specs, groups, pool)
+    return replace(plan, smallest_pool_blocks=smallest)
+
+
+def _smallest_accepted_pool(
+    model: ModelDescription,
+    scenario: Scenario,
+    specs: dict[str, KVCacheSpec],
+    groups: list[KVCacheGroupSpec],
+    pool: int,
+) -> int:
+    """The smallest ``num_gpu_blocks_override`` (blocks, at most ``pool``,
+    which ``get_kv_cache_configs`` accepted) for which
+    ``get_kv_cache_configs`` (vllm/v1/core/kv_cache_planning.py) returns
+    rather than raises: its start-up check that one request of
+    ``max_model_len`` tokens fits the pool less its null block. Found by
+    bisection (the check is monotone in the pool), about ``log2(pool)``
+    planning calls of a few milliseconds."""
+
+    def accepted(blocks: int) -> bool:
+        try:
+            get_kv_cache_configs(_engine_config(model, scenario, blocks), [specs], [0], groups)
+        except Exception:  # the refusal (ValueError), or a pool too small to plan
+            return False
+        return True
+
+    if accepted(0):
+        return 0
+    refused, taken = 0, pool
+    while taken - refused > 1:
+        middle = (refused + taken) // 2
+        if accepted(middle):
+            taken = middle
+        else:
+            refused = middle
+    return taken
 
 
 def with_kv_cache_plan(scenario: Scenario, run: RunObservation) -> RunObservation:

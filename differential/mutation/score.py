@@ -528,15 +528,20 @@ def _kill_evidence(
         return finding.detail.replace(other.variant.name, label)[:160]
 
     crash = next((f for f in other.findings if f.kind is FindingKind.CRASH), None)
+    # A sibling's hits or blocks first, then the oracle's verdicts, then a
+    # plan that differs (the verdict on a plan says more than the difference).
+    siblings = [f for f in compared if f.kind is not FindingKind.KV_CACHE_PLAN]
     if crash is not None:
         text = f"crash on {name}: {detail(crash)}"
-    elif compared:
-        f = compared[0]
+    elif siblings:
+        f = siblings[0]
         text = f"{f.kind.value}@{f.request} on {name}: {detail(f)}"
     elif new:
         text = f"new finding(s) {', '.join(new)} on {name}"
-    else:
+    elif gone:
         text = f"finding(s) {', '.join(gone)} of stock gone on {name}"
+    else:
+        text = f"kv-cache-plan@None on {name}: {detail(compared[0])}"
     return MutantStatus.KILLED, text
 
 

@@ -62,6 +62,12 @@ def test_the_mimo_case_is_planned_with_a_doubled_full_attention_block() -> None:
     ] == [(5013504, 0, 2506752, 16384)] * 3
     assert [t.layers for t in plan.tensors] == [g.layers for g in plan.groups]
     assert _findings(scenario, plan) == []
+    # get_kv_cache_configs accepts a pool whose blocks, less the null block,
+    # hold one request of max_model_len = 264 tokens in every group: 9 blocks
+    # of 32 tokens of full attention, and per sliding-window group (window
+    # 64, blocks of 16) cdiv(min(63 + in-flight tokens, 264), 16) + 1 = 18
+    # (SlidingWindowSpec.max_admission_blocks_per_request): 1 + 9 + 2 x 18.
+    assert plan.smallest_pool_blocks == 46
 
 
 _BASE = {

@@ -371,6 +371,12 @@ def test_two_plans_are_told_apart_by_their_first_difference() -> None:
     assert owed.difference(_plan(error="get_kv_cache_configs: TypeError")) == (
         "planning raised nothing vs get_kv_cache_configs: TypeError"
     )
+    assert _plan(smallest_pool_blocks=46).difference(_plan(smallest_pool_blocks=1)) == (
+        "smallest pool accepted 46 vs 1 blocks"
+    )
+    assert KVCachePlan.from_dict(_plan(smallest_pool_blocks=46).to_dict()) == _plan(
+        smallest_pool_blocks=46
+    )
 
 
 def test_two_trees_planning_a_model_otherwise_is_a_kv_cache_plan_between_them() -> None:
