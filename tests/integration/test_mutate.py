@@ -138,7 +138,10 @@ def test_a_per_group_lookup_below_the_reconciled_hit_kills_its_mutant(tmp_path: 
 # Scheduler.update_from_output caching `num_computed | num_in_flight` tokens
 # under async scheduling, two requests in flight; and an external load's
 # skipped range from `num_local_computed % num_external` tokens beside a
-# KV connector's store (the store's answers unchanged, the blocks kept not).
+# KV connector's store (the store's answers unchanged, the blocks kept not);
+# the spec-decode pad's room check true only at exactly max_model_len, so a
+# preempted request's one-token re-admission runs unpadded and this pool
+# evicts other blocks.
 PER_VARIANT = [
     (
         "scheduler:ReplaceBinaryOperator_Sub_BitOr:32",
@@ -155,6 +158,14 @@ PER_VARIANT = [
         "connector-divergent-hybrid-hit-reconciled--plain-connector.json",
         "cost-change@3 on {case}: same hit 0; blocks kept per group [0, -2] on unfixed, "
         "[1, -3] on mutant (difference per periodic checkpoint tail: [-1.0, 1.0])",
+    ),
+    (
+        "scheduler:ReplaceComparisonOperator_LtE_Eq:11",
+        "Scheduler.schedule",
+        "+                            + self.num_sampled_tokens_per_step == self.max_model_len",
+        "spec-decode-padding-holds-blocks-under-pool-pressure--scheduler.json",
+        "cost-change@2 on {case}: same hit 4; blocks kept per group [5, -1] on unfixed, "
+        "[5, 0] on mutant (difference per periodic checkpoint tail: [0.0, -1.0])",
     ),
 ]
 
