@@ -1262,6 +1262,9 @@ class KVCachePlan:
             one such request fits, ``_check_enough_kv_cache_memory``), in
             blocks, the null block included; ``None`` when not probed (a
             planning error).
+        kv_tp_replicas: ``KVCacheConfig.kv_tp_replicas``, the consecutive
+            tensor-parallel ranks holding identical KV for every layer
+            (``kv_cache_groups_tp_replicas``); ``None`` on a vLLM without it.
     """
 
     pool_blocks: int
@@ -1272,6 +1275,7 @@ class KVCachePlan:
     hash_block_size_tokens: int = 0
     error: str | None = None
     smallest_pool_blocks: int | None = None
+    kv_tp_replicas: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -1284,6 +1288,7 @@ class KVCachePlan:
             "hash_block_size_tokens": self.hash_block_size_tokens,
             "error": self.error,
             "smallest_pool_blocks": self.smallest_pool_blocks,
+            "kv_tp_replicas": self.kv_tp_replicas,
         }
 
     @classmethod
@@ -1298,6 +1303,7 @@ class KVCachePlan:
             hash_block_size_tokens=data["hash_block_size_tokens"],
             error=data["error"],
             smallest_pool_blocks=data.get("smallest_pool_blocks"),
+            kv_tp_replicas=data.get("kv_tp_replicas"),
         )
 
     def difference(self, other: KVCachePlan) -> str | None:
@@ -1307,8 +1313,8 @@ class KVCachePlan:
         the scheduler and hash block sizes (tokens), the first differing
         group (spec, block in tokens, layers, pages in bytes, extra retained
         tokens), the group count, the first differing tensor (bytes, layers,
-        offset and strides in bytes), the tensor count, the smallest pool
-        accepted (blocks)."""
+        offset and strides in bytes), the tensor count, the TP replicas, the
+        smallest pool accepted (blocks)."""
         if self == other:
             return None
         if self.error != other.error:
@@ -1332,6 +1338,8 @@ class KVCachePlan:
                 return f"tensor {i}: {_planned_tensor_text(t)} vs {_planned_tensor_text(u)}"
         if len(self.tensors) != len(other.tensors):
             return f"{len(self.tensors)} tensor(s) vs {len(other.tensors)}"
+        if self.kv_tp_replicas != other.kv_tp_replicas:
+            return f"kv_tp_replicas {self.kv_tp_replicas} vs {other.kv_tp_replicas}"
         return (
             f"smallest pool accepted {self.smallest_pool_blocks} vs "
             f"{other.smallest_pool_blocks} blocks"

@@ -37,6 +37,7 @@ its own (``supports_kv_cache_grouping`` false: vLLM's default grouping).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -162,12 +163,25 @@ def _layer_spec(model: ModelDescription, layer: LayerSpec, num_spec_tokens: int)
                 "model.layers.hidden_state", True, "false (this vLLM has no HiddenStateCacheSpec)"
             )
         return vllm_call("HiddenStateCacheSpec", hidden, **common)
+    if layer.kind in (GroupKind.MLA, GroupKind.SLIDING_WINDOW_MLA) and _has_field(
+        "MLAAttentionSpec", "max_tp_shards"
+    ):
+        # The latent cache is one per token whatever the TP size: every rank
+        # holds all of it (MLAAttention.get_kv_cache_spec, mla_attention.py;
+        # the sparse SWA backend's SlidingWindowMLASpec, sparse_swa.py).
+        common["max_tp_shards"] = 1
     return spec_for_kind(
         layer.kind,
         window=layer.sliding_window_tokens,
         chunk=layer.attention_chunk_size_tokens,
         **common,
     )
+
+
+def _has_field(spec: str, field: str) -> bool:
+    """Whether this vLLM's spec class ``spec`` takes ``field``."""
+    cls = getattr(kv_cache_interface, spec, None)
+    return cls is not None and field in {f.name for f in dataclasses.fields(cls)}
 
 
 def layer_specs(model: ModelDescription, num_spec_tokens: int = 0) -> dict[str, KVCacheSpec]:
@@ -227,7 +241,9 @@ def _vllm_config(model: ModelDescription, settings: Scenario) -> VllmConfig:
     config = object.__new__(VllmConfig)
     fields: dict[str, Any] = {
         "cache_config": cache,
-        "parallel_config": vllm_call("ParallelConfig", ParallelConfig),
+        "parallel_config": vllm_call(
+            "ParallelConfig", ParallelConfig, tensor_parallel_size=model.tensor_parallel_size
+        ),
         "scheduler_config": vllm_call(
             "SchedulerConfig", SchedulerConfig, max_model_len=1 << 20, is_encoder_decoder=False
         ),
@@ -521,6 +537,7 @@ def observe_kv_cache_plan(scenario: Scenario) -> KVCachePlan | None:
         ),
         scheduler_block_size_tokens=scheduler_block,
         hash_block_size_tokens=hash_block,
+        kv_tp_replicas=getattr(kv_config, "kv_tp_replicas", None),
     )
     smallest = _smallest_accepted_pool(model, scenario, specs, groups, pool)
     return replace(plan, smallest_pool_blocks=smallest)

@@ -49,6 +49,7 @@ __all__ = [
     "merges_unequal_layers",
     "owed_groups",
     "owed_tensors",
+    "owed_tp_replicas",
 ]
 
 #: The ``variant`` of a layout finding: it belongs to the layout, not to a
@@ -622,16 +623,37 @@ def _tensor(t: PlannedTensor) -> str:
     )
 
 
+def owed_tp_replicas(model: ModelDescription) -> int:
+    """The consecutive tensor-parallel ranks that hold identical KV for every
+    layer of ``model`` (``KVCacheConfig.kv_tp_replicas``, which the
+    offloading connector reads to store one copy for them): an MLA or
+    sliding-window MLA layer's latent cache is one per token however many
+    ranks there are (its spec's ``max_tp_shards`` is 1: every rank a
+    replica), while any other layer is split across the ranks or not known to
+    be replicated (``max_tp_shards`` unset), which leaves each rank its own
+    (vllm/v1/kv_cache_interface.py ``AttentionSpec.max_tp_shards``;
+    ``kv_cache_groups_tp_replicas`` in vllm/v1/core/kv_cache_planning.py).
+    So ``model.tensor_parallel_size`` when every layer is MLA-family KV, 1
+    otherwise."""
+    latent = all(
+        layer.kind in (GroupKind.MLA, GroupKind.SLIDING_WINDOW_MLA) and not layer.hidden_state
+        for layer in model.layers
+    )
+    return model.tensor_parallel_size if latent else 1
+
+
 def kv_cache_plan_findings(scenario: Scenario, run: RunObservation) -> list[Finding]:
     """``kv-cache-plan`` when the ``KVCacheConfig`` the run's vLLM planned for
     ``scenario.model`` (``run.kv_cache_plan``) departs from what first
     principles owe (the rules above), a ``crash`` when planning raised; empty
     without a model or plan, or for a model the rules do not judge.
 
-    The finding names every difference found: the first differing group
-    (spec, block in tokens, layers, pages in bytes, extra retained tokens), the scheduler and hash
-    block sizes (tokens), ``num_blocks`` against the pool (blocks), the first
-    differing tensor (bytes, layers, offset and strides in bytes).
+    The finding names every difference found: the TP replicas
+    (:func:`owed_tp_replicas`, judged for every layout), the first differing
+    group (spec, block in tokens, layers, pages in bytes, extra retained
+    tokens), the scheduler and hash block sizes (tokens), ``num_blocks``
+    against the pool (blocks), the first differing tensor (bytes, layers,
+    offset and strides in bytes).
     """
     plan, model = run.kv_cache_plan, scenario.model
     if plan is None or model is None:
@@ -643,10 +665,13 @@ def kv_cache_plan_findings(scenario: Scenario, run: RunObservation) -> list[Find
     # The drafter's re-prefillable tail (multi-module MTP) stays in every
     # sliding window: get_global_kv_cache_groups tags each SlidingWindowSpec
     # with num_prefill_lookahead_tokens - 1.
+    problems = []
+    replicas = owed_tp_replicas(model)
+    if plan.kv_tp_replicas is not None and plan.kv_tp_replicas != replicas:
+        problems.append(f"kv_tp_replicas {plan.kv_tp_replicas}; owed {replicas}")
     groups = owed_groups(model, drafter_model(scenario).reprefillable_tokens)
-    if groups is None:
-        return []
-    problems = _plan_problems(plan, groups, model.block_size_tokens)
+    if groups is not None:
+        problems += _plan_problems(plan, groups, model.block_size_tokens)
     if not problems:
         return []
     return [

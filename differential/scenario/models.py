@@ -15,6 +15,7 @@ JSON form (``format`` ``kvfuzz.model``, ``version`` 1)::
     {"format": "kvfuzz.model", "version": 1, "name": "...",
      "description": "...", "block_size_tokens": 16,
      "kv_cache_layout": "LBNHC", "mamba_block_size_tokens": null,
+     "tensor_parallel_size": 1,
      "layers": [{"kind": "sliding_window", "count": 5, "num_kv_heads": 8,
                  "head_size": 256, "dtype": "bfloat16",
                  "sliding_window_tokens": 1024}, ...]}
@@ -186,6 +187,11 @@ class ModelDocument(BaseModel):
         default=None,
         description="The Mamba block size, in tokens; null: the model's block_size_tokens.",
     )
+    tensor_parallel_size: Annotated[StrictInt, Field(ge=1, le=1024)] = Field(
+        default=1,
+        description="ParallelConfig.tensor_parallel_size: the planner plans one rank of that "
+        "many; the layers' numbers are one rank's (KV heads after the split).",
+    )
     layers: Annotated[tuple[LayerDocument, ...], Field(min_length=1)] = Field(
         description="The layers, target and drafter, in order."
     )
@@ -317,6 +323,9 @@ class ModelDescription:
         mamba_block_size_tokens: the Mamba block size in tokens (align mode:
             vLLM sets it to the attention block size); ``None``: the model's
             ``block_size_tokens``.
+        tensor_parallel_size: ``ParallelConfig.tensor_parallel_size``: the
+            planner plans one rank of that many (the layers' numbers are one
+            rank's); it decides ``KVCacheConfig.kv_tp_replicas``.
         layers: the layers, target and drafter, in order.
     """
 
@@ -326,6 +335,7 @@ class ModelDescription:
     kv_cache_layout: str = "LBNHC"
     mamba_block_size_tokens: int | None = None
     description: str = ""
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -390,6 +400,7 @@ class ModelDescription:
             block_size_tokens=doc.block_size_tokens,
             kv_cache_layout=doc.kv_cache_layout,
             mamba_block_size_tokens=doc.mamba_block_size_tokens,
+            tensor_parallel_size=doc.tensor_parallel_size,
             layers=tuple(LayerSpec(**dict(layer)) for layer in doc.layers),
         )
 

@@ -284,6 +284,21 @@ def test_one_type_with_three_pages_gets_three_tensors_end_to_end() -> None:
     assert _findings(scenario, plan) == []
 
 
+def test_every_tp_rank_holds_the_mla_latent_cache() -> None:
+    scenario = load_entry(
+        CORPORA / "cases" / "mla-latent-replicated-on-every-tp-rank.json"
+    ).scenario
+    assert scenario.model is not None and scenario.model.tensor_parallel_size == 8
+    plan = observe_kv_cache_plan(scenario)
+    assert plan is not None and plan.kv_tp_replicas == 8
+    assert _findings(scenario, plan) == []
+    # A full-attention layer beside them splits its heads: no replicas.
+    full = LayerSpec(K.FULL_ATTENTION, 1, num_kv_heads=1, head_size=64)
+    model = dataclasses.replace(scenario.model, layers=(*scenario.model.layers, full))
+    mixed = observe_kv_cache_plan(dataclasses.replace(scenario, model=model))
+    assert mixed is not None and mixed.error is None and mixed.kv_tp_replicas == 1
+
+
 def test_a_multi_module_mtp_tail_stays_in_every_sliding_window() -> None:
     scenario = load_entry(MIMO).scenario
     mtp = dataclasses.replace(scenario, drafter=Drafter(DrafterKind.MULTI_MODULE_MTP, 3))

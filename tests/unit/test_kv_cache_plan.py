@@ -20,6 +20,7 @@ from differential.oracle.layout import (
     layer_page_bytes,
     owed_groups,
     owed_tensors,
+    owed_tp_replicas,
 )
 from differential.scenario import GroupKind, KVCacheGroup, Scenario
 from differential.scenario.drafter import Drafter, DrafterKind
@@ -345,6 +346,27 @@ def test_a_planning_error_is_a_crash() -> None:
     )
     assert kind is FindingKind.CRASH
     assert detail == "planning the KV cache: get_kv_cache_configs: ZeroDivisionError"
+
+
+def test_tp_ranks_replicate_only_mla_latent_kv() -> None:
+    mla = _model(
+        LayerSpec(K.MLA, 2, head_size=576),
+        LayerSpec(K.SLIDING_WINDOW_MLA, 1, head_size=576, sliding_window_tokens=128),
+    )
+    assert owed_tp_replicas(mla) == 1
+    assert owed_tp_replicas(dataclasses.replace(mla, tensor_parallel_size=8)) == 8
+    # One full-attention layer splits its heads across the ranks.
+    mixed = dataclasses.replace(MIMO, tensor_parallel_size=8)
+    assert owed_tp_replicas(mixed) == 1
+    hidden = _model(LayerSpec(K.MLA, 1, head_size=576), LayerSpec(K.MLA, 1, hidden_state=True))
+    assert owed_tp_replicas(dataclasses.replace(hidden, tensor_parallel_size=4)) == 1
+
+
+def test_a_plan_with_other_tp_replicas_is_a_kv_cache_plan_finding() -> None:
+    ((kind, detail),) = _judge(_plan(kv_tp_replicas=8))
+    assert kind is FindingKind.KV_CACHE_PLAN
+    assert detail.endswith("than its layers' pages owe: kv_tp_replicas 8; owed 1")
+    assert _judge(_plan(kv_tp_replicas=1)) == []
 
 
 def test_two_plans_are_told_apart_by_their_first_difference() -> None:
