@@ -405,6 +405,7 @@ def test_two_trees_planning_a_model_otherwise_is_a_kv_cache_plan_between_them() 
     from differential.compare import ScenarioResult, VariantResult, compare_unlabelled
     from differential.findings import Policy
     from differential.reports.diff import ChangeKind, changes_of
+    from differential.reports.gate import Section, gate_items
     from differential.variants import parse_variants
 
     a, b = parse_variants("unfixed,fixed")
@@ -433,6 +434,13 @@ def test_two_trees_planning_a_model_otherwise_is_a_kv_cache_plan_between_them() 
         None,
     )
     assert change.detail == "pool of 153 blocks; unfixed vs fixed: num_blocks 153 vs 152"
+    (item,) = gate_items(ScenarioResult(_scenario(), None, Policy.VLLM, results), "s.json")
+    assert (item.section, item.cause, item.request) == (
+        Section.PLAN,
+        "model 'm' (LBNHC layout)",
+        None,
+    )
+    assert item.detail == "pool of 153 blocks; base vs head: num_blocks 153 vs 152"
 
 
 def test_the_generator_builds_a_model_back_from_its_groups() -> None:
