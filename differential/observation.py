@@ -1422,6 +1422,11 @@ class RunObservation:
             index, step, group, tokens computed, tokens the table holds)``,
             in tokens (Mamba and circular-buffer groups are not attention
             tables); empty when every step's tokens had slots.
+        sync_kv_load_steps: (scheduler mode, a KV connector's store) every
+            step whose ``SchedulerOutput.has_sync_kv_loads`` is set or whose
+            connector metadata loads a request synchronously (into this
+            step's forward), as ``(step, has_sync_kv_loads, request indices
+            loaded synchronously)``; empty on a vLLM without the flag.
         deferred_frees: (scheduler mode, async scheduling with a KV consumer
             connector) every deferred return of a finished or preempted
             request's blocks to the block pool (``Scheduler._drain_deferred_frees``,
@@ -1468,6 +1473,7 @@ class RunObservation:
     watermark_admissions: tuple[tuple[int, int, int], ...] = ()
     uncovered_steps: tuple[tuple[int, int, int, int, int], ...] = ()
     store_calls: tuple[StoreCall, ...] = ()
+    sync_kv_load_steps: tuple[tuple[int, bool, tuple[int, ...]], ...] = ()
     deferred_frees: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
     kv_cache_plan: KVCachePlan | None = None
     metrics: CacheMetrics | None = None
@@ -1512,6 +1518,10 @@ class RunObservation:
                 for i, step, g, computed, held in data.get("uncovered_steps", ())
             ),
             store_calls=tuple(StoreCall.from_dict(c) for c in data.get("store_calls", ())),
+            sync_kv_load_steps=tuple(
+                (step, flag, tuple(loaded))
+                for step, flag, loaded in data.get("sync_kv_load_steps", ())
+            ),
             deferred_frees=tuple(
                 (i, step, tuple((g, k) for g, k in blocks))
                 for i, step, blocks in data.get("deferred_frees", ())
@@ -1555,6 +1565,10 @@ class RunObservation:
             out["uncovered_steps"] = [list(u) for u in self.uncovered_steps]
         if self.store_calls:
             out["store_calls"] = [c.to_dict() for c in self.store_calls]
+        if self.sync_kv_load_steps:
+            out["sync_kv_load_steps"] = [
+                [step, flag, list(loaded)] for step, flag, loaded in self.sync_kv_load_steps
+            ]
         if self.deferred_frees:
             out["deferred_frees"] = [
                 [i, step, [list(b) for b in blocks]] for i, step, blocks in self.deferred_frees

@@ -1422,6 +1422,8 @@ class _RunReport:
     metrics: MetricsRecorder | None = None  # prefix-cache statistics and resets
     # (request index, step, group, tokens computed after the step, tokens its table holds)
     uncovered: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    # Steps the KV connector loads into synchronously or that say they do.
+    sync_loads: list[tuple[int, bool, tuple[int, ...]]] = field(default_factory=list)
 
 
 @dataclass
@@ -1845,7 +1847,30 @@ def _schedule(
     admitted_now = _admit(out, recorders, progress)
     report.preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
     _record_uncovered(scheduler, out, recorders, report.uncovered)
+    _record_sync_loads(out, recorders, report.sync_loads)
     return out, admitted_now
+
+
+def _record_sync_loads(
+    out: Any, recorders: _Recorders, sync_loads: list[tuple[int, bool, tuple[int, ...]]]
+) -> None:
+    """``(step, SchedulerOutput.has_sync_kv_loads, the requests whose KV
+    connector load this step is synchronous)`` appended to ``sync_loads``
+    for a step with such a load or the flag set (nothing on a vLLM without
+    the flag). The loads are the connector's metadata for the step (its
+    ``build_connector_meta``: what the worker is told to load), synchronous
+    ones consumed by this step's forward."""
+    flag = getattr(out, "has_sync_kv_loads", None)
+    if flag is None:
+        return
+    meta = getattr(out, "kv_connector_metadata", None)
+    sync = tuple(
+        recorders.index_of[load.request_id]
+        for load in getattr(meta, "loads", ())
+        if not load.load_async and load.request_id in recorders.index_of
+    )
+    if flag or sync:
+        sync_loads.append((recorders.step[0], bool(flag), sync))
 
 
 def _record_uncovered(
@@ -2223,6 +2248,7 @@ def _run_observation(
         kv_events=report.recorder.log(report.requests) if report.recorder is not None else None,
         watermark_admissions=tuple(report.watermark_admissions),
         uncovered_steps=tuple(report.uncovered),
+        sync_kv_load_steps=tuple(report.sync_loads),
         store_calls=_store_calls(report),
         deferred_frees=tuple(report.deferred_frees),
         metrics=None if report.metrics is None else report.metrics.metrics(),

@@ -65,6 +65,16 @@ Three rules, per admitted request with a :class:`~differential.observation.Conne
   KV other requests read (a block holding a prefix-cache entry is the
   local hit's, already computed). A load into either is a ``wrong-kv``
   naming the group and block.
+* **Synchronous loads** (any layout, a vLLM with
+  ``SchedulerOutput.has_sync_kv_loads``). A synchronous load is consumed by
+  the forward of the step that schedules it, and the worker starts a step's
+  loads before its forward only when that flag is set: "whenever the step
+  has no synchronous KV loads" the loads start after the forward launch
+  (vLLM PR #53333, which aggregates each request's ``load_async=False`` into
+  the flag). A step that loads a request synchronously without the flag
+  reads KV not loaded yet: a ``wrong-kv`` naming the request and the step.
+  The flag set on a step with no synchronous load only costs the overlap
+  the PR buys (host time on the forward's path) and is not judged.
 
 Nothing here imports vLLM.
 """
@@ -204,18 +214,40 @@ def _load_target_findings(
     return findings
 
 
+def _sync_load_findings(run: RunObservation, policy: Policy) -> list[Finding]:
+    """``wrong-kv`` per request loaded synchronously in a step whose
+    ``has_sync_kv_loads`` is not set (the rule *synchronous loads* above)."""
+    return [
+        Finding(
+            FindingKind.WRONG_KV,
+            run.variant,
+            index,
+            f"connector: step {step} loads request {index}'s KV synchronously (into that step's "
+            "forward) but SchedulerOutput.has_sync_kv_loads is false, so the worker starts the "
+            "load after the forward (vLLM PR #53333)",
+            policy=policy,
+        )
+        for step, flag, loaded in run.sync_kv_load_steps
+        if not flag
+        for index in loaded
+    ]
+
+
 def connector_findings(
     scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
 ) -> list[Finding]:
     """``fallback`` / ``over-hit`` per request whose computed tokens at
     admission (local and external) break the adoption rule or fall short of
-    what the store provably held (see the module docstring)."""
+    what the store provably held, ``wrong-kv`` for a load into the wrong
+    blocks or a synchronous load the step does not flag (see the module
+    docstring)."""
     if scenario.workload.connector is None or run.unsupported is not None:
         return []
     block = scenario.scheduler_block_size_tokens
     grid = store_grid_tokens(scenario)
     owed_by_store = store_owed(scenario, run)
     findings: list[Finding] = lru_findings(scenario, run, policy)
+    findings += _sync_load_findings(run, policy)
     for r in run.requests:
         c = r.connector
         if c is None:

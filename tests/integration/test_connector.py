@@ -122,6 +122,18 @@ def test_a_failed_last_block_is_recomputed_from_the_valid_prefix() -> None:
     )
 
 
+def test_a_synchronous_load_is_flagged_to_the_worker() -> None:
+    # req-3 adopts the store's [320, 384) synchronously at step 14: the step's
+    # SchedulerOutput tells the worker to load before the forward (vLLM PR
+    # #53333); asynchronous loads, as in the failed-load case, flag nothing.
+    entry = load_entry(CASES / "connector-divergent-hybrid-hit-truncated.json")
+    run = run_scheduler_scenario(entry.scenario, "unfixed", record_cache_map=True)
+    assert run.sync_kv_load_steps == ((14, True, (3,)),)
+    assert "req-3 loads [320, 384) sync" in run.timeline[14]
+    failing = load_entry(CASES / "connector-async-load-fails-last-block.json")
+    assert run_scheduler_scenario(failing.scenario, "unfixed").sync_kv_load_steps == ()
+
+
 def test_a_whole_failed_load_is_looked_up_again() -> None:
     # Several KV cache groups: the load fails as a whole (failed_recving),
     # vLLM frees the reader's blocks and its second lookup loads 128 again.

@@ -270,6 +270,27 @@ def test_no_connector_rule_without_a_store() -> None:
     assert connector_findings(s, _store_run(_lookup(0, 0, 0, 0, 0, 96))) == []
 
 
+def test_a_synchronous_load_the_step_does_not_flag_is_wrong_kv() -> None:
+    s = _store_scenario()
+    flagged = dataclasses.replace(
+        _store_run(_lookup(0, 0, 96, 96, 0, 96)),
+        sync_kv_load_steps=((3, True, (1,)), (5, True, ())),
+    )
+    assert [f for f in connector_findings(s, flagged) if f.kind is FindingKind.WRONG_KV] == []
+    unflagged = dataclasses.replace(flagged, sync_kv_load_steps=((3, False, (1, 2)),))
+    wrong = [f for f in connector_findings(s, unflagged) if f.kind is FindingKind.WRONG_KV]
+    assert [(f.request, f.detail) for f in wrong] == [
+        (
+            i,
+            f"connector: step 3 loads request {i}'s KV synchronously (into that step's forward) "
+            "but SchedulerOutput.has_sync_kv_loads is false, so the worker starts the load "
+            "after the forward (vLLM PR #53333)",
+        )
+        for i in (1, 2)
+    ]
+    assert RunObservation.from_dict(unflagged.to_dict()).sync_kv_load_steps == ((3, False, (1, 2)),)
+
+
 # ---------------------------------------------------------------- comparison
 
 
