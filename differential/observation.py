@@ -711,6 +711,13 @@ class ResetCall:
             (``BlockPool.cached_block_hash_to_block``), in blocks.
         flagged: the ``reset`` flag of the prefix-cache statistics read next
             (``None``: not read).
+        connector_flagged: (a reset of the KV connector's cache too,
+            ``reset_connector=True``) the ``reset`` flag of the connector's
+            prefix-cache statistics read next; ``None``: no connector reset.
+        store_held_after: (a connector reset, kvfuzz's store connector) the
+            tokens its store still held right after, of every request it
+            had seen (their longest held prefixes summed), in tokens;
+            ``None``: not read.
     """
 
     step: int | None
@@ -718,10 +725,16 @@ class ResetCall:
     returned: bool
     cached_after: int
     flagged: bool | None = None
+    connector_flagged: bool | None = None
+    store_held_after: int | None = None
 
     def to_list(self) -> list[Any]:
-        """JSON-ready form: the fields in order."""
-        return [self.step, self.holding, self.returned, self.cached_after, self.flagged]
+        """JSON-ready form: the fields in order (the connector's two only
+        when a connector was reset)."""
+        out = [self.step, self.holding, self.returned, self.cached_after, self.flagged]
+        if self.connector_flagged is not None or self.store_held_after is not None:
+            out += [self.connector_flagged, self.store_held_after]
+        return out
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,14 @@ scheduler step. It also calls ``reset_prefix_cache`` as an RLHF
 weight update does: once while requests hold KV blocks (scheduler mode: after
 the first step that admits a request still running after it; manager mode:
 after the first request's prefill), which must be refused and change
-nothing, and once after the run, which must empty the prefix cache. The oracle judges
-it all (:mod:`differential.oracle.metrics`).
+nothing, and once after the run, which must empty the prefix cache, and,
+with a KV connector, the connector's cache too (``reset_connector=True``).
+The oracle judges it all (:mod:`differential.oracle.metrics`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -65,6 +67,8 @@ class MetricsRecorder:
         self.usage_end: float | None = None
         self.resets: list[ResetCall] = []
         self._pending_flag: list[int] = []  # indices of resets whose flag is read next
+        # Indices of connector resets whose connector-statistics flag is read next.
+        self._pending_connector_flag: list[int] = []
         if scheduler is not None:
             # update_from_output drains the statistics itself, into the
             # outputs it returns (EngineCoreOutputs.scheduler_stats): every
@@ -79,6 +83,11 @@ class MetricsRecorder:
                     self.connector_stats = (self.connector_stats or PrefixCacheCounts()) + _counts(
                         connector
                     )
+                    for k in self._pending_connector_flag:
+                        self.resets[k] = dataclasses.replace(
+                            self.resets[k], connector_flagged=bool(connector.reset)
+                        )
+                    self._pending_connector_flag.clear()
                 return made
 
             scheduler.make_stats = counted
@@ -90,10 +99,7 @@ class MetricsRecorder:
         if self._pending_flag:
             flagged = None if stats is None else bool(stats.reset)
             for k in self._pending_flag:
-                call = self.resets[k]
-                self.resets[k] = ResetCall(
-                    call.step, call.holding, call.returned, call.cached_after, flagged
-                )
+                self.resets[k] = dataclasses.replace(self.resets[k], flagged=flagged)
             self._pending_flag.clear()
 
     def read_usage(self) -> None:
@@ -111,8 +117,9 @@ class MetricsRecorder:
             self._add(self.manager.make_prefix_cache_stats())
         self.read_usage()
 
-    def reset(self, step: int | None, holding: int) -> None:
-        """Call ``reset_prefix_cache`` (the scheduler's, else the manager's)
+    def reset(self, step: int | None, holding: int, reset_connector: bool = False) -> None:
+        """Call ``reset_prefix_cache`` (the scheduler's, else the manager's;
+        with ``reset_connector`` the scheduler's KV connector's cache too)
         and record what it returned and the cache it left; ``holding``: the
         requests holding KV blocks by the driver's count."""
         owner = self.scheduler if self.scheduler is not None else self.manager
@@ -121,21 +128,31 @@ class MetricsRecorder:
         for logger in loggers:
             logger.disabled = True
         try:
-            returned = bool(owner.reset_prefix_cache())
+            if reset_connector:
+                returned = bool(owner.reset_prefix_cache(reset_connector=True))
+            else:
+                returned = bool(owner.reset_prefix_cache())
         finally:
             for logger, was in zip(loggers, disabled, strict=True):
                 logger.disabled = was
         cached = sum(cached_blocks(self.manager).values())
-        self.resets.append(ResetCall(step, holding, returned, cached))
+        held = getattr(getattr(owner, "connector", None), "held_tokens", None)
+        call = ResetCall(step, holding, returned, cached)
+        if reset_connector:
+            call = dataclasses.replace(call, store_held_after=None if held is None else held())
+            self._pending_connector_flag.append(len(self.resets))
+        self.resets.append(call)
         self._pending_flag.append(len(self.resets) - 1)
         self.drain()
 
     def finish(self) -> None:
         """After the run, every request finished: drain, read the final
-        usage, then reset the prefix cache."""
+        usage, then reset the prefix cache, and a KV connector's cache with
+        it as an RLHF weight update does (``reset_connector=True``)."""
         self.drain()
         self.usage_end = self.usage[-1]
-        self.reset(None, 0)
+        connector = getattr(self.scheduler, "connector", None) if self.scheduler else None
+        self.reset(None, 0, reset_connector=connector is not None)
 
     def metrics(self) -> CacheMetrics:
         """What was recorded (:class:`~differential.observation.CacheMetrics`)."""

@@ -301,6 +301,8 @@ class RemoteStoreConnector(EmptyRemoteConnector):
             kv_cache_config, None if chunk is None else int(chunk), self.hash_block_tokens
         )
         self._requests: dict[str, Any] = {}
+        #: Every request the connector was shown, finished ones too.
+        self._seen: dict[str, Any] = {}
         self._contexts: dict[str, ReqContext] = {}
         self._offered: dict[str, dict[int, int]] = {}  # request id -> group -> chunks offered
         self._allocated: list[StoreLoad] = []
@@ -314,6 +316,22 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         #: Per request id, the blocks its last load would fill, per KV cache
         #: group: ``(block id, null, cached)`` (:meth:`_load_targets`).
         self.load_targets: dict[str, LoadTargets] = {}
+
+    def reset_cache(self) -> bool:
+        """The connector's part of ``reset_prefix_cache(reset_connector=True)``
+        (vLLM PR #27170: "both the local (GPU) and external (connector)
+        prefix caches are reset"), as vLLM's ``OffloadingConnector`` does it
+        (offloading_connector.py ``reset_cache``: its scheduler resets the
+        offloading manager, ``CPUOffloadingManager.reset_cache`` dropping
+        every stored chunk); returns true, as that connector does."""
+        self.store.reset_cache()
+        return True
+
+    def held_tokens(self) -> int:
+        """What the store holds of every request it has seen, finished ones
+        too: their longest held prefixes (:meth:`store_tokens`) summed, in
+        tokens."""
+        return sum(self.store_tokens(r) for r in self._seen.values())
 
     def share_store(self, other: RemoteStoreConnector) -> None:
         """Use ``other``'s store (the decode instance's): a prefill instance's
@@ -342,6 +360,7 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         announced to the manager the first time (``on_new_request``)."""
         rid = request.request_id
         self._requests.setdefault(rid, request)
+        self._seen.setdefault(rid, request)
         context = self._contexts.get(rid)
         if context is None:
             context = self._contexts[rid] = ReqContext(req_id=rid)

@@ -52,7 +52,15 @@ finished (nothing here imports vLLM):
     cached block (so that, after a weight update, nothing is hit) and sets
     the statistics' ``reset`` flag. Manager mode calls
     ``KVCacheManager.reset_prefix_cache()`` the same way, the first request
-    still holding its blocks, then after the run.
+    still holding its blocks, then after the run. With a KV connector the
+    call after the run is ``reset_prefix_cache(reset_connector=True)``,
+    which resets "both the local (GPU) and external (connector) prefix
+    caches" (vLLM PR #27170, ``Scheduler.reset_connector_cache``): returning
+    true, it leaves the connector's store holding nothing of any request
+    (kvfuzz's store is vLLM's ``CPUOffloadingManager``, reset as the
+    ``OffloadingConnector`` resets it; vLLM issue #57727 is a connector
+    whose tier kept serving) and sets the ``reset`` flag of the connector's
+    statistics too.
 """
 
 from __future__ import annotations
@@ -241,6 +249,16 @@ def _reset_findings(run: RunObservation, policy: Policy) -> list[Finding]:
             problems.append(
                 f"reset_prefix_cache() {when} returned true, but the prefix-cache "
                 "statistics read next do not carry the reset flag"
+            )
+        if call.returned and call.connector_flagged is False:
+            problems.append(
+                f"reset_prefix_cache(reset_connector=True) {when} returned true, but the KV "
+                "connector's prefix-cache statistics read next do not carry the reset flag"
+            )
+        if call.returned and call.store_held_after:
+            problems.append(
+                f"reset_prefix_cache(reset_connector=True) {when} returned true and the KV "
+                f"connector's store still holds {call.store_held_after} tokens (owed none)"
             )
     return [_finding(run, problem, policy) for problem in problems]
 

@@ -97,6 +97,33 @@ def test_a_reset_that_never_succeeds_is_caught(monkeypatch: pytest.MonkeyPatch) 
     ]
 
 
+STORE = CORPORA / "cases" / "connector-divergent-hybrid-hit-truncated.json"
+# What the store holds of the case's four requests after the run, their
+# longest held prefixes summed (tokens): all of it is owed to go.
+HELD = 1376
+
+
+def test_a_connector_reset_empties_the_store_and_flags_its_statistics() -> None:
+    # After the run reset_prefix_cache(reset_connector=True): the store
+    # (vLLM's CPUOffloadingManager) holds nothing, both statistics flagged.
+    result = stock_result(STORE)
+    assert result.run.metrics.resets[-1] == ResetCall(None, 0, True, 0, True, True, 0)
+    assert _metrics_details(result) == []
+
+
+def test_a_connector_reset_that_keeps_the_store_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    monkeypatch.setattr(CPUOffloadingManager, "reset_cache", lambda self: None)
+    result = stock_result(STORE)
+    held = result.run.metrics.resets[-1].store_held_after
+    assert held == HELD
+    assert _metrics_details(result) == [
+        "reset_prefix_cache(reset_connector=True) after the run returned true and the KV "
+        f"connector's store still holds {HELD} tokens (owed none)"
+    ]
+
+
 _RESUMED_WITH_A_STORE = {
     "format": "kvfuzz.scenario",
     "version": 1,

@@ -141,6 +141,16 @@ def test_usage_outside_a_share_or_left_after_the_run_is_a_finding(
             "reset_prefix_cache() after the run returned true, but the prefix-cache "
             "statistics read next do not carry the reset flag",
         ),
+        (
+            ResetCall(None, 0, True, 0, True, False, 0),
+            "reset_prefix_cache(reset_connector=True) after the run returned true, but the KV "
+            "connector's prefix-cache statistics read next do not carry the reset flag",
+        ),
+        (
+            ResetCall(None, 0, True, 0, True, True, 96),
+            "reset_prefix_cache(reset_connector=True) after the run returned true and the KV "
+            "connector's store still holds 96 tokens (owed none)",
+        ),
     ],
 )
 def test_a_wrong_reset_is_a_finding(call: ResetCall, says: str) -> None:
@@ -157,6 +167,8 @@ def test_a_run_that_did_not_finish_or_recorded_nothing_is_not_judged() -> None:
 def test_the_metrics_round_trip_through_json() -> None:
     run = run_with(CLEAN)
     assert RunObservation.from_dict(run.to_dict()).metrics == CLEAN
+    connector = dataclasses.replace(CLEAN, resets=(ResetCall(None, 0, True, 0, True, True, 0),))
+    assert RunObservation.from_dict(run_with(connector).to_dict()).metrics == connector
 
 
 def test_the_connector_statistics_count_what_lies_past_the_local_hit() -> None:
