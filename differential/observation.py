@@ -6,6 +6,7 @@ comparison read them. Nothing here imports vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "StepTable",
     "StoreCall",
     "event_extra_keys",
+    "layer_names_text",
     "runs_of",
     "tokens_of",
 ]
@@ -1189,6 +1191,14 @@ class PlannedGroup:
     page_size_bytes: tuple[int, ...]
     extra_retained_tokens: int = 0
 
+    def describe(self) -> str:
+        """One line: spec, block (tokens), layers, pages (bytes), extra retained tokens."""
+        return (
+            f"{self.spec} block {self.block_size_tokens} tokens, layers "
+            f"{layer_names_text(self.layers)}, pages {sorted(set(self.page_size_bytes))} bytes, "
+            f"{self.extra_retained_tokens} extra retained tokens"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {
@@ -1228,6 +1238,14 @@ class PlannedTensor:
     offset_bytes: int
     layer_stride_bytes: int
     block_stride_bytes: int
+
+    def describe(self) -> str:
+        """One line: size, layers, offset and strides (bytes)."""
+        return (
+            f"{self.size_bytes} bytes, layers {layer_names_text(self.layers)}, offset "
+            f"{self.offset_bytes}, layer stride {self.layer_stride_bytes}, block stride "
+            f"{self.block_stride_bytes}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -1343,12 +1361,12 @@ class KVCachePlan:
             )
         for i, (g, h) in enumerate(zip(self.groups, other.groups, strict=False)):
             if g != h:
-                return f"group {i}: {_planned_group_text(g)} vs {_planned_group_text(h)}"
+                return f"group {i}: {g.describe()} vs {h.describe()}"
         if len(self.groups) != len(other.groups):
             return f"{len(self.groups)} group(s) vs {len(other.groups)}"
         for i, (t, u) in enumerate(zip(self.tensors, other.tensors, strict=False)):
             if t != u:
-                return f"tensor {i}: {_planned_tensor_text(t)} vs {_planned_tensor_text(u)}"
+                return f"tensor {i}: {t.describe()} vs {u.describe()}"
         if len(self.tensors) != len(other.tensors):
             return f"{len(self.tensors)} tensor(s) vs {len(other.tensors)}"
         if self.kv_tp_replicas != other.kv_tp_replicas:
@@ -1359,26 +1377,11 @@ class KVCachePlan:
         )
 
 
-def _layer_names_text(layers: tuple[str, ...]) -> str:
+def layer_names_text(layers: Sequence[str]) -> str:
     """Layer names, all of them up to six, else the first three and a count."""
     if len(layers) <= 6:
         return "[" + ", ".join(layers) + "]"
     return "[" + ", ".join(layers[:3]) + f", ... {len(layers)} in all]"
-
-
-def _planned_group_text(g: PlannedGroup) -> str:
-    return (
-        f"{g.spec} block {g.block_size_tokens} tokens, layers {_layer_names_text(g.layers)}, "
-        f"pages {sorted(set(g.page_size_bytes))} bytes, {g.extra_retained_tokens} extra "
-        "retained tokens"
-    )
-
-
-def _planned_tensor_text(t: PlannedTensor) -> str:
-    return (
-        f"{t.size_bytes} bytes, layers {_layer_names_text(t.layers)}, offset {t.offset_bytes}, "
-        f"layer stride {t.layer_stride_bytes}, block stride {t.block_stride_bytes}"
-    )
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from differential.errors import ScenarioError
 from differential.findings import Finding, FindingKind
-from differential.observation import KVCachePlan, PlannedTensor, RunObservation
+from differential.observation import KVCachePlan, PlannedTensor, RunObservation, layer_names_text
 from differential.oracle.core import dense_hit, drafter_model
 from differential.oracle.prefix import shared_prefixes
 from differential.scenario import GroupKind, Scenario
@@ -578,10 +578,10 @@ def _plan_problems(plan: KVCachePlan, groups: tuple[OwedGroup, ...], block: int)
             if owed != seen:
                 problems.append(
                     f"group {i}: {seen.spec} block {seen.block_size_tokens} tokens, "
-                    f"layers {_names(seen.layers)}, pages "
+                    f"layers {layer_names_text(seen.layers)}, pages "
                     f"{sorted(set(seen.page_size_bytes))} bytes, {seen.extra_retained_tokens} "
                     f"extra retained tokens; owed {owed.spec} block {owed.block_size_tokens} "
-                    f"tokens, layers {_names(owed.layers)}, pages "
+                    f"tokens, layers {layer_names_text(owed.layers)}, pages "
                     f"{sorted(set(owed.page_size_bytes))} bytes, {owed.extra_retained_tokens} "
                     "extra retained tokens"
                 )
@@ -601,26 +601,11 @@ def _plan_problems(plan: KVCachePlan, groups: tuple[OwedGroup, ...], block: int)
     tensors = owed_tensors(groups, plan.pool_blocks)
     for i, (owed_t, seen_t) in enumerate(zip(tensors, plan.tensors, strict=False)):
         if owed_t != seen_t:
-            problems.append(f"tensor {i}: {_tensor(seen_t)}; owed {_tensor(owed_t)}")
+            problems.append(f"tensor {i}: {seen_t.describe()}; owed {owed_t.describe()}")
             break
     if len(plan.tensors) != len(tensors):
         problems.append(f"{len(plan.tensors)} tensor(s); owed {len(tensors)}")
     return problems
-
-
-def _names(layers: Sequence[str]) -> str:
-    """Layer names, all of them up to six, else the first three and a count."""
-    if len(layers) <= 6:
-        return "[" + ", ".join(layers) + "]"
-    return "[" + ", ".join(layers[:3]) + f", ... {len(layers)} in all]"
-
-
-def _tensor(t: PlannedTensor) -> str:
-    return (
-        f"{t.size_bytes} bytes, layers {_names(t.layers)}, offset "
-        f"{t.offset_bytes}, layer stride {t.layer_stride_bytes}, block stride "
-        f"{t.block_stride_bytes}"
-    )
 
 
 def owed_tp_replicas(model: ModelDescription) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "changes_of",
     "cost_text",
     "finding_kinds_at",
+    "plan_change",
     "ranked_groups",
     "setting_text",
 ]
@@ -358,18 +359,25 @@ def changes_of(result: ScenarioResult, label: str) -> list[Change]:
                     drafter,
                 )
             )
-    plans = ra.run.kv_cache_plan, rb.run.kv_cache_plan
-    if scenario.model is not None and plans[0] is not None and plans[1] is not None:
-        change = plans[0].difference(plans[1])
-        if change is not None:
-            out.append(
-                Change(
-                    ChangeKind.PLAN,
-                    f"model {scenario.model.name!r} ({scenario.model.kv_cache_layout} layout)",
-                    label,
-                    None,
-                    f"pool of {plans[0].pool_blocks} blocks; {a} vs {b}: {change}",
-                    drafter,
-                )
-            )
+    plan = plan_change(result, a, b)
+    if plan is not None:
+        out.append(Change(ChangeKind.PLAN, plan[0], label, None, plan[1], drafter))
     return out
+
+
+def plan_change(result: ScenarioResult, a: str, b: str) -> tuple[str, str] | None:
+    """``(cause, detail)`` when the two variants of ``result`` (named ``a``
+    and ``b`` in the detail) planned its model's KV cache otherwise
+    (:meth:`~differential.observation.KVCachePlan.difference`), else ``None``
+    (no model, or a plan not made)."""
+    model = result.scenario.model
+    plans = tuple(r.run.kv_cache_plan for r in result.results)
+    if model is None or plans[0] is None or plans[1] is None:
+        return None
+    change = plans[0].difference(plans[1])
+    if change is None:
+        return None
+    return (
+        f"model {model.name!r} ({model.kv_cache_layout} layout)",
+        f"pool of {plans[0].pool_blocks} blocks; {a} vs {b}: {change}",
+    )

@@ -35,6 +35,7 @@ from differential.reports.diff import (
     blocks_added_text,
     cost_text,
     finding_kinds_at,
+    plan_change,
     ranked_groups,
     setting_text,
 )
@@ -205,19 +206,9 @@ def gate_items(result: ScenarioResult, label: str) -> list[GateItem]:
                     extra_blocks=extra,
                 )
             )
-    plans = base.run.kv_cache_plan, head.run.kv_cache_plan
-    if scenario.model is not None and plans[0] is not None and plans[1] is not None:
-        change = plans[0].difference(plans[1])
-        if change is not None:
-            items.append(
-                GateItem(
-                    Section.PLAN,
-                    f"model {scenario.model.name!r} ({scenario.model.kv_cache_layout} layout)",
-                    label,
-                    None,
-                    f"pool of {plans[0].pool_blocks} blocks; base vs head: {change}",
-                )
-            )
+    plan = plan_change(result, BASE, HEAD)
+    if plan is not None:
+        items.append(GateItem(Section.PLAN, plan[0], label, None, plan[1]))
     return items
 
 
