@@ -18,12 +18,6 @@ CASES = ROOT / "corpora" / "cases"
 # Per request: (local hit, store held, answered, adopted local, adopted
 # external, async, divergent, a load failed), in tokens.
 ADOPTED = {
-    # Request 2 adopts 4 local tokens and 1 from the store; its load fails.
-    "connector-failed-block-load-affects-only-its-requests--scheduler": [
-        (0, 0, 0, 0, 0, False, False, False),
-        (0, 0, 0, 0, 0, False, False, False),
-        (4, 5, 1, 4, 1, True, False, True),
-    ],
     "connector-prefix-caching-off": [
         (0, 0, 0, 0, 0, False, False, False),
         (0, 96, 96, 0, 96, False, False, False),
