@@ -1107,7 +1107,9 @@ def engine_scenarios(
     :func:`_store_bounds`), and one of those in four a client aborting one
     request a few steps in; async scheduling and KV cache events
     (:func:`_scheduling_and_events`), then the prefill policy
-    (:func:`_prefill_policy`). ``scale``: ``toy`` (the only scale); ``kinds``
+    (:func:`_prefill_policy`), and one Mamba hybrid in four without a store
+    or events with prefix caching off (:func:`_cache_off`). ``scale``:
+    ``toy`` (the only scale); ``kinds``
     pins KV cache group kinds every scenario contains (``kvfuzz fuzz --mode
     scheduler --groups``; empty: any layout).
     """
@@ -1181,11 +1183,40 @@ def engine_scenarios(
             kv_connector=store is not None,
             **_engine_mamba_options(mamba, hash_block),
         )
-        # Drawn last, so that every draw above reads the bytes it read before.
-        scenario = _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
-        return _skipped_read(draw, _bounded_replay(draw, _prefill_checkpoints(draw, scenario)))
+        return _last_draws(draw, scenario)
     except ScenarioError as exc:  # pragma: no cover - the generator's own bug
         raise AssertionError(f"the engine generator produced an invalid scenario: {exc}") from exc
+
+
+def _last_draws(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """The engine generator's last draws, in this order, so that every draw
+    before them reads the bytes it read before: the store's bounds, the
+    disaggregation, the managers of their own, the prefill checkpoints, the
+    bounded replay, a skipped read and prefix caching off."""
+    scenario = _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
+    scenario = _skipped_read(draw, _bounded_replay(draw, _prefill_checkpoints(draw, scenario)))
+    return _cache_off(draw, scenario)
+
+
+def _cache_off(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One Mamba hybrid in four without a connector store or KV cache events
+    runs with prefix caching off (``Workload.prefix_caching``: vLLM's Mamba
+    ``mamba_cache_mode="none"``, one whole-length state block per request
+    and one per speculative token), its retention and checkpoints dropped.
+    Drawn last, and only for such a hybrid, so every other scenario keeps
+    its bytes."""
+    w = scenario.workload
+    if not scenario.mamba_groups or w.connector is not None or w.kv_events is not KVEvents.OFF:
+        return scenario
+    if draw(st.integers(0, 3)) != 0:
+        return scenario
+    return dataclasses.replace(
+        scenario,
+        retention_interval_tokens=None,
+        mamba_prefill=MambaPrefill.SCHEDULER,
+        enable_mamba_shared_prefix_checkpoint=False,
+        workload=dataclasses.replace(w, prefix_caching=False),
+    )
 
 
 def _skipped_read(draw: st.DrawFn, scenario: Scenario) -> Scenario:

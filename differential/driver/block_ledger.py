@@ -113,6 +113,14 @@ class BlockLedger:
             for gid in sorted(self._state_groups)
             if getattr(m := self._managers[gid], "mamba_cache_mode", None) == "align"
         ]
+        # The state groups outside align mode (no prefix caching: vLLM's mode
+        # "none", one block for the whole sequence's state plus one per
+        # speculative token): only their tables' lengths are recorded.
+        self._whole_state = [
+            (gid, self._managers[gid])
+            for gid in sorted(self._state_groups)
+            if gid not in {g for g, _m, _s in self._state}
+        ]
         # block id -> [group, writer request index, writer block index, filled
         # tokens] for attention, plus [state position in tokens, or -1: not
         # followed] for a state group's block
@@ -297,7 +305,8 @@ class BlockLedger:
     ) -> None:
         """Where each attention group's table for ``request_id`` holds the null
         block now (:class:`StepTable`), and each align-mode state group's, with
-        its first real block holding no prefix-cache entry. Null entries are
+        its first real block holding no prefix-cache entry; a state group
+        outside align mode records its table's length. Null entries are
         one shared object, so they are found by identity at C speed: a step
         costs O(table length)."""
         null_id = self._null_id
@@ -337,6 +346,19 @@ class BlockLedger:
                     first_real,
                     null_end,
                     unregistered,
+                )
+            )
+        for gid, manager in self._whole_state:
+            held = list(map(id, manager.req_to_blocks.get(request_id, ())))
+            null_at = [i for i, b in enumerate(held) if b == null_id]
+            tables.append(
+                StepTable(
+                    processed_tokens,
+                    start_tokens,
+                    gid,
+                    len(held),
+                    next((i for i, b in enumerate(held) if b != null_id), len(held)),
+                    null_at[-1] + 1 if null_at else 0,
                 )
             )
 

@@ -282,19 +282,23 @@ def mamba_steps(scenario: Scenario) -> Scenario:
 def engine_plan(
     scenario: Scenario,
     *,
-    prefix_caching: bool = True,
+    prefix_caching: bool | None = None,
     breakage: str | None = None,
     variant: str | None = None,
 ) -> dict[str, Any]:
     """The worker's plan for ``scenario`` (see
     :func:`differential.driver.engine_worker.run_plan`); ``variant`` is the
     patch (``"module:function"``, a variant's ``patch``) the engine is built
-    and run under, ``None`` for vLLM as installed.
+    and run under, ``None`` for vLLM as installed. ``prefix_caching``:
+    ``CacheConfig.enable_prefix_caching``; ``None``: the scenario's
+    (:attr:`Scenario.prefix_caching`).
 
     Raises:
         EngineUnsupported: the CPU engine (or kvfuzz's tiny models) cannot
             run it; the message names why.
     """
+    if prefix_caching is None:
+        prefix_caching = scenario.prefix_caching
     _refuse_inputs(scenario)
     kinds, block, windows = _engine_layout(scenario)
     _refuse_workload(scenario)

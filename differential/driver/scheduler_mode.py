@@ -282,11 +282,17 @@ def _set_cache_layout(config: Any, scenario: Scenario, num_blocks: int) -> None:
         # passed to the Scheduler as block_size, with resolve_kv_cache_block_sizes).
         config.parallel_config.decode_context_parallel_size = dcp
         config.cache_config.block_size = scenario.scheduler_block_size_tokens // dcp
-    if scenario.mamba_groups:
+    if scenario.mamba_groups and scenario.prefix_caching:
         # Prefix caching with Mamba runs in align mode (vllm/config/cache.py),
         # its block the cache block size (the per-rank one under DCP).
         config.cache_config.mamba_cache_mode = "align"
         config.cache_config.mamba_block_size = scenario.scheduler_block_size_tokens // dcp
+    elif scenario.mamba_groups:
+        # Without it vLLM keeps mode "none", a Mamba block the whole model
+        # length (MambaModelConfig.verify_and_update_config,
+        # vllm/model_executor/models/config.py).
+        config.cache_config.mamba_cache_mode = "none"
+        config.cache_config.mamba_block_size = config.model_config.max_model_len
     if scenario.enable_mamba_shared_prefix_checkpoint:
         config.cache_config.enable_mamba_shared_prefix_checkpoint = True
 
@@ -1485,8 +1491,8 @@ def _build_scheduler(
     phase[0] = "build VllmConfig"
     config = _vllm_config(scenario, resolved, pool, max_model_len, prefill_instance)
     phase[0] = "build Scheduler"
-    kv_config = kv_cache_config(scenario, resolved, pool, retention)
-    if scenario.dcp_world_size > 1:
+    kv_config = kv_cache_config(scenario, resolved, pool, retention, max_model_len)
+    if scenario.dcp_world_size > 1 and not _whole_length_mamba(scenario):
         runner.check_dcp_block_sizes(scenario, kv_config)
     _resolve_cache_block_size(config, kv_config)
     # The class vLLM's EngineCore.__init__ (vllm/v1/engine/core.py) builds:
@@ -1504,14 +1510,45 @@ def _build_scheduler(
         structured_output_manager=vllm_call(
             "StructuredOutputManager", StructuredOutputManager, config
         ),
-        block_size=scenario.scheduler_block_size_tokens,
-        hash_block_size=scenario.effective_hash_block_size_tokens,
+        **_scheduler_block_sizes(scenario, config, kv_config),
         # As the engine builds it unless --disable-log-stats: the prefix-cache
         # statistics are kept (differential.driver.cache_metrics).
         log_stats=True,
     )
     _size_encoder_budget(scheduler, scenario)
     return scheduler, resolved
+
+
+def _whole_length_mamba(scenario: Scenario) -> bool:
+    """A Mamba hybrid without prefix caching: its Mamba block is the whole
+    model length (``mamba_cache_mode="none"``), so vLLM, not the scenario,
+    resolves the Scheduler's block sizes (:func:`_scheduler_block_sizes`)."""
+    return bool(scenario.mamba_groups) and not scenario.prefix_caching
+
+
+def _scheduler_block_sizes(scenario: Scenario, config: Any, kv_config: Any) -> dict[str, int]:
+    """The ``Scheduler``'s ``block_size`` and ``hash_block_size``, in tokens:
+    the scenario's, except for a Mamba hybrid without prefix caching, whose
+    whole-length Mamba block (``mamba_cache_mode="none"``) vLLM's own
+    ``resolve_kv_cache_block_sizes`` (vllm/v1/core/kv_cache_utils.py, as
+    ``EngineCore`` calls it) takes into the LCM of the group blocks, the
+    hash block then equal to it.
+
+    Raises:
+        Unsupported: the release has no ``resolve_kv_cache_block_sizes``.
+    """
+    if not _whole_length_mamba(scenario):
+        return {
+            "block_size": scenario.scheduler_block_size_tokens,
+            "hash_block_size": scenario.effective_hash_block_size_tokens,
+        }
+    from vllm.v1.core import kv_cache_utils
+
+    resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
+    if resolve is None:
+        raise Unsupported("resolve_kv_cache_block_sizes (vllm/v1/core/kv_cache_utils.py)")
+    block, hash_block = vllm_call("resolve_kv_cache_block_sizes", resolve, kv_config, config)
+    return {"block_size": int(block), "hash_block_size": int(hash_block)}
 
 
 def _prefill_instance(

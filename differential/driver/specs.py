@@ -125,12 +125,15 @@ def spec_for_kind(
     return _build_spec("FullAttentionSpec", **common)
 
 
-def mamba_spec(block_size: int, num_speculative_blocks: int) -> KVCacheSpec:
-    """A Mamba group's spec as a Mamba layer builds it in prefix-caching mode.
+def mamba_spec(
+    block_size: int, num_speculative_blocks: int, mamba_cache_mode: str = "align"
+) -> KVCacheSpec:
+    """A Mamba group's spec as a Mamba layer builds it.
 
     As ``vllm/model_executor/layers/mamba/abstract.py``
     ``MambaBase.get_kv_cache_spec``: ``mamba_cache_mode="align"`` (the mode
-    prefix caching sets, vllm/model_executor/models/config.py),
+    prefix caching sets, vllm/model_executor/models/config.py; ``"none"``
+    without prefix caching, ``block_size`` then the model length),
     ``num_speculative_blocks = VllmConfig.num_speculative_tokens``, no
     internal prefill checkpoints (``num_prefill_checkpoint_blocks = 0``: state
     is written at chunk ends only, the block-carved prefill). The state shape
@@ -141,18 +144,23 @@ def mamba_spec(block_size: int, num_speculative_blocks: int) -> KVCacheSpec:
         block_size=block_size,
         shapes=((8,),),
         dtypes=(torch.float16,),
-        mamba_cache_mode="align",
+        mamba_cache_mode=mamba_cache_mode,
         num_speculative_blocks=num_speculative_blocks,
     )
 
 
-def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSpec:
+def group_spec(
+    scenario: Scenario, index: int, extra_retained: int, max_model_len: int | None = None
+) -> KVCacheSpec:
     """The spec of group ``index``: attention groups via :func:`attention_spec`, Mamba
     groups via :func:`mamba_spec`, with one prefill checkpoint block at
     alignment 1 under ``mamba_prefill: checkpoint`` (as
     ``MambaMixer2.get_kv_cache_spec`` declares it,
-    vllm/model_executor/layers/mamba/mamba_mixer2.py). A bounded-replay
-    group's ``SlidingWindowMLASpec`` has ``bounded_replay=True``.
+    vllm/model_executor/layers/mamba/mamba_mixer2.py). Without prefix
+    caching (:attr:`Scenario.prefix_caching` false) a Mamba group's spec is
+    vLLM's ``mamba_cache_mode="none"`` one, its block ``max_model_len``
+    tokens. A bounded-replay group's ``SlidingWindowMLASpec`` has
+    ``bounded_replay=True``.
 
     Under decode context parallelism (``Scenario.dcp_world_size`` ``D > 1``) an
     attention spec holds the per-rank block, ``block_size_tokens / D`` tokens
@@ -161,9 +169,17 @@ def group_spec(scenario: Scenario, index: int, extra_retained: int) -> KVCacheSp
     (vllm/v1/core/kv_cache_utils.py) must give back the scenario's block.
 
     Raises:
-        InternalError: vLLM's DCP block of the spec is not the scenario's.
+        InternalError: vLLM's DCP block of the spec is not the scenario's, or
+            a Mamba group without prefix caching got no ``max_model_len``.
     """
     g = scenario.kv_cache_groups[index]
+    if g.kind is GroupKind.MAMBA and not scenario.prefix_caching:
+        # Without prefix caching vLLM keeps mamba_cache_mode "none" and a
+        # Mamba block the whole model length (MambaModelConfig.
+        # verify_and_update_config, vllm/model_executor/models/config.py).
+        if max_model_len is None:
+            raise InternalError("a Mamba group without prefix caching needs max_model_len")
+        return mamba_spec(max_model_len, scenario.drafter.num_speculative_tokens, "none")
     if g.kind is GroupKind.MAMBA:
         spec = mamba_spec(g.block_size_tokens, scenario.drafter.num_speculative_tokens)
         if scenario.mamba_prefill is MambaPrefill.CHECKPOINT:
@@ -215,7 +231,11 @@ def pool_blocks(scenario: Scenario, resolved: ResolvedDrafter) -> int:
 
 
 def kv_cache_config(
-    scenario: Scenario, resolved: ResolvedDrafter, num_blocks: int, retention: int | None
+    scenario: Scenario,
+    resolved: ResolvedDrafter,
+    num_blocks: int,
+    retention: int | None,
+    max_model_len: int | None = None,
 ) -> KVCacheConfig:
     """The groups as vLLM's planner leaves them.
 
@@ -240,7 +260,7 @@ def kv_cache_config(
             _SOURCE,
             KVCacheGroupSpec,
             layer_names=[f"{g.kind.value}.{i}"],
-            kv_cache_spec=group_spec(scenario, i, extra_retained),
+            kv_cache_spec=group_spec(scenario, i, extra_retained, max_model_len),
             **({"is_eagle_group": True} if g.is_eagle_group else {}),
         )
         for i, g in enumerate(scenario.kv_cache_groups)

@@ -254,8 +254,8 @@ def check_exportable(scenario: Scenario) -> None:
 
     Raises:
         ScenarioError: the scenario has a KV connector (a remote store, named
-            ``workload.connector``, or an empty one), client aborts or async
-            scheduling.
+            ``workload.connector``, or an empty one), client aborts, async
+            scheduling or prefix caching off.
     """
     if scenario.workload.connector is not None:
         raise ScenarioError(
@@ -280,6 +280,13 @@ def check_exportable(scenario: Scenario) -> None:
             True,
             "false for a scheduler-mode export (the exported test applies each step's "
             "output before the next schedule())",
+        )
+    if not scenario.workload.prefix_caching:
+        raise ScenarioError(
+            "workload.prefix_caching",
+            False,
+            "true for a scheduler-mode export (the exported test's CacheConfig and specs "
+            "are those of prefix caching)",
         )
 
 

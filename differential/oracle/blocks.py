@@ -55,6 +55,21 @@ size ``B``, with hit ``h`` tokens:
    and the worker writes each token's KV at its slot. A token without a
    slot has its KV written nowhere, or where the table's length says
    another block's slot is: a ``wrong-kv`` finding.
+7. **Whole-sequence states** (:func:`_whole_state`): without prefix caching
+   a Mamba group runs in ``mamba_cache_mode="none"``, its block the whole
+   model length, and after every ``allocate_slots`` step a request's table
+   holds exactly ``1 + S`` real blocks for ``S`` speculative tokens: the
+   running state and one state per draft token
+   (``MambaManager.allocate_new_blocks``: "Allocate extra
+   `num_speculative_blocks` blocks for speculative decoding (MTP/EAGLE)
+   with linear attention", vllm/v1/core/single_type_kv_cache_manager.py;
+   ``MambaSpec.max_memory_usage_bytes`` in vllm/v1/kv_cache_interface.py
+   sizes the request at ``1 + num_speculative_blocks`` pages; vLLM PR
+   #33726 runs Mamba speculative decoding this way, with
+   ``--no-enable-prefix-caching``, "decode state indices will have spec
+   tokens on the second axis"). Fewer, or a null block: a
+   state the worker writes has no block of its own (``wrong-kv``); more:
+   blocks held from the pool that no step writes (``kept-skipped-block``).
 
 A state group (Mamba) is checked by :func:`state_group_violations`: the
 count, the state at the hit a real block, nothing past the hit, and the
@@ -373,6 +388,9 @@ def table_violations(
                 seen_kept.add(t.group)
                 kept.append(bad)
             continue
+        if group.kind is GroupKind.MAMBA:
+            _whole_state(scenario, t, (freed, seen_freed), (kept, seen_kept))
+            continue
         skipped = _skipped_tokens(group, t.processed_tokens, extra_retained_tokens)
         freed_below = min(skipped // size, t.num_blocks)
         if t.first_real < freed_below and t.group not in seen_kept:
@@ -423,6 +441,45 @@ def table_violations(
                 )
             )
     return freed, kept
+
+
+def _whole_state(
+    scenario: Scenario,
+    table: StepTable,
+    freed: tuple[list[BlockViolation], set[int]],
+    kept: tuple[list[BlockViolation], set[int]],
+) -> None:
+    """Rule 7 of the module docstring, on one step's table of a Mamba group
+    outside align mode: exactly ``1 + S`` real blocks for ``S`` speculative
+    tokens. Fewer: a state the worker writes has no block of its own
+    (``freed``, a ``wrong-kv`` finding); more: blocks no step writes are
+    held from the pool (``kept``, a ``kept-skipped-block`` finding). The
+    first per group is added to each list, its group to the list's set."""
+    owed = 1 + scenario.drafter.num_speculative_tokens
+    if table.null_end or table.num_blocks < owed:
+        target, seen = freed
+        kind, why = ViolationKind.COUNT, "a state the worker writes has no block of its own"
+    elif table.num_blocks > owed:
+        target, seen = kept
+        kind, why = ViolationKind.KEPT_SKIPPED, "the blocks past them are held from the pool"
+    else:
+        return
+    if table.group in seen:
+        return
+    seen.add(table.group)
+    target.append(
+        BlockViolation(
+            kind,
+            table.group,
+            min(table.num_blocks, owed) if kind is ViolationKind.KEPT_SKIPPED else 0,
+            None,
+            f"after the step at {table.start_tokens} tokens Mamba group {table.group} (no "
+            f"prefix caching, mamba_cache_mode 'none') holds {table.num_blocks} block(s)"
+            + (f", {table.null_end} of them null" if table.null_end else "")
+            + f"; it owes {owed} real ones, the running state and one per speculative token "
+            f"({owed - 1}): {why}",
+        )
+    )
 
 
 def _kept_state(table: StepTable, size: int) -> BlockViolation | None:

@@ -718,9 +718,11 @@ def repeated_requests(scenario: Scenario) -> frozenset[int]:
 def collapse_applies(scenario: Scenario) -> bool:
     """Whether :func:`eviction_collapse` applies (and so its retention-0 control
     run is owed): dense retention, a pool size, a group that retention thins
-    (sliding window or Mamba) and a repeated prompt (:func:`repeated_requests`)."""
+    (sliding window or Mamba), a repeated prompt (:func:`repeated_requests`)
+    and a prefix cache (without one nothing is retained or hit)."""
     return (
-        scenario.retention_interval_tokens is None
+        scenario.prefix_caching
+        and scenario.retention_interval_tokens is None
         and scenario.workload.pool_blocks is not None
         and bool(scenario.sliding_window_groups or scenario.mamba_groups)
         and bool(repeated_requests(scenario))

@@ -439,6 +439,17 @@ class WorkloadDocument(BaseModel):
         "only when not 1.",
     )
 
+    prefix_caching: StrictBool = Field(
+        default=True,
+        exclude_if=lambda v: v is True,
+        description="CacheConfig.enable_prefix_caching; false: no lookup hits and nothing is "
+        "owed, and a Mamba group runs in mamba_cache_mode 'none' (its block the whole model "
+        "length, one state block per request plus one per speculative token). With a KV "
+        "connector, set workload.connector.prefix_caching instead. Needs "
+        "retention_interval_tokens null and kv_events 'off'. Scheduler mode only. Written "
+        "only when false.",
+    )
+
     def value(self) -> Workload:
         """The workload as a value."""
         return Workload(
@@ -458,6 +469,7 @@ class WorkloadDocument(BaseModel):
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
             prefill_schedule_interval=self.prefill_schedule_interval,
+            prefix_caching=self.prefix_caching,
         )
 
 

@@ -258,10 +258,10 @@ class Scenario:
     @property
     def prefix_caching(self) -> bool:
         """vLLM's ``CacheConfig.enable_prefix_caching``: on unless the
-        workload's connector store turns it off
-        (:attr:`ConnectorStore.prefix_caching`)."""
+        workload turns it off (:attr:`Workload.prefix_caching`) or its
+        connector store does (:attr:`ConnectorStore.prefix_caching`)."""
         store = self.workload.connector
-        return store is None or store.prefix_caching
+        return self.workload.prefix_caching and (store is None or store.prefix_caching)
 
     @cached_property
     def effective_hit_alignment_tokens(self) -> int:
@@ -289,8 +289,11 @@ class Scenario:
     def reads_prefix_cache(self, index: int) -> bool:
         """Whether request ``index`` reads the prefix cache (and a KV
         connector's store): not when it sets ``skip_reading_prefix_cache``
-        (vLLM ``KVCacheManager.prefix_cache_lookup_enabled``)."""
-        return not self.requests[index].skip_reading_prefix_cache
+        (vLLM ``KVCacheManager.prefix_cache_lookup_enabled``), nor when the
+        workload turns prefix caching off without a connector
+        (:attr:`Workload.prefix_caching`: ``KVCacheManager.get_computed_blocks``
+        looks nothing up, vllm/v1/core/kv_cache_manager.py)."""
+        return self.workload.prefix_caching and not self.requests[index].skip_reading_prefix_cache
 
     @property
     def prefix_replay_tokens(self) -> int:

@@ -307,6 +307,7 @@ def check_workload(s: Scenario) -> None:
             "workload.mode 'scheduler')",
         )
     _check_prefill_policy(s)
+    _check_prefix_caching(s)
     if w.mode is DriveMode.MANAGER and not w.sequential:
         raise ScenarioError(
             "workload.mode",
@@ -706,6 +707,59 @@ def check_mamba(s: Scenario) -> None:
             "mamba groups that share one block size equal to the scheduler block "
             f"size {s.scheduler_block_size_tokens}{per_rank} (vLLM sets mamba_block_size "
             "to the cache block size in align mode)",
+        )
+
+
+def _check_prefix_caching(s: Scenario) -> None:
+    """``workload.prefix_caching`` false: scheduler mode only (the
+    manager-level driver runs vLLM's managers with caching on), no
+    connector store (a store's ``prefix_caching`` says it there), no
+    retention interval (nothing is retained without a prefix cache), no
+    KV cache events (vLLM emits none without one) and no Mamba checkpoints
+    (align mode's, ``mamba_prefill`` ``scheduler``, no shared-prefix
+    checkpoint).
+
+    Raises:
+        ScenarioError: naming the field and the values allowed.
+    """
+    w = s.workload
+    if w.prefix_caching:
+        return
+    if w.mode is DriveMode.MANAGER:
+        raise ScenarioError(
+            "workload.prefix_caching",
+            False,
+            "true in manager mode (the manager-level driver runs with prefix caching on: "
+            "workload.mode 'scheduler')",
+        )
+    if w.connector is not None:
+        raise ScenarioError(
+            "workload.prefix_caching",
+            False,
+            "true with a connector store (set workload.connector.prefix_caching instead)",
+        )
+    if s.retention_interval_tokens is not None:
+        raise ScenarioError(
+            "retention_interval_tokens",
+            s.retention_interval_tokens,
+            "null when workload.prefix_caching is false (nothing is retained without a "
+            "prefix cache)",
+        )
+    if w.kv_events is not KVEvents.OFF:
+        raise ScenarioError(
+            "workload.kv_events",
+            w.kv_events.value,
+            "'off' when workload.prefix_caching is false (vLLM emits no KV cache events "
+            "without a prefix cache)",
+        )
+    if s.mamba_prefill is not MambaPrefill.SCHEDULER or s.enable_mamba_shared_prefix_checkpoint:
+        raise ScenarioError(
+            "mamba_prefill"
+            if s.mamba_prefill is not MambaPrefill.SCHEDULER
+            else "enable_mamba_shared_prefix_checkpoint",
+            s.mamba_prefill.value if s.mamba_prefill is not MambaPrefill.SCHEDULER else True,
+            "'scheduler' and no shared-prefix checkpoint when workload.prefix_caching is false "
+            "(Mamba checkpoints are align mode's; without a prefix cache vLLM keeps mode 'none')",
         )
 
 

@@ -349,6 +349,17 @@ class Workload:
             prefill (``Scheduler.schedule``'s local prefill cadence). ``1``
             (vLLM's default) admits prefill on every step. Scheduler mode
             only.
+        prefix_caching: ``CacheConfig.enable_prefix_caching``. ``False``: no
+            lookup hits and nothing is cached, so every request is owed
+            nothing (:meth:`Scenario.reads_prefix_cache`); a Mamba group then
+            runs in vLLM's ``mamba_cache_mode="none"``, its block the whole
+            model length (``MambaModelConfig.verify_and_update_config``,
+            vllm/model_executor/models/config.py), each request holding its
+            running state and one block per speculative token
+            (``MambaSpec.max_memory_usage_bytes``,
+            vllm/v1/kv_cache_interface.py). With a KV connector the store's
+            own ``ConnectorStore.prefix_caching`` says it instead. Scheduler
+            mode only.
     """
 
     mode: DriveMode = DriveMode.MANAGER
@@ -367,14 +378,16 @@ class Workload:
     long_prefill_token_threshold: int = 0
     long_prefill_token_threshold_adaptive: bool = False
     prefill_schedule_interval: int = 1
+    prefix_caching: bool = True
 
     @property
     def sequential(self) -> bool:
-        """Requests run one at a time to their end, nothing is drafted and no
-        remote store serves tokens (so the manager-level driver reconstructs
-        the same calls)."""
+        """Requests run one at a time to their end, nothing is drafted, no
+        remote store serves tokens and the prefix cache is on (so the
+        manager-level driver reconstructs the same calls)."""
         return (
-            self.arrival_steps is None
+            self.prefix_caching
+            and self.arrival_steps is None
             and not self.accepted_drafts
             and self.connector is None
             and self.abort_steps is None
