@@ -18,6 +18,17 @@ CASES = ROOT / "corpora" / "cases"
 # Per request: (local hit, store held, answered, adopted local, adopted
 # external, async, divergent, a load failed), in tokens.
 ADOPTED = {
+    "connector-async-load-reservation-counts-draft-slots--scheduler": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 8, 8, 0, 8, True, False, False),
+        (0, 40, 40, 0, 40, True, False, False),
+        (8, 16, 8, 8, 8, True, False, False),
+        (32, 40, 8, 32, 8, True, False, False),
+        (0, 40, 40, 0, 40, True, False, False),
+        (16, 24, 8, 16, 8, True, False, False),
+        (40, 48, 8, 40, 8, True, False, False),
+    ],
     "connector-prefix-caching-off": [
         (0, 0, 0, 0, 0, False, False, False),
         (0, 96, 96, 0, 96, False, False, False),
