@@ -759,6 +759,12 @@ class CacheMetrics:
         usage_end: the usage once every request had finished, before any
             reset (``None``: not read, a run vLLM ended early).
         resets: the ``reset_prefix_cache`` calls made (:class:`ResetCall`).
+        prefill_reports: (scheduler mode) each ``EngineCoreOutput.prefill_stats``
+            ``Scheduler.update_from_output`` returned, in order: ``(request
+            index, prompt tokens, local cached tokens, external cached
+            tokens)``, what the request's usage reports
+            (``RequestOutput.num_cached_tokens`` is the last two summed);
+            ``None``: not read (manager mode, an older record).
     """
 
     stats: PrefixCacheCounts = field(default_factory=PrefixCacheCounts)
@@ -767,6 +773,7 @@ class CacheMetrics:
     usage_max: float = 0.0
     usage_end: float | None = None
     resets: tuple[ResetCall, ...] = ()
+    prefill_reports: tuple[tuple[int, int, int, int], ...] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheMetrics:
@@ -780,6 +787,9 @@ class CacheMetrics:
             usage_max=data["usage"][1],
             usage_end=data["usage"][2],
             resets=tuple(ResetCall(*r) for r in data.get("resets", ())),
+            prefill_reports=None
+            if data.get("prefill") is None
+            else tuple((int(i), int(p), int(lc), int(ec)) for i, p, lc, ec in data["prefill"]),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -791,6 +801,8 @@ class CacheMetrics:
         }
         if self.connector_stats is not None:
             out["connector_stats"] = list(self.connector_stats.as_tuple())
+        if self.prefill_reports is not None:
+            out["prefill"] = [list(r) for r in self.prefill_reports]
         return out
 
 

@@ -13,6 +13,10 @@ the first step that admits a request still running after it; manager mode:
 after the first request's prefill), which must be refused and change
 nothing, and once after the run, which must empty the prefix cache, and,
 with a KV connector, the connector's cache too (``reset_connector=True``).
+In scheduler mode it reads every ``EngineCoreOutput.prefill_stats`` that
+``Scheduler.update_from_output`` returns: the prompt, local and external
+cached tokens a request's usage reports (``RequestOutput.num_cached_tokens``,
+the OpenAI API's ``prompt_tokens_details.cached_tokens``).
 The oracle judges it all (:mod:`differential.oracle.metrics`).
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from differential.driver.prefix_cache import cached_blocks
@@ -69,6 +74,8 @@ class MetricsRecorder:
         self._pending_flag: list[int] = []  # indices of resets whose flag is read next
         # Indices of connector resets whose connector-statistics flag is read next.
         self._pending_connector_flag: list[int] = []
+        # (request id, prompt, local cached, external cached) per prefill_stats read.
+        self._prefill: list[tuple[str, int, int, int]] = []
         if scheduler is not None:
             # update_from_output drains the statistics itself, into the
             # outputs it returns (EngineCoreOutputs.scheduler_stats): every
@@ -91,6 +98,30 @@ class MetricsRecorder:
                 return made
 
             scheduler.make_stats = counted
+            update_from_output = scheduler.update_from_output
+
+            def reported(*args: Any, **kwargs: Any) -> Any:
+                outputs = update_from_output(*args, **kwargs)
+                self._read_prefill_stats(outputs)
+                return outputs
+
+            scheduler.update_from_output = reported
+
+    def _read_prefill_stats(self, outputs: Any) -> None:
+        """Keep each ``EngineCoreOutput.prefill_stats`` in ``outputs`` (per
+        client, ``EngineCoreOutputs``), in the order returned."""
+        for client in (outputs or {}).values():
+            for output in getattr(client, "outputs", ()):
+                stats = getattr(output, "prefill_stats", None)
+                if stats is not None:
+                    self._prefill.append(
+                        (
+                            output.request_id,
+                            stats.num_prompt_tokens,
+                            stats.num_local_cached_tokens,
+                            stats.num_external_cached_tokens,
+                        )
+                    )
 
     def _add(self, stats: Any) -> None:
         """Sum one read of the statistics; the first read after a reset
@@ -154,8 +185,17 @@ class MetricsRecorder:
         connector = getattr(self.scheduler, "connector", None) if self.scheduler else None
         self.reset(None, 0, reset_connector=connector is not None)
 
-    def metrics(self) -> CacheMetrics:
-        """What was recorded (:class:`~differential.observation.CacheMetrics`)."""
+    def metrics(self, index_of: Mapping[str, int] | None = None) -> CacheMetrics:
+        """What was recorded (:class:`~differential.observation.CacheMetrics`);
+        ``index_of`` maps vLLM request ids to scenario indices for the prefill
+        reports (``None``: manager mode, none read)."""
+        prefill = None
+        if self.scheduler is not None and index_of is not None:
+            prefill = tuple(
+                (index_of[rid], prompt, local, external)
+                for rid, prompt, local, external in self._prefill
+                if rid in index_of
+            )
         return CacheMetrics(
             stats=self.stats,
             connector_stats=self.connector_stats,
@@ -163,4 +203,5 @@ class MetricsRecorder:
             usage_max=max(self.usage, default=0.0),
             usage_end=self.usage_end,
             resets=tuple(self.resets),
+            prefill_reports=prefill,
         )

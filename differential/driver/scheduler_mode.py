@@ -2288,7 +2288,9 @@ def _run_observation(
         sync_kv_load_steps=tuple(report.sync_loads),
         store_calls=_store_calls(report),
         deferred_frees=tuple(report.deferred_frees),
-        metrics=None if report.metrics is None else report.metrics.metrics(),
+        metrics=None
+        if report.metrics is None
+        else report.metrics.metrics({r.request_id: i for i, r in enumerate(report.requests)}),
     )
 
 

@@ -61,6 +61,19 @@ finished (nothing here imports vLLM):
     ``OffloadingConnector`` resets it; vLLM issue #57727 is a connector
     whose tier kept serving) and sets the ``reset`` flag of the connector's
     statistics too.
+``usage report``
+    (scheduler mode) Each request's first output carries the prefill
+    statistics its usage reports (``EngineCoreOutput.prefill_stats``,
+    ``RequestOutput.num_cached_tokens``: the OpenAI API's
+    ``prompt_tokens_details.cached_tokens`` since vLLM PR #18149, split into
+    the tokens from the local prefix cache and those a KV connector loaded
+    since vLLM PR #33290): its prompt tokens, the local hit it adopted and
+    the external tokens of its *first* admission ("Track first scheduled
+    prefill, not post-preemption repeat prefills", ``Scheduler.schedule``;
+    vLLM PR #17519's review named the refresh on resumption a caveat). So
+    every admitted request a client did not abort is reported exactly once,
+    with the tokens the ``stats`` rule counts for it and the tokens its
+    connector loaded.
 """
 
 from __future__ import annotations
@@ -263,6 +276,48 @@ def _reset_findings(run: RunObservation, policy: Policy) -> list[Finding]:
     return [_finding(run, problem, policy) for problem in problems]
 
 
+def _owed_report(scenario: Scenario, run: RunObservation, r: RequestObservation) -> tuple[int, ...]:
+    """``(prompt, local cached, external cached)`` tokens request ``r``'s
+    usage owes: its first admission's, as the ``stats`` rule counts the
+    local hit."""
+    if r.connector is not None:
+        return (r.prompt_tokens, r.connector.local_tokens, r.connector.external_tokens)
+    if not scenario.reads_prefix_cache(r.index):
+        return (r.prompt_tokens, 0, 0)
+    return (r.prompt_tokens, adopted_hit_tokens(scenario, r.hit_tokens), 0)
+
+
+def _report_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> list[Finding]:
+    metrics = run.metrics
+    assert metrics is not None
+    if metrics.prefill_reports is None:
+        return []
+    reported: dict[int, list[tuple[int, ...]]] = {}
+    for index, *counts in metrics.prefill_reports:
+        reported.setdefault(index, []).append(tuple(counts))
+    aborts = scenario.workload.abort_steps or ()
+    wrong = []
+    for r in _admitted(run):
+        if r.index < len(aborts) and aborts[r.index] is not None:
+            continue  # aborted: its output, if any, may never come
+        owed = _owed_report(scenario, run, r)
+        got = reported.get(r.index, [])
+        if got != [owed]:
+            shown = "none" if not got else "; ".join(_report_text(g) for g in got)
+            wrong.append(f"request {r.index} reported {shown} (owed {_report_text(owed)})")
+    if not wrong:
+        return []
+    more = f" (+{len(wrong) - 1} more request(s))" if len(wrong) > 1 else ""
+    return [
+        _finding(run, f"usage reports (EngineCoreOutput.prefill_stats): {wrong[0]}{more}", policy)
+    ]
+
+
+def _report_text(counts: tuple[int, ...]) -> str:
+    prompt, local, external = counts
+    return f"prompt {prompt}, cached {local} local + {external} external"
+
+
 def metrics_findings(
     scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
 ) -> list[Finding]:
@@ -281,4 +336,5 @@ def metrics_findings(
         _stats_findings(scenario, run, policy)
         + _usage_findings(run, policy)
         + _reset_findings(run, policy)
+        + _report_findings(scenario, run, policy)
     )

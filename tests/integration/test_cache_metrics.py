@@ -186,3 +186,31 @@ def test_a_resumed_admission_beside_a_store_is_not_owed_its_local_hit() -> None:
     assert resumed.hit_tokens == 28
     assert result.run.metrics is not None and result.run.metrics.stats.preempted_hits == 0
     assert _metrics_details(result) == []
+
+
+def test_each_request_reports_its_first_admissions_cached_tokens() -> None:
+    # (request, prompt, local cached, external cached): request 2 of the
+    # preempting case hit 64 at its first admission and keeps reporting it.
+    assert stock_result(PREEMPTING).run.metrics.prefill_reports == (
+        (0, 80, 0, 0),
+        (1, 8, 0, 0),
+        (2, 96, 64, 0),
+    )
+    # With a store: request 3 adopted 320 local tokens and loaded 64.
+    assert stock_result(STORE).run.metrics.prefill_reports == (
+        (0, 300, 0, 0),
+        (1, 400, 288, 0),
+        (2, 256, 0, 0),
+        (3, 450, 320, 64),
+    )
+
+
+def test_a_usage_report_never_filled_in_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.metrics.stats import PrefillStats
+
+    monkeypatch.setattr(PrefillStats, "set", lambda self, **counts: None)
+    assert _metrics_details(stock_result(PREEMPTING)) == [
+        "usage reports (EngineCoreOutput.prefill_stats): request 0 reported prompt 0, "
+        "cached 0 local + 0 external (owed prompt 80, cached 0 local + 0 external) "
+        "(+2 more request(s))"
+    ]

@@ -202,3 +202,47 @@ def test_the_connector_statistics_count_what_lies_past_the_local_hit() -> None:
     assert [f.detail for f in metrics_findings(store, dataclasses.replace(run, metrics=wrong))] == [
         "KV connector prefix-cache statistics summed over the run: requests 2 (owed 1)"
     ]
+
+
+# Request 1, preempted and taken up again hitting 80, still reports its first
+# admission's 64 (Scheduler.schedule: "Track first scheduled prefill").
+REPORTED = dataclasses.replace(CLEAN, prefill_reports=((0, 74, 0, 0), (1, 84, 64, 0)))
+
+
+def test_each_request_reports_its_first_admission_once() -> None:
+    assert details(run_with(REPORTED)) == []
+    # Not read (manager mode, an older record): not judged.
+    assert details(run_with(CLEAN)) == []
+
+
+@pytest.mark.parametrize(
+    ("reports", "detail"),
+    [
+        (
+            ((0, 74, 0, 0), (1, 84, 80, 0)),
+            "request 1 reported prompt 84, cached 80 local + 0 external (owed prompt 84, "
+            "cached 64 local + 0 external)",
+        ),
+        (
+            ((0, 74, 0, 0),),
+            "request 1 reported none (owed prompt 84, cached 64 local + 0 external)",
+        ),
+        (
+            ((0, 74, 0, 0), (1, 84, 64, 0), (1, 84, 64, 0)),
+            "request 1 reported prompt 84, cached 64 local + 0 external; prompt 84, cached "
+            "64 local + 0 external (owed prompt 84, cached 64 local + 0 external)",
+        ),
+    ],
+)
+def test_a_wrong_missing_or_repeated_usage_report_is_caught(
+    reports: tuple[tuple[int, int, int, int], ...], detail: str
+) -> None:
+    metrics = dataclasses.replace(CLEAN, prefill_reports=reports)
+    assert details(run_with(metrics)) == [
+        f"usage reports (EngineCoreOutput.prefill_stats): {detail}"
+    ]
+
+
+def test_the_reports_round_trip() -> None:
+    assert CacheMetrics.from_dict(REPORTED.to_dict()) == REPORTED
+    assert "prefill" not in CLEAN.to_dict()
