@@ -1192,10 +1192,26 @@ def _last_draws(draw: st.DrawFn, scenario: Scenario) -> Scenario:
     """The engine generator's last draws, in this order, so that every draw
     before them reads the bytes it read before: the store's bounds, the
     disaggregation, the managers of their own, the prefill checkpoints, the
-    bounded replay, a skipped read and prefix caching off."""
+    bounded replay, a skipped read, prefix caching off and a connector
+    without the hybrid allocator."""
     scenario = _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
     scenario = _skipped_read(draw, _bounded_replay(draw, _prefill_checkpoints(draw, scenario)))
-    return _cache_off(draw, scenario)
+    return _legacy_connector(draw, _cache_off(draw, scenario))
+
+
+def _legacy_connector(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One store in four on a one-group layout belongs to a connector
+    without the hybrid allocator (``ConnectorStore.supports_hma`` false:
+    vLLM finishes its requests by ``Scheduler._connector_finished``'s legacy
+    path). Drawn last, and only for such a store, so every other scenario
+    keeps its bytes."""
+    store = scenario.workload.connector
+    if store is None or len(scenario.kv_cache_groups) != 1 or draw(st.integers(0, 3)):
+        return scenario
+    legacy = dataclasses.replace(store, supports_hma=False)
+    return dataclasses.replace(
+        scenario, workload=dataclasses.replace(scenario.workload, connector=legacy)
+    )
 
 
 def _cache_off(draw: st.DrawFn, scenario: Scenario) -> Scenario:

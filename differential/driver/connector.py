@@ -22,6 +22,9 @@ for external connectors.
   (``Request.block_hashes``), in vLLM's own ``CPUOffloadingManager`` with
   its LRU policy, and kvfuzz's stand-in model runner reports the loads
   finished (vllm/v1/outputs.py ``KVConnectorOutput``).
+  :class:`SingleGroupStoreConnector` (``workload.connector.supports_hma``
+  false) is the same store without the hybrid allocator, for one-group
+  layouts: vLLM finishes its requests by the legacy path.
 
 Only the scheduler role is served; the worker-side methods are never called
 (no model runs) and raise if they are.
@@ -51,12 +54,19 @@ from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from differential.observation import LoadTargets, StoreCall
 
-__all__ = ["EmptyRemoteConnector", "RemoteStoreConnector", "StoreLoad", "StoreQuery"]
+__all__ = [
+    "EmptyRemoteConnector",
+    "RemoteStoreConnector",
+    "SingleGroupStoreConnector",
+    "StoreLoad",
+    "StoreQuery",
+]
 
 
 # vLLM is not type-checked (pyproject.toml), so its base classes are Any here.
-class EmptyRemoteConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
-    """A KV connector whose remote store holds nothing (scheduler side only)."""
+class _SchedulerSideConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """A KV connector whose remote store holds nothing (scheduler side only),
+    without the hybrid allocator's finish (``SupportsHMA``)."""
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -75,12 +85,6 @@ class EmptyRemoteConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
         """Free at once, nothing sent."""
         return False, None
 
-    def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, None]:
-        """Free at once, nothing sent (hybrid allocator form)."""
-        return False, None
-
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Worker side: never called (no model runs)."""
         raise NotImplementedError("EmptyRemoteConnector serves the scheduler role only")
@@ -96,6 +100,16 @@ class EmptyRemoteConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
     def wait_for_save(self) -> None:
         """Worker side: never called."""
         raise NotImplementedError("EmptyRemoteConnector serves the scheduler role only")
+
+
+class EmptyRemoteConnector(_SchedulerSideConnector, SupportsHMA):  # type: ignore[misc]
+    """A KV connector whose remote store holds nothing (scheduler side only)."""
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, None]:
+        """Free at once, nothing sent (hybrid allocator form)."""
+        return False, None
 
 
 @dataclass(frozen=True)
@@ -189,7 +203,7 @@ def _store_groups(kv_cache_config: Any, chunk_tokens: int | None, hash_block: in
     return groups
 
 
-class RemoteStoreConnector(EmptyRemoteConnector):
+class _StoreConnector(_SchedulerSideConnector):
     """A CPU-offload tier: a remote store that keeps what requests computed.
 
     **Keys.** As vLLM's ``OffloadingConnector`` keys its store
@@ -333,7 +347,7 @@ class RemoteStoreConnector(EmptyRemoteConnector):
         tokens."""
         return sum(self.store_tokens(r) for r in self._seen.values())
 
-    def share_store(self, other: RemoteStoreConnector) -> None:
+    def share_store(self, other: _StoreConnector) -> None:
         """Use ``other``'s store (the decode instance's): a prefill instance's
         connector saves where the decode instance's loads (one store, two
         schedulers; keys name the same chained block hashes)."""
@@ -631,9 +645,14 @@ class RemoteStoreConnector(EmptyRemoteConnector):
             self._store(request, keys, at_once=True)
         return False
 
-    def request_finished_all_groups(  # type: ignore[override]
-        self, request: Any, block_ids: tuple[list[int], ...]
+    def request_finished(  # type: ignore[override]
+        self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """The finish without the hybrid allocator (one group's ``block_ids``):
+        :meth:`_finish`."""
+        return self._finish(request)
+
+    def _finish(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Keep everything the request computed, then commit its recency
         (``on_request_finished``); freed at once (the copy is synchronous in
         this model). A prefill instance's request (``do_remote_decode``)
@@ -705,3 +724,25 @@ class RemoteStoreConnector(EmptyRemoteConnector):
             matched_tokens=matched,
         )
         self.calls.append((request.request_id, call))
+
+
+class RemoteStoreConnector(_StoreConnector, SupportsHMA):  # type: ignore[misc]
+    """The store (see :class:`_StoreConnector`) with the hybrid allocator
+    (``SupportsHMA``): ``Scheduler._connector_finished`` hands it every
+    group's blocks."""
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid allocator's finish: :meth:`_StoreConnector._finish`."""
+        return self._finish(request)
+
+
+class SingleGroupStoreConnector(_StoreConnector):
+    """The store (see :class:`_StoreConnector`) without the hybrid allocator,
+    as connectors not subclassing ``SupportsHMA`` are: vLLM turns the hybrid
+    allocator off for them (``VllmConfig.__post_init__``), so a layout has one
+    KV cache group, and ``Scheduler._connector_finished`` takes the legacy
+    path, ``request_finished`` with group 0's blocks after checking that
+    there is one group ("We should deprecate this code path after we enforce
+    all connectors to support HMA")."""

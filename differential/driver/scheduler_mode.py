@@ -258,13 +258,38 @@ def _vllm_config(
             vllm_call(
                 "KVTransferConfig",
                 KVTransferConfig,
-                kv_connector="EmptyRemoteConnector" if store is None else "RemoteStoreConnector",
+                kv_connector=_connector_class(store),
                 kv_connector_module_path="differential.driver.connector",
                 kv_role=_kv_role(scenario, prefill_instance),
                 **_remote_store_settings(scenario),
             ),
         )
+        _set_hybrid_allocator(config)
     return config
+
+
+def _set_hybrid_allocator(config: Any) -> None:
+    """Turn the hybrid KV cache manager off for a connector without it, as
+    ``VllmConfig.__post_init__`` (vllm/config/vllm.py) does once validation
+    sees the connector (the config was validated without one):
+    ``KVConnectorFactory.supports_hma_config`` decides."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    supported = vllm_call(
+        "KVConnectorFactory.supports_hma_config",
+        KVConnectorFactory.supports_hma_config,
+        config.kv_transfer_config,
+    )
+    if not supported:
+        config.scheduler_config.disable_hybrid_kv_cache_manager = True
+
+
+def _connector_class(store: Any) -> str:
+    """The class name of kvfuzz's connector (differential/driver/connector.py)
+    for the workload's store (``None``: an empty one)."""
+    if store is None:
+        return "EmptyRemoteConnector"
+    return "RemoteStoreConnector" if store.supports_hma else "SingleGroupStoreConnector"
 
 
 def _set_cache_layout(config: Any, scenario: Scenario, num_blocks: int) -> None:

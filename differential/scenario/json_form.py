@@ -307,6 +307,14 @@ class ConnectorDocument(BaseModel):
         "instance, a kv_producer Scheduler, computes each request with max_tokens 1 and "
         "saves it to the shared store; the driven decode instance loads it and decodes).",
     )
+    supports_hma: StrictBool = Field(
+        default=True,
+        exclude_if=lambda v: v is True,
+        description="The connector subclasses vLLM's SupportsHMA (finishes a request with "
+        "every group's blocks); false: a connector without the hybrid allocator, which vLLM "
+        "turns off for it, so one KV cache group only, each request finished by "
+        "Scheduler._connector_finished's legacy path. Written only when false.",
+    )
 
     def value(self) -> ConnectorStore:
         """The store as a value."""
@@ -318,6 +326,7 @@ class ConnectorDocument(BaseModel):
             capacity_chunks=self.capacity_chunks,
             chunk_tokens=self.chunk_tokens,
             kv_role=self.kv_role,
+            supports_hma=self.supports_hma,
         )
 
 

@@ -373,6 +373,15 @@ def check_connector(s: Scenario) -> None:
             "false for a model without mamba groups beside a full_attention or mla group "
             "(vLLM shows a connector divergent hits on such Mamba hybrids only)",
         )
+    if not store.supports_hma and len(s.kv_cache_groups) > 1:
+        # VllmConfig.__post_init__ turns the hybrid allocator off for such a
+        # connector; the scenario describes the groups vLLM then plans.
+        raise ScenarioError(
+            "workload.connector.supports_hma",
+            False,
+            "true with more than one KV cache group (vLLM turns the hybrid allocator off "
+            "for a connector without it: describe the one group it plans)",
+        )
     if not store.prefix_caching and s.mamba_groups:
         raise ScenarioError(
             "workload.connector.prefix_caching",

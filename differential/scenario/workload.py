@@ -243,6 +243,12 @@ class ConnectorStore:
             of each group's blocks) and a hit is a whole number of chunks.
             ``None``: each group keeps a key per block (vLLM's default,
             ``blocks_per_chunk`` 1) and hits land on the hit alignment.
+        supports_hma: the connector subclasses vLLM's ``SupportsHMA``
+            (finishes a request with every group's blocks,
+            ``request_finished_all_groups``). ``False``: a connector without
+            the hybrid allocator, for which vLLM turns the allocator off, so
+            a layout of one KV cache group only; ``Scheduler._connector_finished``
+            takes the legacy path (``request_finished`` with group 0's blocks).
         kv_role: :class:`KVRole`: ``kv_both`` (one engine), or
             ``kv_consumer``: the driven scheduler is a decode instance fed
             by a prefill instance (a ``kv_producer`` scheduler) through the
@@ -256,6 +262,7 @@ class ConnectorStore:
     capacity_chunks: int | None = None
     chunk_tokens: int | None = None
     kv_role: KVRole = KVRole.KV_BOTH
+    supports_hma: bool = True
 
     @property
     def disaggregated(self) -> bool:

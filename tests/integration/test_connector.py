@@ -3,6 +3,8 @@ store held and what vLLM adopted, exactly, on every ``connector-`` corpus case."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from differential.compare import compare_variants
@@ -18,6 +20,10 @@ CASES = ROOT / "corpora" / "cases"
 # Per request: (local hit, store held, answered, adopted local, adopted
 # external, async, divergent, a load failed), in tokens.
 ADOPTED = {
+    "connector-without-hybrid-allocator-saves-by-the-legacy-finish": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 96, 96, 0, 96, False, False, False),
+    ],
     "connector-async-load-reservation-counts-draft-slots--scheduler": [
         (0, 0, 0, 0, 0, False, False, False),
         (0, 0, 0, 0, 0, False, False, False),
@@ -252,3 +258,31 @@ def test_a_load_is_planned_into_the_requests_own_uncached_blocks(
         "block), block 2 (a cached block), block 3 (a cached block) and "
     )
     assert {f.request for f in broken.findings if f.kind is FindingKind.WRONG_KV} == {3}
+
+
+def test_a_connector_without_the_hybrid_allocator_finishes_by_the_legacy_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from differential.driver.connector import SingleGroupStoreConnector
+
+    finished: list[tuple[str, int]] = []
+    legacy = SingleGroupStoreConnector.request_finished
+
+    def spy(self: Any, request: Any, block_ids: list[int]) -> Any:
+        finished.append((request.request_id, len(block_ids)))
+        return legacy(self, request, block_ids)
+
+    monkeypatch.setattr(SingleGroupStoreConnector, "request_finished", spy)
+    legacy_case = load_entry(
+        CASES / "connector-without-hybrid-allocator-saves-by-the-legacy-finish.json"
+    )
+    run = run_scheduler_scenario(legacy_case.scenario, "unfixed")
+    # Scheduler._connector_finished hands group 0's blocks: the writer's 100
+    # tokens in 7 blocks, the reader's 130 in 9.
+    assert [(rid[-1], n) for rid, n in finished] == [("0", 7), ("1", 9)]
+    # The same store as with the hybrid allocator's finish: what the reader
+    # was offered and adopted is identical.
+    hma = run_scheduler_scenario(
+        load_entry(CASES / "connector-prefix-caching-off.json").scenario, "unfixed"
+    )
+    assert [r.connector for r in hma.requests] == [r.connector for r in run.requests]

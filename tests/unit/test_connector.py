@@ -425,3 +425,34 @@ def test_the_timeline_promises_nothing_local_for_a_store_beside_a_sliding_window
         kv_cache_groups=(FA16, KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, 32)),
     )
     assert timeline_writers(windowed, run) is None
+
+
+def test_a_connector_without_the_hybrid_allocator_round_trips_on_one_group() -> None:
+    data = {
+        "kv_cache_groups": [{"kind": "full_attention", "block_size_tokens": 16}],
+        "kv_connector": True,
+        "shared_prefix_tokens": 64,
+        "requests": [{"divergence_tokens": 64, "suffix_tokens": 8}],
+        "workload": {"mode": "scheduler", "connector": {"supports_hma": False}},
+    }
+    legacy = Scenario.from_dict(data)
+    assert legacy.workload.connector is not None
+    assert legacy.workload.connector.supports_hma is False
+    assert Scenario.from_dict(legacy.to_dict()) == legacy
+    assert (
+        "supports_hma"
+        not in Scenario.from_dict(
+            {**data, "workload": {"mode": "scheduler", "connector": {}}}
+        ).to_dict()["workload"]["connector"]
+    )
+    two_groups = {
+        **data,
+        "kv_cache_groups": [
+            {"kind": "full_attention", "block_size_tokens": 16},
+            {"kind": "sliding_window", "block_size_tokens": 16, "sliding_window_tokens": 32},
+        ],
+    }
+    with pytest.raises(ScenarioError) as caught:
+        Scenario.from_dict(two_groups)
+    assert caught.value.field == "workload.connector.supports_hma"
+    assert "true with more than one KV cache group" in str(caught.value)

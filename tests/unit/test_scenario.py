@@ -283,7 +283,7 @@ def test_an_unknown_field_of_a_nullable_object_lists_its_known_fields() -> None:
     assert str(info.value) == (
         "workload.connector.lod = 'sync' is invalid: allowed no such field; known fields: "
         "capacity_chunks, chunk_tokens, divergent_hybrid_hits, failed_loads, kv_role, load, "
-        "prefix_caching"
+        "prefix_caching, supports_hma"
     )
 
 
