@@ -455,7 +455,7 @@ class WorkloadDocument(BaseModel):
         "owed, and a Mamba group runs in mamba_cache_mode 'none' (its block the whole model "
         "length, one state block per request plus one per speculative token). With a KV "
         "connector, set workload.connector.prefix_caching instead. Needs "
-        "retention_interval_tokens null and kv_events 'off'. Scheduler mode only. Written "
+        "retention_interval_tokens null or 0 and kv_events 'off'. Scheduler mode only. Written "
         "only when false.",
     )
 

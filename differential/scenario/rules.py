@@ -723,7 +723,8 @@ def _check_prefix_caching(s: Scenario) -> None:
     """``workload.prefix_caching`` false: scheduler mode only (the
     manager-level driver runs vLLM's managers with caching on), no
     connector store (a store's ``prefix_caching`` says it there), no
-    retention interval (nothing is retained without a prefix cache), no
+    positive retention interval (nothing is retained without a prefix
+    cache), no
     KV cache events (vLLM emits none without one) and no Mamba checkpoints
     (align mode's, ``mamba_prefill`` ``scheduler``, no shared-prefix
     checkpoint).
@@ -747,11 +748,11 @@ def _check_prefix_caching(s: Scenario) -> None:
             False,
             "true with a connector store (set workload.connector.prefix_caching instead)",
         )
-    if s.retention_interval_tokens is not None:
+    if s.retention_interval_tokens:
         raise ScenarioError(
             "retention_interval_tokens",
             s.retention_interval_tokens,
-            "null when workload.prefix_caching is false (nothing is retained without a "
+            "null or 0 when workload.prefix_caching is false (nothing is retained without a "
             "prefix cache)",
         )
     if w.kv_events is not KVEvents.OFF:
