@@ -114,7 +114,9 @@ def render_text(
         title = printable(result.source) if result.source else short_text(scenario.label)
         lines.append(
             f"{title}  [{short_text(scenario.label)}; A={scenario.effective_hit_alignment_tokens}, "
-            f"hash block {_hash_block(result)}, policy {result.policy.value}]"
+            f"hash block {_hash_block(result)}, policy {result.policy.value}"
+            + ("" if scenario.prefix_caching else ", prefix caching off")
+            + "]"
         )
         lines += [f"  note: {n}" for n in result.notices]
         lines.append(header)

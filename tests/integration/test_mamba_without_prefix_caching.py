@@ -76,3 +76,14 @@ def test_a_manager_without_its_speculative_blocks_is_caught(
         "'none') holds 1 block(s); it owes 2 real ones, the running state and one per "
         "speculative token (1): a state the worker writes has no block of its own"
     )
+
+
+def test_the_replay_table_says_prefix_caching_is_off() -> None:
+    from differential.compare import compare_variants
+    from differential.corpus import load_entry
+    from differential.reports.table import render_text
+    from differential.variants import parse_variants
+
+    result = compare_variants(load_entry(ONE).scenario, parse_variants("unfixed"))
+    title = render_text([result], "0.33.0").splitlines()[2]
+    assert title.endswith("; A=16, hash block 64, policy vllm, prefix caching off]")
