@@ -179,6 +179,8 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
             "synchronous scheduling",
             _replace(s, workload=dataclasses.replace(w, async_scheduling=False)),
         )
+    if not w.prefix_caching:
+        yield "prefix caching on", _replace(s, workload=dataclasses.replace(w, prefix_caching=True))
     yield from _connector_store(s)
 
 
@@ -186,7 +188,8 @@ def _connector_store(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
     """(Scheduler mode) a plainer KV connector store: none at all, one
     engine instead of a prefill and a decode instance (``kv_role``
     ``kv_both``), no failed loads, synchronous loads, no divergent hybrid
-    hits, prefix caching on, no capacity, the default grid."""
+    hits, prefix caching on, the hybrid allocator, no capacity, the default
+    grid."""
     w = s.workload
     store = w.connector
     if store is None:
@@ -208,6 +211,8 @@ def _connector_store(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         yield "no divergent hybrid hits", with_store(divergent_hybrid_hits=False)
     if not store.prefix_caching:
         yield "prefix caching on", with_store(prefix_caching=True)
+    if not store.supports_hma:
+        yield "a connector with the hybrid allocator", with_store(supports_hma=True)
     yield from _store_bounds(store, with_store)
 
 

@@ -456,3 +456,20 @@ def test_a_connector_without_the_hybrid_allocator_round_trips_on_one_group() -> 
         Scenario.from_dict(two_groups)
     assert caught.value.field == "workload.connector.supports_hma"
     assert "true with more than one KV cache group" in str(caught.value)
+
+
+def test_the_shrinker_tries_the_hybrid_allocator() -> None:
+    from fuzz.minimize import _connector_store
+
+    legacy = Scenario.from_dict(
+        {
+            "kv_cache_groups": [{"kind": "full_attention", "block_size_tokens": 16}],
+            "kv_connector": True,
+            "shared_prefix_tokens": 64,
+            "requests": [{"divergence_tokens": 64, "suffix_tokens": 8}],
+            "workload": {"mode": "scheduler", "connector": {"supports_hma": False}},
+        }
+    )
+    hma = dict(_connector_store(legacy))["a connector with the hybrid allocator"]
+    assert hma is not None and hma.workload.connector is not None
+    assert hma.workload.connector.supports_hma is True

@@ -148,3 +148,25 @@ def test_mamba_checkpoints_are_refused_without_a_prefix_cache() -> None:
         )
     assert caught.value.field == "mamba_prefill"
     assert "'scheduler' and no shared-prefix checkpoint" in str(caught.value)
+
+
+def test_the_shrinker_tries_prefix_caching_on() -> None:
+    from fuzz.minimize import _workload
+
+    steps = dict(_workload(_scenario()))
+    on = steps["prefix caching on"]
+    assert on is not None
+    assert on.workload.prefix_caching is True
+    assert "prefix caching on" not in dict(_workload(_scenario(prefix_caching=True)))
+
+
+def test_the_generator_turns_prefix_caching_off_only_for_mamba_hybrids() -> None:
+    from differential.mutation.score import campaign_scenarios
+
+    drawn = campaign_scenarios(53, 300, scheduler=True)
+    off = [s for s in drawn if not s.workload.prefix_caching]
+    assert off, "no scenario of 300 turned prefix caching off"
+    for s in off:
+        assert s.mamba_groups
+        assert s.workload.connector is None
+        assert s.workload.kv_events is KVEvents.OFF
