@@ -20,6 +20,17 @@ CASES = ROOT / "corpora" / "cases"
 # Per request: (local hit, store held, answered, adopted local, adopted
 # external, async, divergent, a load failed), in tokens.
 ADOPTED = {
+    "connector-async-load-reservation-counts-lookahead-slots-pool20--scheduler": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 8, 8, 0, 8, True, False, False),
+        (0, 32, 32, 0, 32, True, False, False),
+        (0, 16, 16, 0, 16, True, False, False),
+        (0, 40, 40, 0, 40, True, False, False),
+        (0, 32, 32, 0, 32, True, False, False),
+        (0, 24, 24, 0, 24, True, False, False),
+        (0, 48, 48, 0, 48, True, False, False),
+    ],
     "connector-without-hybrid-allocator-saves-by-the-legacy-finish": [
         (0, 0, 0, 0, 0, False, False, False),
         (0, 96, 96, 0, 96, False, False, False),
