@@ -116,10 +116,9 @@ class BlockLedger:
         # The state groups outside align mode (no prefix caching: vLLM's mode
         # "none", one block for the whole sequence's state plus one per
         # speculative token): only their tables' lengths are recorded.
+        aligned = {gid for gid, _m, _s in self._state}
         self._whole_state = [
-            (gid, self._managers[gid])
-            for gid in sorted(self._state_groups)
-            if gid not in {g for g, _m, _s in self._state}
+            (gid, self._managers[gid]) for gid in sorted(self._state_groups - aligned)
         ]
         # block id -> [group, writer request index, writer block index, filled
         # tokens] for attention, plus [state position in tokens, or -1: not

@@ -120,23 +120,30 @@ def expected_counts(run: RunObservation, scenario: Scenario | None = None) -> Pr
         r for r in _admitted(run) if scenario is None or scenario.reads_prefix_cache(r.index)
     ]
     resumed = [r for request in admitted for r in request.resumed]
-
-    def adopted(hit_tokens: int) -> int:
-        if scenario is None or run.mode != "scheduler":
-            return hit_tokens
-        return adopted_hit_tokens(scenario, hit_tokens)
-
     return PrefixCacheCounts(
         requests=len(admitted),
         queries=sum(r.prompt_tokens for r in admitted),
-        hits=sum(
-            adopted(r.hit_tokens) if r.connector is None else r.connector.local_tokens
-            for r in admitted
-        ),
+        hits=sum(_local_hit(run, scenario, r) for r in admitted),
         preempted_requests=len(resumed),
         preempted_queries=sum(r.known_tokens for r in resumed),
-        preempted_hits=sum(adopted(r.hit_tokens) for r in resumed),
+        preempted_hits=sum(_adopted(run, scenario, r.hit_tokens) for r in resumed),
     )
+
+
+def _adopted(run: RunObservation, scenario: Scenario | None, hit_tokens: int) -> int:
+    """The tokens of a hit the run adopts: in scheduler mode, none of a hit
+    no longer than a bounded-replay window (:func:`adopted_hit_tokens`)."""
+    if scenario is None or run.mode != "scheduler":
+        return hit_tokens
+    return adopted_hit_tokens(scenario, hit_tokens)
+
+
+def _local_hit(run: RunObservation, scenario: Scenario | None, r: RequestObservation) -> int:
+    """The local hit request ``r``'s first admission adopted, in tokens: with
+    a KV connector the tokens taken from the local cache."""
+    if r.connector is not None:
+        return r.connector.local_tokens
+    return _adopted(run, scenario, r.hit_tokens)
 
 
 def _queried_local(connector: ConnectorLookup, scenario: Scenario | None) -> int:
@@ -278,13 +285,11 @@ def _reset_findings(run: RunObservation, policy: Policy) -> list[Finding]:
 
 def _owed_report(scenario: Scenario, run: RunObservation, r: RequestObservation) -> tuple[int, ...]:
     """``(prompt, local cached, external cached)`` tokens request ``r``'s
-    usage owes: its first admission's, as the ``stats`` rule counts the
-    local hit."""
-    if r.connector is not None:
-        return (r.prompt_tokens, r.connector.local_tokens, r.connector.external_tokens)
-    if not scenario.reads_prefix_cache(r.index):
-        return (r.prompt_tokens, 0, 0)
-    return (r.prompt_tokens, adopted_hit_tokens(scenario, r.hit_tokens), 0)
+    usage owes: its first admission's, the local hit as the ``stats`` rule
+    counts it (:func:`_local_hit`)."""
+    external = 0 if r.connector is None else r.connector.external_tokens
+    local = _local_hit(run, scenario, r) if scenario.reads_prefix_cache(r.index) else 0
+    return (r.prompt_tokens, local, external)
 
 
 def _report_findings(scenario: Scenario, run: RunObservation, policy: Policy) -> list[Finding]:

@@ -762,15 +762,14 @@ def _check_prefix_caching(s: Scenario) -> None:
             "'off' when workload.prefix_caching is false (vLLM emits no KV cache events "
             "without a prefix cache)",
         )
-    if s.mamba_prefill is not MambaPrefill.SCHEDULER or s.enable_mamba_shared_prefix_checkpoint:
-        raise ScenarioError(
-            "mamba_prefill"
-            if s.mamba_prefill is not MambaPrefill.SCHEDULER
-            else "enable_mamba_shared_prefix_checkpoint",
-            s.mamba_prefill.value if s.mamba_prefill is not MambaPrefill.SCHEDULER else True,
-            "'scheduler' and no shared-prefix checkpoint when workload.prefix_caching is false "
-            "(Mamba checkpoints are align mode's; without a prefix cache vLLM keeps mode 'none')",
-        )
+    why = (
+        "when workload.prefix_caching is false (Mamba checkpoints are align mode's; without "
+        "a prefix cache vLLM keeps mode 'none')"
+    )
+    if s.mamba_prefill is not MambaPrefill.SCHEDULER:
+        raise ScenarioError("mamba_prefill", s.mamba_prefill.value, f"'scheduler' {why}")
+    if s.enable_mamba_shared_prefix_checkpoint:
+        raise ScenarioError("enable_mamba_shared_prefix_checkpoint", True, f"false {why}")
 
 
 def _check_prefill_policy(s: Scenario) -> None:

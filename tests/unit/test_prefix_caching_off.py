@@ -147,7 +147,7 @@ def test_mamba_checkpoints_are_refused_without_a_prefix_cache() -> None:
             }
         )
     assert caught.value.field == "mamba_prefill"
-    assert "'scheduler' and no shared-prefix checkpoint" in str(caught.value)
+    assert "allowed 'scheduler' when workload.prefix_caching is false" in str(caught.value)
 
 
 def test_the_shrinker_tries_prefix_caching_on() -> None:
