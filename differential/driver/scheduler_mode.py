@@ -98,7 +98,7 @@ from differential.driver.features import (
 from differential.driver.kv_events import EventRecorder
 from differential.driver.runner import UNSET, resolve_retention
 from differential.driver.settings import ResolvedDrafter, _speculative_config, resolve_drafter
-from differential.driver.specs import kv_cache_config, pool_blocks
+from differential.driver.specs import kv_cache_config, pool_blocks, resolved_block_sizes
 from differential.driver.trace import trace_lookups
 from differential.errors import InternalError
 from differential.findings import RESERVED_WITHOUT_BLOCKS, UNRESERVED_PARTIAL_TAIL_COPY
@@ -1567,13 +1567,8 @@ def _scheduler_block_sizes(scenario: Scenario, config: Any, kv_config: Any) -> d
             "block_size": scenario.scheduler_block_size_tokens,
             "hash_block_size": scenario.effective_hash_block_size_tokens,
         }
-    from vllm.v1.core import kv_cache_utils
-
-    resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
-    if resolve is None:
-        raise Unsupported("resolve_kv_cache_block_sizes (vllm/v1/core/kv_cache_utils.py)")
-    block, hash_block = vllm_call("resolve_kv_cache_block_sizes", resolve, kv_config, config)
-    return {"block_size": int(block), "hash_block_size": int(hash_block)}
+    block, hash_block = resolved_block_sizes(kv_config, config)
+    return {"block_size": block, "hash_block_size": hash_block}
 
 
 def _prefill_instance(

@@ -294,9 +294,6 @@ def dcp_block_sizes(scenario: Scenario, config: KVCacheConfig) -> tuple[int, int
     Raises:
         Unsupported: the release has no ``resolve_kv_cache_block_sizes``.
     """
-    resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
-    if resolve is None:
-        raise Unsupported("resolve_kv_cache_block_sizes (vllm/v1/core/kv_cache_utils.py)")
     dcp = scenario.dcp_world_size
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(
@@ -307,6 +304,22 @@ def dcp_block_sizes(scenario: Scenario, config: KVCacheConfig) -> tuple[int, int
         parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
         kv_transfer_config=SimpleNamespace() if scenario.kv_connector else None,
     )
+    return resolved_block_sizes(config, vllm_config)
+
+
+def resolved_block_sizes(config: KVCacheConfig, vllm_config: Any) -> tuple[int, int]:
+    """(scheduler block, hash block), in tokens: vLLM's own
+    ``resolve_kv_cache_block_sizes`` (vllm/v1/core/kv_cache_utils.py, as
+    ``EngineCore`` calls it before it builds the ``Scheduler``) for
+    ``config``'s groups under ``vllm_config`` (a ``VllmConfig``, or the
+    fields of one it reads).
+
+    Raises:
+        Unsupported: the release has no ``resolve_kv_cache_block_sizes``.
+    """
+    resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
+    if resolve is None:
+        raise Unsupported("resolve_kv_cache_block_sizes (vllm/v1/core/kv_cache_utils.py)")
     scheduler_block, hash_block = vllm_call(
         "resolve_kv_cache_block_sizes", resolve, config, vllm_config
     )

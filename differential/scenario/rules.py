@@ -724,10 +724,9 @@ def _check_prefix_caching(s: Scenario) -> None:
     manager-level driver runs vLLM's managers with caching on), no
     connector store (a store's ``prefix_caching`` says it there), no
     positive retention interval (nothing is retained without a prefix
-    cache), no
-    KV cache events (vLLM emits none without one) and no Mamba checkpoints
-    (align mode's, ``mamba_prefill`` ``scheduler``, no shared-prefix
-    checkpoint).
+    cache), no KV cache events (vLLM emits none without one) and no Mamba
+    checkpoints (align mode's: ``mamba_prefill`` ``scheduler``, no
+    shared-prefix checkpoint).
 
     Raises:
         ScenarioError: naming the field and the values allowed.
