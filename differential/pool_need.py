@@ -20,7 +20,7 @@ workload whose service only grows with the pool it is the smallest.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from differential.errors import ScenarioError
@@ -37,7 +37,8 @@ class PoolNeed:
 
     Attributes:
         variant: the variant.
-        owed_hit_tokens: per request, the hit with the roomy pool, in tokens.
+        owed_hit_tokens: per request the roomy run looked up, in index order,
+            its hit there, in tokens.
         roomy_pool_blocks: the pool that holds everything, in blocks.
         smallest_pool_blocks: the smallest pool found serving every owed hit,
             in blocks; ``None`` when the roomy run itself failed.
@@ -77,11 +78,13 @@ def _with_pool(scenario: Scenario, pool_blocks: int | None) -> Scenario:
     )
 
 
-def _serves(run: RunObservation, owed: Sequence[int]) -> bool:
+def _serves(run: RunObservation, owed: Mapping[int, int]) -> bool:
+    """Whether ``run`` looked up the requests the roomy run did (``owed``:
+    request index to its hit there, in tokens), each hitting at least that."""
     if run.error is not None or run.unsupported is not None:
         return False
     hits = {r.index: r.hit_tokens for r in run.requests}
-    return len(hits) == len(owed) and all(hits.get(i, -1) >= h for i, h in enumerate(owed))
+    return hits.keys() == owed.keys() and all(hits[i] >= h for i, h in owed.items())
 
 
 def smallest_serving_pool(scenario: Scenario, variant: Variant) -> PoolNeed | None:
@@ -108,9 +111,11 @@ def smallest_serving_pool(scenario: Scenario, variant: Variant) -> PoolNeed | No
     if roomy.unsupported is not None:
         return None
     runs = 1
-    owed = tuple(r.hit_tokens for r in sorted(roomy.requests, key=lambda r: r.index))
-    if roomy.error is not None or len(owed) != len(scenario.requests):
-        return PoolNeed(variant.name, owed, roomy.pool_blocks, None, runs)
+    # Per request the roomy run looked up (not one its client aborted before
+    # admission, nor one vLLM failed before it: RunObservation.errored).
+    owed = {r.index: r.hit_tokens for r in sorted(roomy.requests, key=lambda r: r.index)}
+    if roomy.error is not None or not owed:
+        return PoolNeed(variant.name, tuple(owed.values()), roomy.pool_blocks, None, runs)
     serving, failing = roomy.pool_blocks, 0
     while serving - failing > 1:
         middle = (serving + failing) // 2
@@ -123,7 +128,7 @@ def smallest_serving_pool(scenario: Scenario, variant: Variant) -> PoolNeed | No
             serving = middle
         else:
             failing = middle
-    return PoolNeed(variant.name, owed, roomy.pool_blocks, serving, runs)
+    return PoolNeed(variant.name, tuple(owed.values()), roomy.pool_blocks, serving, runs)
 
 
 def pool_needs(scenario: Scenario, variants: Sequence[Variant]) -> tuple[PoolNeed, ...]:
