@@ -84,6 +84,13 @@ class FindingKind(StrEnum):
     past the divergence point: silently wrong outputs."""
     CRASH = "crash"
     """vLLM raised while serving the scenario (or its worker process died)."""
+    WRONG_FINISH = "wrong-finish"
+    """(scheduler mode, a KV connector's store) a request finished otherwise
+    than its KV loads owe: with an error though none of its loads failed, or,
+    under ``kv_load_failure_policy`` ``fail``, not with an error though its
+    load failed (vLLM PR #26813): a client sees a request fail that should
+    not, or gets an answer computed over KV that never arrived
+    (:func:`differential.oracle.connector.finish_findings`)."""
     TIMEOUT = "timeout"
     """A tree variant's worker did not answer within the per-scenario timeout."""
     MISALIGNED = "misaligned"

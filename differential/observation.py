@@ -1472,6 +1472,16 @@ class RunObservation:
         metrics: vLLM's prefix-cache statistics, KV cache usage and the
             driver's ``reset_prefix_cache`` calls (:class:`CacheMetrics`;
             ``None``: not recorded, as in engine mode).
+        failed_load_requests: (scheduler mode, a KV connector's store) the
+            requests whose load kvfuzz's model runner reported failed
+            (``workload.connector.failed_loads`` whose load ran), by index;
+            ``None``: not recorded (an observation written before they were).
+        errored: (scheduler mode, a KV connector's store) every request vLLM
+            finished with an error
+            (``RequestStatus.FINISHED_ERROR``, finish reason ``error``), as
+            ``(request index, step)``: the step after which it was found so;
+            such a request has no ``finished_step`` (it did not finish by
+            itself); ``None``: not recorded.
         crash_cache_map: (manager mode, recorded with the cache map) when vLLM
             raised, the cache map of the request it raised on, taken at that
             request's lookup (as :attr:`RequestObservation.cache_map`), so
@@ -1505,6 +1515,8 @@ class RunObservation:
     deferred_frees: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
     kv_cache_plan: KVCachePlan | None = None
     metrics: CacheMetrics | None = None
+    failed_load_requests: tuple[int, ...] | None = None
+    errored: tuple[tuple[int, int], ...] | None = None
 
     @property
     def unreachable_share(self) -> float:
@@ -1560,6 +1572,12 @@ class RunObservation:
             metrics=None
             if data.get("metrics") is None
             else CacheMetrics.from_dict(data["metrics"]),
+            failed_load_requests=None
+            if data.get("failed_load_requests") is None
+            else tuple(data["failed_load_requests"]),
+            errored=None
+            if data.get("errored") is None
+            else tuple((i, step) for i, step in data["errored"]),
         )
 
     @property
@@ -1605,6 +1623,10 @@ class RunObservation:
             out["kv_cache_plan"] = self.kv_cache_plan.to_dict()
         if self.metrics is not None:
             out["metrics"] = self.metrics.to_dict()
+        if self.failed_load_requests is not None:
+            out["failed_load_requests"] = list(self.failed_load_requests)
+        if self.errored is not None:
+            out["errored"] = [list(e) for e in self.errored]
         return out
 
     def _base_dict(self) -> dict[str, Any]:

@@ -53,6 +53,7 @@ from differential.scenario import (
     KVEvents,
     KVEventsView,
     KVRole,
+    LoadFailurePolicy,
     Scenario,
 )
 from differential.variants import Variant
@@ -213,6 +214,11 @@ def _connector_store(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         yield "prefix caching on", with_store(prefix_caching=True)
     if not store.supports_hma:
         yield "a connector with the hybrid allocator", with_store(supports_hma=True)
+    if store.kv_load_failure_policy is not LoadFailurePolicy.RECOMPUTE:
+        yield (
+            "failed loads recomputed",
+            with_store(kv_load_failure_policy=LoadFailurePolicy.RECOMPUTE),
+        )
     yield from _store_bounds(store, with_store)
 
 

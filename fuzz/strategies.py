@@ -32,6 +32,7 @@ from differential.scenario import (
     KVEvents,
     KVEventsView,
     KVRole,
+    LoadFailurePolicy,
     MambaPrefill,
     MultiModalInput,
     RequestSpec,
@@ -1192,11 +1193,25 @@ def _last_draws(draw: st.DrawFn, scenario: Scenario) -> Scenario:
     """The engine generator's last draws, in this order, so that every draw
     before them reads the bytes it read before: the store's bounds, the
     disaggregation, the managers of their own, the prefill checkpoints, the
-    bounded replay, a skipped read, prefix caching off and a connector
-    without the hybrid allocator."""
+    bounded replay, a skipped read, prefix caching off, a connector
+    without the hybrid allocator and failed loads that fail their requests."""
     scenario = _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
     scenario = _skipped_read(draw, _bounded_replay(draw, _prefill_checkpoints(draw, scenario)))
-    return _legacy_connector(draw, _cache_off(draw, scenario))
+    return _failing_loads(draw, _legacy_connector(draw, _cache_off(draw, scenario)))
+
+
+def _failing_loads(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One store in two with failed loads fails their requests
+    (``kv_load_failure_policy`` ``fail``, vLLM's default) instead of
+    recomputing them. Drawn last, and only for such a store, so every other
+    scenario keeps its bytes."""
+    store = scenario.workload.connector
+    if store is None or not store.failed_loads or draw(st.booleans()):
+        return scenario
+    failing = dataclasses.replace(store, kv_load_failure_policy=LoadFailurePolicy.FAIL)
+    return dataclasses.replace(
+        scenario, workload=dataclasses.replace(scenario.workload, connector=failing)
+    )
 
 
 def _legacy_connector(draw: st.DrawFn, scenario: Scenario) -> Scenario:

@@ -418,14 +418,13 @@ def _kv_role(scenario: Scenario, prefill_instance: bool) -> str:
 def _remote_store_settings(scenario: Scenario) -> dict[str, Any]:
     """The ``KVTransferConfig`` settings of the workload's connector store
     (none for the empty remote store): its lookup unit and hash block, in
-    tokens, its own grid (tokens) and capacity (chunks), and the
-    ``recompute`` load-failure policy (a cache tier's lost copy is
-    recomputed, not an error)."""
+    tokens, its own grid (tokens) and capacity (chunks), and its
+    load-failure policy (``kv_load_failure_policy``)."""
     store = scenario.workload.connector
     if store is None:
         return {}
     return {
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": store.kv_load_failure_policy.value,
         "kv_connector_extra_config": {
             "load": store.load.value,
             "divergent_hybrid_hits": store.divergent_hybrid_hits,
@@ -1455,6 +1454,10 @@ class _RunReport:
     uncovered: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     # Steps the KV connector loads into synchronously or that say they do.
     sync_loads: list[tuple[int, bool, tuple[int, ...]]] = field(default_factory=list)
+    # (a KV connector's store) the requests whose load the model runner failed,
+    # and (request index, step) per request vLLM finished with an error.
+    failed_loads: tuple[int, ...] | None = None
+    errored: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass
@@ -1484,6 +1487,8 @@ class _Progress:
     # Request index -> the prefix cache's block counts per key at its finish.
     finished_at: dict[int, Counter[bytes]] = field(default_factory=dict)
     finished_step: dict[int, int] = field(default_factory=dict)
+    # Request index -> the step after which vLLM had finished it with an error.
+    errored: dict[int, int] = field(default_factory=dict)
     seen: Counter[bytes] = field(default_factory=Counter)  # the cache after the last step
 
 
@@ -1852,15 +1857,30 @@ def _finish(
     step: int,
     progress: _Progress,
 ) -> list[str]:
-    """The scheduled requests that finished in ``step`` (``req-<index>``);
-    each keeps the prefix cache as it was then (``after``) and the step."""
+    """The scheduled requests that finished by themselves in ``step``
+    (``req-<index>``); each keeps the prefix cache as it was then (``after``)
+    and the step. Then every request vLLM finished with an error
+    (``RequestStatus.FINISHED_ERROR``: a failed KV load under the ``fail``
+    policy, ``Scheduler.update_from_output``), scheduled or waiting, joins
+    ``progress.errored`` (``req-<index> (error)``) and not ``finished_step``:
+    it promises no later request anything."""
+    from vllm.v1.request import RequestStatus
+
     done = []
     for rid in req_ids:
         i = index_of[rid]
-        if i not in progress.finished_at and requests[i].is_finished():
+        if (
+            i not in progress.finished_at
+            and requests[i].is_finished()
+            and requests[i].status != RequestStatus.FINISHED_ERROR
+        ):
             progress.finished_at[i] = after
             progress.finished_step[i] = step
             done.append(f"req-{i}")
+    for i, request in enumerate(requests):
+        if i not in progress.errored and request.status == RequestStatus.FINISHED_ERROR:
+            progress.errored[i] = step
+            done.append(f"req-{i} (error)")
     return done
 
 
@@ -2241,7 +2261,9 @@ def _probe_metrics(
     previous = phase[0]
     phase[0] = f"step {step}: KVCacheManager.usage"
     vllm_call("KVCacheManager.usage", metrics.read_usage)
-    holding = [i for i in done.admitted if i not in progress.finished_step]
+    holding = [
+        i for i in done.admitted if i not in progress.finished_step and i not in progress.errored
+    ]
     if holding and not metrics.resets:
         phase[0] = f"step {step}: Scheduler.reset_prefix_cache with requests running"
         vllm_call("Scheduler.reset_prefix_cache", metrics.reset, step, len(holding))
@@ -2311,6 +2333,8 @@ def _run_observation(
         metrics=None
         if report.metrics is None
         else report.metrics.metrics({r.request_id: i for i, r in enumerate(report.requests)}),
+        failed_load_requests=report.failed_loads,
+        errored=report.errored,
     )
 
 
@@ -2392,6 +2416,9 @@ def run_scheduler_scenario(
         )
         if report.prefill is not None:
             report.observed = _with_prefills(report.observed, report.prefill)
+        if store is not None:
+            report.failed_loads = tuple(sorted(model_runner.failed))
+            report.errored = tuple(sorted(progress.errored.items()))
         phase[0] = "count unreachable cached blocks"
         report.unreachable, report.cached_blocks = (
             _unreachable(scenario, manager, report.requests) if scenario.prefix_caching else (0, 0)

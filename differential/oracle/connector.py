@@ -1,6 +1,7 @@
 """What a KV connector's remote store is owed (scheduler mode, ``workload.connector``).
 
-Three rules, per admitted request with a :class:`~differential.observation.ConnectorLookup`:
+Its rules (the first three per admitted request with a
+:class:`~differential.observation.ConnectorLookup`):
 
 * **Adoption** (:func:`adoption_owed`, any layout). vLLM's ``Scheduler.schedule``
   (vllm/v1/core/sched/scheduler.py, the waiting loop) shows the connector its
@@ -75,6 +76,19 @@ Three rules, per admitted request with a :class:`~differential.observation.Conne
   reads KV not loaded yet: a ``wrong-kv`` naming the request and the step.
   The flag set on a step with no synchronous load only costs the overlap
   the PR buys (host time on the forward's path) and is not judged.
+* **Load failures** (:func:`finish_findings`, any layout). A load kvfuzz's
+  model runner reports failed (``workload.connector.failed_loads``) is
+  handled by ``KVTransferConfig.kv_load_failure_policy`` (vLLM PR #26813,
+  "KV Load Failure Recovery/Abort Configuration": "'recompute': reschedule
+  the request to recompute failed blocks; 'fail': immediately fail the
+  request with an error finish reason (default)"). Under ``fail`` the
+  request whose load failed is owed ``FINISHED_ERROR`` (unless its client
+  aborted it), and under either policy no other request may finish with an
+  error: ``Scheduler._update_requests_with_invalid_blocks`` affects only the
+  requests whose computed blocks include a failed one, and
+  ``_handle_failed_recving`` only those the worker names. Either departure
+  is a ``wrong-finish``: a client sees a request fail that should not, or
+  gets an answer the policy says it must not.
 
 Nothing here imports vLLM.
 """
@@ -88,9 +102,16 @@ from differential.findings import Finding, FindingKind, Policy
 from differential.observation import ConnectorLookup, RunObservation
 from differential.oracle.offload_lru import lru_findings, owed_answer
 from differential.oracle.prefix import common_prefix_tokens
-from differential.scenario import Scenario
+from differential.scenario import LoadFailurePolicy, Scenario
 
-__all__ = ["StoreOwed", "adoption_owed", "connector_findings", "store_grid_tokens", "store_owed"]
+__all__ = [
+    "StoreOwed",
+    "adoption_owed",
+    "connector_findings",
+    "finish_findings",
+    "store_grid_tokens",
+    "store_owed",
+]
 
 
 def adoption_owed(
@@ -233,13 +254,68 @@ def _sync_load_findings(run: RunObservation, policy: Policy) -> list[Finding]:
     ]
 
 
+def finish_findings(
+    scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
+) -> list[Finding]:
+    """``wrong-finish`` per request that finished otherwise than its loads
+    owe (the rule *load failures* above): with an error though it is owed
+    none, or, under ``kv_load_failure_policy`` ``fail``, without one though
+    its load failed and its client did not abort it.
+
+    Judged on a run that completed and recorded which loads failed and which
+    requests erred (``RunObservation.failed_load_requests``, ``errored``);
+    ``[]`` otherwise.
+    """
+    store = scenario.workload.connector
+    lost, errored = run.failed_load_requests, run.errored
+    if store is None or lost is None or errored is None or run.error is not None:
+        return []
+    fail = store.kv_load_failure_policy is LoadFailurePolicy.FAIL
+    erred = dict(errored)
+    finished = {r.index: r.finished_step for r in run.requests if r.finished_step is not None}
+    aborts = scenario.workload.abort_steps
+    findings = []
+    for i in range(len(scenario.requests)):
+        owed = fail and i in lost
+        if i in erred and not owed:
+            why = (
+                "none of its loads failed"
+                if i not in lost
+                else "kv_load_failure_policy 'recompute' owes its failed load a recompute"
+            )
+            detail = f"vLLM finished it with an error after step {erred[i]}, but {why}"
+        elif owed and i not in erred and (aborts is None or aborts[i] is None):
+            how = (
+                f"it finished by itself after step {finished[i]}"
+                if i in finished
+                else "it never finished"
+            )
+            detail = (
+                "its load failed under kv_load_failure_policy 'fail', which owes it an error "
+                f"finish (FINISHED_ERROR), but {how}"
+            )
+        else:
+            continue
+        findings.append(
+            Finding(
+                FindingKind.WRONG_FINISH,
+                run.variant,
+                i,
+                f"connector: {detail} (vLLM PR #26813)",
+                policy=policy,
+            )
+        )
+    return findings
+
+
 def connector_findings(
     scenario: Scenario, run: RunObservation, policy: Policy = Policy.VLLM
 ) -> list[Finding]:
     """``fallback`` / ``over-hit`` per request whose computed tokens at
     admission (local and external) break the adoption rule or fall short of
     what the store provably held, ``wrong-kv`` for a load into the wrong
-    blocks or a synchronous load the step does not flag (see the module
+    blocks or a synchronous load the step does not flag, ``wrong-finish``
+    for a request finished otherwise than its loads owe (see the module
     docstring)."""
     if scenario.workload.connector is None or run.unsupported is not None:
         return []
@@ -248,6 +324,7 @@ def connector_findings(
     owed_by_store = store_owed(scenario, run)
     findings: list[Finding] = lru_findings(scenario, run, policy)
     findings += _sync_load_findings(run, policy)
+    findings += finish_findings(scenario, run, policy)
     for r in run.requests:
         c = r.connector
         if c is None:

@@ -73,7 +73,10 @@ finished (nothing here imports vLLM):
     vLLM PR #17519's review named the refresh on resumption a caveat). So
     every admitted request a client did not abort is reported exactly once,
     with the tokens the ``stats`` rule counts for it and the tokens its
-    connector loaded.
+    connector loaded. A request vLLM finished with an error (a failed KV
+    load under ``kv_load_failure_policy`` ``fail``) is owed no report: its
+    output is the error; whether it should have erred is the connector's
+    finish rule (:func:`differential.oracle.connector.finish_findings`).
 """
 
 from __future__ import annotations
@@ -301,10 +304,13 @@ def _report_findings(scenario: Scenario, run: RunObservation, policy: Policy) ->
     for index, *counts in metrics.prefill_reports:
         reported.setdefault(index, []).append(tuple(counts))
     aborts = scenario.workload.abort_steps or ()
+    erred = {i for i, _ in run.errored or ()}
     wrong = []
     for r in _admitted(run):
         if r.index < len(aborts) and aborts[r.index] is not None:
             continue  # aborted: its output, if any, may never come
+        if r.index in erred:
+            continue  # finished with an error: judged by the connector's finish rule
         owed = _owed_report(scenario, run, r)
         got = reported.get(r.index, [])
         if got != [owed]:

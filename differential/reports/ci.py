@@ -157,6 +157,7 @@ _LEVEL = {
     FindingKind.WRONG_KV: "error",
     FindingKind.OVER_HIT: "error",
     FindingKind.CRASH: "error",
+    FindingKind.WRONG_FINISH: "error",
     FindingKind.MISALIGNED: "error",
     FindingKind.FALLBACK: "error",
     FindingKind.PER_GROUP_HIT: "warning",

@@ -116,6 +116,7 @@ def render_text(
             f"{title}  [{short_text(scenario.label)}; A={scenario.effective_hit_alignment_tokens}, "
             f"hash block {_hash_block(result)}, policy {result.policy.value}"
             + ("" if scenario.prefix_caching else ", prefix caching off")
+            + _failure_policy_words(scenario)
             + "]"
         )
         lines += [f"  note: {n}" for n in result.notices]
@@ -138,6 +139,7 @@ def render_text(
                         f"{obs.hit_tokens:>9} {'-':>9}  {', '.join(dict.fromkeys(kinds)) or 'ok'}"
                     )
                 lines += _aborted_unadmitted(scenario, vr)
+                lines += _errored(vr)
             for kind in verdicts.get(None, []):
                 lines.append(f"  {vr.variant.name:<10} run: {kind}")
             if vr.run.mode == "scheduler":
@@ -170,6 +172,26 @@ def _aborted_unadmitted(scenario: Scenario, vr: Any) -> list[str]:
         f"  {vr.variant.name:<10} {i:>3} aborted from step {step} before it was admitted"
         for i, step in enumerate(aborts)
         if step is not None and i not in seen
+    ]
+
+
+def _failure_policy_words(scenario: Any) -> str:
+    """The title's words for a store whose failed loads fail their requests
+    (``kv_load_failure_policy`` ``fail``); ``""`` otherwise."""
+    store = scenario.workload.connector
+    if store is None or store.kv_load_failure_policy.value != "fail":
+        return ""
+    return ", failed loads fail"
+
+
+def _errored(vr: Any) -> list[str]:
+    """A row per request vLLM finished with an error (``RunObservation.errored``):
+    one failed before its admission has no lookup row to carry it."""
+    lost = set(vr.run.failed_load_requests or ())
+    return [
+        f"  {vr.variant.name:<10} {i:>3} finished with an error after step {step}"
+        + (" (its load failed)" if i in lost else "")
+        for i, step in vr.run.errored or ()
     ]
 
 

@@ -41,6 +41,7 @@ from differential.scenario.workload import (
     KVEvents,
     KVEventsView,
     KVRole,
+    LoadFailurePolicy,
     MultiModalInput,
     RequestSpec,
     Workload,
@@ -315,6 +316,13 @@ class ConnectorDocument(BaseModel):
         "turns off for it, so one KV cache group only, each request finished by "
         "Scheduler._connector_finished's legacy path. Written only when false.",
     )
+    kv_load_failure_policy: LoadFailurePolicy = Field(
+        default=LoadFailurePolicy.RECOMPUTE,
+        exclude_if=lambda v: v is LoadFailurePolicy.RECOMPUTE,
+        description="KVTransferConfig.kv_load_failure_policy: 'recompute' (a failed load's "
+        "request recomputes from its last valid block) or 'fail' (vLLM's default: the request "
+        "finishes with an error, every other request goes on).",
+    )
 
     def value(self) -> ConnectorStore:
         """The store as a value."""
@@ -327,6 +335,7 @@ class ConnectorDocument(BaseModel):
             chunk_tokens=self.chunk_tokens,
             kv_role=self.kv_role,
             supports_hma=self.supports_hma,
+            kv_load_failure_policy=self.kv_load_failure_policy,
         )
 
 

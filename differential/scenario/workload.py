@@ -15,6 +15,7 @@ __all__ = [
     "DriveMode",
     "KVEvents",
     "KVRole",
+    "LoadFailurePolicy",
     "MultiModalInput",
     "RequestSpec",
     "Workload",
@@ -181,6 +182,24 @@ class ConnectorLoad(StrEnum):
     ASYNC = "async"
 
 
+class LoadFailurePolicy(StrEnum):
+    """What vLLM does with a request whose KV load failed
+    (``KVTransferConfig.kv_load_failure_policy``, vllm/config/kv_transfer.py;
+    vLLM PR #26813, "KV Load Failure Recovery/Abort Configuration").
+
+    ``RECOMPUTE``: the request is rescheduled to recompute from its last
+    valid block (``Scheduler._update_requests_with_invalid_blocks``), or from
+    scratch when the whole load is lost (``_handle_failed_recving``).
+    ``FAIL`` (vLLM's default): the request is finished at once with an error
+    (``RequestStatus.FINISHED_ERROR``, finish reason ``error``), the blocks
+    its synchronous load left invalid are evicted from the prefix cache
+    (``Scheduler._handle_invalid_blocks``), and every other request goes on.
+    """
+
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
+
+
 class KVRole(StrEnum):
     """The KV connector's role on the scheduler kvfuzz drives
     (``KVTransferConfig.kv_role``, vllm/config/kv_transfer.py).
@@ -253,6 +272,10 @@ class ConnectorStore:
             ``kv_consumer``: the driven scheduler is a decode instance fed
             by a prefill instance (a ``kv_producer`` scheduler) through the
             store.
+        kv_load_failure_policy: :class:`LoadFailurePolicy`: what vLLM does
+            with a request in ``failed_loads`` (``recompute``, kvfuzz's
+            default: a cache tier's lost copy is recomputed; or ``fail``,
+            vLLM's own default).
     """
 
     load: ConnectorLoad = ConnectorLoad.SYNC
@@ -263,6 +286,7 @@ class ConnectorStore:
     chunk_tokens: int | None = None
     kv_role: KVRole = KVRole.KV_BOTH
     supports_hma: bool = True
+    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
 
     @property
     def disaggregated(self) -> bool:

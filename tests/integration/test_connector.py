@@ -3,6 +3,7 @@ store held and what vLLM adopted, exactly, on every ``connector-`` corpus case."
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 from differential.compare import compare_variants
 from differential.corpus import load_entry
 from differential.driver.scheduler_mode import run_scheduler_scenario
+from differential.findings import FindingKind
+from differential.oracle.connector import finish_findings
+from differential.scenario import LoadFailurePolicy
 from differential.variants import parse_variants
 from tests.factories import ROOT
 
@@ -20,6 +24,15 @@ CASES = ROOT / "corpora" / "cases"
 # Per request: (local hit, store held, answered, adopted local, adopted
 # external, async, divergent, a load failed), in tokens.
 ADOPTED = {
+    "connector-fail-policy-errors-only-the-failed-load--scheduler": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+    ],
+    "connector-fail-policy-errors-a-lost-hybrid-load--scheduler": [
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 0, 0, 0, 0, False, False, False),
+        (0, 128, 128, 0, 128, True, False, False),
+    ],
     "connector-async-load-reservation-counts-lookahead-slots-pool20--scheduler": [
         (0, 0, 0, 0, 0, False, False, False),
         (0, 0, 0, 0, 0, False, False, False),
@@ -148,6 +161,57 @@ def test_a_failed_last_block_is_recomputed_from_the_valid_prefix() -> None:
         "run nothing",
         "step 2: admit req-1 (hit 0); run req-1 +50; finish req-1",
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "lost"),
+    [
+        ("connector-fail-policy-errors-only-the-failed-load--scheduler", "[80, 96)"),
+        ("connector-fail-policy-errors-a-lost-hybrid-load--scheduler", "[0, 128)"),
+    ],
+)
+def test_the_fail_policy_errs_the_failed_load_alone(name: str, lost: str) -> None:
+    # kv_load_failure_policy 'fail': the reader's load fails at step 3 (its
+    # last block, invalid_block_ids; or, on two groups, the whole load,
+    # failed_recving) and vLLM finishes the reader with an error there,
+    # while the writer and the bystander run to their end (steps 6 and 9).
+    entry = load_entry(CASES / f"{name}.json")
+    run = run_scheduler_scenario(entry.scenario, "unfixed", record_cache_map=True)
+    assert run.error is None
+    assert run.failed_load_requests == (2,)
+    assert run.errored == ((2, 3),)
+    assert [(r.index, r.finished_step) for r in run.requests[:2]] == [(0, 6), (1, 9)]
+    assert run.timeline[3].endswith(
+        f"req-2's load of {lost} fails; run req-0 +1, req-1 +60; finish req-2 (error)"
+    )
+    assert finish_findings(entry.scenario, run) == []
+    # The same run, had vLLM failed every request the step scanned, is judged:
+    everyone = dataclasses.replace(run, errored=((0, 3), (1, 3), (2, 3)))
+    assert [(f.kind, f.request) for f in finish_findings(entry.scenario, everyone)] == [
+        (FindingKind.WRONG_FINISH, 0),
+        (FindingKind.WRONG_FINISH, 1),
+    ]
+
+
+def test_the_recompute_policy_errs_no_request() -> None:
+    # The same workload recomputing its failed load: nothing errs, and the
+    # reader is admitted after its failed load, computing from the valid 80.
+    entry = load_entry(CASES / "connector-fail-policy-errors-only-the-failed-load--scheduler.json")
+    store = entry.scenario.workload.connector
+    assert store is not None
+    recompute = dataclasses.replace(
+        entry.scenario,
+        workload=dataclasses.replace(
+            entry.scenario.workload,
+            connector=dataclasses.replace(
+                store, kv_load_failure_policy=LoadFailurePolicy.RECOMPUTE
+            ),
+        ),
+    )
+    run = run_scheduler_scenario(recompute, "unfixed")
+    assert run.error is None and run.errored == () and run.failed_load_requests == (2,)
+    reader = run.requests[2].connector
+    assert reader is not None and reader.load_failed
 
 
 def test_a_synchronous_load_is_flagged_to_the_worker() -> None:

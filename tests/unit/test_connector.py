@@ -14,13 +14,19 @@ from differential.compare import compare_unlabelled
 from differential.errors import ScenarioError
 from differential.findings import FindingKind
 from differential.observation import ConnectorLookup, RequestObservation, RunObservation
-from differential.oracle.connector import adoption_owed, connector_findings, store_owed
+from differential.oracle.connector import (
+    adoption_owed,
+    connector_findings,
+    finish_findings,
+    store_owed,
+)
 from differential.scenario import (
     ConnectorLoad,
     ConnectorStore,
     DriveMode,
     GroupKind,
     KVCacheGroup,
+    LoadFailurePolicy,
     RequestSpec,
     Scenario,
     Workload,
@@ -369,7 +375,24 @@ def test_generated_stores_are_valid_and_configured(s: Scenario) -> None:
     assert s.kv_connector and s.workload.mode is DriveMode.SCHEDULER
     assert not store.failed_loads or store.load is ConnectorLoad.ASYNC
     assert store.prefix_caching or not s.mamba_groups
+    assert store.failed_loads or store.kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE
     assert Scenario.from_json(s.to_json()) == s
+
+
+def test_the_generator_draws_the_fail_policy_for_failed_loads() -> None:
+    # The policy is the last draw: a store with failed loads fails them one
+    # time in two, so some examples of a fixed-seed sample do.
+    policies = set()
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None)
+    @given(engine_scenarios())
+    def collect(s: Scenario) -> None:
+        store = s.workload.connector
+        if store is not None and store.failed_loads:
+            policies.add(store.kv_load_failure_policy)
+
+    collect()
+    assert policies == {LoadFailurePolicy.RECOMPUTE, LoadFailurePolicy.FAIL}
 
 
 # ------------------------------------------------------- engine mode, export
@@ -473,3 +496,107 @@ def test_the_shrinker_tries_the_hybrid_allocator() -> None:
     hma = dict(_connector_store(legacy))["a connector with the hybrid allocator"]
     assert hma is not None and hma.workload.connector is not None
     assert hma.workload.connector.supports_hma is True
+
+
+# ------------------------------------------------- the load-failure policy
+
+
+def _failing_scenario(policy: LoadFailurePolicy) -> Scenario:
+    """The store scenario with asynchronous loads, request 1's failing."""
+    return _store_scenario(
+        ConnectorStore(load=ConnectorLoad.ASYNC, failed_loads=(1,), kv_load_failure_policy=policy)
+    )
+
+
+def _finished_run(
+    *, errored: tuple[tuple[int, int], ...], lost: tuple[int, ...] = (1,)
+) -> RunObservation:
+    """Requests 0 and 2 looked up and finished by themselves (steps 2 and
+    6); request 1's load failed (``lost``) before its admission was
+    recorded, so it has no observation."""
+    nothing = _lookup(0, 0, 0, 0, 0, 0)
+    return RunObservation(
+        variant="unfixed",
+        vllm_version="0.33.0",
+        settings=None,
+        requests=(_obs(0, 0, 2, nothing), _obs(2, 4, 6, nothing)),
+        mode="scheduler",
+        failed_load_requests=lost,
+        errored=errored,
+    )
+
+
+def test_the_policy_round_trips_and_is_written_only_when_fail() -> None:
+    failing = _failing_scenario(LoadFailurePolicy.FAIL)
+    assert failing.to_dict()["workload"]["connector"] == {
+        "load": "async",
+        "failed_loads": [1],
+        "kv_load_failure_policy": "fail",
+    }
+    assert Scenario.from_dict(failing.to_dict()) == failing
+    recompute = _failing_scenario(LoadFailurePolicy.RECOMPUTE).to_dict()
+    assert "kv_load_failure_policy" not in recompute["workload"]["connector"]
+    data = failing.to_dict()
+    data["workload"]["connector"]["kv_load_failure_policy"] = "abort"
+    with pytest.raises(ScenarioError) as caught:
+        Scenario.from_dict(data)
+    assert caught.value.field == "workload.connector.kv_load_failure_policy"
+    assert "'recompute'" in str(caught.value) and "'fail'" in str(caught.value)
+
+
+def test_under_fail_only_the_failed_load_errs() -> None:
+    s = _failing_scenario(LoadFailurePolicy.FAIL)
+    assert finish_findings(s, _finished_run(errored=((1, 3),))) == []
+    # Every request the step scanned failed with it: two wrong finishes.
+    wrong = finish_findings(s, _finished_run(errored=((0, 3), (1, 3), (2, 3))))
+    assert [(f.kind, f.request) for f in wrong] == [
+        (FindingKind.WRONG_FINISH, 0),
+        (FindingKind.WRONG_FINISH, 2),
+    ]
+    assert "with an error after step 3, but none of its loads failed" in wrong[0].detail
+
+
+def test_under_fail_a_failed_load_that_does_not_err_is_a_wrong_finish() -> None:
+    s = _failing_scenario(LoadFailurePolicy.FAIL)
+    (never,) = finish_findings(s, _finished_run(errored=()))
+    assert never.kind is FindingKind.WRONG_FINISH and never.request == 1
+    assert never.detail.endswith("but it never finished (vLLM PR #26813)")
+    # Its client aborting it first owes no error.
+    aborted = _store_scenario(
+        ConnectorStore(
+            load=ConnectorLoad.ASYNC,
+            failed_loads=(1,),
+            kv_load_failure_policy=LoadFailurePolicy.FAIL,
+        ),
+        abort_steps=(None, 2, None),
+    )
+    assert finish_findings(aborted, _finished_run(errored=())) == []
+
+
+def test_under_recompute_no_request_errs() -> None:
+    s = _failing_scenario(LoadFailurePolicy.RECOMPUTE)
+    assert finish_findings(s, _finished_run(errored=())) == []
+    (wrong,) = finish_findings(s, _finished_run(errored=((1, 3),)))
+    assert wrong.request == 1
+    assert "'recompute' owes its failed load a recompute" in wrong.detail
+
+
+def test_the_finish_rule_needs_what_the_run_recorded() -> None:
+    s = _failing_scenario(LoadFailurePolicy.FAIL)
+    unrecorded = dataclasses.replace(_finished_run(errored=()), errored=None)
+    assert finish_findings(s, unrecorded) == []
+    crashed = dataclasses.replace(_finished_run(errored=()), error="step 3: RuntimeError: x")
+    assert finish_findings(s, crashed) == []
+    data = _finished_run(errored=((1, 3),)).to_dict()
+    assert data["errored"] == [[1, 3]] and data["failed_load_requests"] == [1]
+    assert RunObservation.from_dict(data) == _finished_run(errored=((1, 3),))
+
+
+def test_the_shrinker_tries_recomputing_failed_loads() -> None:
+    failing = _failing_scenario(LoadFailurePolicy.FAIL)
+    recomputed = dict(_connector_store(failing))["failed loads recomputed"]
+    assert recomputed is not None and recomputed.workload.connector is not None
+    assert recomputed.workload.connector.kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE
+    assert "failed loads recomputed" not in dict(
+        _connector_store(_failing_scenario(LoadFailurePolicy.RECOMPUTE))
+    )

@@ -282,8 +282,8 @@ def test_an_unknown_field_of_a_nullable_object_lists_its_known_fields() -> None:
         Scenario.from_dict(data)
     assert str(info.value) == (
         "workload.connector.lod = 'sync' is invalid: allowed no such field; known fields: "
-        "capacity_chunks, chunk_tokens, divergent_hybrid_hits, failed_loads, kv_role, load, "
-        "prefix_caching, supports_hma"
+        "capacity_chunks, chunk_tokens, divergent_hybrid_hits, failed_loads, "
+        "kv_load_failure_policy, kv_role, load, prefix_caching, supports_hma"
     )
 
 
