@@ -182,6 +182,11 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         )
     if not w.prefix_caching:
         yield "prefix caching on", _replace(s, workload=dataclasses.replace(w, prefix_caching=True))
+    if w.max_model_len_tokens is not None:
+        yield (
+            "the default model length",
+            _replace(s, workload=dataclasses.replace(w, max_model_len_tokens=None)),
+        )
     yield from _connector_store(s)
 
 

@@ -1194,10 +1194,31 @@ def _last_draws(draw: st.DrawFn, scenario: Scenario) -> Scenario:
     before them reads the bytes it read before: the store's bounds, the
     disaggregation, the managers of their own, the prefill checkpoints, the
     bounded replay, a skipped read, prefix caching off, a connector
-    without the hybrid allocator and failed loads that fail their requests."""
+    without the hybrid allocator, failed loads that fail their requests and
+    a model length the requests reach."""
     scenario = _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
     scenario = _skipped_read(draw, _bounded_replay(draw, _prefill_checkpoints(draw, scenario)))
-    return _failing_loads(draw, _legacy_connector(draw, _cache_off(draw, scenario)))
+    scenario = _failing_loads(draw, _legacy_connector(draw, _cache_off(draw, scenario)))
+    return _tight_model_len(draw, scenario)
+
+
+def _tight_model_len(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One scenario with speculative tokens in four runs with a model length
+    its longest request reaches (``Workload.max_model_len_tokens``): the
+    longest prompt plus ``decode_steps + 1``, and up to the speculative
+    tokens more, so that the spec-decode pad's room check and the caps at
+    the model length bind. Drawn last, and only for such a scenario, so
+    every other scenario keeps its bytes."""
+    spec = scenario.drafter.num_speculative_tokens
+    if spec == 0 or scenario.workload.mode is not DriveMode.SCHEDULER:
+        return scenario
+    if draw(st.integers(0, 3)):
+        return scenario
+    need = max(r.prompt_tokens for r in scenario.requests) + scenario.decode_steps + 1
+    length = need + draw(st.integers(0, spec))
+    return dataclasses.replace(
+        scenario, workload=dataclasses.replace(scenario.workload, max_model_len_tokens=length)
+    )
 
 
 def _failing_loads(draw: st.DrawFn, scenario: Scenario) -> Scenario:

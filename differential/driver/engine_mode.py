@@ -107,7 +107,8 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
     """``scenario`` with every token length multiplied by ``factor``.
 
     Blocks, windows, chunks, the hash block, the hit alignment, the retention
-    interval, the prefill chunk and step budget, a KV connector store's chunk
+    interval, the prefill chunk and step budget, the model length
+    (``workload.max_model_len_tokens``), a KV connector store's chunk
     (``workload.connector.chunk_tokens``), the shared prefix, every
     divergence point and suffix, every image, and each request's sampled
     tokens scale; block counts (the pool) and draft counts do not. A request
@@ -155,6 +156,7 @@ def scaled(scenario: Scenario, factor: int) -> Scenario:
     workload = dataclasses.replace(
         scenario.workload,
         max_num_batched_tokens=n(scenario.workload.max_num_batched_tokens),
+        max_model_len_tokens=n(scenario.workload.max_model_len_tokens),
         connector=(
             None
             if store is None
@@ -387,7 +389,10 @@ def _max_model_len(scenario: Scenario, longest: int, block: int) -> int:
     least 2048; under a pool (``workload.pool_blocks``) at most what the pool
     holds besides the null block, which vLLM's start-up check requires of one
     request (vllm/v1/core/kv_cache_utils.py, ``check_enough_kv_cache_memory``),
-    and never below ``longest``."""
+    and never below ``longest``; a scenario's own ``workload.max_model_len_tokens``
+    when it sets one."""
+    if scenario.workload.max_model_len_tokens is not None:
+        return scenario.workload.max_model_len_tokens
     room = max(2048, -(-(longest + 64) // block) * block)
     pool = scenario.workload.pool_blocks
     if pool is not None:

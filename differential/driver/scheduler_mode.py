@@ -1518,6 +1518,8 @@ def _build_scheduler(
         + scenario.drafter.num_speculative_tokens
         + 2
     )
+    if scenario.workload.max_model_len_tokens is not None:
+        max_model_len = scenario.workload.max_model_len_tokens
     phase[0] = "build VllmConfig"
     config = _vllm_config(scenario, resolved, pool, max_model_len, prefill_instance)
     phase[0] = "build Scheduler"

@@ -335,6 +335,8 @@ def export_engine_test(scenario: Scenario, finding: Finding, *, signature: str, 
         longest + scenario.decode_steps + 3 * scenario.drafter.num_speculative_tokens + 2
     )
     w = scenario.workload
+    if w.max_model_len_tokens is not None:
+        max_model_len = w.max_model_len_tokens
     pool = _pool(scenario)
     geometry = (
         f"{_layout_text(scenario)}; retention {scenario.retention_interval_tokens}; drafter "

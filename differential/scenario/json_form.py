@@ -468,6 +468,15 @@ class WorkloadDocument(BaseModel):
         "only when false.",
     )
 
+    max_model_len_tokens: _Positive | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="ModelConfig.max_model_len, in tokens; null: the longest prompt plus "
+        "decode_steps, the lookahead and draft slots and 2 (no length check binds). At least "
+        "the longest prompt plus decode_steps + 1 (every request's max_tokens). Scheduler "
+        "mode only. Written only when set.",
+    )
+
     def value(self) -> Workload:
         """The workload as a value."""
         return Workload(
@@ -488,6 +497,7 @@ class WorkloadDocument(BaseModel):
             long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
             prefill_schedule_interval=self.prefill_schedule_interval,
             prefix_caching=self.prefix_caching,
+            max_model_len_tokens=self.max_model_len_tokens,
         )
 
 

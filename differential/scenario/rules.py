@@ -60,6 +60,7 @@ def check_scenario(s: Scenario) -> None:
     check_requests(s)
     check_mm_inputs(s)
     check_pool(s)
+    check_max_model_len(s)
 
 
 #: Group kinds vLLM 0.33.0 serves under decode context parallelism.
@@ -588,6 +589,28 @@ def check_pool(s: Scenario) -> None:
             f"null or at least {need} blocks (the null block, the longest prompt of "
             f"{longest} tokens{decoded} in each full-attention group's blocks, one block "
             "per other group)",
+        )
+
+
+def check_max_model_len(s: Scenario) -> None:
+    """``workload.max_model_len_tokens``: scheduler mode only, and room for
+    every request's prompt and its ``decode_steps + 1`` sampled tokens
+    (``check_stop`` caps a request at ``max_model_len`` tokens; below that a
+    request would stop before its ``max_tokens``)."""
+    mml = s.workload.max_model_len_tokens
+    if mml is None:
+        return
+    if s.workload.mode is not DriveMode.SCHEDULER:
+        raise ScenarioError(
+            "workload.max_model_len_tokens", mml, "null in manager mode (workload.mode 'scheduler')"
+        )
+    need = max(r.prompt_tokens for r in s.requests) + s.decode_steps + 1
+    if mml < need:
+        raise ScenarioError(
+            "workload.max_model_len_tokens",
+            mml,
+            f"null or at least {need} tokens (the longest prompt and decode_steps + 1 "
+            "sampled tokens)",
         )
 
 

@@ -391,6 +391,16 @@ class Workload:
             vllm/v1/kv_cache_interface.py). With a KV connector the store's
             own ``ConnectorStore.prefix_caching`` says it instead. Scheduler
             mode only.
+        max_model_len_tokens: ``ModelConfig.max_model_len``, in tokens;
+            ``None``: the longest prompt plus ``decode_steps``, the lookahead
+            and draft slots and 2 tokens more, so no length check binds. Set,
+            vLLM's checks against the model length bind where a request
+            nears it (the spec-decode pad's room check and the running
+            loop's cap in ``Scheduler.schedule``, ``allocate_slots``' cap on
+            its slots). At least the longest prompt plus ``decode_steps + 1``
+            (each request's ``max_tokens``), so ``check_stop`` caps no request
+            before its own end and no token sequence changes. Scheduler mode
+            only.
     """
 
     mode: DriveMode = DriveMode.MANAGER
@@ -410,6 +420,7 @@ class Workload:
     long_prefill_token_threshold_adaptive: bool = False
     prefill_schedule_interval: int = 1
     prefix_caching: bool = True
+    max_model_len_tokens: int | None = None
 
     @property
     def sequential(self) -> bool:

@@ -193,6 +193,47 @@ def test_a_mutant_is_told_apart_on_a_run_the_oracle_judges_only_per_variant(
     assert outcome.evidence == evidence.format(case=path.name)
 
 
+# Mutants a per-variant rule names on a case made for them: the scan of a
+# failed load marking every request of the step affected, which fails the
+# writer and the bystander beside the reader under the fail policy; and the
+# spec-decode pad's room check as `!=`, which pads a one-token admission at
+# the model length past it.
+NAMED = [
+    (
+        "scheduler:ReplaceFalseWithTrue:42",
+        "Scheduler._update_requests_with_invalid_blocks",
+        "+            is_affected = True",
+        "connector-fail-policy-errors-only-the-failed-load--scheduler.json",
+        "new finding(s) wrong-finish@0, wrong-finish@1 on {case}",
+    ),
+    (
+        "scheduler:ReplaceComparisonOperator_LtE_NotEq:11",
+        "Scheduler.schedule",
+        "+                            + self.num_sampled_tokens_per_step != self.max_model_len",
+        "spec-decode-pad-past-max-model-len--scheduler.json",
+        "new finding(s) wrong-kv@1 on {case}",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ident", "function", "line", "case", "evidence"), NAMED)
+def test_a_mutant_is_killed_by_the_finding_its_case_names(
+    tmp_path: Path, ident: str, function: str, line: str, case: str, evidence: str
+) -> None:
+    root = installed_vllm()
+    stem, operator, _ = ident.split(":")
+    module = next(m for m in ALL_MODULES if m.path.endswith(f"{stem}.py"))
+    pool = enumerate_mutants(root, [module], operators=[f"core/{operator}"])
+    mutant = next(m for m in pool[module.path] if m.ident == ident)
+    assert mutant.function == function
+    path = CORPORA / "cases" / case
+    run = _run_mutants([mutant], [(path.name, load_entry(path).scenario)], root, pool, tmp_path)
+    (outcome,) = run.outcomes
+    assert line in outcome.diff
+    assert outcome.status is MutantStatus.KILLED
+    assert outcome.evidence == evidence.format(case=path.name)
+
+
 def test_a_planning_mutant_is_told_apart_by_the_plan_of_a_block_outermost_model(
     tmp_path: Path,
 ) -> None:
