@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import os
 from collections import Counter, deque
 from collections.abc import Callable
@@ -1146,6 +1147,21 @@ def _abort(
     return now
 
 
+class _InjectedLoadFailure(logging.Filter):
+    """Drops vLLM's error line for a failed KV load under the ``fail``
+    policy ("Failing N request(s) due to KV load failure",
+    ``Scheduler._handle_invalid_blocks``): kvfuzz's model runner injected
+    the failure (``workload.connector.failed_loads``), so the line is the
+    answer expected, not news for the console; the oracle judges which
+    requests failed (``wrong-finish``). Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failing %d request(s) due to KV load failure")
+
+
+_INJECTED_LOAD_FAILURE = _InjectedLoadFailure()
+
+
 class _ModelRunner:
     """kvfuzz in the model runner's place: what each scheduled request samples
     and drafts after a ``schedule()`` (see the module docstring)."""
@@ -1158,6 +1174,9 @@ class _ModelRunner:
         self.decode_count = 0
         store = scenario.workload.connector
         self.to_fail = frozenset(store.failed_loads) if store is not None else frozenset()
+        if self.to_fail:
+            # Once per process: a filter added twice is one filter.
+            logging.getLogger("vllm.v1.core.sched.scheduler").addFilter(_INJECTED_LOAD_FAILURE)
         self.failed: set[int] = set()  # request indices whose load failed
         self.manager = manager
         self.async_scheduling = scenario.workload.async_scheduling

@@ -361,3 +361,22 @@ def test_a_connector_without_the_hybrid_allocator_finishes_by_the_legacy_path(
         load_entry(CASES / "connector-prefix-caching-off.json").scenario, "unfixed"
     )
     assert [r.connector for r in hma.requests] == [r.connector for r in run.requests]
+
+
+def test_the_injected_failure_log_line_is_dropped_and_no_other() -> None:
+    import logging
+
+    from differential.driver.scheduler_mode import _INJECTED_LOAD_FAILURE
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord(
+            "vllm.v1.core.sched.scheduler", logging.ERROR, "", 0, msg, (), None
+        )
+
+    assert not _INJECTED_LOAD_FAILURE.filter(
+        record(
+            "Failing %d request(s) due to KV load failure "
+            "(failure_policy=fail, %d tokens affected). Request IDs: %s"
+        )
+    )
+    assert _INJECTED_LOAD_FAILURE.filter(record("Recovered from KV load failure: %d request(s)"))
