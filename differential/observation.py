@@ -1098,6 +1098,22 @@ class RequestObservation:
     connector: ConnectorLookup | None = None
     replay: tuple[int, int] | None = None
 
+    def aborted_by_client(self, abort_steps: Sequence[int | None] | None) -> bool:
+        """Whether its client aborted it (``workload.abort_steps``, per
+        request) before it finished by itself: it finished at or after its
+        abort step.
+
+        An aborted request computed only part of its prompt or answer, so it
+        promises nothing to a later lookup, local or through a KV connector's
+        store. The synchronous ``Scheduler`` frees it inside
+        ``finish_requests``, so it never finishes in a step; under async
+        scheduling the output of its step in flight is applied after the
+        abort, and the step that applies it records the finish
+        (``finished_step``), which alone would count it as a writer of its
+        whole prompt."""
+        due = None if abort_steps is None else abort_steps[self.index]
+        return due is not None and self.finished_step is not None and due <= self.finished_step
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestObservation:
         """Inverse of :meth:`to_dict`."""

@@ -45,7 +45,9 @@ Its rules (the first three per admitted request with a
   #43494 keeps full hits: "rounding the full hit down to ``(num_tokens - 1)
   // block_size * block_size``"), whatever the local cache still holds.
   Falling short is a ``fallback``. A request still in flight promises
-  nothing (it may have saved more). On other layouts what the store holds
+  nothing (it may have saved more), nor one its client aborted (it saved
+  only part of its prompt, even when async scheduling applies its last
+  step's output after the abort). On other layouts what the store holds
   rests on vLLM's hand-offs (Mamba boundary states, the sliding-window
   blocks its reachability mask keeps), judged through the adoption rule and
   the comparison of variants only. On the store's own grid
@@ -187,7 +189,12 @@ def store_owed(scenario: Scenario, run: RunObservation) -> dict[int, StoreOwed]:
             continue
         best = StoreOwed(0, None, 0)
         for q in run.requests:
-            if q.index == r.index or q.finished_step is None or q.finished_step >= r.scheduled_step:
+            if (
+                q.index == r.index
+                or q.finished_step is None
+                or q.finished_step >= r.scheduled_step
+                or q.aborted_by_client(scenario.workload.abort_steps)
+            ):
                 continue
             shared = common_prefix_tokens(prompts[r.index], saved[q.index])
             if shared > best.shared_tokens:

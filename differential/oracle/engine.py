@@ -255,19 +255,10 @@ def timeline_writers(scenario: Scenario, run: RunObservation) -> list[frozenset[
 
 
 def _aborted(scenario: Scenario, request: RequestObservation) -> bool:
-    """Whether ``request``'s client aborted it (``workload.abort_steps``)
-    before it finished by itself: it finished at or after its abort step.
-
-    An aborted request computed only part of its prompt or answer, so it
-    promises nothing (:func:`timeline_writers`), under either scheduler.
-    The synchronous ``Scheduler`` frees it inside ``finish_requests``, so it
-    never finishes in a step; under async scheduling the output of its step
-    in flight is applied after the abort, and the step that applies it
-    records the finish (``finished_step``), which alone would count it as a
-    writer of its whole prompt."""
-    aborts = scenario.workload.abort_steps
-    due = None if aborts is None else aborts[request.index]
-    return due is not None and request.finished_step is not None and due <= request.finished_step
+    """Whether ``request``'s client aborted it before it finished by itself
+    (:meth:`~differential.observation.RequestObservation.aborted_by_client`):
+    it promises nothing (:func:`timeline_writers`), under either scheduler."""
+    return request.aborted_by_client(scenario.workload.abort_steps)
 
 
 def _timeline_promises(scenario: Scenario, run: RunObservation) -> bool:

@@ -243,6 +243,20 @@ def test_a_writer_still_in_flight_promises_nothing() -> None:
     assert connector_findings(s, run) == []
 
 
+def test_a_writer_its_client_aborted_promises_nothing() -> None:
+    # Aborted from step 0 and finished at step 0 (under async scheduling the
+    # output of its last step is applied after the abort): it saved only part
+    # of its prompt, so the reader's 48 tokens owe nothing more.
+    s = _store_scenario(abort_steps=(0, None, None))
+    run = _store_run(_lookup(0, 0, 48, 48, 0, 48))
+    assert run.requests[0].aborted_by_client(s.workload.abort_steps)
+    assert store_owed(s, run)[1].tokens == 0
+    assert connector_findings(s, run) == []
+    # Aborted later than it finished: it finished by itself and is owed.
+    late = _store_scenario(abort_steps=(1, None, None))
+    assert store_owed(late, run)[1].tokens == 96
+
+
 def test_adopting_more_or_less_than_the_answer_is_judged() -> None:
     s = _store_scenario()
     (over,) = connector_findings(s, _store_run(_lookup(0, 0, 96, 96, 0, 112)))
