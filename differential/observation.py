@@ -1044,8 +1044,10 @@ class RequestObservation:
             the request, its lookup being the one judged; ``None`` in
             manager mode.
         lookup_order: (scheduler mode) the request's rank among admissions
-            (0 = first admitted); ``None`` in manager mode, where it is the
-            request index.
+            (0 = first admitted), in the order vLLM made the admitting
+            lookups (within a step the waiting queue's: arrival under FCFS,
+            ``(priority, arrival)`` under the priority policy); ``None`` in
+            manager mode, where it is the request index.
         finished_step: (scheduler mode) the scheduler step at whose end the
             request had finished and been freed (its blocks released to the
             prefix cache); ``None`` in manager mode or if it never finished.

@@ -108,6 +108,9 @@ def _drop_requests(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         if workload.arrival_steps is not None:
             arrivals = workload.arrival_steps[:index] + workload.arrival_steps[index + 1 :]
             workload = dataclasses.replace(workload, arrival_steps=arrivals)
+        if workload.priorities is not None:
+            priorities = workload.priorities[:index] + workload.priorities[index + 1 :]
+            workload = dataclasses.replace(workload, priorities=priorities)
         if workload.abort_steps is not None:
             aborts = workload.abort_steps[:index] + workload.abort_steps[index + 1 :]
             # Null once the aborted request went: a list of nulls is refused.
@@ -182,6 +185,11 @@ def _workload(s: Scenario) -> Iterator[tuple[str, Scenario | None]]:
         )
     if not w.prefix_caching:
         yield "prefix caching on", _replace(s, workload=dataclasses.replace(w, prefix_caching=True))
+    if w.priorities is not None:
+        yield (
+            "first come, first served",
+            _replace(s, workload=dataclasses.replace(w, priorities=None)),
+        )
     if w.max_model_len_tokens is not None:
         yield (
             "the default model length",

@@ -1194,12 +1194,25 @@ def _last_draws(draw: st.DrawFn, scenario: Scenario) -> Scenario:
     before them reads the bytes it read before: the store's bounds, the
     disaggregation, the managers of their own, the prefill checkpoints, the
     bounded replay, a skipped read, prefix caching off, a connector
-    without the hybrid allocator, failed loads that fail their requests and
-    a model length the requests reach."""
+    without the hybrid allocator, failed loads that fail their requests, a
+    model length the requests reach and the priority policy."""
     scenario = _undriven_managers(draw, _disaggregation(draw, _store_bounds(draw, scenario)))
     scenario = _skipped_read(draw, _bounded_replay(draw, _prefill_checkpoints(draw, scenario)))
     scenario = _failing_loads(draw, _legacy_connector(draw, _cache_off(draw, scenario)))
-    return _tight_model_len(draw, scenario)
+    return _priorities(draw, _tight_model_len(draw, scenario))
+
+
+def _priorities(draw: st.DrawFn, scenario: Scenario) -> Scenario:
+    """One workload in four whose requests arrive at steps of their own
+    (``arrival_steps``, so several may wait or run at once) runs under vLLM's
+    priority policy, each request's priority 0 to 3 (``Workload.priorities``).
+    Drawn last, and only for such a workload, so every other scenario keeps
+    its bytes."""
+    w = scenario.workload
+    if w.arrival_steps is None or w.mode is not DriveMode.SCHEDULER or draw(st.integers(0, 3)):
+        return scenario
+    priorities = tuple(draw(st.integers(0, 3)) for _ in scenario.requests)
+    return dataclasses.replace(scenario, workload=dataclasses.replace(w, priorities=priorities))
 
 
 def _tight_model_len(draw: st.DrawFn, scenario: Scenario) -> Scenario:

@@ -719,6 +719,11 @@ def _refuse_workload(scenario: Scenario) -> None:
             "workload.long_prefill_token_threshold / prefill_schedule_interval: the "
             "Scheduler's prefill policy is not mapped to the engine"
         )
+    if w.priorities is not None:
+        raise EngineUnsupported(
+            "workload.priorities: the engine worker sends every request without a priority "
+            "(the priority policy is not mapped to the engine)"
+        )
     if scenario.workload.async_scheduling:
         raise EngineUnsupported(
             "workload.async_scheduling: not mapped to the engine (engine mode compares "

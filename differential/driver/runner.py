@@ -490,7 +490,8 @@ def make_request(
     """vLLM's ``Request`` for request ``index`` (id ``req-<index>``), with at
     most ``max_tokens`` sampled tokens, its images (:func:`mm_features`) and
     its ``cache_salt``; with ``workload.kv_events`` ``full`` its
-    ``kv_cache_report_mode`` is ``"full"`` (``SamplingParams.extra_args``).
+    ``kv_cache_report_mode`` is ``"full"`` (``SamplingParams.extra_args``);
+    with ``workload.priorities`` its ``priority``, arriving at time ``index``.
 
     Raises:
         Unsupported: the request has images or a cache salt and the running
@@ -521,8 +522,12 @@ def make_request(
         request_args["mm_features"] = mm_features(scenario, index)
     if spec.cache_salt is not None:
         request_args["cache_salt"] = spec.cache_salt
+    if scenario.workload.priorities is not None:
+        # The priority policy orders ties by arrival: request i arrives at i.
+        request_args["priority"] = scenario.workload.priorities[index]
+        request_args["arrival_time"] = float(index)
 
-    for name in ("mm_features", "cache_salt"):
+    for name in ("mm_features", "cache_salt", "priority", "arrival_time"):
         if name in request_args and name not in _REQUEST_PARAMETERS:
             raise Unsupported(f"Request({name}=) (vllm/v1/request.py)")
     return vllm_call(

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import logging
 import os
 from collections import Counter, deque
@@ -233,6 +234,9 @@ def _vllm_config(
     # vLLM's own range check of the fraction (SchedulerConfig: 0 <= w < 1)
     # ran on the scenario's field (differential/scenario/json_form.py).
     config.scheduler_config.watermark = workload.watermark
+    if workload.priorities is not None:
+        # Request.priority per request (runner.make_request).
+        config.scheduler_config.policy = "priority"
     if workload.kv_events is not KVEvents.OFF and not prefill_instance:
         # Events on, published nowhere: the driver records each batch at the
         # scheduler's own publish call (_install_recorders).
@@ -492,6 +496,14 @@ class _Admission:
     # Set when the request is first scheduled (_admit): NewRequestData's
     # (num_computed_tokens, replay_start), in tokens.
     replay: tuple[int, int] | None = None
+    # The lookup's rank among every get_computed_blocks call of the process
+    # (_LOOKUP_CALLS): the order Scheduler.schedule made the lookups in,
+    # which within a step is the waiting queue's (FCFS: arrival; priority:
+    # (priority, arrival_time)), not the scenario's request order.
+    sequence: int = 0
+
+
+_LOOKUP_CALLS = itertools.count()
 
 
 def _looked_up(
@@ -556,8 +568,7 @@ def _record_lookups(
         queue_start = events.queue_length() if events is not None else 0
         with trace_lookups(coordinator) as traced:
             result = call(request, *args, **kwargs)
-        hit = result[1]
-        junction = result[2] if len(result) > 2 else 0
+        hit, junction = result[1], (result[2] if len(result) > 2 else 0)
         if events is not None and index_of is not None:
             try:
                 events.lookup(index_of[request.request_id], hit, result[0], queue_start)
@@ -590,6 +601,7 @@ def _record_lookups(
                 known_tokens=request.num_tokens,
                 diverged=diverged,
                 shown_tokens=shown,
+                sequence=next(_LOOKUP_CALLS),
             )
         )
         return result
@@ -1367,7 +1379,10 @@ def _observations(
     ``store``: the connector whose load targets the lookups carry."""
     num_groups = len(scenario.kv_cache_groups)
     targets = getattr(store, "load_targets", {})
-    order = sorted(admitted, key=lambda i: (admitted[i].step, i))
+    # The admitting lookups in the order vLLM made them: a request scheduled
+    # earlier in the same step has been allocated (its full blocks cached, at
+    # allocate_slots) before a later one looks up, whatever their indices.
+    order = sorted(admitted, key=lambda i: (admitted[i].step, admitted[i].sequence, i))
     observed = []
     for i in sorted(admitted):
         a = admitted[i]

@@ -288,6 +288,13 @@ def check_exportable(scenario: Scenario) -> None:
             "true for a scheduler-mode export (the exported test's CacheConfig and specs "
             "are those of prefix caching)",
         )
+    if scenario.workload.priorities is not None:
+        raise ScenarioError(
+            "workload.priorities",
+            list(scenario.workload.priorities),
+            "null for a scheduler-mode export (the exported test's Scheduler is first come, "
+            "first served)",
+        )
 
 
 def _scheduler_settings(scenario: Scenario) -> str:

@@ -477,6 +477,15 @@ class WorkloadDocument(BaseModel):
         "mode only. Written only when set.",
     )
 
+    priorities: tuple[StrictInt, ...] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="Per request, its priority under vLLM's priority scheduling policy "
+        "(SchedulerConfig.policy 'priority', Request.priority): a lower value is admitted "
+        "first, ties by arrival; the running request of the largest (priority, arrival) is "
+        "preempted. null: first come, first served. Scheduler mode only.",
+    )
+
     def value(self) -> Workload:
         """The workload as a value."""
         return Workload(
@@ -498,6 +507,7 @@ class WorkloadDocument(BaseModel):
             prefill_schedule_interval=self.prefill_schedule_interval,
             prefix_caching=self.prefix_caching,
             max_model_len_tokens=self.max_model_len_tokens,
+            priorities=self.priorities,
         )
 
 

@@ -309,12 +309,34 @@ def check_workload(s: Scenario) -> None:
         )
     _check_prefill_policy(s)
     _check_prefix_caching(s)
+    _check_priorities(s)
     if w.mode is DriveMode.MANAGER and not w.sequential:
         raise ScenarioError(
             "workload.mode",
             w.mode.value,
             "'scheduler' when arrival_steps or accepted_drafts are set "
             "(the manager-level driver runs one request at a time, without drafts)",
+        )
+
+
+def _check_priorities(s: Scenario) -> None:
+    """``workload.priorities``: one per request, scheduler mode only (the
+    manager-level driver admits one request at a time, in order)."""
+    priorities = s.workload.priorities
+    if priorities is None:
+        return
+    if s.workload.mode is DriveMode.MANAGER:
+        raise ScenarioError(
+            "workload.priorities",
+            list(priorities),
+            "null in manager mode (vLLM's priority policy orders the Scheduler's queues: "
+            "workload.mode 'scheduler')",
+        )
+    if len(priorities) != len(s.requests):
+        raise ScenarioError(
+            "workload.priorities",
+            list(priorities),
+            f"null or a list of {len(s.requests)} integers (one per request)",
         )
 
 

@@ -401,6 +401,14 @@ class Workload:
             (each request's ``max_tokens``), so ``check_stop`` caps no request
             before its own end and no token sequence changes. Scheduler mode
             only.
+        priorities: per request, its priority under vLLM's priority
+            scheduling policy (``SchedulerConfig.policy`` ``"priority"``,
+            ``Request.priority``; vllm/v1/core/sched/request_queue.py): a
+            lower value is admitted first, ties by arrival, and the running
+            request with the largest ``(priority, arrival_time)`` is the one
+            preempted (``Scheduler.schedule``). Request ``i`` arrives at time
+            ``i``. ``None``: vLLM's default first-come-first-served policy.
+            Scheduler mode only.
     """
 
     mode: DriveMode = DriveMode.MANAGER
@@ -421,6 +429,7 @@ class Workload:
     prefill_schedule_interval: int = 1
     prefix_caching: bool = True
     max_model_len_tokens: int | None = None
+    priorities: tuple[int, ...] | None = None
 
     @property
     def sequential(self) -> bool:

@@ -141,7 +141,9 @@ def test_a_per_group_lookup_below_the_reconciled_hit_kills_its_mutant(tmp_path: 
 # KV connector's store (the store's answers unchanged, the blocks kept not);
 # the spec-decode pad's room check true only at exactly max_model_len, so a
 # preempted request's one-token re-admission runs unpadded and this pool
-# evicts other blocks.
+# evicts other blocks; and a scheduled victim of the priority policy giving
+# back `restored << draft_slots` of input budget, so a later request runs a
+# step early and another keeps a block it would have lost.
 PER_VARIANT = [
     (
         "scheduler:ReplaceBinaryOperator_Sub_BitOr:32",
@@ -166,6 +168,14 @@ PER_VARIANT = [
         "spec-decode-padding-holds-blocks-under-pool-pressure--scheduler.json",
         "cost-change@2 on {case}: same hit 4; blocks kept per group [5, -1] on unfixed, "
         "[5, 0] on mutant (difference per periodic checkpoint tail: [0.0, -1.0])",
+    ),
+    (
+        "scheduler:ReplaceBinaryOperator_Add_LShift:14",
+        "Scheduler.schedule",
+        "+                            input_budget += restored << draft_slots",
+        "priority-preempted-victim-restores-its-draft-slot--scheduler.json",
+        "cost-change@4 on {case}: same hit 0; blocks kept per group [0] on unfixed, [1] on "
+        "mutant (difference per periodic checkpoint tail: [-1.0])",
     ),
 ]
 
