@@ -780,7 +780,7 @@ def judge_variant(
     if engine and async_cross_checkable(scenario):
         sync_run = _run_shared(synchronous(scenario), variant, stock_runs)
         findings += cross_check_scheduling(judged, run, sync_run, policy)
-    findings = label_known(judged, findings, hits=run.hits)
+    findings = label_known(judged, findings, hits=run.hits, order=run.lookup_sequence)
     result = VariantResult(
         variant,
         run,

@@ -1603,6 +1603,15 @@ class RunObservation:
         """Hit tokens per completed request."""
         return tuple(r.hit_tokens for r in self.requests)
 
+    @property
+    def lookup_sequence(self) -> tuple[int, ...] | None:
+        """(scheduler mode) the indices of the requests observed, in the
+        order vLLM made their admitting lookups
+        (:attr:`RequestObservation.lookup_order`); ``None`` when not recorded."""
+        if any(r.lookup_order is None for r in self.requests):
+            return None
+        return tuple(r.index for r in sorted(self.requests, key=lambda r: r.lookup_order or 0))
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``blocks_recorded`` only when true)."""
         out = self._base_dict()

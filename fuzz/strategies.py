@@ -1205,11 +1205,14 @@ def _last_draws(draw: st.DrawFn, scenario: Scenario) -> Scenario:
 def _priorities(draw: st.DrawFn, scenario: Scenario) -> Scenario:
     """One workload in four whose requests arrive at steps of their own
     (``arrival_steps``, so several may wait or run at once) runs under vLLM's
-    priority policy, each request's priority 0 to 3 (``Workload.priorities``).
-    Drawn last, and only for such a workload, so every other scenario keeps
-    its bytes."""
+    priority policy, each request's priority 0 to 3 (``Workload.priorities``);
+    not a chat (``shares_output``), whose next turn no client sends before
+    its source's answer, which a priority could put first. Drawn last, and
+    only for such a workload, so every other scenario keeps its bytes."""
     w = scenario.workload
-    if w.arrival_steps is None or w.mode is not DriveMode.SCHEDULER or draw(st.integers(0, 3)):
+    if w.arrival_steps is None or w.shares_output or w.mode is not DriveMode.SCHEDULER:
+        return scenario
+    if draw(st.integers(0, 3)):
         return scenario
     priorities = tuple(draw(st.integers(0, 3)) for _ in scenario.requests)
     return dataclasses.replace(scenario, workload=dataclasses.replace(w, priorities=priorities))

@@ -282,7 +282,7 @@ def engine_controls(
             found += [
                 dataclasses.replace(f, policy=policy) for f in cross_check_dense(judged, dense)
             ]
-    return runs, label_known(judged, found, hits=run.hits)
+    return runs, label_known(judged, found, hits=run.hits, order=run.lookup_sequence)
 
 
 def replay_on_engine(

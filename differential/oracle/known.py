@@ -17,7 +17,9 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from differential.errors import ScenarioError
 from differential.findings import (
     RESERVED_WITHOUT_BLOCKS,
     STALL_WORDS,
@@ -49,7 +51,14 @@ from differential.scenario import (
 )
 from differential.variant import FixScope
 
-__all__ = ["KNOWN_FIX_COSTS", "KNOWN_ISSUES", "KnownIssue", "label_fix_cost", "label_known"]
+__all__ = [
+    "KNOWN_FIX_COSTS",
+    "KNOWN_ISSUES",
+    "KnownIssue",
+    "in_lookup_order",
+    "label_fix_cost",
+    "label_known",
+]
 
 
 def _short_groups(scenario: Scenario, level_tokens: int) -> int:
@@ -1632,22 +1641,89 @@ def label_known(
     issues: Sequence[KnownIssue] = KNOWN_ISSUES,
     *,
     hits: Sequence[int] | None = None,
+    order: Sequence[int] | None = None,
 ) -> tuple[Finding, ...]:
     """Return ``findings`` with ``known_issue`` set where a known issue explains it.
 
     ``hits``: the run's hit per request, in tokens, when the findings come from
-    one run (it tells which earlier requests pinned a junction).
+    one run (it tells which earlier requests pinned a junction). ``order``:
+    that run's requests in the order vLLM looked them up
+    (``RequestObservation.lookup_order``). The matchers reason about writers
+    in request order; under the priority policy (``workload.priorities``)
+    the run's order is another, so a finding no matcher explains as run is
+    matched again on the scenario with its requests in the run's order
+    (:func:`in_lookup_order`), where that is a scenario.
     """
 
-    def explains(issue: KnownIssue, finding: Finding) -> bool:
+    def explains(target: Scenario, issue: KnownIssue, finding: Finding, h: Any) -> bool:
         if issue.uses_hits:
-            return bool(issue.matches(scenario, finding, hits))
-        return bool(issue.matches(scenario, finding))
+            return bool(issue.matches(target, finding, h))
+        return bool(issue.matches(target, finding))
 
+    reordered = in_lookup_order(scenario, order) if order is not None else None
     out = []
     for finding in findings:
-        issue = next((i for i in issues if explains(i, finding)), None)
+        issue = next((i for i in issues if explains(scenario, i, finding, hits)), None)
+        if issue is None and reordered is not None and finding.request is not None:
+            target, position = reordered
+            moved = dataclasses.replace(finding, request=position[finding.request])
+            moved_hits = None if hits is None else _hits_in_order(hits, position)
+            issue = next((i for i in issues if explains(target, i, moved, moved_hits)), None)
         out.append(
             dataclasses.replace(finding, known_issue=issue.name) if issue is not None else finding
         )
     return tuple(out)
+
+
+def _hits_in_order(hits: Sequence[int], position: dict[int, int]) -> list[int] | None:
+    """A run's hits (per request, in tokens) at the requests' new indices;
+    ``None`` when they are not one per request."""
+    if len(hits) != len(position):
+        return None
+    moved = [0] * len(hits)
+    for old, new in position.items():
+        moved[new] = hits[old]
+    return moved
+
+
+def in_lookup_order(
+    scenario: Scenario, order: Sequence[int]
+) -> tuple[Scenario, dict[int, int]] | None:
+    """``scenario`` with its requests in ``order`` (request indices, each at
+    most once; those missing, never looked up, follow in index order) under
+    first come, first served, and each request's new index; ``None`` when
+    the scenario has no priorities, ``order`` names no request of it or is
+    its own, or the reordered scenario is not one (a request would copy from
+    one after it). Arrival and abort steps and failed loads follow their
+    requests (arrivals sorted, so that they never decrease)."""
+    w = scenario.workload
+    count = len(scenario.requests)
+    if w.priorities is None or not set(order) <= set(range(count)):
+        return None
+    order = [*order, *(k for k in range(count) if k not in set(order))]
+    if list(order) == list(range(count)):
+        return None
+    position = {old: new for new, old in enumerate(order)}
+    sources = [scenario.requests[old].shares_with for old in order]
+    requests = tuple(
+        dataclasses.replace(
+            scenario.requests[old], shares_with=None if source is None else position[source]
+        )
+        for old, source in zip(order, sources, strict=True)
+    )
+    store = w.connector
+    workload = dataclasses.replace(
+        w,
+        priorities=None,
+        arrival_steps=None if w.arrival_steps is None else tuple(sorted(w.arrival_steps)),
+        abort_steps=None if w.abort_steps is None else tuple(w.abort_steps[k] for k in order),
+        connector=None
+        if store is None
+        else dataclasses.replace(
+            store, failed_loads=tuple(sorted(position[k] for k in store.failed_loads))
+        ),
+    )
+    try:
+        return dataclasses.replace(scenario, requests=requests, workload=workload), position
+    except ScenarioError:
+        return None

@@ -544,7 +544,7 @@ def _own_shortfalls(
     dense = _dense_run(as_run, vr)
     if dense is not None:
         findings += cross_check_dense(as_run, dense)
-    labelled = label_known(as_run, findings, hits=vr.run.hits)
+    labelled = label_known(as_run, findings, hits=vr.run.hits, order=vr.run.lookup_sequence)
     return as_run, {(f.kind, f.request): f for f in labelled if f.kind in _NEEDLESS_FACETS}
 
 
