@@ -187,6 +187,16 @@ def test_a_mutant_is_told_apart_on_a_run_the_oracle_judges_only_per_variant(
     # The oracle judges each such run on its own (concurrency, a store), never
     # one against the other, yet the run is deterministic, so the blocks a
     # sibling keeps are compared.
+    assert not load_entry(CORPORA / "cases" / case).scenario.workload.sequential
+    _assert_killed_on_case(tmp_path, ident, function, line, case, evidence)
+
+
+def _assert_killed_on_case(
+    tmp_path: Path, ident: str, function: str, line: str, case: str, evidence: str
+) -> None:
+    """The mutant ``ident`` (of ``function``, its diff holding ``line``) is
+    killed on ``corpora/cases/<case>`` with ``evidence`` (``{case}``: the
+    file's name)."""
     root = installed_vllm()
     stem, operator, _ = ident.split(":")
     module = next(m for m in ALL_MODULES if m.path.endswith(f"{stem}.py"))
@@ -194,9 +204,7 @@ def test_a_mutant_is_told_apart_on_a_run_the_oracle_judges_only_per_variant(
     mutant = next(m for m in pool[module.path] if m.ident == ident)
     assert mutant.function == function
     path = CORPORA / "cases" / case
-    scenario = load_entry(path).scenario
-    assert not scenario.workload.sequential
-    run = _run_mutants([mutant], [(path.name, scenario)], root, pool, tmp_path)
+    run = _run_mutants([mutant], [(path.name, load_entry(path).scenario)], root, pool, tmp_path)
     (outcome,) = run.outcomes
     assert line in outcome.diff
     assert outcome.status is MutantStatus.KILLED
@@ -230,18 +238,7 @@ NAMED = [
 def test_a_mutant_is_killed_by_the_finding_its_case_names(
     tmp_path: Path, ident: str, function: str, line: str, case: str, evidence: str
 ) -> None:
-    root = installed_vllm()
-    stem, operator, _ = ident.split(":")
-    module = next(m for m in ALL_MODULES if m.path.endswith(f"{stem}.py"))
-    pool = enumerate_mutants(root, [module], operators=[f"core/{operator}"])
-    mutant = next(m for m in pool[module.path] if m.ident == ident)
-    assert mutant.function == function
-    path = CORPORA / "cases" / case
-    run = _run_mutants([mutant], [(path.name, load_entry(path).scenario)], root, pool, tmp_path)
-    (outcome,) = run.outcomes
-    assert line in outcome.diff
-    assert outcome.status is MutantStatus.KILLED
-    assert outcome.evidence == evidence.format(case=path.name)
+    _assert_killed_on_case(tmp_path, ident, function, line, case, evidence)
 
 
 def test_a_planning_mutant_is_told_apart_by_the_plan_of_a_block_outermost_model(
