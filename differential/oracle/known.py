@@ -1692,9 +1692,9 @@ def in_lookup_order(
     """``scenario`` with its requests in ``order`` (request indices, each at
     most once; those missing, never looked up, follow in index order) under
     first come, first served, and each request's new index; ``None`` when
-    the scenario has no priorities, ``order`` names no request of it or is
-    its own, or the reordered scenario is not one (a request would copy from
-    one after it). Arrival and abort steps and failed loads follow their
+    the scenario has no priorities, ``order`` names an index it has no
+    request at or is its own order, or the reordered scenario is not one (a
+    request would copy from one after it). Arrival and abort steps and failed loads follow their
     requests (arrivals sorted, so that they never decrease)."""
     w = scenario.workload
     count = len(scenario.requests)
