@@ -1895,11 +1895,7 @@ def _finish(
 ) -> list[str]:
     """The scheduled requests that finished by themselves in ``step``
     (``req-<index>``); each keeps the prefix cache as it was then (``after``)
-    and the step. Then every request vLLM finished with an error
-    (``RequestStatus.FINISHED_ERROR``: a failed KV load under the ``fail``
-    policy, ``Scheduler.update_from_output``), scheduled or waiting, joins
-    ``progress.errored`` (``req-<index> (error)``) and not ``finished_step``:
-    it promises no later request anything."""
+    and the step. One vLLM finished with an error does not (:func:`_errored`)."""
     from vllm.v1.request import RequestStatus
 
     done = []
@@ -1913,6 +1909,18 @@ def _finish(
             progress.finished_at[i] = after
             progress.finished_step[i] = step
             done.append(f"req-{i}")
+    return done
+
+
+def _errored(requests: list[Any], step: int, progress: _Progress) -> list[str]:
+    """The requests vLLM finished with an error by the end of ``step``
+    (``RequestStatus.FINISHED_ERROR``: a failed KV load under the ``fail``
+    policy, ``Scheduler.update_from_output``), scheduled or waiting, not
+    seen so (``req-<index> (error)``); each joins ``progress.errored``, not
+    ``finished_step``: it promises no later request anything."""
+    from vllm.v1.request import RequestStatus
+
+    done = []
     for i, request in enumerate(requests):
         if i not in progress.errored and request.status == RequestStatus.FINISHED_ERROR:
             progress.errored[i] = step
@@ -2106,6 +2114,9 @@ def _record_step(
     progress.seen = after
     applied = list(done.applied.num_scheduled_tokens) if done.applied is not None else []
     finished = _finish(applied, index_of, report.requests, after, step, progress)
+    if model_runner.scenario.workload.connector is not None:
+        # Only a KV connector's failed load errs a request here.
+        finished += _errored(report.requests, step, progress)
     if not record_cache_map:
         return
     out = done.out
