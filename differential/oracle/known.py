@@ -1698,9 +1698,10 @@ def in_lookup_order(
     requests (arrivals sorted, so that they never decrease)."""
     w = scenario.workload
     count = len(scenario.requests)
-    if w.priorities is None or not set(order) <= set(range(count)):
+    named = set(order)
+    if w.priorities is None or not named <= set(range(count)):
         return None
-    order = [*order, *(k for k in range(count) if k not in set(order))]
+    order = [*order, *(k for k in range(count) if k not in named)]
     if list(order) == list(range(count)):
         return None
     position = {old: new for new, old in enumerate(order)}
